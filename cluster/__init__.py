@@ -1,0 +1,1 @@
+"""Ray actors, controller, OpenAI router, routing policies, metrics. Arrives with [cluster]."""

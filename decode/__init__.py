@@ -1,0 +1,1 @@
+"""The decode worker: imports KV, decodes, streams tokens. Arrives with [cluster]."""

@@ -1,0 +1,111 @@
+"""Paged attention over the KV cache: the KV write and one varlen attention call.
+
+Cache layout per layer: `[num_blocks, 2, block_size, num_kv_heads, head_dim]` (K at
+index 0, V at 1). `paged_attention` serves prefill chunks (causal within the chunk,
+attending to the cached prefix) and decode rows in one call; a row's context is its
+`seq_len` tokens, read through its block-table row. Pad rows have `seq_len == 0`.
+
+The reference below is the CPU path: decode rows (one query each) go through one
+batched SDPA call with a length mask; rows with several queries run one SDPA call each
+(a padded batch would cost O(R * max_q * max_kv) memory when one long prefill shares the
+step with many decodes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_ref(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D], updated in place
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+) -> None:
+    block_size = kv_cache.shape[2]
+    n = slot_mapping.numel()
+    valid = (slot_mapping >= 0).nonzero().squeeze(1)
+    slots = slot_mapping[valid]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, 0, offsets] = key[:n][valid].to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = value[:n][valid].to(kv_cache.dtype)
+
+
+def write_kv(key, value, kv_cache, slot_mapping) -> None:
+    assert key.shape == value.shape and key.shape[1:] == kv_cache.shape[3:], (
+        f"key/value [T, Hkv, D] must match the cache's heads/dim (got {tuple(key.shape)} vs {tuple(kv_cache.shape)})"
+    )
+    write_kv_ref(key, value, kv_cache, slot_mapping)
+
+
+def _gather_context(kv_cache, block_row, num_ctx):
+    # -> K, V: [num_ctx, Hkv, D] read through one block-table row.
+    block_size = kv_cache.shape[2]
+    nb = -(-num_ctx // block_size)
+    kv = kv_cache[block_row[:nb].long()]  # [nb, 2, bs, Hkv, D]
+    k = kv[:, 0].reshape(nb * block_size, *kv.shape[3:])[:num_ctx]
+    v = kv[:, 1].reshape(nb * block_size, *kv.shape[3:])[:num_ctx]
+    return k, v
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [R_pad, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [R + 1] int32
+    seq_lens: torch.Tensor,  # [R_pad] int32
+    scale: float,
+    out: torch.Tensor,  # [T, Hq, D] out
+) -> None:
+    num_reqs = query_start_loc.numel() - 1
+    qsl = query_start_loc.tolist()
+    lens = seq_lens[:num_reqs].tolist()
+    decode_rows = [r for r in range(num_reqs) if qsl[r + 1] - qsl[r] == 1 and lens[r] > 0]
+    if decode_rows:
+        _decode_batch(q, kv_cache, block_tables, qsl, lens, decode_rows, scale, out)
+    for r in range(num_reqs):
+        q_len, ctx = qsl[r + 1] - qsl[r], lens[r]
+        if q_len <= 1 or ctx == 0:
+            continue
+        k, v = _gather_context(kv_cache, block_tables[r], ctx)
+        qr = q[qsl[r] : qsl[r + 1]].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+        kr = k.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        vr = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        prefix = ctx - q_len  # tokens already cached before this chunk
+        if prefix == 0:
+            o = F.scaled_dot_product_attention(
+                qr, kr, vr, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            qpos = torch.arange(q_len, device=q.device).unsqueeze(1) + prefix
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [q_len, ctx]
+            o = F.scaled_dot_product_attention(
+                qr, kr, vr, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[qsl[r] : qsl[r + 1]] = o.squeeze(0).transpose(0, 1)
+
+
+def _decode_batch(q, kv_cache, block_tables, qsl, lens, rows, scale, out) -> None:
+    block_size = kv_cache.shape[2]
+    max_ctx = max(lens[r] for r in rows)
+    nb = -(-max_ctx // block_size)
+    idx = torch.tensor(rows, device=q.device)
+    kv = kv_cache[block_tables[idx, :nb].long()]  # [n, nb, 2, bs, Hkv, D]
+    n = len(rows)
+    k = kv[:, :, 0].reshape(n, nb * block_size, *kv.shape[4:]).transpose(1, 2).to(q.dtype)
+    v = kv[:, :, 1].reshape(n, nb * block_size, *kv.shape[4:]).transpose(1, 2).to(q.dtype)
+    tok = torch.tensor([qsl[r] for r in rows], device=q.device)
+    qd = q[tok].unsqueeze(2)  # [n, Hq, 1, D]
+    ctx = torch.tensor([lens[r] for r in rows], device=q.device)
+    mask = torch.arange(nb * block_size, device=q.device).unsqueeze(0) < ctx.unsqueeze(1)
+    o = F.scaled_dot_product_attention(
+        qd, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    out[tok] = o.squeeze(2)
+
+
+def paged_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out) -> None:
+    assert q.dim() == 3 and kv_cache.dim() == 5, "q is [T, Hq, D]; a layer's cache is 5-D"
+    assert q.shape[1] % kv_cache.shape[3] == 0, "query heads must be a multiple of kv heads"
+    paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out)

@@ -1,0 +1,34 @@
+"""pdserve: disaggregated prefill/decode LLM serving.
+
+The public offline API is re-exported here: `from pdserve import LLM, SamplingParams`.
+Imports are lazy so that `import pdserve` (for the CLI's --help) stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pdserve.version import __version__
+
+if TYPE_CHECKING:
+    from pdserve.runner.llm import LLM
+    from pdserve.runner.outputs import CompletionOutput, Logprob, RequestOutput
+    from pdserve.runner.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+
+_LAZY = {
+    "LLM": "pdserve.runner.llm",
+    "SamplingParams": "pdserve.runner.sampling_params",
+    "RequestOutput": "pdserve.runner.outputs",
+    "CompletionOutput": "pdserve.runner.outputs",
+    "Logprob": "pdserve.runner.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pdserve' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""The prefill worker: an engine in prefill role that exports KV. Arrives with [cluster]."""

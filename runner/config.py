@@ -1,0 +1,162 @@
+"""Engine configuration: one frozen dataclass per concern, composed into `EngineConfig`.
+
+Every "auto" is resolved by `runner.config_resolve.resolve_engine_config` before these
+objects are built, so nothing downstream re-interprets a default. `__post_init__`
+validates and states the rule that was broken. This module knows nothing about models
+beyond the resolved numbers it is handed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+RUNNER_CHOICES = ("auto", "mrv2", "reference")
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def architecture_of(hf_config: Any) -> str:
+    """The transformers class name a config is for; configs saved without `architectures`
+    fall back to the causal-LM class registered for their model_type."""
+    archs = getattr(hf_config, "architectures", None)
+    if archs:
+        return archs[0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf_config, "model_type", ""), "<none>")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to run: a local directory of config.json + safetensors (+ tokenizer)."""
+
+    path: str  # resolved local directory
+    hf_config: Any = field(repr=False, compare=False)  # transformers.PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    source: str = ""  # what the user asked for (path, .gguf file, hub id or "bundled")
+
+    def __post_init__(self) -> None:
+        _require(
+            self.dtype in SUPPORTED_DTYPES,
+            f"dtype must be one of float32, float16, bfloat16 (got {self.dtype})",
+        )
+        _require(self.max_model_len >= 1, f"max_model_len must be >= 1 (got {self.max_model_len})")
+
+    @property
+    def architecture(self) -> str:
+        return architecture_of(self.hf_config)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache geometry. `num_blocks` is None until the engine has sized it."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None  # explicit override; else sized from the memory budget
+    kv_cache_memory_bytes: int | None = None  # explicit budget; else device default
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        _require(
+            bs >= 1 and (bs & (bs - 1)) == 0 and bs <= 256,
+            f"block_size must be a power of two between 1 and 256 (got {bs})",
+        )
+        _require(
+            self.num_blocks is None or self.num_blocks >= 2,
+            f"num_blocks must be >= 2: block 0 is the reserved null block (got {self.num_blocks})",
+        )
+        _require(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            f"kv_cache_memory_bytes must be positive (got {self.kv_cache_memory_bytes})",
+        )
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """One token budget per step, shared by every request (no prefill/decode phases)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1 (got {self.max_num_batched_tokens})",
+        )
+        _require(
+            self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+            "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
+            f"(got {self.max_num_batched_tokens} < {self.max_model_len}), or a long prompt "
+            "could never be scheduled",
+        )
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Which runner executes the model, on which device. `runner` is never "auto" here."""
+
+    runner: str = "mrv2"
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.runner in ("mrv2", "reference"),
+            f"resolved runner must be 'mrv2' or 'reference' (got {self.runner!r})",
+        )
+        _require(
+            self.device == "cpu" or self.device.startswith("cuda"),
+            f"device must be 'cpu' or 'cuda[:N]' (got {self.device!r})",
+        )
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    runner: RunnerConfig
+
+    def __post_init__(self) -> None:
+        _require(
+            self.scheduler.max_model_len == self.model.max_model_len,
+            "scheduler.max_model_len must equal model.max_model_len "
+            f"({self.scheduler.max_model_len} != {self.model.max_model_len})",
+        )
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        # +1 token: a prompt of exactly max_model_len tokens still samples one token.
+        return -(-(self.model.max_model_len + 1) // self.cache.block_size)

@@ -1,0 +1,115 @@
+"""Resolve the user's engine arguments ("auto" included) into a frozen `EngineConfig`.
+
+This is where the model directory is found (or a GGUF converted), the transformers
+config read, dtype/device/max_model_len chosen and the runner selected. Nothing
+downstream sees an "auto".
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.runner.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
+from pdserve.runner.model_source import resolve_model_dir
+from pdserve.runner.runner_select import select_runner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str, hf_config) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)} (got {dtype!r})")
+        return _DTYPES[dtype]
+    if device == "cpu":
+        return torch.float32  # CPU matmuls in half precision are slow and not the oracle's dtype
+    cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    cfg = _DTYPES.get(str(cfg).removeprefix("torch.")) if cfg is not None else None
+    return cfg if cfg in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def resolve_engine_config(
+    model: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: str = "auto",
+    max_model_len: int | None = None,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 2048,
+    enable_prefix_caching: bool = True,
+    enable_chunked_prefill: bool = True,
+    runner: str = "auto",
+    seed: int = 0,
+    num_gpu_blocks: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+) -> EngineConfig:
+    from transformers import AutoConfig
+
+    path, name = resolve_model_dir(model)
+    hf_config = AutoConfig.from_pretrained(path)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev, hf_config)
+    limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
+    if max_model_len is None:
+        if limit is None:
+            raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
+        max_model_len = limit
+    elif limit is not None and max_model_len > limit:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) must be <= the model's "
+            f"max_position_embeddings ({limit})"
+        )
+    runner_name = select_runner(runner, hf_config)
+    return EngineConfig(
+        model=ModelConfig(
+            path=str(path),
+            hf_config=hf_config,
+            dtype=torch_dtype,
+            max_model_len=max_model_len,
+            source=name if model is None else str(model),
+        ),
+        cache=CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            num_blocks=num_gpu_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+        ),
+        runner=RunnerConfig(runner=runner_name, device=dev, seed=seed),
+    )

@@ -1,0 +1,234 @@
+"""The engine of one worker: step-level API over scheduler + runner + output processing.
+
+`add_request` / `step` / `abort` / `has_unfinished` are what workers (and the offline
+`LLM`) drive. A step is `schedule -> runner.execute -> update -> detokenize + stop
+checks -> deltas`. Bad input raises `ValueError` naming the rule before anything is
+queued, so one bad request never disturbs the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.runner.config import EngineConfig
+from pdserve.runner.config_resolve import resolve_engine_config
+from pdserve.runner.detokenizer import IncrementalDetokenizer, decode_token
+from pdserve.runner.kv_cache_manager import KVCacheManager
+from pdserve.runner.outputs import Logprob, LogprobDict, RequestDelta
+from pdserve.runner.request import Request, RequestStatus
+from pdserve.runner.runner_output import TopLogprobs
+from pdserve.runner.sampling_params import SamplingParams
+from pdserve.runner.scheduler import Scheduler
+from pdserve.runner.seeding import derive_seed
+from pdserve.runner.stop_checker import check_stop
+from pdserve.runner.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Track:
+    """Output-side state of one live request."""
+
+    detok: IncrementalDetokenizer | None
+    hold_back: int  # chars not streamed yet: a stop string may still start in them
+    emitted: int = 0  # chars of output text already handed out in deltas
+    first_delta_sent: bool = False
+    prompt_logprobs: list[LogprobDict | None] | None = None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.path)
+        self.eos_token_ids = eos_token_ids(
+            config.model.path, config.model.hf_config, self.tokenizer
+        )
+        if config.runner.runner == "mrv2":
+            from pdserve.runner.mrv2.model_runner import MRV2ModelRunner as runner_cls
+        else:
+            from pdserve.runner.reference_runner import ReferenceRunner as runner_cls
+        self.runner = runner_cls(config)
+        bs = config.cache.block_size
+        need = -(-(config.model.max_model_len + 1) // bs)
+        if self.runner.num_blocks - 1 < need:
+            raise ValueError(
+                f"the KV cache ({self.runner.num_blocks - 1} blocks of {bs} tokens) cannot hold "
+                f"one request of max_model_len={config.model.max_model_len} tokens; lower "
+                "max_model_len or give the cache more memory"
+            )
+        self.kv = KVCacheManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self._tracks: dict[str, _Track] = {}
+        self._pending: list[RequestDelta] = []
+        self._num_arrivals = 0
+        logger.info(
+            "engine ready: model=%s runner=%s device=%s dtype=%s max_model_len=%d",
+            config.model.source,
+            self.runner_name,
+            config.runner.device,
+            config.model.dtype,
+            config.model.max_model_len,
+        )
+
+    @classmethod
+    def from_args(cls, **kwargs: Any) -> Engine:
+        return cls(resolve_engine_config(**kwargs))
+
+    @property
+    def runner_name(self) -> str:
+        return self.runner.name
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def next_seed(self) -> int:
+        """The seed of the next request that brings none: a function of the engine seed and
+        the arrival count, so a rerun in the same order reproduces the same samples."""
+        seed = derive_seed(self.config.runner.seed, self._num_arrivals)
+        self._num_arrivals += 1
+        return seed
+
+    def validate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        """Raise ValueError/TypeError naming the rule a request breaks; changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams (got {type(params).__name__})")
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        if params.n != 1:
+            raise ValueError(
+                f"the engine runs n=1 requests (got n={params.n}); fan out "
+                "with runner.parallel_sampling first"
+            )
+        n, limit, vocab = (
+            len(prompt_token_ids),
+            self.config.model.max_model_len,
+            self.config.model.vocab_size,
+        )
+        if n == 0:
+            raise ValueError("prompt must contain at least one token (got an empty prompt)")
+        if n > limit:
+            raise ValueError(f"prompt is {n} tokens, longer than max_model_len={limit}")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}) (got {bad[:3]})")
+        if (params.stop_strings or params.logprobs is not None) and self.tokenizer is None:
+            raise ValueError(
+                "stop strings and logprob text need a tokenizer; this model directory has none"
+            )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        self.validate(request_id, prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self.next_seed()
+        req = Request(
+            request_id, list(prompt_token_ids), params, seed=seed, eos_token_ids=self.eos_token_ids
+        )
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+            if self.tokenizer is not None
+            else None
+        )
+        hold = max((len(s) for s in params.stop_strings), default=1) - 1
+        self._tracks[request_id] = _Track(detok=detok, hold_back=hold)
+        self.scheduler.add_request(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request at any point; its blocks are freed now and the next `step()`
+        returns its final delta (finish_reason "abort"). False if it was not live."""
+        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if req is None:
+            return False
+        self._tracks.pop(request_id, None)
+        self._pending.append(
+            RequestDelta(
+                request_id, [], "", finish_reason="abort", num_prompt_tokens=req.num_prompt_tokens
+            )
+        )
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        deltas, self._pending = self._pending, []
+        so = self.scheduler.schedule()
+        if so.num_reqs == 0 and not so.finished_req_ids:
+            return deltas
+        out = self.runner.execute(so)
+        row_of = {rid: i for i, rid in enumerate(out.req_ids)}
+        for rid, (first, entries) in out.prompt_logprobs.items():
+            self._add_prompt_logprobs(rid, first, entries)
+        for req in self.scheduler.update_from_output(so, out):
+            lp = out.logprobs[row_of[req.request_id]] if out.logprobs else None
+            deltas.append(self._process_token(req, lp))
+        return deltas
+
+    def _process_token(self, req: Request, lp: TopLogprobs | None) -> RequestDelta:
+        track = self._tracks[req.request_id]
+        token = req.output_token_ids[-1]
+        detok = track.detok
+        text_before = detok.output_text if detok else ""
+        new_text = detok.add_tokens([token]) if detok else ""
+        decision = check_stop(req, [token], text_before, new_text, self.config.model.max_model_len)
+        text = text_before + new_text
+        if decision is None:
+            visible = max(track.emitted, len(text) - track.hold_back)
+            finish, stop_reason = None, None
+        else:
+            if decision.text_len == len(text) and detok is not None:
+                text += detok.flush()  # nothing was cut: release held-back bytes too
+                visible = len(text)
+            else:
+                visible = decision.text_len
+            finish, stop_reason = decision.finish_reason, decision.stop_reason
+        piece = text[track.emitted : visible]
+        track.emitted = visible
+        delta = RequestDelta(
+            req.request_id,
+            [token],
+            piece,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+        )
+        if lp is not None:
+            delta.new_logprobs = [self._logprob_dict(lp)]
+        if not track.first_delta_sent:
+            track.first_delta_sent = True
+            delta.prompt_logprobs = track.prompt_logprobs
+            delta.num_cached_tokens = max(req.num_cached_tokens, 0)
+        if decision is not None:
+            req.stop_reason = stop_reason
+            status = (
+                RequestStatus.FINISHED_LENGTH
+                if finish == "length"
+                else RequestStatus.FINISHED_STOPPED
+            )
+            self.scheduler.finish_request(req.request_id, status)
+            del self._tracks[req.request_id]
+        return delta
+
+    def _add_prompt_logprobs(self, req_id: str, first: int, entries: list[TopLogprobs]) -> None:
+        track = self._tracks.get(req_id)
+        req = self.scheduler.requests.get(req_id)
+        if track is None or req is None:
+            return
+        if track.prompt_logprobs is None:
+            track.prompt_logprobs = [None] * req.num_prompt_tokens
+        for i, entry in enumerate(entries):
+            track.prompt_logprobs[first + i] = self._logprob_dict(entry)
+
+    def _logprob_dict(self, lp: TopLogprobs) -> LogprobDict:
+        def text(tok: int) -> str | None:
+            return decode_token(self.tokenizer, tok) if self.tokenizer is not None else None
+
+        out: LogprobDict = {}
+        for rank, (tok, val) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:]), start=1):
+            out[tok] = Logprob(val, rank, text(tok))
+        out.setdefault(lp.token_ids[0], Logprob(lp.logprobs[0], lp.rank, text(lp.token_ids[0])))
+        return out

@@ -1,0 +1,162 @@
+"""`KVCacheManager`: which KV blocks each request holds, with prefix caching.
+
+The scheduler's only view of KV memory. Per request it keeps the list of block ids
+that back tokens [0, len(blocks) * block_size); block i holds tokens
+[i * block_size, (i + 1) * block_size). Lifecycle of one scheduling step:
+
+    blocks, n = get_computed_blocks(req)          # only while num_computed_tokens == 0
+    new = allocate_slots(req, k, blocks, n)       # None: not enough memory, nothing changed
+    ... the runner computes k tokens ...
+    cache_blocks(req, req.num_computed_tokens)    # publish blocks that are now full
+    free(req)                                     # finish, abort or preempt
+
+This module does not know about the GPU tensors the block ids index, the scheduler's
+policy (who gets memory, who is preempted) or how KV is transferred; it is bookkeeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdserve.runner.block_hash import extend_block_hashes
+from pdserve.runner.block_pool import BlockPool
+from pdserve.runner.request import Request
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks)
+        self._req_blocks: dict[str, list[int]] = {}
+        # How many leading blocks of each request were already offered to the cache, so
+        # cache_blocks does work only for blocks completed since its last call.
+        self._num_cached_blocks: dict[str, int] = {}
+        # Token counts, vLLM's meaning: queries = tokens looked up, hits = tokens found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """A copy of the request's block list ([] for a request holding none)."""
+        return list(self._req_blocks.get(request_id, ()))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Cached blocks covering the longest hit prefix, and how many tokens they cover.
+
+        The blocks are not referenced yet: pass them to `allocate_slots` before anything
+        else allocates, or they may be evicted. The last token is never a hit (at most
+        (num_tokens - 1) // block_size blocks): it must be computed to produce logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hit_blocks: list[int] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block_id = self.block_pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hit_blocks.append(block_id)
+        num_hit_tokens = len(hit_blocks) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        return hit_blocks, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int] = (),
+        num_new_computed_tokens: int = 0,
+    ) -> list[int] | None:
+        """Grow the request's blocks to cover computed + new computed + new tokens.
+
+        Returns the block ids appended in this call (`new_computed_blocks` first, then
+        fresh ones), or None, with no state changed, when too few blocks are free.
+        """
+        assert num_new_tokens >= 0, f"num_new_tokens must be >= 0, got {num_new_tokens}"
+        assert num_new_computed_tokens == len(new_computed_blocks) * self.block_size, (
+            f"{len(new_computed_blocks)} computed blocks cover "
+            f"{len(new_computed_blocks) * self.block_size} tokens, not {num_new_computed_tokens}"
+        )
+        blocks = self._req_blocks.get(request.request_id, [])
+        assert not new_computed_blocks or (not blocks and request.num_computed_tokens == 0), (
+            f"request {request.request_id}: prefix hits must come before any block is held"
+        )
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_held = len(blocks) + len(new_computed_blocks)
+        num_to_allocate = max(0, _cdiv(num_tokens, self.block_size) - num_held)
+        # A hit on a free cached block takes it out of the free queue, so it competes with
+        # the fresh blocks for the same free count.
+        num_revived = sum(1 for b in new_computed_blocks if self.block_pool.ref_cnt(b) == 0)
+        if num_to_allocate + num_revived > self.block_pool.num_free_blocks:
+            return None
+
+        for i, block_id in enumerate(new_computed_blocks):
+            assert self.block_pool.block_hash(block_id) == request.block_hashes[i], (
+                f"computed block {block_id} no longer caches prefix block {i} of request "
+                f"{request.request_id}: it was evicted after get_computed_blocks"
+            )
+        self.block_pool.touch(new_computed_blocks)
+        new_blocks = list(new_computed_blocks) + self.block_pool.allocate(num_to_allocate)
+        if new_computed_blocks:
+            # Hit blocks are in the cache already: cache_blocks must not offer them again.
+            self._num_cached_blocks[request.request_id] = len(new_computed_blocks)
+        self._req_blocks.setdefault(request.request_id, []).extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish every full block of the request whose tokens are all computed and known.
+
+        Called after the runner has written KV for tokens [0, num_computed_tokens).
+        Incremental: blocks offered by an earlier call are skipped.
+        """
+        if not self.enable_prefix_caching:
+            return
+        blocks = self._req_blocks.get(request.request_id, [])
+        # Tokens scheduled speculatively past the known ones have no ids to hash yet.
+        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
+        assert num_full <= len(blocks), (
+            f"request {request.request_id}: {num_full} blocks computed but only "
+            f"{len(blocks)} allocated"
+        )
+        num_cached = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= num_cached:
+            # The common decode step: no block completed, so skip building all_token_ids.
+            return
+        self._update_block_hashes(request)
+        for i in range(num_cached, num_full):
+            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, last block first, and forget the request."""
+        blocks = self._req_blocks.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if blocks is not None:
+            self.block_pool.free(reversed(blocks))
+
+    def _update_block_hashes(self, request: Request) -> None:
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)

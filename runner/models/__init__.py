@@ -1,0 +1,12 @@
+"""Model families the MRV2 runner implements itself, keyed by transformers architecture name."""
+
+from __future__ import annotations
+
+from pdserve.runner.models.llama import LlamaFamilyForCausalLM
+
+MODEL_REGISTRY: dict[str, type] = {
+    "LlamaForCausalLM": LlamaFamilyForCausalLM,
+    "MistralForCausalLM": LlamaFamilyForCausalLM,
+    "Qwen2ForCausalLM": LlamaFamilyForCausalLM,
+    "Qwen3ForCausalLM": LlamaFamilyForCausalLM,
+}

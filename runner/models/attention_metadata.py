@@ -1,0 +1,15 @@
+"""Per-step attention inputs, passed explicitly to every attention layer (no global context)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [R + 1] int32: row r's queries are tokens [qsl[r], qsl[r+1])
+    seq_lens: torch.Tensor  # [R_pad] int32: context length of each row after this step
+    block_tables: torch.Tensor  # [R_pad, max_blocks] int32: pad rows all zero
+    slot_mapping: torch.Tensor  # [T_pad] int64: KV slot of each token, -1 for pads

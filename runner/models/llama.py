@@ -1,0 +1,242 @@
+"""The Llama family on the paged KV cache: Llama, Mistral, Qwen2, Qwen3, SmolLM.
+
+One module tree covers the family; the differences are data in `FamilySpec`
+(attention biases, per-head q/k RMSNorm). GQA/MHA, RoPE variants from
+`runner.models.rope`, SwiGLU, tied or untied embeddings. Q/K/V and gate/up are fused
+into one GEMM each at load time (exact on CPU float32: per-element results do not change
+when output columns are concatenated).
+
+The forward pass takes flat tokens `[T]` and per-step `AttentionMetadata`; it knows
+nothing about requests, slots or sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdserve.kernels.activation import silu_and_mul
+from pdserve.kernels.attention import paged_attention, write_kv
+from pdserve.kernels.norm import fused_add_rms_norm, rms_norm
+from pdserve.kernels.rope import apply_rope
+from pdserve.runner.models.attention_metadata import AttentionMetadata
+from pdserve.runner.models.rope import build_cos_sin_cache
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+
+
+def family_spec(hf_config: Any) -> FamilySpec:
+    model_type = getattr(hf_config, "model_type", "")
+    bias = bool(getattr(hf_config, "attention_bias", False))
+    if model_type == "qwen2":
+        return FamilySpec(qkv_bias=True, o_bias=False, qk_norm=False)
+    if model_type == "qwen3":
+        return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=True)
+    return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+
+def head_dim_of(hf_config: Any) -> int:
+    hd = getattr(hf_config, "head_dim", None)
+    return int(hd) if hd else hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Any, spec: FamilySpec):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, k, positions, cos_sin)
+        write_kv(k, v, kv_cache, attn.slot_mapping)
+        out = torch.empty_like(q)
+        paged_attention(
+            q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, self.scale, out
+        )
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Any):
+        super().__init__()
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, spec: FamilySpec):
+        super().__init__()
+        self.self_attn = Attention(cfg, spec)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, positions, cos_sin, kv_cache, attn):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, cos_sin, kv_cache, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    def __init__(self, cfg: Any, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        spec = family_spec(cfg)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = (
+            None
+            if self.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+        # [max_positions, head_dim] float32, filled by `init_rope` once on the target device.
+        self.register_buffer(
+            "cos_sin_cache", torch.empty(max_positions, head_dim_of(cfg)), persistent=False
+        )
+
+    def init_rope(self) -> None:
+        cache = self.cos_sin_cache
+        self.cos_sin_cache = build_cos_sin_cache(
+            self.config, head_dim_of(self.config), cache.shape[0], cache.device
+        )
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layers[0].self_attn.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].self_attn.head_dim
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        """[T] token ids and positions -> [T, hidden] final hidden states (before the norm)."""
+        x, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.cos_sin_cache
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, cos_sin, kv_cache, attn)
+        return x + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] pre-norm hidden states of the rows to sample -> [N, vocab] float32."""
+        h = self.norm(hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(h, weight).float()
+
+    # ---- weights -------------------------------------------------------------------------
+
+    # checkpoint name fragment -> (our fused parameter, shard index)
+    _STACKED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (transformers names) into our fused parameters."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            local = name.removeprefix("model.")
+            parts = local.split(".")
+            fused = next((self._STACKED[p] for p in parts if p in self._STACKED), None)
+            if fused is not None:
+                frag = next(p for p in parts if p in self._STACKED)
+                target = local.replace(frag, fused[0])
+                param = params[target]
+                sizes = self._shard_sizes(target)
+                offset = sum(sizes[: fused[1]])
+                param.data.narrow(0, offset, sizes[fused[1]]).copy_(tensor)
+                loaded.add(f"{target}#{fused[1]}")
+            else:
+                if local not in params:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                    )
+                params[local].data.copy_(tensor)
+                loaded.add(local)
+        self._check_all_loaded(params, loaded)
+
+    def _shard_sizes(self, target: str) -> list[int]:
+        attn = self.layers[0].self_attn
+        if "qkv_proj" in target:
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        inter = self.config.intermediate_size
+        return [inter, inter]
+
+    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            if "qkv_proj" in name or "gate_up_proj" in name:
+                shards = 3 if "qkv_proj" in name else 2
+                missing += [f"{name}#{i}" for i in range(shards) if f"{name}#{i}" not in loaded]
+            elif name not in loaded:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

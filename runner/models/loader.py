@@ -1,0 +1,40 @@
+"""Build one of our model modules and fill it from a safetensors directory.
+
+Parameters are created on the meta device and materialised once on the target device,
+so a 0.6B model never pays for a random initialisation it would overwrite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pdserve.runner.config import ModelConfig
+from pdserve.runner.models import MODEL_REGISTRY
+
+
+def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {directory}")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_config: ModelConfig, device: torch.device) -> torch.nn.Module:
+    cfg = model_config.hf_config
+    cls = MODEL_REGISTRY[model_config.architecture]
+    # Positions up to max_model_len inclusive: the token sampled at the last position.
+    max_positions = model_config.max_model_len + 1
+    with torch.device("meta"):
+        model = cls(cfg, max_positions)
+    model = model.to(dtype=model_config.dtype).to_empty(device=device)
+    model.init_rope()
+    with torch.no_grad():
+        model.load_weights(iter_safetensors(model_config.path))
+    return model.eval()

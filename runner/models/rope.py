@@ -1,0 +1,109 @@
+"""RoPE frequencies for the scaling variants Llama-family configs use, and the cos/sin table.
+
+Supported `rope_type`s: default, linear, llama3, yarn. Others (dynamic NTK, longrope,
+...) depend on the running sequence length or per-request state and are reported as
+unsupported by `runner.runner_select`, which then falls back to the reference runner.
+The formulas mirror the published definitions so that inverse frequencies are
+bit-identical to transformers' (tests compare them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The config's RoPE settings as one dict (transformers 5 `rope_parameters`, or 4.x
+    `rope_theta` + `rope_scaling`)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        out = dict(params)
+    else:
+        out = dict(getattr(hf_config, "rope_scaling", None) or {})
+        out.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    out["rope_type"] = out.get("rope_type", out.get("type", "default")) or "default"
+    return out
+
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+
+
+def _llama3(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    factor = p["factor"]
+    low, high = p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn(base: float, dim: int, p: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+    factor = p["factor"]
+    orig = p.get("original_max_position_embeddings") or max_pos
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+    extrapolation_factor = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    inv_freq = interpolated * (1 - extrapolation_factor) + extrapolated * extrapolation_factor
+    return inv_freq, float(attention_factor)
+
+
+def inv_freq_and_scaling(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """[head_dim // 2] float32 inverse frequencies and the attention scaling for cos/sin."""
+    p = rope_parameters(hf_config)
+    rope_type, base = p["rope_type"], float(p["rope_theta"])
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported by the mrv2 runner "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if rope_type == "yarn":
+        return _yarn(base, head_dim, p, int(hf_config.max_position_embeddings))
+    inv_freq = _default_inv_freq(base, head_dim)
+    if rope_type == "linear":
+        inv_freq = inv_freq / p["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3(inv_freq, p)
+    return inv_freq, 1.0
+
+
+def build_cos_sin_cache(
+    hf_config: Any, head_dim: int, max_positions: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos(pos * inv_freq) | sin(pos * inv_freq), scaled."""
+    inv_freq, scaling = inv_freq_and_scaling(hf_config, head_dim)
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]  # one rounding, as in transformers' matmul
+    cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+    return cache.to(device)

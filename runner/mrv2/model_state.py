@@ -1,0 +1,30 @@
+"""Model-family hooks of the runner (DESIGN §3), with do-nothing defaults.
+
+The runner's common path calls these at fixed points and never branches on the model
+family. GQA models need nothing beyond the defaults; MLA latent caches, Mamba state
+slots and hybrid layer maps override what they need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.runner.mrv2.input_batch import InputBatch
+
+
+class ModelState:
+    def on_add(self, slot: int) -> None:
+        """A request took `slot`: reset any per-slot model state (e.g. recurrent state)."""
+
+    def on_remove(self, slot: int) -> None:
+        """The request in `slot` left."""
+
+    def prepare(self, batch: InputBatch) -> None:
+        """Adjust per-step inputs before the forward pass (extra metadata, state indices)."""
+
+    def post_forward(self, batch: InputBatch, hidden: torch.Tensor) -> None:
+        """Runs after the forward pass (e.g. commit recurrent state of finished prompts)."""
+
+
+class GQAModelState(ModelState):
+    """Standard paged GQA/MHA attention: everything is in the shared InputBatch."""

@@ -1,0 +1,65 @@
+"""What the engine hands back: per-step deltas (workers) and whole outputs (offline API).
+
+Shapes follow vLLM's `RequestOutput` / `CompletionOutput` / `Logprob` so that code
+written against vLLM reads the same fields here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One position's logprobs: token id -> Logprob. Holds the chosen token and the top-k.
+LogprobDict = dict[int, "Logprob"]
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely token
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestDelta:
+    """What one engine step produced for one request (the worker-facing unit)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    new_logprobs: list[LogprobDict] | None = None
+    # Set on the step that finished the prompt when prompt_logprobs was asked for.
+    prompt_logprobs: list[LogprobDict | None] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[LogprobDict] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[LogprobDict | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,127 @@
+"""The reference runner: any transformers causal LM, run eagerly, one request at a time.
+
+No paging and no batching: each request keeps the model's own KV cache object and is fed
+the tokens it has not computed yet. It ignores prefix-cache hits (it recomputes them),
+so its results do not depend on the block bookkeeping. Slow, always works, and the
+oracle the MRV2 runner is checked against. It shares the sampler and the per-slot
+sampling state with the MRV2 runner, so seeded draws agree between the two.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdserve.runner.config import EngineConfig
+from pdserve.runner.logprobs import prompt_logprobs, sampled_logprobs
+from pdserve.runner.runner_output import ModelRunnerOutput
+from pdserve.runner.sampler import Sampler
+from pdserve.runner.sampling_state import SamplingState
+from pdserve.runner.scheduler_output import NewRequestData, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class _Live:
+    def __init__(self, new: NewRequestData, slot: int):
+        self.slot = slot
+        self.tokens = list(new.token_ids)
+        self.num_prompt = new.num_prompt_tokens
+        self.cache: Any = None  # the model's past_key_values
+        self.cache_len = 0
+
+
+class ReferenceRunner:
+    name = "reference"
+
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.device = config.runner.torch_device
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(config.model.path, dtype=config.model.dtype)
+            .to(self.device)
+            .eval()
+        )
+        # Blocks are bookkeeping only here (no paged memory); size them so that the
+        # scheduler never preempts for lack of them.
+        self.num_blocks = config.cache.num_blocks or (
+            config.scheduler.max_num_seqs * config.max_blocks_per_request + 1
+        )
+        max_reqs = config.scheduler.max_num_seqs
+        self.sampling = SamplingState(max_reqs, config.model.vocab_size, self.device)
+        self._free_slots = list(range(max_reqs - 1, -1, -1))
+        self.live: dict[str, _Live] = {}
+        self.sampler = Sampler()
+        # transformers renamed `past_key_values` to `cache` in 5.2x; take whichever exists.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in so.finished_req_ids:
+            gone = self.live.pop(req_id, None)
+            if gone is not None:
+                self._free_slots.append(gone.slot)
+        for new in so.new_requests:
+            slot = self._free_slots.pop()
+            self.live[new.req_id] = _Live(new, slot)
+            self.sampling.add(slot, new.params, new.seed, new.stop_ids)
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return ModelRunnerOutput([], [])
+
+        last_logits, seq_lens, prompt_lps = [], [], {}
+        computed = {c.req_id: c.num_computed_tokens for c in so.cached_requests}
+        computed.update({n.req_id: n.num_computed_tokens for n in so.new_requests})
+        for req_id in req_ids:
+            live = self.live[req_id]
+            end = computed[req_id] + so.num_scheduled_tokens[req_id]
+            start = live.cache_len  # recompute anything the prefix cache claimed
+            ids = torch.tensor([live.tokens[start:end]], device=self.device)
+            out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: live.cache})
+            live.cache, live.cache_len = getattr(out, self._cache_arg), end
+            logits = out.logits[0].float()  # [end - start, V]
+            last_logits.append(logits[-1])
+            seq_lens.append(end)
+            k = int(self.sampling.num_prompt_logprobs[live.slot])
+            lp_start = max(start, computed[req_id])
+            lp_end = min(end, live.num_prompt - 1)
+            if k >= 0 and lp_end > lp_start:
+                targets = torch.tensor(live.tokens[lp_start + 1 : lp_end + 1], device=self.device)
+                rows = logits[lp_start - start : lp_end - start]
+                prompt_lps[req_id] = (lp_start + 1, prompt_logprobs(rows, targets, k))
+
+        lives = [self.live[r] for r in req_ids]
+        slots = np.array([lv.slot for lv in lives], dtype=np.int64)
+        seq = np.array(seq_lens, dtype=np.int64)
+        num_tokens = np.array([len(lv.tokens) for lv in lives], dtype=np.int64)
+        sample_mask = seq >= num_tokens
+        num_outputs = num_tokens - np.array([lv.num_prompt for lv in lives])
+        pen_rows = self.sampling.penalty_rows(slots)
+        histories = [
+            (
+                np.asarray(lives[r].tokens[: lives[r].num_prompt]),
+                np.asarray(lives[r].tokens[lives[r].num_prompt :]),
+            )
+            for r in pen_rows
+        ]
+        meta = self.sampling.metadata(slots, seq, num_outputs, histories or None)
+        out = self.sampler(torch.stack(last_logits), meta)
+        sampled = out.sampled_token_ids.tolist()
+        for lv, tok, keep in zip(lives, sampled, sample_mask):
+            if keep:
+                lv.tokens.append(tok)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=[t if keep else None for t, keep in zip(sampled, sample_mask)],
+            logprobs=sampled_logprobs(
+                out.logprobs, self.sampling.num_logprobs[slots].tolist(), sample_mask
+            ),
+            prompt_logprobs=prompt_lps,
+        )

@@ -1,0 +1,24 @@
+"""What a runner returns for one step, already on the host, in batch-row order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TopLogprobs:
+    """Logprobs of one position: column 0 is the chosen/target token, then the top-k."""
+
+    token_ids: list[int]  # [k + 1]
+    logprobs: list[float]  # [k + 1]
+    rank: int  # rank of token_ids[0] in the full distribution (1 = most likely)
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # None for a row that is still catching up on its prompt (its sample is discarded).
+    sampled_token_ids: list[int | None]
+    logprobs: list[TopLogprobs | None] = field(default_factory=list)
+    # req_id -> (index in the prompt of the first target token, one entry per target)
+    prompt_logprobs: dict[str, tuple[int, list[TopLogprobs]]] = field(default_factory=dict)

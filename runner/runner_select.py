@@ -1,0 +1,86 @@
+"""Which runner executes a model: the one function that lists what MRV2 cannot do.
+
+`runner="auto"` takes MRV2 when the list is empty and otherwise warns, naming each
+feature, and falls back to the reference runner; `runner="mrv2"` raises `ValueError`
+naming each. The environment variable PDSERVE_RUNNER applies when the argument is left
+at "auto" (an explicit argument wins). The decision is logged and kept as
+`engine.runner_name`, so an operator can always see which path really runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from pdserve.runner.config import RUNNER_CHOICES, architecture_of
+from pdserve.runner.models import MODEL_REGISTRY
+from pdserve.runner.models.rope import SUPPORTED_ROPE_TYPES, rope_parameters
+
+logger = logging.getLogger(__name__)
+ENV_VAR = "PDSERVE_RUNNER"
+
+
+def mrv2_unsupported_features(hf_config: Any) -> list[str]:
+    """Everything about this model config that the MRV2 runner does not implement."""
+    arch = architecture_of(hf_config)
+    if arch not in MODEL_REGISTRY:
+        return [f"architecture {arch} (mrv2 implements {', '.join(sorted(MODEL_REGISTRY))})"]
+    problems = []
+    rope_type = rope_parameters(hf_config)["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        problems.append(
+            f"rope_type {rope_type!r} (mrv2 implements {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if float(getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        problems.append("partial rotary embedding (partial_rotary_factor != 1)")
+    if _uses_sliding_window(hf_config):
+        problems.append("sliding-window attention")
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        problems.append(f"hidden_act {act!r} (mrv2 implements silu)")
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        problems.append(f"quantized weights ({method})")
+    return problems
+
+
+def _uses_sliding_window(cfg: Any) -> bool:
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+        return True
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return False
+    if getattr(cfg, "model_type", "") in ("qwen2", "qwen3"):
+        return bool(getattr(cfg, "use_sliding_window", False))
+    return True
+
+
+def select_runner(requested: str | None, hf_config: Any) -> str:
+    """Resolve "auto" (or the env var) to "mrv2" or "reference"."""
+    requested = requested or "auto"
+    source = "argument"
+    if requested == "auto" and os.environ.get(ENV_VAR):
+        requested, source = os.environ[ENV_VAR].strip().lower(), f"${ENV_VAR}"
+    if requested not in RUNNER_CHOICES:
+        raise ValueError(
+            f"runner must be one of {', '.join(RUNNER_CHOICES)} (got {requested!r} from {source})"
+        )
+    if requested == "reference":
+        chosen = "reference"
+    else:
+        problems = mrv2_unsupported_features(hf_config)
+        if problems and requested == "mrv2":
+            raise ValueError(
+                "runner='mrv2' cannot run this model: it does not support " + "; ".join(problems)
+            )
+        if problems:
+            logger.warning(
+                "runner=auto: mrv2 does not support %s; falling back to the "
+                "reference runner (slow, unpaged)",
+                "; ".join(problems),
+            )
+        chosen = "reference" if problems else "mrv2"
+    logger.info("runner: %s (requested %r via %s)", chosen, requested, source)
+    return chosen

@@ -1,0 +1,123 @@
+"""Per-slot sampling settings, kept on the host and gathered per step into `SamplingMetadata`.
+
+Both runners use it: a slot's row is written once when its request is added, and each
+step gathers the batch's rows (by `idx_mapping`) into fresh tensors, so the persistent
+arrays are never the source of an in-flight copy. Penalty tensors are built only for
+the rows that ask for penalties, from token histories the caller supplies.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pdserve.runner.sampler import SamplingMetadata
+from pdserve.runner.sampling_params import SamplingParams
+
+
+class SamplingState:
+    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device):
+        n = max_num_reqs
+        self.vocab_size = vocab_size
+        self.device = device
+        self.temperature = np.zeros(n, dtype=np.float32)
+        self.top_k = np.zeros(n, dtype=np.int32)
+        self.top_p = np.ones(n, dtype=np.float32)
+        self.min_p = np.zeros(n, dtype=np.float32)
+        self.seeds = np.zeros(n, dtype=np.int64)
+        self.repetition_penalty = np.ones(n, dtype=np.float32)
+        self.presence_penalty = np.zeros(n, dtype=np.float32)
+        self.frequency_penalty = np.zeros(n, dtype=np.float32)
+        self.min_tokens = np.zeros(n, dtype=np.int32)
+        self.num_logprobs = np.full(n, -1, dtype=np.int32)  # -1: none asked
+        self.num_prompt_logprobs = np.full(n, -1, dtype=np.int32)
+        self.needs_penalties = np.zeros(n, dtype=bool)
+        self.stop_ids: list[tuple[int, ...]] = [() for _ in range(n)]
+
+    def add(self, slot: int, params: SamplingParams, seed: int, stop_ids: tuple[int, ...]) -> None:
+        """Overwrite every per-slot field (a reused slot must not inherit anything)."""
+        self.temperature[slot] = params.temperature
+        self.top_k[slot] = params.top_k
+        self.top_p[slot] = params.top_p
+        self.min_p[slot] = params.min_p
+        self.seeds[slot] = _fold_seed(seed)
+        self.repetition_penalty[slot] = params.repetition_penalty
+        self.presence_penalty[slot] = params.presence_penalty
+        self.frequency_penalty[slot] = params.frequency_penalty
+        self.min_tokens[slot] = params.min_tokens
+        self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        self.num_prompt_logprobs[slot] = (
+            -1 if params.prompt_logprobs is None else params.prompt_logprobs
+        )
+        self.needs_penalties[slot] = params.needs_penalties
+        self.stop_ids[slot] = tuple(stop_ids)
+
+    def metadata(
+        self,
+        slots: np.ndarray,  # [R] int: batch row -> slot
+        positions: np.ndarray,  # [R] int: absolute position of the token each row samples
+        num_outputs: np.ndarray,  # [R] int: tokens generated so far (min_tokens, penalties)
+        penalty_tokens: list[tuple[np.ndarray, np.ndarray]] | None = None,
+        # ^ per penalty row (in the order of `penalty_rows`): (prompt ids, output ids)
+    ) -> SamplingMetadata:
+        dev = self.device
+
+        def take(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a[slots]).to(dev)
+
+        temp = self.temperature[slots]
+        top_k, top_p, min_p = self.top_k[slots], self.top_p[slots], self.min_p[slots]
+        banned_rows, banned_tokens = [], []
+        for row, slot in enumerate(slots):
+            if num_outputs[row] < self.min_tokens[slot]:
+                for tok in self.stop_ids[slot]:
+                    banned_rows.append(row)
+                    banned_tokens.append(tok)
+        num_lp = self.num_logprobs[slots]
+        prompt_mask = output_counts = None
+        pen_rows = self.penalty_rows(slots)
+        if len(pen_rows):
+            assert penalty_tokens is not None and len(penalty_tokens) == len(pen_rows), (
+                "penalty rows need their token histories"
+            )
+            r = len(slots)
+            prompt_mask = torch.zeros(r, self.vocab_size, dtype=torch.bool, device=dev)
+            output_counts = torch.zeros(r, self.vocab_size, dtype=torch.int32, device=dev)
+            for row, (prompt_ids, output_ids) in zip(pen_rows, penalty_tokens, strict=True):
+                prompt_mask[row, torch.as_tensor(prompt_ids, dtype=torch.long, device=dev)] = True
+                out = torch.as_tensor(output_ids, dtype=torch.long, device=dev)
+                output_counts[row].scatter_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+        return SamplingMetadata(
+            temperature=torch.from_numpy(temp).to(dev),
+            top_k=torch.from_numpy(top_k).to(dev),
+            top_p=torch.from_numpy(top_p).to(dev),
+            min_p=torch.from_numpy(min_p).to(dev),
+            seeds=take(self.seeds),
+            positions=torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(dev),
+            repetition_penalty=take(self.repetition_penalty),
+            presence_penalty=take(self.presence_penalty),
+            frequency_penalty=take(self.frequency_penalty),
+            prompt_mask=prompt_mask,
+            output_counts=output_counts,
+            banned_rows=(
+                torch.tensor(banned_rows, dtype=torch.long, device=dev) if banned_rows else None
+            ),
+            banned_tokens=(
+                torch.tensor(banned_tokens, dtype=torch.long, device=dev) if banned_tokens else None
+            ),
+            max_num_logprobs=int(num_lp.max()) if (num_lp >= 0).any() else None,
+            all_greedy=bool((temp == 0).all()),
+            any_penalties=bool(len(pen_rows)),
+            any_top_k_top_p=bool(((top_k > 0) | (top_p < 1)).any()),
+            any_min_p=bool((min_p > 0).any()),
+        )
+
+    def penalty_rows(self, slots: np.ndarray) -> np.ndarray:
+        """Batch rows (indices into `slots`) whose request uses any penalty."""
+        return np.nonzero(self.needs_penalties[slots])[0]
+
+
+def _fold_seed(seed: int) -> int:
+    """Any Python int -> a signed int64 (the noise hash mixes both 32-bit halves)."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= (1 << 63) else seed

@@ -1,0 +1,193 @@
+"""The scheduler: one token budget per step, shared by every request, no phases.
+
+Each request is `num_computed_tokens` catching up with `num_tokens`. Running requests
+are served first, decodes (one token behind) before partial prefills, then waiting
+requests in arrival order while budget, `max_num_seqs` and KV blocks last. A prompt
+longer than the remaining budget is chunked. When blocks run out, the most recently
+admitted request that is not already in this step is preempted by recompute: its blocks
+are freed (they stay in the prefix cache) and it waits again with prompt + output as its
+new prompt. This file is central: keep it to this loop; policy pieces live beside it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pdserve.runner.config import SchedulerConfig
+from pdserve.runner.kv_cache_manager import KVCacheManager
+from pdserve.runner.request import Request, RequestStatus
+from pdserve.runner.runner_output import ModelRunnerOutput
+from pdserve.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._in_runner: set[str] = set()  # requests the runner holds a slot for
+        self._free_in_runner: set[str] = set()  # finished/preempted since the last step
+        self.num_preemptions = 0
+
+    # ---- membership -----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, "request ids are unique while live"
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Stop a request (stop/length/abort) at any time; frees its blocks at once."""
+        assert status.is_finished, "finish_request takes a finished status"
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self._release_slot(req)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def _release_slot(self, req: Request) -> None:
+        if req.request_id in self._in_runner:
+            self._in_runner.discard(req.request_id)
+            self._free_in_runner.add(req.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        self._release_slot(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        preempted_any = False
+        # Decodes first, then partial prefills; each group keeps admission order.
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in order:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert num_new > 0, f"running request {req.request_id} has nothing to compute"
+            new_blocks, preempted = self._allocate_or_preempt(req, num_new, scheduled)
+            preempted_any |= preempted
+            if new_blocks is None:
+                continue
+            out.cached_requests.append(
+                CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens)
+            )
+            out.num_scheduled_tokens[req.request_id] = num_new
+            scheduled.add(req.request_id)
+            budget -= num_new
+
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted_any
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hit_blocks, num_hit = [], 0
+            if req.params.prompt_logprobs is None:  # prompt logprobs need every position
+                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(req, num_new, hit_blocks, num_hit) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            out.new_requests.append(
+                NewRequestData(
+                    req_id=req.request_id,
+                    token_ids=req.all_token_ids,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    block_ids=list(self.kv.get_block_ids(req.request_id)),
+                    num_computed_tokens=num_hit,
+                    params=req.params,
+                    seed=req.seed,
+                    stop_ids=self._suppressed_ids(req),
+                )
+            )
+            self._in_runner.add(req.request_id)
+            out.num_scheduled_tokens[req.request_id] = num_new
+            budget -= num_new
+
+        out.finished_req_ids = self._free_in_runner
+        self._free_in_runner = set()
+        for req_id, n in out.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        return out
+
+    def _allocate_or_preempt(
+        self, req: Request, num_new: int, scheduled: set[str]
+    ) -> tuple[list[int] | None, bool]:
+        """(new block ids for `num_new` tokens of `req` or None if `req` itself had to be
+        preempted, whether anything was preempted). Victims are the most recently admitted
+        running requests not already in this step."""
+        preempted = False
+        while True:
+            blocks = self.kv.allocate_slots(req, num_new)
+            if blocks is not None:
+                return blocks, preempted
+            victim = next(
+                (r for r in reversed(self.running) if r.request_id not in scheduled), None
+            )
+            assert victim is not None, "req itself is running and unscheduled"
+            self._preempt(victim)
+            preempted = True
+            if victim is req:
+                return None, True
+
+    @staticmethod
+    def _suppressed_ids(req: Request) -> tuple[int, ...]:
+        """Tokens the sampler must not emit before min_tokens outputs exist."""
+        if req.params.min_tokens == 0:
+            return ()
+        eos = () if req.params.ignore_eos else req.eos_token_ids
+        return tuple(dict.fromkeys([*eos, *req.params.stop_token_ids]))
+
+    def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
+        """Record computed tokens and append sampled ones; returns requests that got a token
+        (stop checks are the caller's). Requests finished meanwhile are skipped."""
+        got_token = []
+        for req_id, token in zip(out.req_ids, out.sampled_token_ids, strict=True):
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if token is not None:
+                req.append_output_token(token)
+                got_token.append(req)
+        return got_token

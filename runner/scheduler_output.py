@@ -1,0 +1,47 @@
+"""What the scheduler hands the runner each step: the typed contract between the two.
+
+Rows of the batch are the keys of `num_scheduled_tokens`, in insertion order (the
+scheduler puts decodes first). A runner never sees a request's full history again after
+it was added: per step it gets only new block ids and the computed-token count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.runner.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt + tokens generated so far (a resumed request re-prefills all)
+    num_prompt_tokens: int  # original prompt length: penalties and min_tokens count after it
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
+    params: SamplingParams
+    seed: int
+    stop_ids: tuple[int, ...] = ()  # EOS + stop_token_ids, suppressed until min_tokens
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int  # before this step's tokens
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # batch order
+    finished_req_ids: set[str] = field(default_factory=set)  # free these slots first
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.num_scheduled_tokens)

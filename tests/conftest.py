@@ -1,0 +1,135 @@
+"""Shared fixtures: the bundled SmolLM2 (converted once, cached), tiny random models saved
+with save_pretrained, and transformers' greedy `generate` as the oracle."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(4, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> str:
+    from pdserve.runner.model_source import resolve_model_dir
+
+    return str(resolve_model_dir(None)[0])
+
+
+def _save_tiny(tmp_factory, name: str, config) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = tmp_factory.mktemp(name)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    """Llama, untied head, 6 q / 3 kv heads of head_dim 20 (not a power of two), llama3 RoPE."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=1003,
+        hidden_size=120,
+        intermediate_size=200,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=20,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=["LlamaForCausalLM"],
+    )
+    return _save_tiny(tmp_path_factory, "tiny-llama", cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> str:
+    """Qwen3, tied embeddings, q/k RMSNorm, 4 q heads / 1 kv head of head_dim 36."""
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(
+        vocab_size=997,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=36,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    return _save_tiny(tmp_path_factory, "tiny-qwen3", cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> str:
+    """Qwen2 (q/k/v bias), 2 kv heads, yarn RoPE, untied."""
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=1009,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+            "original_max_position_embeddings": 256,
+        },
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=["Qwen2ForCausalLM"],
+    )
+    return _save_tiny(tmp_path_factory, "tiny-qwen2", cfg)
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate, one prompt at a time (no padding), EOS suppressed for
+    `max_new_tokens` like our min_tokens, so every output has exactly max_new_tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                pad_token_id=0,
+            )
+            outs.append(y[0, len(ids) :].tolist())
+    return outs

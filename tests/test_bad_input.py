@@ -1,0 +1,97 @@
+"""Bad input raises ValueError naming the rule, and the engine keeps serving the others."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.runner.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3_dir) -> Engine:
+    return Engine.from_args(model=tiny_qwen3_dir, device="cpu", max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    "kwargs, rule",
+    [
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -2}, "top_k must be an integer >= -1"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens must be <= max_tokens"),
+        ({"logprobs": 50}, "logprobs must be None or an integer in"),
+        ({"stop": [""]}, "stop must be a non-empty string"),
+    ],
+)
+def test_bad_sampling_params(kwargs, rule):
+    with pytest.raises(ValueError, match=rule):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_do_not_disturb_a_running_one(engine):
+    """Guards isolation: rejected requests leave no trace and a live request finishes with
+    the same tokens as when it runs alone."""
+    good = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    engine.add_request("solo", [5, 6, 7, 8], good)
+    alone = _drain(engine)["solo"]
+
+    engine.add_request("good", [5, 6, 7, 8], good)
+    first = [t for d in engine.step() for t in d.new_token_ids]
+    free_before = engine.kv.num_free_blocks
+    cases = [
+        ("empty", [], "prompt must contain at least one token"),
+        ("long", list(range(3, 68)), "longer than max_model_len=64"),
+        ("oov", [5, 99999], r"prompt token ids must be integers in \[0, 997\)"),
+        ("good", [1, 2], "already in use"),
+    ]
+    for rid, ids, rule in cases:
+        with pytest.raises(ValueError, match=rule):
+            engine.add_request(rid, ids, good)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        engine.add_request("x", [1, 2], {"max_tokens": 3})
+    assert engine.kv.num_free_blocks == free_before
+    assert set(engine.scheduler.requests) == {"good"}
+    assert first + _drain(engine)["good"] == alone
+
+
+def test_abort_frees_blocks_and_reports(engine):
+    free = engine.kv.num_free_blocks
+    engine.add_request("a", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=20))
+    engine.step()
+    assert engine.kv.num_free_blocks < free
+    assert engine.abort("a") and not engine.abort("a")
+    assert engine.kv.num_free_blocks == free
+    deltas = engine.step()
+    assert [(d.request_id, d.finish_reason) for d in deltas] == [("a", "abort")]
+    assert not engine.has_unfinished()
+
+
+def test_unknown_model_path():
+    with pytest.raises(ValueError, match="unknown model"):
+        LLM(model="/nonexistent/model/dir", device="cpu")
+
+
+def test_llm_generate_validates_whole_batch_first(tiny_qwen3_dir):
+    llm = LLM(model=tiny_qwen3_dir, device="cpu", max_model_len=64)
+    with pytest.raises(ValueError, match="prompt must contain at least one token"):
+        llm.generate(
+            [{"prompt_token_ids": [4, 5]}, {"prompt_token_ids": []}],
+            SamplingParams(max_tokens=2),
+            use_tqdm=False,
+        )
+    assert not llm.engine.has_unfinished(), "nothing of a rejected batch was queued"
+    out = llm.generate({"prompt_token_ids": [4, 5]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def _drain(engine: Engine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for _ in range(1000):
+        if not engine.has_unfinished():
+            return tokens
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+    raise AssertionError("engine did not finish within 1000 steps")

@@ -1,0 +1,74 @@
+"""Greedy CPU float32 output is token-for-token equal to transformers' `generate`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import hf_greedy
+
+from pdserve import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "def fibonacci(n):",
+    "List three colors:",
+    "Water boils at",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog."
+    " Then the dog woke up and",
+    "Q: What is 2 + 2?\nA:",
+    "In machine learning, a transformer is",
+    "Hi",
+]
+NEW_TOKENS = 32
+
+
+def _greedy(n: int) -> SamplingParams:
+    # min_tokens mirrors transformers' min_new_tokens: EOS is suppressed, not just ignored.
+    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
+
+
+@pytest.mark.slow
+def test_smollm2_batch_matches_transformers(smollm_dir):
+    """Guards against any numeric or indexing bug in the paged forward pass (RoPE offsets,
+    GQA head mapping, block tables, chunk boundaries) on the real bundled model."""
+    llm = LLM(model=smollm_dir, device="cpu", max_model_len=1024, seed=0)
+    assert llm.runner_name == "mrv2"
+    tok = llm.get_tokenizer()
+    ids = [tok(p).input_ids for p in PROMPTS]
+    assert len({len(i) for i in ids}) >= 6, "prompt lengths must be mixed"
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], _greedy(NEW_TOKENS), use_tqdm=False)
+    expected = hf_greedy(smollm_dir, ids, NEW_TOKENS)
+    for prompt, out, exp in zip(PROMPTS, outs, expected):
+        assert out.outputs[0].token_ids == exp, f"mismatch for {prompt!r}"
+        assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_bundled_model_chat_answers_paris():
+    """The default model (model=None -> bundled GGUF) with its chat template answers the
+    reference question exactly; guards the GGUF conversion, template and EOS handling."""
+    llm = LLM(device="cpu", max_model_len=1024)
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=32),
+        use_tqdm=False,
+    )[0]
+    assert out.outputs[0].text == "The capital of France is Paris."
+    assert out.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_qwen2_dir"])
+def test_tiny_random_models_match_transformers(fixture, request):
+    """Awkward shapes (head_dim 20/36, 1-3 kv heads, tied/untied, llama3/yarn RoPE, q/k norm,
+    qkv bias) through the paged path equal transformers token for token."""
+    model_dir = request.getfixturevalue(fixture)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100)]
+    llm = LLM(model=model_dir, device="cpu", block_size=16, max_num_batched_tokens=64)
+    assert llm.runner_name == "mrv2"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(24), use_tqdm=False)
+    expected = hf_greedy(model_dir, prompts, 24)
+    for p, out, exp in zip(prompts, outs, expected):
+        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"

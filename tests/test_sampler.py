@@ -1,0 +1,299 @@
+"""Tests for `pdserve.runner.sampler.Sampler`: distributions, determinism, greedy, bans.
+
+The chi-squared tests are deterministic (the noise is a hash of seed and position), so
+they cannot flake: a pass means these 20,000 draws fit at p = 0.001, every run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pdserve.runner.sampler import Sampler, SamplingMetadata
+
+# An awkward small vocab: 13 tokens, no two logits equal.
+LOGITS_13 = [1.2, -0.3, 0.8, 2.1, -1.5, 0.0, 1.7, -0.9, 0.4, 2.4, -2.0, 1.0, 0.6]
+NUM_DRAWS = 20_000
+Z_999 = 3.090232306167813  # standard normal quantile at 0.999
+
+
+def make_meta(rows: int, vocab: int, **settings: object) -> SamplingMetadata:
+    """Scalars broadcast to every row; lists and tensors are per row."""
+
+    def per_row(name: str, default: float, dtype: torch.dtype) -> torch.Tensor:
+        value = settings.get(name, default)
+        if isinstance(value, (int, float)):
+            return torch.full((rows,), value, dtype=dtype)
+        return torch.as_tensor(value, dtype=dtype)
+
+    temperature = per_row("temperature", 1.0, torch.float32)
+    top_k = per_row("top_k", 0, torch.int32)
+    top_p = per_row("top_p", 1.0, torch.float32)
+    min_p = per_row("min_p", 0.0, torch.float32)
+    rep = per_row("repetition_penalty", 1.0, torch.float32)
+    presence = per_row("presence_penalty", 0.0, torch.float32)
+    frequency = per_row("frequency_penalty", 0.0, torch.float32)
+    any_penalties = bool((rep != 1).any() or (presence != 0).any() or (frequency != 0).any())
+    banned = settings.get("banned")  # list of (row, token)
+    return SamplingMetadata(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seeds=per_row("seeds", 0, torch.int64),
+        positions=per_row("positions", 0, torch.int64),
+        repetition_penalty=rep,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        prompt_mask=settings.get("prompt_mask") if any_penalties else None,
+        output_counts=settings.get("output_counts") if any_penalties else None,
+        banned_rows=torch.tensor([r for r, _ in banned]) if banned else None,
+        banned_tokens=torch.tensor([t for _, t in banned]) if banned else None,
+        max_num_logprobs=settings.get("max_num_logprobs"),
+        all_greedy=bool((temperature == 0).all()),
+        any_penalties=any_penalties,
+        any_top_k_top_p=bool(((top_k > 0) & (top_k < vocab)).any() or (top_p < 1).any()),
+        any_min_p=bool((min_p > 0).any()),
+    )
+
+
+def expected_probs(
+    temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> list[float]:
+    """softmax(LOGITS_13 / T), then min_p, top-k, top-p masks, renormalised (float64)."""
+    scaled = [x / temperature for x in LOGITS_13]
+    peak = max(scaled)
+    weights = [math.exp(x - peak) for x in scaled]
+    weights = [w if w >= min_p * 1.0 else 0.0 for w in weights]  # w is p / p_max
+    order = sorted(range(len(weights)), key=lambda i: -weights[i])
+    if top_k > 0:
+        for i in order[top_k:]:
+            weights[i] = 0.0
+    if top_p < 1.0:
+        total, mass = sum(weights), 0.0
+        for rank, i in enumerate(order):
+            share = weights[i] / total
+            if rank > 0 and mass >= top_p:
+                weights[i] = 0.0
+            mass += share
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def chi2_critical(df: int) -> float:
+    """Wilson-Hilferty approximation of the chi-squared quantile at p = 0.001.
+
+    Within 1% of the exact value for df >= 3 (df=4: 18.72 vs 18.47) and conservative at
+    df=1 (11.16 vs 10.83)."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + Z_999 * math.sqrt(a)) ** 3
+
+
+def draw(vary: str = "positions", **settings: object) -> torch.Tensor:
+    """NUM_DRAWS samples from LOGITS_13, one per row, varying positions or seeds."""
+    logits = torch.tensor(LOGITS_13).expand(NUM_DRAWS, -1)
+    index = torch.arange(NUM_DRAWS, dtype=torch.int64)
+    if vary == "positions":
+        settings.update(seeds=1234, positions=index)
+    else:
+        settings.update(seeds=index * 7919 - 10**12, positions=77)
+    out = Sampler()(logits, make_meta(NUM_DRAWS, len(LOGITS_13), **settings))
+    return torch.bincount(out.sampled_token_ids, minlength=len(LOGITS_13))
+
+
+def chi2_statistic(counts: torch.Tensor, probs: list[float]) -> tuple[float, int]:
+    kept = [i for i, p in enumerate(probs) if p > 0]
+    stat = sum(
+        (counts[i].item() - NUM_DRAWS * probs[i]) ** 2 / (NUM_DRAWS * probs[i]) for i in kept
+    )
+    return stat, len(kept) - 1
+
+
+@pytest.mark.parametrize(
+    ("vary", "settings"),
+    [
+        ("positions", {"temperature": 0.7}),
+        ("positions", {"temperature": 1.5}),
+        ("seeds", {"temperature": 1.0}),
+        ("positions", {"temperature": 1.0, "top_k": 5}),
+        ("positions", {"temperature": 1.0, "top_p": 0.8}),
+        ("positions", {"temperature": 1.0, "min_p": 0.1}),
+        ("seeds", {"temperature": 0.9, "top_k": 8, "top_p": 0.9, "min_p": 0.05}),
+    ],
+)
+def test_samples_fit_masked_softmax(vary: str, settings: dict[str, float]) -> None:
+    """Guards against any bias in the sampling path: temperature applied as a multiply,
+    noise that is not Gumbel (e.g. uniform added to logits), masks computed on the wrong
+    distribution, correlated noise across positions or seeds, masked tokens drawn."""
+    counts = draw(vary, **settings)
+    probs = expected_probs(**settings)
+    assert all(counts[i] == 0 for i, p in enumerate(probs) if p == 0), counts.tolist()
+    stat, df = chi2_statistic(counts, probs)
+    assert df >= 2, "the setting must leave at least 3 tokens to test anything"
+    assert stat < chi2_critical(df), (stat, df, counts.tolist())
+
+
+def test_chi2_detects_a_wrong_distribution() -> None:
+    """Negative control: guards against a chi-squared check too weak to fail (few draws,
+    a loose critical value): T=1.5 draws must be rejected against the T=0.7 law."""
+    counts = draw(temperature=1.5)
+    stat, df = chi2_statistic(counts, expected_probs(temperature=0.7))
+    assert stat > chi2_critical(df), (stat, df)
+
+
+def test_greedy_rows_are_exact_argmax_in_mixed_batch() -> None:
+    """Guards against noise or temperature leaking into temperature-0 rows (near-ties
+    would flip) and against the all-greedy shortcut disagreeing with the mixed path."""
+    rows, vocab = 64, 1003
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(5)) * 0.01
+    temperature = torch.where(torch.arange(rows) % 2 == 0, 0.0, 1.0)
+    meta = make_meta(
+        rows,
+        vocab,
+        temperature=temperature,
+        top_p=0.95,
+        seeds=torch.arange(rows),
+        positions=torch.arange(rows) * 3,
+    )
+    sampled = Sampler()(logits, meta).sampled_token_ids
+    argmax = logits.argmax(dim=-1)
+    greedy = temperature == 0
+    assert torch.equal(sampled[greedy], argmax[greedy])
+    # With logits this flat the random rows must mostly leave the argmax.
+    assert (sampled[~greedy] != argmax[~greedy]).sum() > 25
+    all_greedy = Sampler()(logits, make_meta(rows, vocab, temperature=0.0))
+    assert torch.equal(all_greedy.sampled_token_ids, argmax)
+
+
+def test_seeded_row_is_batch_invariant() -> None:
+    """Guards against sampling that depends on batch composition (a shared generator, a
+    row-index-dependent hash, flags such as any_penalties changing a row's path): a
+    seeded request must reproduce wherever the scheduler puts it."""
+    vocab, targets = 1003, 40
+    g = torch.Generator().manual_seed(6)
+    target_logits = torch.randn(targets, vocab, generator=g)
+    settings = {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "min_p": 0.02}
+    seeds = torch.arange(targets) * 1_000_003 + 9
+    positions = torch.arange(targets) + 100
+    alone = [
+        Sampler()(
+            target_logits[i : i + 1],
+            make_meta(
+                1,
+                vocab,
+                seeds=seeds[i : i + 1],
+                positions=positions[i : i + 1],
+                **settings,
+            ),
+        ).sampled_token_ids.item()
+        for i in range(targets)
+    ]
+    assert len(set(alone)) > 10, "tokens must vary with the seed for the test to mean much"
+    others = torch.randn(targets, vocab, generator=g)
+    logits = torch.stack([target_logits, others], dim=1).reshape(2 * targets, vocab)
+    is_target = torch.arange(2 * targets) % 2 == 0
+
+    def mix(target: object, other: object) -> torch.Tensor:
+        t = torch.as_tensor(target).expand(targets)
+        return torch.stack([t, torch.as_tensor(other).expand(targets).to(t.dtype)], 1).flatten()
+
+    output_counts = torch.zeros(2 * targets, vocab, dtype=torch.int32)
+    output_counts[~is_target, :30] = 2
+    meta = make_meta(
+        2 * targets,
+        vocab,
+        temperature=mix(0.8, torch.tensor([0.0, 1.3]).repeat(targets // 2)),
+        top_k=mix(50, 0),
+        top_p=mix(0.9, 1.0),
+        min_p=mix(0.02, 0.0),
+        seeds=mix(seeds, seeds + 1),
+        positions=mix(positions, 5),
+        repetition_penalty=mix(1.0, 1.2),
+        frequency_penalty=mix(0.0, 0.5),
+        prompt_mask=torch.zeros(2 * targets, vocab, dtype=torch.bool),
+        output_counts=output_counts,
+        max_num_logprobs=3,
+    )
+    batched = Sampler()(logits, meta).sampled_token_ids[is_target]
+    assert batched.tolist() == alone
+
+
+def test_banned_tokens_are_never_sampled() -> None:
+    """Guards against min_tokens suppression failing: a banned EOS holding the max logit
+    must not be drawn (greedy or random), and a ban must not leak into other rows."""
+    rows, vocab, eos = 2000, 97, 13
+    # Every other logit ~ -1000: a ban that writes any finite value instead of -inf loses.
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(7)) - 1000.0
+    logits[:, eos] = 50.0
+    temperature = torch.where(torch.arange(rows) % 4 == 0, 0.0, 2.0)
+    banned = [(r, eos) for r in range(rows - 1)] + [(r, eos + 1) for r in range(0, rows, 3)]
+    meta = make_meta(
+        rows,
+        vocab,
+        temperature=temperature,
+        seeds=torch.arange(rows),
+        positions=torch.arange(rows),
+        banned=banned,
+    )
+    sampled = Sampler()(logits, meta).sampled_token_ids
+    assert (sampled[:-1] != eos).all()
+    assert (sampled[0 : rows - 1 : 3] != eos + 1).all()
+    assert sampled[-1] == eos, "the unbanned last row must still pick the dominant token"
+
+
+def test_penalties_apply_before_greedy_argmax() -> None:
+    """Guards against penalties being skipped for greedy rows (the greedy shortcut taken
+    on the raw logits) or applied to the wrong rows."""
+    logits = torch.tensor([[1.0, 0.8, -2.0, 0.1], [1.0, 0.8, -2.0, 0.1]])
+    counts = torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.int32)
+    meta = make_meta(
+        2,
+        4,
+        temperature=0.0,
+        repetition_penalty=[2.0, 1.0],
+        prompt_mask=torch.zeros(2, 4, dtype=torch.bool),
+        output_counts=counts,
+    )
+    assert Sampler()(logits, meta).sampled_token_ids.tolist() == [1, 0]
+
+
+def test_logprobs_are_raw_and_inputs_untouched() -> None:
+    """Guards against logprobs taken after temperature/penalties/bans (vLLM's default is
+    raw), column 0 not being the sampled token, and the sampler writing the caller's
+    logits in place (which would corrupt logits reused for prompt logprobs)."""
+    rows, vocab = 6, 1003
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(8)) * 2
+    before = logits.clone()
+    counts = torch.zeros(rows, vocab, dtype=torch.int32)
+    counts[:, :100] = 1
+    meta = make_meta(
+        rows,
+        vocab,
+        temperature=[0.0, 2.0, 0.5, 1.0, 3.0, 0.7],
+        top_k=20,
+        min_p=0.01,
+        presence_penalty=1.0,
+        repetition_penalty=1.5,
+        prompt_mask=torch.ones(rows, vocab, dtype=torch.bool),
+        output_counts=counts,
+        banned=[(1, 5), (2, 7)],
+        max_num_logprobs=4,
+        seeds=torch.arange(rows),
+        positions=torch.arange(rows),
+    )
+    out = Sampler()(logits, meta)
+    assert torch.equal(logits, before)
+    assert out.logprobs is not None and out.logprobs.token_ids.shape == (rows, 5)
+    assert torch.equal(out.logprobs.token_ids[:, 0], out.sampled_token_ids)
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    torch.testing.assert_close(
+        out.logprobs.logprobs.double(),
+        reference.gather(1, out.logprobs.token_ids),
+        atol=1e-5,
+        rtol=0,
+    )
+    assert torch.equal(out.logprobs.token_ids[:, 1:], reference.topk(4, dim=-1).indices)
+    no_logprobs = make_meta(rows, vocab, temperature=0.0)
+    assert Sampler()(logits.bfloat16(), no_logprobs).logprobs is None
