@@ -1,0 +1,152 @@
+"""The `pdserve` command line.
+
+    pdserve generate [--model M] [--prompt "..."] [--max-tokens N] [--temperature T]
+
+Subcommands arrive with their issues (`serve` with [cluster], `bench` and `contract` with
+[bench-contract]). Heavy imports happen inside the subcommand, so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+import time
+
+from pdserve.version import __version__
+
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF directory, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "mrv2", "reference"],
+        help="model runner; auto = mrv2 where supported (env PDSERVE_RUNNER)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving."
+    )
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    gen = sub.add_parser(
+        "generate",
+        help="complete one prompt offline and print the text",
+        description="Complete one prompt with the offline engine.",
+    )
+    gen.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"default: {DEFAULT_PROMPT!r}")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument(
+        "--raw",
+        action="store_true",
+        help="send the prompt as is instead of through the chat template",
+    )
+    _add_engine_args(gen)
+    return parser
+
+
+class _Spinner:
+    """A one-line progress indication on stderr while something slow runs."""
+
+    def __init__(self, message: str):
+        self.message = message
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        start, frames, i = time.monotonic(), "|/-\\", 0
+        while not self._stop.wait(0.2):
+            elapsed = time.monotonic() - start
+            sys.stderr.write(f"\r{frames[i % 4]} {self.message} ({elapsed:.0f} s)")
+            sys.stderr.flush()
+            i += 1
+
+    def __enter__(self) -> _Spinner:
+        if sys.stderr.isatty():
+            self._thread.start()
+        else:
+            sys.stderr.write(f"{self.message} ...\n")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)
+            sys.stderr.write("\r\033[K")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve.runner.llm import LLM
+    from pdserve.runner.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+    )
+    with _Spinner("loading model"):
+        llm = LLM(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=args.enable_prefix_caching,
+            runner=args.runner,
+            seed=args.seed,
+        )
+    tok = llm.get_tokenizer()
+    use_chat = not args.raw and tok is not None and getattr(tok, "chat_template", None)
+    sys.stderr.write(
+        f"model {llm.config.model.source} | runner {llm.runner_name} | "
+        f"device {llm.config.runner.device}\n"
+    )
+    if use_chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        out = llm.generate(args.prompt, params, use_tqdm=False)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return {"generate": cmd_generate}[args.command](args)
+    except ValueError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""The CLI a newcomer runs first, and the README/CI contract."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_generate_with_no_arguments_answers_on_the_bundled_model():
+    """The README's first command ends in `pdserve generate`: it must work with no flags."""
+    res = _run("generate", "--device", "cpu", "--max-model-len", "512")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "The capital of France is Paris."
+    assert "runner mrv2" in res.stderr and "loading model" in res.stderr
+
+
+def test_cli_errors_are_clear_and_nonzero():
+    res = _run("generate", "--model", "/no/such/model")
+    assert res.returncode == 2 and "unknown model '/no/such/model'" in res.stderr
+    res = _run("generate", "--temperature", "-1")
+    assert res.returncode == 2 and "temperature must be >= 0" in res.stderr
+    res = _run("--help")
+    assert res.returncode == 0 and "generate" in res.stdout
+
+
+def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
+    readme = (ROOT / "README.md").read_text()
+    setup = readme.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"```(?:bash|sh)\n(.*?)```", setup, re.S)
+    assert len(commands) == 2, "exactly two set-up commands"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert commands[1].strip() in ci, ".ci/run must run the README's test command verbatim"
