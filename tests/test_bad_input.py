@@ -95,3 +95,23 @@ def _drain(engine: Engine) -> dict[str, list[int]]:
         for d in engine.step():
             tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
     raise AssertionError("engine did not finish within 1000 steps")
+
+
+@pytest.mark.parametrize(
+    "kwargs, rule",
+    [
+        ({"block_size": 12}, "block_size must be a power of two"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
+        (
+            {"max_num_batched_tokens": 16, "enable_chunked_prefill": False},
+            "without chunked prefill, max_num_batched_tokens must be >= max_model_len",
+        ),
+        ({"max_model_len": 4096}, r"max_model_len \(4096\) must be <= the model's"),
+        ({"dtype": "int8"}, "dtype must be 'auto' or one of"),
+        ({"num_gpu_blocks": 3}, "cannot hold one request of max_model_len=64"),
+    ],
+)
+def test_bad_engine_config(tiny_qwen3_dir, kwargs, rule):
+    kwargs = {"max_model_len": 64, **kwargs}
+    with pytest.raises(ValueError, match=rule):
+        Engine.from_args(model=tiny_qwen3_dir, device="cpu", **kwargs)
