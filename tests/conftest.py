@@ -113,6 +113,30 @@ def tiny_qwen2_dir(tmp_path_factory) -> str:
     return _save_tiny(tmp_path_factory, "tiny-qwen2", cfg)
 
 
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory) -> str:
+    """Mistral without a sliding window: MHA (3 q / 3 kv heads), linear RoPE scaling."""
+    from transformers import MistralConfig
+
+    cfg = MistralConfig(
+        vocab_size=1001,
+        hidden_size=72,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        max_position_embeddings=512,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=["MistralForCausalLM"],
+    )
+    return _save_tiny(tmp_path_factory, "tiny-mistral", cfg)
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time (no padding), EOS suppressed for
     `max_new_tokens` like our min_tokens, so every output has exactly max_new_tokens."""

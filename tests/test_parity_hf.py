@@ -59,10 +59,12 @@ def test_bundled_model_chat_answers_paris():
     assert out.outputs[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize(
+    "fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_qwen2_dir", "tiny_mistral_dir"]
+)
 def test_tiny_random_models_match_transformers(fixture, request):
-    """Awkward shapes (head_dim 20/36, 1-3 kv heads, tied/untied, llama3/yarn RoPE, q/k norm,
-    qkv bias) through the paged path equal transformers token for token."""
+    """Awkward shapes (head_dim 20/36, 1-3 kv heads, MHA, tied/untied, llama3/yarn/linear
+    RoPE, q/k norm, qkv bias) through the paged path equal transformers token for token."""
     model_dir = request.getfixturevalue(fixture)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100)]
