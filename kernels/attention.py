@@ -57,6 +57,8 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [R_pad] int32
     scale: float,
     out: torch.Tensor,  # [T, Hq, D] out
+    max_query_len: int,  # host-known bounds: size grids without reading the device
+    max_seq_len: int,
 ) -> None:
     num_reqs = query_start_loc.numel() - 1
     qsl = query_start_loc.tolist()
@@ -105,7 +107,11 @@ def _decode_batch(q, kv_cache, block_tables, qsl, lens, rows, scale, out) -> Non
     out[tok] = o.squeeze(2)
 
 
-def paged_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out) -> None:
+def paged_attention(
+    q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out, max_query_len, max_seq_len
+) -> None:
     assert q.dim() == 3 and kv_cache.dim() == 5, "q is [T, Hq, D]; a layer's cache is 5-D"
     assert q.shape[1] % kv_cache.shape[3] == 0, "query heads must be a multiple of kv heads"
-    paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out)
+    paged_attention_ref(
+        q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out, max_query_len, max_seq_len
+    )

@@ -34,9 +34,8 @@ def compute_slot_mapping_ref(
     positions: torch.Tensor,  # [T_pad] int64
     block_size: int,
     out: torch.Tensor,  # [T_pad] int64 out: -1 for pad tokens
+    num_tokens: int,  # query_start_loc[R], known on the host
 ) -> None:
-    num_reqs = query_start_loc.numel() - 1
-    num_tokens = int(query_start_loc[num_reqs])
     tok = torch.arange(num_tokens, device=positions.device)
     row = torch.searchsorted(query_start_loc[1:].long(), tok, right=True)
     pos = positions[:num_tokens]
@@ -45,6 +44,8 @@ def compute_slot_mapping_ref(
     out[num_tokens:] = -1
 
 
-def compute_slot_mapping(block_tables, query_start_loc, positions, block_size, out) -> None:
+def compute_slot_mapping(
+    block_tables, query_start_loc, positions, block_size, out, num_tokens: int
+) -> None:
     assert out.numel() == positions.numel(), "slot mapping is one slot per (padded) token"
-    compute_slot_mapping_ref(block_tables, query_start_loc, positions, block_size, out)
+    compute_slot_mapping_ref(block_tables, query_start_loc, positions, block_size, out, num_tokens)

@@ -26,9 +26,9 @@ def prepare_inputs_ref(
     input_ids: torch.Tensor,  # [T_pad] int32 out
     positions: torch.Tensor,  # [T_pad] int64 out
     seq_lens: torch.Tensor,  # [R_pad] int32 out
+    num_tokens: int,  # query_start_loc[R], known on the host (no device read)
 ) -> None:
     num_reqs = idx_mapping.numel()
-    num_tokens = int(query_start_loc[num_reqs])
     row = _row_of_token(query_start_loc, num_tokens)
     qsl = query_start_loc.long()
     pos = num_computed_tokens.long()[row] + (torch.arange(num_tokens, device=row.device) - qsl[row])
@@ -42,12 +42,26 @@ def prepare_inputs_ref(
 
 
 def prepare_inputs(
-    idx_mapping, query_start_loc, num_computed_tokens, token_ids, input_ids, positions, seq_lens
+    idx_mapping,
+    query_start_loc,
+    num_computed_tokens,
+    token_ids,
+    input_ids,
+    positions,
+    seq_lens,
+    num_tokens: int,
 ) -> None:
     assert query_start_loc.numel() == idx_mapping.numel() + 1, "query_start_loc is [R + 1]"
     assert num_computed_tokens.numel() == idx_mapping.numel(), "one num_computed per row"
     prepare_inputs_ref(
-        idx_mapping, query_start_loc, num_computed_tokens, token_ids, input_ids, positions, seq_lens
+        idx_mapping,
+        query_start_loc,
+        num_computed_tokens,
+        token_ids,
+        input_ids,
+        positions,
+        seq_lens,
+        num_tokens,
     )
 
 

@@ -129,7 +129,7 @@ def test_paged_attention_matches_dense(hq, hk, d, bs):
     seq_lens = torch.tensor([c for c, _ in rows] + [0], dtype=torch.int32)
     q = torch.randn(int(qsl[-1]), hq, d)
     out = torch.full_like(q, float("nan"))
-    paged_attention(q, cache, tables, qsl, seq_lens, d**-0.5, out)
+    paged_attention(q, cache, tables, qsl, seq_lens, d**-0.5, out, max(qlens), int(seq_lens.max()))
     for r, ((_, ql), (k, v)) in enumerate(zip(rows, contexts)):
         ref = _dense_reference(q[qsl[r] : qsl[r + 1]], k, v, ql, d**-0.5)
         torch.testing.assert_close(out[qsl[r] : qsl[r + 1]], ref, rtol=0, atol=2e-6)
@@ -154,7 +154,7 @@ def test_prepare_inputs_slot_mapping_and_pads():
     computed = torch.tensor([7, 20], dtype=torch.int32)
     ids, pos = torch.full((6,), -9, dtype=torch.int32), torch.full((6,), -9)
     seq = torch.full((3,), -9, dtype=torch.int32)
-    prepare_inputs(idx, qsl, computed, token_ids, ids, pos, seq)
+    prepare_inputs(idx, qsl, computed, token_ids, ids, pos, seq, 4)
     assert ids.tolist() == [107, 108, 109, 20, 0, 0]
     assert pos.tolist() == [7, 8, 9, 20, 0, 0]
     assert seq.tolist() == [10, 21, 0]
@@ -162,7 +162,7 @@ def test_prepare_inputs_slot_mapping_and_pads():
     gather_block_tables(block_table, idx, bt)
     assert bt.tolist() == [block_table[2].tolist(), block_table[0].tolist(), [0] * 6]
     slots = torch.full((6,), -9)
-    compute_slot_mapping(bt, qsl, pos, 4, slots)
+    compute_slot_mapping(bt, qsl, pos, 4, slots, 4)
     # row 0: positions 7,8,9 -> blocks bt[0][1], bt[0][2]; row 1: position 20 -> bt[1][5]
     assert slots.tolist() == [14 * 4 + 3, 15 * 4 + 0, 15 * 4 + 1, 6 * 4 + 0, -1, -1]
 

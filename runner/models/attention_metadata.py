@@ -13,3 +13,5 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [R_pad] int32: context length of each row after this step
     block_tables: torch.Tensor  # [R_pad, max_blocks] int32: pad rows all zero
     slot_mapping: torch.Tensor  # [T_pad] int64: KV slot of each token, -1 for pads
+    max_query_len: int  # host-known bounds, so kernels size grids without a device read
+    max_seq_len: int

@@ -96,7 +96,15 @@ class Attention(nn.Module):
         write_kv(k, v, kv_cache, attn.slot_mapping)
         out = torch.empty_like(q)
         paged_attention(
-            q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, self.scale, out
+            q,
+            kv_cache,
+            attn.block_tables,
+            attn.query_start_loc,
+            attn.seq_lens,
+            self.scale,
+            out,
+            attn.max_query_len,
+            attn.max_seq_len,
         )
         return self.o_proj(out.reshape(t, self.q_size))
 

@@ -37,7 +37,12 @@ class InputBatch:
     @property
     def attn(self) -> AttentionMetadata:
         return AttentionMetadata(
-            self.query_start_loc, self.seq_lens, self.block_tables, self.slot_mapping
+            self.query_start_loc,
+            self.seq_lens,
+            self.block_tables,
+            self.slot_mapping,
+            max_query_len=int(np.diff(self.query_start_loc_np).max(initial=0)),
+            max_seq_len=int(self.seq_lens_np.max(initial=0)),
         )
 
 
@@ -81,10 +86,10 @@ class InputBuffers:
         seq_lens, slot_mapping = self.seq_lens[:r], self.slot_mapping[:t]
         block_tables = self.block_tables[:r]
         prepare_inputs(
-            idx_mapping, query_start_loc, computed, token_ids, input_ids, positions, seq_lens
+            idx_mapping, query_start_loc, computed, token_ids, input_ids, positions, seq_lens, t
         )
         gather_block_tables(block_table, idx_mapping, block_tables)
-        compute_slot_mapping(block_tables, query_start_loc, positions, block_size, slot_mapping)
+        compute_slot_mapping(block_tables, query_start_loc, positions, block_size, slot_mapping, t)
         return InputBatch(
             num_reqs=r,
             num_tokens=t,
