@@ -126,11 +126,19 @@ class RunnerConfig:
     runner: str = "mrv2"
     device: str = "cpu"
     seed: int = 0
+    # Plan step N+1 on the CPU while the device runs step N (default on CUDA).
+    async_scheduling: bool = False
+    # Uniform-decode batch sizes captured as FULL CUDA graphs; () = always eager.
+    cuda_graph_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _require(
             self.runner in ("mrv2", "reference"),
             f"resolved runner must be 'mrv2' or 'reference' (got {self.runner!r})",
+        )
+        _require(
+            all(s >= 1 for s in self.cuda_graph_sizes),
+            f"cuda_graph_sizes must be positive (got {self.cuda_graph_sizes})",
         )
         _require(
             self.device == "cpu" or self.device.startswith("cuda"),

@@ -72,6 +72,9 @@ def resolve_engine_config(
     num_gpu_blocks: int | None = None,
     kv_cache_memory_bytes: int | None = None,
     gpu_memory_utilization: float = 0.9,
+    async_scheduling: bool | None = None,
+    enforce_eager: bool = False,
+    cuda_graph_sizes: list[int] | None = None,
 ) -> EngineConfig:
     from transformers import AutoConfig
 
@@ -90,6 +93,15 @@ def resolve_engine_config(
             f"max_position_embeddings ({limit})"
         )
     runner_name = select_runner(runner, hf_config)
+    on_cuda = dev.startswith("cuda")
+    if async_scheduling is None:
+        async_scheduling = on_cuda
+    graphs: tuple[int, ...] = ()
+    if on_cuda and runner_name == "mrv2" and not enforce_eager:
+        from pdserve.runner.mrv2.cuda_graphs import default_capture_sizes
+
+        sizes = cuda_graph_sizes or default_capture_sizes(max_num_seqs)
+        graphs = tuple(sorted({s for s in sizes if s <= max_num_seqs}))
     return EngineConfig(
         model=ModelConfig(
             path=str(path),
@@ -111,5 +123,11 @@ def resolve_engine_config(
             max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
         ),
-        runner=RunnerConfig(runner=runner_name, device=dev, seed=seed),
+        runner=RunnerConfig(
+            runner=runner_name,
+            device=dev,
+            seed=seed,
+            async_scheduling=async_scheduling,
+            cuda_graph_sizes=graphs,
+        ),
     )

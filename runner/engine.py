@@ -18,9 +18,10 @@ from pdserve.runner.detokenizer import IncrementalDetokenizer, decode_token
 from pdserve.runner.kv_cache_manager import KVCacheManager
 from pdserve.runner.outputs import Logprob, LogprobDict, RequestDelta
 from pdserve.runner.request import Request, RequestStatus
-from pdserve.runner.runner_output import TopLogprobs
+from pdserve.runner.runner_output import ModelRunnerOutput, TopLogprobs
 from pdserve.runner.sampling_params import SamplingParams
 from pdserve.runner.scheduler import Scheduler
+from pdserve.runner.scheduler_output import SchedulerOutput
 from pdserve.runner.seeding import derive_seed
 from pdserve.runner.stop_checker import check_stop
 from pdserve.runner.tokenizer import eos_token_ids, load_tokenizer
@@ -60,7 +61,8 @@ class Engine:
                 "max_model_len or give the cache more memory"
             )
         self.kv = KVCacheManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.runner.async_scheduling)
+        self._inflight: tuple[SchedulerOutput, Any] | None = None  # async: step N on device
         self._tracks: dict[str, _Track] = {}
         self._pending: list[RequestDelta] = []
         self._num_arrivals = 0
@@ -150,16 +152,30 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._inflight)
 
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
+        """One engine step. Synchronous: schedule, run, emit. Async: schedule and launch step
+        N+1, then wait for step N's tokens and emit them, so the device is never idle while
+        the host plans (outputs arrive one step later)."""
         deltas, self._pending = self._pending, []
         so = self.scheduler.schedule()
-        if so.num_reqs == 0 and not so.finished_req_ids:
+        handle = None
+        if so.num_reqs or so.finished_req_ids:
+            handle = self.runner.execute(so)
+        if not self.config.runner.async_scheduling:
+            if handle is not None:
+                deltas += self._process(so, handle.get())
             return deltas
-        out = self.runner.execute(so)
+        previous, self._inflight = self._inflight, (so, handle) if so.num_reqs else None
+        if previous is not None:
+            deltas += self._process(previous[0], previous[1].get())
+        return deltas
+
+    def _process(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestDelta]:
+        deltas = []
         row_of = {rid: i for i, rid in enumerate(out.req_ids)}
         for rid, (first, entries) in out.prompt_logprobs.items():
             self._add_prompt_logprobs(rid, first, entries)

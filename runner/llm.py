@@ -154,6 +154,8 @@ class LLM:
                         remaining -= 1
                         if bar is not None:
                             bar.update(1)
+            while self.engine.has_unfinished():  # async: retire the step still in flight
+                self.engine.step()
         except BaseException:
             for child_id in child_to_parent:
                 self.engine.abort(child_id)  # leave the engine clean for the next call

@@ -18,7 +18,7 @@ import torch
 
 from pdserve.runner.config import EngineConfig
 from pdserve.runner.logprobs import prompt_logprobs, sampled_logprobs
-from pdserve.runner.runner_output import ModelRunnerOutput
+from pdserve.runner.runner_output import ModelRunnerOutput, ReadyHandle
 from pdserve.runner.sampler import Sampler
 from pdserve.runner.sampling_state import SamplingState
 from pdserve.runner.scheduler_output import NewRequestData, SchedulerOutput
@@ -63,7 +63,10 @@ class ReferenceRunner:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput) -> ReadyHandle:
+        return ReadyHandle(self._execute(so))
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in so.finished_req_ids:
             gone = self.live.pop(req_id, None)
             if gone is not None:
@@ -106,8 +109,8 @@ class ReferenceRunner:
         pen_rows = self.sampling.penalty_rows(slots)
         histories = [
             (
-                np.asarray(lives[r].tokens[: lives[r].num_prompt]),
-                np.asarray(lives[r].tokens[lives[r].num_prompt :]),
+                torch.tensor(lives[r].tokens[: lives[r].num_prompt], device=self.device),
+                torch.tensor(lives[r].tokens[lives[r].num_prompt :], device=self.device),
             )
             for r in pen_rows
         ]

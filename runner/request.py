@@ -52,6 +52,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens hit in the prefix cache at first schedule
     num_preemptions: int = 0
+    # Async scheduling: tokens sampled on the device but not yet seen by the host. The
+    # scheduler counts them as present, so the next step is planned before they arrive.
+    num_output_placeholders: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     # Chain hashes of this request's full blocks, filled in lazily by the KV cache manager.
@@ -68,6 +71,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_inflight(self) -> int:
+        return (
+            len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+        )
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -22,3 +22,13 @@ class ModelRunnerOutput:
     logprobs: list[TopLogprobs | None] = field(default_factory=list)
     # req_id -> (index in the prompt of the first target token, one entry per target)
     prompt_logprobs: dict[str, tuple[int, list[TopLogprobs]]] = field(default_factory=dict)
+
+
+class ReadyHandle:
+    """A step whose outputs are already on the host (the reference runner, CPU steps)."""
+
+    def __init__(self, output: ModelRunnerOutput):
+        self._output = output
+
+    def get(self) -> ModelRunnerOutput:
+        return self._output

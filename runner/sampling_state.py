@@ -8,6 +8,8 @@ the rows that ask for penalties, from token histories the caller supplies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -57,22 +59,40 @@ class SamplingState:
         slots: np.ndarray,  # [R] int: batch row -> slot
         positions: np.ndarray,  # [R] int: absolute position of the token each row samples
         num_outputs: np.ndarray,  # [R] int: tokens generated so far (min_tokens, penalties)
-        penalty_tokens: list[tuple[np.ndarray, np.ndarray]] | None = None,
-        # ^ per penalty row (in the order of `penalty_rows`): (prompt ids, output ids)
+        penalty_tokens: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        # ^ per penalty row (in the order of `penalty_rows`): (prompt ids, output ids) as
+        #   device tensors, so building penalty tables never reads the device
+        to_device: Callable[[np.ndarray], torch.Tensor] | None = None,
     ) -> SamplingMetadata:
+        """Gather the batch's rows; three packed host->device copies in all (floats, ints,
+        banned pairs), never one per field."""
         dev = self.device
-
-        def take(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a[slots]).to(dev)
-
+        to_device = to_device or (lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev))
         temp = self.temperature[slots]
         top_k, top_p, min_p = self.top_k[slots], self.top_p[slots], self.min_p[slots]
-        banned_rows, banned_tokens = [], []
-        for row, slot in enumerate(slots):
-            if num_outputs[row] < self.min_tokens[slot]:
-                for tok in self.stop_ids[slot]:
-                    banned_rows.append(row)
-                    banned_tokens.append(tok)
+        floats = to_device(
+            np.stack(
+                [
+                    temp,
+                    top_p,
+                    min_p,
+                    self.repetition_penalty[slots],
+                    self.presence_penalty[slots],
+                    self.frequency_penalty[slots],
+                ]
+            ).astype(np.float32)
+        )
+        ints = to_device(
+            np.stack(
+                [self.seeds[slots], np.asarray(positions, dtype=np.int64), top_k.astype(np.int64)]
+            )
+        )
+        banned_rows = banned_tokens = None
+        blocked = np.nonzero(num_outputs < self.min_tokens[slots])[0]
+        pairs = [(row, tok) for row in blocked.tolist() for tok in self.stop_ids[slots[row]]]
+        if pairs:
+            packed = to_device(np.asarray(pairs, dtype=np.int64).T.copy())
+            banned_rows, banned_tokens = packed[0], packed[1]
         num_lp = self.num_logprobs[slots]
         prompt_mask = output_counts = None
         pen_rows = self.penalty_rows(slots)
@@ -84,27 +104,25 @@ class SamplingState:
             prompt_mask = torch.zeros(r, self.vocab_size, dtype=torch.bool, device=dev)
             output_counts = torch.zeros(r, self.vocab_size, dtype=torch.int32, device=dev)
             for row, (prompt_ids, output_ids) in zip(pen_rows, penalty_tokens, strict=True):
-                prompt_mask[row, torch.as_tensor(prompt_ids, dtype=torch.long, device=dev)] = True
-                out = torch.as_tensor(output_ids, dtype=torch.long, device=dev)
-                output_counts[row].scatter_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+                prompt_mask[int(row)].index_fill_(0, prompt_ids.to(dev).long(), True)
+                out = output_ids.to(dev).long()
+                output_counts[int(row)].scatter_add_(
+                    0, out, torch.ones_like(out, dtype=torch.int32)
+                )
         return SamplingMetadata(
-            temperature=torch.from_numpy(temp).to(dev),
-            top_k=torch.from_numpy(top_k).to(dev),
-            top_p=torch.from_numpy(top_p).to(dev),
-            min_p=torch.from_numpy(min_p).to(dev),
-            seeds=take(self.seeds),
-            positions=torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(dev),
-            repetition_penalty=take(self.repetition_penalty),
-            presence_penalty=take(self.presence_penalty),
-            frequency_penalty=take(self.frequency_penalty),
+            temperature=floats[0],
+            top_k=ints[2].to(torch.int32),
+            top_p=floats[1],
+            min_p=floats[2],
+            seeds=ints[0],
+            positions=ints[1],
+            repetition_penalty=floats[3],
+            presence_penalty=floats[4],
+            frequency_penalty=floats[5],
             prompt_mask=prompt_mask,
             output_counts=output_counts,
-            banned_rows=(
-                torch.tensor(banned_rows, dtype=torch.long, device=dev) if banned_rows else None
-            ),
-            banned_tokens=(
-                torch.tensor(banned_tokens, dtype=torch.long, device=dev) if banned_tokens else None
-            ),
+            banned_rows=banned_rows,
+            banned_tokens=banned_tokens,
             max_num_logprobs=int(num_lp.max()) if (num_lp >= 0).any() else None,
             all_greedy=bool((temp == 0).all()),
             any_penalties=bool(len(pen_rows)),

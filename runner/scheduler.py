@@ -7,6 +7,10 @@ longer than the remaining budget is chunked. When blocks run out, the most recen
 admitted request that is not already in this step is preempted by recompute: its blocks
 are freed (they stay in the prefix cache) and it waits again with prompt + output as its
 new prompt. This file is central: keep it to this loop; policy pieces live beside it.
+
+With async scheduling, step N+1 is planned while step N runs: a request that samples in
+step N holds an output placeholder until its token reaches the host, and counts it as a
+token when planning (its KV slot is allocated; its value is only on the device).
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from pdserve.runner.scheduler_output import CachedRequestData, NewRequestData, S
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, async_scheduling: bool = False):
         self.config = config
         self.kv = kv
+        self.async_scheduling = async_scheduling
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -87,13 +92,15 @@ class Scheduler:
         scheduled: set[str] = set()
         preempted_any = False
         # Decodes first, then partial prefills; each group keeps admission order.
-        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        order = sorted(
+            self.running, key=lambda r: r.num_tokens_with_inflight - r.num_computed_tokens > 1
+        )
         for req in order:
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens_with_inflight - req.num_computed_tokens, budget)
             assert num_new > 0, f"running request {req.request_id} has nothing to compute"
             new_blocks, preempted = self._allocate_or_preempt(req, num_new, scheduled)
             preempted_any |= preempted
@@ -113,6 +120,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            if req.num_output_placeholders:
+                break  # preempted with a token in flight: re-admit once its value is known
             hit_blocks, num_hit = [], 0
             if req.params.prompt_logprobs is None:  # prompt logprobs need every position
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
@@ -147,7 +156,10 @@ class Scheduler:
         out.finished_req_ids = self._free_in_runner
         self._free_in_runner = set()
         for req_id, n in out.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
+            req = self.requests[req_id]
+            req.num_computed_tokens += n
+            if self.async_scheduling and req.num_computed_tokens >= req.num_tokens_with_inflight:
+                req.num_output_placeholders += 1  # this step samples a token for it
         return out
 
     def _allocate_or_preempt(
@@ -180,14 +192,18 @@ class Scheduler:
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
         """Record computed tokens and append sampled ones; returns requests that got a token
-        (stop checks are the caller's). Requests finished meanwhile are skipped."""
+        (stop checks are the caller's). Requests finished meanwhile are skipped; a request
+        preempted after this step was planned still receives its token."""
         got_token = []
         for req_id, token in zip(out.req_ids, out.sampled_token_ids, strict=True):
             req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None:
                 continue
-            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if req.status == RequestStatus.RUNNING:
+                self.kv.cache_blocks(req, req.num_computed_tokens)
             if token is not None:
+                if self.async_scheduling:
+                    req.num_output_placeholders -= 1
                 req.append_output_token(token)
                 got_token.append(req)
         return got_token

@@ -5,10 +5,22 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
 
+def _cuda_present() -> bool:
+    # Decided before torch or triton is imported: Triton reads TRITON_INTERPRET when a
+    # kernel is defined, so the interpreter must be chosen before any kernel module loads.
+    return os.path.exists("/dev/nvidia0") or bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+if not _cuda_present():
+    # No GPU (CI, dev boxes): Triton kernels run through the interpreter on CPU tensors.
+    # Model runs on CPU never launch Triton (CPU tensors take the torch reference path).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
 torch.set_num_threads(min(4, os.cpu_count() or 1))
 
 

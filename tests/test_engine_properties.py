@@ -23,9 +23,10 @@ op = st.one_of(
 )
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_qwen3_dir) -> Engine:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def engine(tiny_qwen3_dir, request) -> Engine:
     return Engine.from_args(
+        async_scheduling=request.param,
         model=tiny_qwen3_dir,
         device="cpu",
         max_model_len=56,

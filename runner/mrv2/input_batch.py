@@ -2,7 +2,9 @@
 
 Buffers are allocated once at their maximum size and sliced per step, so their device
 addresses never change (a CUDA graph captured over them stays valid). The CPU supplies
-only `idx_mapping`, `query_start_loc` and `num_computed_tokens`.
+only `idx_mapping`, `query_start_loc` and `num_computed_tokens`, in one packed copy into
+a persistent device buffer. A batch may be padded to a CUDA-graph size: pad rows get one
+pad token each (input id 0, position 0, slot -1), `seq_len` 0 and a zero block-table row.
 """
 
 from __future__ import annotations
@@ -15,24 +17,33 @@ import torch
 from pdserve.kernels.block_table import compute_slot_mapping, gather_block_tables
 from pdserve.kernels.input_prep import prepare_inputs
 from pdserve.runner.models.attention_metadata import AttentionMetadata
+from pdserve.runner.mrv2.host_ring import HostRing
 
 
 @dataclass
 class InputBatch:
     num_reqs: int
     num_tokens: int
+    num_reqs_padded: int  # == num_reqs unless padded to a CUDA-graph size
+    num_tokens_padded: int
     idx_mapping: torch.Tensor  # [R] int32: batch row -> slot
-    query_start_loc: torch.Tensor  # [R + 1] int32
+    query_start_loc: torch.Tensor  # [R_pad + 1] int32 (pad rows: one token each)
     num_computed_tokens: torch.Tensor  # [R] int32
-    input_ids: torch.Tensor  # [T] int32
-    positions: torch.Tensor  # [T] int64
-    seq_lens: torch.Tensor  # [R] int32
-    slot_mapping: torch.Tensor  # [T] int64, -1 for pads
-    block_tables: torch.Tensor  # [R, max_blocks] int32
+    input_ids: torch.Tensor  # [T_pad] int32
+    positions: torch.Tensor  # [T_pad] int64
+    seq_lens: torch.Tensor  # [R_pad] int32
+    slot_mapping: torch.Tensor  # [T_pad] int64, -1 for pads
+    block_tables: torch.Tensor  # [R_pad, max_blocks] int32
     logits_indices: torch.Tensor  # [R] int64: last token of each row
     # Host copies the CPU already had (no device->host sync needed to read them).
     seq_lens_np: np.ndarray  # [R]
     query_start_loc_np: np.ndarray  # [R + 1]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def is_uniform_decode(self) -> bool:
+        return self.max_query_len == 1
 
     @property
     def attn(self) -> AttentionMetadata:
@@ -41,8 +52,8 @@ class InputBatch:
             self.seq_lens,
             self.block_tables,
             self.slot_mapping,
-            max_query_len=int(np.diff(self.query_start_loc_np).max(initial=0)),
-            max_seq_len=int(self.seq_lens_np.max(initial=0)),
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
         )
 
 
@@ -50,9 +61,18 @@ class InputBuffers:
     """Persistent, fixed-address buffers sized for the largest step."""
 
     def __init__(
-        self, max_num_reqs: int, max_num_tokens: int, max_blocks: int, device: torch.device
+        self,
+        max_num_reqs: int,
+        max_num_tokens: int,
+        max_blocks: int,
+        device: torch.device,
+        ring: HostRing | None = None,
     ):
         self.device = device
+        self.max_num_reqs = n = max_num_reqs
+        self.ring = ring or HostRing(device)
+        # [3n + 1] int32: idx_mapping [0, n) | query_start_loc [n, 2n + 1) | computed [2n + 1, 3n + 1)
+        self.step_inputs = torch.zeros(3 * n + 1, dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
@@ -67,32 +87,48 @@ class InputBuffers:
         token_ids: torch.Tensor,
         block_table: torch.Tensor,
         block_size: int,
+        num_reqs_padded: int | None = None,
     ) -> InputBatch:
+        n = self.max_num_reqs
         r = len(slots)
-        qsl = np.zeros(r + 1, dtype=np.int32)
+        r_pad = num_reqs_padded or r
+        qsl = np.zeros(r + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=qsl[1:])
         t = int(qsl[-1])
-        # One host->device copy of the step's small inputs, from a fresh array (never the
-        # persistent per-slot arrays, which the CPU may change while the copy is in flight).
-        packed = torch.from_numpy(np.concatenate([slots, qsl, num_computed]).astype(np.int32))
-        if self.device.type == "cuda":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
-        idx_mapping, query_start_loc, computed = (
-            packed[:r],
-            packed[r : 2 * r + 1],
-            packed[2 * r + 1 :],
-        )
-        input_ids, positions = self.input_ids[:t], self.positions[:t]
-        seq_lens, slot_mapping = self.seq_lens[:r], self.slot_mapping[:t]
-        block_tables = self.block_tables[:r]
+        t_pad = t + (r_pad - r)  # one pad token per pad row
+        host = np.zeros(3 * n + 1, dtype=np.int32)
+        host[:r] = slots
+        host[n : n + r + 1] = qsl
+        host[n + r + 1 : n + r_pad + 1] = t + np.arange(1, r_pad - r + 1)
+        host[2 * n + 1 : 2 * n + 1 + r] = num_computed
+        # One host->device copy, through the pinned ring (never from persistent state).
+        self.ring.to_device(host, out=self.step_inputs)
+        buf = self.step_inputs
+        idx_mapping, computed = buf[:r], buf[2 * n + 1 : 2 * n + 1 + r]
+        query_start_loc = buf[n : n + r_pad + 1]
+        input_ids, positions = self.input_ids[:t_pad], self.positions[:t_pad]
+        seq_lens, slot_mapping = self.seq_lens[:r_pad], self.slot_mapping[:t_pad]
+        block_tables = self.block_tables[:r_pad]
         prepare_inputs(
-            idx_mapping, query_start_loc, computed, token_ids, input_ids, positions, seq_lens, t
+            idx_mapping,
+            query_start_loc[: r + 1],
+            computed,
+            token_ids,
+            input_ids,
+            positions,
+            seq_lens,
+            t,
         )
         gather_block_tables(block_table, idx_mapping, block_tables)
-        compute_slot_mapping(block_tables, query_start_loc, positions, block_size, slot_mapping, t)
+        compute_slot_mapping(
+            block_tables, query_start_loc[: r + 1], positions, block_size, slot_mapping, t
+        )
+        seq_lens_np = num_computed + num_scheduled
         return InputBatch(
             num_reqs=r,
             num_tokens=t,
+            num_reqs_padded=r_pad,
+            num_tokens_padded=t_pad,
             idx_mapping=idx_mapping,
             query_start_loc=query_start_loc,
             num_computed_tokens=computed,
@@ -101,7 +137,9 @@ class InputBuffers:
             seq_lens=seq_lens,
             slot_mapping=slot_mapping,
             block_tables=block_tables,
-            logits_indices=(query_start_loc[1:] - 1).long(),
-            seq_lens_np=num_computed + num_scheduled,
+            logits_indices=(query_start_loc[1 : r + 1] - 1).long(),
+            seq_lens_np=seq_lens_np,
             query_start_loc_np=qsl,
+            max_query_len=int(num_scheduled.max(initial=0)),
+            max_seq_len=int(seq_lens_np.max(initial=0)),
         )

@@ -1,30 +1,68 @@
 """The MRV2 model runner: one step is a recipe over slot state (DESIGN §3).
 
 finish -> free -> add -> update -> apply staged writes -> prepare inputs -> forward ->
-sample -> post-update. This file is central; keep it lean: model specifics go to
-ModelState, kernels to `kernels/`, per-slot bookkeeping to RequestState.
+sample -> post-update. `execute` only enqueues device work and returns a handle; the
+host reads the step's tokens when it calls `handle.get()` (async scheduling plans the
+next step first). This file is central; keep it lean: model specifics go to ModelState,
+kernels to `kernels/`, per-slot bookkeeping to RequestState, graphs to cuda_graphs.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pdserve.kernels.input_prep import post_update
+from pdserve.kernels.sampling import topk_logprobs
 from pdserve.runner.config import EngineConfig
-from pdserve.runner.logprobs import prompt_logprobs, sampled_logprobs
+from pdserve.runner.logprobs import rows_to_top_logprobs, sampled_logprobs
 from pdserve.runner.models.loader import load_model
+from pdserve.runner.mrv2.cuda_graphs import CudaGraphs
+from pdserve.runner.mrv2.host_ring import DeviceToHost, HostRing, PendingHost
 from pdserve.runner.mrv2.input_batch import InputBatch, InputBuffers
 from pdserve.runner.mrv2.kv_cache import allocate_kv_cache, bytes_per_block, choose_num_blocks
 from pdserve.runner.mrv2.model_state import GQAModelState, ModelState
 from pdserve.runner.mrv2.request_state import RequestState
-from pdserve.runner.runner_output import ModelRunnerOutput, TopLogprobs
-from pdserve.runner.sampler import Sampler
+from pdserve.runner.runner_output import ModelRunnerOutput
+from pdserve.runner.sampler import LogprobsTensors, Sampler
 from pdserve.runner.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepHandle:
+    """A step in flight: the host-side facts are known now, the device outputs later."""
+
+    req_ids: list[str]
+    sample_mask: np.ndarray  # [R] bool: rows whose sample is kept
+    sampled: PendingHost | None
+    logprob_ks: list[int] = field(default_factory=list)
+    logprobs: tuple[PendingHost, PendingHost, PendingHost] | None = None
+    prompt: list[tuple[str, int, int, tuple[PendingHost, PendingHost, PendingHost]]] = field(
+        default_factory=list
+    )  # (req_id, first target index, k, tensors)
+
+    def get(self) -> ModelRunnerOutput:
+        if self.sampled is None:
+            return ModelRunnerOutput([], [])
+        sampled = self.sampled.fetch().tolist()
+        lp = None
+        if self.logprobs is not None:
+            lp = LogprobsTensors(*(p.fetch() for p in self.logprobs))
+        prompt_lps = {}
+        for req_id, first, k, tensors in self.prompt:
+            ids, vals, ranks = (p.fetch() for p in tensors)
+            prompt_lps[req_id] = (first, rows_to_top_logprobs(ids, vals, ranks, [k] * len(ids)))
+        return ModelRunnerOutput(
+            req_ids=self.req_ids,
+            sampled_token_ids=[t if keep else None for t, keep in zip(sampled, self.sample_mask)],
+            logprobs=sampled_logprobs(lp, self.logprob_ks, self.sample_mask),
+            prompt_logprobs=prompt_lps,
+        )
 
 
 class MRV2ModelRunner:
@@ -63,24 +101,39 @@ class MRV2ModelRunner:
             self.num_blocks * per_block / 2**20,
         )
         max_reqs = config.scheduler.max_num_seqs
+        self.ring = HostRing(self.device)
+        self.to_host = DeviceToHost(self.device)
         self.state = RequestState(
             max_reqs,
             config.model.max_model_len + 1,
             config.max_blocks_per_request,
             config.model.vocab_size,
             self.device,
+            self.ring,
         )
         self.buffers = InputBuffers(
             max_reqs,
             config.scheduler.max_num_batched_tokens,
             config.max_blocks_per_request,
             self.device,
+            self.ring,
         )
         self.model_state = model_state or GQAModelState()
         self.sampler = Sampler()
+        self.graphs: CudaGraphs | None = None
+        sizes = config.runner.cuda_graph_sizes
+        if self.device.type == "cuda" and sizes:
+            self.graphs = CudaGraphs(
+                self.model,
+                self.buffers,
+                self.kv_caches,
+                list(sizes),
+                config.model.max_model_len + 1,
+            )
+            self.graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput) -> StepHandle:
         st = self.state
         for req_id in so.finished_req_ids:
             slot = st.req_to_slot.get(req_id)
@@ -94,46 +147,74 @@ class MRV2ModelRunner:
         st.apply_staged_writes()
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
-            return ModelRunnerOutput([], [])
+            return StepHandle([], np.zeros(0, dtype=bool), None)
 
-        slots = np.array([st.req_to_slot[r] for r in req_ids], dtype=np.int64)
-        num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64)
-        num_computed = st.num_computed_tokens[slots].copy()
+        slots = np.fromiter(
+            (st.req_to_slot[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
+        )
+        num_scheduled = np.fromiter(
+            so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids)
+        )
+        num_computed = st.num_computed_tokens[slots]
+        uniform_decode = so.total_num_scheduled_tokens == len(req_ids)
+        graph_size = (
+            self.graphs.padded_size(len(req_ids))
+            if (self.graphs is not None and uniform_decode)
+            else None
+        )
         batch = self.buffers.build(
-            slots, num_scheduled, num_computed, st.token_ids, st.block_table, self.block_size
+            slots,
+            num_scheduled,
+            num_computed,
+            st.token_ids,
+            st.block_table,
+            self.block_size,
+            graph_size,
         )
         self.model_state.prepare(batch)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
-        self.model_state.post_forward(batch, hidden)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if graph_size is not None:
+            logits = self.graphs.replay(graph_size)[: batch.num_reqs]
+            hidden = None
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+            self.model_state.post_forward(batch, hidden)
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
 
         seq_lens = batch.seq_lens_np
-        sample_mask = seq_lens >= st.num_tokens[slots]
-        num_outputs = st.num_tokens[slots] - st.num_prompt_tokens[slots]
+        num_tokens = st.num_tokens[slots]
+        sample_mask = seq_lens >= num_tokens
         penalty_rows = st.sampling.penalty_rows(slots)
         meta = st.sampling.metadata(
             slots,
             seq_lens,
-            num_outputs,
-            [st.token_history(int(slots[r])) for r in penalty_rows] if len(penalty_rows) else None,
+            num_tokens - st.num_prompt_tokens[slots],
+            [st.token_history(int(slots[r])) for r in penalty_rows] or None,
+            to_device=self.ring.to_device,
         )
         out = self.sampler(logits, meta)
-        mask = torch.from_numpy(sample_mask).to(self.device)
-        post_update(batch.idx_mapping, out.sampled_token_ids, batch.seq_lens, mask, st.token_ids)
+        mask = self.ring.to_device(sample_mask)
+        post_update(
+            batch.idx_mapping,
+            out.sampled_token_ids,
+            batch.seq_lens[: batch.num_reqs],
+            mask,
+            st.token_ids,
+        )
         st.num_computed_tokens[slots] = seq_lens
         st.num_tokens[slots] += sample_mask
 
-        prompt_lps = self._prompt_logprobs(req_ids, slots, batch, hidden, num_computed)
-        sampled = out.sampled_token_ids.tolist()  # the one device->host sync of the step
-        row_lps = sampled_logprobs(
-            out.logprobs, self.state.sampling.num_logprobs[slots].tolist(), sample_mask
-        )
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            sampled_token_ids=[t if keep else None for t, keep in zip(sampled, sample_mask)],
-            logprobs=row_lps,
-            prompt_logprobs=prompt_lps,
-        )
+        handle = StepHandle(req_ids, sample_mask, self.to_host.copy(out.sampled_token_ids))
+        if out.logprobs is not None:
+            handle.logprob_ks = st.sampling.num_logprobs[slots].tolist()
+            lp = out.logprobs
+            handle.logprobs = (
+                self.to_host.copy(lp.token_ids),
+                self.to_host.copy(lp.logprobs),
+                self.to_host.copy(lp.ranks),
+            )
+        if hidden is not None:
+            handle.prompt = self._prompt_logprobs(req_ids, slots, batch, hidden, num_computed)
+        return handle
 
     def _prompt_logprobs(
         self,
@@ -142,8 +223,8 @@ class MRV2ModelRunner:
         batch: InputBatch,
         hidden: torch.Tensor,
         num_computed: np.ndarray,
-    ) -> dict[str, tuple[int, list[TopLogprobs]]]:
-        st, result = self.state, {}
+    ):
+        st, result = self.state, []
         wanted = st.sampling.num_prompt_logprobs[slots]
         for row in np.nonzero(wanted >= 0)[0]:
             slot, start = int(slots[row]), int(num_computed[row])
@@ -154,6 +235,10 @@ class MRV2ModelRunner:
                 continue
             first = int(batch.query_start_loc_np[row])
             logits = self.model.compute_logits(hidden[first : first + end - start])
-            targets = st.token_ids[slot, start + 1 : end + 1]
-            result[req_ids[row]] = (start + 1, prompt_logprobs(logits, targets, int(wanted[row])))
+            targets = st.token_ids[slot, start + 1 : end + 1].long()
+            k = int(wanted[row])
+            tensors = topk_logprobs(logits, k, targets)
+            result.append(
+                (req_ids[row], start + 1, k, tuple(self.to_host.copy(t) for t in tensors))
+            )
         return result

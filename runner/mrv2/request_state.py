@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pdserve.runner.mrv2.host_ring import HostRing
 from pdserve.runner.mrv2.staged_writes import StagedWrites
 from pdserve.runner.sampling_state import SamplingState
 from pdserve.runner.scheduler_output import CachedRequestData, NewRequestData
@@ -24,6 +25,7 @@ class RequestState:
         max_blocks: int,
         vocab_size: int,
         device: torch.device,
+        ring: HostRing | None = None,
     ):
         self.max_num_reqs = max_num_reqs
         self.device = device
@@ -36,8 +38,8 @@ class RequestState:
         self.token_ids = torch.zeros(max_num_reqs, max_len, dtype=torch.int32, device=device)
         # [max_num_reqs, max_blocks] int32: KV block ids of each slot's request.
         self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32, device=device)
-        self.token_writes = StagedWrites(self.token_ids)
-        self.block_writes = StagedWrites(self.block_table)
+        self.token_writes = StagedWrites(self.token_ids, ring)
+        self.block_writes = StagedWrites(self.block_table, ring)
         # Host counters per slot.
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # known to exist, sampled or not
@@ -87,8 +89,8 @@ class RequestState:
         self.token_writes.apply()
         self.block_writes.apply()
 
-    def token_history(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """(prompt ids, output ids) of a slot, read back from the device table."""
+    def token_history(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt ids, output ids) of a slot as device views of the token table; the bounds
+        are host counters, so nothing is read back from the device."""
         n, p = int(self.num_tokens[slot]), int(self.num_prompt_tokens[slot])
-        toks = self.token_ids[slot, :n].cpu().numpy()
-        return toks[:p], toks[p:]
+        return self.token_ids[slot, :p], self.token_ids[slot, p:n]

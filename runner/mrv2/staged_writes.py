@@ -14,12 +14,16 @@ import numpy as np
 import torch
 
 from pdserve.kernels.staged_write import apply_staged_writes
+from pdserve.runner.mrv2.host_ring import HostRing
+
+_NP_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
 
 
 class StagedWrites:
-    def __init__(self, table: torch.Tensor):
+    def __init__(self, table: torch.Tensor, ring: HostRing | None = None):
         assert table.dim() == 2, "staged writes target a 2-D [rows, width] table"
         self.table = table
+        self.ring = ring or HostRing(table.device)
         self._pending: dict[int, list[tuple[int, np.ndarray]]] = {}
 
     @property
@@ -66,13 +70,11 @@ class StagedWrites:
                 lens.append(vals.size)
                 chunks.append(vals)
         self._pending.clear()
-        device = self.table.device
         cu = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
-        meta = torch.from_numpy(np.concatenate([np.asarray(rows), np.asarray(starts), cu]))
-        values = torch.from_numpy(np.concatenate(chunks)).to(self.table.dtype)
-        if device.type == "cuda":
-            meta = meta.pin_memory().to(device, non_blocking=True)
-            values = values.pin_memory().to(device, non_blocking=True)
+        meta = self.ring.to_device(np.concatenate([np.asarray(rows), np.asarray(starts), cu]))
+        values = self.ring.to_device(
+            np.concatenate(chunks).astype(_NP_DTYPES[self.table.dtype], copy=False)
+        )
         w = len(rows)
         apply_staged_writes(self.table, meta[:w], meta[w : 2 * w], meta[2 * w :], values)
