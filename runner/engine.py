@@ -9,6 +9,7 @@ queued, so one bad request never disturbs the others.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,20 @@ from pdserve.runner.stop_checker import check_stop
 from pdserve.runner.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """Where the host's time goes: `cpu_s` is time in `step()` not spent waiting for the
+    device; `wait_s` is time blocked on a step's outputs."""
+
+    num_steps: int = 0
+    cpu_s: float = 0.0
+    wait_s: float = 0.0
+
+    @property
+    def cpu_ms_per_step(self) -> float:
+        return 1e3 * self.cpu_s / max(self.num_steps, 1)
 
 
 @dataclass
@@ -63,6 +78,7 @@ class Engine:
         self.kv = KVCacheManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.runner.async_scheduling)
         self._inflight: tuple[SchedulerOutput, Any] | None = None  # async: step N on device
+        self.stats = StepStats()
         self._tracks: dict[str, _Track] = {}
         self._pending: list[RequestDelta] = []
         self._num_arrivals = 0
@@ -160,18 +176,25 @@ class Engine:
         """One engine step. Synchronous: schedule, run, emit. Async: schedule and launch step
         N+1, then wait for step N's tokens and emit them, so the device is never idle while
         the host plans (outputs arrive one step later)."""
+        start = time.perf_counter()
         deltas, self._pending = self._pending, []
         so = self.scheduler.schedule()
         handle = None
         if so.num_reqs or so.finished_req_ids:
             handle = self.runner.execute(so)
         if not self.config.runner.async_scheduling:
-            if handle is not None:
-                deltas += self._process(so, handle.get())
-            return deltas
-        previous, self._inflight = self._inflight, (so, handle) if so.num_reqs else None
-        if previous is not None:
-            deltas += self._process(previous[0], previous[1].get())
+            ready = (so, handle) if handle is not None else None
+        else:
+            ready, self._inflight = self._inflight, (so, handle) if so.num_reqs else None
+        wait = 0.0
+        if ready is not None:
+            t = time.perf_counter()
+            out = ready[1].get()
+            wait = time.perf_counter() - t
+            deltas += self._process(ready[0], out)
+        self.stats.num_steps += 1
+        self.stats.wait_s += wait
+        self.stats.cpu_s += time.perf_counter() - start - wait
         return deltas
 
     def _process(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestDelta]:

@@ -21,6 +21,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Device the engine tests run on: "cpu" in CI; "cuda" on the GPU machine runs the same
+# parity and self-consistency tests through the Triton / async / CUDA-graph path.
+DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
+
 torch.set_num_threads(min(4, os.cpu_count() or 1))
 
 
@@ -149,16 +153,43 @@ def tiny_mistral_dir(tmp_path_factory) -> str:
     return _save_tiny(tmp_path_factory, "tiny-mistral", cfg)
 
 
+@pytest.fixture(scope="session")
+def qwen3_shaped_dir(tmp_path_factory) -> str:
+    """Qwen3-0.6B's shape (hidden 1024, 16 q / 8 kv heads of 128, vocab 151,936, tied) with
+    4 of its 28 layers: the real kernel shapes at a size CI can afford."""
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(
+        vocab_size=151_936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        initializer_range=0.05,
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    return _save_tiny(tmp_path_factory, "qwen3-shaped", cfg)
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time (no padding), EOS suppressed for
     `max_new_tokens` like our min_tokens, so every output has exactly max_new_tokens."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.to(DEVICE).eval()
     outs = []
     with torch.inference_mode():
         for ids in prompts:
-            x = torch.tensor([ids])
+            x = torch.tensor([ids], device=DEVICE)
             y = model.generate(
                 x,
                 attention_mask=torch.ones_like(x),

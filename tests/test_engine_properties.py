@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from conftest import DEVICE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +29,7 @@ def engine(tiny_qwen3_dir, request) -> Engine:
     return Engine.from_args(
         async_scheduling=request.param,
         model=tiny_qwen3_dir,
-        device="cpu",
+        device=DEVICE,
         max_model_len=56,
         block_size=4,
         num_gpu_blocks=NUM_BLOCKS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import hf_greedy
+from conftest import DEVICE, hf_greedy
 
 from pdserve import LLM, SamplingParams
 
@@ -33,7 +33,7 @@ def _greedy(n: int) -> SamplingParams:
 def test_smollm2_batch_matches_transformers(smollm_dir):
     """Guards against any numeric or indexing bug in the paged forward pass (RoPE offsets,
     GQA head mapping, block tables, chunk boundaries) on the real bundled model."""
-    llm = LLM(model=smollm_dir, device="cpu", max_model_len=1024, seed=0)
+    llm = LLM(model=smollm_dir, device=DEVICE, max_model_len=1024, seed=0)
     assert llm.runner_name == "mrv2"
     tok = llm.get_tokenizer()
     ids = [tok(p).input_ids for p in PROMPTS]
@@ -49,7 +49,7 @@ def test_smollm2_batch_matches_transformers(smollm_dir):
 def test_bundled_model_chat_answers_paris():
     """The default model (model=None -> bundled GGUF) with its chat template answers the
     reference question exactly; guards the GGUF conversion, template and EOS handling."""
-    llm = LLM(device="cpu", max_model_len=1024)
+    llm = LLM(device=DEVICE, max_model_len=1024)
     out = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
         SamplingParams(temperature=0.0, max_tokens=32),
@@ -68,9 +68,27 @@ def test_tiny_random_models_match_transformers(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100)]
-    llm = LLM(model=model_dir, device="cpu", block_size=16, max_num_batched_tokens=64)
+    llm = LLM(model=model_dir, device=DEVICE, block_size=16, max_num_batched_tokens=64)
     assert llm.runner_name == "mrv2"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(24), use_tqdm=False)
     expected = hf_greedy(model_dir, prompts, 24)
+    for p, out, exp in zip(prompts, outs, expected):
+        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
+
+
+def test_qwen3_shaped_model_matches_transformers(qwen3_shaped_dir):
+    """The benchmark model's real shapes (head_dim 128, GQA 16/8, 151,936-entry vocab,
+    tied head) in float32: guards tile/mask edges that tiny shapes never reach."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 151_000) for _ in range(n)] for n in (7, 60, 150)]
+    llm = LLM(
+        model=qwen3_shaped_dir,
+        device=DEVICE,
+        dtype="float32",
+        max_model_len=512,
+        max_num_batched_tokens=128,
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(10), use_tqdm=False)
+    expected = hf_greedy(qwen3_shaped_dir, prompts, 10)
     for p, out, exp in zip(prompts, outs, expected):
         assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"

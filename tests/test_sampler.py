@@ -6,11 +6,17 @@ they cannot flake: a pass means these 20,000 draws fit at p = 0.001, every run.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from pdserve.kernels import sampling_triton
+from pdserve.runner import sampler as sampler_module
 from pdserve.runner.sampler import Sampler, SamplingMetadata
 
 # An awkward small vocab: 13 tokens, no two logits equal.
@@ -56,6 +62,8 @@ def make_meta(rows: int, vocab: int, **settings: object) -> SamplingMetadata:
         any_penalties=any_penalties,
         any_top_k_top_p=bool(((top_k > 0) & (top_k < vocab)).any() or (top_p < 1).any()),
         any_min_p=bool((min_p > 0).any()),
+        max_top_k=int(torch.where(top_k < vocab, top_k, 0).max()) if rows else 0,
+        any_top_p=bool((top_p < 1).any()),
     )
 
 
@@ -297,3 +305,151 @@ def test_logprobs_are_raw_and_inputs_untouched() -> None:
     assert torch.equal(out.logprobs.token_ids[:, 1:], reference.topk(4, dim=-1).indices)
     no_logprobs = make_meta(rows, vocab, temperature=0.0)
     assert Sampler()(logits.bfloat16(), no_logprobs).logprobs is None
+
+
+aten = torch.ops.aten
+# aten ops that make the host wait for the GPU: a value read back (item, bool(), int(),
+# float() all end in _local_scalar_dense) or an output sized by the data.
+_SYNCING_OPS = {
+    aten._local_scalar_dense,
+    aten.is_nonzero,
+    aten.equal,
+    aten.nonzero,
+    aten.masked_select,
+    aten._unique,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
+    aten.repeat_interleave,
+    aten.bincount,
+}
+_INDEXING_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+
+
+class _RaiseOnHostSync(TorchDispatchMode):
+    """CPU stand-in for torch.cuda.set_sync_debug_mode("error"): raises on every aten op
+    that syncs on CUDA, including boolean-mask indexing (a hidden `nonzero`)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in _SYNCING_OPS:
+            raise AssertionError(f"host sync in the sampler: {func}")
+        if func.overloadpacket in _INDEXING_OPS:
+            masks = [i for i in args[1] if i is not None and i.dtype in (torch.bool, torch.uint8)]
+            assert not masks, f"boolean-mask indexing syncs (a hidden nonzero): {func}"
+        return func(*args, **(kwargs or {}))
+
+
+def _raise_on_read(*args: object, **kwargs: object) -> None:
+    raise AssertionError("tensor read on the host inside the sampler")
+
+
+@contextlib.contextmanager
+def _no_host_sync(device: str) -> Iterator[None]:
+    """Make every host read of device data raise: CUDA's own sync checker on CUDA; on CPU
+    the dispatch mode plus `tolist`/`numpy`, which read memory without an aten op."""
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return
+    saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "__array__")}
+    try:
+        for name in saved:
+            setattr(torch.Tensor, name, _raise_on_read)
+        with _RaiseOnHostSync():
+            yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def _meta_to(meta: SamplingMetadata, device: str) -> SamplingMetadata:
+    moved = {
+        f.name: getattr(meta, f.name).to(device)
+        for f in dataclasses.fields(meta)
+        if isinstance(getattr(meta, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(meta, **moved)
+
+
+def _sync_test_cases() -> list[tuple[torch.Tensor, SamplingMetadata]]:
+    """Every path of Sampler.__call__: all greedy, fused (no masks), and every op at once."""
+    rows, vocab = 24, 1003
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    temperature = torch.where(torch.arange(rows) % 3 == 0, 0.0, 0.9)
+    seeds, positions = torch.arange(rows) * 1_000_003 - 5, torch.arange(rows) + 40
+    counts = torch.zeros(rows, vocab, dtype=torch.int32)
+    counts[:, 100:140] = 3
+    everything = make_meta(
+        rows,
+        vocab,
+        temperature=temperature,
+        top_k=torch.where(torch.arange(rows) % 2 == 0, 40, 0),
+        top_p=torch.where(torch.arange(rows) % 4 == 1, 1.0, 0.85),
+        min_p=0.02,
+        repetition_penalty=1.3,
+        frequency_penalty=0.2,
+        prompt_mask=torch.rand(rows, vocab, generator=g) < 0.05,
+        output_counts=counts,
+        banned=[(r, 7) for r in range(0, rows, 2)],
+        max_num_logprobs=4,
+        seeds=seeds,
+        positions=positions,
+    )
+    fused = make_meta(rows, vocab, temperature=temperature, seeds=seeds, positions=positions)
+    greedy = make_meta(rows, vocab, temperature=0.0, max_num_logprobs=0)
+    return [(logits, everything), (logits, fused), (logits, greedy)]
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_sampler_never_reads_the_device_on_the_host(case: int, monkeypatch) -> None:
+    """Guards against a host sync creeping into the sampler (`int(max k)` to size a topk,
+    `if mask.any()`, boolean-mask indexing, `.item()`, a host scalar copied to the GPU):
+    on CUDA each one stalls the async step loop until the GPU drains. On CUDA the whole
+    call runs under CUDA's sync checker and must also sample the CPU's tokens. On CPU it
+    runs under `_no_host_sync` twice: on the torch path, and with the Triton launchers
+    (interpreted) patched in, the CUDA path's code, which must equal the torch path."""
+    logits, meta = _sync_test_cases()[case]
+    with _no_host_sync("cpu"):
+        expected = Sampler()(logits, meta)
+    if torch.cuda.is_available():
+        cuda_logits, cuda_meta = logits.cuda(), _meta_to(meta, "cuda")
+        Sampler()(cuda_logits, cuda_meta)  # warm-up: Triton compiles on the first call
+        torch.cuda.synchronize()
+        with _no_host_sync("cuda"):
+            got = Sampler()(cuda_logits, cuda_meta)
+        torch.cuda.synchronize()
+    else:
+        for name in ("gumbel_argmax", "apply_top_k_top_p", "topk_logprobs"):
+            monkeypatch.setattr(sampler_module, name, getattr(sampling_triton, name))
+        with _no_host_sync("cpu"):
+            got = Sampler()(logits, meta)
+    assert torch.equal(got.sampled_token_ids.cpu(), expected.sampled_token_ids)
+    assert (got.logprobs is None) == (expected.logprobs is None)
+    if expected.logprobs is not None:
+        assert torch.equal(got.logprobs.token_ids.cpu(), expected.logprobs.token_ids)
+        assert torch.equal(got.logprobs.ranks.cpu(), expected.logprobs.ranks)
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda t: int(t.max()),
+        lambda t: bool((t > 0).any()),
+        lambda t: t[t > 0],
+        lambda t: t.nonzero(),
+        lambda t: t.tolist(),
+        lambda t: t.topk(int(t.argmax()) % 5 + 1),
+    ],
+    ids=["int", "bool", "mask_index", "nonzero", "tolist", "topk_of_device_k"],
+)
+def test_host_sync_guard_catches_syncs(read) -> None:
+    """Negative control: guards against `_no_host_sync` being too weak to fail, which
+    would let the test above pass with syncs in the sampler."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t = torch.randn(50, device=device)
+    with pytest.raises((AssertionError, RuntimeError)), _no_host_sync(device):
+        read(t)

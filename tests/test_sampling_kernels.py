@@ -181,11 +181,9 @@ def _ref_top_k_top_p(row: list[float], k: int, p: float) -> list[bool]:
         peak = max(row)
         weights = [math.exp(x - peak) if keep[i] else 0.0 for i, x in enumerate(row)]
         total = sum(weights)
-        mass = 0.0
-        for rank, i in enumerate(sorted(range(vocab), key=lambda j: -row[j])):
-            if rank > 0 and mass >= p:
-                keep[i] = False
-            mass += weights[i] / total
+        # A token survives when the mass of strictly larger logits is < p (ties all kept).
+        mass_above = [sum(w for w, y in zip(weights, row) if y > x) / total for x in row]
+        keep = [keep[i] and (mass_above[i] < p or row[i] == peak) for i in range(vocab)]
     return keep
 
 
@@ -220,7 +218,13 @@ def test_top_k_top_p_match_reference(top_k: list[int], top_p: list[float]) -> No
     top-p computed on the unmasked distribution instead of the top-k-renormalised one,
     top-p dropping the top token when p is tiny, and rows with settings off being masked."""
     logits = _awkward_logits(3)
-    got = apply_top_k_top_p(logits, torch.tensor(top_k, dtype=torch.int32), torch.tensor(top_p))
+    got = apply_top_k_top_p(
+        logits,
+        torch.tensor(top_k, dtype=torch.int32),
+        torch.tensor(top_p),
+        max((k for k in top_k if k < V_AWKWARD), default=0),
+        min(top_p) < 1.0,
+    )
     for r in range(7):
         keep = torch.tensor(_ref_top_k_top_p(logits[r].double().tolist(), top_k[r], top_p[r]))
         assert torch.equal(torch.isfinite(got[r]), keep), (r, top_k[r], top_p[r])
@@ -235,8 +239,27 @@ def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
     """Guards against the documented tie rule silently changing (e.g. a sort-and-cut that
     keeps exactly k and drops tied tokens by index order)."""
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.5, 2.0]])
-    got = apply_top_k_top_p(logits, torch.tensor([2], dtype=torch.int32), torch.tensor([1.0]))
+    got = apply_top_k_top_p(
+        logits, torch.tensor([2], dtype=torch.int32), torch.tensor([1.0]), 2, False
+    )
     assert torch.isfinite(got[0]).tolist() == [True, False, True, True, False, True]
+
+
+def test_top_p_keeps_every_token_tied_at_the_boundary() -> None:
+    """Guards against the top-p cut splitting tied tokens by sort order, which is not
+    stable: the mask (and a seeded sample) would then differ between CPU and CUDA, and
+    between the torch spec and the Triton kernel. p = 0 must keep every tied maximum."""
+    logits = torch.tensor([[2.0, 1.0, 2.0, 1.0, 1.0, 0.0], [2.0, 1.0, 2.0, 1.0, 1.0, 0.0]])
+    # Softmax mass: each 2.0 holds 0.309, each 1.0 0.114. A sort-order cut would keep one
+    # 2.0 at p = 0.2 (0.309 >= 0.2 before the second) and two of the 1.0s at p = 0.7
+    # (0.617 + 0.114 >= 0.7 before the third); the tie rule keeps all of each group.
+    top_p = torch.tensor([0.2, 0.7])
+    got = apply_top_k_top_p(logits, torch.zeros(2, dtype=torch.int32), top_p, 0, True)
+    assert torch.isfinite(got).tolist() == [[True, False, True, False, False, False]] + [
+        [True, True, True, True, True, False]
+    ]
+    got = apply_top_k_top_p(logits[:1], torch.zeros(1, dtype=torch.int32), torch.zeros(1), 0, True)
+    assert torch.isfinite(got[0]).tolist() == [True, False, True, False, False, False]
 
 
 def test_top_p_off_rows_keep_their_tail_when_cumsum_saturates() -> None:
@@ -245,7 +268,9 @@ def test_top_p_off_rows_keep_their_tail_when_cumsum_saturates() -> None:
     top_p = 1.0 row batched with a top-p row would silently lose every other token."""
     logits = torch.zeros(2, V_AWKWARD)
     logits[:, 0] = 30.0
-    got = apply_top_k_top_p(logits, torch.zeros(2, dtype=torch.int32), torch.tensor([1.0, 0.5]))
+    got = apply_top_k_top_p(
+        logits, torch.zeros(2, dtype=torch.int32), torch.tensor([1.0, 0.5]), 0, True
+    )
     assert torch.equal(got[0], logits[0])
     assert torch.isfinite(got[1]).sum() == 1
 

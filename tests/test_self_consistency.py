@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import DEVICE
 
 from pdserve import LLM, SamplingParams
 
@@ -24,7 +25,7 @@ def _tokens(outs) -> list[list[int]]:
 
 
 def _llm(model_dir: str, **kw) -> LLM:
-    kw.setdefault("device", "cpu")
+    kw.setdefault("device", DEVICE)
     return LLM(model=model_dir, **kw)
 
 

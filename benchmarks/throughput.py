@@ -1,0 +1,218 @@
+"""Offline throughput of the engine on a random-weight bf16 model of the Qwen3-0.6B shape.
+
+    python benchmarks/throughput.py [--workloads decode_heavy,long_prefill,small_batch]
+                                    [--hf | --no-hf] [--out benchmarks/results/DIR]
+
+Three workloads, prompts of random token ids from a fixed seed, output length forced
+(`ignore_eos`), all requests submitted at once. Per workload one JSON object with the
+engine's numbers, transformers' `generate_batch` on the same model and workload (`hf_*`,
+unless --no-hf), and the time floor of this H200:
+
+    floor = prefill FLOPs / 789 TFLOP/s
+          + sum over decode steps of (1.19 GB weights + KV bytes read) / 4.28 TB/s
+
+with KV read at 114,688 bytes per context token (28 layers x 2 x 8 heads x 128 x 2 B).
+This is a benchmark, not a test: it measures and writes JSON; tests/ checks correctness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PEAK_FLOPS = 789e12  # bf16 dense GEMM measured on this H200
+PEAK_BYTES = 4.28e12  # device-to-device read+write bandwidth measured on this H200
+WEIGHT_BYTES = 1.19e9
+KV_BYTES_PER_TOKEN = 114_688
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_requests: int
+    prompt_len: int
+    output_len: int
+    metric: str  # the headline number of the workload
+
+
+WORKLOADS = {
+    w.name: w
+    for w in [
+        Workload("decode_heavy", 512, 256, 256, "output_tok_s"),
+        Workload("long_prefill", 128, 2048, 128, "total_tok_s"),
+        Workload("small_batch", 32, 256, 256, "output_tok_s"),
+    ]
+}
+
+
+def qwen3_06b_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40_960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, bos_token_id=151_643, eos_token_id=151_645,
+        architectures=["Qwen3ForCausalLM"])
+
+
+def build_model_dir(path: Path):
+    """Random bf16 weights (seeded), saved once; returns the in-memory HF model too."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(qwen3_06b_config(), dtype=torch.bfloat16)
+    model.eval()
+    if not (path / "config.json").exists():
+        model.save_pretrained(path)
+    return model
+
+
+def floor_seconds(w: Workload, batch: int) -> float:
+    """Time floor: prefill FLOPs at peak + decode steps at peak bandwidth."""
+    params_flops = 2 * 0.44e9  # non-embedding matmul params (28 x 15.7M) + LM head 155M
+    prefill_tokens = w.num_requests * w.prompt_len
+    # causal attention: 2 (QK, PV) x 2 FLOP x heads x head_dim x avg context per token
+    attn = 4 * 16 * 128 * 28 * (w.prompt_len / 2) * prefill_tokens
+    t = (params_flops * prefill_tokens + attn) / PEAK_FLOPS
+    waves = -(-w.num_requests // batch)
+    for wave in range(waves):
+        rows = min(batch, w.num_requests - wave * batch)
+        for step in range(w.output_len - 1):
+            ctx = w.prompt_len + step + 1
+            t += (WEIGHT_BYTES + rows * ctx * KV_BYTES_PER_TOKEN) / PEAK_BYTES
+    return t
+
+
+def make_prompts(w: Workload, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(1234)
+    return rng.integers(0, vocab, size=(w.num_requests, w.prompt_len)).tolist()
+
+
+def run_engine(engine, w: Workload, prompts: list[list[int]]) -> dict:
+    from pdserve.runner.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    count: dict[str, int] = {}
+    stats0 = (engine.stats.num_steps, engine.stats.cpu_s)
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{w.name}-{i}", p, params)
+    while engine.has_unfinished():
+        for d in engine.step():
+            now = time.perf_counter()
+            n = len(d.new_token_ids)
+            if n:
+                first.setdefault(d.request_id, now)
+                last[d.request_id] = now
+                count[d.request_id] = count.get(d.request_id, 0) + n
+    elapsed = time.perf_counter() - start
+    steps = engine.stats.num_steps - stats0[0]
+    cpu = engine.stats.cpu_s - stats0[1]
+    out_tokens = sum(count.values())
+    assert out_tokens == w.num_requests * w.output_len, "output length was not forced"
+    tpots = sorted(1e3 * (last[r] - first[r]) / (count[r] - 1) for r in count if count[r] > 1)
+    return {
+        "elapsed_s": elapsed,
+        "output_tok_s": out_tokens / elapsed,
+        "total_tok_s": (out_tokens + w.num_requests * w.prompt_len) / elapsed,
+        "tpot_p50_ms": statistics.median(tpots),
+        "tpot_p99_ms": tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))],
+        "steps": steps,
+        "cpu_ms_per_step": 1e3 * cpu / max(steps, 1),
+    }
+
+
+def run_hf(model, w: Workload, prompts: list[list[int]]) -> dict:
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=w.output_len, min_new_tokens=w.output_len,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+    start = time.perf_counter()
+    outs = model.generate_batch(inputs=prompts, generation_config=cfg)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.generated_tokens) for o in outs.values())
+    return {"hf_elapsed_s": elapsed, "hf_output_tok_s": produced / elapsed,
+            "hf_total_tok_s": (produced + w.num_requests * w.prompt_len) / elapsed}
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       cwd=Path(__file__).parent).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("PDSERVE_COMMIT", "unknown")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run transformers' generate_batch on each workload")
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--model-dir", default=None, help="reuse a saved model directory")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--enforce-eager", action="store_true")
+    args = ap.parse_args()
+
+    from pdserve.runner.engine import Engine
+
+    model_dir = Path(args.model_dir or tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
+    hf_model = build_model_dir(model_dir)
+    if not args.hf:
+        del hf_model
+        hf_model = None
+        torch.cuda.empty_cache()
+    t = time.perf_counter()
+    engine = Engine.from_args(model=str(model_dir), dtype="bfloat16",
+                              max_model_len=4096, max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              enforce_eager=args.enforce_eager, gpu_memory_utilization=0.8)
+    startup = time.perf_counter() - t
+    graphs = getattr(engine.runner, "graphs", None)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    results = []
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in args.workloads.split(","):
+        w = WORKLOADS[name]
+        prompts = make_prompts(w, 151_936)
+        run_engine(engine, Workload(w.name, min(8, w.num_requests), w.prompt_len, 8, w.metric),
+                   prompts[:8])  # warm-up: JIT compiles kernels outside the timed run
+        row = {"workload": w.name, "requests": w.num_requests, "prompt_len": w.prompt_len,
+               "output_len": w.output_len, **run_engine(engine, w, prompts)}
+        floor = floor_seconds(w, args.max_num_seqs)
+        row["floor_s"] = floor
+        row["floor_fraction"] = floor / row["elapsed_s"]
+        if hf_model is not None:
+            row.update(run_hf(hf_model, w, prompts))
+        else:
+            row.update({"hf_output_tok_s": None, "hf_total_tok_s": None})
+        row.update({"device": device, "commit": git_commit(), "command": " ".join(sys.argv),
+                    "startup_s": startup, "runner": engine.runner_name,
+                    "cuda_graphs": len(graphs.graphs) if graphs else 0,
+                    "graph_capture_s": graphs.capture_seconds if graphs else 0.0,
+                    "graph_memory_mib": graphs.memory_bytes / 2**20 if graphs else 0.0})
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        (out_dir / f"throughput_{w.name}.json").write_text(json.dumps(row, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

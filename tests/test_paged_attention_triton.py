@@ -1,0 +1,321 @@
+"""Parity of the Triton paged attention (`kernels/paged_attention_triton.py`) with the spec.
+
+The spec is `paged_attention_ref`, itself checked against dense causal attention written
+with plain matmuls in float64. Every batch is built on a cache poisoned with NaN: the null
+block 0, unused blocks and the slots past each row's context all hold NaN, so a kernel that
+reads (and fails to mask) a single key outside a context produces NaN, not a small error.
+The reference runs on a NaN-free copy in float64 on the CPU.
+
+Sizes: on CPU the kernels run through Triton's interpreter (TRITON_INTERPRET=1), so the
+contexts are a few hundred keys; with CUDA they are thousands, over several tiles and splits.
+
+Tolerances:
+- fp32 inputs: 1e-5. Both dots run as IEEE fp32 (no TF32), so the only error is fp32
+  rounding: ~1e-7 relative per score over D <= 128 products, a few 1e-7 after the softmax
+  and the sum over keys; 1e-5 is 30x the worst seen and 1,000x below what a wrong mask,
+  scale or head mapping gives (errors ~1e-2..1).
+- bf16/fp16 inputs, against the float64 reference on the same (rounded) inputs: Q.K^T is
+  exact products with fp32 sums, but P is rounded to 16 bits before P.V (relative 2^-8 in
+  bf16) and the output is rounded once more. Hence |err| <= u * (|ref| + max|V|) with
+  u = 2^-8 (bf16) or 2^-11 (fp16), checked elementwise, plus a mean error under u / 4,
+  which a systematic bug (a dropped key, a stale rescale) breaks even when it hides
+  under the worst-case bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pdserve.kernels.attention import paged_attention, paged_attention_ref
+from pdserve.kernels.paged_attention_triton import decode_num_splits, paged_attention_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+# Context scale: interpreter-sized on CPU, several 64-key tiles and 256-key splits on GPU.
+X = 10 if ON_GPU else 1
+needs_cuda = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+
+# (context length after the step, query length). Rows of every kind a step can carry.
+DECODE, DECODE_AT_1, PAD = (37 * X, 1), (1, 1), (0, 1)
+CHUNK_ON_PREFIX = (70 * X, 20 * X)  # prefix 50*X, queries continue it
+FRESH_PROMPT = (23 * X, 23 * X)
+LONG_PROMPT = (150 * X, 150 * X)  # > BLOCK_M (64 fp32 / 128 16-bit): several query tiles
+TWO_QUERIES = (5, 2)
+LONG_DECODE = (300 * X, 1)  # several decode splits
+MIXED = [DECODE, CHUNK_ON_PREFIX, FRESH_PROMPT, DECODE_AT_1, PAD, LONG_DECODE, TWO_QUERIES]
+
+
+@dataclasses.dataclass
+class Batch:
+    q: torch.Tensor  # [T, Hq, D] on DEVICE
+    cache: torch.Tensor  # [num_blocks, 2, bs, Hkv, D] on DEVICE, NaN outside the contexts
+    tables: torch.Tensor  # [R + 1, max_blocks] int32 (one extra pad row, as R_pad > R)
+    qsl: torch.Tensor  # [R + 1] int32
+    seq_lens: torch.Tensor  # [R + 1] int32
+    rows: list[tuple[int, int]]
+    contexts: list[tuple[torch.Tensor, torch.Tensor]]  # per row: K, V [ctx, Hkv, D] on CPU
+    scale: float
+
+    @property
+    def max_query_len(self) -> int:
+        return max(q for _, q in self.rows)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(c for c, _ in self.rows)
+
+    def run_triton(self, **kw) -> torch.Tensor:
+        out = torch.full_like(self.q, float("nan"))
+        paged_attention_triton(
+            self.q, self.cache, self.tables, self.qsl, self.seq_lens, self.scale, out,
+            self.max_query_len, self.max_seq_len, **kw,
+        )  # fmt: skip
+        return out
+
+    def run_ref(self) -> torch.Tensor:
+        """The spec in float64 on CPU, on a NaN-free copy of the same (rounded) inputs."""
+        q = self.q.double().cpu()
+        out = torch.zeros_like(q)
+        paged_attention_ref(
+            q, self.cache.double().cpu().nan_to_num(0.0), self.tables.cpu(), self.qsl.cpu(),
+            self.seq_lens.cpu(), self.scale, out, self.max_query_len, self.max_seq_len,
+        )  # fmt: skip
+        return out
+
+
+def make_batch(rows, hq, hk, d, bs, dtype=torch.float32, seed=0) -> Batch:
+    """Rows' blocks are shuffled over the cache; block 0 (null) and spare blocks stay NaN."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_row = [-(-ctx // bs) for ctx, _ in rows]
+    num_blocks = 1 + sum(blocks_per_row) + 5
+    cache = torch.full((num_blocks, 2, bs, hk, d), float("nan"), dtype=dtype)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).int()
+    tables = torch.zeros(len(rows) + 1, max(1, max(blocks_per_row)), dtype=torch.int32)
+    contexts, cursor = [], 0
+    for r, (ctx, _) in enumerate(rows):
+        nb = blocks_per_row[r]
+        tables[r, :nb] = perm[cursor : cursor + nb]
+        cursor += nb
+        k = torch.randn(ctx, hk, d, generator=g).to(dtype)
+        v = torch.randn(ctx, hk, d, generator=g).to(dtype)
+        pos = torch.arange(ctx)
+        blk = tables[r, pos // bs].long()
+        cache[blk, 0, pos % bs] = k
+        cache[blk, 1, pos % bs] = v
+        contexts.append((k.double(), v.double()))
+    qlens = torch.tensor([ql for _, ql in rows])
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), qlens.cumsum(0)]).int()
+    seq_lens = torch.tensor([ctx for ctx, _ in rows] + [0], dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), hq, d, generator=g).to(dtype)
+    return Batch(
+        q.to(DEVICE), cache.to(DEVICE), tables.to(DEVICE), qsl.to(DEVICE), seq_lens.to(DEVICE),
+        list(rows), contexts, d**-0.5,
+    )  # fmt: skip
+
+
+def dense_causal(q, k, v, scale) -> torch.Tensor:
+    """Attention of the last q_len positions of a context, by plain float64 matmuls."""
+    q_len, hq, _ = q.shape
+    ctx, hk, _ = k.shape
+    k = k.repeat_interleave(hq // hk, dim=1).transpose(0, 1)  # [Hq, ctx, D]
+    v = v.repeat_interleave(hq // hk, dim=1).transpose(0, 1)
+    s = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [Hq, q_len, ctx]
+    visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+    p = s.masked_fill(~visible, float("-inf")).softmax(-1)
+    return (p @ v).transpose(0, 1)
+
+
+def check(batch: Batch, out: torch.Tensor) -> None:
+    """Real rows match the reference within the dtype's tolerance; pad rows are zeros."""
+    ref, out = batch.run_ref(), out.double().cpu()
+    qsl = batch.qsl.tolist()
+    real = torch.zeros(out.shape[0], dtype=torch.bool)
+    for r, (ctx, _) in enumerate(batch.rows):
+        if ctx == 0:
+            assert torch.equal(out[qsl[r] : qsl[r + 1]], torch.zeros_like(out[qsl[r] : qsl[r + 1]]))
+        else:
+            real[qsl[r] : qsl[r + 1]] = True
+    out, ref = out[real], ref[real]
+    assert not out.isnan().any(), "NaN: a key outside some context was read unmasked"
+    dtype = batch.q.dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        return
+    u = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    v_max = max(float(v.abs().max()) for _, v in batch.contexts if v.numel())
+    err = (out - ref).abs()
+    bound = u * (ref.abs() + v_max)
+    assert (err <= bound).all(), f"max excess {float((err - bound).max()):.3g} over u(|ref|+|V|max)"
+    assert float(err.mean()) < u / 4, f"mean error {float(err.mean()):.3g} >= u/4 = {u / 4:.3g}"
+
+
+@pytest.mark.parametrize("hq,hk,d,bs", [(6, 3, 20, 16), (4, 1, 36, 1)])
+def test_ref_matches_dense_matmul(hq, hk, d, bs):
+    """Guards the spec itself: prefix offsets in the causal mask, GQA head mapping
+    (repeat_interleave, not repeat) and block-table gathers, against plain matmuls."""
+    batch = make_batch(MIXED, hq, hk, d, bs)
+    ref, qsl = batch.run_ref(), batch.qsl.tolist()
+    for r, ((ctx, _), (k, v)) in enumerate(zip(batch.rows, batch.contexts)):
+        if ctx:
+            q = batch.q[qsl[r] : qsl[r + 1]].cpu()
+            dense = dense_causal(q, k, v, batch.scale)
+            torch.testing.assert_close(ref[qsl[r] : qsl[r + 1]], dense, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "hq,hk,d,bs",
+    [
+        (6, 3, 24, 16),
+        (4, 1, 80, 1),
+        (2, 2, 128, 16),
+        (16, 8, 128, 16),
+        (6, 3, 20, 8),
+        (4, 1, 36, 32),
+    ],
+)
+def test_mixed_batch_fp32(hq, hk, d, bs):
+    """Guards both kernels in one step: decode rows (split-K) beside prefill chunks with and
+    without a cached prefix, a pad row, block sizes 1..32 over shuffled blocks, head dims
+    that need a padded, masked D tile, and GQA groups of 1, 2 and 4."""
+    batch = make_batch(MIXED, hq, hk, d, bs)
+    check(batch, batch.run_triton())
+
+
+@pytest.mark.parametrize(
+    "hq,hk,d,bs,dtype",
+    [
+        (16, 8, 128, 16, torch.bfloat16),
+        (6, 3, 24, 16, torch.bfloat16),
+        (4, 1, 36, 1, torch.bfloat16),
+        (16, 8, 128, 16, torch.float16),
+    ],
+)
+def test_mixed_batch_16bit(hq, hk, d, bs, dtype):
+    """Guards the tensor-core path: P rounded to 16 bits before P.V, fp32 softmax state
+    (an fp16 running sum overflows, a bf16 one drifts), output cast to the q dtype, and the
+    16-bit tile config (BLOCK_M 128, BLOCK_N 64) with a prompt longer than one query tile."""
+    batch = make_batch([*MIXED, LONG_PROMPT], hq, hk, d, bs, dtype=dtype)
+    check(batch, batch.run_triton())
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 3, 7])
+def test_decode_splits(num_splits):
+    """Guards the split-K decode: every split count gives the same answer (partials merged by
+    lse; splits past a short row's context write nothing and are masked in the reduce, not
+    read as garbage), pad rows of a CUDA-graph-padded batch (q_len 1, seq_len 0) get zeros."""
+    rows = [LONG_DECODE, DECODE, (64 * X, 1), (65 * X, 1), DECODE_AT_1, PAD, PAD]
+    batch = make_batch(rows, 4, 1, 36, 16)
+    if num_splits not in (None, 1):
+        split_len = -(-batch.max_seq_len // num_splits)
+        assert batch.max_seq_len > split_len, "test must put contexts across several splits"
+    check(batch, batch.run_triton(num_splits=num_splits))
+
+
+@pytest.mark.parametrize("rows", [[LONG_DECODE], [CHUNK_ON_PREFIX], [PAD]], ids=str)
+def test_single_row(rows):
+    """Guards batch size 1: the split heuristic gives a lone decode row its most splits, a
+    lone prefill chunk runs without decode rows, and a lone pad row writes zeros."""
+    batch = make_batch(rows, 6, 3, 24, 16)
+    check(batch, batch.run_triton())
+
+
+def test_many_rows_and_tile_edges():
+    """Guards the border between the unmasked and the causally masked key loops: query tiles
+    whose first position + 1 sits one before, on and one after a key-tile edge (32 keys in
+    fp32; prefixes 30..32 and 62..64, and again in the second query tile of 64), so a key
+    one past a query's position never lands in an unmasked tile; block size 1, and a batch
+    of many rows of all kinds."""
+    rows = [(p + 70, 70) for p in (30, 31, 32, 62, 63, 64)] + [(129, 1), (128, 1), (96, 33)]
+    rows += [(int(c), int(q)) for c, q in zip(torch.arange(3, 40, 3), torch.arange(1, 14))]
+    rows += [PAD] * 3
+    batch = make_batch(rows, 4, 2, 24, 1, seed=3)
+    check(batch, batch.run_triton())
+
+
+def test_num_splits_heuristic():
+    """Guards the split choice: one split once the batch alone fills the GPU (no workspace
+    round trip at batch 256 x 8 kv heads), many for a lone long row, never a slice under 256
+    keys, and a result that depends on host ints only (graph-capturable)."""
+    assert decode_num_splits(256, 8, 2048) == 1
+    assert decode_num_splits(512, 8, 256) == 1
+    assert decode_num_splits(1, 8, 2048) == 8  # 2048 / 256
+    assert decode_num_splits(1, 1, 100_000) == 64  # capped
+    assert decode_num_splits(32, 8, 4096) == 3  # ceil(528 / 256)
+    assert decode_num_splits(4, 2, 0) == 1
+
+
+def test_dispatch_cpu_runs_reference(monkeypatch):
+    """Guards the dispatch in `paged_attention`: CPU tensors take the torch reference (the
+    CPU model path must not depend on Triton's interpreter)."""
+    import pdserve.kernels.attention as attention
+
+    def fail(*args, **kwargs):
+        raise AssertionError("CPU tensors must not reach the Triton kernels")
+
+    monkeypatch.setattr(attention, "paged_attention_triton", fail)
+    batch = make_batch([DECODE, FRESH_PROMPT], 4, 2, 24, 16)
+    out = torch.zeros(batch.q.shape, dtype=torch.float64)
+    args = (batch.tables.cpu(), batch.qsl.cpu(), batch.seq_lens.cpu(), batch.scale, out)
+    q, cache = batch.q.double().cpu(), batch.cache.double().cpu().nan_to_num(0.0)
+    paged_attention(q, cache, *args, batch.max_query_len, batch.max_seq_len)
+    torch.testing.assert_close(out, batch.run_ref(), rtol=0, atol=0)
+
+
+@needs_cuda
+def test_dispatch_cuda_runs_triton():
+    """Guards the dispatch in `paged_attention`: CUDA tensors run the Triton kernels."""
+    batch = make_batch(MIXED, 16, 8, 128, 16, dtype=torch.bfloat16)
+    out = torch.full_like(batch.q, float("nan"))
+    paged_attention(
+        batch.q, batch.cache, batch.tables, batch.qsl, batch.seq_lens, batch.scale, out,
+        batch.max_query_len, batch.max_seq_len,
+    )  # fmt: skip
+    assert torch.equal(out, batch.run_triton())
+
+
+@needs_cuda
+def test_no_host_sync_and_cuda_graph_replay():
+    """Guards capturability: the launcher never syncs (no .item()/.tolist() on the device),
+    and a captured graph replayed on new seq_lens and block tables (same host bounds) gives
+    the new answer, i.e. no grid size or split count was baked in from device data."""
+    rows = [(2000, 1)] * 8 + [PAD] * 8
+    batch = make_batch(rows, 16, 8, 128, 16, dtype=torch.bfloat16)
+    out = torch.zeros_like(batch.q)
+    args = (batch.q, batch.cache, batch.tables, batch.qsl, batch.seq_lens, batch.scale, out)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        paged_attention_triton(*args, 1, 2048)  # also warms up (compiles) before capture
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention_triton(*args, 1, 2048)
+    new_lens = torch.tensor([2000, 1, 700, 1999, 256, 257, 0, 1500] + [0] * 9, dtype=torch.int32)
+    batch.seq_lens.copy_(new_lens)
+    batch.tables[:8] = batch.tables[:8].flip(0).clone()
+    batch.rows = [(int(c), 1) for c in new_lens[:-1]]
+    graph.replay()
+    torch.cuda.synchronize()
+    check(batch, out)
+
+
+@needs_cuda
+def test_cache_offsets_past_int32():
+    """Guards int64 cache offsets: blocks whose element offset exceeds 2^31 (a large cache)
+    must be read where they are, not at a wrapped-around address."""
+    hk, d, bs = 1, 128, 16
+    small = make_batch([(300, 1), (200, 50), PAD], 4, hk, d, bs, dtype=torch.bfloat16)
+    n = small.cache.shape[0]
+    num_blocks = 2**31 // (2 * bs * hk * d) + n  # 4 GiB of bf16; ids >= 2^31 / block size
+    cache = torch.full(
+        (num_blocks, 2, bs, hk, d), float("nan"), dtype=torch.bfloat16, device=DEVICE
+    )
+    shift = num_blocks - n  # block b of the small cache lives at b + shift
+    cache[shift + 1 :] = small.cache[1:]
+    big = dataclasses.replace(
+        small, cache=cache, tables=torch.where(small.tables > 0, small.tables + shift, 0)
+    )
+    check(small, big.run_triton())
