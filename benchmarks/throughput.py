@@ -60,11 +60,21 @@ def qwen3_06b_config():
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-        max_position_embeddings=40_960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, bos_token_id=151_643, eos_token_id=151_645,
-        architectures=["Qwen3ForCausalLM"])
+        vocab_size=151_936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40_960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=151_643,
+        eos_token_id=151_645,
+        architectures=["Qwen3ForCausalLM"],
+    )
 
 
 def build_model_dir(path: Path):
@@ -140,20 +150,29 @@ def run_engine(engine, w: Workload, prompts: list[list[int]]) -> dict:
 def run_hf(model, w: Workload, prompts: list[list[int]]) -> dict:
     from transformers import GenerationConfig
 
-    cfg = GenerationConfig(max_new_tokens=w.output_len, min_new_tokens=w.output_len,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
+    cfg = GenerationConfig(
+        max_new_tokens=w.output_len,
+        min_new_tokens=w.output_len,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     start = time.perf_counter()
     outs = model.generate_batch(inputs=prompts, generation_config=cfg)
     elapsed = time.perf_counter() - start
     produced = sum(len(o.generated_tokens) for o in outs.values())
-    return {"hf_elapsed_s": elapsed, "hf_output_tok_s": produced / elapsed,
-            "hf_total_tok_s": (produced + w.num_requests * w.prompt_len) / elapsed}
+    return {
+        "hf_elapsed_s": elapsed,
+        "hf_output_tok_s": produced / elapsed,
+        "hf_total_tok_s": (produced + w.num_requests * w.prompt_len) / elapsed,
+    }
 
 
 def git_commit() -> str:
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       cwd=Path(__file__).parent).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], text=True, cwd=Path(__file__).parent
+        ).strip()
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("PDSERVE_COMMIT", "unknown")
 
@@ -161,8 +180,12 @@ def git_commit() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
-                    help="also run transformers' generate_batch on each workload")
+    ap.add_argument(
+        "--hf",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run transformers' generate_batch on each workload",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--model-dir", default=None, help="reuse a saved model directory")
@@ -179,10 +202,15 @@ def main() -> int:
         hf_model = None
         torch.cuda.empty_cache()
     t = time.perf_counter()
-    engine = Engine.from_args(model=str(model_dir), dtype="bfloat16",
-                              max_model_len=4096, max_num_seqs=args.max_num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens,
-                              enforce_eager=args.enforce_eager, gpu_memory_utilization=0.8)
+    engine = Engine.from_args(
+        model=str(model_dir),
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=0.8,
+    )
     startup = time.perf_counter() - t
     graphs = getattr(engine.runner, "graphs", None)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -192,10 +220,16 @@ def main() -> int:
     for name in args.workloads.split(","):
         w = WORKLOADS[name]
         prompts = make_prompts(w, 151_936)
-        run_engine(engine, Workload(w.name, min(8, w.num_requests), w.prompt_len, 8, w.metric),
-                   prompts[:8])  # warm-up: JIT compiles kernels outside the timed run
-        row = {"workload": w.name, "requests": w.num_requests, "prompt_len": w.prompt_len,
-               "output_len": w.output_len, **run_engine(engine, w, prompts)}
+        run_engine(
+            engine, Workload(w.name, min(8, w.num_requests), w.prompt_len, 8, w.metric), prompts[:8]
+        )  # warm-up: JIT compiles kernels outside the timed run
+        row = {
+            "workload": w.name,
+            "requests": w.num_requests,
+            "prompt_len": w.prompt_len,
+            "output_len": w.output_len,
+            **run_engine(engine, w, prompts),
+        }
         floor = floor_seconds(w, args.max_num_seqs)
         row["floor_s"] = floor
         row["floor_fraction"] = floor / row["elapsed_s"]
@@ -203,11 +237,18 @@ def main() -> int:
             row.update(run_hf(hf_model, w, prompts))
         else:
             row.update({"hf_output_tok_s": None, "hf_total_tok_s": None})
-        row.update({"device": device, "commit": git_commit(), "command": " ".join(sys.argv),
-                    "startup_s": startup, "runner": engine.runner_name,
-                    "cuda_graphs": len(graphs.graphs) if graphs else 0,
-                    "graph_capture_s": graphs.capture_seconds if graphs else 0.0,
-                    "graph_memory_mib": graphs.memory_bytes / 2**20 if graphs else 0.0})
+        row.update(
+            {
+                "device": device,
+                "commit": git_commit(),
+                "command": " ".join(sys.argv),
+                "startup_s": startup,
+                "runner": engine.runner_name,
+                "cuda_graphs": len(graphs.graphs) if graphs else 0,
+                "graph_capture_s": graphs.capture_seconds if graphs else 0.0,
+                "graph_memory_mib": graphs.memory_bytes / 2**20 if graphs else 0.0,
+            }
+        )
         print(json.dumps(row), flush=True)
         results.append(row)
         (out_dir / f"throughput_{w.name}.json").write_text(json.dumps(row, indent=2) + "\n")

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.paged_attention_triton import paged_attention_triton
+
 
 def write_kv_ref(
     key: torch.Tensor,  # [T, Hkv, D]
@@ -36,7 +38,9 @@ def write_kv(key, value, kv_cache, slot_mapping) -> None:
     assert key.shape == value.shape and key.shape[1:] == kv_cache.shape[3:], (
         f"key/value [T, Hkv, D] must match the cache's heads/dim (got {tuple(key.shape)} vs {tuple(kv_cache.shape)})"
     )
-    write_kv_ref(key, value, kv_cache, slot_mapping)
+    from pdserve.kernels.kv_write import write_kv_triton
+
+    (write_kv_triton if kv_cache.is_cuda else write_kv_ref)(key, value, kv_cache, slot_mapping)
 
 
 def _gather_context(kv_cache, block_row, num_ctx):
@@ -60,6 +64,13 @@ def paged_attention_ref(
     max_query_len: int,  # host-known bounds: size grids without reading the device
     max_seq_len: int,
 ) -> None:
+    """The spec. Row r's queries are tokens `qsl[r]:qsl[r+1]`, the LAST q_len positions of
+    its `seq_lens[r]`-token context (keys read through `block_tables[r]`); query i sits at
+    position `seq_len - q_len + i` and attends keys `0..position` (causal). Query head h
+    reads kv head `h // (Hq // Hkv)`. Rows with `seq_len == 0` (pad rows) are skipped here
+    (`out` untouched); the Triton path writes zeros there. `max_query_len` / `max_seq_len`
+    bound the rows' query and context lengths (the Triton path sizes its grids from them).
+    """
     num_reqs = query_start_loc.numel() - 1
     qsl = query_start_loc.tolist()
     lens = seq_lens[:num_reqs].tolist()
@@ -112,6 +123,8 @@ def paged_attention(
 ) -> None:
     assert q.dim() == 3 and kv_cache.dim() == 5, "q is [T, Hq, D]; a layer's cache is 5-D"
     assert q.shape[1] % kv_cache.shape[3] == 0, "query heads must be a multiple of kv heads"
-    paged_attention_ref(
-        q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out, max_query_len, max_seq_len
-    )
+    args = (q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out)
+    if q.is_cuda:
+        paged_attention_triton(*args, max_query_len, max_seq_len)
+    else:
+        paged_attention_ref(*args, max_query_len, max_seq_len)

@@ -5,11 +5,22 @@ The CPU ships only `idx_mapping` (batch row -> slot), `query_start_loc` and each
 post-update kernel has already extended with the last sampled token. So a token sampled
 at step N reaches step N+1's `input_ids` without a round trip through the CPU.
 Padding (CUDA graph sizes): input ids 0, positions 0, seq_lens 0.
+
+Device path: `prepare_inputs` runs one Triton program per batch row (looping over the
+row's query tokens) plus one program that writes the pads; `post_update` is one
+vectorised program per 256 rows. Grids come from shapes and the host-known `num_tokens`,
+so both launch without reading the device and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+# Query tokens handled per loop iteration of a row's program: a decode row uses 1 lane,
+# a 2k-token prefill chunk takes 8 iterations.
+_TOKEN_BLOCK = 256
 
 
 def _row_of_token(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -41,6 +52,120 @@ def prepare_inputs_ref(
     seq_lens[num_reqs:] = 0
 
 
+def _is_index(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.int32, torch.int64)
+
+
+# Sizes change every step and the per-row inputs are slices of one packed buffer, so
+# specialising on their values (== 1, % 16) or alignment would compile new variants
+# mid-serving; none of them affects vectorisation here.
+@triton.jit(
+    do_not_specialize=["num_reqs", "num_tokens", "num_tokens_padded", "num_reqs_padded"],
+    do_not_specialize_on_alignment=[
+        "idx_mapping_ptr",
+        "query_start_loc_ptr",
+        "num_computed_tokens_ptr",
+    ],
+)
+def _prepare_inputs_kernel(
+    idx_mapping_ptr,
+    query_start_loc_ptr,
+    num_computed_tokens_ptr,
+    token_ids_ptr,
+    input_ids_ptr,
+    positions_ptr,
+    seq_lens_ptr,
+    token_ids_row_stride,
+    max_len,
+    num_reqs,
+    num_tokens,
+    num_tokens_padded,
+    num_reqs_padded,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    if r < num_reqs:
+        slot = tl.load(idx_mapping_ptr + r).to(tl.int64)
+        q_start = tl.load(query_start_loc_ptr + r)
+        q_end = tl.load(query_start_loc_ptr + r + 1)
+        computed = tl.load(num_computed_tokens_ptr + r)
+        seq_len = computed + (q_end - q_start)
+        tl.store(seq_lens_ptr + r, seq_len.to(seq_lens_ptr.dtype.element_ty))
+        # int64: num_reqs * max_len can pass 2^31 (256 slots x 8M tokens).
+        history_ptr = token_ids_ptr + slot * token_ids_row_stride
+        for off in range(0, q_end - q_start, BLOCK):
+            i = off + tl.arange(0, BLOCK)
+            tok = q_start + i
+            pos = computed.to(tl.int64) + i
+            # `tok < num_tokens` keeps the row writes and the pad writes disjoint.
+            mask = (tok < q_end) & (tok < num_tokens)
+            ids = tl.load(history_ptr + pos, mask=mask & (pos < max_len), other=0)
+            tl.store(input_ids_ptr + tok, ids.to(input_ids_ptr.dtype.element_ty), mask=mask)
+            tl.store(positions_ptr + tok, pos.to(positions_ptr.dtype.element_ty), mask=mask)
+    else:
+        # The last program zeroes the pads: tokens [num_tokens, T_pad), rows [R, R_pad).
+        for off in range(num_tokens, num_tokens_padded, BLOCK):
+            tok = off + tl.arange(0, BLOCK)
+            mask = tok < num_tokens_padded
+            tl.store(
+                input_ids_ptr + tok, tl.zeros([BLOCK], input_ids_ptr.dtype.element_ty), mask=mask
+            )
+            tl.store(
+                positions_ptr + tok, tl.zeros([BLOCK], positions_ptr.dtype.element_ty), mask=mask
+            )
+        for off in range(num_reqs, num_reqs_padded, BLOCK):
+            row = off + tl.arange(0, BLOCK)
+            zeros = tl.zeros([BLOCK], seq_lens_ptr.dtype.element_ty)
+            tl.store(seq_lens_ptr + row, zeros, mask=row < num_reqs_padded)
+
+
+def prepare_inputs_triton(
+    idx_mapping: torch.Tensor,  # [R] int32
+    query_start_loc: torch.Tensor,  # [R + 1] int32
+    num_computed_tokens: torch.Tensor,  # [R] int32
+    token_ids: torch.Tensor,  # [max_num_reqs, max_len] int32
+    input_ids: torch.Tensor,  # [T_pad] int32 out
+    positions: torch.Tensor,  # [T_pad] int64 out
+    seq_lens: torch.Tensor,  # [R_pad] int32 out
+    num_tokens: int,
+) -> None:
+    num_reqs = idx_mapping.numel()
+    assert query_start_loc.numel() == num_reqs + 1, "query_start_loc is [R + 1]"
+    assert num_computed_tokens.numel() == num_reqs, "one num_computed per row"
+    assert all(_is_index(t) for t in (idx_mapping, query_start_loc, num_computed_tokens)), (
+        "idx_mapping, query_start_loc and num_computed_tokens must be int32/int64"
+    )
+    assert token_ids.dim() == 2 and token_ids.stride(1) == 1, "token_ids is [slots, max_len]"
+    assert _is_index(token_ids) and _is_index(input_ids), "token ids are int32/int64"
+    assert positions.dtype == torch.int64, f"positions must be int64, got {positions.dtype}"
+    assert _is_index(seq_lens), f"seq_lens must be int32/int64, got {seq_lens.dtype}"
+    assert all(
+        t.dim() == 1 and t.is_contiguous()
+        for t in (idx_mapping, query_start_loc, num_computed_tokens, input_ids, positions, seq_lens)
+    ), "index inputs and outputs must be contiguous 1-D tensors"
+    assert input_ids.numel() == positions.numel() >= num_tokens, (
+        f"input_ids/positions [T_pad] must hold num_tokens={num_tokens}"
+    )
+    assert seq_lens.numel() >= num_reqs, "seq_lens is [R_pad >= R]"
+    # Programs 0..R-1 fill the rows, program R writes the pads.
+    _prepare_inputs_kernel[(num_reqs + 1,)](
+        idx_mapping,
+        query_start_loc,
+        num_computed_tokens,
+        token_ids,
+        input_ids,
+        positions,
+        seq_lens,
+        token_ids.stride(0),
+        token_ids.shape[1],
+        num_reqs,
+        num_tokens,
+        input_ids.numel(),
+        seq_lens.numel(),
+        BLOCK=_TOKEN_BLOCK,
+    )
+
+
 def prepare_inputs(
     idx_mapping,
     query_start_loc,
@@ -53,7 +178,8 @@ def prepare_inputs(
 ) -> None:
     assert query_start_loc.numel() == idx_mapping.numel() + 1, "query_start_loc is [R + 1]"
     assert num_computed_tokens.numel() == idx_mapping.numel(), "one num_computed per row"
-    prepare_inputs_ref(
+    impl = prepare_inputs_triton if input_ids.is_cuda else prepare_inputs_ref
+    impl(
         idx_mapping,
         query_start_loc,
         num_computed_tokens,
@@ -76,6 +202,73 @@ def post_update_ref(
     token_ids[idx_mapping.long()[rows], seq_lens.long()[rows]] = sampled[rows].to(token_ids.dtype)
 
 
+@triton.jit(
+    do_not_specialize=["num_reqs"],
+    do_not_specialize_on_alignment=[
+        "idx_mapping_ptr",
+        "sampled_ptr",
+        "seq_lens_ptr",
+        "sample_mask_ptr",
+    ],
+)
+def _post_update_kernel(
+    idx_mapping_ptr,
+    sampled_ptr,
+    seq_lens_ptr,
+    sample_mask_ptr,
+    token_ids_ptr,
+    token_ids_row_stride,
+    max_len,
+    num_reqs,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = r < num_reqs
+    keep = tl.load(sample_mask_ptr + r, mask=in_range, other=0) != 0
+    slot = tl.load(idx_mapping_ptr + r, mask=in_range, other=0).to(tl.int64)
+    pos = tl.load(seq_lens_ptr + r, mask=in_range, other=0).to(tl.int64)
+    token = tl.load(sampled_ptr + r, mask=in_range, other=0)
+    mask = in_range & keep & (pos >= 0) & (pos < max_len)
+    dst = token_ids_ptr + slot * token_ids_row_stride + pos
+    tl.store(dst, token.to(token_ids_ptr.dtype.element_ty), mask=mask)
+
+
+def post_update_triton(
+    idx_mapping: torch.Tensor,  # [R] int32
+    sampled: torch.Tensor,  # [R] int64
+    seq_lens: torch.Tensor,  # [R] int32
+    sample_mask: torch.Tensor,  # [R] bool
+    token_ids: torch.Tensor,  # [max_num_reqs, max_len] int32, updated in place
+) -> None:
+    num_reqs = idx_mapping.numel()
+    assert sampled.numel() == num_reqs == sample_mask.numel(), "one value per row"
+    assert seq_lens.numel() >= num_reqs, "seq_lens holds at least one value per row"
+    assert sample_mask.dtype == torch.bool, f"sample_mask must be bool, got {sample_mask.dtype}"
+    assert all(_is_index(t) for t in (idx_mapping, sampled, seq_lens, token_ids)), (
+        "idx_mapping, sampled, seq_lens and token_ids must be int32/int64"
+    )
+    assert all(t.is_contiguous() for t in (idx_mapping, sampled, seq_lens, sample_mask)), (
+        "per-row inputs must be contiguous"
+    )
+    assert token_ids.dim() == 2 and token_ids.stride(1) == 1, "token_ids is [slots, max_len]"
+    if num_reqs == 0:
+        return
+    block = 256
+    _post_update_kernel[(triton.cdiv(num_reqs, block),)](
+        idx_mapping,
+        sampled,
+        seq_lens,
+        # Same bytes as uint8: a plain integer load, no reliance on i1 pointer support.
+        sample_mask.view(torch.uint8),
+        token_ids,
+        token_ids.stride(0),
+        token_ids.shape[1],
+        num_reqs,
+        BLOCK=block,
+    )
+
+
 def post_update(idx_mapping, sampled, seq_lens, sample_mask, token_ids) -> None:
     assert sampled.numel() == idx_mapping.numel() == sample_mask.numel(), "one value per row"
-    post_update_ref(idx_mapping, sampled, seq_lens, sample_mask, token_ids)
+    impl = post_update_triton if token_ids.is_cuda else post_update_ref
+    impl(idx_mapping, sampled, seq_lens, sample_mask, token_ids)

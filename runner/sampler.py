@@ -7,7 +7,10 @@ per request and no Python loop over rows.
 
 What this module does not know: requests, stop conditions or tokenizers. The runner fills
 `SamplingMetadata` (seeds for unseeded requests, positions, penalty tables, banned pairs
-for min_tokens) and reads `SamplerOutput`; the ops live in `pdserve.kernels.sampling`.
+for min_tokens) and reads `SamplerOutput`; the ops live in `pdserve.kernels.sampling`
+(Triton on CUDA, torch on CPU). Nothing here reads a device value on the host: every
+decision that skips work is a host field of `SamplingMetadata`, so on CUDA the sampler
+only enqueues kernels and the step loop never waits on it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pdserve.kernels.sampling import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
-    gumbel_noise,
+    gumbel_argmax,
     topk_logprobs,
 )
 
@@ -49,6 +52,14 @@ class SamplingMetadata:
     any_penalties: bool
     any_top_k_top_p: bool
     any_min_p: bool
+    max_top_k: int  # largest top_k with 0 < k < V over the rows; 0 = no row uses top-k
+    any_top_p: bool  # some row has top_p < 1
+
+    def __post_init__(self) -> None:
+        assert self.max_top_k >= 0, f"max_top_k must be >= 0, got {self.max_top_k}"
+        assert self.any_top_k_top_p or (self.max_top_k == 0 and not self.any_top_p), (
+            "max_top_k > 0 or any_top_p needs any_top_k_top_p: the sampler would skip the mask"
+        )
 
 
 @dataclass
@@ -84,7 +95,9 @@ class Sampler:
         x = raw
         if meta.banned_rows is not None:
             assert meta.banned_tokens is not None, "banned_rows given without banned_tokens"
-            x = x.index_put((meta.banned_rows, meta.banned_tokens), x.new_tensor(float("-inf")))
+            # torch.full, not new_tensor: a host scalar copied to the GPU is a blocking copy.
+            minus_inf = torch.full((), float("-inf"), device=x.device)
+            x = x.index_put((meta.banned_rows, meta.banned_tokens), minus_inf)
         if meta.any_penalties:
             assert meta.prompt_mask is not None and meta.output_counts is not None, (
                 "any_penalties needs prompt_mask and output_counts"
@@ -97,11 +110,10 @@ class Sampler:
                 meta.presence_penalty,
                 meta.frequency_penalty,
             )
-        greedy = x.argmax(dim=-1)
         if meta.all_greedy:
-            sampled = greedy
+            sampled = x.argmax(dim=-1)
         else:
-            sampled = torch.where(meta.temperature == 0, greedy, self._sample_random(x, meta))
+            sampled = self._sample(x, meta)
         logprobs = None
         if meta.max_num_logprobs is not None:
             ids, values, ranks = topk_logprobs(raw, meta.max_num_logprobs, sampled)
@@ -109,14 +121,20 @@ class Sampler:
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod
-    def _sample_random(x: Tensor, meta: SamplingMetadata) -> Tensor:
-        """Gumbel-max over every row; greedy rows' results are discarded by the caller."""
-        # Greedy rows divide by 1 rather than 0 so no inf/nan is made, even transiently.
-        temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
-        x = x / temperature.to(x.dtype)[:, None]
+    def _sample(x: Tensor, meta: SamplingMetadata) -> Tensor:
+        """Gumbel-max for T > 0 rows, exact argmax for T = 0 rows, in one `gumbel_argmax`."""
+        if not (meta.any_min_p or meta.any_top_k_top_p):
+            # Fused: x / T + noise and the argmax in one pass, no [R, V] temporaries.
+            return gumbel_argmax(x, meta.temperature, meta.seeds, meta.positions)
+        # The masks act on the tempered distribution, so divide first; greedy rows divide
+        # by 1 rather than 0 so no inf/nan is made, even transiently.
+        is_random = meta.temperature != 0
+        x = x / torch.where(is_random, meta.temperature, 1.0).to(x.dtype)[:, None]
         if meta.any_min_p:
             x = apply_min_p(x, meta.min_p)
         if meta.any_top_k_top_p:
-            x = apply_top_k_top_p(x, meta.top_k, meta.top_p)
-        x = x + gumbel_noise(meta.seeds, meta.positions, x.shape[1])
-        return x.argmax(dim=-1)
+            x = apply_top_k_top_p(x, meta.top_k, meta.top_p, meta.max_top_k, meta.any_top_p)
+        # x is tempered already, so random rows get temperature 1 (x / 1 is exact) and
+        # greedy rows keep 0. Every mask keeps the tokens tied with the row max, so a
+        # greedy row's argmax is the same as on the unmasked logits.
+        return gumbel_argmax(x, is_random.to(x.dtype), meta.seeds, meta.positions)

@@ -128,6 +128,8 @@ class SamplingState:
             any_penalties=bool(len(pen_rows)),
             any_top_k_top_p=bool(((top_k > 0) | (top_p < 1)).any()),
             any_min_p=bool((min_p > 0).any()),
+            max_top_k=int(np.where(top_k < self.vocab_size, top_k, 0).max(initial=0)),
+            any_top_p=bool((top_p < 1).any()),
         )
 
     def penalty_rows(self, slots: np.ndarray) -> np.ndarray:

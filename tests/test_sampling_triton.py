@@ -34,6 +34,17 @@ VOCABS = [V_AWKWARD, V_QWEN] if ON_CUDA else [V_AWKWARD]
 ROWS = 256 if ON_CUDA else 10
 
 
+@pytest.fixture(params=["split", "whole"])
+def chunking(request, monkeypatch) -> str:
+    """Run a row scan both ways: split over many programs (the launchers' default for
+    these sizes, combined in torch) and whole, one program walking every tile of its row,
+    so the in-kernel carry between tiles (running max, rescaled sum, first index) is
+    tested too."""
+    if request.param == "whole":
+        monkeypatch.setattr(sampling_triton, "_TARGET_PROGRAMS", 1)
+    return request.param
+
+
 def _generator(seed: int) -> torch.Generator:
     return torch.Generator(device=DEVICE).manual_seed(seed)
 
@@ -69,7 +80,7 @@ def test_gumbel_noise_is_bit_exact(vocab: int) -> None:
 
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("rows", [1, ROWS])
-def test_gumbel_argmax_equals_spec(vocab: int, rows: int) -> None:
+def test_gumbel_argmax_equals_spec(vocab: int, rows: int, chunking: str) -> None:
     """Guards against the fused sampler drawing a different token than
     argmax(logits / T + gumbel_noise) (approximate fp32 division, noise at the wrong vocab
     offset in a later tile or chunk, the per-chunk partials combined in the wrong order),
@@ -95,13 +106,13 @@ def test_gumbel_argmax_equals_spec(vocab: int, rows: int) -> None:
         assert (got[random] != logits.argmax(-1)[random]).float().mean() > 0.5
 
 
-def test_gumbel_argmax_ties_and_degenerate_rows() -> None:
+def test_gumbel_argmax_ties_and_degenerate_rows(chunking: str) -> None:
     """Guards against tie-breaking that differs from torch.argmax (a later tile or chunk
     with an equal value winning), an all -inf row returning garbage instead of 0, a row
     with one finite token drawing a masked one, and bf16 input not being cast."""
     vocab = V_AWKWARD
     logits = torch.zeros(6, vocab, device=DEVICE)
-    logits[1, [7, 500, 1002]] = 4.0  # tie across tiles: index 7 wins
+    logits[1, [7, 130, 500, 1002]] = 4.0  # ties across tiles (of 128) and chunks: 7 wins
     logits[2] = float("-inf")  # all masked: torch.argmax says 0
     logits[3] = float("-inf")
     logits[3, 999] = -50.0  # one finite token in the ragged last tile
@@ -118,6 +129,42 @@ def test_gumbel_argmax_ties_and_degenerate_rows() -> None:
     half = logits.bfloat16()
     got = sampling_triton.gumbel_argmax(half, hot, seeds, positions)
     assert torch.equal(got, gumbel_argmax_ref(half.float(), hot, seeds, positions))
+
+
+def test_gumbel_argmax_exact_ties_after_noise() -> None:
+    """Guards against any rounding difference from the spec in `x / T + noise`: Triton's
+    plain `/` on fp32 is an approximate division (up to 2 ulp), and an fma of the noise
+    add would also change the last bit. Each row holds two finite tokens, a and b < a,
+    whose x / T + noise are engineered equal in float32 (or 1 ulp apart), so the winner
+    flips on any 1-ulp change. (The interpreter divides in NumPy: this bites on CUDA.)"""
+    rows, vocab = ROWS, V_AWKWARD
+    g = _generator(12)
+    temperature = torch.rand(rows, generator=g, device=DEVICE) * 1.5 + 0.2
+    seeds, positions = _seeds_positions(rows, 13)
+    noise = gumbel_noise_ref(seeds, positions, vocab)
+    index = torch.arange(rows, device=DEVICE)
+    a, b = vocab - 1 - (index * 37) % 400, (index * 13) % 500
+    x_a = torch.randn(rows, generator=g, device=DEVICE) * 3
+    target = x_a / temperature + noise[index, a]
+    # x_b near (target - g_b) * T, then the float32 neighbour whose sum lands closest.
+    guess = ((target.double() - noise[index, b].double()) * temperature.double()).float()
+    candidates = [guess]
+    for direction in (float("inf"), float("-inf")):
+        step = guess
+        for _ in range(4):
+            step = torch.nextafter(step, torch.full_like(step, direction))
+            candidates.append(step)
+    candidates = torch.stack(candidates, dim=1)  # [R, 9]
+    sums = candidates / temperature[:, None] + noise[index, b][:, None]
+    x_b = candidates.gather(1, (sums - target[:, None]).abs().argmin(1, keepdim=True))
+    logits = torch.full((rows, vocab), float("-inf"), device=DEVICE)
+    logits[index, a] = x_a
+    logits[index, b] = x_b.squeeze(1)
+    exact_ties = (x_b.squeeze(1) / temperature + noise[index, b]) == target
+    assert int(exact_ties.sum()) >= rows // 2, "the test needs exact ties to bite"
+    got = sampling_triton.gumbel_argmax(logits, temperature, seeds, positions)
+    assert torch.equal(got, gumbel_argmax_ref(logits, temperature, seeds, positions))
+    assert torch.equal(got[exact_ties], b[exact_ties])
 
 
 def _top_k_top_p_cases(rows: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -173,11 +220,12 @@ def test_top_k_top_p_masks_equal_spec(vocab: int, case: int) -> None:
     """Guards against the threshold search missing the k-th value (off-by-one, a pivot
     interval that skips a key, negative logits ordered wrongly as raw float bits), top-p
     measured on the unmasked rather than the top-k-renormalised distribution, the top
-    token dropped at p = 0 or 1e-6, rows with k >= V or p >= 1 masked, and -inf entries
-    (a min_p mask upstream) miscounted."""
+    token dropped at p = 0 or 1e-6, rows with k >= V or p >= 1 masked, -inf entries
+    (a min_p mask upstream) miscounted, and masses overflowing for large logits."""
     rows = ROWS
     logits = _logits(rows, vocab, seed=7)
     logits[3, : vocab // 2] = float("-inf")  # min_p-style mask: top-k must still count
+    logits[6] += 100.0  # exp(logit) overflows fp32: the mass must be taken relative to the max
     top_k, top_p = (t.to(DEVICE) for t in _top_k_top_p_cases(rows, vocab)[case])
     max_top_k, any_top_p = _host_flags(top_k, top_p, vocab)
     got = sampling_triton.apply_top_k_top_p(logits, top_k, top_p, max_top_k, any_top_p)
@@ -196,11 +244,13 @@ def test_top_k_top_p_masks_equal_spec(vocab: int, case: int) -> None:
 def test_top_k_top_p_ties_equal_spec() -> None:
     """Guards against tie handling that differs from the spec's: every token equal to the
     k-th value kept, every token tied at the top-p boundary kept, all tied maxima kept.
-    Logits on a coarse grid make ties everywhere; negative zeros test -0.0 == +0.0."""
+    Logits on a coarse grid make ties everywhere; row 0's maximum is 0 as both -0.0 and
+    +0.0, which compare equal and must be kept together."""
     rows, vocab = 8, V_AWKWARD
     g = _generator(8)
     logits = torch.randint(-6, 4, (rows, vocab), generator=g, device=DEVICE).float() * 0.5
-    logits[0] = -logits[0].abs()  # -0.0 and +0.0 tie as values
+    logits[0] = -logits[0].abs()  # values <= 0, the max 0 held as -0.0 and +0.0
+    logits[0, ::2] += 0.0  # -0.0 + 0.0 = +0.0
     top_k = torch.tensor([3, 50, 1, 0, 0, 400, 10, 2], dtype=torch.int32, device=DEVICE)
     top_p = torch.tensor([1.0, 1.0, 1.0, 0.3, 0.0, 0.8, 0.5, 0.9], device=DEVICE)
     max_top_k, any_top_p = _host_flags(top_k, top_p, vocab)
@@ -212,7 +262,7 @@ def test_top_k_top_p_ties_equal_spec() -> None:
 
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("rows", [1, ROWS])
-def test_topk_logprobs_equal_spec(vocab: int, rows: int) -> None:
+def test_topk_logprobs_equal_spec(vocab: int, rows: int, chunking: str) -> None:
     """Guards against a logsumexp lost to overflow or to partials combined without
     rescaling (logprobs off by the chunk's max), float32 sums drifting past 1e-5 at large
     V, ranks counting ties or the token itself (>= instead of >), and ids/top-k columns

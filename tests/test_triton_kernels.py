@@ -60,8 +60,9 @@ FLOAT_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA els
 #   bit-identical except where a float32 intermediate ~1e-7 apart lands on the other
 #   side of a rounding boundary: then one rounded value moves one ulp, and a later
 #   product can add one more, hence rtol 2 ulps; such elements are rare, so at most 1%
-#   may differ at all. A kernel that skips one of the reference's roundings (e.g. rope
-#   with one final rounding) differs in far more than 1%; a wrong formula exceeds 2 ulps.
+#   may differ at all. A kernel that skips one of the reference's roundings (e.g. RMSNorm
+#   not rounding the normalised value) differs in far more than 1%; a wrong formula
+#   exceeds 2 ulps. (RoPE has no such intermediate and is checked bit-exact.)
 _TOL = {
     torch.float32: {"rtol": 1e-6, "atol": 1e-6, "max_mismatch": 1.0},
     torch.float16: {"rtol": 2 * 2.0**-10, "atol": 1e-6, "max_mismatch": 0.01},
@@ -354,7 +355,9 @@ def test_apply_rope_matches_ref(case, dtype):
     """Guards the halves rotated the wrong way (sign of rotate_half), cos/sin read from the
     wrong position (positions are shuffled), q and k head counts mixed up (GQA 16/8, 3/1),
     head dims that are not powers of two (24, 80), and the inputs being rotated in place
-    (the caller's q/k views alias the QKV projection output)."""
+    (the caller's q/k views alias the QKV projection output). Exact, not a tolerance: every
+    op is a product of two values of the input dtype or their sum, each rounded once as
+    torch rounds it, so any difference is a bug, e.g. an FMA that skips a rounding."""
     t, hq, hk, d = case
     g = _gen(d)
     q, k, _ = _qkv_views(t, hq, hk, d, dtype, seed=t)
@@ -363,8 +366,7 @@ def test_apply_rope_matches_ref(case, dtype):
     positions = torch.randperm(t + 50, generator=g)[:t].to(DEVICE)
     got_q, got_k = rope.apply_rope_triton(q, k, positions, cos_sin)
     want_q, want_k = rope.apply_rope_ref(q, k, positions, cos_sin)
-    _assert_close(got_q, want_q)
-    _assert_close(got_k, want_k)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(q, q_before) and torch.equal(k, k_before)
 
 
@@ -624,9 +626,8 @@ def test_launchers_replay_in_a_cuda_graph():
     block_table.compute_slot_mapping_ref(want_tables, qsl, want_prep[1], 16, want_slots, 8)
     assert torch.equal(bufs["slots"], want_slots)
     want_q, want_k = rope.apply_rope_ref(bufs["q"], bufs["k"], want_prep[1], bufs["cos_sin"])
-    _assert_close(outs[1], want_q)
+    assert torch.equal(outs[1], want_q) and torch.equal(outs[2], want_k)
     want_cache = torch.zeros_like(bufs["cache"])
-    _assert_close(outs[2], want_k)
     attention.write_kv_ref(outs[2], bufs["v"], want_cache, want_slots)
     assert torch.equal(bufs["cache"], want_cache)
     want_tokens = token_ids_before.clone()

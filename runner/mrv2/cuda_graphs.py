@@ -1,8 +1,10 @@
 """FULL CUDA graphs for uniform decode batches (every row computes one token).
 
 One graph per capture size, captured largest first into one shared memory pool. A graph
-covers embedding -> layers -> final norm -> LM head over the padded batch and reads only
-the persistent input buffers, whose addresses never change. Batches are padded
+covers embedding -> layers over the padded batch and reads only the persistent input
+buffers, whose addresses never change. The LM head runs after the replay, eagerly, on the
+real rows only: keeping [size, 151,936] logits alive per graph would pin ~3 GB of the
+pool for 28 sizes, against one extra GEMM launch per step. Batches are padded
 explicitly to the next capture size (pad rows: zero block-table row, seq_len 0, slot -1),
 which the prepare kernels already do. Mixed and prefill steps run eagerly.
 """
@@ -62,8 +64,7 @@ class CudaGraphs:
             max_query_len=1,
             max_seq_len=self.max_seq_len,
         )
-        hidden = self.model(b.input_ids[:size], b.positions[:size], self.kv_caches, attn)
-        return self.model.compute_logits(hidden)
+        return self.model(b.input_ids[:size], b.positions[:size], self.kv_caches, attn)
 
     @torch.inference_mode()
     def capture(self, progress: Callable[[int], None] | None = None) -> None:
@@ -101,6 +102,7 @@ class CudaGraphs:
         )
 
     def replay(self, size: int) -> torch.Tensor:
-        """Run the graph of `size` over the current buffer contents -> [size, V] logits."""
+        """Run the graph of `size` over the current buffer contents -> [size, hidden]
+        pre-norm hidden states (rows past the batch are padding)."""
         self.graphs[size].replay()
         return self.outputs[size]

@@ -173,12 +173,12 @@ class MRV2ModelRunner:
         )
         self.model_state.prepare(batch)
         if graph_size is not None:
-            logits = self.graphs.replay(graph_size)[: batch.num_reqs]
-            hidden = None
+            hidden = self.graphs.replay(graph_size)
+            logits = self.model.compute_logits(hidden[: batch.num_reqs])
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
-            self.model_state.post_forward(batch, hidden)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
+        self.model_state.post_forward(batch, hidden)
 
         seq_lens = batch.seq_lens_np
         num_tokens = st.num_tokens[slots]
@@ -212,7 +212,7 @@ class MRV2ModelRunner:
                 self.to_host.copy(lp.logprobs),
                 self.to_host.copy(lp.ranks),
             )
-        if hidden is not None:
+        if graph_size is None:  # a graph step is pure decode: no prompt positions in it
             handle.prompt = self._prompt_logprobs(req_ids, slots, batch, hidden, num_computed)
         return handle
 

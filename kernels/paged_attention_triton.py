@@ -1,0 +1,463 @@
+"""Triton paged attention: split-K decode and varlen causal prefill over the paged KV cache.
+
+`paged_attention_triton` has the signature of `attention.paged_attention_ref` (the spec)
+plus an optional `num_splits`. It launches at most three kernels, each on a grid sized
+from host ints only (shapes, `max_query_len`, `max_seq_len`), so a call never syncs with
+the device and can be captured in a CUDA graph:
+
+- `_decode_split_kernel`, grid `(R, Hkv, num_splits)`: rows with exactly one query. A
+  program owns one KV head of one row and one contiguous slice of its context; it reads
+  each K/V tile once for all `Hq / Hkv` query heads of the group (decode is bound by KV
+  bytes, so GQA must not multiply them) and writes a normalised partial output plus its
+  log2-sum-exp to a workspace, or straight to `out` when there is one split.
+- `_decode_reduce_kernel`, grid `(R, Hq)`: merges the splits of a row by their lse.
+- `_prefill_kernel`, grid `(Hq, T // BLOCK_M + R)`: rows with two or more queries (prefill
+  chunks, with or without a cached prefix). Each program finds its (row, query tile) from
+  `query_start_loc`, then runs flash attention over one query head and BLOCK_M queries,
+  walking the row's key tiles through its block table up to the causal limit; tiles
+  entirely below the diagonal skip all masking.
+
+A mixed step (`max_query_len > 1`) launches both paths; each kernel exits at once on the
+rows that belong to the other, so no host-side split of the batch is needed.
+
+What this module does not know: which rows are real. Pad rows (`seq_len == 0`) get zeros;
+rows with no queries are left untouched. `max_seq_len` must bound every `seq_lens` entry
+of a one-query row: the split partition of the context is derived from it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+class TileConfig(NamedTuple):
+    block_m: int  # queries per program (prefill); unused by decode
+    block_n: int  # keys per loop iteration
+    num_warps: int
+    num_stages: int
+
+
+# Prefill, 16-bit, head dim <= 128: one Hopper warpgroup (4 warps) per 64-query tile, wgmma's
+# natural M; 3 stages of a 64-key K and V tile (2 x 16 KiB at D=128) beside Q (16 KiB) leave
+# room for two programs per SM. Measured on the H200 (triton 3.6, 8 x 2048 causal prompts):
+# 307 TFLOP/s, tied with 128x128 over 8 warps (316) and ahead of it on one prompt and on
+# chunks after a prefix; 128x64/8 warps gave 279, BLOCK_N=128 with 4 warps 210. A 64-query
+# tile also wastes less on short chunks. The K/V gather through the block table costs ~10%
+# (a contiguous-cache variant of the same loop ran at 325-352).
+_PREFILL_16BIT = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+# head dim 256 (or fp32, where the tiles are twice the bytes and IEEE dots use no tensor
+# cores): halve the key tile to stay inside registers and shared memory.
+_PREFILL_WIDE = TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+# Decode: one program per (row, kv head, split) streams 64 keys x 128 dims x 2 B = 16 KiB of
+# K and as much V per iteration through cp.async, pipelined 3 deep; at batch 256-512 this
+# reads K/V at 4.4-4.5 TB/s on the H200 (its read+write copy rate is 4.28), so the decode
+# tiles were not swept further.
+_DECODE_16BIT = TileConfig(block_m=0, block_n=64, num_warps=4, num_stages=3)
+_DECODE_WIDE = TileConfig(block_m=0, block_n=32, num_warps=4, num_stages=2)
+
+# Split-K: aim for ~4 programs per SM of an H200 (132 SMs) so short and long rows balance;
+# never split a context into slices under 256 keys (4 iterations), where the workspace
+# round trip and the reduce launch would cost more than the parallelism wins.
+_TARGET_DECODE_PROGRAMS = 132 * 4
+_MIN_SPLIT_KEYS = 256
+_MAX_SPLITS = 64
+
+
+def _tiles(dtype: torch.dtype, d_pad: int, narrow: TileConfig, wide: TileConfig) -> TileConfig:
+    return narrow if dtype in (torch.bfloat16, torch.float16) and d_pad <= 128 else wide
+
+
+def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Splits per (row, kv head): enough programs to fill the GPU, no slice under 256 keys."""
+    wanted = triton.cdiv(_TARGET_DECODE_PROGRAMS, max(1, num_rows * num_kv_heads))
+    useful = triton.cdiv(max(1, max_seq_len), _MIN_SPLIT_KEYS)
+    return max(1, min(wanted, useful, _MAX_SPLITS))
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    # acc + a @ b, accumulated inside the MMA (no separate add over the [M, D] tile).
+    # UPCAST_DOT: Triton's interpreter multiplies bf16 tiles as their raw uint16 bits; fp32
+    # operands give what the tensor cores give (bf16 products are exact in fp32).
+    if UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _attend_tile(
+    acc,  # [M, D_PAD] fp32 running numerator
+    m_i,  # [M] fp32 running max (log2 domain), -inf before any visible key
+    l_i,  # [M] fp32 running denominator
+    q,  # [M, D_PAD] queries, pre-loaded
+    q_pos,  # [M] int32 context position of each query (causal limit, inclusive)
+    kv_ptr,
+    bt_row_ptr,  # this row's block-table row
+    kv_head_off,  # kv head * stride_ch
+    n0,  # first key of the tile
+    key_end,  # keys >= key_end are outside the context
+    offs_n,
+    offs_d,
+    d_mask,
+    stride_cb,
+    stride_ckv,
+    stride_ct,
+    qk_scale,  # softmax scale * log2(e)
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the tile is visible to every query
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    keys = n0 + offs_n
+    if MASKED:
+        k_valid = keys < key_end
+        blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE, mask=k_valid, other=0)
+        kv_mask = k_valid[:, None] & d_mask[None, :]
+    else:
+        blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE)
+        kv_mask = d_mask[None, :]
+    # int64: num_blocks * 2 * block_size * Hkv * D passes 2^31 on a large cache.
+    tok_off = blk.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_ct + kv_head_off
+    k_ptrs = kv_ptr + tok_off[:, None] + offs_d[None, :]
+    # other=0 for keys past the context: the null block may hold NaN, and 0 * NaN would
+    # leak into the P @ V dot even where P is 0.
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+    # Raw scores; the scale is applied inside max() and fused into exp2's argument (one FMA
+    # per score, as qk_scale > 0 keeps the argmax).
+    s = _dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOT)
+    if MASKED:
+        visible = k_valid[None, :]
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    if MASKED:
+        # A query that has seen no visible key keeps m = -inf; subtract 0 instead so its
+        # exp2 gives 0, not NaN (-inf - -inf).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s * qk_scale - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(q.dtype)
+    acc = _dot(p.to(q.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [T, Hq, D]
+    kv_ptr,  # [num_blocks, 2, block_size, Hkv, D]
+    bt_ptr,  # [R_pad, max_blocks] int32
+    qsl_ptr,  # [R + 1] int32
+    seq_lens_ptr,  # [R_pad] int32
+    out_ptr,  # [T, Hq, D]: written only when SINGLE_SPLIT
+    part_o_ptr,  # [R, Hq, num_splits, D] fp32 workspace
+    part_lse_ptr,  # [R, Hq, num_splits] fp32 workspace, log2 domain
+    qk_scale,
+    split_len,  # keys per split, a multiple of BLOCK_N
+    num_splits,
+    num_q_heads,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cb,
+    stride_ckv,
+    stride_ct,
+    stride_ch,
+    GROUP: tl.constexpr,  # Hq // Hkv
+    GROUP_PAD: tl.constexpr,  # >= 16: tl.dot's smallest M
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + row)
+    q_len = tl.load(qsl_ptr + row + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + row)
+    key_start = split * split_len
+    # Rows with several queries belong to the prefill kernel. Splits past the context
+    # write nothing: the reduce derives the number of valid splits from seq_len.
+    skip = q_len != 1
+    if not SINGLE_SPLIT:
+        skip = skip | (key_start >= seq_len)
+    if skip:
+        return
+    key_end = tl.minimum(key_start + split_len, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q_ptrs = q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    bt_row_ptr = bt_ptr + row.to(tl.int64) * stride_bt
+    for n0 in range(key_start, key_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, offs_g, kv_ptr, bt_row_ptr, kv_head * stride_ch, n0, key_end,
+            offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
+            BLOCK_SIZE, True, False, DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+
+    # l_i == 0 only for an empty context (pad row, single split): write zeros.
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    mask = g_mask[:, None] & d_mask[None, :]
+    if SINGLE_SPLIT:
+        o_ptrs = (
+            out_ptr
+            + q_start.to(tl.int64) * stride_ot
+            + heads[:, None] * stride_oh
+            + offs_d[None, :]
+        )
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = (row.to(tl.int64) * num_q_heads + heads) * num_splits + split  # [GROUP_PAD]
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_o_ptr,  # [R, Hq, num_splits, D] fp32
+    part_lse_ptr,  # [R, Hq, num_splits] fp32
+    qsl_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    split_len,
+    num_splits,
+    num_q_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + row)
+    if tl.load(qsl_ptr + row + 1) - q_start != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + row)
+    num_valid = tl.minimum((seq_len + split_len - 1) // split_len, num_splits)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < num_valid
+    part = (row.to(tl.int64) * num_q_heads + head) * num_splits + offs_s
+    # Splits past the context were never written: mask them (the workspace is uninitialised).
+    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))  # [SPLITS_PAD]
+    o_mask = s_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0)
+    denom = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
+    o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [T, Hq, D]
+    kv_ptr,  # [num_blocks, 2, block_size, Hkv, D]
+    bt_ptr,  # [R_pad, max_blocks] int32
+    qsl_ptr,  # [R + 1] int32
+    seq_lens_ptr,  # [R_pad] int32
+    out_ptr,  # [T, Hq, D]
+    qk_scale,
+    num_rows,
+    num_slots,  # T // BLOCK_M + R
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cb,
+    stride_ckv,
+    stride_ct,
+    stride_ch,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # rows scanned per step of the slot -> row search
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    head = tl.program_id(0)  # fastest: the heads of one tile run together and share K/V in L2
+    # Row r owns tile slots [qsl[r] // BLOCK_M + r, qsl[r + 1] // BLOCK_M + r + 1): at least
+    # cdiv(q_len, BLOCK_M) of them, and T // BLOCK_M + R slots in all, so the grid follows
+    # the token count, not R * cdiv(max_query_len, BLOCK_M): a 2048-token prompt among 255
+    # decode rows takes 291 slots, not 32 x 256 = 8,192 mostly idle programs. Slots run in
+    # reverse so the last, longest tiles of a row start first.
+    slot = num_slots - 1 - tl.program_id(1)
+    row = slot * 0
+    for r0 in range(0, num_rows, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        next_end = tl.load(qsl_ptr + r + 1, mask=r < num_rows, other=1 << 30)
+        row += tl.sum((next_end // BLOCK_M + r + 1 <= slot).to(tl.int32), 0)
+    if row >= num_rows:  # slots past the last row (padded tokens)
+        return
+    q_start = tl.load(qsl_ptr + row)
+    q_len = tl.load(qsl_ptr + row + 1) - q_start
+    m_start = (slot - q_start // BLOCK_M - row) * BLOCK_M
+    # One-query rows (decode, pad) are the decode kernel's.
+    if (m_start >= q_len) | (q_len == 1):
+        return
+    seq_len = tl.load(seq_lens_ptr + row)
+    prefix = seq_len - q_len  # keys cached before this chunk
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    tok = (q_start + offs_m).to(tl.int64)
+    q_ptrs = q_ptr + tok[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = prefix + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    bt_row_ptr = bt_ptr + row.to(tl.int64) * stride_bt
+    kv_head_off = (head // GROUP) * stride_ch
+    # Keys [0, prefix + m_start] are visible to every query of the tile: whole tiles there
+    # need no mask. The rest, up to the last query's position, is masked causally.
+    full_end = tl.maximum(prefix + m_start + 1, 0) // BLOCK_N * BLOCK_N
+    causal_end = tl.minimum(prefix + tl.minimum(m_start + BLOCK_M, q_len), seq_len)
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr, kv_head_off, n0, seq_len,
+            offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
+            BLOCK_SIZE, False, True, DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    for n0 in range(full_end, causal_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr, kv_head_off, n0, seq_len,
+            offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
+            BLOCK_SIZE, True, True, DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+
+    # l_i == 0 only when the row's context is empty or shorter than its queries (bad input).
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [R_pad, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [R + 1] int32
+    seq_lens: torch.Tensor,  # [R_pad] int32
+    scale: float,
+    out: torch.Tensor,  # [T, Hq, D] out
+    max_query_len: int,
+    max_seq_len: int,
+    *,
+    num_splits: int | None = None,  # decode splits per (row, kv head); None = heuristic
+) -> None:
+    """`paged_attention_ref` on the GPU (or Triton's interpreter); see the module docstring."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, two, block_size, num_kv_heads, cache_dim = kv_cache.shape
+    num_rows = query_start_loc.numel() - 1
+    assert two == 2 and cache_dim == head_dim, "cache is [num_blocks, 2, block_size, Hkv, D]"
+    assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
+    assert out.shape == q.shape and out.stride(-1) == 1 and q.stride(-1) == 1, (
+        "q and out are [T, Hq, D] with unit stride on D"
+    )
+    assert kv_cache.is_contiguous(), "the cache is one contiguous tensor per layer"
+    assert q.dtype.is_floating_point and kv_cache.dtype == q.dtype, (
+        f"q and the cache share a float dtype (got {q.dtype}, {kv_cache.dtype})"
+    )
+    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc)):
+        assert t.dtype == torch.int32 and t.stride(-1) == 1, f"{name} is int32, unit stride"
+    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(), "seq_lens is int32"
+    assert scale > 0, "softmax scale must be positive (the kernels take max before scaling)"
+    assert seq_lens.numel() >= num_rows and block_tables.shape[0] >= num_rows, (
+        "seq_lens and block_tables hold a row for every query row"
+    )
+    if num_tokens == 0 or num_rows <= 0 or max_query_len <= 0:
+        return
+
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    group = num_q_heads // num_kv_heads
+    qk_scale = scale * LOG2E
+    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit
+    cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
+    # CPU tensors only reach here under TRITON_INTERPRET=1 (see _dot).
+    upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    common = dict(
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+        DOT_PRECISION=dot_precision,
+        UPCAST_DOT=upcast,
+    )
+
+    if max_query_len > 1:
+        cfg = _tiles(q.dtype, d_pad, _PREFILL_16BIT, _PREFILL_WIDE)
+        num_slots = num_tokens // cfg.block_m + num_rows
+        assert num_slots <= 65535, "query tiles ride on a grid axis limited to 65535"
+        _prefill_kernel[(num_q_heads, num_slots)](
+            q, kv_cache, block_tables, query_start_loc, seq_lens, out, qk_scale, num_rows,
+            num_slots, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            block_tables.stride(0),
+            *cache_strides, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=128,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )  # fmt: skip
+
+    # Decode rows (and one-query pad rows), also inside a mixed step.
+    cfg = _tiles(q.dtype, d_pad, _DECODE_16BIT, _DECODE_WIDE)
+    if num_splits is None:
+        num_splits = decode_num_splits(num_rows, num_kv_heads, max_seq_len)
+    # Every split but the last of the longest row is a whole number of BLOCK_N tiles.
+    split_len = triton.cdiv(triton.cdiv(max(1, max_seq_len), num_splits), cfg.block_n) * cfg.block_n
+    num_splits = triton.cdiv(max(1, max_seq_len), split_len)
+    single = num_splits == 1
+    if single:
+        part_o = part_lse = out  # unused
+    else:
+        part_o = torch.empty(
+            (num_rows, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            (num_rows, num_q_heads, num_splits), dtype=torch.float32, device=q.device
+        )
+    _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
+        q, kv_cache, block_tables, query_start_loc, seq_lens, out, part_o, part_lse, qk_scale,
+        split_len, num_splits, num_q_heads, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), block_tables.stride(0), *cache_strides, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
+        SINGLE_SPLIT=single, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+    )  # fmt: skip
+    if not single:
+        _decode_reduce_kernel[(num_rows, num_q_heads)](
+            part_o, part_lse, query_start_loc, seq_lens, out, split_len, num_splits,
+            num_q_heads, out.stride(0), out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        )  # fmt: skip
