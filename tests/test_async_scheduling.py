@@ -19,7 +19,7 @@ def _prompts(n: int, seed: int, lo: int = 3, hi: int = 60) -> list[dict]:
 
 
 def _run(model_dir: str, prompts, params, **kw):
-    llm = LLM(model=model_dir, device=DEVICE, **kw)
+    llm = LLM(model=model_dir, device=DEVICE, dtype="float32", **kw)
     outs = llm.generate(prompts, params, use_tqdm=False)
     return llm, [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
 
@@ -60,8 +60,8 @@ def test_async_stop_strings_and_eos(smollm_dir):
         SamplingParams(temperature=0, max_tokens=30),
     ]
     kw = {"max_model_len": 256, "kv_cache_memory_bytes": 32 << 20}
-    sync_llm = LLM(model=smollm_dir, device=DEVICE, **kw)
-    async_llm = LLM(model=smollm_dir, device=DEVICE, async_scheduling=True, **kw)
+    sync_llm = LLM(model=smollm_dir, device=DEVICE, dtype="float32", **kw)
+    async_llm = LLM(model=smollm_dir, device=DEVICE, dtype="float32", async_scheduling=True, **kw)
     a = sync_llm.generate(prompts, params, use_tqdm=False)
     b = async_llm.generate(prompts, params, use_tqdm=False)
     for x, y in zip(a, b):

@@ -11,7 +11,7 @@ from pdserve.runner.engine import Engine
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3_dir) -> Engine:
-    return Engine.from_args(model=tiny_qwen3_dir, device=DEVICE, max_model_len=64)
+    return Engine.from_args(model=tiny_qwen3_dir, device=DEVICE, dtype="float32", max_model_len=64)
 
 
 @pytest.mark.parametrize(
@@ -72,11 +72,11 @@ def test_abort_frees_blocks_and_reports(engine):
 
 def test_unknown_model_path():
     with pytest.raises(ValueError, match="unknown model"):
-        LLM(model="/nonexistent/model/dir", device=DEVICE)
+        LLM(model="/nonexistent/model/dir", device=DEVICE, dtype="float32")
 
 
 def test_llm_generate_validates_whole_batch_first(tiny_qwen3_dir):
-    llm = LLM(model=tiny_qwen3_dir, device=DEVICE, max_model_len=64)
+    llm = LLM(model=tiny_qwen3_dir, device=DEVICE, dtype="float32", max_model_len=64)
     with pytest.raises(ValueError, match="prompt must contain at least one token"):
         llm.generate(
             [{"prompt_token_ids": [4, 5]}, {"prompt_token_ids": []}],
@@ -113,6 +113,6 @@ def _drain(engine: Engine) -> dict[str, list[int]]:
     ],
 )
 def test_bad_engine_config(tiny_qwen3_dir, kwargs, rule):
-    kwargs = {"max_model_len": 64, **kwargs}
+    kwargs = {"max_model_len": 64, "dtype": "float32", **kwargs}
     with pytest.raises(ValueError, match=rule):
         Engine.from_args(model=tiny_qwen3_dir, device=DEVICE, **kwargs)

@@ -11,7 +11,13 @@ from pdserve import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def smol(smollm_dir) -> LLM:
-    return LLM(model=smollm_dir, device=DEVICE, max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    return LLM(
+        model=smollm_dir,
+        device=DEVICE,
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_memory_bytes=64 << 20,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +76,18 @@ def test_prompt_logprobs_survive_chunked_prefill(smollm_dir):
     llm = LLM(
         model=smollm_dir,
         device=DEVICE,
+        dtype="float32",
         max_model_len=512,
         max_num_batched_tokens=8,
         kv_cache_memory_bytes=32 << 20,
     )
-    whole = LLM(model=smollm_dir, device=DEVICE, max_model_len=512, kv_cache_memory_bytes=32 << 20)
+    whole = LLM(
+        model=smollm_dir,
+        device=DEVICE,
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_memory_bytes=32 << 20,
+    )
     p = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
     a = llm.generate(PROMPT * 3, p, use_tqdm=False)[0].prompt_logprobs
     b = whole.generate(PROMPT * 3, p, use_tqdm=False)[0].prompt_logprobs

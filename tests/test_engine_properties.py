@@ -30,6 +30,7 @@ def engine(tiny_qwen3_dir, request) -> Engine:
         async_scheduling=request.param,
         model=tiny_qwen3_dir,
         device=DEVICE,
+        dtype="float32",
         max_model_len=56,
         block_size=4,
         num_gpu_blocks=NUM_BLOCKS,

@@ -33,7 +33,7 @@ def _greedy(n: int) -> SamplingParams:
 def test_smollm2_batch_matches_transformers(smollm_dir):
     """Guards against any numeric or indexing bug in the paged forward pass (RoPE offsets,
     GQA head mapping, block tables, chunk boundaries) on the real bundled model."""
-    llm = LLM(model=smollm_dir, device=DEVICE, max_model_len=1024, seed=0)
+    llm = LLM(model=smollm_dir, device=DEVICE, dtype="float32", max_model_len=1024, seed=0)
     assert llm.runner_name == "mrv2"
     tok = llm.get_tokenizer()
     ids = [tok(p).input_ids for p in PROMPTS]
@@ -49,7 +49,7 @@ def test_smollm2_batch_matches_transformers(smollm_dir):
 def test_bundled_model_chat_answers_paris():
     """The default model (model=None -> bundled GGUF) with its chat template answers the
     reference question exactly; guards the GGUF conversion, template and EOS handling."""
-    llm = LLM(device=DEVICE, max_model_len=1024)
+    llm = LLM(device=DEVICE, dtype="float32", max_model_len=1024)
     out = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
         SamplingParams(temperature=0.0, max_tokens=32),
@@ -68,7 +68,9 @@ def test_tiny_random_models_match_transformers(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100)]
-    llm = LLM(model=model_dir, device=DEVICE, block_size=16, max_num_batched_tokens=64)
+    llm = LLM(
+        model=model_dir, device=DEVICE, dtype="float32", block_size=16, max_num_batched_tokens=64
+    )
     assert llm.runner_name == "mrv2"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(24), use_tqdm=False)
     expected = hf_greedy(model_dir, prompts, 24)

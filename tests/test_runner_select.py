@@ -32,13 +32,13 @@ def tiny_gpt2_dir(tmp_path_factory) -> str:
 
 
 def test_auto_on_llama_family_picks_mrv2(tiny_llama_dir):
-    assert LLM(model=tiny_llama_dir, device=DEVICE).runner_name == "mrv2"
+    assert LLM(model=tiny_llama_dir, device=DEVICE, dtype="float32").runner_name == "mrv2"
 
 
 def test_auto_with_unsupported_architecture_warns_and_falls_back(tiny_gpt2_dir, caplog):
     """Guards the honest-path promise: the operator is told why mrv2 is not used."""
     with caplog.at_level(logging.WARNING):
-        llm = LLM(model=tiny_gpt2_dir, device=DEVICE)
+        llm = LLM(model=tiny_gpt2_dir, device=DEVICE, dtype="float32")
     assert llm.runner_name == "reference"
     assert any(
         "GPT2LMHeadModel" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records
@@ -53,7 +53,7 @@ def test_auto_with_unsupported_architecture_warns_and_falls_back(tiny_gpt2_dir, 
 
 def test_forced_mrv2_on_unsupported_architecture_raises(tiny_gpt2_dir):
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        LLM(model=tiny_gpt2_dir, device=DEVICE, runner="mrv2")
+        LLM(model=tiny_gpt2_dir, device=DEVICE, dtype="float32", runner="mrv2")
 
 
 def test_unsupported_rope_and_window_are_named(tiny_llama_dir):

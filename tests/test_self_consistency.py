@@ -26,6 +26,7 @@ def _tokens(outs) -> list[list[int]]:
 
 def _llm(model_dir: str, **kw) -> LLM:
     kw.setdefault("device", DEVICE)
+    kw.setdefault("dtype", "float32")
     return LLM(model=model_dir, **kw)
 
 
