@@ -82,6 +82,7 @@ class Engine:
         self._tracks: dict[str, _Track] = {}
         self._pending: list[RequestDelta] = []
         self._num_arrivals = 0
+        self._max_model_len = config.model.max_model_len
         logger.info(
             "engine ready: model=%s runner=%s device=%s dtype=%s max_model_len=%d",
             config.model.source,
@@ -199,33 +200,40 @@ class Engine:
 
     def _process(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestDelta]:
         deltas = []
-        row_of = {rid: i for i, rid in enumerate(out.req_ids)}
+        row_of = {rid: i for i, rid in enumerate(out.req_ids)} if out.logprobs else None
         for rid, (first, entries) in out.prompt_logprobs.items():
             self._add_prompt_logprobs(rid, first, entries)
         for req in self.scheduler.update_from_output(so, out):
-            lp = out.logprobs[row_of[req.request_id]] if out.logprobs else None
+            lp = out.logprobs[row_of[req.request_id]] if row_of is not None else None
             deltas.append(self._process_token(req, lp))
         return deltas
 
     def _process_token(self, req: Request, lp: TopLogprobs | None) -> RequestDelta:
+        """Detokenize, check stops, and cut the delta's text. Costs O(new text) per token:
+        only the not-yet-emitted tail of the text is ever copied."""
         track = self._tracks[req.request_id]
         token = req.output_token_ids[-1]
         detok = track.detok
         text_before = detok.output_text if detok else ""
         new_text = detok.add_tokens([token]) if detok else ""
-        decision = check_stop(req, [token], text_before, new_text, self.config.model.max_model_len)
-        text = text_before + new_text
+        decision = check_stop(req, [token], text_before, new_text, self._max_model_len)
+        full_len = len(text_before) + len(new_text)
         if decision is None:
-            visible = max(track.emitted, len(text) - track.hold_back)
+            visible = max(track.emitted, full_len - track.hold_back)
             finish, stop_reason = None, None
         else:
-            if decision.text_len == len(text) and detok is not None:
-                text += detok.flush()  # nothing was cut: release held-back bytes too
-                visible = len(text)
+            if decision.text_len == full_len and detok is not None:
+                new_text += detok.flush()  # nothing was cut: release held-back bytes too
+                visible = len(text_before) + len(new_text)
             else:
                 visible = decision.text_len
             finish, stop_reason = decision.finish_reason, decision.stop_reason
-        piece = text[track.emitted : visible]
+        tail = (
+            text_before[track.emitted :] + new_text
+            if track.emitted < len(text_before)
+            else new_text[track.emitted - len(text_before) :]
+        )
+        piece = tail[: visible - track.emitted]
         track.emitted = visible
         delta = RequestDelta(
             req.request_id,

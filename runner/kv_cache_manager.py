@@ -96,6 +96,13 @@ class KVCacheManager:
         fresh ones), or None, with no state changed, when too few blocks are free.
         """
         assert num_new_tokens >= 0, f"num_new_tokens must be >= 0, got {num_new_tokens}"
+        if not new_computed_blocks:
+            # Decode fast path (most calls): the new tokens fit in the blocks already held.
+            held = self._req_blocks.get(request.request_id)
+            if held is not None and (
+                request.num_computed_tokens + num_new_tokens <= len(held) * self.block_size
+            ):
+                return []
         assert num_new_computed_tokens == len(new_computed_blocks) * self.block_size, (
             f"{len(new_computed_blocks)} computed blocks cover "
             f"{len(new_computed_blocks) * self.block_size} tokens, not {num_new_computed_tokens}"

@@ -80,11 +80,13 @@ class ReferenceRunner:
             return ModelRunnerOutput([], [])
 
         last_logits, seq_lens, prompt_lps = [], [], {}
-        computed = {c.req_id: c.num_computed_tokens for c in so.cached_requests}
-        computed.update({n.req_id: n.num_computed_tokens for n in so.new_requests})
+        # Scheduler's computed count before this step: prefix hits for new requests, else
+        # exactly what this runner has computed so far.
+        computed = {n.req_id: n.num_computed_tokens for n in so.new_requests}
         for req_id in req_ids:
             live = self.live[req_id]
-            end = computed[req_id] + so.num_scheduled_tokens[req_id]
+            before = computed.get(req_id, live.cache_len)
+            end = before + so.num_scheduled_tokens[req_id]
             start = live.cache_len  # recompute anything the prefix cache claimed
             ids = torch.tensor([live.tokens[start:end]], device=self.device)
             out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: live.cache})
@@ -93,7 +95,7 @@ class ReferenceRunner:
             last_logits.append(logits[-1])
             seq_lens.append(end)
             k = int(self.sampling.num_prompt_logprobs[live.slot])
-            lp_start = max(start, computed[req_id])
+            lp_start = max(start, before)
             lp_end = min(end, live.num_prompt - 1)
             if k >= 0 and lp_end > lp_start:
                 targets = torch.tensor(live.tokens[lp_start + 1 : lp_end + 1], device=self.device)

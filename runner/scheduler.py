@@ -106,9 +106,10 @@ class Scheduler:
             preempted_any |= preempted
             if new_blocks is None:
                 continue
-            out.cached_requests.append(
-                CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens)
-            )
+            if new_blocks:  # the runner tracks computed counts itself; only blocks are news
+                out.cached_requests.append(
+                    CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens)
+                )
             out.num_scheduled_tokens[req.request_id] = num_new
             scheduled.add(req.request_id)
             budget -= num_new

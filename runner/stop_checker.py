@@ -52,7 +52,7 @@ def check_stop(
     params = request.params
     num_output = request.num_output_tokens
     full_len = len(text_before) + len(new_text)
-    assert request.output_token_ids[num_output - len(new_token_ids) :] == new_token_ids, (
+    assert request.output_token_ids[-1] == new_token_ids[-1], (
         "new_token_ids must be the tail of request.output_token_ids"
     )
     for i, token_id in enumerate(new_token_ids):
