@@ -19,7 +19,11 @@ if not _cuda_present():
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # GPU-only test modules are not collected without a GPU (rather than collected and skipped).
-collect_ignore = [] if _cuda_present() else ["test_gpu_step_loop.py"]
+collect_ignore = (
+    []
+    if _cuda_present()
+    else ["test_gpu_step_loop.py", "test_gpu_attention.py", "test_gpu_kernels.py"]
+)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -8,6 +8,8 @@ The reference runs on a NaN-free copy in float64 on the CPU.
 
 Sizes: on CPU the kernels run through Triton's interpreter (TRITON_INTERPRET=1), so the
 contexts are a few hundred keys; with CUDA they are thousands, over several tiles and splits.
+The CUDA-only checks (dispatch to Triton, no host syncs and CUDA-graph replay, cache
+offsets past int32) are in `test_gpu_attention.py`, which imports this module's helpers.
 
 Tolerances:
 - fp32 inputs: 1e-5. Both dots run as IEEE fp32 (no TF32), so the only error is fp32
@@ -37,7 +39,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
 # Context scale: interpreter-sized on CPU, several 64-key tiles and 256-key splits on GPU.
 X = 10 if ON_GPU else 1
-needs_cuda = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 
 # (context length after the step, query length). Rows of every kind a step can carry.
 DECODE, DECODE_AT_1, PAD = (37 * X, 1), (1, 1), (0, 1)
@@ -277,60 +278,3 @@ def test_dispatch_cpu_runs_reference(monkeypatch):
     q, cache = batch.q.double().cpu(), batch.cache.double().cpu().nan_to_num(0.0)
     paged_attention(q, cache, *args, batch.max_query_len, batch.max_seq_len)
     torch.testing.assert_close(out, batch.run_ref(), rtol=0, atol=0)
-
-
-@needs_cuda
-def test_dispatch_cuda_runs_triton():
-    """Guards the dispatch in `paged_attention`: CUDA tensors run the Triton kernels."""
-    batch = make_batch(MIXED, 16, 8, 128, 16, dtype=torch.bfloat16)
-    out = torch.full_like(batch.q, float("nan"))
-    paged_attention(
-        batch.q, batch.cache, batch.tables, batch.qsl, batch.seq_lens, batch.scale, out,
-        batch.max_query_len, batch.max_seq_len,
-    )  # fmt: skip
-    assert torch.equal(out, batch.run_triton())
-
-
-@needs_cuda
-def test_no_host_sync_and_cuda_graph_replay():
-    """Guards capturability: the launcher never syncs (no .item()/.tolist() on the device),
-    and a captured graph replayed on new seq_lens and block tables (same host bounds) gives
-    the new answer, i.e. no grid size or split count was baked in from device data."""
-    rows = [(2000, 1)] * 8 + [PAD] * 8
-    batch = make_batch(rows, 16, 8, 128, 16, dtype=torch.bfloat16)
-    out = torch.zeros_like(batch.q)
-    args = (batch.q, batch.cache, batch.tables, batch.qsl, batch.seq_lens, batch.scale, out)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        paged_attention_triton(*args, 1, 2048)  # also warms up (compiles) before capture
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_attention_triton(*args, 1, 2048)
-    new_lens = torch.tensor([2000, 1, 700, 1999, 256, 257, 0, 1500] + [0] * 9, dtype=torch.int32)
-    batch.seq_lens.copy_(new_lens)
-    batch.tables[:8] = batch.tables[:8].flip(0).clone()
-    batch.rows = [(int(c), 1) for c in new_lens[:-1]]
-    graph.replay()
-    torch.cuda.synchronize()
-    check(batch, out)
-
-
-@needs_cuda
-def test_cache_offsets_past_int32():
-    """Guards int64 cache offsets: blocks whose element offset exceeds 2^31 (a large cache)
-    must be read where they are, not at a wrapped-around address."""
-    hk, d, bs = 1, 128, 16
-    small = make_batch([(300, 1), (200, 50), PAD], 4, hk, d, bs, dtype=torch.bfloat16)
-    n = small.cache.shape[0]
-    num_blocks = 2**31 // (2 * bs * hk * d) + n  # 4 GiB of bf16; ids >= 2^31 / block size
-    cache = torch.full(
-        (num_blocks, 2, bs, hk, d), float("nan"), dtype=torch.bfloat16, device=DEVICE
-    )
-    shift = num_blocks - n  # block b of the small cache lives at b + shift
-    cache[shift + 1 :] = small.cache[1:]
-    big = dataclasses.replace(
-        small, cache=cache, tables=torch.where(small.tables > 0, small.tables + shift, 0)
-    )
-    check(small, big.run_triton())

@@ -1,0 +1,157 @@
+"""CUDA-only checks of the Triton kernels: KV-cache offsets past int32, public functions
+dispatching CUDA tensors to their `_triton` launchers, and the launchers of one step
+running without host syncs and replaying correctly in a CUDA graph. conftest does not
+collect this module without a GPU; the parity tests and their helpers live in
+`test_triton_index_kernels.py` and `test_triton_layer_kernels.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+from test_triton_index_kernels import DEVICE, _batch, _qkv_views
+from test_triton_layer_kernels import _TRITON_LAUNCHERS, _cpu_calls
+
+from pdserve.kernels import activation, attention, block_table, input_prep, kv_write, norm, rope
+
+
+def test_write_kv_offsets_past_int32():
+    """Guards 32-bit cache offsets: slots in a cache of more than 2^31 elements (4.3 GB of
+    bf16) must land at their true address, not wrap into the start of the cache."""
+    heads, d, block_size = 8, 128, 16
+    num_blocks = 2**31 // (2 * block_size * heads * d) + 2
+    cache = torch.zeros(num_blocks, 2, block_size, heads, d, dtype=torch.bfloat16, device=DEVICE)
+    key = torch.randn(3, heads, d, device=DEVICE).to(torch.bfloat16)
+    value = torch.randn(3, heads, d, device=DEVICE).to(torch.bfloat16)
+    last = num_blocks * block_size - 1
+    slot_mapping = torch.tensor([last, last - block_size - 3, 5], device=DEVICE)
+    kv_write.write_kv_triton(key, value, cache, slot_mapping)
+    for i, slot in enumerate(slot_mapping.tolist()):
+        assert torch.equal(cache[slot // block_size, 0, slot % block_size], key[i])
+        assert torch.equal(cache[slot // block_size, 1, slot % block_size], value[i])
+    assert int(torch.count_nonzero(cache[:2])) == 2 * heads * d  # only slot 5's K and V
+    del cache
+    torch.cuda.empty_cache()
+
+
+def test_public_functions_on_cuda_run_triton(monkeypatch):
+    """Guards a public function that keeps calling the torch reference on CUDA tensors
+    (correct, but with host syncs that break CUDA-graph capture and the async loop)."""
+    called = []
+    for name, (module, attr) in _TRITON_LAUNCHERS.items():
+        original = getattr(module, attr)
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            called.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, attr, spy)
+    for name, public, _, args in _cpu_calls():
+        public(*(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
+        assert called and called[-1] == name, name
+
+
+def _step(bufs):
+    """One decode-like step's device work, launched only through the `_triton` launchers."""
+    input_prep.prepare_inputs_triton(*bufs["prep_in"], *bufs["prep_out"], bufs["num_tokens"])
+    block_table.gather_block_tables_triton(bufs["table"], bufs["prep_in"][0], bufs["tables"])
+    block_table.compute_slot_mapping_triton(
+        bufs["tables"],
+        bufs["prep_in"][1],
+        bufs["prep_out"][1],
+        16,
+        bufs["slots"],
+        bufs["num_tokens"],
+    )
+    x, w = bufs["x"], bufs["w"]
+    normed, residual = norm.fused_add_rms_norm_triton(x, x, w, 1e-6)
+    q, k, v = bufs["q"], bufs["k"], bufs["v"]
+    q, k = rope.apply_rope_triton(q, k, bufs["prep_out"][1], bufs["cos_sin"])
+    kv_write.write_kv_triton(k, v, bufs["cache"], bufs["slots"])
+    act = activation.silu_and_mul_triton(torch.cat([normed, residual], dim=-1))
+    input_prep.post_update_triton(
+        bufs["prep_in"][0],
+        bufs["sampled"],
+        bufs["prep_out"][2][:8],
+        bufs["mask"],
+        bufs["prep_in"][3],
+    )
+    return normed, q, k, act
+
+
+def _step_buffers():
+    idx, qsl, computed, token_ids = _batch([1] * 8, list(range(20, 28)), num_slots=16, max_len=64)
+    num_tokens = 8
+    prep_out = [
+        torch.zeros(12, dtype=torch.int32, device=DEVICE),
+        torch.zeros(12, dtype=torch.int64, device=DEVICE),
+        torch.zeros(10, dtype=torch.int32, device=DEVICE),
+    ]
+    q, k, v = _qkv_views(12, 16, 8, 128, torch.bfloat16, seed=9)
+    return {
+        "prep_in": [idx, qsl, computed, token_ids],
+        "prep_out": prep_out,
+        "num_tokens": num_tokens,
+        "table": torch.randint(1, 60, (16, 4), dtype=torch.int32, device=DEVICE),
+        "tables": torch.zeros(10, 4, dtype=torch.int32, device=DEVICE),
+        "slots": torch.zeros(12, dtype=torch.int64, device=DEVICE),
+        "x": torch.randn(12, 1024, device=DEVICE).to(torch.bfloat16),
+        "w": torch.randn(1024, device=DEVICE).to(torch.bfloat16),
+        "q": q,
+        "k": k,
+        "v": v,
+        "cos_sin": torch.randn(64, 128, device=DEVICE),
+        "cache": torch.zeros(64, 2, 16, 8, 128, dtype=torch.bfloat16, device=DEVICE),
+        "sampled": torch.randint(0, 1000, (8,), device=DEVICE),
+        "mask": torch.ones(8, dtype=torch.bool, device=DEVICE),
+    }
+
+
+def test_launchers_never_sync_with_the_host():
+    """Guards a `.item()`/`.tolist()`/`nonzero()` slipping into a launcher: the async step
+    loop would stall on every step, and CUDA-graph capture would fail."""
+    bufs = _step_buffers()
+    _step(bufs)  # compile outside the check (compilation itself may synchronise)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _step(bufs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_launchers_replay_in_a_cuda_graph():
+    """Guards launchers that cannot be captured (a sync or a value-dependent allocation) or
+    that bake device values in at capture time: after capture, new slot/position inputs
+    written into the same buffers must give the reference's results on replay."""
+    bufs = _step_buffers()
+    _step(bufs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = _step(bufs)
+    idx, qsl, computed, token_ids = bufs["prep_in"]
+    idx.copy_(torch.randperm(16, device=DEVICE)[:8].to(torch.int32))
+    computed.copy_(torch.arange(30, 38, dtype=torch.int32, device=DEVICE))
+    bufs["cache"].zero_()
+    token_ids_before = token_ids.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    want_prep = [torch.zeros_like(t) for t in bufs["prep_out"]]
+    input_prep.prepare_inputs_ref(idx, qsl, computed, token_ids_before, *want_prep, 8)
+    for got, want in zip(bufs["prep_out"], want_prep):
+        assert torch.equal(got, want)
+    want_tables = torch.zeros_like(bufs["tables"])
+    block_table.gather_block_tables_ref(bufs["table"], idx, want_tables)
+    assert torch.equal(bufs["tables"], want_tables)
+    want_slots = torch.zeros_like(bufs["slots"])
+    block_table.compute_slot_mapping_ref(want_tables, qsl, want_prep[1], 16, want_slots, 8)
+    assert torch.equal(bufs["slots"], want_slots)
+    want_q, want_k = rope.apply_rope_ref(bufs["q"], bufs["k"], want_prep[1], bufs["cos_sin"])
+    assert torch.equal(outs[1], want_q) and torch.equal(outs[2], want_k)
+    want_cache = torch.zeros_like(bufs["cache"])
+    attention.write_kv_ref(outs[2], bufs["v"], want_cache, want_slots)
+    assert torch.equal(bufs["cache"], want_cache)
+    want_tokens = token_ids_before.clone()
+    input_prep.post_update_ref(idx, bufs["sampled"], want_prep[2][:8], bufs["mask"], want_tokens)
+    assert torch.equal(token_ids, want_tokens)
