@@ -75,12 +75,16 @@ _TORCH_DTYPES = {
 
 class DeviceToHost:
     """Ring of pinned host buffers receiving a step's outputs; `fetch()` blocks only on the
-    event of that step's copy, when the host actually needs the values."""
+    event of that step's copy, when the host actually needs the values. A slot whose last
+    result has not been fetched yet is never overwritten: that copy gets a fresh buffer
+    (only when one step copies more tensors than the ring holds, e.g. many prompt-logprob
+    requests at once)."""
 
-    # 16 slots: a step copies up to ~5 tensors and at most two steps are unfetched.
+    # 16 slots: a step copies ~1-4 tensors and at most two steps are unfetched.
     def __init__(self, device: torch.device, num_slots: int = 16):
         self.on_cuda = device.type == "cuda"
         self._slots: list[torch.Tensor | None] = [None] * num_slots
+        self._owners: list[PendingHost | None] = [None] * num_slots
         self._next = 0
 
     def copy(self, src: torch.Tensor) -> PendingHost:
@@ -89,23 +93,31 @@ class DeviceToHost:
         i = self._next
         self._next = (i + 1) % len(self._slots)
         slot = self._slots[i]
-        if slot is None or slot.numel() < src.numel() or slot.dtype != src.dtype:
+        owner = self._owners[i]
+        busy = owner is not None and not owner.fetched
+        if busy or slot is None or slot.numel() < src.numel() or slot.dtype != src.dtype:
             slot = torch.empty(max(src.numel(), 1024), dtype=src.dtype, pin_memory=True)
-            self._slots[i] = slot
+            if not busy:
+                self._slots[i] = slot
         host = slot[: src.numel()].view(src.shape)
         host.copy_(src, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return PendingHost(host, event)
+        pending = PendingHost(host, event)
+        if not busy:
+            self._owners[i] = pending
+        return pending
 
 
 class PendingHost:
     def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None):
         self._host = host
         self._event = event
+        self.fetched = False
 
     def fetch(self) -> torch.Tensor:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
+        self.fetched = True
         return self._host
