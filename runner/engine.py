@@ -132,10 +132,9 @@ class Engine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}) (got {bad[:3]})")
-        if (params.stop_strings or params.logprobs is not None) and self.tokenizer is None:
-            raise ValueError(
-                "stop strings and logprob text need a tokenizer; this model directory has none"
-            )
+        if params.stop_strings and self.tokenizer is None:
+            # Logprobs work without one (decoded_token is None); stop strings cannot.
+            raise ValueError("stop strings need a tokenizer; this model directory has none")
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

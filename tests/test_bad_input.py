@@ -51,6 +51,8 @@ def test_bad_requests_do_not_disturb_a_running_one(engine):
     for rid, ids, rule in cases:
         with pytest.raises(ValueError, match=rule):
             engine.add_request(rid, ids, good)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.add_request("x", [1, 2], SamplingParams(stop=["x"]))
     with pytest.raises(TypeError, match="SamplingParams"):
         engine.add_request("x", [1, 2], {"max_tokens": 3})
     assert engine.kv.num_free_blocks == free_before

@@ -156,7 +156,7 @@ class MRV2ModelRunner:
             so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids)
         )
         num_computed = st.num_computed_tokens[slots]
-        uniform_decode = so.total_num_scheduled_tokens == len(req_ids)
+        uniform_decode = int(num_scheduled.max()) == 1
         graph_size = (
             self.graphs.padded_size(len(req_ids))
             if (self.graphs is not None and uniform_decode)
