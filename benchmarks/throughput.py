@@ -1,7 +1,7 @@
 """Offline throughput of the engine on a random-weight bf16 model of the Qwen3-0.6B shape.
 
     python benchmarks/throughput.py [--workloads decode_heavy,long_prefill,small_batch]
-                                    [--hf | --no-hf] [--out benchmarks/results/DIR]
+                                    [--hf | --no-hf] [--peer vllm] [--out benchmarks/results/DIR]
 
 Three workloads, prompts of random token ids from a fixed seed, output length forced
 (`ignore_eos`), all requests submitted at once. Per workload one JSON object with the
@@ -18,6 +18,7 @@ This is a benchmark, not a test: it measures and writes JSON; tests/ checks corr
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -191,6 +192,12 @@ def main() -> int:
     ap.add_argument("--model-dir", default=None, help="reuse a saved model directory")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument(
+        "--peer",
+        choices=["vllm"],
+        default=None,
+        help="also run vLLM on the same model and workloads (benchmarks/vllm_peer.py)",
+    )
     args = ap.parse_args()
 
     from pdserve.runner.engine import Engine
@@ -249,10 +256,44 @@ def main() -> int:
                 "graph_memory_mib": graphs.memory_bytes / 2**20 if graphs else 0.0,
             }
         )
-        print(json.dumps(row), flush=True)
         results.append(row)
-        (out_dir / f"throughput_{w.name}.json").write_text(json.dumps(row, indent=2) + "\n")
+        write_row(out_dir, row)
+    if args.peer == "vllm":
+        del engine, hf_model, graphs
+        gc.collect()
+        torch.cuda.empty_cache()
+        peer = run_vllm_peer(model_dir, args)
+        for row in results:
+            row.update(peer.get(row["workload"], {"vllm_output_tok_s": None}))
+            write_row(out_dir, row)
     return 0
+
+
+def write_row(out_dir: Path, row: dict) -> None:
+    print(json.dumps(row), flush=True)
+    (out_dir / f"throughput_{row['workload']}.json").write_text(json.dumps(row, indent=2) + "\n")
+
+
+def run_vllm_peer(model_dir: Path, args: argparse.Namespace) -> dict[str, dict]:
+    """vLLM in a child process once our engine has let go of the GPU; {workload: numbers}."""
+    cmd = [
+        sys.executable,
+        str(Path(__file__).parent / "vllm_peer.py"),
+        f"--model-dir={model_dir}",
+        f"--workloads={args.workloads}",
+        f"--max-num-seqs={args.max_num_seqs}",
+        f"--max-num-batched-tokens={args.max_num_batched_tokens}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480)
+    sys.stderr.write(proc.stderr[-4000:])
+    rows = [
+        json.loads(line.split(" ", 1)[1])
+        for line in proc.stdout.splitlines()
+        if line.startswith("VLLM_RESULT ")
+    ]
+    if proc.returncode != 0 or not rows:
+        print(f"vLLM peer failed (exit {proc.returncode})", file=sys.stderr)
+    return {r.pop("workload"): r for r in rows}
 
 
 if __name__ == "__main__":

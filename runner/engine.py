@@ -1,7 +1,9 @@
 """The engine of one worker: step-level API over scheduler + runner + output processing.
 
 `add_request` / `step` / `abort` / `has_unfinished` are what workers (and the offline
-`LLM`) drive. A step is `schedule -> runner.execute -> update -> detokenize + stop
+`LLM`) drive. PD roles plug in through runner/kv_hooks.py: `add_request(hold_kv=True)`
+and `release_held` on the prefill side, `add_prefilled_request` and a `KVLoader` on the
+decode side. A step is `schedule -> runner.execute -> update -> detokenize + stop
 checks -> deltas`. Bad input raises `ValueError` naming the rule before anything is
 queued, so one bad request never disturbs the others.
 """
@@ -17,6 +19,7 @@ from pdserve.runner.config import EngineConfig
 from pdserve.runner.config_resolve import resolve_engine_config
 from pdserve.runner.detokenizer import IncrementalDetokenizer, decode_token
 from pdserve.runner.kv_cache_manager import KVCacheManager
+from pdserve.runner.kv_hooks import KVHeld, KVLoader
 from pdserve.runner.outputs import Logprob, LogprobDict, RequestDelta
 from pdserve.runner.request import Request, RequestStatus
 from pdserve.runner.runner_output import ModelRunnerOutput, TopLogprobs
@@ -56,8 +59,9 @@ class _Track:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_loader: KVLoader | None = None):
         self.config = config
+        self.kv_loader = kv_loader
         self.tokenizer = load_tokenizer(config.model.path)
         self.eos_token_ids = eos_token_ids(
             config.model.path, config.model.hf_config, self.tokenizer
@@ -81,6 +85,7 @@ class Engine:
         self.stats = StepStats()
         self._tracks: dict[str, _Track] = {}
         self._pending: list[RequestDelta] = []
+        self._held: dict[str, tuple[int, ...]] = {}  # prefill role: blocks under a lease
         self._num_arrivals = 0
         self._max_model_len = config.model.max_model_len
         logger.info(
@@ -93,8 +98,8 @@ class Engine:
         )
 
     @classmethod
-    def from_args(cls, **kwargs: Any) -> Engine:
-        return cls(resolve_engine_config(**kwargs))
+    def from_args(cls, kv_loader: KVLoader | None = None, **kwargs: Any) -> Engine:
+        return cls(resolve_engine_config(**kwargs), kv_loader=kv_loader)
 
     @property
     def runner_name(self) -> str:
@@ -137,12 +142,77 @@ class Engine:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hold_kv: bool = False,
     ) -> None:
+        """Queue a request. `hold_kv` (prefill role): sample one token, skip stop checks
+        (the decode side applies them), and end with the blocks held: the last delta
+        carries `kv_held`, and `release_held` frees them."""
         self.validate(request_id, prompt_token_ids, params)
+        if hold_kv:
+            self._check_paged("hold_kv")
+        self._new_request(request_id, prompt_token_ids, params, hold_kv=hold_kv)
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_token: int,
+        first_logprobs: TopLogprobs | None,
+        ticket: object,
+    ) -> bool:
+        """Decode role: a request whose prompt ran elsewhere. Its first token is emitted on
+        the next step (stop checks applied here); if that token does not end it, the
+        scheduler gives it blocks and the `KVLoader` fills them from `ticket`. Returns
+        False when the first token already finished it (nothing will be loaded)."""
+        self.validate(request_id, prompt_token_ids, params)
+        self._check_paged("add_prefilled_request")
+        if self.kv_loader is None:
+            raise ValueError("add_prefilled_request needs an engine built with a kv_loader")
+        vocab = self.config.model.vocab_size
+        if not isinstance(first_token, int) or not 0 <= first_token < vocab:
+            raise ValueError(f"first_token must be an integer in [0, {vocab}) (got {first_token})")
+        req = self._new_request(request_id, prompt_token_ids, params, kv_ticket=ticket)
+        req.append_output_token(first_token)
+        delta = self._process_token(req, first_logprobs)
+        self._pending.append(delta)
+        return not delta.finished
+
+    def release_held(self, request_id: str) -> bool:
+        """Prefill role: free the blocks a held request left behind (transfer done, lease
+        expired or aborted). False if nothing was held under that id."""
+        block_ids = self._held.pop(request_id, None)
+        if block_ids is None:
+            return False
+        self.kv.release(block_ids)
+        return True
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def _check_paged(self, what: str) -> None:
+        if self.config.runner.runner != "mrv2":
+            raise ValueError(
+                f"{what} moves paged KV blocks, which the {self.runner_name} runner does not "
+                "have; use runner='mrv2'"
+            )
+
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **pd: Any
+    ) -> Request:
         seed = params.seed if params.seed is not None else self.next_seed()
         req = Request(
-            request_id, list(prompt_token_ids), params, seed=seed, eos_token_ids=self.eos_token_ids
+            request_id,
+            list(prompt_token_ids),
+            params,
+            seed=seed,
+            eos_token_ids=self.eos_token_ids,
+            **pd,
         )
         detok = (
             IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
@@ -152,13 +222,17 @@ class Engine:
         hold = max((len(s) for s in params.stop_strings), default=1) - 1
         self._tracks[request_id] = _Track(detok=detok, hold_back=hold)
         self.scheduler.add_request(req)
+        return req
 
     def abort(self, request_id: str) -> bool:
         """Abort a request at any point; its blocks are freed now and the next `step()`
         returns its final delta (finish_reason "abort"). False if it was not live."""
+        loading = request_id in self.scheduler.loading
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         if req is None:
-            return False
+            return self.release_held(request_id)
+        if loading:
+            self.kv_loader.cancel(request_id)  # its blocks are freed once the loader stops
         self._tracks.pop(request_id, None)
         self._pending.append(
             RequestDelta(
@@ -168,6 +242,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
+        """Work left for `step()` (held blocks are not work: they wait for a release)."""
         return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._inflight)
 
     # ---- one step -------------------------------------------------------------------------
@@ -177,8 +252,13 @@ class Engine:
         N+1, then wait for step N's tokens and emit them, so the device is never idle while
         the host plans (outputs arrive one step later)."""
         start = time.perf_counter()
+        if self.kv_loader is not None:
+            for result in self.kv_loader.poll():
+                self.scheduler.finish_load(result)
         deltas, self._pending = self._pending, []
         so = self.scheduler.schedule()
+        for spec in so.kv_loads:
+            self.kv_loader.start_load(spec)
         handle = None
         if so.num_reqs or so.finished_req_ids:
             handle = self.runner.execute(so)
@@ -210,6 +290,8 @@ class Engine:
     def _process_token(self, req: Request, lp: TopLogprobs | None) -> RequestDelta:
         """Detokenize, check stops, and cut the delta's text. Costs O(new text) per token:
         only the not-yet-emitted tail of the text is ever copied."""
+        if req.hold_kv:
+            return self._hold(req, lp)
         track = self._tracks[req.request_id]
         token = req.output_token_ids[-1]
         detok = track.detok
@@ -257,6 +339,26 @@ class Engine:
             )
             self.scheduler.finish_request(req.request_id, status)
             del self._tracks[req.request_id]
+        return delta
+
+    def _hold(self, req: Request, lp: TopLogprobs | None) -> RequestDelta:
+        """Prefill role: the first token is sampled; keep the prompt's blocks, end here."""
+        track = self._tracks.pop(req.request_id)
+        self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_HELD)
+        block_ids = tuple(self.kv.detach(req))
+        self._held[req.request_id] = block_ids
+        delta = RequestDelta(
+            req.request_id,
+            [req.output_token_ids[-1]],
+            "",
+            num_prompt_tokens=req.num_prompt_tokens,
+            prompt_logprobs=track.prompt_logprobs,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            kv_held=KVHeld(block_ids, req.num_prompt_tokens),
+        )
+        if lp is not None:
+            delta.new_logprobs = [self._logprob_dict(lp)]
+            delta.first_top_logprobs = lp
         return delta
 
     def _add_prompt_logprobs(self, req_id: str, first: int, entries: list[TopLogprobs]) -> None:

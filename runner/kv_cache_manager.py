@@ -164,6 +164,21 @@ class KVCacheManager:
         if blocks is not None:
             self.block_pool.free(reversed(blocks))
 
+    def detach(self, request: Request) -> list[int]:
+        """Forget the request but keep its blocks referenced (prefill role: they back a
+        transfer lease); hand them back later with `release`."""
+        self._num_cached_blocks.pop(request.request_id, None)
+        return self._req_blocks.pop(request.request_id, [])
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop the references `detach` kept, last block first (like `free`)."""
+        self.block_pool.free(reversed(block_ids))
+
+    def block_hashes(self, request: Request) -> list[int]:
+        """Chain hashes of the request's full blocks (computed now if missing)."""
+        self._update_block_hashes(request)
+        return request.block_hashes
+
     def _update_block_hashes(self, request: Request) -> None:
         if len(request.block_hashes) < request.num_tokens // self.block_size:
             extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)

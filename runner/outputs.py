@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.runner.kv_hooks import KVHeld
+from pdserve.runner.runner_output import TopLogprobs
+
 # One position's logprobs: token id -> Logprob. Holds the chosen token and the top-k.
 LogprobDict = dict[int, "Logprob"]
 
@@ -33,10 +36,14 @@ class RequestDelta:
     prompt_logprobs: list[LogprobDict | None] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Prefill role: the request left this engine with its prompt's blocks held.
+    kv_held: KVHeld | None = None
+    first_top_logprobs: TopLogprobs | None = None  # the raw row, for a transfer ticket
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """True on a request's last delta from this engine."""
+        return self.finish_reason is not None or self.kv_held is not None
 
 
 @dataclass

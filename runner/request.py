@@ -16,11 +16,14 @@ from pdserve.runner.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # decode role: blocks held, a loader is filling them
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # the KV it needed could not be had (policy `fail`)
+    FINISHED_HELD = "finished_held"  # prefill role: left the engine, its blocks held
 
     @property
     def is_finished(self) -> bool:
@@ -28,6 +31,8 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
+            RequestStatus.FINISHED_HELD,
         )
 
     @property
@@ -36,6 +41,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 
@@ -59,6 +65,15 @@ class Request:
     stop_reason: int | str | None = None
     # Chain hashes of this request's full blocks, filled in lazily by the KV cache manager.
     block_hashes: list[int] = field(default_factory=list)
+    # PD roles (runner/kv_hooks.py). Prefill: stop after one token and hold the blocks.
+    hold_kv: bool = False
+    # Decode: the ticket to load the prompt's KV with; None once the load has ended.
+    kv_ticket: object | None = None
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Tokens this engine may sample for the request."""
+        return 1 if self.hold_kv else self.params.max_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

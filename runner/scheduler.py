@@ -10,7 +10,13 @@ new prompt. This file is central: keep it to this loop; policy pieces live besid
 
 With async scheduling, step N+1 is planned while step N runs: a request that samples in
 step N holds an output placeholder until its token reaches the host, and counts it as a
-token when planning (its KV slot is allocated; its value is only on the device).
+token when planning (its KV slot is allocated; its value is only on the device). A
+request whose in-flight tokens already reach its token limit is not planned again.
+
+Decode role (runner/kv_hooks.py): a waiting request with a KV ticket is admitted by
+giving it blocks for its prompt and a `KVLoadSpec` in the step's output; it waits in
+`loading` (no token budget) until `finish_load`, then re-enters the waiting queue with
+the loaded tokens computed.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections import deque
 
 from pdserve.runner.config import SchedulerConfig
 from pdserve.runner.kv_cache_manager import KVCacheManager
+from pdserve.runner.kv_hooks import KVLoadResult, KVLoadSpec
 from pdserve.runner.request import Request, RequestStatus
 from pdserve.runner.runner_output import ModelRunnerOutput
 from pdserve.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -32,6 +39,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Decode role: requests whose blocks a loader is filling. An aborted one stays here
+        # (its blocks still referenced) until the loader reports it, so nothing is freed
+        # while a transfer may still write into it.
+        self.loading: dict[str, Request] = {}
         self._in_runner: set[str] = set()  # requests the runner holds a slot for
         self._free_in_runner: set[str] = set()  # finished/preempted since the last step
         self.num_preemptions = 0
@@ -53,13 +64,35 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        loading = req.status == RequestStatus.WAITING_FOR_KV
         req.status = status
-        self.kv.free(req)
+        if status == RequestStatus.FINISHED_HELD:
+            pass  # the engine detaches the blocks: they back a transfer lease now
+        elif not loading:
+            self.kv.free(req)
         self._release_slot(req)
         return req
 
+    def finish_load(self, result: KVLoadResult) -> Request | None:
+        """A load ended: the request waits again (first in line) with the loaded tokens
+        computed, or, if it was aborted meanwhile, its blocks are freed now."""
+        req = self.loading.pop(result.request_id, None)
+        if req is None:
+            return None
+        if req.is_finished:
+            self.kv.free(req)
+            return None
+        req.kv_ticket = None
+        # At least the last token (the first output) is always computed here.
+        req.num_computed_tokens = min(result.num_tokens, req.num_tokens - 1)
+        if req.num_computed_tokens == 0:
+            self.kv.free(req)  # nothing usable: a plain prefill from scratch
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        return req
+
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.loading)
 
     @property
     def num_running(self) -> int:
@@ -100,6 +133,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if req.num_output_tokens + req.num_output_placeholders >= req.max_new_tokens:
+                continue  # async: its last token is in flight; another would be thrown away
             num_new = min(req.num_tokens_with_inflight - req.num_computed_tokens, budget)
             assert num_new > 0, f"running request {req.request_id} has nothing to compute"
             new_blocks, preempted = self._allocate_or_preempt(req, num_new, scheduled)
@@ -118,15 +153,22 @@ class Scheduler:
             self.waiting
             and budget > 0
             and not preempted_any
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break  # preempted with a token in flight: re-admit once its value is known
+            if req.kv_ticket is not None:
+                spec = self._start_load(req)
+                if spec is None:
+                    break
+                out.kv_loads.append(spec)
+                continue
             hit_blocks, num_hit = [], 0
-            if req.params.prompt_logprobs is None:  # prompt logprobs need every position
+            loaded = req.num_computed_tokens  # > 0: its KV was loaded into blocks it holds
+            if not loaded and req.params.prompt_logprobs is None:  # those need every position
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-            num_new = req.num_tokens - num_hit
+            num_new = req.num_tokens - num_hit - loaded
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
@@ -135,7 +177,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_hit
+            req.num_computed_tokens = num_hit + loaded
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             out.new_requests.append(
@@ -144,7 +186,7 @@ class Scheduler:
                     token_ids=req.all_token_ids,
                     num_prompt_tokens=req.num_prompt_tokens,
                     block_ids=list(self.kv.get_block_ids(req.request_id)),
-                    num_computed_tokens=num_hit,
+                    num_computed_tokens=req.num_computed_tokens,
                     params=req.params,
                     seed=req.seed,
                     stop_ids=self._suppressed_ids(req),
@@ -162,6 +204,25 @@ class Scheduler:
             if self.async_scheduling and req.num_computed_tokens >= req.num_tokens_with_inflight:
                 req.num_output_placeholders += 1  # this step samples a token for it
         return out
+
+    def _start_load(self, req: Request) -> KVLoadSpec | None:
+        """Blocks for the whole prompt (local prefix hits first), or None if they do not fit."""
+        hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+        if self.kv.allocate_slots(req, req.num_prompt_tokens - num_hit, hit_blocks, num_hit) is None:
+            return None
+        self.waiting.popleft()
+        self.loading[req.request_id] = req
+        req.status = RequestStatus.WAITING_FOR_KV
+        req.num_cached_tokens = num_hit
+        num_full = req.num_prompt_tokens // self.kv.block_size
+        return KVLoadSpec(
+            request_id=req.request_id,
+            block_ids=tuple(self.kv.get_block_ids(req.request_id)),
+            num_local_tokens=num_hit,
+            num_prompt_tokens=req.num_prompt_tokens,
+            block_hashes=tuple(self.kv.block_hashes(req)[:num_full]),
+            ticket=req.kv_ticket,
+        )
 
     def _allocate_or_preempt(
         self, req: Request, num_new: int, scheduled: set[str]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.runner.kv_hooks import KVLoadSpec
 from pdserve.runner.sampling_params import SamplingParams
 
 
@@ -37,6 +38,7 @@ class SchedulerOutput:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # batch order
     finished_req_ids: set[str] = field(default_factory=set)  # free these slots first
+    kv_loads: list[KVLoadSpec] = field(default_factory=list)  # decode role: start these loads
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -1,0 +1,65 @@
+"""The engine's side of KV transfer: typed hooks, no transport.
+
+Two roles meet here (DESIGN §2):
+- prefill role: a request added with `hold_kv=True` runs its prompt, samples one token
+  and then leaves the engine with its blocks still referenced (`KVHeld` on its last
+  delta) until the worker calls `Engine.release_held`.
+- decode role: a request added with `Engine.add_prefilled_request` brings its first
+  token and a ticket; when the scheduler admits it, it gets blocks for the prompt and the
+  engine asks a `KVLoader` to fill them (`KVLoadSpec`). The scheduler runs other requests
+  meanwhile; the loader reports how many prompt tokens it filled (`KVLoadResult`) and
+  the request continues from there, computing whatever was not loaded.
+
+This module knows nothing about layouts, sockets or leases: `kvtransfer/`, `prefill/`
+and `decode/` do, and plug in through these types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class KVHeld:
+    """Blocks a prefill-role request left referenced, covering its prompt's KV."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int  # prompt tokens whose KV the blocks hold
+
+
+@dataclass(frozen=True)
+class KVLoadSpec:
+    """Fill `block_ids` with the KV of prompt tokens [num_local_tokens, num_prompt_tokens)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]  # covers every prompt token; the first ones may be local hits
+    num_local_tokens: int  # a block multiple: tokens already in the cache (prefix hits)
+    num_prompt_tokens: int
+    block_hashes: tuple[int, ...]  # chain hashes of the prompt's full blocks (tier lookups)
+    ticket: object  # whatever add_prefilled_request was given; opaque to the engine
+
+
+@dataclass(frozen=True)
+class KVLoadResult:
+    """`num_tokens`: leading prompt tokens now valid in the request's blocks (local hits
+    included). `error`: why the load failed, None when it did not; on failure the
+    request continues from `num_tokens` and computes the rest (recompute)."""
+
+    request_id: str
+    num_tokens: int
+    error: str | None = None
+
+
+class KVLoader(Protocol):
+    def start_load(self, spec: KVLoadSpec) -> None:
+        """Begin filling the blocks in the background; never blocks on the transfer."""
+
+    def poll(self) -> list[KVLoadResult]:
+        """Loads that ended since the last call (finished, failed or cancelled)."""
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a load; it is still reported by `poll` once nothing writes the blocks."""
+
+    def num_inflight(self) -> int:
+        """Loads started and not yet reported by `poll`."""
