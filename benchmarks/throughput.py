@@ -170,12 +170,15 @@ def run_hf(model, w: Workload, prompts: list[list[int]]) -> dict:
 
 
 def git_commit() -> str:
+    """PDSERVE_COMMIT when set (a device copy's .git may lag the tree), else git's HEAD."""
+    if os.environ.get("PDSERVE_COMMIT"):
+        return os.environ["PDSERVE_COMMIT"]
     try:
         return subprocess.check_output(
             ["git", "rev-parse", "--short", "HEAD"], text=True, cwd=Path(__file__).parent
         ).strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("PDSERVE_COMMIT", "unknown")
+        return "unknown"
 
 
 def main() -> int:
