@@ -360,3 +360,13 @@ def gqa_layout_for(
     dtype_name = str(dtype).removeprefix("torch.")
     group = PagedGQAGroup("kv", num_layers, block_size, num_kv_heads, head_dim, dtype_name)
     return KVLayout(model=model_name, groups=(group,))
+
+
+def paged_cache_storage(model_name: str, kv_cache: torch.Tensor) -> tuple[KVLayout, GroupStorage]:
+    """Layout and storage of a runner's paged cache `[L, num_blocks, 2, bs, H, D]`."""
+    num_layers, _, two, block_size, num_kv_heads, head_dim = kv_cache.shape
+    assert two == 2, f"not a paged K/V cache: shape {tuple(kv_cache.shape)}"
+    layout = gqa_layout_for(
+        model_name, num_layers, block_size, num_kv_heads, head_dim, kv_cache.dtype
+    )
+    return layout, GroupStorage(layout.groups[0], (kv_cache,))

@@ -112,6 +112,7 @@ class Pull(Message):
     request_id: str
     layout_hash: str
     layer_wise: bool
+    first_units: list[int]  # per group: units before this one are not sent (receiver has them)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,23 @@ class DataHeader(Message):
                 "layer_end",
                 f"must be >= layer_start {self.layer_start}, got {self.layer_end}",
             )
+
+
+@dataclass(frozen=True)
+class IpcExport(Message):
+    """Reply to an `IpcOpen`: how to map the source's KV tensors in another process on the
+    same node (CUDA IPC). `handles["tensors"]` holds one entry per group tensor; the
+    entries are plain msgpack values that the cuda_ipc transport interprets."""
+
+    TYPE: ClassVar[str] = "ipc_export"
+    worker_id: str
+    handles: dict
+
+
+@dataclass(frozen=True)
+class IpcOpen(Message):
+    TYPE: ClassVar[str] = "ipc_open"
+    layout_hash: str
 
 
 @dataclass(frozen=True)
@@ -197,7 +215,7 @@ class Error(Message):
 # The one table: wire type string -> message class.
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Handshake, HandshakeOk, Ticket, Pull, DataHeader, PullDone, Release,
+    for cls in (Handshake, HandshakeOk, Ticket, Pull, DataHeader, IpcExport, IpcOpen, PullDone, Release,
                 Heartbeat, LeaseInfo, Abort, Ack, Error)
 }  # fmt: skip
 # Field name -> annotation, resolved once (annotations are strings under `from __future__`).

@@ -19,7 +19,7 @@ from pdserve.runner.config import EngineConfig
 from pdserve.runner.config_resolve import resolve_engine_config
 from pdserve.runner.detokenizer import IncrementalDetokenizer, decode_token
 from pdserve.runner.kv_cache_manager import KVCacheManager
-from pdserve.runner.kv_hooks import KVHeld, KVLoader
+from pdserve.runner.kv_hooks import KVHeld, KVLoader, KVLoadResult
 from pdserve.runner.outputs import Logprob, LogprobDict, RequestDelta
 from pdserve.runner.request import Request, RequestStatus
 from pdserve.runner.runner_output import ModelRunnerOutput, TopLogprobs
@@ -27,7 +27,7 @@ from pdserve.runner.sampling_params import SamplingParams
 from pdserve.runner.scheduler import Scheduler
 from pdserve.runner.scheduler_output import SchedulerOutput
 from pdserve.runner.seeding import derive_seed
-from pdserve.runner.stop_checker import check_stop
+from pdserve.runner.stop_checker import StopDecision, check_stop
 from pdserve.runner.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -147,14 +147,21 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         hold_kv: bool = False,
+        kv_ticket: object | None = None,
     ) -> None:
         """Queue a request. `hold_kv` (prefill role): sample one token, skip stop checks
         (the decode side applies them), and end with the blocks held: the last delta
-        carries `kv_held`, and `release_held` frees them."""
+        carries `kv_held`, and `release_held` frees them. `kv_ticket`: ask the
+        `KVLoader` for the prompt's KV first (e.g. from the tier); whatever it cannot
+        supply is computed here."""
         self.validate(request_id, prompt_token_ids, params)
-        if hold_kv:
-            self._check_paged("hold_kv")
-        self._new_request(request_id, prompt_token_ids, params, hold_kv=hold_kv)
+        if hold_kv or kv_ticket is not None:
+            self._check_paged("hold_kv" if hold_kv else "kv_ticket")
+        if kv_ticket is not None and self.kv_loader is None:
+            raise ValueError("kv_ticket needs an engine built with a kv_loader")
+        self._new_request(
+            request_id, prompt_token_ids, params, hold_kv=hold_kv, kv_ticket=kv_ticket
+        )
 
     def add_prefilled_request(
         self,
@@ -254,7 +261,7 @@ class Engine:
         start = time.perf_counter()
         if self.kv_loader is not None:
             for result in self.kv_loader.poll():
-                self.scheduler.finish_load(result)
+                self._finish_load(result)
         deltas, self._pending = self._pending, []
         so = self.scheduler.schedule()
         for spec in so.kv_loads:
@@ -294,28 +301,16 @@ class Engine:
             return self._hold(req, lp)
         track = self._tracks[req.request_id]
         token = req.output_token_ids[-1]
-        detok = track.detok
-        text_before = detok.output_text if detok else ""
-        new_text = detok.add_tokens([token]) if detok else ""
-        decision = check_stop(req, [token], text_before, new_text, self._max_model_len)
-        full_len = len(text_before) + len(new_text)
-        if decision is None:
-            visible = max(track.emitted, full_len - track.hold_back)
-            finish, stop_reason = None, None
+        if track.detok is None:
+            # No tokenizer: no text, and no stop strings (validate refuses them), so only
+            # token stops and length apply. Skips ~1 us of text slicing per token.
+            decision = check_stop(req, [token], "", "", self._max_model_len)
+            piece = ""
         else:
-            if decision.text_len == full_len and detok is not None:
-                new_text += detok.flush()  # nothing was cut: release held-back bytes too
-                visible = len(text_before) + len(new_text)
-            else:
-                visible = decision.text_len
+            decision, piece = self._next_text(req, track, token)
+        finish = stop_reason = None
+        if decision is not None:
             finish, stop_reason = decision.finish_reason, decision.stop_reason
-        tail = (
-            text_before[track.emitted :] + new_text
-            if track.emitted < len(text_before)
-            else new_text[track.emitted - len(text_before) :]
-        )
-        piece = tail[: visible - track.emitted]
-        track.emitted = visible
         delta = RequestDelta(
             req.request_id,
             [token],
@@ -341,6 +336,52 @@ class Engine:
             del self._tracks[req.request_id]
         return delta
 
+    def _finish_load(self, result: KVLoadResult) -> None:
+        req = self.scheduler.finish_load(result)
+        if req is None:
+            return
+        if result.error is not None:
+            logger.warning("KV load of %s failed: %s", result.request_id, result.error)
+        if result.fail:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+            self._tracks.pop(req.request_id, None)
+            self._pending.append(
+                RequestDelta(
+                    req.request_id,
+                    [],
+                    "",
+                    finish_reason="error",
+                    stop_reason=result.error,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                )
+            )
+
+    def _next_text(
+        self, req: Request, track: _Track, token: int
+    ) -> tuple[StopDecision | None, str]:
+        """Feed `token` to the detokenizer; the stop decision and the text to hand out now
+        (all new text but the held-back tail a stop string may still start in)."""
+        detok = track.detok
+        text_before = detok.output_text
+        new_text = detok.add_tokens([token])
+        decision = check_stop(req, [token], text_before, new_text, self._max_model_len)
+        full_len = len(text_before) + len(new_text)
+        if decision is None:
+            visible = max(track.emitted, full_len - track.hold_back)
+        elif decision.text_len == full_len:
+            new_text += detok.flush()  # nothing was cut: release held-back bytes too
+            visible = len(text_before) + len(new_text)
+        else:
+            visible = decision.text_len
+        tail = (
+            text_before[track.emitted :] + new_text
+            if track.emitted < len(text_before)
+            else new_text[track.emitted - len(text_before) :]
+        )
+        piece = tail[: visible - track.emitted]
+        track.emitted = visible
+        return decision, piece
+
     def _hold(self, req: Request, lp: TopLogprobs | None) -> RequestDelta:
         """Prefill role: the first token is sampled; keep the prompt's blocks, end here."""
         track = self._tracks.pop(req.request_id)
@@ -354,7 +395,11 @@ class Engine:
             num_prompt_tokens=req.num_prompt_tokens,
             prompt_logprobs=track.prompt_logprobs,
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            kv_held=KVHeld(block_ids, req.num_prompt_tokens),
+            kv_held=KVHeld(
+                block_ids,
+                req.num_prompt_tokens,
+                tuple(self.kv.block_hashes(req)[: req.num_prompt_tokens // self.kv.block_size]),
+            ),
         )
         if lp is not None:
             delta.new_logprobs = [self._logprob_dict(lp)]

@@ -141,17 +141,17 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return
-        blocks = self._req_blocks.get(request.request_id, [])
         # Tokens scheduled speculatively past the known ones have no ids to hash yet.
         num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
+        num_cached = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= num_cached:
+            # The common decode step (15 in 16 at block_size 16): no block completed.
+            return
+        blocks = self._req_blocks.get(request.request_id, [])
         assert num_full <= len(blocks), (
             f"request {request.request_id}: {num_full} blocks computed but only "
             f"{len(blocks)} allocated"
         )
-        num_cached = self._num_cached_blocks.get(request.request_id, 0)
-        if num_full <= num_cached:
-            # The common decode step: no block completed, so skip building all_token_ids.
-            return
         self._update_block_hashes(request)
         for i in range(num_cached, num_full):
             self.block_pool.cache_block(blocks[i], request.block_hashes[i])

@@ -26,6 +26,7 @@ class KVHeld:
 
     block_ids: tuple[int, ...]
     num_tokens: int  # prompt tokens whose KV the blocks hold
+    block_hashes: tuple[int, ...]  # chain hashes of the full blocks (tier keys)
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,13 @@ class KVLoadSpec:
 class KVLoadResult:
     """`num_tokens`: leading prompt tokens now valid in the request's blocks (local hits
     included). `error`: why the load failed, None when it did not; on failure the
-    request continues from `num_tokens` and computes the rest (recompute)."""
+    request continues from `num_tokens` and computes the rest (recompute), or, with
+    `fail`, ends with finish reason "error"."""
 
     request_id: str
     num_tokens: int
     error: str | None = None
+    fail: bool = False  # policy `fail`: end the request with an error instead of recomputing
 
 
 class KVLoader(Protocol):

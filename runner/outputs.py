@@ -15,14 +15,16 @@ from pdserve.runner.runner_output import TopLogprobs
 LogprobDict = dict[int, "Logprob"]
 
 
-@dataclass
+# slots: one RequestDelta per running request per step (512 a step at full decode) and one
+# Logprob per top-k entry; slotted instances are smaller and quicker to build and read.
+@dataclass(slots=True)
 class Logprob:
     logprob: float
     rank: int  # 1 = most likely token
     decoded_token: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestDelta:
     """What one engine step produced for one request (the worker-facing unit)."""
 

@@ -21,6 +21,8 @@ from pdserve.kvtransfer.protocol import (
     Handshake,
     HandshakeOk,
     Heartbeat,
+    IpcExport,
+    IpcOpen,
     LeaseInfo,
     ProtocolError,
     Pull,
@@ -50,9 +52,11 @@ ONE_OF_EACH = [
     HandshakeOk("prefill-0", "a1"),
     TICKET,
     Ticket("r", "w", "inproc://x", [], 0, "h", 0.0, 0, None, "stop"),
-    Pull("req-1", "a1b2c3", layer_wise=True),
+    Pull("req-1", "a1b2c3", layer_wise=True, first_units=[0, 2]),
     DataHeader("req-1", group=0, tensor=1, layer_start=0, layer_end=30, shape=[30, 6144],
                dtype="bfloat16", nbytes=368_640),
+    IpcOpen("a1b2c3"),
+    IpcExport("prefill-0", {"tensors": [{"device": 0, "handle": b"\x01\x02", "size": 64}]}),
     PullDone("req-1", num_frames=2),
     Release("req-1"),
     Heartbeat("req-1", extend_s=5.0),
@@ -99,7 +103,7 @@ def test_ticket_to_and_from_wire_round_trip_and_refuse_other_messages():
     assert ticket_from_wire(ticket_to_wire(TICKET)) == TICKET
     assert ticket_from_wire(msgpack.unpackb(pack(ticket_to_wire(TICKET)), raw=False)) == TICKET
     with pytest.raises(ProtocolError, match="expected a 'ticket' message, got 'pull'") as info:
-        ticket_from_wire(wire(Pull("r", "h", False)))
+        ticket_from_wire(wire(Pull("r", "h", False, [0])))
     assert info.value.code == "bad_schema"
     bad = ticket_to_wire(TICKET)
     bad["f"] = dict(bad["f"], num_tokens=-1)
@@ -207,7 +211,7 @@ def test_wrong_field_types_and_values_are_named(changes, problem):
 
 def test_other_messages_check_their_fields():
     """Schema checks only wired up for tickets."""
-    obj = wire(Pull("r", "h", True))
+    obj = wire(Pull("r", "h", True, [0]))
     obj["f"]["layer_wise"] = 1
     assert "Pull.layer_wise: expected bool, got int" in rejected(pack(obj), "bad_schema")
     obj = wire(PullDone("r", 2))

@@ -1,0 +1,207 @@
+"""The decode worker's `KVLoader`: fills a request's blocks from the tier and the ticket.
+
+For each load (runner/kv_hooks.py `KVLoadSpec`), on a background thread:
+1. blocks already in the local prefix cache are skipped;
+2. the next full blocks found in the secondary tier (by chain hash) are copied from it;
+3. the rest comes from the prefill worker named in the ticket, over the transport its
+   endpoint's scheme names (`local://`, `tcp://`, ...); then the lease is released.
+A failed pull is never silent: it is counted by error code and reported with the tokens
+that are valid (local + tier); policy `recompute` lets the engine compute the rest,
+`fail` ends the request with an error. Every transport call has a timeout, so a dead
+prefill worker costs at most `timeout_s`.
+
+It knows nothing about scheduling: the engine asks, the loader reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.kvtransfer.layout import GroupStorage
+from pdserve.kvtransfer.pack import unpack
+from pdserve.kvtransfer.protocol import Ticket
+from pdserve.kvtransfer.tier import HostKVTier
+from pdserve.kvtransfer.transport import PullSpec, TransferError, Transport
+from pdserve.runner.kv_hooks import KVLoadResult, KVLoadSpec
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("recompute", "fail")
+
+
+@dataclass
+class LoaderStats:
+    loads: int = 0
+    bytes_pulled: int = 0
+    tier_blocks: int = 0
+    seconds: float = 0.0
+    recomputes: int = 0
+    fails: int = 0
+    errors: Counter = field(default_factory=Counter)  # by TransferError code
+
+
+class TransferLoader:
+    def __init__(
+        self,
+        transports: dict[str, Transport],
+        layout_hash: str,
+        policy: str = "recompute",
+        timeout_s: float = 30.0,
+        tier: HostKVTier | None = None,
+        max_workers: int = 2,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.transports = transports  # endpoint scheme ("tcp", "local", ...) -> transport
+        self.layout_hash = layout_hash
+        self.policy = policy
+        self.timeout_s = timeout_s
+        self.tier = tier
+        self.stats = LoaderStats()
+        self._dst: tuple[GroupStorage, ...] | None = None
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kv-load")
+        self._done: queue.SimpleQueue[KVLoadResult] = queue.SimpleQueue()
+        self._cancel: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def attach(self, dst: tuple[GroupStorage, ...]) -> None:
+        """The engine's KV storage the loads write into (known once the engine exists)."""
+        self._dst = dst
+
+    # ---- KVLoader ---------------------------------------------------------------------
+
+    def start_load(self, spec: KVLoadSpec) -> None:
+        assert self._dst is not None, "attach() the destination storage first"
+        event = threading.Event()
+        with self._lock:
+            self._cancel[spec.request_id] = event
+        self._pool.submit(self._run, spec, event)
+
+    def poll(self) -> list[KVLoadResult]:
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            event = self._cancel.get(request_id)
+        if event is not None:
+            event.set()
+
+    def num_inflight(self) -> int:
+        with self._lock:
+            return len(self._cancel)
+
+    def close(self) -> None:
+        with self._lock:
+            for event in self._cancel.values():
+                event.set()
+        self._pool.shutdown(wait=True, cancel_futures=False)
+
+    # ---- one load, on a pool thread ---------------------------------------------------
+
+    def _run(self, spec: KVLoadSpec, cancel: threading.Event) -> None:
+        try:
+            result = self._load(spec, cancel)
+        except Exception as e:  # a bug must still end the load, or the blocks leak
+            logger.exception("KV load of %s crashed", spec.request_id)
+            result = self._failed(spec, spec.num_local_tokens, TransferError("internal", repr(e)))
+        with self._lock:
+            self._cancel.pop(spec.request_id, None)
+        self._done.put(result)
+
+    def _load(self, spec: KVLoadSpec, cancel: threading.Event) -> KVLoadResult:
+        assert self._dst is not None
+        block_size = self._dst[0].group.block_size
+        first = spec.num_local_tokens // block_size
+        first += self._from_tier(spec, first)
+        valid = first * block_size
+        ticket = spec.ticket
+        if not isinstance(ticket, Ticket) or valid >= spec.num_prompt_tokens:
+            self._finish_ticket(ticket, release=True)
+            return KVLoadResult(spec.request_id, max(valid, spec.num_local_tokens))
+        if cancel.is_set():
+            self._finish_ticket(ticket, release=False)
+            return KVLoadResult(spec.request_id, valid, "cancelled")
+        scheme = ticket.endpoint.split("://", 1)[0]
+        transport = self.transports.get(scheme)
+        try:
+            if transport is None:
+                raise TransferError("unreachable", f"no transport for {ticket.endpoint!r}")
+            if ticket.num_tokens != spec.num_prompt_tokens:
+                raise TransferError(
+                    "bad_ticket",
+                    f"ticket covers {ticket.num_tokens} tokens, the prompt has "
+                    f"{spec.num_prompt_tokens}",
+                )
+            n = len(ticket.group_unit_ids[0])
+            pull = PullSpec(ticket, (tuple(spec.block_ids[:n]),), (first,))
+            start = time.perf_counter()
+            moved = transport.pull(pull, self._dst, self.timeout_s, cancel)
+            self.stats.seconds += time.perf_counter() - start
+        except TransferError as e:
+            self._finish_ticket(ticket, release=False)
+            return self._failed(spec, valid, e)
+        self.stats.loads += 1
+        self.stats.bytes_pulled += moved
+        self._finish_ticket(ticket, release=True)
+        return KVLoadResult(spec.request_id, spec.num_prompt_tokens)
+
+    def _from_tier(self, spec: KVLoadSpec, first: int) -> int:
+        """Copy the tier's run of blocks after the local hits; returns how many."""
+        if self.tier is None or first >= len(spec.block_hashes):
+            return 0
+        hashes = list(spec.block_hashes[first:])
+        n = self.tier.lookup(self.layout_hash, hashes)
+        if n == 0:
+            return 0
+        try:
+            blocks = self.tier.get(self.layout_hash, hashes[:n])
+        except KeyError:  # evicted between lookup and get: use what the ticket has
+            return 0
+        storage = self._dst[0]
+        buffers = [
+            torch.stack([b[t] for b in blocks], dim=1).to(storage.device)
+            for t in range(len(blocks[0]))
+        ]
+        unpack(storage, list(spec.block_ids[first : first + n]), buffers)
+        self.stats.tier_blocks += n
+        return n
+
+    def _failed(self, spec: KVLoadSpec, valid: int, e: TransferError) -> KVLoadResult:
+        self.stats.errors[e.code] += 1
+        if self.policy == "fail":
+            self.stats.fails += 1
+            return KVLoadResult(spec.request_id, valid, str(e), fail=True)
+        self.stats.recomputes += 1
+        return KVLoadResult(spec.request_id, max(valid, spec.num_local_tokens), str(e))
+
+    def _finish_ticket(self, ticket: object, release: bool) -> None:
+        """Tell the prefill side we are done with its blocks (best effort: if it is gone,
+        its lease expires and frees them)."""
+        if not isinstance(ticket, Ticket):
+            return
+        transport = self.transports.get(ticket.endpoint.split("://", 1)[0])
+        if transport is None:
+            return
+        try:
+            if release:
+                transport.release(ticket, self.timeout_s)
+            else:
+                transport.abort(ticket, min(self.timeout_s, 2.0))
+        except TransferError as e:
+            self.stats.errors[f"release_{e.code}"] += 1
+            logger.warning("could not release %s at %s: %s", ticket.request_id, ticket.endpoint, e)

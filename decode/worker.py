@@ -1,0 +1,104 @@
+"""The decode worker: an engine in decode role that imports KV and streams tokens.
+
+Plain Python (a Ray actor wraps it in `cluster/`). `submit` takes a request with the
+ticket its prefill produced: the first token is emitted on the next `step` (stop checks
+apply to it here), the KV is loaded in the background by a `TransferLoader` while other
+requests keep decoding, and decoding continues from the ticket's first token. A request
+whose first token already ends it releases the ticket without loading anything.
+
+It knows nothing about routing or HTTP.
+"""
+
+from __future__ import annotations
+
+from pdserve.decode.kv_loader import TransferLoader
+from pdserve.kvtransfer.layout import KVLayout, paged_cache_storage
+from pdserve.kvtransfer.protocol import Ticket
+from pdserve.kvtransfer.tier import HostKVTier
+from pdserve.kvtransfer.transport import Transport
+from pdserve.runner.engine import Engine
+from pdserve.runner.outputs import RequestDelta
+from pdserve.runner.runner_output import TopLogprobs
+from pdserve.runner.sampling_params import SamplingParams
+
+TIER_ONLY = "tier-only"  # a load with no prefill worker behind it: the tier or nothing
+
+
+def logprobs_from_ticket(rows: list[list[float]] | None) -> TopLogprobs | None:
+    if not rows:
+        return None
+    return TopLogprobs(
+        token_ids=[int(r[0]) for r in rows],
+        logprobs=[float(r[1]) for r in rows],
+        rank=int(rows[0][2]),
+    )
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        engine_kwargs: dict,
+        worker_id: str,
+        transports: dict[str, Transport],
+        policy: str = "recompute",
+        timeout_s: float = 30.0,
+        tier: HostKVTier | None = None,
+        engine: Engine | None = None,
+    ) -> None:
+        """`transports` maps an endpoint scheme ("tcp", "local", ...) to a transport built
+        for this worker's layout (see `layout_of`)."""
+        self.worker_id = worker_id
+        self.loader = TransferLoader(transports, "", policy, timeout_s, tier)
+        self.engine = engine or Engine.from_args(kv_loader=self.loader, **engine_kwargs)
+        self.engine.kv_loader = self.loader
+        self.engine._check_paged("a decode worker")
+        self.layout, storage = paged_cache_storage(
+            self.engine.config.model.source or "model", self.engine.runner.kv_cache
+        )
+        self.loader.layout_hash = self.layout.compat_hash()
+        self.loader.attach((storage,))
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        ticket: Ticket | None,
+    ) -> None:
+        """Queue a prefilled request. With `ticket=None` only the tier (and the local
+        prefix cache) can supply KV, and the engine computes the rest itself."""
+        if ticket is not None and ticket.layout_hash != self.loader.layout_hash:
+            raise ValueError(
+                f"ticket {ticket.request_id!r} is for KV layout {ticket.layout_hash[:12]}, "
+                f"this worker has {self.loader.layout_hash[:12]}"
+            )
+        if ticket is None:
+            tier_only = TIER_ONLY if self.loader.tier is not None else None
+            self.engine.add_request(request_id, prompt_token_ids, params, kv_ticket=tier_only)
+            return
+        continues = self.engine.add_prefilled_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            ticket.first_token,
+            logprobs_from_ticket(ticket.first_logprobs),
+            ticket,
+        )
+        if not continues:
+            self.loader._finish_ticket(ticket, release=True)
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def step(self) -> list[RequestDelta]:
+        return self.engine.step()
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def layout_of(worker: DecodeWorker) -> KVLayout:
+    return worker.layout

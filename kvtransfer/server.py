@@ -1,0 +1,161 @@
+"""Serve a `KVSource` over ZMQ: the prefill side of the tcp, cuda_ipc and nccl transports.
+
+One ROUTER socket on one thread. Each request is one control message (msgpack, checked by
+`protocol.decode`); the reply is one message, except a tcp pull, which streams
+`[DataHeader, raw frame]` messages (one per tensor, or per layer and tensor when
+`layer_wise`) and ends with `PullDone`. Raw frames go out without a copy (zmq
+`copy=False` over the packed buffer). A bad message gets an `Error` reply and nothing else
+changes; the socket never stops serving because of what a peer sent.
+
+It binds only the address it is given. It does not free blocks: releases, aborts and
+expiries go through the lease table, whose owner frees them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import zmq
+
+from pdserve.kvtransfer.layout import KVLayout, LayoutMismatch
+from pdserve.kvtransfer.lease import LeaseError
+from pdserve.kvtransfer.pack import as_byte_view
+from pdserve.kvtransfer.protocol import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Abort,
+    Ack,
+    DataHeader,
+    Error,
+    Handshake,
+    HandshakeOk,
+    Heartbeat,
+    IpcExport,
+    IpcOpen,
+    LeaseInfo,
+    Message,
+    ProtocolError,
+    Pull,
+    PullDone,
+    Release,
+    decode,
+    encode,
+)
+from pdserve.kvtransfer.source import KVSource
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 50  # how often the loop checks for close()
+
+
+class KVSourceServer:
+    def __init__(
+        self,
+        source: KVSource,
+        bind: str = "tcp://127.0.0.1:0",
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        ipc_export: dict | None = None,
+    ) -> None:
+        self.source = source
+        self.max_message_bytes = max_message_bytes
+        self._ipc_export = ipc_export  # cuda_ipc: handles of the source tensors, if shared
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # A hard wall against memory abuse; anything between max_message_bytes and this is
+        # received and refused by `decode` with an Error reply that says why.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * max_message_bytes)
+        self._sock.bind(bind)
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.counts = {"pulls": 0, "bytes": 0, "errors": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kv-source-server", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "kv source server did not stop"
+        self._sock.close(linger=0)
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(POLL_MS):
+                continue
+            frames = self._sock.recv_multipart(copy=False)
+            identity, body = frames[0].bytes, frames[-1].buffer
+            try:
+                if len(frames) != 2:
+                    raise ProtocolError("corrupt", f"expected one message frame, got {len(frames)}")
+                self._handle(identity, decode(body, self.max_message_bytes))
+            except ProtocolError as e:
+                self._error(identity, "", e.code, str(e))
+            except LeaseError as e:
+                self._error(identity, getattr(e, "request_id", ""), e.code, str(e))
+
+    def _send(self, identity: bytes, msg: Message) -> None:
+        self._sock.send_multipart([identity, encode(msg)])
+
+    def _error(self, identity: bytes, request_id: str, code: str, message: str) -> None:
+        self.counts["errors"] += 1
+        logger.warning("kv source %s: %s", self.source.worker_id, message)
+        self._send(identity, Error(request_id, code, message))
+
+    def _handle(self, identity: bytes, msg: Message) -> None:
+        src = self.source
+        if isinstance(msg, Handshake):
+            try:
+                src.layout.check_compatible(KVLayout.from_wire(msg.layout))
+            except (LayoutMismatch, ValueError) as e:
+                return self._error(identity, "", "layout_mismatch", str(e))
+            return self._send(identity, HandshakeOk(src.worker_id, src.layout_hash))
+        if isinstance(msg, IpcOpen):
+            if msg.layout_hash != src.layout_hash or self._ipc_export is None:
+                why = "layout hash differs" if self._ipc_export else "no CUDA IPC export here"
+                return self._error(identity, "", "ipc_unavailable", why)
+            return self._send(identity, IpcExport(src.worker_id, self._ipc_export))
+        rid = msg.request_id
+        if isinstance(msg, Pull):
+            if msg.layout_hash != src.layout_hash:
+                return self._error(identity, rid, "layout_mismatch", "pull for another layout")
+            return self._pull(identity, msg)
+        if isinstance(msg, Release | Abort):
+            src.leases.release(rid, "released" if isinstance(msg, Release) else "aborted")
+            return self._send(identity, Ack(rid))
+        if isinstance(msg, Heartbeat):
+            try:
+                expiry = src.leases.extend(rid, msg.extend_s)
+            except LeaseError as e:
+                return self._error(identity, rid, e.code, str(e))
+            return self._send(identity, LeaseInfo(rid, expiry))
+        self._error(identity, rid, "unexpected", f"a {msg.TYPE} message is not a request")
+
+    def _pull(self, identity: bytes, msg: Pull) -> None:
+        rid = msg.request_id
+        try:
+            with self.source.leases.pinned(rid) as lease:
+                if len(msg.first_units) != len(lease.group_unit_ids):
+                    return self._error(identity, rid, "bad_pull", "first_units per group")
+                buffers = self.source.pack_request(lease.group_unit_ids, msg.first_units)
+        except LeaseError as e:
+            return self._error(identity, rid, e.code, str(e))
+        num_frames = 0
+        for g, tensors in enumerate(buffers):
+            for t, buf in enumerate(tensors):
+                L = buf.shape[0]
+                spans = [(i, i + 1) for i in range(L)] if msg.layer_wise else [(0, L)]
+                for start, end in spans:
+                    part = buf[start:end]
+                    header = DataHeader(
+                        rid, g, t, start, end, list(part.shape),
+                        str(part.dtype).removeprefix("torch."), part.numel() * part.element_size(),
+                    )  # fmt: skip
+                    self._sock.send_multipart(
+                        [identity, encode(header), as_byte_view(part)], copy=False
+                    )
+                    num_frames += 1
+                    self.counts["bytes"] += header.nbytes
+        self.counts["pulls"] += 1
+        self._send(identity, PullDone(rid, num_frames))

@@ -1,0 +1,262 @@
+"""Prefill on engine A, KV transfer, decode on engine B == one engine doing both (greedy).
+
+Real engines, real weights (the bundled SmolLM2 and a random tiny Qwen3), real transports
+(`local`, and `tcp` over a loopback ZMQ socket), real leases and the host tier.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from conftest import DEVICE
+
+from pdserve.decode.worker import DecodeWorker
+from pdserve.kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.tier import HostKVTier
+from pdserve.kvtransfer.transport_local import LocalRegistry, LocalTransport
+from pdserve.kvtransfer.transport_tcp import TcpTransport
+from pdserve.prefill.worker import PrefillWorker, wait_for_tickets
+from pdserve.runner.engine import Engine
+from pdserve.runner.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def _kw(model: str | None, **extra) -> dict:
+    return dict(model=model, dtype="float32", device=DEVICE, **extra)
+
+
+def _prompts(n: int, vocab: int, seed: int = 0, lo: int = 5, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _run(step, has_work, timeout_s: float = 120.0) -> dict[str, list]:
+    out: dict[str, list] = {}
+    finish: dict[str, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while has_work():
+        assert time.monotonic() < deadline, "engine did not finish in time"
+        for d in step():
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+            if d.finish_reason is not None:
+                finish[d.request_id] = d.finish_reason
+    return {k: (v, finish.get(k)) for k, v in out.items()}
+
+
+def _colocated(model: str | None, prompts, params=GREEDY, **extra) -> dict:
+    engine = Engine.from_args(**_kw(model, **extra))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    return _run(engine.step, engine.has_unfinished)
+
+
+def _pd(prefill: PrefillWorker, decode: DecodeWorker, prompts, params=GREEDY) -> dict:
+    for i, p in enumerate(prompts):
+        prefill.submit(str(i), p, params)
+    results = wait_for_tickets(prefill, len(prompts), timeout_s=120)
+    for r in results:
+        assert r.ticket is not None, r
+        decode.submit(r.request_id, prompts[int(r.request_id)], params, r.ticket)
+    return _run(decode.step, decode.has_work)
+
+
+def _local_pair(model, tier=None, **extra):
+    registry = LocalRegistry()
+    prefill = PrefillWorker(
+        Engine.from_args(**_kw(model, **extra)), "P0", registry=registry, tier=tier
+    )
+    transports = {"local": LocalTransport(registry, prefill.source.layout_hash)}
+    decode = DecodeWorker(_kw(model, **extra), "D0", transports, tier=tier)
+    return prefill, decode
+
+
+def _free_after_release(prefill: PrefillWorker) -> int:
+    prefill.step()  # frees what the decode side released
+    return prefill.engine.kv.num_free_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_pd_local_equals_colocated_smollm2(smollm_dir, async_scheduling):
+    """Guards the whole hand-off on real weights: P's held blocks, the ticket's first
+    token, B's block allocation and load, and decoding from a loaded prefix whose last
+    block is partial. Any off-by-one in positions or slots changes greedy tokens."""
+    prompts = _prompts(5, 49_000, seed=1, lo=7, hi=90)
+    want = _colocated(smollm_dir, prompts, async_scheduling=async_scheduling)
+    prefill, decode = _local_pair(smollm_dir, async_scheduling=async_scheduling)
+    free0 = prefill.engine.kv.num_free_blocks
+    got = _pd(prefill, decode, prompts)
+    assert got == want
+    assert decode.loader.stats.loads == len(prompts)
+    assert decode.loader.stats.recomputes == 0
+    assert _free_after_release(prefill) == free0, "released blocks must return to P's pool"
+    assert decode.engine.kv.num_free_blocks == decode.engine.kv.num_blocks - 1
+
+
+def test_pd_tcp_equals_colocated_tiny_qwen3(tiny_qwen3_dir):
+    """The same over a real ZMQ socket, layer-wise frames: frames are checked and
+    scattered per layer, so a layer or unit mix-up shows as different tokens."""
+    prompts = _prompts(6, 990, seed=2, lo=3, hi=70)
+    want = _colocated(tiny_qwen3_dir, prompts)
+    prefill = PrefillWorker(Engine.from_args(**_kw(tiny_qwen3_dir)), "P0")
+    try:
+        layout = prefill.source.layout
+        decode = DecodeWorker(
+            _kw(tiny_qwen3_dir), "D0", {"tcp": TcpTransport("D0", layout, layer_wise=True)}
+        )
+        free0 = prefill.engine.kv.num_free_blocks
+        assert _pd(prefill, decode, prompts) == want
+        assert decode.loader.stats.bytes_pulled > 0
+        assert _free_after_release(prefill) == free0
+        assert prefill.server.counts["errors"] == 0
+    finally:
+        prefill.close()
+
+
+def test_decode_loads_from_tier_instead_of_prefill(tiny_qwen3_dir):
+    """Guards the tier path: B gets the prompt's full blocks from the tier (written behind
+    by A earlier), computes only the partial tail itself, and decodes the same tokens.
+    No ticket and no transfer from A are involved."""
+    prompts = _prompts(4, 990, seed=3, lo=40, hi=80)
+    want = _colocated(tiny_qwen3_dir, prompts)
+    tier = HostKVTier(byte_budget=64 << 20)
+    prefill, decode = _local_pair(tiny_qwen3_dir, tier=tier)
+    for i, p in enumerate(prompts):
+        prefill.submit(str(i), p, GREEDY)
+    for r in wait_for_tickets(prefill, len(prompts), 60):
+        prefill.abort(r.request_id)  # A hands nothing over: only the tier has its KV
+    assert prefill.engine.num_held == 0
+    expected_blocks = sum(len(p) // 16 for p in prompts)
+    assert prefill.num_tier_blocks == expected_blocks
+    for i, p in enumerate(prompts):
+        decode.submit(str(i), p, GREEDY, ticket=None)
+    got = _run(decode.step, decode.has_work)
+    assert got == want
+    assert decode.loader.stats.tier_blocks == expected_blocks
+    assert decode.loader.stats.loads == 0  # nothing was pulled from a prefill worker
+
+
+def test_dead_prefill_endpoint_recomputes_or_fails(tiny_qwen3_dir):
+    """Guards the failure policies: a ticket whose prefill worker is gone must neither hang
+    nor decode from garbage. `recompute` gives the colocated tokens; `fail` ends the
+    request with finish reason "error"; both are counted and every block comes back."""
+    prompts = _prompts(2, 990, seed=4, lo=20, hi=40)
+    want = _colocated(tiny_qwen3_dir, prompts)
+    prefill = PrefillWorker(Engine.from_args(**_kw(tiny_qwen3_dir)), "P0")
+    for i, p in enumerate(prompts):
+        prefill.submit(str(i), p, GREEDY)
+    tickets = {r.request_id: r.ticket for r in wait_for_tickets(prefill, len(prompts), 60)}
+    prefill.close()  # the peer is gone: pulls time out
+    layout = prefill.source.layout
+    for policy in ("recompute", "fail"):
+        decode = DecodeWorker(
+            _kw(tiny_qwen3_dir),
+            "D0",
+            {"tcp": TcpTransport("D0", layout)},
+            policy=policy,
+            timeout_s=0.5,
+        )
+        for i, p in enumerate(prompts):
+            decode.submit(str(i), p, GREEDY, tickets[str(i)])
+        start = time.monotonic()
+        got = _run(decode.step, decode.has_work, timeout_s=30)
+        assert time.monotonic() - start < 10, "a dead peer must cost about one timeout"
+        assert decode.loader.stats.errors["timeout"] == len(prompts)
+        if policy == "recompute":
+            assert got == want
+            assert decode.loader.stats.recomputes == len(prompts)
+        else:
+            assert {k: v[1] for k, v in got.items()} == {"0": "error", "1": "error"}
+            assert all(len(v[0]) == 1 for v in got.values())  # only the ticket's token
+            assert decode.loader.stats.fails == len(prompts)
+        assert decode.engine.kv.num_free_blocks == decode.engine.kv.num_blocks - 1
+        decode.close()
+
+
+def test_lease_expiry_frees_prefill_blocks(tiny_qwen3_dir):
+    """Guards against a decode worker that never comes: the prefill side's blocks must
+    return to its pool when the lease expires, and a late pull must be refused."""
+    clock = [1000.0]
+    registry = LocalRegistry()
+    prefill = PrefillWorker(
+        Engine.from_args(**_kw(tiny_qwen3_dir)), "P0", lease_s=5.0, registry=registry
+    )
+    prefill.leases._clock = lambda: clock[0]
+    free0 = prefill.engine.kv.num_free_blocks
+    prompts = _prompts(3, 990, seed=5, lo=30, hi=50)
+    for i, p in enumerate(prompts):
+        prefill.submit(str(i), p, GREEDY)
+    results = wait_for_tickets(prefill, 3, 60)
+    assert prefill.engine.kv.num_free_blocks < free0
+    clock[0] += 4.0
+    prefill.step()
+    assert prefill.engine.num_held == 3, "leases must not expire early"
+    clock[0] += 2.0
+    prefill.step()
+    assert prefill.engine.num_held == 0
+    assert prefill.engine.kv.num_free_blocks == free0
+    assert prefill.leases.counts["expired"] == 3
+    transport = LocalTransport(registry, prefill.source.layout_hash)
+    decode = DecodeWorker(_kw(tiny_qwen3_dir), "D0", {"local": transport})
+    decode.submit("0", prompts[0], GREEDY, results[0].ticket)
+    got = _run(decode.step, decode.has_work)
+    assert decode.loader.stats.errors["unknown_lease"] == 1
+    assert got["0"] == _colocated(tiny_qwen3_dir, prompts[:1])["0"]
+
+
+def test_abort_while_loading_frees_blocks_after_the_load(tiny_qwen3_dir):
+    """Guards a use-after-free: a request aborted while its KV is being written must keep
+    its blocks until the loader stops, then free all of them."""
+    registry = LocalRegistry()
+    prefill = PrefillWorker(Engine.from_args(**_kw(tiny_qwen3_dir)), "P0", registry=registry)
+    transport = LocalTransport(registry, prefill.source.layout_hash)
+    decode = DecodeWorker(_kw(tiny_qwen3_dir), "D0", {"local": transport})
+    prompt = _prompts(1, 990, seed=6, lo=60, hi=60)[0]
+    prefill.submit("r", prompt, GREEDY)
+    (result,) = wait_for_tickets(prefill, 1, 60)
+    decode.submit("r", prompt, GREEDY, result.ticket)
+    decode.step()  # admits it: blocks allocated, load started
+    assert "r" in decode.engine.scheduler.loading
+    assert decode.abort("r")
+    total = decode.engine.kv.num_blocks - 1
+    _run(decode.step, decode.has_work)
+    assert decode.engine.kv.num_free_blocks == total
+    assert not decode.engine.scheduler.loading
+    prefill.step()
+    assert prefill.engine.num_held == 0
+
+
+def test_first_token_that_ends_the_request_releases_the_ticket(tiny_qwen3_dir):
+    """Guards stop checks on the ticket's token: max_tokens=1 ends the request on the
+    decode side at once, nothing is loaded, and the prefill side gets its blocks back."""
+    registry = LocalRegistry()
+    prefill = PrefillWorker(Engine.from_args(**_kw(tiny_qwen3_dir)), "P0", registry=registry)
+    free0 = prefill.engine.kv.num_free_blocks
+    decode = DecodeWorker(
+        _kw(tiny_qwen3_dir),
+        "D0",
+        {"local": LocalTransport(registry, prefill.source.layout_hash)},
+    )
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    prompt = _prompts(1, 990, seed=7)[0]
+    prefill.submit("r", prompt, one)
+    (result,) = wait_for_tickets(prefill, 1, 60)
+    decode.submit("r", prompt, one, result.ticket)
+    got = _run(decode.step, decode.has_work)
+    assert got == {"r": ([result.ticket.first_token], "length")}
+    assert decode.loader.stats.loads == 0
+    assert _free_after_release(prefill) == free0
+
+
+def test_lease_table_pins_defer_release():
+    """Guards a read of freed blocks: a release during a pinned transfer takes effect
+    only when the transfer ends."""
+    table = LeaseTable(10.0)
+    table.add("r", [[1, 2]], 20)
+    with table.pinned("r"):
+        assert table.release("r")
+        assert table.drain_freeable() == []
+    assert table.drain_freeable() == ["r"]
+    assert not table.release("r")
