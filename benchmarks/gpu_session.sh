@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
-# One device call (see ../shared/GPU.md): the throughput benchmark, then the GPU-path
-# correctness tests. Run from the repo root on the GPU machine with `.gpu` carried
+# One device call (see ../shared/GPU.md): benchmarks, then the GPU-path correctness tests.
+# Run from the repo root on the GPU machine with `.gpu` carried
 # (bash ../shared/tools/gpu-bundle.sh hypothesis sortedcontainers attrs).
+#   BENCH=throughput|transfer|both|none (default both)   BENCH_ARGS=...   TESTS=0 to skip tests
 set -o pipefail
 OUT=${OUT:-/tmp/pdserve-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --target /tmp/site \
-    .gpu/wheels/hypothesis-*.whl .gpu/wheels/sortedcontainers-*.whl .gpu/wheels/attrs-*.whl
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
 # The image's setuptools editable install does not always map package-dir; a symlink
 # tree gives the same import names without touching the image.
 mkdir -p /tmp/pdpkg/pdserve && cp pdserve/*.py /tmp/pdpkg/pdserve/
 for d in runner kernels kvtransfer prefill decode cluster; do ln -sfn "$PWD/$d" "/tmp/pdpkg/pdserve/$d"; done
 export PYTHONPATH=/tmp/pdpkg:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export PDSERVE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "${PDSERVE_COMMIT:-unknown}")
-timeout "${BENCH_TIMEOUT:-190}" python3 benchmarks/throughput.py ${BENCH_ARGS:---no-hf} --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+# A device copy's .git may lag the working tree: the caller names the commit.
+export PDSERVE_COMMIT=${PDSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+BENCH=${BENCH:-both}
+if [ "$BENCH" = throughput ] || [ "$BENCH" = both ]; then
+  timeout "${BENCH_TIMEOUT:-190}" python3 benchmarks/throughput.py ${BENCH_ARGS:---no-hf} --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+fi
+if [ "$BENCH" = transfer ] || [ "$BENCH" = both ]; then
+  timeout "${TRANSFER_TIMEOUT:-120}" python3 benchmarks/transfer.py --transports tcp,local,cuda_ipc --out "$OUT" 2>&1 | tee "$OUT/transfer.log"
+fi
+[ "${TESTS:-1}" = 0 ] && exit 0
 # -P: the repo root must not shadow /tmp/pdpkg's pdserve (the root's pdserve/ lacks the
 # subpackages). SmolLM2 tests need the 98 MB wheel, which does not fit the carry limit.
-PDSERVE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-150}" python3 -P -m pytest -q -p no:cacheprovider \
+PDSERVE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -q -p no:cacheprovider \
     tests/test_gpu_step_loop.py tests/test_gpu_attention.py tests/test_gpu_kernels.py \
+    tests/test_gpu_cuda_ipc.py tests/test_pd_engine.py \
     tests/test_parity_hf.py tests/test_self_consistency.py tests/test_async_scheduling.py \
     -k "not smollm2 and not bundled and not stop_strings" 2>&1 | tee "$OUT/gpu_tests.log"

@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 POLICIES = ("recompute", "fail")
 
 
+def scheme_of(endpoint: str) -> str:
+    """The transport an endpoint names: `tcp://…` -> tcp, `cuda_ipc+tcp://…` -> cuda_ipc."""
+    return endpoint.partition("://")[0].partition("+")[0]
+
+
 @dataclass
 class LoaderStats:
     loads: int = 0
@@ -136,8 +141,7 @@ class TransferLoader:
         if cancel.is_set():
             self._finish_ticket(ticket, release=False)
             return KVLoadResult(spec.request_id, valid, "cancelled")
-        scheme = ticket.endpoint.split("://", 1)[0]
-        transport = self.transports.get(scheme)
+        transport = self.transports.get(scheme_of(ticket.endpoint))
         try:
             if transport is None:
                 raise TransferError("unreachable", f"no transport for {ticket.endpoint!r}")
@@ -194,7 +198,7 @@ class TransferLoader:
         its lease expires and frees them)."""
         if not isinstance(ticket, Ticket):
             return
-        transport = self.transports.get(ticket.endpoint.split("://", 1)[0])
+        transport = self.transports.get(scheme_of(ticket.endpoint))
         if transport is None:
             return
         try:

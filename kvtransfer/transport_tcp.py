@@ -44,6 +44,12 @@ from pdserve.kvtransfer.protocol import (
 from pdserve.kvtransfer.transport import PullSpec, TransferError, unpack_frame
 
 
+def zmq_address(endpoint: str) -> str:
+    """The control socket of an endpoint: `cuda_ipc+tcp://h:p` and `tcp://h:p` -> `tcp://h:p`."""
+    scheme, sep, rest = endpoint.partition("://")
+    return scheme.rpartition("+")[2] + sep + rest
+
+
 class ZmqClient:
     """Request/reply over per-thread DEALER sockets, with the handshake done once."""
 
@@ -64,7 +70,7 @@ class ZmqClient:
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint)
+            sock.connect(zmq_address(endpoint))
             sockets[endpoint] = sock
             with self._lock:
                 self._all_sockets.append(sock)

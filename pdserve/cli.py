@@ -64,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the prompt as is instead of through the chat template",
     )
     _add_engine_args(gen)
+    from pdserve.cluster.serve_args import add_serve_args
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API with prefill/decode pools on Ray",
+        description="Start a local Ray instance, the worker pools and the HTTP router.",
+    )
+    add_serve_args(serve)
     return parser
 
 
@@ -131,6 +139,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.cluster.serve import run_serve
+    from pdserve.cluster.serve_args import config_from_args
+
+    return run_serve(config_from_args(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -142,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return {"generate": cmd_generate}[args.command](args)
+        return {"generate": cmd_generate, "serve": cmd_serve}[args.command](args)
     except ValueError as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from pdserve.kvtransfer.protocol import Ticket
 from pdserve.kvtransfer.server import KVSourceServer
 from pdserve.kvtransfer.source import KVSource
 from pdserve.kvtransfer.tier import HostKVTier
+from pdserve.kvtransfer.transport_cuda_ipc import export_storages
 from pdserve.kvtransfer.transport_local import LocalRegistry
 from pdserve.runner.engine import Engine
 from pdserve.runner.outputs import RequestDelta
@@ -60,7 +61,10 @@ class PrefillWorker:
         bind: str | None = "tcp://127.0.0.1:0",
         registry: LocalRegistry | None = None,
         tier: HostKVTier | None = None,
+        cuda_ipc: bool = False,
     ) -> None:
+        """Serve pulls over tcp at `bind` (or in-process through `registry`). `cuda_ipc`:
+        also export the KV cache's CUDA IPC handles, and advertise `cuda_ipc+tcp://`."""
         engine._check_paged("a prefill worker")
         self.engine = engine
         self.worker_id = worker_id
@@ -75,8 +79,9 @@ class PrefillWorker:
             self.endpoint = registry.add(self.source)
         else:
             assert bind is not None, "a prefill worker needs a bind address or a local registry"
-            self.server = KVSourceServer(self.source, bind)
-            self.endpoint = self.server.endpoint
+            export = export_storages(self.source.storages) if cuda_ipc else None
+            self.server = KVSourceServer(self.source, bind, ipc_export=export)
+            self.endpoint = ("cuda_ipc+" if cuda_ipc else "") + self.server.endpoint
         self.num_tier_blocks = 0
 
     @property
@@ -96,9 +101,13 @@ class PrefillWorker:
     def has_work(self) -> bool:
         return self.engine.has_unfinished()
 
-    def step(self) -> list[PrefillResult]:
+    def idle(self) -> None:
+        """Housekeeping with no prompt running: expire leases, free released blocks."""
         self.leases.expire()
         self._free_released()
+
+    def step(self) -> list[PrefillResult]:
+        self.idle()
         if not self.engine.has_unfinished():
             return []
         out = []

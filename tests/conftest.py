@@ -22,7 +22,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 collect_ignore = (
     []
     if _cuda_present()
-    else ["test_gpu_step_loop.py", "test_gpu_attention.py", "test_gpu_kernels.py"]
+    else [
+        "test_gpu_step_loop.py",
+        "test_gpu_attention.py",
+        "test_gpu_kernels.py",
+        "test_gpu_cuda_ipc.py",
+        "gpu_ipc_source_proc.py",
+        "gpu_ipc_layouts.py",
+    ]
 )
 
 import pytest  # noqa: E402

@@ -1,0 +1,378 @@
+"""The OpenAI-compatible HTTP server (FastAPI): routes, limits, auth, SSE.
+
+Bodies are read and checked here before any JSON parsing: a body over `max_body_bytes`
+is refused (413) from its Content-Length or as it arrives, and a gzip body is inflated
+in bounded steps, refused as soon as it passes the limit (a gzip bomb never inflates
+past `max_body_bytes`). `--api-key` guards every /v1 route (Bearer); /health,
+/metrics and /version stay open. Every response carries a server-made X-Request-Id.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+import zlib
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from pdserve.cluster.metrics import Metrics
+from pdserve.cluster.openai_api import (
+    ApiError,
+    ParsedRequest,
+    chat_logprobs,
+    completion_logprobs,
+    new_id,
+    now,
+    parse_sampling,
+    usage,
+)
+from pdserve.cluster.router import Router
+from pdserve.version import __version__
+
+logger = logging.getLogger(__name__)
+
+
+class AppState:
+    def __init__(
+        self,
+        router: Router,
+        tokenizer: Any,
+        model_name: str,
+        max_model_len: int,
+        metrics: Metrics,
+        api_key: str | None = None,
+        max_body_bytes: int = 4 << 20,
+        runner: str = "mrv2",
+    ) -> None:
+        self.router, self.tokenizer, self.model_name = router, tokenizer, model_name
+        self.max_model_len, self.metrics, self.api_key = max_model_len, metrics, api_key
+        self.max_body_bytes, self.runner = max_body_bytes, runner
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(f"request body is {declared} bytes; the limit is {limit}", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(f"request body is over the limit of {limit} bytes", 413)
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    encoding = request.headers.get("content-encoding", "identity").lower()
+    if encoding in ("gzip", "deflate"):
+        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+        try:
+            out = inflater.decompress(body, limit + 1)
+        except zlib.error as e:
+            raise ApiError(f"request body is not valid {encoding}: {e}") from e
+        if len(out) > limit or inflater.unconsumed_tail:
+            raise ApiError(f"decompressed request body is over the limit of {limit} bytes", 413)
+        body = out
+    elif encoding != "identity":
+        raise ApiError(f"unsupported Content-Encoding {encoding!r}", 415)
+    return body
+
+
+def build_app(state: AppState) -> FastAPI:
+    app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
+    app.state.pd = state
+
+    @app.middleware("http")
+    async def request_id(request: Request, call_next):
+        rid = new_id("req")
+        request.state.request_id = rid
+        if request.url.path.startswith("/v1") and state.api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given, f"Bearer {state.api_key}"):
+                resp = error_response(
+                    ApiError(
+                        "missing or wrong API key",
+                        401,
+                        "authentication_error",
+                        None,
+                        "invalid_api_key",
+                    )
+                )
+                resp.headers["X-Request-Id"] = rid
+                return resp
+        try:
+            response = await call_next(request)
+        except ApiError as e:
+            response = error_response(e)
+        response.headers["X-Request-Id"] = rid
+        return response
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return error_response(e)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        await state.router.poll_stats()
+        return PlainTextResponse(state.metrics.render(state.router), media_type="text/plain")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": now(),
+                    "owned_by": "pdserve",
+                    "max_model_len": state.max_model_len,
+                    "runner": state.runner,
+                    "mode": state.router.config.mode,
+                }
+            ],
+        }
+
+    async def parse(request: Request, kind: str) -> ParsedRequest:
+        raw = await read_body(request, state.max_body_bytes)
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(f"request body is not valid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise ApiError("request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != state.model_name:
+            raise ApiError(
+                f"model {model!r} does not exist; this server serves {state.model_name!r}",
+                404,
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ApiError("'seed' must be an integer", param="seed")
+        params, k = parse_sampling(body, kind, seed)
+        prompt = tokenize(body, kind)
+        if len(prompt) + params.max_tokens > state.max_model_len:
+            raise ApiError(
+                f"this model's maximum context length is {state.max_model_len} tokens; the "
+                f"prompt has {len(prompt)} and max_tokens is {params.max_tokens}",
+                param="max_tokens" if len(prompt) < state.max_model_len else "messages",
+                code="context_length_exceeded",
+            )
+        opts = body.get("stream_options") or {}
+        if not isinstance(opts, dict):
+            raise ApiError("'stream_options' must be an object", param="stream_options")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError("'stream' must be a boolean", param="stream")
+        return ParsedRequest(
+            kind, state.model_name, prompt, params, stream, bool(opts.get("include_usage")), k
+        )
+
+    def tokenize(body: dict, kind: str) -> list[int]:
+        tok = state.tokenizer
+        if kind == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ApiError("'messages' must be a non-empty array", param="messages")
+            for m in messages:
+                if (
+                    not isinstance(m, dict)
+                    or not isinstance(m.get("content"), str)
+                    or not isinstance(m.get("role"), str)
+                ):
+                    raise ApiError(
+                        "each message needs a string 'role' and 'content'", param="messages"
+                    )
+            # The same text-then-encode path as the offline LLM.chat, so both agree.
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return list(tok(text, add_special_tokens=False).input_ids)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            ids = prompt
+        else:
+            raise ApiError("'prompt' must be a string or an array of token ids", param="prompt")
+        if not ids:
+            raise ApiError("'prompt' is empty", param="prompt")
+        return list(ids)
+
+    def decode_tok(t: int) -> str:
+        return state.tokenizer.decode([t])
+
+    def choice(
+        req: ParsedRequest, index: int, text: str, toks, lps, finish, stop_reason, delta: bool
+    ):
+        if req.kind == "chat":
+            body: dict[str, Any] = {"index": index}
+            if delta:
+                body["delta"] = {"content": text} if text or toks else {}
+            else:
+                body["message"] = {"role": "assistant", "content": text}
+            body["logprobs"] = (
+                {"content": chat_logprobs(toks, lps, req.echo_logprobs or 0, decode_tok)}
+                if lps is not None
+                else None
+            )
+        else:
+            body = {"index": index, "text": text}
+            body["logprobs"] = (
+                completion_logprobs(toks, lps, req.echo_logprobs or 0, decode_tok)
+                if lps is not None
+                else None
+            )
+        body["finish_reason"] = _finish(finish)
+        if finish is not None and stop_reason is not None:
+            body["stop_reason"] = stop_reason
+        return body
+
+    async def run(req: ParsedRequest, request: Request):
+        start = time.monotonic()
+        kind = "chat.completion" if req.kind == "chat" else "text_completion"
+        cid = new_id("chatcmpl" if req.kind == "chat" else "cmpl")
+        m = state.metrics
+        if req.stream:
+            return StreamingResponse(
+                sse(req, cid, kind, start), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )  # fmt: skip
+        n = req.params.n
+        texts, toks = [""] * n, [[] for _ in range(n)]
+        lps: list[list | None] = [[] if req.echo_logprobs is not None else None for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        stop: list[Any] = [None] * n
+        cached = 0
+        first_token = None
+        async for i, d in state.router.generate(req):
+            if d.token_ids and first_token is None:
+                first_token = time.monotonic()
+                m.ttft.observe(first_token - start)
+            texts[i] += d.text
+            toks[i] += d.token_ids
+            if lps[i] is not None and d.logprobs:
+                lps[i] += d.logprobs
+            cached = max(cached, d.num_cached_tokens)
+            if d.finish_reason is not None:
+                finish[i], stop[i] = d.finish_reason, d.stop_reason
+        _check_errors(finish)
+        m.finish(req, start, first_token, sum(len(t) for t in toks))
+        return {
+            "id": cid,
+            "object": kind,
+            "created": now(),
+            "model": state.model_name,
+            "choices": [
+                choice(req, i, texts[i], toks[i], lps[i], finish[i], stop[i], delta=False)
+                for i in range(n)
+            ],
+            "usage": usage(len(req.prompt_token_ids), sum(len(t) for t in toks), cached),
+        }
+
+    async def sse(req: ParsedRequest, cid: str, kind: str, start: float):
+        chunk_kind = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+        created, m = now(), state.metrics
+        completion_tokens, first_token, last = 0, None, None
+        if req.kind == "chat":
+            for i in range(req.params.n):
+                head = {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                yield _sse(
+                    {
+                        "id": cid,
+                        "object": chunk_kind,
+                        "created": created,
+                        "model": state.model_name,
+                        "choices": [head],
+                    }
+                )
+        try:
+            async for i, d in state.router.generate(req):
+                t = time.monotonic()
+                if d.token_ids:
+                    if first_token is None:
+                        first_token = t
+                        m.ttft.observe(t - start)
+                    elif last is not None:
+                        m.itl.observe((t - last) / len(d.token_ids))
+                    last = t
+                completion_tokens += len(d.token_ids)
+                if d.finish_reason == "error":
+                    raise ApiError(
+                        f"the request failed in a worker: {d.stop_reason}", 500, "server_error"
+                    )
+                if not d.token_ids and not d.text and d.finish_reason is None:
+                    continue
+                lps = d.logprobs if req.echo_logprobs is not None and d.logprobs else None
+                body = choice(
+                    req, i, d.text, d.token_ids, lps, d.finish_reason, d.stop_reason, delta=True
+                )
+                yield _sse(
+                    {
+                        "id": cid,
+                        "object": chunk_kind,
+                        "created": created,
+                        "model": state.model_name,
+                        "choices": [body],
+                    }
+                )
+        except ApiError as e:
+            yield _sse(e.body())
+            yield "data: [DONE]\n\n"
+            return
+        m.finish(req, start, first_token, completion_tokens)
+        if req.include_usage:
+            yield _sse(
+                {
+                    "id": cid,
+                    "object": chunk_kind,
+                    "created": created,
+                    "model": state.model_name,
+                    "choices": [],
+                    "usage": usage(len(req.prompt_token_ids), completion_tokens),
+                }
+            )
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await run(await parse(request, "completion"), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await run(await parse(request, "chat"), request)
+
+    return app
+
+
+def _finish(reason: str | None) -> str | None:
+    return None if reason is None else {"abort": "abort", "error": "error"}.get(reason, reason)
+
+
+def _check_errors(finish: list[str | None]) -> None:
+    if any(f == "error" for f in finish):
+        raise ApiError("the request failed in a worker (KV transfer)", 500, "server_error")
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

@@ -1,0 +1,103 @@
+"""Prometheus metrics: vLLM's names where the meaning is shared, plus PD series.
+
+Latency histograms are observed by the HTTP layer; worker-side numbers (running and
+waiting requests, KV usage, prefix-cache counters, transfer bytes and seconds, recompute
+fallbacks, lease expiries) are read from the workers' last polled stats and exported
+with `role` and `worker` labels; router decisions are counted by reason. One registry
+per app (no process-global registry), rendered in the text format.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "pdserve:"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
+
+# stats key -> (metric name, kind, help)
+_WORKER_SERIES = {
+    "num_requests_running": ("num_requests_running", "gauge", "Requests running on the worker"),
+    "num_requests_waiting": ("num_requests_waiting", "gauge", "Requests waiting (or loading KV)"),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gauge", "KV cache usage, 1 = full"),
+    "prefix_cache_queries": ("prefix_cache_queries", "counter", "Prompt tokens looked up"),
+    "prefix_cache_hits": ("prefix_cache_hits", "counter", "Prompt tokens found in the cache"),
+    "num_preemptions": ("num_preemptions", "counter", "Requests preempted"),
+    "transfer_bytes": ("kv_transfer_bytes", "counter", "KV bytes pulled"),
+    "transfer_seconds": ("kv_transfer_seconds", "counter", "Seconds spent pulling KV"),
+    "recompute_fallbacks": ("kv_recompute_fallbacks", "counter", "Failed pulls recomputed"),
+    "transfer_failures": ("kv_transfer_failures", "counter", "Failed pulls failed (policy fail)"),
+    "lease_expiries": ("kv_lease_expiries", "counter", "Leases that expired unclaimed"),
+}
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time to first token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between output tokens",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Request latency",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.requests = Counter(
+            PREFIX + "request_success", "Finished requests", ["kind"], registry=r
+        )
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Output tokens", registry=r)
+        self._router = None
+        r.register(_RouterCollector(self))
+
+    def finish(self, req: Any, start: float, first_token: float | None, num_tokens: int) -> None:
+        self.e2e.observe(time.monotonic() - start)
+        self.requests.labels(req.kind).inc()
+        self.generation_tokens.inc(num_tokens)
+
+    def render(self, router: Any) -> str:
+        self._router = router
+        return generate_latest(self.registry).decode()
+
+
+class _RouterCollector:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        router = self.metrics._router
+        if router is None:
+            return
+        families = {}
+        for key, (name, kind, help_) in _WORKER_SERIES.items():
+            cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            families[key] = cls(PREFIX + name, help_, labels=["role", "worker"])
+        roles = {w.worker_id: "decode" for w in router.decode_workers}
+        roles.update({w.worker_id: "prefill" for w in router.prefill_workers})
+        for worker, stats in router.worker_stats.items():
+            for key, fam in families.items():
+                if isinstance(stats.get(key), int | float) and not isinstance(stats[key], bool):
+                    fam.add_metric([roles.get(worker, "?"), worker], float(stats[key]))
+        yield from families.values()
+        decisions = CounterMetricFamily(
+            PREFIX + "pd_decisions", "Remote-prefill decisions by reason", labels=["reason"]
+        )
+        for reason, n in router.decisions.items():
+            decisions.add_metric([reason], n)
+        yield decisions
+        failures = CounterMetricFamily(
+            PREFIX + "pd_prefill_failures", "Failed remote prefills by error", labels=["error"]
+        )
+        for reason, n in router.prefill_failures.items():
+            failures.add_metric([reason], n)
+        yield failures

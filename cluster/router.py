@@ -1,0 +1,216 @@
+"""The router's request flow (DESIGN §2), independent of HTTP and of Ray.
+
+`Router.generate` takes a parsed request and yields `(index, StreamDelta)` for each of its
+`n` completions: it picks a decode worker (fewest requests in flight, then KV headroom),
+decides whether remote prefill pays (`pd` mode, prompt long enough, a prefill worker up;
+every decision is counted by reason), runs the prefill on the least busy prefill worker,
+hands the ticket to the decode worker, and relays the token stream that arrives over
+ZMQ. If the prefill fails, policy `recompute` lets the decode worker prefill itself and
+`fail` ends the request with an error; both are counted. When the consumer stops early
+(client disconnect) every worker that may hold the request is told to abort it.
+
+Workers are reached through handles (`WorkerHandle`) so the same flow drives Ray actors
+and in-process services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from pdserve.cluster.openai_api import ApiError, ParsedRequest
+from pdserve.cluster.token_stream import StreamDelta
+from pdserve.cluster.wire import WorkRequest
+from pdserve.kvtransfer.protocol import Ticket, decode, ticket_to_wire
+from pdserve.runner.parallel_sampling import child_params
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerHandle(Protocol):
+    worker_id: str
+
+    async def submit(self, payload: bytes) -> None: ...
+    async def prefill(self, payload: bytes) -> bytes: ...
+    async def abort(self, request_id: str) -> bool: ...
+    async def stats(self) -> dict: ...
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    mode: str = "pd"  # "pd" | "colocated"
+    pd_min_prompt_tokens: int = 16  # shorter prompts prefill on the decode worker
+    policy: str = "recompute"  # prefill failure: "recompute" | "fail"
+    prefill_timeout_s: float = 120.0
+    stream_idle_timeout_s: float = 300.0  # no token for this long -> the request errors
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("pd", "colocated"):
+            raise ValueError(f"mode must be 'pd' or 'colocated', got {self.mode!r}")
+        if self.policy not in ("recompute", "fail"):
+            raise ValueError(f"policy must be 'recompute' or 'fail', got {self.policy!r}")
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        decode_workers: list[WorkerHandle],
+        prefill_workers: list[WorkerHandle],
+    ) -> None:
+        if not decode_workers:
+            raise ValueError("the router needs at least one decode worker")
+        self.config = config
+        self.decode_workers = decode_workers
+        self.prefill_workers = prefill_workers
+        self.decisions: Counter[str] = Counter()
+        self.prefill_failures: Counter[str] = Counter()
+        self.worker_stats: dict[str, dict] = {}  # worker id -> last polled stats
+        self._inflight: Counter[str] = Counter()  # worker id -> requests in flight
+        self._queues: dict[str, asyncio.Queue[StreamDelta]] = {}
+        self._background: set[asyncio.Task] = set()  # aborts in flight; awaited by close()
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=15.0)
+
+    # ---- token stream -------------------------------------------------------------------
+
+    def on_delta(self, worker_id: str, delta: StreamDelta) -> None:
+        q = self._queues.get(delta.request_id)
+        if q is not None:
+            q.put_nowait(delta)
+
+    # ---- choices ------------------------------------------------------------------------
+
+    def _pick(self, workers: list[WorkerHandle]) -> WorkerHandle:
+        def load(w: WorkerHandle) -> tuple:
+            s = self.worker_stats.get(w.worker_id, {})
+            return (self._inflight[w.worker_id], s.get("kv_cache_usage_perc", 0.0))
+
+        return min(workers, key=load)
+
+    def _decide(self, num_prompt_tokens: int) -> str:
+        if self.config.mode == "colocated":
+            return "colocated"
+        if num_prompt_tokens < self.config.pd_min_prompt_tokens:
+            return "short_prompt"
+        if not self.prefill_workers:
+            return "no_prefill_worker"
+        return "remote_prefill"
+
+    # ---- one request --------------------------------------------------------------------
+
+    async def generate(self, req: ParsedRequest) -> AsyncIterator[tuple[int, StreamDelta]]:
+        base_seed = req.params.seed if req.params.seed is not None else secrets.randbits(63)
+        children = child_params(replace(req.params, seed=base_seed), base_seed)
+        rid = f"r-{secrets.token_hex(8)}"
+        ids = [f"{rid}-{i}" for i in range(len(children))]
+        merged: asyncio.Queue[tuple[int, StreamDelta | BaseException]] = asyncio.Queue()
+        tasks = [
+            asyncio.create_task(self._one(cid, i, req.prompt_token_ids, p, merged))
+            for i, (cid, p) in enumerate(zip(ids, children))
+        ]
+        done = 0
+        try:
+            while done < len(tasks):
+                index, item = await merged.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    done += 1
+                yield index, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _one(self, request_id, index, prompt, params, out: asyncio.Queue) -> None:
+        decode_w = self._pick(self.decode_workers)
+        queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        self._queues[request_id] = queue
+        holders: list[WorkerHandle] = []
+        finished = False
+        self._inflight[decode_w.worker_id] += 1
+        try:
+            ticket = None
+            decision = self._decide(len(prompt))
+            self.decisions[decision] += 1
+            work = WorkRequest(request_id, prompt, params)
+            if decision == "remote_prefill":
+                ticket = await self._remote_prefill(work, holders)
+            work = replace(work, ticket=ticket_to_wire(ticket) if ticket is not None else None)
+            holders.append(decode_w)
+            await decode_w.submit(work.encode())
+            while True:
+                delta = await asyncio.wait_for(queue.get(), self.config.stream_idle_timeout_s)
+                await out.put((index, delta))
+                if delta.finish_reason is not None:
+                    finished = True
+                    return
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # handed to the consumer, which raises it
+            await out.put((index, e))
+        finally:
+            self._queues.pop(request_id, None)
+            self._inflight[decode_w.worker_id] -= 1
+            if not finished:
+                for w in holders:  # client gone or error: nothing may keep its blocks
+                    task = asyncio.create_task(self._abort_quietly(w, request_id))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+
+    async def _remote_prefill(self, work: WorkRequest, holders: list) -> Ticket | None:
+        prefill_w = self._pick(self.prefill_workers)
+        self._inflight[prefill_w.worker_id] += 1
+        holders.append(prefill_w)
+        start = time.monotonic()
+        try:
+            raw = await asyncio.wait_for(
+                prefill_w.prefill(work.encode()), self.config.prefill_timeout_s
+            )
+            ticket = decode(raw)
+            if not isinstance(ticket, Ticket):
+                raise RuntimeError(f"prefill answered with {ticket.TYPE}")
+            return ticket
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            reason = type(e).__name__
+            self.prefill_failures[reason] += 1
+            logger.warning(
+                "prefill of %s on %s failed after %.1f s: %s",
+                work.request_id,
+                prefill_w.worker_id,
+                time.monotonic() - start,
+                e,
+            )
+            if self.config.policy == "fail":
+                raise ApiError(
+                    f"prefill failed ({reason}); policy is 'fail'", 503, "server_error"
+                ) from e
+            self.decisions["recompute_after_prefill_failure"] += 1
+            return None
+        finally:
+            self._inflight[prefill_w.worker_id] -= 1
+
+    @staticmethod
+    async def _abort_quietly(worker: WorkerHandle, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(worker.abort(request_id), 10.0)
+        except Exception as e:  # the worker may be dead; its leases expire on their own
+            logger.info("abort of %s on %s: %s", request_id, worker.worker_id, e)
+
+    async def poll_stats(self) -> None:
+        for w in [*self.decode_workers, *self.prefill_workers]:
+            try:
+                self.worker_stats[w.worker_id] = await asyncio.wait_for(w.stats(), 5.0)
+            except Exception as e:
+                self.worker_stats[w.worker_id] = {"error": repr(e)}

@@ -1,0 +1,128 @@
+"""`pdserve serve`: a local Ray instance, the pools, the router, and the HTTP server.
+
+With no arguments: the bundled SmolLM2, 1 prefill + 1 decode worker on this machine
+(CPU, or sharing one GPU with fractional `num_gpus`), PD mode, http://127.0.0.1:8000.
+Ctrl-C (or SIGTERM) stops uvicorn, then the workers, then Ray: no stray processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+from pathlib import Path
+
+from pdserve.cluster.serve_args import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def run_serve(cfg: ServeConfig) -> int:
+    import ray
+    import torch
+    import uvicorn
+
+    from pdserve.cluster.http_app import AppState, build_app
+    from pdserve.cluster.metrics import Metrics
+    from pdserve.cluster.ray_pool import PoolSpec, WorkerPool
+    from pdserve.cluster.router import Router, RouterConfig
+    from pdserve.cluster.token_stream import TokenSubscriber
+    from pdserve.runner.config_resolve import resolve_engine_config
+    from pdserve.runner.tokenizer import load_tokenizer
+
+    # Resolve (and convert, once) the model here, so the workers only load it.
+    ecfg = resolve_engine_config(
+        model=cfg.model, dtype=cfg.dtype, device=cfg.device, max_model_len=cfg.max_model_len,
+        block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, runner=cfg.runner,
+    )  # fmt: skip
+    tokenizer = load_tokenizer(ecfg.model.path)
+    if tokenizer is None:
+        raise ValueError(f"{ecfg.model.path} has no tokenizer; the HTTP API needs one")
+    model_name = Path(cfg.model).name if cfg.model else "SmolLM2-135M-Instruct"
+    engine_kwargs = dict(
+        model=ecfg.model.path, dtype=cfg.dtype, device=cfg.device,
+        max_model_len=ecfg.model.max_model_len, block_size=cfg.block_size,
+        max_num_seqs=cfg.max_num_seqs, runner=cfg.runner,
+    )  # fmt: skip
+    gpu = torch.cuda.is_available() and cfg.device != "cpu"
+    num_workers = cfg.decode_workers + (cfg.prefill_workers if cfg.mode == "pd" else 0)
+    stream_bind = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+    ray.init(
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        log_to_driver=True,
+        num_gpus=1 if gpu else 0,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+    )
+    pool = WorkerPool(
+        PoolSpec(
+            engine_kwargs,
+            cfg.prefill_workers if cfg.mode == "pd" else 0,
+            cfg.decode_workers,
+            stream_bind,
+            cfg.policy,
+            cfg.lease_s,
+            gpus_per_worker=(1.0 / num_workers) if gpu else 0.0,
+        )
+    )
+    try:
+        print(f"pdserve: starting {num_workers} worker(s) on Ray ({ecfg.model.source})", flush=True)
+        pool.start()
+        router = Router(
+            RouterConfig(cfg.mode, cfg.pd_min_prompt_tokens, cfg.policy), pool.decode, pool.prefill
+        )
+        state = AppState(
+            router, tokenizer, model_name, ecfg.model.max_model_len, Metrics(), cfg.api_key,
+            cfg.max_body_bytes, ecfg.runner.runner,
+        )  # fmt: skip
+        app = build_app(state)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app):
+            subscriber = TokenSubscriber(stream_bind, router.on_delta)
+            subscriber.start()
+            health = asyncio.create_task(_health_loop(pool, cfg.health_interval_s))
+            try:
+                yield
+            finally:
+                health.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await health
+                await router.close()
+                await subscriber.close()
+
+        app.router.lifespan_context = lifespan
+        print(
+            f"pdserve: serving {model_name!r} at http://{cfg.host}:{cfg.port}/v1 — mode "
+            f"{cfg.mode}, {len(pool.prefill)} prefill + {len(pool.decode)} decode worker(s), "
+            f"runner {ecfg.runner.runner}, device {ecfg.runner.device}",
+            flush=True,
+        )
+        uvicorn.run(
+            app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10
+        )
+    finally:
+        pool.stop()
+        ray.shutdown()
+        print("pdserve: stopped", flush=True)
+    return 0
+
+
+async def _health_loop(pool, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            restarted = await pool.check_health()
+        except Exception:  # a failing check must not end the loop
+            logger.exception("health check failed")
+            continue
+        for worker_id in restarted:
+            print(f"pdserve: restarted {worker_id}", file=sys.stderr, flush=True)

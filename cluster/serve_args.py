@@ -1,0 +1,80 @@
+"""`pdserve serve` configuration: flags and YAML with the same keys (no heavy imports)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    mode: str = "pd"
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    api_key: str | None = None
+    max_model_len: int | None = 4096
+    block_size: int = 16
+    max_num_seqs: int = 64
+    runner: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    policy: str = "recompute"
+    pd_min_prompt_tokens: int = 16
+    lease_s: float = 30.0
+    max_body_bytes: int = 4 << 20
+    health_interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("pd", "colocated"):
+            raise ValueError(f"--mode must be pd or colocated, got {self.mode!r}")
+        if self.decode_workers < 1:
+            raise ValueError("--decode-workers must be >= 1")
+        if self.mode == "pd" and self.prefill_workers < 1:
+            raise ValueError("--mode pd needs --prefill-workers >= 1")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    d = ServeConfig()
+    p.add_argument("--config", default=None, help="YAML file with the same keys (flags win)")
+    p.add_argument("--model", default=None, help="default: bundled SmolLM2-135M-Instruct")
+    p.add_argument("--host", default=None, help=f"default {d.host}")
+    p.add_argument("--port", type=int, default=None, help=f"default {d.port}")
+    p.add_argument("--mode", choices=["pd", "colocated"], default=None, help="default pd")
+    p.add_argument("--prefill-workers", type=int, default=None)
+    p.add_argument("--decode-workers", type=int, default=None)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--runner", choices=["auto", "mrv2", "reference"], default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--policy", choices=["recompute", "fail"], default=None,
+                   help="when a remote prefill or KV pull fails (default recompute)")  # fmt: skip
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    values: dict = {}
+    if args.config:
+        import yaml
+
+        data = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{args.config}: the config file must be a mapping")
+        data = {k.replace("-", "_"): v for k, v in data.items()}
+        known = {f.name for f in fields(ServeConfig)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{args.config}: unknown keys {unknown}; known: {sorted(known)}")
+        values.update(data)
+    for f in fields(ServeConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            values[f.name] = v
+    return ServeConfig(**values)

@@ -1,0 +1,160 @@
+"""Prefill and decode services: a worker + its loop + its outputs, behind plain methods.
+
+A service is what a Ray actor wraps (cluster/actors.py) and what tests can run
+in-process. Methods take and return msgpack bytes or plain values. The decode service
+publishes token deltas over ZMQ to the router; the prefill service answers `prefill`
+with the ticket once the prompt has run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from pdserve.cluster.token_stream import TokenPublisher, delta_from_engine
+from pdserve.cluster.wire import WorkRequest
+from pdserve.cluster.worker_loop import WorkerLoop
+from pdserve.decode.worker import DecodeWorker
+from pdserve.kvtransfer.protocol import encode, ticket_from_wire
+from pdserve.kvtransfer.transport_tcp import TcpTransport
+from pdserve.prefill.worker import PrefillResult, PrefillWorker
+from pdserve.runner.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 30.0
+
+
+def _engine_stats(engine: Engine) -> dict[str, Any]:
+    s = engine.scheduler
+    return {
+        "num_requests_running": len(s.running),
+        "num_requests_waiting": len(s.waiting) + len(s.loading),
+        "kv_cache_usage_perc": engine.kv.usage,
+        "num_free_blocks": engine.kv.num_free_blocks,
+        "num_blocks": engine.kv.num_blocks,
+        "prefix_cache_queries": engine.kv.prefix_cache_queries,
+        "prefix_cache_hits": engine.kv.prefix_cache_hits,
+        "num_preemptions": s.num_preemptions,
+        "runner": engine.runner_name,
+    }
+
+
+class _Service:
+    loop: WorkerLoop
+
+    def _call(self, fn) -> Any:
+        return self.loop.call(fn).result(timeout=CALL_TIMEOUT_S)
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "alive": self.loop.alive,
+            "steps": self.loop.num_steps,
+            "since_progress_s": time.monotonic() - self.loop.last_progress,
+        }
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+
+
+class DecodeService(_Service):
+    def __init__(
+        self,
+        engine_kwargs: dict,
+        worker_id: str,
+        stream_endpoint: str,
+        policy: str = "recompute",
+        transfer_timeout_s: float = 30.0,
+    ) -> None:
+        self.worker_id = worker_id
+        self.worker = DecodeWorker(engine_kwargs, worker_id, {}, policy, transfer_timeout_s)
+        self.worker.loader.transports["tcp"] = TcpTransport(worker_id, self.worker.layout)
+        self.publisher = TokenPublisher(stream_endpoint, worker_id)
+        self.loop = WorkerLoop(self.worker, self._publish, name=f"decode-{worker_id}").start()
+
+    def info(self) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "layout_hash": self.worker.loader.layout_hash}
+
+    def _publish(self, deltas: list) -> None:
+        self.publisher.publish([delta_from_engine(d) for d in deltas])
+
+    def submit(self, payload: bytes) -> None:
+        """Queue a request; raises ValueError (bad input) before anything is queued."""
+        req = WorkRequest.decode(payload)
+        ticket = ticket_from_wire(req.ticket) if req.ticket is not None else None
+        self._call(lambda w: w.submit(req.request_id, req.prompt_token_ids, req.params, ticket))
+
+    def abort(self, request_id: str) -> bool:
+        return self._call(lambda w: w.abort(request_id))
+
+    def stats(self) -> dict[str, Any]:
+        def read(w: DecodeWorker) -> dict[str, Any]:
+            out = _engine_stats(w.engine)
+            ls = w.loader.stats
+            out.update(
+                transfer_bytes=ls.bytes_pulled,
+                transfer_seconds=ls.seconds,
+                recompute_fallbacks=ls.recomputes,
+                transfer_failures=ls.fails,
+            )
+            return out
+
+        return self._call(read)
+
+
+class PrefillService(_Service):
+    def __init__(
+        self, engine_kwargs: dict, worker_id: str, host: str = "127.0.0.1", lease_s: float = 30.0
+    ) -> None:
+        self.worker_id = worker_id
+        engine = Engine.from_args(**engine_kwargs)
+        self.worker = PrefillWorker(engine, worker_id, lease_s, bind=f"tcp://{host}:0")
+        self._waiters: dict[str, Future] = {}
+        self.loop = WorkerLoop(self.worker, self._resolve, name=f"prefill-{worker_id}").start()
+
+    def info(self) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "layout_hash": self.worker.source.layout_hash}
+
+    def _resolve(self, results: list[PrefillResult]) -> None:
+        for r in results:
+            fut = self._waiters.pop(r.request_id, None)
+            if fut is None:
+                if r.ticket is not None:  # nobody waits (aborted): free it now
+                    self.worker.leases.release(r.request_id, "aborted")
+                continue
+            if r.ticket is None:
+                fut.set_exception(RuntimeError(f"prefill ended: {r.finish_reason}"))
+            else:
+                fut.set_result(encode(r.ticket))
+
+    async def prefill(self, payload: bytes) -> bytes:
+        """Run the prompt; returns the ticket (protocol-encoded msgpack)."""
+        req = WorkRequest.decode(payload)
+        fut: Future = Future()
+
+        def submit(w: PrefillWorker) -> None:
+            w.submit(req.request_id, req.prompt_token_ids, req.params)
+            self._waiters[req.request_id] = fut
+
+        self._call(submit)
+        return await asyncio.wrap_future(fut)
+
+    def abort(self, request_id: str) -> bool:
+        def stop(w: PrefillWorker) -> bool:
+            fut = self._waiters.pop(request_id, None)
+            if fut is not None:
+                fut.cancel()
+            return w.abort(request_id)
+
+        return self._call(stop)
+
+    def stats(self) -> dict[str, Any]:
+        def read(w: PrefillWorker) -> dict[str, Any]:
+            out = _engine_stats(w.engine)
+            out.update(lease_expiries=w.leases.counts["expired"], leases=len(w.leases))
+            return out
+
+        return self._call(read)

@@ -1,0 +1,140 @@
+"""Token deltas from decode workers to the router: ZMQ PUSH -> PULL, msgpack frames.
+
+No Ray call per token (DESIGN §5): each decode worker connects a PUSH socket to the
+router's PULL socket and sends one frame per step with every delta of that step. A
+frame is `{"v": 1, "w": worker_id, "d": [delta, ...]}`; a delta is a small map with
+short keys (below). The router checks the version and field types before trusting it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+logger = logging.getLogger(__name__)
+
+STREAM_VERSION = 1
+MAX_FRAME_BYTES = 64 << 20
+
+
+@dataclass
+class StreamDelta:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[list[list[float]]] | None  # per token: rows [token_id, logprob, rank]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+    def to_wire(self) -> dict:
+        return {
+            "r": self.request_id,
+            "t": self.token_ids,
+            "x": self.text,
+            "f": self.finish_reason,
+            "s": self.stop_reason,
+            "l": self.logprobs,
+            "p": self.num_prompt_tokens,
+            "c": self.num_cached_tokens,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict) -> StreamDelta:
+        if not isinstance(d, dict) or set(d) != {"r", "t", "x", "f", "s", "l", "p", "c"}:
+            raise ValueError(f"bad stream delta keys: {sorted(d) if isinstance(d, dict) else d}")
+        if not isinstance(d["r"], str) or not isinstance(d["x"], str):
+            raise ValueError("stream delta: request id and text must be strings")
+        if not isinstance(d["t"], list) or not all(type(t) is int for t in d["t"]):
+            raise ValueError("stream delta: token ids must be a list of ints")
+        if d["f"] is not None and not isinstance(d["f"], str):
+            raise ValueError("stream delta: finish reason must be a string or null")
+        return cls(d["r"], d["t"], d["x"], d["f"], d["s"], d["l"], int(d["p"]), int(d["c"]))
+
+
+def delta_from_engine(delta) -> StreamDelta:
+    """A runner `RequestDelta` as a stream delta (logprobs flattened to rows)."""
+    lps = None
+    if delta.new_logprobs:
+        lps = [
+            [[tok, lp.logprob, lp.rank] for tok, lp in pos.items()] for pos in delta.new_logprobs
+        ]
+    return StreamDelta(
+        delta.request_id,
+        list(delta.new_token_ids),
+        delta.new_text,
+        delta.finish_reason,
+        delta.stop_reason,
+        lps,
+        delta.num_prompt_tokens,
+        delta.num_cached_tokens,
+    )
+
+
+class TokenPublisher:
+    """Decode worker side; used only from its loop thread (ZMQ sockets are not thread-safe)."""
+
+    def __init__(self, endpoint: str, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._sock.connect(endpoint)
+
+    def publish(self, deltas: list[StreamDelta]) -> None:
+        frame = {"v": STREAM_VERSION, "w": self.worker_id, "d": [d.to_wire() for d in deltas]}
+        self._sock.send(msgpack.packb(frame, use_bin_type=True))
+
+    def close(self) -> None:
+        self._sock.close(linger=1000)
+
+
+class TokenSubscriber:
+    """Router side: one PULL socket, a task that hands each delta to `on_delta`."""
+
+    def __init__(self, bind: str, on_delta: Callable[[str, StreamDelta], None]) -> None:
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._sock.bind(bind)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.on_delta = on_delta
+        self.num_bad_frames = 0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._sock.close(linger=0)
+
+    async def _run(self) -> None:
+        while True:
+            data = await self._sock.recv()
+            try:
+                frame = msgpack.unpackb(data, raw=False, max_bin_len=MAX_FRAME_BYTES)
+                if not isinstance(frame, dict) or frame.get("v") != STREAM_VERSION:
+                    raise ValueError(
+                        f"stream frame version {frame.get('v') if isinstance(frame, dict) else '?'}"
+                    )
+                deltas = [StreamDelta.from_wire(d) for d in frame["d"]]
+            except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+                self.num_bad_frames += 1
+                logger.warning("dropped a bad token-stream frame: %s", e)
+                continue
+            for d in deltas:
+                self.on_delta(str(frame.get("w", "")), d)

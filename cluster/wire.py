@@ -1,0 +1,58 @@
+"""What the router sends workers through Ray: msgpack bytes with a version and a schema.
+
+Ray's own RPC framing is Ray's business; our payloads are plain msgpack (never pickled
+objects), checked on arrival, so a worker never runs code it was sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import msgpack
+
+from pdserve.runner.sampling_params import SamplingParams
+
+WIRE_VERSION = 1
+# SamplingParams fields a request may carry (the rest are derived or engine-internal).
+PARAM_FIELDS = tuple(
+    f.name for f in dataclasses.fields(SamplingParams) if f.init and not f.name.startswith("_")
+)
+
+
+@dataclass(frozen=True)
+class WorkRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    ticket: dict | None = None  # kvtransfer.protocol ticket wire map (decode side, PD mode)
+
+    def encode(self) -> bytes:
+        params = {k: getattr(self.params, k) for k in PARAM_FIELDS}
+        body = {
+            "v": WIRE_VERSION,
+            "id": self.request_id,
+            "prompt": self.prompt_token_ids,
+            "params": params,
+            "ticket": self.ticket,
+        }
+        return msgpack.packb(body, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> WorkRequest:
+        body = msgpack.unpackb(data, raw=False)
+        if not isinstance(body, dict) or body.get("v") != WIRE_VERSION:
+            raise ValueError(f"work request: wire version must be {WIRE_VERSION}")
+        if set(body) != {"v", "id", "prompt", "params", "ticket"}:
+            raise ValueError(f"work request: unexpected fields {sorted(body)}")
+        prompt = body["prompt"]
+        if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
+            raise ValueError("work request: prompt must be a list of token ids")
+        params = body["params"]
+        if not isinstance(params, dict) or not set(params) <= set(PARAM_FIELDS):
+            raise ValueError("work request: params must be SamplingParams fields")
+        if body["ticket"] is not None and not isinstance(body["ticket"], dict):
+            raise ValueError("work request: ticket must be a map or null")
+        if not isinstance(body["id"], str):
+            raise ValueError("work request: id must be a string")
+        return cls(body["id"], prompt, SamplingParams(**params), body["ticket"])

@@ -1,0 +1,113 @@
+"""Drive one worker (prefill or decode) on its own thread, the only thread that touches it.
+
+Callers never call the worker directly: `call(fn)` runs `fn(worker)` on the loop thread
+between steps and returns a future, so submits, aborts and stats reads are serialized
+with `step()` without locks in the engine. The loop steps while the worker has work and
+otherwise sleeps on its inbox (bounded wait). It records forward progress (steps done,
+time of the last step that had work), which is what "healthy" means for the controller:
+a loop that is alive but stuck stops advancing `last_progress`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+
+class SteppedWorker(Protocol):
+    def has_work(self) -> bool: ...
+    def step(self) -> list: ...
+
+
+class WorkerLoop:
+    def __init__(
+        self,
+        worker: SteppedWorker,
+        on_outputs: Callable[[list], None],
+        name: str = "worker-loop",
+        idle_wait_s: float = 0.01,
+    ) -> None:
+        self.worker = worker
+        self.on_outputs = on_outputs
+        self.idle_wait_s = idle_wait_s
+        self._inbox: queue.SimpleQueue[tuple[Callable[[Any], Any], Future]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.num_steps = 0
+        self.last_progress = time.monotonic()
+        self.error: BaseException | None = None
+        # Optional housekeeping while idle (a prefill worker expires leases in it).
+        self._idle: Callable[[], None] | None = getattr(worker, "idle", None)
+
+    def start(self) -> WorkerLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "worker loop did not stop in time"
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def call(self, fn: Callable[[Any], Any]) -> Future:
+        """Run `fn(worker)` on the loop thread; its result or exception lands in the future."""
+        fut: Future = Future()
+        if not self.alive:
+            fut.set_exception(RuntimeError(f"worker loop is not running ({self.error!r})"))
+            return fut
+        self._inbox.put((fn, fut))
+        return fut
+
+    def _drain(self, wait_s: float) -> None:
+        try:
+            item = self._inbox.get(timeout=wait_s) if wait_s > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.worker))
+                except Exception as e:  # the caller gets it; the loop keeps serving
+                    fut.set_exception(e)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.worker.has_work()
+                self._drain(0 if busy else self.idle_wait_s)
+                if not self.worker.has_work():
+                    self.last_progress = time.monotonic()  # idle is not stuck
+                    if self._idle is not None:
+                        self._idle()
+                    continue
+                outputs = self.worker.step()
+                self.num_steps += 1
+                self.last_progress = time.monotonic()
+                if outputs:
+                    self.on_outputs(outputs)
+        except BaseException as e:  # a crashed loop must be visible to health checks
+            self.error = e
+            logger.exception("worker loop crashed")
+        finally:
+            while True:  # nobody will run these now: fail them instead of leaving waiters
+                try:
+                    _, fut = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(RuntimeError("worker loop stopped"))
