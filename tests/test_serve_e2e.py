@@ -1,0 +1,283 @@
+"""`pdserve serve` in a subprocess, used with the official `openai` client.
+
+Two real servers (PD mode with an API key, and colocated), each a local Ray instance
+with real workers on the bundled SmolLM2. Everything goes over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+KEY = "test-key"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+LONG = (
+    "You are a helpful assistant for a travel agency. Answer briefly and precisely. "
+    "The customer is planning a trip through Europe in the spring and asks about cities. "
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.port = _free_port()
+        self.log = tmp / f"serve-{self.port}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *args],
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited:\n{self.log.read_text()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise AssertionError(f"server did not come up:\n{self.log.read_text()}")
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=30).text
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        try:
+            code = self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise AssertionError(
+                f"server did not stop on Ctrl-C:\n{self.log.read_text()}"
+            ) from None
+        assert code == 0, self.log.read_text()
+        assert "pdserve: stopped" in self.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("pd"), "--api-key", KEY, "--max-model-len", "1024")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("co"), "--mode", "colocated", "--max-model-len", "1024")
+    yield server
+    server.stop()
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_chat_answers_and_counts_usage(pd):
+    """Guards the whole PD path (prefill worker, ticket, KV pull, decode, ZMQ stream):
+    the bundled model's known answer, and usage that adds up."""
+    r = pd.client().chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=20, temperature=0
+    )
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    assert r.choices[0].finish_reason == "stop"
+    u = r.usage
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens and u.completion_tokens == 8
+    assert _metric(pd.metrics(), "pdserve:pd_decisions_total", reason="remote_prefill") >= 1
+
+
+def test_streamed_equals_unstreamed_with_usage(pd):
+    """Guards SSE: chunk order, the final chunk's finish reason, the usage flush, [DONE]."""
+    c = pd.client()
+    kw = dict(
+        model="SmolLM2-135M-Instruct", prompt=LONG + "Name three cities:", max_tokens=24,
+        temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    whole = c.completions.create(**kw)
+    chunks = list(c.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == whole.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+
+def test_logprobs_completions_and_chat(pd):
+    """Guards logprobs plumbing through the ticket (first token) and the stream: k entries
+    per position, the sampled token's logprob is the top one under greedy."""
+    c = pd.client()
+    r = c.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=LONG, max_tokens=5, temperature=0, logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 5 and all(len(t) == 3 for t in lp.top_logprobs)
+    assert all(abs(max(t.values()) - v) < 1e-5 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    r = c.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=4, temperature=0,
+        logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(e.top_logprobs) == 2 for e in content)
+
+
+def test_stop_strings_and_n(pd):
+    """Guards stop handling (text cut before the stop string, reason "stop") and n=2."""
+    c = pd.client()
+    r = c.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=QUESTION,
+        max_tokens=20,
+        temperature=0,
+        stop=["Paris"],
+    )
+    assert r.choices[0].message.content == "The capital of France is "
+    assert r.choices[0].finish_reason == "stop"
+    r = c.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=8, temperature=0, n=2
+    )
+    assert [ch.index for ch in r.choices] == [0, 1]
+    assert r.choices[0].message.content == r.choices[1].message.content  # greedy
+
+
+def test_seed_reproducible(pd):
+    """Guards seeded sampling across prefill and decode workers: same seed, same text."""
+    c = pd.client()
+
+    def sample(seed: int) -> str:
+        r = c.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=LONG, max_tokens=16, temperature=1.0, seed=seed
+        )
+        return r.choices[0].text
+
+    assert sample(1234) == sample(1234)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_32_concurrent_streams(pd):
+    """Guards the stream hub under load: 32 interleaved streams each get all their tokens."""
+
+    async def one(client, i: int) -> int:
+        stream = await client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=f"{LONG} Request {i}:", max_tokens=12,
+            temperature=0, stream=True,
+        )  # fmt: skip
+        n = 0
+        async for ch in stream:
+            n += len(ch.choices[0].text) > 0 or ch.choices[0].finish_reason is not None
+        return n
+
+    async def main():
+        client = openai.AsyncOpenAI(
+            base_url=pd.url + "/v1", api_key=KEY, max_retries=0, timeout=300
+        )
+        return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    counts = asyncio.run(main())
+    assert all(n >= 2 for n in counts), counts
+
+
+def test_pd_equals_colocated_greedy(pd, colocated):
+    """Guards disaggregation's promise: PD and colocated give identical greedy outputs."""
+    prompts = [LONG + f"Tell me about city number {i}." for i in range(4)]
+    for p in prompts:
+        a = pd.client().completions.create(
+            model="SmolLM2-135M-Instruct", prompt=p, max_tokens=16, temperature=0
+        )
+        b = colocated.client().completions.create(
+            model="SmolLM2-135M-Instruct", prompt=p, max_tokens=16, temperature=0
+        )
+        assert a.choices[0].text == b.choices[0].text
+    assert _metric(colocated.metrics(), "pdserve:pd_decisions_total", reason="colocated") >= 4
+
+
+def test_shared_prefix_shows_prefix_hits(colocated):
+    """Guards prefix caching behind the router: a second request sharing a long prefix
+    must be counted as hits in /metrics."""
+    before = _metric(colocated.metrics(), "pdserve:prefix_cache_hits_total")
+    c = colocated.client()
+    for tail in ("First question?", "Second question?"):
+        c.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=LONG * 3 + tail, max_tokens=2, temperature=0
+        )
+    assert _metric(colocated.metrics(), "pdserve:prefix_cache_hits_total") - before >= 64
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b'{"prompt": 5, "max_tokens": 3}', 400, "prompt"),
+        (b'{"prompt": "hi", "max_tokens": "3"}', 400, "max_tokens"),
+        (b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+        (b'{"prompt": "hi", "model": "gpt-17"}', 404, "does not exist"),
+        (json.dumps({"prompt": "word " * 2000, "max_tokens": 4}).encode(), 400, "context length"),
+    ],
+)
+def test_bad_input_gets_openai_errors(colocated, body, status, fragment):
+    """Guards the edge: each bad request gets the OpenAI error shape and a 4xx, and the
+    server keeps serving (checked by every later test on the same server)."""
+    r = httpx.post(
+        colocated.url + "/v1/completions", content=body,
+        headers={"content-type": "application/json"}, timeout=30,
+    )  # fmt: skip
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and fragment in err["message"]
+    assert r.headers["x-request-id"].startswith("req-")
+
+
+def test_body_limits_and_gzip_bomb(colocated):
+    """Guards memory: an oversized body and a gzip bomb (5 MB of zeros in 5 kB) are
+    refused with 413 without inflating past the limit."""
+    big = b'{"prompt": "' + b"a" * (5 << 20) + b'"}'
+    r = httpx.post(colocated.url + "/v1/completions", content=big, timeout=60)
+    assert r.status_code == 413
+    bomb = gzip.compress(b'{"prompt": "' + b"0" * (5 << 20) + b'"}')
+    assert len(bomb) < 16_000
+    r = httpx.post(
+        colocated.url + "/v1/completions", content=bomb,
+        headers={"content-encoding": "gzip", "content-type": "application/json"}, timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 413 and "decompressed" in r.json()["error"]["message"]
+    ok = httpx.post(
+        colocated.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60
+    )
+    assert ok.status_code == 200
+
+
+def test_api_key_required_when_set(pd):
+    """Guards auth: /v1 needs the key, /health and /metrics stay open."""
+    for key in (None, "wrong"):
+        headers = {} if key is None else {"authorization": f"Bearer {key}"}
+        r = httpx.get(pd.url + "/v1/models", headers=headers, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(pd.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(pd.url + "/metrics", timeout=30).status_code == 200
+    models = pd.client().models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
