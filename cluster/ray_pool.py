@@ -103,9 +103,10 @@ class WorkerPool:
         if len(hashes) > 1:
             raise RuntimeError(f"workers disagree on the KV layout: {sorted(hashes)}")
 
-    async def check_health(self) -> list[str]:
+    async def check_health(self, on_failure=None) -> list[str]:
         """Restart every worker that is dead or has made no progress for stuck_after_s;
-        returns the restarted worker ids. The handle objects stay, their actor changes."""
+        returns the restarted worker ids. `on_failure(worker_id)` runs as soon as a
+        failure is seen (before the slow restart). The handles stay; their actor changes."""
         restarted = []
         for h in [*self.decode, *self.prefill]:
             try:
@@ -115,6 +116,8 @@ class WorkerPool:
                 logger.warning("%s worker %s failed its health check: %r", h.role, h.worker_id, e)
                 ok = False
             if not ok:
+                if on_failure is not None:
+                    on_failure(h.worker_id)
                 kill_quietly(h.actor)
                 h.actor = self._start(h.role, h.worker_id).actor
                 await asyncio.wrap_future(h.actor.info.remote().future())

@@ -74,6 +74,7 @@ class Router:
         self.worker_stats: dict[str, dict] = {}  # worker id -> last polled stats
         self._inflight: Counter[str] = Counter()  # worker id -> requests in flight
         self._queues: dict[str, asyncio.Queue[StreamDelta]] = {}
+        self._assigned: dict[str, str] = {}  # request id -> decode worker id
         self._background: set[asyncio.Task] = set()  # aborts in flight; awaited by close()
 
     async def close(self) -> None:
@@ -86,6 +87,17 @@ class Router:
         q = self._queues.get(delta.request_id)
         if q is not None:
             q.put_nowait(delta)
+
+    def worker_failed(self, worker_id: str) -> int:
+        """A decode worker died (or was restarted): end its requests with an error now
+        instead of letting them wait for tokens that will never come."""
+        lost = [rid for rid, w in self._assigned.items() if w == worker_id]
+        for rid in lost:
+            self.on_delta(
+                worker_id,
+                StreamDelta(rid, [], "", "error", f"decode worker {worker_id} died", None, 0, 0),
+            )
+        return len(lost)
 
     # ---- choices ------------------------------------------------------------------------
 
@@ -147,6 +159,7 @@ class Router:
                 ticket = await self._remote_prefill(work, holders)
             work = replace(work, ticket=ticket_to_wire(ticket) if ticket is not None else None)
             holders.append(decode_w)
+            self._assigned[request_id] = decode_w.worker_id
             await decode_w.submit(work.encode())
             while True:
                 delta = await asyncio.wait_for(queue.get(), self.config.stream_idle_timeout_s)
@@ -160,6 +173,7 @@ class Router:
             await out.put((index, e))
         finally:
             self._queues.pop(request_id, None)
+            self._assigned.pop(request_id, None)
             self._inflight[decode_w.worker_id] -= 1
             if not finished:
                 for w in holders:  # client gone or error: nothing may keep its blocks

@@ -89,7 +89,7 @@ def run_serve(cfg: ServeConfig) -> int:
         async def lifespan(_app):
             subscriber = TokenSubscriber(stream_bind, router.on_delta)
             subscriber.start()
-            health = asyncio.create_task(_health_loop(pool, cfg.health_interval_s))
+            health = asyncio.create_task(_health_loop(pool, router, cfg.health_interval_s))
             try:
                 yield
             finally:
@@ -116,11 +116,11 @@ def run_serve(cfg: ServeConfig) -> int:
     return 0
 
 
-async def _health_loop(pool, interval_s: float) -> None:
+async def _health_loop(pool, router, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         try:
-            restarted = await pool.check_health()
+            restarted = await pool.check_health(on_failure=router.worker_failed)
         except Exception:  # a failing check must not end the loop
             logger.exception("health check failed")
             continue
