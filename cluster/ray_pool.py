@@ -3,13 +3,11 @@
 An actor is a thin wrapper: `ray.remote(DecodeService)` / `ray.remote(PrefillService)`.
 Payloads are msgpack bytes (cluster/wire.py). A worker-side ValueError (bad input that
 slipped past the router) comes back as a 400; a dead actor as a 503.
-`WorkerPool` starts actors, checks their health (forward progress, not just liveness),
-restarts dead or stuck ones under the same worker id, and stops them all.
+Membership, health and restarts live in the controller actor (cluster/controller.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, field
 
@@ -25,6 +23,7 @@ logger = logging.getLogger(__name__)
 class RayWorkerHandle:
     def __init__(self, worker_id: str, role: str, actor) -> None:
         self.worker_id, self.role, self.actor = worker_id, role, actor
+        self.generation = 0  # bumped by the controller on each restart
 
     async def _await(self, ref):
         try:
@@ -55,6 +54,19 @@ class RayWorkerHandle:
         return await self.actor.health.remote()
 
 
+def start_worker(spec: PoolSpec, role: str, worker_id: str):
+    """A new worker actor (not waited for: await its `info` to know it is up)."""
+    opts = dict(num_cpus=0, num_gpus=spec.gpus_per_worker, name=f"pdserve-{worker_id}")
+    if role == "decode":
+        cls, args = (
+            DecodeService,
+            (spec.engine_kwargs, worker_id, spec.stream_endpoint, spec.policy),
+        )
+    else:
+        cls, args = PrefillService, (spec.engine_kwargs, worker_id, "127.0.0.1", spec.lease_s)
+    return ray.remote(cls).options(**opts).remote(*args)
+
+
 @dataclass
 class PoolSpec:
     engine_kwargs: dict
@@ -66,68 +78,6 @@ class PoolSpec:
     gpus_per_worker: float = 0.0
     stuck_after_s: float = 60.0
     extra: dict = field(default_factory=dict)
-
-
-class WorkerPool:
-    def __init__(self, spec: PoolSpec) -> None:
-        self.spec = spec
-        self.decode: list[RayWorkerHandle] = []
-        self.prefill: list[RayWorkerHandle] = []
-        self.restarts = 0
-
-    def _start(self, role: str, worker_id: str) -> RayWorkerHandle:
-        s = self.spec
-        opts = dict(num_cpus=0, num_gpus=s.gpus_per_worker, name=f"pdserve-{worker_id}")
-        if role == "decode":
-            actor = (
-                ray.remote(DecodeService)
-                .options(**opts)
-                .remote(s.engine_kwargs, worker_id, s.stream_endpoint, s.policy)
-            )
-        else:
-            actor = (
-                ray.remote(PrefillService)
-                .options(**opts)
-                .remote(s.engine_kwargs, worker_id, "127.0.0.1", s.lease_s)
-            )
-        return RayWorkerHandle(worker_id, role, actor)
-
-    def start(self, timeout_s: float = 600.0) -> None:
-        self.decode = [self._start("decode", f"decode-{i}") for i in range(self.spec.num_decode)]
-        self.prefill = [
-            self._start("prefill", f"prefill-{i}") for i in range(self.spec.num_prefill)
-        ]
-        refs = [h.actor.info.remote() for h in [*self.decode, *self.prefill]]
-        infos = ray.get(refs, timeout=timeout_s)
-        hashes = {i["layout_hash"] for i in infos}
-        if len(hashes) > 1:
-            raise RuntimeError(f"workers disagree on the KV layout: {sorted(hashes)}")
-
-    async def check_health(self, on_failure=None) -> list[str]:
-        """Restart every worker that is dead or has made no progress for stuck_after_s;
-        returns the restarted worker ids. `on_failure(worker_id)` runs as soon as a
-        failure is seen (before the slow restart). The handles stay; their actor changes."""
-        restarted = []
-        for h in [*self.decode, *self.prefill]:
-            try:
-                state = await asyncio.wait_for(h.health(), 10.0)
-                ok = state["alive"] and state["since_progress_s"] < self.spec.stuck_after_s
-            except (RayActorError, asyncio.TimeoutError, ApiError) as e:
-                logger.warning("%s worker %s failed its health check: %r", h.role, h.worker_id, e)
-                ok = False
-            if not ok:
-                if on_failure is not None:
-                    on_failure(h.worker_id)
-                kill_quietly(h.actor)
-                h.actor = self._start(h.role, h.worker_id).actor
-                await asyncio.wrap_future(h.actor.info.remote().future())
-                self.restarts += 1
-                restarted.append(h.worker_id)
-        return restarted
-
-    def stop(self) -> None:
-        for h in [*self.decode, *self.prefill]:
-            kill_quietly(h.actor)
 
 
 def kill_quietly(actor) -> None:

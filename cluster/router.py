@@ -64,8 +64,6 @@ class Router:
         decode_workers: list[WorkerHandle],
         prefill_workers: list[WorkerHandle],
     ) -> None:
-        if not decode_workers:
-            raise ValueError("the router needs at least one decode worker")
         self.config = config
         self.decode_workers = decode_workers
         self.prefill_workers = prefill_workers
@@ -144,6 +142,9 @@ class Router:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _one(self, request_id, index, prompt, params, out: asyncio.Queue) -> None:
+        if not self.decode_workers:
+            await out.put((index, ApiError("no decode worker is available", 503, "server_error")))
+            return
         decode_w = self._pick(self.decode_workers)
         queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
         self._queues[request_id] = queue

@@ -30,9 +30,11 @@ def run_serve(cfg: ServeConfig) -> int:
     import torch
     import uvicorn
 
+    from pdserve.cluster.controller import Controller
     from pdserve.cluster.http_app import AppState, build_app
+    from pdserve.cluster.membership import sync_members
     from pdserve.cluster.metrics import Metrics
-    from pdserve.cluster.ray_pool import PoolSpec, WorkerPool
+    from pdserve.cluster.ray_pool import PoolSpec
     from pdserve.cluster.router import Router, RouterConfig
     from pdserve.cluster.token_stream import TokenSubscriber
     from pdserve.runner.config_resolve import resolve_engine_config
@@ -62,23 +64,25 @@ def run_serve(cfg: ServeConfig) -> int:
         num_gpus=1 if gpu else 0,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
     )
-    pool = WorkerPool(
-        PoolSpec(
-            engine_kwargs,
-            cfg.prefill_workers if cfg.mode == "pd" else 0,
-            cfg.decode_workers,
-            stream_bind,
-            cfg.policy,
-            cfg.lease_s,
-            gpus_per_worker=(1.0 / num_workers) if gpu else 0.0,
-        )
+    spec = PoolSpec(
+        engine_kwargs,
+        cfg.prefill_workers if cfg.mode == "pd" else 0,
+        cfg.decode_workers,
+        stream_bind,
+        cfg.policy,
+        cfg.lease_s,
+        gpus_per_worker=(1.0 / num_workers) if gpu else 0.0,
+    )
+    controller = (
+        ray.remote(Controller)
+        .options(num_cpus=0, name="pdserve-controller")
+        .remote(spec, cfg.health_interval_s)
     )
     try:
         print(f"pdserve: starting {num_workers} worker(s) on Ray ({ecfg.model.source})", flush=True)
-        pool.start()
-        router = Router(
-            RouterConfig(cfg.mode, cfg.pd_min_prompt_tokens, cfg.policy), pool.decode, pool.prefill
-        )
+        members = ray.get(controller.start.remote(), timeout=900)
+        router = Router(RouterConfig(cfg.mode, cfg.pd_min_prompt_tokens, cfg.policy), [], [])
+        sync_members(router, members)
         state = AppState(
             router, tokenizer, model_name, ecfg.model.max_model_len, Metrics(), cfg.api_key,
             cfg.max_body_bytes, ecfg.runner.runner,
@@ -89,7 +93,9 @@ def run_serve(cfg: ServeConfig) -> int:
         async def lifespan(_app):
             subscriber = TokenSubscriber(stream_bind, router.on_delta)
             subscriber.start()
-            health = asyncio.create_task(_health_loop(pool, router, cfg.health_interval_s))
+            health = asyncio.create_task(
+                _membership_loop(controller, router, cfg.health_interval_s)
+            )
             try:
                 yield
             finally:
@@ -102,7 +108,8 @@ def run_serve(cfg: ServeConfig) -> int:
         app.router.lifespan_context = lifespan
         print(
             f"pdserve: serving {model_name!r} at http://{cfg.host}:{cfg.port}/v1 — mode "
-            f"{cfg.mode}, {len(pool.prefill)} prefill + {len(pool.decode)} decode worker(s), "
+            f"{cfg.mode}, {len(router.prefill_workers)} prefill + {len(router.decode_workers)} "
+            "decode worker(s), "
             f"runner {ecfg.runner.runner}, device {ecfg.runner.device}",
             flush=True,
         )
@@ -110,19 +117,24 @@ def run_serve(cfg: ServeConfig) -> int:
             app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10
         )
     finally:
-        pool.stop()
+        with contextlib.suppress(Exception):
+            ray.get(controller.stop.remote(), timeout=30)
         ray.shutdown()
         print("pdserve: stopped", flush=True)
     return 0
 
 
-async def _health_loop(pool, router, interval_s: float) -> None:
+async def _membership_loop(controller, router, interval_s: float) -> None:
+    """Follow the controller: restarted workers fail their requests here and get their
+    new actor; drained ones leave routing."""
+    from pdserve.cluster.membership import sync_members
+
     while True:
-        await asyncio.sleep(interval_s)
+        await asyncio.sleep(interval_s / 2)
         try:
-            restarted = await pool.check_health(on_failure=router.worker_failed)
-        except Exception:  # a failing check must not end the loop
-            logger.exception("health check failed")
+            members = await asyncio.wait_for(controller.members.remote(), 10)
+        except Exception:  # a slow or failing read must not end the loop
+            logger.exception("reading pool membership failed")
             continue
-        for worker_id in restarted:
-            print(f"pdserve: restarted {worker_id}", file=sys.stderr, flush=True)
+        for worker_id in sync_members(router, members):
+            print(f"pdserve: {worker_id} failed; restarting it", file=sys.stderr, flush=True)

@@ -1,0 +1,27 @@
+"""Keep the router's worker lists in step with the controller's membership."""
+
+from __future__ import annotations
+
+from pdserve.cluster.ray_pool import RayWorkerHandle
+
+
+def sync_members(router, members: list[dict]) -> list[str]:
+    """Apply the controller's member list to the router; returns the ids of workers whose
+    generation changed (restarted: their requests on the router were failed)."""
+    known = {h.worker_id: h for h in [*router.decode_workers, *router.prefill_workers]}
+    failed = []
+    decode, prefill = [], []
+    for m in members:
+        h = known.get(m["worker_id"])
+        if h is None:
+            h = RayWorkerHandle(m["worker_id"], m["role"], m["actor"])
+            h.generation = m["generation"]
+        elif m["generation"] != h.generation:
+            h.actor, h.generation = m["actor"], m["generation"]
+            router.worker_failed(h.worker_id)
+            failed.append(h.worker_id)
+        if not m["draining"]:
+            (decode if m["role"] == "decode" else prefill).append(h)
+    router.decode_workers[:] = decode
+    router.prefill_workers[:] = prefill
+    return failed
