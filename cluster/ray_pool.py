@@ -9,7 +9,7 @@ Membership, health and restarts live in the controller actor (cluster/controller
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -77,7 +77,7 @@ class PoolSpec:
     lease_s: float = 30.0
     gpus_per_worker: float = 0.0
     stuck_after_s: float = 60.0
-    extra: dict = field(default_factory=dict)
+    tier: object | None = None  # the KV tier actor's handle, if there is one
 
 
 def kill_quietly(actor) -> None:

@@ -36,6 +36,7 @@ def run_serve(cfg: ServeConfig) -> int:
     from pdserve.cluster.metrics import Metrics
     from pdserve.cluster.ray_pool import PoolSpec
     from pdserve.cluster.router import Router, RouterConfig
+    from pdserve.cluster.tier_actor import TierService
     from pdserve.cluster.token_stream import TokenSubscriber
     from pdserve.runner.config_resolve import resolve_engine_config
     from pdserve.runner.tokenizer import load_tokenizer
@@ -64,6 +65,11 @@ def run_serve(cfg: ServeConfig) -> int:
         num_gpus=1 if gpu else 0,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
     )
+    tier = None
+    if cfg.tier_bytes > 0 and cfg.mode == "pd":  # prefill workers are its writers
+        tier = (
+            ray.remote(TierService).options(num_cpus=0, name="pdserve-tier").remote(cfg.tier_bytes)
+        )
     spec = PoolSpec(
         engine_kwargs,
         cfg.prefill_workers if cfg.mode == "pd" else 0,
@@ -72,6 +78,7 @@ def run_serve(cfg: ServeConfig) -> int:
         cfg.policy,
         cfg.lease_s,
         gpus_per_worker=(1.0 / num_workers) if gpu else 0.0,
+        tier=tier,
     )
     controller = (
         ray.remote(Controller)
@@ -110,6 +117,7 @@ def run_serve(cfg: ServeConfig) -> int:
             f"pdserve: serving {model_name!r} at http://{cfg.host}:{cfg.port}/v1 — mode "
             f"{cfg.mode}, {len(router.prefill_workers)} prefill + {len(router.decode_workers)} "
             "decode worker(s), "
+            f"{'1 KV tier actor, ' if tier is not None else ''}"
             f"runner {ecfg.runner.runner}, device {ecfg.runner.device}",
             flush=True,
         )
@@ -119,6 +127,8 @@ def run_serve(cfg: ServeConfig) -> int:
     finally:
         with contextlib.suppress(Exception):
             ray.get(controller.stop.remote(), timeout=30)
+        if tier is not None:
+            ray.kill(tier)
         ray.shutdown()
         print("pdserve: stopped", flush=True)
     return 0

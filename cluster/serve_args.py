@@ -27,6 +27,7 @@ class ServeConfig:
     lease_s: float = 30.0
     max_body_bytes: int = 4 << 20
     health_interval_s: float = 2.0
+    tier_bytes: int = 1 << 30  # host memory of the KV tier actor; 0 = no tier
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):

@@ -14,6 +14,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from pdserve.cluster.tier_actor import TierClient
 from pdserve.cluster.token_stream import TokenPublisher, delta_from_engine
 from pdserve.cluster.wire import WorkRequest
 from pdserve.cluster.worker_loop import WorkerLoop
@@ -68,9 +69,11 @@ class DecodeService(_Service):
         stream_endpoint: str,
         policy: str = "recompute",
         transfer_timeout_s: float = 30.0,
+        tier_actor=None,
     ) -> None:
         self.worker_id = worker_id
-        self.worker = DecodeWorker(engine_kwargs, worker_id, {}, policy, transfer_timeout_s)
+        tier = TierClient(tier_actor) if tier_actor is not None else None
+        self.worker = DecodeWorker(engine_kwargs, worker_id, {}, policy, transfer_timeout_s, tier)
         self.worker.loader.transports["tcp"] = TcpTransport(worker_id, self.worker.layout)
         self.publisher = TokenPublisher(stream_endpoint, worker_id)
         self.loop = WorkerLoop(self.worker, self._publish, name=f"decode-{worker_id}").start()
@@ -107,11 +110,17 @@ class DecodeService(_Service):
 
 class PrefillService(_Service):
     def __init__(
-        self, engine_kwargs: dict, worker_id: str, host: str = "127.0.0.1", lease_s: float = 30.0
+        self,
+        engine_kwargs: dict,
+        worker_id: str,
+        host: str = "127.0.0.1",
+        lease_s: float = 30.0,
+        tier_actor=None,
     ) -> None:
         self.worker_id = worker_id
         engine = Engine.from_args(**engine_kwargs)
-        self.worker = PrefillWorker(engine, worker_id, lease_s, bind=f"tcp://{host}:0")
+        tier = TierClient(tier_actor) if tier_actor is not None else None
+        self.worker = PrefillWorker(engine, worker_id, lease_s, bind=f"tcp://{host}:0", tier=tier)
         self._waiters: dict[str, Future] = {}
         self.loop = WorkerLoop(self.worker, self._resolve, name=f"prefill-{worker_id}").start()
 

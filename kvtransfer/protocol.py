@@ -116,6 +116,31 @@ class Pull(Message):
 
 
 @dataclass(frozen=True)
+class NcclPull(Message):
+    """A pull whose data frames travel by torch.distributed P2P to `dst_rank` (a global
+    rank of the group both sides joined). The reply is one `DataHeader` per frame, then
+    `NcclSend`; the frames themselves never touch the socket."""
+
+    TYPE: ClassVar[str] = "nccl_pull"
+    request_id: str
+    layout_hash: str
+    first_units: list[int]  # per group, as in Pull
+    dst_rank: int
+
+
+@dataclass(frozen=True)
+class NcclSend(Message):
+    """Ends the reply to an `NcclPull`: the `num_frames` frames described by the headers
+    before it follow as P2P sends from `src_rank`, in header order. The source names its
+    own rank, so a puller never waits on a rank that is not going to send."""
+
+    TYPE: ClassVar[str] = "nccl_send"
+    request_id: str
+    src_rank: int
+    num_frames: int
+
+
+@dataclass(frozen=True)
 class DataHeader(Message):
     """Describes the one raw data frame that follows it: layers [layer_start, layer_end)."""
 
@@ -215,8 +240,8 @@ class Error(Message):
 # The one table: wire type string -> message class.
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Handshake, HandshakeOk, Ticket, Pull, DataHeader, IpcExport, IpcOpen, PullDone, Release,
-                Heartbeat, LeaseInfo, Abort, Ack, Error)
+    for cls in (Handshake, HandshakeOk, Ticket, Pull, NcclPull, NcclSend, DataHeader, IpcExport,
+                IpcOpen, PullDone, Release, Heartbeat, LeaseInfo, Abort, Ack, Error)
 }  # fmt: skip
 # Field name -> annotation, resolved once (annotations are strings under `from __future__`).
 _FIELD_TYPES: dict[type[Message], dict[str, Any]] = {

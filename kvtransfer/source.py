@@ -35,11 +35,15 @@ class KVSource:
         self.layout_hash = self.layout.compat_hash()
 
     def pack_request(
-        self, group_unit_ids: tuple[tuple[int, ...], ...], first_units: list[int]
+        self,
+        group_unit_ids: tuple[tuple[int, ...], ...],
+        first_units: list[int],
+        on_host: bool = True,
     ) -> list[list[torch.Tensor]]:
-        """[group][tensor] host buffers `[L, n, E]` of the units from `first_units[g]` on."""
+        """[group][tensor] buffers `[L, n, E]` of the units from `first_units[g]` on: on the
+        host for socket transports, on the storage's device when `on_host` is False."""
         out = []
         for storage, ids, first in zip(self.storages, group_unit_ids, first_units, strict=True):
             buffers = pack(storage, list(ids[first:])) if first < len(ids) else []
-            out.append([b.cpu() for b in buffers])
+            out.append([b.cpu() for b in buffers] if on_host else buffers)
         return out

@@ -24,6 +24,8 @@ from pdserve.kvtransfer.protocol import (
     IpcExport,
     IpcOpen,
     LeaseInfo,
+    NcclPull,
+    NcclSend,
     ProtocolError,
     Pull,
     PullDone,
@@ -64,6 +66,8 @@ ONE_OF_EACH = [
     Abort("req-1"),
     Ack("req-1"),
     Error("req-1", "lease_expired", "blocks were freed at 1700000005.0"),
+    NcclPull("req-1", "a1b2c3", first_units=[2, 0], dst_rank=3),
+    NcclSend("req-1", src_rank=0, num_frames=3),
 ]  # fmt: skip
 
 
@@ -228,6 +232,9 @@ def test_other_messages_check_their_fields():
     obj = wire(Heartbeat("r", 1.0))
     obj["f"]["extend_s"] = -1.0
     assert "Heartbeat.extend_s: must be finite and >= 0" in rejected(pack(obj), "bad_schema")
+    obj = wire(NcclPull("r", "h", [0], dst_rank=1))
+    obj["f"]["dst_rank"] = -1
+    assert "NcclPull.dst_rank: must be >= 0" in rejected(pack(obj), "bad_schema")
 
 
 def test_int_is_accepted_where_float_is_expected():

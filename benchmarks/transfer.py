@@ -1,0 +1,324 @@
+"""Bandwidth and latency of the KV transports, each next to a raw copy of the same bytes.
+
+Not a test. Requests of the Qwen3-0.6B shape (28 layers, 8 kv heads, head_dim 128, bf16,
+block size 16: 1,835,008 B per block): 2,048 tokens (128 blocks, 235 MB) and 128 tokens
+(8 blocks, 14.7 MB); layout `hybrid` adds a Mamba2-style state group (one request slot,
+28 MB) to the same paged group. Blocks sit at scattered ids on both sides, so packing and
+run merging are exercised as in a real cache. Each case runs a warm-up pull (whose result
+is checked unit by unit), then `--reps` timed pulls; the median is reported.
+
+| transport | processes | baseline, same bytes, same run |
+|---|---|---|
+| tcp | two, CPU, loopback | one pyzmq frame between the same two processes |
+| local | one (GPU if present) | one `torch` copy of a contiguous buffer |
+| cuda_ipc | two, one GPU | one device-to-device copy |
+| nccl | two, two GPUs | one `dist.send`/`recv` of a contiguous buffer |
+
+cuda_ipc runs only with a GPU, nccl only with two (skipped with a note otherwise). Rows
+(`transport, layout, tokens, bytes, GBps, baseline_GBps, latency_ms, device, commit,
+command`, plus the baseline's name and latency) are printed one JSON object per line and
+written as a list to `<out>/transfer_<device-kind>.json`.
+
+`--p2p-backend gloo` runs the nccl transport's path over gloo on the CPU (no GPU needed);
+`--threads` pins torch's CPU threads per process. The layouts, requests and the source
+process live in benchmarks/transfer_setup.py.
+
+    python benchmarks/transfer.py [--transports tcp,local,cuda_ipc,nccl] \
+        [--layouts paged_gqa,hybrid] [--reps 5] [--p2p-backend nccl|gloo] [--threads N] \
+        [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import zmq
+from transfer_setup import (
+    LAYOUTS,
+    TIMEOUT_S,
+    Run,
+    allocate,
+    free_port,
+    init_group,
+    plan,
+    request_bytes,
+    source_process,
+    ticket,
+    verify,
+)
+
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.source import KVSource
+from pdserve.kvtransfer.transport import PullSpec
+
+
+def median_s(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
+    """Median wall time of `fn` over `reps` calls, after one untimed warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sync_for(device: str) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.startswith("cuda") else lambda: None
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+
+
+# --- the cases ------------------------------------------------------------------------------
+
+BASELINES = {
+    "tcp": "raw pyzmq frame",
+    "local": "torch copy",
+    "cuda_ipc": "device-to-device copy",
+    "nccl": "raw dist.send/recv",
+}
+
+
+def pull_cases(
+    transport_name: str,
+    make_transport: Callable[[KVLayout], object],
+    endpoints: dict[str, str],
+    run: Run,
+    device: str,
+    baseline: Callable[[int], None],
+) -> list[dict]:
+    """Pull every request of every layout (one transport per layout) into `device`, and
+    time `baseline(nbytes)` on the same byte count right after."""
+    rows = []
+    sync = _sync_for(device)
+    for name in run.layout_names:
+        layout = LAYOUTS[name]
+        requests, sizes = plan(layout)
+        dst = allocate(layout, sizes, device, fill=False)
+        transport = make_transport(layout)
+        for req in requests:
+            progress(f"{transport_name} {name} {req.tokens} tokens")
+            first = (0,) * len(req.src_ids)
+            spec = PullSpec(ticket(layout, req, endpoints[name]), req.dst_ids, first)
+            transport.pull(spec, dst, TIMEOUT_S)
+            verify(dst, req)
+            nbytes = request_bytes(layout, req)
+            t = median_s(functools.partial(transport.pull, spec, dst, TIMEOUT_S), run.reps, sync)
+            t_base = median_s(functools.partial(baseline, nbytes), run.reps, sync)
+            rows.append(
+                {
+                    "transport": transport_name,
+                    "layout": name,
+                    "tokens": req.tokens,
+                    "bytes": nbytes,
+                    "GBps": nbytes / t / 1e9,
+                    "baseline": BASELINES[transport_name],
+                    "baseline_GBps": nbytes / t_base / 1e9,
+                    "latency_ms": t * 1e3,
+                    "baseline_latency_ms": t_base * 1e3,
+                    "reps": run.reps,
+                    "threads": torch.get_num_threads(),
+                    "device": _device_name(device),
+                }
+            )
+        transport.close()
+    return rows
+
+
+def _request_socket(endpoint: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, int(TIMEOUT_S * 1e3))
+    sock.connect(endpoint)
+    return sock
+
+
+def zmq_baseline(endpoint: str) -> Callable[[int], None]:
+    sock = _request_socket(endpoint)
+
+    def fetch(nbytes: int) -> None:
+        sock.send(str(nbytes).encode())
+        frame = sock.recv(copy=False)
+        assert len(frame) == nbytes, (len(frame), nbytes)
+
+    return fetch
+
+
+def p2p_baseline(endpoint: str, device: str) -> Callable[[int], None]:
+    sock, bufs = _request_socket(endpoint), {}
+
+    def fetch(nbytes: int) -> None:
+        sock.send(str(nbytes).encode())
+        assert sock.recv() == b"go"
+        if nbytes not in bufs:
+            bufs[nbytes] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dist.recv(bufs[nbytes], 0)
+
+    return fetch
+
+
+def copy_baseline(device: str) -> Callable[[int], None]:
+    bufs: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def copy(nbytes: int) -> None:
+        if nbytes not in bufs:
+            bufs[nbytes] = tuple(torch.ones(nbytes, dtype=torch.uint8, device=device) for _ in "ab")
+        src, dst = bufs[nbytes]
+        dst.copy_(src)
+
+    return copy
+
+
+def run_tcp(run: Run) -> list[dict]:
+    from pdserve.kvtransfer.transport_tcp import TcpTransport
+
+    with source_process("tcp", run) as eps:
+        return pull_cases(
+            "tcp", lambda layout: TcpTransport("D", layout), eps["layouts"], run, "cpu",
+            zmq_baseline(eps["raw"]),
+        )  # fmt: skip
+
+
+def run_local(run: Run) -> list[dict]:
+    from pdserve.kvtransfer.transport_local import LocalRegistry, LocalTransport
+
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    registry, endpoints = LocalRegistry(), {}
+    for name in run.layout_names:
+        layout = LAYOUTS[name]
+        requests, sizes = plan(layout)
+        leases = LeaseTable(3600.0)
+        for req in requests:
+            leases.add(req.request_id, [list(ids) for ids in req.src_ids], req.tokens)
+        storages = allocate(layout, sizes, device, fill=True)
+        endpoints[name] = registry.add(KVSource(f"P-{name}", layout, storages, leases))
+    return pull_cases(
+        "local", lambda layout: LocalTransport(registry, layout.compat_hash()), endpoints, run,
+        device, copy_baseline(device),
+    )  # fmt: skip
+
+
+def run_cuda_ipc(run: Run) -> list[dict]:
+    from pdserve.kvtransfer.transport_cuda_ipc import CudaIpcTransport
+
+    with source_process("cuda_ipc", run) as eps:
+        return pull_cases(
+            "cuda_ipc", lambda layout: CudaIpcTransport("D", layout), eps["layouts"], run,
+            "cuda:0", copy_baseline("cuda:0"),
+        )  # fmt: skip
+
+
+def run_nccl(run: Run) -> list[dict]:
+    """Source rank 0 on GPU 0, puller rank 1 (this process) on GPU 1; with the gloo
+    backend both on the CPU."""
+    from pdserve.kvtransfer.transport_nccl import NcclTransport
+
+    port = free_port()
+    device = "cpu" if run.p2p_backend == "gloo" else "cuda:1"
+    join_group = functools.partial(init_group, run.p2p_backend, port, 1, device)
+    with source_process("nccl", run, port, join_group) as eps:
+        try:
+            return pull_cases(
+                "nccl", lambda layout: NcclTransport("D", layout), eps["layouts"], run, device,
+                p2p_baseline(eps["raw"], device),
+            )  # fmt: skip
+        finally:
+            dist.destroy_process_group()
+
+
+RUNNERS = {"tcp": run_tcp, "local": run_local, "cuda_ipc": run_cuda_ipc, "nccl": run_nccl}
+
+
+def progress(line: str) -> None:
+    print(f"[transfer] {line}", file=sys.stderr, flush=True)
+
+
+def git_commit() -> str:
+    """PDSERVE_COMMIT when set (a device copy's .git may lag the tree), else git's HEAD."""
+    if os.environ.get("PDSERVE_COMMIT"):
+        return os.environ["PDSERVE_COMMIT"]
+    try:
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], text=True, cwd=Path(__file__).parent
+        ).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_kind() -> str:
+    """`cpu`, or the GPU's name as a file-name slug (`nvidia-h200`)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--transports", default="tcp,local,cuda_ipc,nccl")
+    ap.add_argument("--layouts", default="paged_gqa", help=f"of {sorted(LAYOUTS)}")
+    ap.add_argument("--reps", type=int, default=5, help="timed pulls per case (median)")
+    ap.add_argument(
+        "--p2p-backend",
+        choices=["nccl", "gloo"],
+        default="nccl",
+        help="backend of the nccl transport's group; gloo runs it on the CPU, without GPUs",
+    )
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch CPU threads per process (0: default)"
+    )
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    transports = args.transports.split(",")
+    layout_names = args.layouts.split(",")
+    for bad, known in (
+        (set(transports) - set(RUNNERS), RUNNERS),
+        (set(layout_names) - set(LAYOUTS), LAYOUTS),
+    ):
+        if bad:
+            ap.error(f"unknown {sorted(bad)}; known: {sorted(known)}")
+    if args.reps < 1 or args.threads < 0:
+        ap.error("--reps must be >= 1 and --threads >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    meta = {"commit": git_commit(), "command": " ".join(["benchmarks/transfer.py", *sys.argv[1:]])}
+    run = Run(tuple(layout_names), args.reps, args.p2p_backend)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    rows = []
+    for name in transports:
+        needs = {"cuda_ipc": 1, "nccl": 2 if run.p2p_backend == "nccl" else 0}.get(name, 0)
+        if gpus < needs:
+            progress(f"{name}: skipped, needs {needs} GPU(s), found {gpus}")
+            continue
+        for row in RUNNERS[name](run):
+            if name == "nccl":
+                row["p2p_backend"] = run.p2p_backend
+            row.update(meta)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"transfer_{device_kind()}.json"
+    path.write_text(json.dumps(rows, indent=2) + "\n")
+    progress(f"wrote {len(rows)} rows to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
