@@ -98,10 +98,9 @@ def resolve_engine_config(
         async_scheduling = on_cuda
     graphs: tuple[int, ...] = ()
     if on_cuda and runner_name == "mrv2" and not enforce_eager:
-        from pdserve.runner.mrv2.cuda_graphs import default_capture_sizes
+        from pdserve.runner.mrv2.cuda_graphs import capture_sizes
 
-        sizes = cuda_graph_sizes or default_capture_sizes(max_num_seqs)
-        graphs = tuple(sorted({s for s in sizes if s <= max_num_seqs}))
+        graphs = capture_sizes(cuda_graph_sizes, max_num_seqs, max_num_batched_tokens)
     return EngineConfig(
         model=ModelConfig(
             path=str(path),

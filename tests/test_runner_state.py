@@ -115,3 +115,15 @@ def test_input_buffers_keep_their_addresses():
         t.data_ptr()
         for t in (buf.input_ids, buf.positions, buf.slot_mapping, buf.seq_lens, buf.block_tables)
     ] == ptrs
+
+
+def test_capture_sizes_never_exceed_the_token_buffers():
+    """Guards an illegal memory access on the GPU: with max_num_batched_tokens (128)
+    below max_num_seqs (256), a 256-row graph ran over a 128-token input buffer."""
+    from pdserve.runner.mrv2.cuda_graphs import capture_sizes
+
+    sizes = capture_sizes(None, max_num_seqs=256, max_num_batched_tokens=128)
+    assert max(sizes) == 128 and 1 in sizes
+    assert capture_sizes([1, 8, 300, 512], 512, 8192) == (1, 8, 300, 512)
+    assert capture_sizes([1, 8, 300, 512], 512, 256) == (1, 8)
+    assert capture_sizes(None, 3, 8192) == (1, 2)  # 3 rows run eagerly

@@ -30,6 +30,17 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s <= max_num_seqs] or [max_num_seqs]
 
 
+def capture_sizes(
+    requested: list[int] | None, max_num_seqs: int, max_num_batched_tokens: int
+) -> tuple[int, ...]:
+    """The sizes to capture. A decode batch has at most max_num_seqs rows and
+    max_num_batched_tokens tokens, and the graphs' token buffers hold exactly the latter:
+    a 256-row graph over a 128-token buffer would read and write past its end."""
+    limit = min(max_num_seqs, max_num_batched_tokens)
+    sizes = requested or default_capture_sizes(limit)
+    return tuple(sorted({s for s in sizes if s <= limit}))
+
+
 class CudaGraphs:
     def __init__(
         self,
@@ -56,6 +67,10 @@ class CudaGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         b = self.buffers
         n = b.max_num_reqs
+        assert size <= min(n, b.input_ids.numel()), (
+            f"capture size {size} exceeds the input buffers ({n} rows, "
+            f"{b.input_ids.numel()} tokens)"
+        )
         attn = AttentionMetadata(
             b.step_inputs[n : n + size + 1],
             b.seq_lens[:size],
