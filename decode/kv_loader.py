@@ -110,6 +110,11 @@ class TransferLoader:
         with self._lock:
             return len(self._cancel)
 
+    def abort_ticket(self, ticket: object) -> None:
+        """Give up a ticket whose load never started (its request ended first): the prefill
+        side is told on a pool thread, so a dead peer costs the engine thread nothing."""
+        self._pool.submit(self._finish_ticket, ticket, False)
+
     def close(self) -> None:
         with self._lock:
             for event in self._cancel.values():

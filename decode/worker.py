@@ -88,7 +88,17 @@ class DecodeWorker:
             self.loader._finish_ticket(ticket, release=True)
 
     def abort(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)
+        # A load, once started, ends its ticket itself (cancelled: abort). A request still
+        # waiting for admission holds its ticket unused: abort that lease here, or the
+        # prefill side keeps the blocks until it expires.
+        scheduler = self.engine.scheduler
+        req = scheduler.requests.get(request_id)
+        unused = req.kv_ticket if req is not None and request_id not in scheduler.loading else None
+        if not self.engine.abort(request_id):
+            return False
+        if isinstance(unused, Ticket):
+            self.loader.abort_ticket(unused)
+        return True
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished()

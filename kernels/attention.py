@@ -112,6 +112,11 @@ def _decode_batch(q, kv_cache, block_tables, qsl, lens, rows, scale, out) -> Non
     qd = q[tok].unsqueeze(2)  # [n, Hq, 1, D]
     ctx = torch.tensor([lens[r] for r in rows], device=q.device)
     mask = torch.arange(nb * block_size, device=q.device).unsqueeze(0) < ctx.unsqueeze(1)
+    # Slots past a row's context hold whatever the block had (a failed transfer can leave
+    # NaN bits there): NaN + (-inf) is NaN in the scores and 0 x NaN is NaN in P @ V, so
+    # both K and V are zeroed there (the Triton kernel never loads them).
+    keep = mask[:, None, :, None]
+    k, v = k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
     o = F.scaled_dot_product_attention(
         qd, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
     )

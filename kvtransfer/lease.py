@@ -67,6 +67,11 @@ class LeaseTable:
         with self._lock:
             return len(self._leases)
 
+    def __contains__(self, request_id: object) -> bool:
+        """A lease not yet handed back: live, or ended while a transfer pins it."""
+        with self._lock:
+            return request_id in self._leases
+
     @contextmanager
     def pinned(self, request_id: str) -> Iterator[Lease]:
         """The live lease, kept from ending until the block exits."""

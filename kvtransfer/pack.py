@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve.kernels.kv_copy import copy_units_direct
 from pdserve.kernels.kv_pack import bitwise_view, pack_units, unpack_units
 from pdserve.kvtransfer.layout import GroupStorage
 
@@ -107,8 +108,15 @@ def copy_units(
         raise ValueError(f"storages of different groups: {src.group} vs {dst.group}")
     _check_ids(src, src_ids, "source", distinct=False)
     _check_ids(dst, dst_ids, "destination", distinct=True)
-    runs = unit_runs(src_ids, dst_ids)
     tables = list(zip(src.flat(), dst.flat(), strict=True))
+    if src.device.type == "cuda" and src.device == dst.device:
+        # One gather/scatter kernel per tensor, however scattered the units are.
+        ids = torch.tensor([list(src_ids), list(dst_ids)], dtype=torch.int64, device=src.device)
+        s_ids, d_ids = ids[0], ids[1]  # one small host-to-device copy for both
+        for src_table, dst_table in tables:
+            copy_units_direct(src_table, s_ids, dst_table, d_ids)
+        return len(tables)
+    runs = unit_runs(src_ids, dst_ids)
     for s, d, n in runs:
         for src_table, dst_table in tables:
             # One strided copy covers all layers; integer views keep NaN payloads intact.

@@ -119,7 +119,8 @@ class KVSourceServer:
         rid = msg.request_id
         if isinstance(msg, Pull):
             if msg.layout_hash != src.layout_hash:
-                return self._error(identity, rid, "layout_mismatch", "pull for another layout")
+                why = f"pull for layout {msg.layout_hash[:12]}, here {src.layout_hash[:12]}"
+                return self._error(identity, rid, "layout_mismatch", why)
             return self._pull(identity, msg)
         if isinstance(msg, Release | Abort):
             src.leases.release(rid, "released" if isinstance(msg, Release) else "aborted")

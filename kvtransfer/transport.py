@@ -73,6 +73,20 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+def expected_parts(spec: PullSpec, dst: Sequence[GroupStorage]) -> set[tuple[int, int, int]]:
+    """(group, tensor, layer) of every part a pull must deliver exactly once: all layers of
+    all tensors of each group with units after `first_units`, nothing of the others. A
+    stream is complete only when it covered this set, so a peer that skips or repeats a
+    part cannot end a pull "successfully" with stale KV in the destination."""
+    return {
+        (g, t, layer)
+        for g, storage in enumerate(dst)
+        if spec.first_units[g] < len(spec.dst_unit_ids[g])
+        for t in range(len(storage.tensors))
+        for layer in range(storage.group.num_layers)
+    }
+
+
 def unpack_frame(
     header: DataHeader, frame: torch.Tensor, spec: PullSpec, dst: Sequence[GroupStorage]
 ) -> None:

@@ -26,6 +26,7 @@ from pdserve.kvtransfer.transport import PullSpec, TransferError
 from pdserve.kvtransfer.transport_tcp import ZmqClient
 
 SCHEME = "cuda_ipc"
+LEASE_MARGIN_S = 1.0
 
 
 def export_tensor(t: torch.Tensor) -> dict:
@@ -120,8 +121,11 @@ class CudaIpcTransport(ZmqClient):
         ticket = spec.ticket
         deadline = time.monotonic() + timeout_s
         sources = self._sources(ticket.endpoint, deadline)
-        # The lease must be live and outlast the copy: nothing else pins it across processes.
-        self.heartbeat(ticket, timeout_s, max(deadline - time.monotonic(), 0.001))
+        # The lease must outlast the copy (nothing pins it across processes). While the
+        # ticket's own expiry leaves a margin of the whole timeout, no round trip is needed;
+        # closer to it, a heartbeat extends it (and fails if it is gone).
+        if ticket.lease_expiry - time.time() < timeout_s + LEASE_MARGIN_S:
+            self.heartbeat(ticket, timeout_s, max(deadline - time.monotonic(), 0.001))
         if cancel is not None and cancel.is_set():
             raise TransferError("cancelled", f"pull of {ticket.request_id} cancelled")
         device = dst[0].device
@@ -136,10 +140,13 @@ class CudaIpcTransport(ZmqClient):
                 moved += len(src_ids) * src.group.unit_bytes()
             done = torch.cuda.Event()
             done.record(stream)
+        spins = 0
         while not done.query():
             if time.monotonic() > deadline:
                 raise TransferError("timeout", f"device copy of {ticket.request_id} not done")
-            time.sleep(50e-6)
+            spins += 1
+            if spins > 1000:  # past ~1 ms of spinning, stop burning the core
+                time.sleep(50e-6)
         return moved
 
     def close(self) -> None:

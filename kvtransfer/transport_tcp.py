@@ -41,7 +41,7 @@ from pdserve.kvtransfer.protocol import (
     decode,
     encode,
 )
-from pdserve.kvtransfer.transport import PullSpec, TransferError, unpack_frame
+from pdserve.kvtransfer.transport import PullSpec, TransferError, expected_parts, unpack_frame
 
 
 def zmq_address(endpoint: str) -> str:
@@ -175,6 +175,7 @@ class TcpTransport(ZmqClient):
         self.handshake(endpoint, deadline)
         self.send(endpoint, Pull(rid, self.layout_hash, self.layer_wise, list(spec.first_units)))
         moved = frames_seen = 0
+        missing = expected_parts(spec, dst)
         while True:
             frames = self.recv(endpoint, deadline)
             msg = self.parse(endpoint, frames[0], rid)
@@ -182,6 +183,13 @@ class TcpTransport(ZmqClient):
                 if msg.num_frames != frames_seen:
                     raise TransferError(
                         "bad_frame", f"{frames_seen} frames, PullDone says {msg.num_frames}"
+                    )
+                if missing:
+                    g, t, layer = min(missing)
+                    raise TransferError(
+                        "bad_frame",
+                        f"stream ended without {len(missing)} (group, tensor, layer) "
+                        f"part(s), e.g. group {g} tensor {t} layer {layer}",
                     )
                 return moved
             if not isinstance(msg, DataHeader) or len(frames) != 2:
@@ -196,6 +204,14 @@ class TcpTransport(ZmqClient):
             data = from_bytes(buf, [buf.nbytes], torch.uint8)
             try:
                 unpack_frame(msg, data, spec, dst)
+                parts = {(msg.group, msg.tensor, i) for i in range(msg.layer_start, msg.layer_end)}
+                if not parts <= missing:
+                    raise TransferError(
+                        "bad_frame",
+                        f"group {msg.group} tensor {msg.tensor} layers {msg.layer_start}:"
+                        f"{msg.layer_end} came again",
+                    )
+                missing -= parts
             except TransferError:
                 self._drop(endpoint)
                 raise

@@ -96,6 +96,8 @@ class PrefillWorker:
         if self.leases.release(request_id, "aborted"):
             self._free_released()
             return True
+        if request_id in self.leases:
+            return False  # ended, but a transfer still reads it: freed when that ends
         return self.engine.abort(request_id)
 
     def has_work(self) -> bool:

@@ -141,11 +141,14 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return
+        num_cached = self._num_cached_blocks.get(request.request_id, 0)
+        if num_computed_tokens < (num_cached + 1) * self.block_size:
+            # The common decode step (15 in 16 at block_size 16): no block completed. Tested
+            # first and cheaply: this runs for every running request every step.
+            return
         # Tokens scheduled speculatively past the known ones have no ids to hash yet.
         num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
-        num_cached = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= num_cached:
-            # The common decode step (15 in 16 at block_size 16): no block completed.
             return
         blocks = self._req_blocks.get(request.request_id, [])
         assert num_full <= len(blocks), (

@@ -109,16 +109,20 @@ class SamplingState:
                 output_counts[int(row)].scatter_add_(
                     0, out, torch.ones_like(out, dtype=torch.int32)
                 )
+        # One unbind per packed tensor rather than one index op per field: each op costs
+        # the host a few us of dispatch on a GPU.
+        temperature_t, top_p_t, min_p_t, repetition_t, presence_t, frequency_t = floats.unbind(0)
+        seeds_t, positions_t, top_k_t = ints.unbind(0)
         return SamplingMetadata(
-            temperature=floats[0],
-            top_k=ints[2].to(torch.int32),
-            top_p=floats[1],
-            min_p=floats[2],
-            seeds=ints[0],
-            positions=ints[1],
-            repetition_penalty=floats[3],
-            presence_penalty=floats[4],
-            frequency_penalty=floats[5],
+            temperature=temperature_t,
+            top_k=top_k_t.to(torch.int32),
+            top_p=top_p_t,
+            min_p=min_p_t,
+            seeds=seeds_t,
+            positions=positions_t,
+            repetition_penalty=repetition_t,
+            presence_penalty=presence_t,
+            frequency_penalty=frequency_t,
             prompt_mask=prompt_mask,
             output_counts=output_counts,
             banned_rows=banned_rows,

@@ -22,6 +22,7 @@ the loaded tokens computed.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 
 from pdserve.runner.config import SchedulerConfig
 from pdserve.runner.kv_cache_manager import KVCacheManager
@@ -29,6 +30,10 @@ from pdserve.runner.kv_hooks import KVLoadResult, KVLoadSpec
 from pdserve.runner.request import Request, RequestStatus
 from pdserve.runner.runner_output import ModelRunnerOutput
 from pdserve.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+# Looking an enum member up on its class costs ~0.1 us on Python 3.11, and the step loops
+# test every running request's status (512 a step at full decode).
+_RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
@@ -123,33 +128,27 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled = out.num_scheduled_tokens  # req_id -> tokens, in batch order
-        batch: list[tuple[Request, int]] = []  # the same, with the requests themselves
         preempted_any = False
-        # Decodes first, then partial prefills; each group keeps admission order. A stable
-        # partition, not a sort: with 512 running requests it is one pass, no key calls.
-        decodes, partials = [], []
-        for req in self.running:
-            behind = req.num_tokens_with_inflight - req.num_computed_tokens
-            (partials if behind > 1 else decodes).append(req)
-        for req in decodes + partials:
+        for req, behind in self._decodes_then_partials():
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not _RUNNING:
                 continue  # preempted earlier in this loop
             if req.num_output_tokens + req.num_output_placeholders >= req.max_new_tokens:
                 continue  # async: its last token is in flight; another would be thrown away
-            num_new = min(req.num_tokens_with_inflight - req.num_computed_tokens, budget)
+            num_new = min(behind, budget)
             assert num_new > 0, f"running request {req.request_id} has nothing to compute"
-            new_blocks, preempted = self._allocate_or_preempt(req, num_new, scheduled)
-            preempted_any |= preempted
+            new_blocks = self.kv.allocate_slots(req, num_new)
             if new_blocks is None:
-                continue
+                preempted_any = True
+                new_blocks = self._preempt_until_allocated(req, num_new, scheduled)
+                if new_blocks is None:
+                    continue  # req itself was preempted
             if new_blocks:  # the runner tracks computed counts itself; only blocks are news
                 out.cached_requests.append(
                     CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens)
                 )
-            scheduled[req.request_id] = num_new
-            batch.append((req, num_new))
+            self._take(out, req, num_new, samples=num_new == behind)
             budget -= num_new
 
         while (
@@ -164,6 +163,8 @@ class Scheduler:
             if req.kv_ticket is not None:
                 spec = self._start_load(req)
                 if spec is None:
+                    if self._take_blocks_from_waiting(req):
+                        continue
                     break
                 out.kv_loads.append(spec)
                 continue
@@ -171,11 +172,13 @@ class Scheduler:
             loaded = req.num_computed_tokens  # > 0: its KV was loaded into blocks it holds
             if not loaded and req.params.prompt_logprobs is None:  # those need every position
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-            num_new = req.num_tokens - num_hit - loaded
-            if num_new > budget and not self.config.enable_chunked_prefill:
+            behind = req.num_tokens - num_hit - loaded
+            if behind > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = min(behind, budget)
             if self.kv.allocate_slots(req, num_new, hit_blocks, num_hit) is None:
+                if self._take_blocks_from_waiting(req):
+                    continue
                 break
             self.waiting.popleft()
             self.running.append(req)
@@ -196,17 +199,50 @@ class Scheduler:
                 )
             )
             self._in_runner.add(req.request_id)
-            scheduled[req.request_id] = num_new
-            batch.append((req, num_new))
+            self._take(out, req, num_new, samples=num_new == behind)
             budget -= num_new
 
         out.finished_req_ids = self._free_in_runner
         self._free_in_runner = set()
-        for req, n in batch:
-            req.num_computed_tokens += n
-            if self.async_scheduling and req.num_computed_tokens >= req.num_tokens_with_inflight:
-                req.num_output_placeholders += 1  # this step samples a token for it
         return out
+
+    def _take(self, out: SchedulerOutput, req: Request, num_new: int, samples: bool) -> None:
+        """Put `num_new` tokens of `req` in this step; they count as computed from now on.
+        `samples`: they reach its last known token, so the step samples one for it, which
+        async scheduling holds as a placeholder until the value reaches the host."""
+        out.num_scheduled_tokens[req.request_id] = num_new
+        req.num_computed_tokens += num_new
+        if samples and self.async_scheduling:
+            req.num_output_placeholders += 1
+
+    def _decodes_then_partials(self) -> Iterator[tuple[Request, int]]:
+        """(request, tokens it is behind) of every running request: decodes (one behind)
+        first, then partial prefills, each group in admission order. One pass over a
+        snapshot (preemption edits `self.running` meanwhile) rather than a sort, which
+        cost ~0.3 ms a step at 512 requests."""
+        partials = []
+        for req in tuple(self.running):
+            behind = req.num_tokens_with_inflight - req.num_computed_tokens
+            if behind > 1:
+                partials.append((req, behind))
+            else:
+                yield req, behind
+        yield from partials
+
+    def _take_blocks_from_waiting(self, head: Request) -> bool:
+        """Blocks ran out for `head` while nothing runs or loads, so nothing will free any;
+        but loaded requests waiting in the queue hold blocks (a loaded prompt's blocks do
+        not cover its first decoded token, so loads alone can fill the cache). Free the
+        newest such request's blocks (it computes its prompt itself later) so the queue
+        moves. False if there is none or something else will free blocks."""
+        if self.running or self.loading:
+            return False
+        for req in reversed(self.waiting):
+            if req is not head and req.num_computed_tokens > 0:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                return True
+        return False
 
     def _start_load(self, req: Request) -> KVLoadSpec | None:
         """Blocks for the whole prompt (local prefix hits first), or None if they do not fit."""
@@ -230,25 +266,23 @@ class Scheduler:
             ticket=req.kv_ticket,
         )
 
-    def _allocate_or_preempt(
+    def _preempt_until_allocated(
         self, req: Request, num_new: int, scheduled: dict[str, int]
-    ) -> tuple[list[int] | None, bool]:
-        """(new block ids for `num_new` tokens of `req` or None if `req` itself had to be
-        preempted, whether anything was preempted). Victims are the most recently admitted
-        running requests not already in this step."""
-        preempted = False
+    ) -> list[int] | None:
+        """Blocks ran out for `num_new` tokens of `req`: preempt until they fit. Returns the
+        new block ids, or None if `req` itself had to go. Victims are the most recently
+        admitted running requests not already in this step."""
         while True:
-            blocks = self.kv.allocate_slots(req, num_new)
-            if blocks is not None:
-                return blocks, preempted
             victim = next(
                 (r for r in reversed(self.running) if r.request_id not in scheduled), None
             )
             assert victim is not None, "req itself is running and unscheduled"
             self._preempt(victim)
-            preempted = True
             if victim is req:
-                return None, True
+                return None
+            blocks = self.kv.allocate_slots(req, num_new)
+            if blocks is not None:
+                return blocks
 
     @staticmethod
     def _suppressed_ids(req: Request) -> tuple[int, ...]:
@@ -269,7 +303,7 @@ class Scheduler:
             req = requests.get(req_id)
             if req is None:
                 continue
-            if req.status is RequestStatus.RUNNING:
+            if req.status is _RUNNING:
                 cache_blocks(req, req.num_computed_tokens)
             if token is not None:
                 if self.async_scheduling:

@@ -55,22 +55,26 @@ def check_stop(
     assert request.output_token_ids[-1] == new_token_ids[-1], (
         "new_token_ids must be the tail of request.output_token_ids"
     )
-    for i, token_id in enumerate(new_token_ids):
-        # min_tokens counts outputs before the stop, as the sampler does: a stop can be
-        # output number min_tokens + 1 at the earliest.
-        if num_output - len(new_token_ids) + i < params.min_tokens:
-            continue
-        if token_id in request.eos_token_ids and not params.ignore_eos:
-            stop_reason = None
-        elif token_id in params.stop_token_ids:
-            stop_reason = token_id
-        else:
-            continue
-        assert i == len(new_token_ids) - 1, (
-            f"tokens were appended after stop token {token_id}; append up to a stop only"
-        )
-        kept = full_len if params.include_stop_str_in_output else len(text_before)
-        return StopDecision("stop", stop_reason, kept)
+    # Token stops exist only with EOS honoured or stop ids given; a request with neither
+    # (ignore_eos benchmarks) skips the per-token loop, ~0.15 us of every step's check.
+    token_stops = (request.eos_token_ids and not params.ignore_eos) or params.stop_token_ids
+    if token_stops:
+        for i, token_id in enumerate(new_token_ids):
+            # min_tokens counts outputs before the stop, as the sampler does: a stop can be
+            # output number min_tokens + 1 at the earliest.
+            if num_output - len(new_token_ids) + i < params.min_tokens:
+                continue
+            if token_id in request.eos_token_ids and not params.ignore_eos:
+                stop_reason = None
+            elif token_id in params.stop_token_ids:
+                stop_reason = token_id
+            else:
+                continue
+            assert i == len(new_token_ids) - 1, (
+                f"tokens were appended after stop token {token_id}; append up to a stop only"
+            )
+            kept = full_len if params.include_stop_str_in_output else len(text_before)
+            return StopDecision("stop", stop_reason, kept)
 
     # The same min_tokens rule for stop strings (as vLLM); one completed while blocked is in
     # text_before from then on and is not looked for again.
@@ -81,7 +85,7 @@ def check_stop(
             kept = start + len(stop) if params.include_stop_str_in_output else start
             return StopDecision("stop", stop, kept)
 
-    if num_output >= params.max_tokens or request.num_tokens >= max_model_len:
+    if num_output >= params.max_tokens or request.num_prompt_tokens + num_output >= max_model_len:
         return StopDecision("length", None, full_len)
     return None
 

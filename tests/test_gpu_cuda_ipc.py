@@ -4,6 +4,7 @@ Collected only where a GPU exists (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -59,8 +60,10 @@ def test_cuda_ipc_round_trip_two_processes(name):
                 for u in set(range(td.shape[1])) - written:
                     assert not bitwise_view(td[:, u]).any(), f"unit {u} was written"
         transport.release(ticket, 5.0)
+        # A ticket near its expiry makes the pull ask the source, which knows it is gone.
+        late = dataclasses.replace(ticket, lease_expiry=time.time())
         with pytest.raises(TransferError, match="unknown_lease"):
-            transport.pull(spec, dst, timeout_s=5)
+            transport.pull(PullSpec(late, dst_units, first), dst, timeout_s=5)
         transport.close()
     finally:
         proc.stdin.close()

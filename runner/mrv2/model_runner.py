@@ -59,7 +59,11 @@ class StepHandle:
             prompt_lps[req_id] = (first, rows_to_top_logprobs(ids, vals, ranks, [k] * len(ids)))
         return ModelRunnerOutput(
             req_ids=self.req_ids,
-            sampled_token_ids=[t if keep else None for t, keep in zip(sampled, self.sample_mask)],
+            sampled_token_ids=(
+                sampled  # the common case: every row caught up, no sample is discarded
+                if self.sample_mask.all()
+                else [t if keep else None for t, keep in zip(sampled, self.sample_mask.tolist())]
+            ),
             logprobs=sampled_logprobs(lp, self.logprob_ks, self.sample_mask),
             prompt_logprobs=prompt_lps,
         )
@@ -149,9 +153,8 @@ class MRV2ModelRunner:
         if not req_ids:
             return StepHandle([], np.zeros(0, dtype=bool), None)
 
-        slots = np.fromiter(
-            (st.req_to_slot[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
-        )
+        # map() over the dict's __getitem__ runs the 512 lookups without a Python frame each.
+        slots = np.fromiter(map(st.req_to_slot.__getitem__, req_ids), np.int64, len(req_ids))
         num_scheduled = np.fromiter(
             so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids)
         )
