@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_serve_e2e import LONG, Server, _metric
+from test_serve_e2e import KEY, LONG, Server, _metric
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -23,7 +23,7 @@ MODEL = "SmolLM2-135M-Instruct"
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     cfg = tmp / "serve.yaml"
-    cfg.write_text("lease_s: 3\nhealth_interval_s: 0.5\nmax_model_len: 1024\n")
+    cfg.write_text(f"lease_s: 3\nhealth_interval_s: 0.5\nmax_model_len: 1024\napi_key: {KEY}\n")
     s = Server(tmp, "--config", str(cfg))
     yield s
     s.stop()
@@ -56,7 +56,7 @@ def test_client_disconnect_frees_the_decode_request(server):
         "model": MODEL, "prompt": LONG, "max_tokens": 800, "temperature": 0,
         "stream": True, "ignore_eos": True,
     }  # fmt: skip
-    headers = {"authorization": "Bearer x"}
+    headers = {"authorization": f"Bearer {KEY}"}
     with httpx.stream(
         "POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60
     ) as r:
@@ -70,7 +70,7 @@ def test_client_disconnect_frees_the_decode_request(server):
 def test_kill_prefill_worker_mid_request_recomputes(server):
     """Guards policy `recompute`: a prefill worker dying under a request must not fail it
     or hang it; the answer is the one a healthy cluster gives; the worker comes back."""
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     prompt = LONG * 4 + "Which city is the capital of Italy?"
     want = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     (old,) = _actor_pids("PrefillService")
@@ -109,7 +109,7 @@ def test_kill_decode_worker_errors_its_requests_then_recovers(server):
     """Guards a hang: requests on a dead decode worker end with an error (not a 5-minute
     wait), the controller restarts it, new requests succeed, and the prefill side gets
     its leased blocks back."""
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     (old,) = _actor_pids("DecodeService")
     stream = c.completions.create(
         model=MODEL, prompt=LONG * 2, max_tokens=800, temperature=0, stream=True,
@@ -128,3 +128,15 @@ def test_kill_decode_worker_errors_its_requests_then_recovers(server):
         max_tokens=20, temperature=0,
     )  # fmt: skip
     assert r.choices[0].message.content == "The capital of France is Paris."
+
+
+def test_api_key_required_when_set(server):
+    """Guards auth: /v1 needs the key, /health and /metrics stay open."""
+    for key in (None, "wrong"):
+        headers = {} if key is None else {"authorization": f"Bearer {key}"}
+        r = httpx.get(server.url + "/v1/models", headers=headers, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(server.url + "/metrics", timeout=30).status_code == 200
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
