@@ -1,0 +1,95 @@
+"""Where a decode step's time goes on the GPU: per-kernel device time and host time.
+
+    python benchmarks/profile_step.py [--num-requests 512] [--prompt-len 256] [--steps 12]
+
+Same model and engine settings as throughput.py (random bf16 Qwen3-0.6B shape, CUDA
+graphs, async scheduling). Runs the prefill untimed, then profiles `--steps` full decode
+steps with torch.profiler and writes `profile_step_<n>.json` (top kernels by device time
+per step, host ms per step split into schedule+launch and waiting) and the profiler's
+table as text. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from throughput import Workload, build_model_dir, git_commit, make_prompts  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-requests", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+
+    from pdserve.runner.engine import Engine
+    from pdserve.runner.sampling_params import SamplingParams
+
+    model_dir = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
+    del build_model_dir(model_dir)
+    torch.cuda.empty_cache()
+    engine = Engine.from_args(
+        model=str(model_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=512,
+        max_num_batched_tokens=8192, gpu_memory_utilization=0.8,
+    )  # fmt: skip
+    w = Workload("profile", args.num_requests, args.prompt_len, 10_000, "output_tok_s")
+    params = SamplingParams(temperature=0.0, max_tokens=64 + args.steps, ignore_eos=True)
+    for i, p in enumerate(make_prompts(w, 151_936)):
+        engine.add_request(f"p{i}", p, params)
+    for _ in range(40):  # prefill and settle into full decode steps
+        engine.step()
+    torch.cuda.synchronize()
+    s0 = (engine.stats.num_steps, engine.stats.cpu_s, engine.stats.wait_s)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    steps = engine.stats.num_steps - s0[0]
+    rows = []
+    for e in prof.key_averages():
+        dev = getattr(e, "self_device_time_total", None)
+        if dev is None:
+            dev = getattr(e, "self_cuda_time_total", 0)
+        if dev > 0:
+            rows.append({"name": e.key[:120], "calls": e.count, "device_ms_per_step": dev / 1e3 / steps})
+    rows.sort(key=lambda r: -r["device_ms_per_step"])
+    result = {
+        "num_requests": args.num_requests,
+        "prompt_len": args.prompt_len,
+        "steps": steps,
+        "wall_ms_per_step_profiled": 1e3 * wall / steps,
+        "host_ms_per_step": 1e3 * (engine.stats.cpu_s - s0[1]) / steps,
+        "wait_ms_per_step": 1e3 * (engine.stats.wait_s - s0[2]) / steps,
+        "device_ms_per_step": sum(r["device_ms_per_step"] for r in rows),
+        "top_kernels": rows[:25],
+        "device": torch.cuda.get_device_name(),
+        "commit": git_commit(),
+        "command": " ".join(sys.argv),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile_step_{args.num_requests}.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+    (out / f"profile_step_{args.num_requests}.txt").write_text(table)
+    print(json.dumps({k: v for k, v in result.items() if k != "top_kernels"}))
+    for r in rows[:15]:
+        print(f"{r['device_ms_per_step']:8.3f} ms/step {r['calls']:6d} calls  {r['name']}")
+    os._exit(0)  # skip teardown of graphs and the profiler (seconds) — nothing is left to write
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
