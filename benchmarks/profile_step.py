@@ -37,7 +37,7 @@ def main() -> int:
     from pdserve.runner.sampling_params import SamplingParams
 
     model_dir = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
-    del build_model_dir(model_dir)
+    build_model_dir(model_dir)  # the in-memory copy it returns is dropped here
     torch.cuda.empty_cache()
     engine = Engine.from_args(
         model=str(model_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=512,
@@ -65,7 +65,9 @@ def main() -> int:
         if dev is None:
             dev = getattr(e, "self_cuda_time_total", 0)
         if dev > 0:
-            rows.append({"name": e.key[:120], "calls": e.count, "device_ms_per_step": dev / 1e3 / steps})
+            rows.append(
+                {"name": e.key[:120], "calls": e.count, "device_ms_per_step": dev / 1e3 / steps}
+            )
     rows.sort(key=lambda r: -r["device_ms_per_step"])
     result = {
         "num_requests": args.num_requests,
