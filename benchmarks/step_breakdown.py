@@ -1,0 +1,90 @@
+"""Where the host's time goes in a throughput workload: cumulative time per engine phase.
+
+    python benchmarks/step_breakdown.py [--workload decode_heavy]
+
+Runs one throughput.py workload with timers wrapped around the engine's phases
+(schedule, runner execute, waiting for outputs, output processing) and around the
+places that can block the host on the device (host-ring slot reuse, event waits), and
+prints milliseconds per step for each. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from throughput import WORKLOADS, Workload, build_model_dir, make_prompts, run_engine  # noqa: E402
+
+TOTALS: dict[str, float] = defaultdict(float)
+CALLS: dict[str, int] = defaultdict(int)
+
+
+def timed(owner, attr: str, label: str) -> None:
+    fn = getattr(owner, attr)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTALS[label] += time.perf_counter() - t
+            CALLS[label] += 1
+
+    setattr(owner, attr, wrapper)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", default="decode_heavy", choices=list(WORKLOADS))
+    args = ap.parse_args()
+
+    from pdserve.runner.engine import Engine
+    from pdserve.runner.mrv2 import host_ring, model_runner
+    from pdserve.runner.scheduler import Scheduler
+
+    model_dir = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
+    build_model_dir(model_dir)
+    torch.cuda.empty_cache()
+    engine = Engine.from_args(
+        model=str(model_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=512,
+        max_num_batched_tokens=8192, gpu_memory_utilization=0.8,
+    )  # fmt: skip
+    w = WORKLOADS[args.workload]
+    prompts = make_prompts(w, 151_936)
+    run_engine(engine, Workload(w.name, 8, w.prompt_len, 8, w.metric), prompts[:8])
+    timed(Scheduler, "schedule", "schedule")
+    timed(model_runner.MRV2ModelRunner, "execute", "runner.execute")
+    timed(model_runner.StepHandle, "get", "handle.get (wait + fetch)")
+    timed(Engine, "_process", "engine._process")
+    timed(host_ring.HostRing, "_slot", "host_ring._slot (may wait on an event)")
+    timed(torch.cuda.Event, "synchronize", "cuda.Event.synchronize")
+    timed(torch.cuda, "synchronize", "cuda.synchronize")
+    s0 = engine.stats.num_steps
+    t = time.perf_counter()
+    row = run_engine(engine, w, prompts)
+    wall = time.perf_counter() - t
+    steps = engine.stats.num_steps - s0
+    out = {
+        "workload": w.name,
+        "steps": steps,
+        "wall_ms_per_step": 1e3 * wall / steps,
+        "output_tok_s": row["output_tok_s"],
+        "ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in TOTALS.items()},
+        "calls_per_step": {k: round(v / steps, 2) for k, v in CALLS.items()},
+    }
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
