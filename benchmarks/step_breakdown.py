@@ -69,6 +69,16 @@ def main() -> int:
     timed(host_ring.HostRing, "_slot", "host_ring._slot (may wait on an event)")
     timed(torch.cuda.Event, "synchronize", "cuda.Event.synchronize")
     timed(torch.cuda, "synchronize", "cuda.synchronize")
+    from pdserve.runner import sampler, sampling_state
+    from pdserve.runner.mrv2 import cuda_graphs, input_batch, request_state
+
+    timed(cuda_graphs.CudaGraphs, "replay", "  execute: graph replay")
+    timed(input_batch.InputBuffers, "build", "  execute: buffers.build")
+    timed(request_state.RequestState, "apply_staged_writes", "  execute: staged writes")
+    timed(sampler.Sampler, "__call__", "  execute: sampler")
+    timed(sampling_state.SamplingState, "metadata", "  execute: sampling metadata")
+    timed(type(engine.runner.model), "compute_logits", "  execute: lm head")
+    timed(model_runner, "post_update", "  execute: post_update")
     s0 = engine.stats.num_steps
     t = time.perf_counter()
     row = run_engine(engine, w, prompts)
