@@ -1,1 +1,3 @@
-"""Ray actors, controller, OpenAI router, routing policies, metrics. Arrives with [cluster]."""
+"""The PD system on Ray: worker services and their actors, the controller (membership,
+health, restarts, drain), the KV tier actor, the OpenAI-compatible router and its HTTP
+app, the ZMQ token stream, metrics, and `pdserve serve`. Knows no model math."""

@@ -1,4 +1,3 @@
-"""KV layouts, pack/unpack, transports, transfer protocol and the secondary KV tier.
-
-Arrives with the [kv-transfer] issue. Knows nothing about HTTP or routing policy.
-"""
+"""KV layouts (paged GQA, MLA latent, Mamba state, hybrids), pack/unpack, transports
+(local, tcp, cuda_ipc, nccl), the msgpack transfer protocol, leases, and the host KV tier.
+Knows nothing about HTTP or routing policy."""

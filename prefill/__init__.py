@@ -1,1 +1,2 @@
-"""The prefill worker: an engine in prefill role that exports KV. Arrives with [cluster]."""
+"""The prefill worker: an engine in prefill role that exports KV under leases
+(`prefill.worker.PrefillWorker`). Knows nothing about routing or HTTP."""

@@ -21,7 +21,7 @@ def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def test_generate_with_no_arguments_answers_on_the_bundled_model():
-    """The README's first command ends in `pdserve generate`: it must work with no flags."""
+    """`pdserve generate` (the offline path) must work with no model flags."""
     res = _run("generate", "--device", "cpu", "--max-model-len", "512")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "The capital of France is Paris."
@@ -42,5 +42,8 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
     setup = readme.split("## Set up", 1)[1].split("\n## ", 1)[0]
     commands = re.findall(r"```(?:bash|sh)\n(.*?)```", setup, re.S)
     assert len(commands) == 2, "exactly two set-up commands"
+    # The main job is the server on the embedded default (tests/test_serve_e2e.py starts
+    # it with no flags but a free port).
+    assert commands[0].strip().endswith("pdserve serve")
     ci = (ROOT / ".ci" / "run").read_text()
     assert commands[1].strip() in ci, ".ci/run must run the README's test command verbatim"
