@@ -10,6 +10,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -29,9 +30,23 @@ def server(tmp_path_factory):
     s.stop()
 
 
-def _actor_pids(cls: str) -> list[int]:
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # field 4: the parent's pid
+    return False
+
+
+def _actor_pids(server, cls: str) -> list[int]:
+    """This server's actor processes of `cls` (other servers may run on the machine)."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if f"ray::{cls}" in line]
+    pids = [int(line.split()[0]) for line in out.splitlines() if f"ray::{cls}" in line]
+    return [pid for pid in pids if _descends_from(pid, server.proc.pid)]
 
 
 def _wait(cond, timeout_s: float, what: str) -> None:
@@ -73,7 +88,7 @@ def test_kill_prefill_worker_mid_request_recomputes(server):
     c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     prompt = LONG * 4 + "Which city is the capital of Italy?"
     want = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
-    (old,) = _actor_pids("PrefillService")
+    (old,) = _actor_pids(server, "PrefillService")
     result: dict = {}
 
     def run() -> None:
@@ -100,7 +115,7 @@ def test_kill_prefill_worker_mid_request_recomputes(server):
     )
     # The prefill call failed, or the pull from the dead worker did: either way counted.
     assert failures + fallbacks == 1, (failures, fallbacks, remote)
-    _wait(lambda: _actor_pids("PrefillService") not in ([], [old]), 60, "prefill restart")
+    _wait(lambda: _actor_pids(server, "PrefillService") not in ([], [old]), 60, "prefill restart")
     r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     assert r.choices[0].text == want.choices[0].text
 
@@ -110,7 +125,7 @@ def test_kill_decode_worker_errors_its_requests_then_recovers(server):
     wait), the controller restarts it, new requests succeed, and the prefill side gets
     its leased blocks back."""
     c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    (old,) = _actor_pids("DecodeService")
+    (old,) = _actor_pids(server, "DecodeService")
     stream = c.completions.create(
         model=MODEL, prompt=LONG * 2, max_tokens=800, temperature=0, stream=True,
         extra_body={"ignore_eos": True},
@@ -121,7 +136,7 @@ def test_kill_decode_worker_errors_its_requests_then_recovers(server):
             if i == 3:
                 os.kill(old, signal.SIGKILL)
     assert time.monotonic() - start < 30
-    _wait(lambda: _actor_pids("DecodeService") not in ([], [old]), 60, "decode restart")
+    _wait(lambda: _actor_pids(server, "DecodeService") not in ([], [old]), 60, "decode restart")
     _wait(lambda: _usage(server, "prefill") == 0, 15, "prefill blocks back")
     r = c.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
