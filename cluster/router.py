@@ -2,8 +2,10 @@
 
 `Router.generate` takes a parsed request and yields `(index, StreamDelta)` for each of its
 `n` completions: it picks a decode worker (fewest requests in flight, then KV headroom),
-decides whether remote prefill pays (`pd` mode, prompt long enough, a prefill worker up;
-every decision is counted by reason), runs the prefill on the least busy prefill worker,
+decides whether remote prefill pays (`pd` mode, a prompt whose part not already cached on
+the decode worker is long enough, a prefill worker up; every decision is counted by
+reason), runs the prefill on the prefill worker with the most cached prefix (then the
+least busy),
 hands the ticket to the decode worker, and relays the token stream that arrives over
 ZMQ. If the prefill fails, policy `recompute` lets the decode worker prefill itself and
 `fail` ends the request with an error; both are counted. When the consumer stops early
@@ -25,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
+from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.token_stream import StreamDelta
 from pdserve.cluster.wire import WorkRequest
 from pdserve.kvtransfer.protocol import Ticket, decode, ticket_to_wire
@@ -45,7 +48,8 @@ class WorkerHandle(Protocol):
 @dataclass(frozen=True)
 class RouterConfig:
     mode: str = "pd"  # "pd" | "colocated"
-    pd_min_prompt_tokens: int = 16  # shorter prompts prefill on the decode worker
+    pd_min_prompt_tokens: int = 16  # shorter prompts (or uncached tails) prefill on D
+    block_size: int = 16  # the workers' KV block size: prefix hashes are per full block
     policy: str = "recompute"  # prefill failure: "recompute" | "fail"
     prefill_timeout_s: float = 120.0
     stream_idle_timeout_s: float = 300.0  # no token for this long -> the request errors
@@ -70,6 +74,7 @@ class Router:
         self.decisions: Counter[str] = Counter()
         self.prefill_failures: Counter[str] = Counter()
         self.worker_stats: dict[str, dict] = {}  # worker id -> last polled stats
+        self.prefix_index = PrefixIndex(config.block_size)
         self._inflight: Counter[str] = Counter()  # worker id -> requests in flight
         self._queues: dict[str, asyncio.Queue[StreamDelta]] = {}
         self._assigned: dict[str, str] = {}  # request id -> decode worker id
@@ -89,6 +94,7 @@ class Router:
     def worker_failed(self, worker_id: str) -> int:
         """A decode worker died (or was restarted): end its requests with an error now
         instead of letting them wait for tokens that will never come."""
+        self.prefix_index.forget(worker_id)
         lost = [rid for rid, w in self._assigned.items() if w == worker_id]
         for rid in lost:
             self.on_delta(
@@ -106,14 +112,24 @@ class Router:
 
         return min(workers, key=load)
 
-    def _decide(self, num_prompt_tokens: int) -> str:
+    def _decide(self, num_prompt_tokens: int, decode_hit_tokens: int) -> str:
         if self.config.mode == "colocated":
             return "colocated"
         if num_prompt_tokens < self.config.pd_min_prompt_tokens:
             return "short_prompt"
+        if num_prompt_tokens - decode_hit_tokens < self.config.pd_min_prompt_tokens:
+            return "prefix_hit_on_decode"  # D has the prefix: only a short tail to compute
         if not self.prefill_workers:
             return "no_prefill_worker"
         return "remote_prefill"
+
+    def _pick_prefill(self, hashes: list[int]) -> WorkerHandle:
+        """Most cached prefix first, then the fewest requests in flight."""
+
+        def score(w: WorkerHandle) -> tuple:
+            return (-self.prefix_index.hit_tokens(w.worker_id, hashes), self._inflight[w.worker_id])
+
+        return min(self.prefill_workers, key=score)
 
     # ---- one request --------------------------------------------------------------------
 
@@ -153,11 +169,14 @@ class Router:
         self._inflight[decode_w.worker_id] += 1
         try:
             ticket = None
-            decision = self._decide(len(prompt))
+            hashes = self.prefix_index.hashes(prompt)
+            hits = self.prefix_index.hit_tokens(decode_w.worker_id, hashes)
+            decision = self._decide(len(prompt), hits)
             self.decisions[decision] += 1
             work = WorkRequest(request_id, prompt, params)
             if decision == "remote_prefill":
-                ticket = await self._remote_prefill(work, holders)
+                ticket = await self._remote_prefill(work, holders, hashes)
+            self.prefix_index.remember(decode_w.worker_id, hashes)
             work = replace(work, ticket=ticket_to_wire(ticket) if ticket is not None else None)
             holders.append(decode_w)
             self._assigned[request_id] = decode_w.worker_id
@@ -182,8 +201,11 @@ class Router:
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
 
-    async def _remote_prefill(self, work: WorkRequest, holders: list) -> Ticket | None:
-        prefill_w = self._pick(self.prefill_workers)
+    async def _remote_prefill(
+        self, work: WorkRequest, holders: list, hashes: list[int]
+    ) -> Ticket | None:
+        prefill_w = self._pick_prefill(hashes)
+        self.prefix_index.remember(prefill_w.worker_id, hashes)
         self._inflight[prefill_w.worker_id] += 1
         holders.append(prefill_w)
         start = time.monotonic()

@@ -88,7 +88,9 @@ def run_serve(cfg: ServeConfig) -> int:
     try:
         print(f"pdserve: starting {num_workers} worker(s) on Ray ({ecfg.model.source})", flush=True)
         members = ray.get(controller.start.remote(), timeout=900)
-        router = Router(RouterConfig(cfg.mode, cfg.pd_min_prompt_tokens, cfg.policy), [], [])
+        router = Router(
+            RouterConfig(cfg.mode, cfg.pd_min_prompt_tokens, cfg.block_size, cfg.policy), [], []
+        )
         sync_members(router, members)
         state = AppState(
             router, tokenizer, model_name, ecfg.model.max_model_len, Metrics(), cfg.api_key,

@@ -271,3 +271,28 @@ def test_body_limits_and_gzip_bomb(colocated):
         colocated.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60
     )
     assert ok.status_code == 200
+
+
+def test_prefix_cached_on_decode_prefills_locally(pd):
+    """Guards conditional disaggregation: a prompt whose prefix the decode worker already
+    has is not shipped to a prefill worker (counted as prefix_hit_on_decode), and the
+    answer is the same either way."""
+    c = pd.client()
+    prompt = LONG * 3 + "Which river runs through Paris?"
+
+    def ask() -> str:
+        r = c.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0
+        )
+        return r.choices[0].text
+
+    before = pd.metrics()
+    first, second = ask(), ask()
+    after = pd.metrics()
+
+    def delta(reason: str) -> float:
+        name = "pdserve:pd_decisions_total"
+        return _metric(after, name, reason=reason) - _metric(before, name, reason=reason)
+
+    assert first == second
+    assert delta("remote_prefill") == 1 and delta("prefix_hit_on_decode") == 1

@@ -1,0 +1,50 @@
+"""The router's view of which prompt prefixes each worker has cached (DESIGN §2).
+
+Keyed by the same chain hash of full token blocks the KV cache and the tier use. It is
+what the router sent each worker recently, not what the worker still holds (a worker may
+have evicted a block since): a stale hit costs a local prefill that finds less in the
+cache than hoped, never a wrong token. Each worker's entry is an LRU bounded in blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from pdserve.runner.block_hash import extend_block_hashes
+
+
+class PrefixIndex:
+    def __init__(self, block_size: int, max_blocks_per_worker: int = 1 << 16) -> None:
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_worker
+        self._by_worker: dict[str, OrderedDict[int, None]] = {}
+
+    def hashes(self, prompt: Sequence[int]) -> list[int]:
+        out: list[int] = []
+        extend_block_hashes(out, prompt, self.block_size)
+        return out
+
+    def hit_tokens(self, worker_id: str, hashes: list[int]) -> int:
+        """Leading prompt tokens the worker probably has cached."""
+        seen = self._by_worker.get(worker_id)
+        if not seen:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in seen:
+                break
+            n += 1
+        return n * self.block_size
+
+    def remember(self, worker_id: str, hashes: list[int]) -> None:
+        seen = self._by_worker.setdefault(worker_id, OrderedDict())
+        for h in hashes:
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > self.max_blocks:
+            seen.popitem(last=False)
+
+    def forget(self, worker_id: str) -> None:
+        """A restarted worker starts with an empty cache."""
+        self._by_worker.pop(worker_id, None)
