@@ -46,6 +46,11 @@ def run_serve(cfg: ServeConfig) -> int:
         model=cfg.model, dtype=cfg.dtype, device=cfg.device, max_model_len=cfg.max_model_len,
         block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, runner=cfg.runner,
     )  # fmt: skip
+    if cfg.mode == "pd" and ecfg.runner.runner != "mrv2":
+        raise ValueError(
+            f"--mode pd moves paged KV blocks, which the {ecfg.runner.runner} runner does not "
+            "have; use --mode colocated with it"
+        )
     tokenizer = load_tokenizer(ecfg.model.path)
     if tokenizer is None:
         raise ValueError(f"{ecfg.model.path} has no tokenizer; the HTTP API needs one")

@@ -74,7 +74,8 @@ class DecodeService(_Service):
         self.worker_id = worker_id
         tier = TierClient(tier_actor) if tier_actor is not None else None
         self.worker = DecodeWorker(engine_kwargs, worker_id, {}, policy, transfer_timeout_s, tier)
-        self.worker.loader.transports["tcp"] = TcpTransport(worker_id, self.worker.layout)
+        if self.worker.layout is not None:
+            self.worker.loader.transports["tcp"] = TcpTransport(worker_id, self.worker.layout)
         self.publisher = TokenPublisher(stream_endpoint, worker_id)
         self.loop = WorkerLoop(self.worker, self._publish, name=f"decode-{worker_id}").start()
 

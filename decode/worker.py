@@ -50,13 +50,20 @@ class DecodeWorker:
         self.worker_id = worker_id
         self.loader = TransferLoader(transports, "", policy, timeout_s, tier)
         self.engine = engine or Engine.from_args(kv_loader=self.loader, **engine_kwargs)
-        self.engine.kv_loader = self.loader
-        self.engine._check_paged("a decode worker")
-        self.layout, storage = paged_cache_storage(
-            self.engine.config.model.source or "model", self.engine.runner.kv_cache
-        )
-        self.loader.layout_hash = self.layout.compat_hash()
-        self.loader.attach((storage,))
+        # A runner without a paged cache (the reference runner) can still decode what it
+        # prefills itself (colocated mode); it only cannot import KV.
+        self.imports_kv = self.engine.config.runner.runner == "mrv2"
+        self.layout = None
+        if self.imports_kv:
+            self.engine.kv_loader = self.loader
+            self.layout, storage = paged_cache_storage(
+                self.engine.config.model.source or "model", self.engine.runner.kv_cache
+            )
+            self.loader.layout_hash = self.layout.compat_hash()
+            self.loader.attach((storage,))
+        else:
+            self.engine.kv_loader = None
+            self.loader.tier = None
 
     def submit(
         self,
@@ -67,6 +74,11 @@ class DecodeWorker:
     ) -> None:
         """Queue a prefilled request. With `ticket=None` only the tier (and the local
         prefix cache) can supply KV, and the engine computes the rest itself."""
+        if ticket is not None and not self.imports_kv:
+            raise ValueError(
+                f"decode worker {self.worker_id} runs the {self.engine.runner_name} runner, "
+                "which cannot import KV; prefill colocated (no ticket)"
+            )
         if ticket is not None and ticket.layout_hash != self.loader.layout_hash:
             raise ValueError(
                 f"ticket {ticket.request_id!r} is for KV layout {ticket.layout_hash[:12]}, "

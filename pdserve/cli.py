@@ -1,9 +1,11 @@
 """The `pdserve` command line.
 
     pdserve generate [--model M] [--prompt "..."] [--max-tokens N] [--temperature T]
+    pdserve serve [--mode pd|colocated] ...
+    pdserve bench --base-url URL --dataset random|prefix|sharegpt --num-prompts N ...
+    pdserve contract --baseline URL --candidate URL [--cases default|FILE.yaml]
 
-Subcommands arrive with their issues (`serve` with [cluster], `bench` and `contract` with
-[bench-contract]). Heavy imports happen inside the subcommand, so `--help` is instant.
+Heavy imports happen inside the subcommand, so `--help` is instant.
 """
 
 from __future__ import annotations
@@ -72,6 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a local Ray instance, the worker pools and the HTTP router.",
     )
     add_serve_args(serve)
+    from pdserve.cluster.tool_args import add_bench_args, add_contract_args
+
+    bench = sub.add_parser(
+        "bench",
+        help="load an OpenAI-compatible server and report latency distributions",
+        description="Streamed /v1/completions load: TTFT, TPOT, ITL, E2EL, throughput, goodput.",
+    )
+    add_bench_args(bench)
+    contract = sub.add_parser(
+        "contract",
+        help="check that a candidate server keeps the baseline's output contract",
+        description="Run a golden set against two servers; exit 1 if any contract fails.",
+    )
+    add_contract_args(contract)
     return parser
 
 
@@ -146,6 +162,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(config_from_args(args))
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from pdserve.cluster.bench import BenchConfig, format_report, plot_cdfs, run_bench
+
+    cfg = BenchConfig(
+        base_url=args.base_url, model=args.model, dataset=args.dataset,
+        dataset_path=args.dataset_path, num_prompts=args.num_prompts, input_len=args.input_len,
+        output_len=args.output_len, prefix_len=args.prefix_len, vocab_size=args.vocab_size,
+        request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+        goodput=tuple(args.goodput or ()), seed=args.seed, api_key=args.api_key,
+    )  # fmt: skip
+    report, requests = run_bench(cfg)
+    if args.result_file:
+        out = dict(report, requests=requests) if args.save_detailed else report
+        with open(args.result_file, "w") as f:
+            json.dump(out, f, indent=2)
+    if args.plot:
+        plot_cdfs(requests, args.plot)
+    print(format_report(report))
+    return 0 if report["completed"] else 1
+
+
+def cmd_contract(args: argparse.Namespace) -> int:
+    from pdserve.cluster.contract import run_contracts
+
+    return run_contracts(args.baseline, args.candidate, args.cases, args.api_key, args.only)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -157,7 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return {"generate": cmd_generate, "serve": cmd_serve}[args.command](args)
+        commands = {
+            "generate": cmd_generate,
+            "serve": cmd_serve,
+            "bench": cmd_bench,
+            "contract": cmd_contract,
+        }
+        return commands[args.command](args)
     except ValueError as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,70 @@
+"""The controller actor on a real local Ray instance: start, restart on death, drain."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import zmq
+from ray.exceptions import RayActorError
+
+from pdserve.cluster.controller import Controller
+from pdserve.cluster.ray_pool import PoolSpec
+
+
+@pytest.fixture(scope="module")
+def controller(tiny_qwen3_dir):
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    sink = zmq.Context.instance().socket(zmq.PULL)  # where decode workers stream tokens
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
+    spec = PoolSpec(
+        engine_kwargs=dict(model=tiny_qwen3_dir, dtype="float32", device="cpu", max_model_len=256),
+        num_prefill=1,
+        num_decode=2,
+        stream_endpoint=f"tcp://127.0.0.1:{port}",
+        stuck_after_s=60.0,
+    )
+    handle = ray.remote(Controller).options(num_cpus=0).remote(spec, 0.5)
+    ray.get(handle.start.remote(), timeout=300)
+    yield handle
+    ray.get(handle.stop.remote(), timeout=60)
+    sink.close(linger=0)
+    ray.shutdown()
+
+
+def _members(controller) -> dict[str, dict]:
+    return {m["worker_id"]: m for m in ray.get(controller.members.remote(), timeout=30)}
+
+
+def test_dead_worker_is_restarted_with_a_new_generation(controller):
+    """Guards restarts: a killed worker gets a new actor under the same id and a bumped
+    generation (what the router watches to fail the requests it had there)."""
+    old = _members(controller)["decode-0"]
+    ray.kill(old["actor"], no_restart=True)
+    deadline = time.monotonic() + 120
+    while True:
+        m = _members(controller)["decode-0"]
+        restarted = ray.get(controller.stats.remote(), timeout=30)["restarts"] >= 1
+        if m["generation"] > old["generation"] and restarted:
+            try:
+                if ray.get(m["actor"].health.remote(), timeout=30)["alive"]:
+                    break
+            except RayActorError:
+                pass  # the replacement is still starting
+        assert time.monotonic() < deadline, "the dead worker was not restarted"
+        time.sleep(0.5)
+
+
+def test_drain_removes_an_idle_worker(controller):
+    """Guards drain: the worker leaves membership (so the router stops routing to it) and
+    its actor is stopped once it has no requests or leases."""
+    members = _members(controller)
+    actor = members["decode-1"]["actor"]
+    out = ray.get(controller.drain.remote("decode-1", 30.0), timeout=60)
+    assert out["worker_id"] == "decode-1" and out["seconds"] < 30
+    assert "decode-1" not in _members(controller)
+    with pytest.raises(RayActorError):
+        ray.get(actor.health.remote(), timeout=30)
+    with pytest.raises(ValueError, match="no worker"):
+        ray.get(controller.drain.remote("decode-9"), timeout=30)
