@@ -84,40 +84,42 @@ def test_client_disconnect_frees_the_decode_request(server):
 
 def test_kill_prefill_worker_mid_request_recomputes(server):
     """Guards policy `recompute`: a prefill worker dying under a request must not fail it
-    or hang it; the answer is the one a healthy cluster gives; the worker comes back."""
+    or hang it; the answer is the one a healthy cluster gives; the worker comes back.
+    Every prompt here starts differently, so none is a prefix hit on the decode worker
+    (those skip the prefill worker by design)."""
     c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    prompt = LONG * 4 + "Which city is the capital of Italy?"
-    want = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+
+    def ask(prompt: str) -> str:
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        return r.choices[0].text
+
+    prompt = "Question B. " + LONG * 4 + "Which city is the capital of Italy?"
     (old,) = _actor_pids(server, "PrefillService")
     result: dict = {}
-
-    def run() -> None:
-        result["r"] = c.completions.create(
-            model=MODEL, prompt=prompt + " ", max_tokens=12, temperature=0
-        )
-
     before = server.metrics()
-    t = threading.Thread(target=run)
+    t = threading.Thread(target=lambda: result.setdefault("text", ask(prompt)))
     t.start()
     time.sleep(0.05)
     os.kill(old, signal.SIGKILL)
     t.join(120)
-    assert "r" in result, "the request did not complete"
+    assert "text" in result, "the request did not complete"
     after = server.metrics()
-    failures = _metric(after, "pdserve:pd_prefill_failures_total") - _metric(
-        before, "pdserve:pd_prefill_failures_total"
-    )
-    fallbacks = _metric(after, "pdserve:kv_recompute_fallbacks_total") - _metric(
-        before, "pdserve:kv_recompute_fallbacks_total"
-    )
-    remote = _metric(after, "pdserve:pd_decisions_total", reason="remote_prefill") - _metric(
-        before, "pdserve:pd_decisions_total", reason="remote_prefill"
-    )
+
+    def delta(name: str, **labels: str) -> float:
+        return _metric(after, name, **labels) - _metric(before, name, **labels)
+
+    assert delta("pdserve:pd_decisions_total", reason="remote_prefill") == 1
     # The prefill call failed, or the pull from the dead worker did: either way counted.
-    assert failures + fallbacks == 1, (failures, fallbacks, remote)
+    failures = delta("pdserve:pd_prefill_failures_total")
+    fallbacks = delta("pdserve:kv_recompute_fallbacks_total")
+    assert failures + fallbacks == 1, (failures, fallbacks)
     _wait(lambda: _actor_pids(server, "PrefillService") not in ([], [old]), 60, "prefill restart")
-    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
-    assert r.choices[0].text == want.choices[0].text
+    assert ask(prompt) == result["text"]  # the same answer from the decode worker's cache
+    before = server.metrics()
+    ask("Question C. " + LONG * 2 + "Name a river.")
+    after = server.metrics()
+    assert delta("pdserve:pd_decisions_total", reason="remote_prefill") == 1
+    assert delta("pdserve:pd_prefill_failures_total") == 0
 
 
 def test_kill_decode_worker_errors_its_requests_then_recovers(server):
