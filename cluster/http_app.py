@@ -243,14 +243,14 @@ def build_app(state: AppState) -> FastAPI:
             body["stop_reason"] = stop_reason
         return body
 
-    async def run(req: ParsedRequest, request: Request):
+    async def run(req: ParsedRequest):
         start = time.monotonic()
         kind = "chat.completion" if req.kind == "chat" else "text_completion"
         cid = new_id("chatcmpl" if req.kind == "chat" else "cmpl")
         m = state.metrics
         if req.stream:
             return StreamingResponse(
-                sse(req, cid, kind, start), media_type="text/event-stream",
+                sse(req, cid, start), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )  # fmt: skip
         n = req.params.n
@@ -272,7 +272,7 @@ def build_app(state: AppState) -> FastAPI:
             if d.finish_reason is not None:
                 finish[i], stop[i] = d.finish_reason, d.stop_reason
         _check_errors(finish)
-        m.finish(req, start, first_token, sum(len(t) for t in toks))
+        m.finish(req, start, sum(len(t) for t in toks))
         return {
             "id": cid,
             "object": kind,
@@ -285,7 +285,7 @@ def build_app(state: AppState) -> FastAPI:
             "usage": usage(len(req.prompt_token_ids), sum(len(t) for t in toks), cached),
         }
 
-    async def sse(req: ParsedRequest, cid: str, kind: str, start: float):
+    async def sse(req: ParsedRequest, cid: str, start: float):
         chunk_kind = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
         created, m = now(), state.metrics
         completion_tokens, first_token, last = 0, None, None
@@ -340,7 +340,7 @@ def build_app(state: AppState) -> FastAPI:
             yield _sse(e.body())
             yield "data: [DONE]\n\n"
             return
-        m.finish(req, start, first_token, completion_tokens)
+        m.finish(req, start, completion_tokens)
         if req.include_usage:
             yield _sse(
                 {
@@ -356,11 +356,11 @@ def build_app(state: AppState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await run(await parse(request, "completion"), request)
+        return await run(await parse(request, "completion"))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await run(await parse(request, "chat"), request)
+        return await run(await parse(request, "chat"))
 
     return app
 

@@ -57,7 +57,7 @@ class Metrics:
         self._router = None
         r.register(_RouterCollector(self))
 
-    def finish(self, req: Any, start: float, first_token: float | None, num_tokens: int) -> None:
+    def finish(self, req: Any, start: float, num_tokens: int) -> None:
         self.e2e.observe(time.monotonic() - start)
         self.requests.labels(req.kind).inc()
         self.generation_tokens.inc(num_tokens)
