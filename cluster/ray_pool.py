@@ -78,6 +78,7 @@ class PoolSpec:
     gpus_per_worker: float = 0.0
     stuck_after_s: float = 60.0
     tier: object | None = None  # the KV tier actor's handle, if there is one
+    kv_transport: str = "tcp"  # "tcp" | "cuda_ipc"
 
 
 def kill_quietly(actor) -> None:

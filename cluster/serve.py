@@ -61,6 +61,8 @@ def run_serve(cfg: ServeConfig) -> int:
         max_num_seqs=cfg.max_num_seqs, runner=cfg.runner,
     )  # fmt: skip
     gpu = torch.cuda.is_available() and cfg.device != "cpu"
+    if cfg.kv_transport == "cuda_ipc" and not gpu:
+        raise ValueError("--kv-transport cuda_ipc needs the workers on a GPU (this runs on CPU)")
     num_workers = cfg.decode_workers + (cfg.prefill_workers if cfg.mode == "pd" else 0)
     stream_bind = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
     ray.init(
@@ -84,6 +86,7 @@ def run_serve(cfg: ServeConfig) -> int:
         cfg.lease_s,
         gpus_per_worker=(1.0 / num_workers) if gpu else 0.0,
         tier=tier,
+        kv_transport=cfg.kv_transport,
     )
     controller = (
         ray.remote(Controller)

@@ -28,6 +28,7 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20
     health_interval_s: float = 2.0
     tier_bytes: int = 1 << 30  # host memory of the KV tier actor; 0 = no tier
+    kv_transport: str = "tcp"  # how decode workers pull KV: "tcp" | "cuda_ipc" (one node, GPU)
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):
@@ -36,6 +37,8 @@ class ServeConfig:
             raise ValueError("--decode-workers must be >= 1")
         if self.mode == "pd" and self.prefill_workers < 1:
             raise ValueError("--mode pd needs --prefill-workers >= 1")
+        if self.kv_transport not in ("tcp", "cuda_ipc"):
+            raise ValueError(f"--kv-transport must be tcp or cuda_ipc, got {self.kv_transport!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
 
@@ -56,6 +59,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runner", choices=["auto", "mrv2", "reference"], default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
+    p.add_argument("--kv-transport", choices=["tcp", "cuda_ipc"], default=None,
+                   help="how decode workers pull KV from prefill workers (default tcp)")  # fmt: skip
     p.add_argument("--policy", choices=["recompute", "fail"], default=None,
                    help="when a remote prefill or KV pull fails (default recompute)")  # fmt: skip
 

@@ -20,6 +20,7 @@ from pdserve.cluster.wire import WorkRequest
 from pdserve.cluster.worker_loop import WorkerLoop
 from pdserve.decode.worker import DecodeWorker
 from pdserve.kvtransfer.protocol import encode, ticket_from_wire
+from pdserve.kvtransfer.transport_cuda_ipc import CudaIpcTransport
 from pdserve.kvtransfer.transport_tcp import TcpTransport
 from pdserve.prefill.worker import PrefillResult, PrefillWorker
 from pdserve.runner.engine import Engine
@@ -70,12 +71,16 @@ class DecodeService(_Service):
         policy: str = "recompute",
         transfer_timeout_s: float = 30.0,
         tier_actor=None,
+        kv_transport: str = "tcp",
     ) -> None:
         self.worker_id = worker_id
         tier = TierClient(tier_actor) if tier_actor is not None else None
         self.worker = DecodeWorker(engine_kwargs, worker_id, {}, policy, transfer_timeout_s, tier)
-        if self.worker.layout is not None:
-            self.worker.loader.transports["tcp"] = TcpTransport(worker_id, self.worker.layout)
+        layout = self.worker.layout
+        if layout is not None:  # tickets name their transport by endpoint scheme
+            self.worker.loader.transports["tcp"] = TcpTransport(worker_id, layout)
+            if kv_transport == "cuda_ipc":
+                self.worker.loader.transports["cuda_ipc"] = CudaIpcTransport(worker_id, layout)
         self.publisher = TokenPublisher(stream_endpoint, worker_id)
         self.loop = WorkerLoop(self.worker, self._publish, name=f"decode-{worker_id}").start()
 
@@ -117,11 +122,14 @@ class PrefillService(_Service):
         host: str = "127.0.0.1",
         lease_s: float = 30.0,
         tier_actor=None,
+        cuda_ipc: bool = False,
     ) -> None:
         self.worker_id = worker_id
         engine = Engine.from_args(**engine_kwargs)
         tier = TierClient(tier_actor) if tier_actor is not None else None
-        self.worker = PrefillWorker(engine, worker_id, lease_s, bind=f"tcp://{host}:0", tier=tier)
+        self.worker = PrefillWorker(
+            engine, worker_id, lease_s, bind=f"tcp://{host}:0", tier=tier, cuda_ipc=cuda_ipc
+        )
         self._waiters: dict[str, Future] = {}
         self.loop = WorkerLoop(self.worker, self._resolve, name=f"prefill-{worker_id}").start()
 
