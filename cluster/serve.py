@@ -19,6 +19,25 @@ from pdserve.cluster.serve_args import ServeConfig
 logger = logging.getLogger(__name__)
 
 
+ACTIVATION_RESERVE_BYTES = 2 << 30  # per worker: activations, graphs, sampler buffers
+
+
+def kv_bytes_per_worker(model_dir: Path, num_workers: int, utilization: float) -> int:
+    """Each worker's KV cache budget on one shared GPU: its share of `utilization` of the
+    GPU's memory, less the weights (their file size) and an activation reserve."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    budget = int(total * utilization / num_workers) - weights - ACTIVATION_RESERVE_BYTES
+    if budget <= 0:
+        raise ValueError(
+            f"{num_workers} workers do not fit on one GPU of {total / 2**30:.0f} GiB with "
+            f"{weights / 2**30:.1f} GiB of weights each; use fewer workers"
+        )
+    return budget
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -64,6 +83,12 @@ def run_serve(cfg: ServeConfig) -> int:
     if cfg.kv_transport == "cuda_ipc" and not gpu:
         raise ValueError("--kv-transport cuda_ipc needs the workers on a GPU (this runs on CPU)")
     num_workers = cfg.decode_workers + (cfg.prefill_workers if cfg.mode == "pd" else 0)
+    if gpu:
+        # Workers share the GPU: each gets an explicit KV budget, since a memory fraction
+        # read by each engine at its own start would count the others' allocations.
+        engine_kwargs["kv_cache_memory_bytes"] = kv_bytes_per_worker(
+            Path(ecfg.model.path), num_workers, cfg.gpu_memory_utilization
+        )
     stream_bind = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
     ray.init(
         include_dashboard=False,

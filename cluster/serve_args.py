@@ -29,6 +29,7 @@ class ServeConfig:
     health_interval_s: float = 2.0
     tier_bytes: int = 1 << 30  # host memory of the KV tier actor; 0 = no tier
     kv_transport: str = "tcp"  # how decode workers pull KV: "tcp" | "cuda_ipc" (one node, GPU)
+    gpu_memory_utilization: float = 0.9  # of one GPU, shared by all its workers
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):
