@@ -89,6 +89,25 @@ class _RouterCollector:
                 if isinstance(stats.get(key), int | float) and not isinstance(stats[key], bool):
                     fam.add_metric([roles.get(worker, "?"), worker], float(stats[key]))
         yield from families.values()
+        pulls = CounterMetricFamily(
+            PREFIX + "kv_transfer_pulls",
+            "KV pulls by transport",
+            labels=["role", "worker", "transport"],
+        )
+        for worker, stats in router.worker_stats.items():
+            for transport, n in (stats.get("pulls_by_transport") or {}).items():
+                pulls.add_metric([roles.get(worker, "?"), worker, transport], n)
+        yield pulls
+        tier = GaugeMetricFamily(PREFIX + "kv_tier_blocks", "KV blocks held by the tier actor")
+        tier_puts = CounterMetricFamily(
+            PREFIX + "kv_tier_puts", "Blocks written behind to the tier"
+        )
+        tier_hits = CounterMetricFamily(PREFIX + "kv_tier_hits", "Blocks found in the tier")
+        if isinstance(router.tier_stats.get("num_blocks"), int):
+            tier.add_metric([], router.tier_stats["num_blocks"])
+            tier_puts.add_metric([], router.tier_stats.get("puts", 0))
+            tier_hits.add_metric([], router.tier_stats.get("hits", 0))
+        yield from (tier, tier_puts, tier_hits)
         decisions = CounterMetricFamily(
             PREFIX + "pd_decisions", "Remote-prefill decisions by reason", labels=["reason"]
         )

@@ -57,14 +57,35 @@ class RayWorkerHandle:
 def start_worker(spec: PoolSpec, role: str, worker_id: str):
     """A new worker actor (not waited for: await its `info` to know it is up)."""
     opts = dict(num_cpus=0, num_gpus=spec.gpus_per_worker, name=f"pdserve-{worker_id}")
+    dist_spec = spec.dist_spec(role, worker_id)
     if role == "decode":
-        cls, args = (
-            DecodeService,
-            (spec.engine_kwargs, worker_id, spec.stream_endpoint, spec.policy),
+        actor = (
+            ray.remote(DecodeService)
+            .options(**opts)
+            .remote(
+                spec.engine_kwargs,
+                worker_id,
+                spec.stream_endpoint,
+                policy=spec.policy,
+                tier_actor=spec.tier,
+                kv_transport=spec.kv_transport,
+                dist_spec=dist_spec,
+            )
         )
     else:
-        cls, args = PrefillService, (spec.engine_kwargs, worker_id, "127.0.0.1", spec.lease_s)
-    return ray.remote(cls).options(**opts).remote(*args)
+        actor = (
+            ray.remote(PrefillService)
+            .options(**opts)
+            .remote(
+                spec.engine_kwargs,
+                worker_id,
+                lease_s=spec.lease_s,
+                tier_actor=spec.tier,
+                cuda_ipc=spec.kv_transport == "cuda_ipc",
+                dist_spec=dist_spec,
+            )
+        )
+    return actor
 
 
 @dataclass
@@ -78,7 +99,21 @@ class PoolSpec:
     gpus_per_worker: float = 0.0
     stuck_after_s: float = 60.0
     tier: object | None = None  # the KV tier actor's handle, if there is one
-    kv_transport: str = "tcp"  # "tcp" | "cuda_ipc"
+    kv_transport: str = "tcp"  # "tcp" | "cuda_ipc" | "nccl"
+    dist_init_method: str | None = None  # nccl: where the KV transfer group meets
+
+    def dist_spec(self, role: str, worker_id: str) -> dict | None:
+        """nccl: this worker's place in the KV transfer group (decode workers first)."""
+        if self.kv_transport != "nccl" or self.dist_init_method is None:
+            return None
+        index = int(worker_id.rsplit("-", 1)[1])
+        rank = index if role == "decode" else self.num_decode + index
+        return {
+            "backend": "nccl" if self.gpus_per_worker > 0 else "gloo",
+            "init_method": self.dist_init_method,
+            "world_size": self.num_decode + self.num_prefill,
+            "rank": rank,
+        }
 
 
 def kill_quietly(actor) -> None:

@@ -75,6 +75,8 @@ class Router:
         self.prefill_failures: Counter[str] = Counter()
         self.worker_stats: dict[str, dict] = {}  # worker id -> last polled stats
         self.prefix_index = PrefixIndex(config.block_size)
+        self.tier = None  # the KV tier actor, when there is one (stats only)
+        self.tier_stats: dict = {}
         self._inflight: Counter[str] = Counter()  # worker id -> requests in flight
         self._queues: dict[str, asyncio.Queue[StreamDelta]] = {}
         self._assigned: dict[str, str] = {}  # request id -> decode worker id
@@ -246,6 +248,11 @@ class Router:
             logger.info("abort of %s on %s: %s", request_id, worker.worker_id, e)
 
     async def poll_stats(self) -> None:
+        if self.tier is not None:
+            try:
+                self.tier_stats = await asyncio.wait_for(self.tier.stats.remote(), 5.0)
+            except Exception as e:
+                self.tier_stats = {"error": repr(e)}
         for w in [*self.decode_workers, *self.prefill_workers]:
             try:
                 self.worker_stats[w.worker_id] = await asyncio.wait_for(w.stats(), 5.0)

@@ -112,6 +112,9 @@ def run_serve(cfg: ServeConfig) -> int:
         gpus_per_worker=(1.0 / num_workers) if gpu else 0.0,
         tier=tier,
         kv_transport=cfg.kv_transport,
+        dist_init_method=(
+            f"tcp://127.0.0.1:{_free_port('127.0.0.1')}" if cfg.kv_transport == "nccl" else None
+        ),
     )
     controller = (
         ray.remote(Controller)
@@ -125,6 +128,7 @@ def run_serve(cfg: ServeConfig) -> int:
             RouterConfig(cfg.mode, cfg.pd_min_prompt_tokens, cfg.block_size, cfg.policy), [], []
         )
         sync_members(router, members)
+        router.tier = tier
         state = AppState(
             router, tokenizer, model_name, ecfg.model.max_model_len, Metrics(), cfg.api_key,
             cfg.max_body_bytes, ecfg.runner.runner,

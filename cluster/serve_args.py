@@ -28,7 +28,9 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20
     health_interval_s: float = 2.0
     tier_bytes: int = 1 << 30  # host memory of the KV tier actor; 0 = no tier
-    kv_transport: str = "tcp"  # how decode workers pull KV: "tcp" | "cuda_ipc" (one node, GPU)
+    # How decode workers pull KV: "tcp" | "cuda_ipc" (one node, GPU) | "nccl" (P2P in a
+    # process group of all workers; gloo on CPU)
+    kv_transport: str = "tcp"
     gpu_memory_utilization: float = 0.9  # of one GPU, shared by all its workers
 
     def __post_init__(self) -> None:
@@ -38,8 +40,10 @@ class ServeConfig:
             raise ValueError("--decode-workers must be >= 1")
         if self.mode == "pd" and self.prefill_workers < 1:
             raise ValueError("--mode pd needs --prefill-workers >= 1")
-        if self.kv_transport not in ("tcp", "cuda_ipc"):
-            raise ValueError(f"--kv-transport must be tcp or cuda_ipc, got {self.kv_transport!r}")
+        if self.kv_transport not in ("tcp", "cuda_ipc", "nccl"):
+            raise ValueError(
+                f"--kv-transport must be tcp, cuda_ipc or nccl, got {self.kv_transport!r}"
+            )
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
 
@@ -60,7 +64,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runner", choices=["auto", "mrv2", "reference"], default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
-    p.add_argument("--kv-transport", choices=["tcp", "cuda_ipc"], default=None,
+    p.add_argument("--kv-transport", choices=["tcp", "cuda_ipc", "nccl"], default=None,
                    help="how decode workers pull KV from prefill workers (default tcp)")  # fmt: skip
     p.add_argument("--policy", choices=["recompute", "fail"], default=None,
                    help="when a remote prefill or KV pull fails (default recompute)")  # fmt: skip

@@ -45,6 +45,36 @@ def _engine_stats(engine: Engine) -> dict[str, Any]:
     }
 
 
+def join_kv_group(dist_spec: dict | None) -> bool:
+    """Join the KV-transfer process group (`--kv-transport nccl`); False if there is none
+    or it cannot be formed in time (a restarted worker whose peers are not re-joining):
+    the worker then pulls and serves over tcp only, and nccl tickets to or from it fail
+    over to recompute."""
+    if not dist_spec:
+        return False
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    kwargs = {}
+    if dist_spec["backend"] == "nccl":
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    try:
+        dist.init_process_group(
+            dist_spec["backend"],
+            init_method=dist_spec["init_method"],
+            world_size=dist_spec["world_size"],
+            rank=dist_spec["rank"],
+            timeout=datetime.timedelta(seconds=dist_spec.get("timeout_s", 120)),
+            **kwargs,
+        )
+    except Exception as e:  # degrade to tcp rather than take the worker down
+        logger.warning("could not join the KV transfer group: %r; using tcp only", e)
+        return False
+    return True
+
+
 class _Service:
     loop: WorkerLoop
 
@@ -72,8 +102,10 @@ class DecodeService(_Service):
         transfer_timeout_s: float = 30.0,
         tier_actor=None,
         kv_transport: str = "tcp",
+        dist_spec: dict | None = None,
     ) -> None:
         self.worker_id = worker_id
+        in_group = join_kv_group(dist_spec)
         tier = TierClient(tier_actor) if tier_actor is not None else None
         self.worker = DecodeWorker(engine_kwargs, worker_id, {}, policy, transfer_timeout_s, tier)
         layout = self.worker.layout
@@ -81,6 +113,10 @@ class DecodeService(_Service):
             self.worker.loader.transports["tcp"] = TcpTransport(worker_id, layout)
             if kv_transport == "cuda_ipc":
                 self.worker.loader.transports["cuda_ipc"] = CudaIpcTransport(worker_id, layout)
+            if in_group:
+                from pdserve.kvtransfer.transport_nccl import NcclTransport
+
+                self.worker.loader.transports["nccl"] = NcclTransport(worker_id, layout)
         self.publisher = TokenPublisher(stream_endpoint, worker_id)
         self.loop = WorkerLoop(self.worker, self._publish, name=f"decode-{worker_id}").start()
 
@@ -108,6 +144,7 @@ class DecodeService(_Service):
                 transfer_seconds=ls.seconds,
                 recompute_fallbacks=ls.recomputes,
                 transfer_failures=ls.fails,
+                pulls_by_transport=dict(ls.pulls),
             )
             return out
 
@@ -123,13 +160,16 @@ class PrefillService(_Service):
         lease_s: float = 30.0,
         tier_actor=None,
         cuda_ipc: bool = False,
+        dist_spec: dict | None = None,
     ) -> None:
         self.worker_id = worker_id
+        in_group = join_kv_group(dist_spec)
         engine = Engine.from_args(**engine_kwargs)
         tier = TierClient(tier_actor) if tier_actor is not None else None
         self.worker = PrefillWorker(
-            engine, worker_id, lease_s, bind=f"tcp://{host}:0", tier=tier, cuda_ipc=cuda_ipc
-        )
+            engine, worker_id, lease_s, bind=f"tcp://{host}:0", tier=tier, cuda_ipc=cuda_ipc,
+            nccl=in_group,
+        )  # fmt: skip
         self._waiters: dict[str, Future] = {}
         self.loop = WorkerLoop(self.worker, self._resolve, name=f"prefill-{worker_id}").start()
 

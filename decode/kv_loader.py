@@ -51,6 +51,7 @@ class LoaderStats:
     recomputes: int = 0
     fails: int = 0
     errors: Counter = field(default_factory=Counter)  # by TransferError code
+    pulls: Counter = field(default_factory=Counter)  # successful pulls by transport name
 
 
 class TransferLoader:
@@ -166,6 +167,7 @@ class TransferLoader:
             return self._failed(spec, valid, e)
         self.stats.loads += 1
         self.stats.bytes_pulled += moved
+        self.stats.pulls[transport.name] += 1
         self._finish_ticket(ticket, release=True)
         return KVLoadResult(spec.request_id, spec.num_prompt_tokens)
 

@@ -62,9 +62,12 @@ class PrefillWorker:
         registry: LocalRegistry | None = None,
         tier: HostKVTier | None = None,
         cuda_ipc: bool = False,
+        nccl: bool = False,
     ) -> None:
         """Serve pulls over tcp at `bind` (or in-process through `registry`). `cuda_ipc`:
-        also export the KV cache's CUDA IPC handles, and advertise `cuda_ipc+tcp://`."""
+        also export the KV cache's CUDA IPC handles, and advertise `cuda_ipc+tcp://`.
+        `nccl`: also send KV by torch.distributed P2P (the default process group, formed
+        by the caller), and advertise `nccl+tcp://`."""
         engine._check_paged("a prefill worker")
         self.engine = engine
         self.worker_id = worker_id
@@ -79,9 +82,15 @@ class PrefillWorker:
             self.endpoint = registry.add(self.source)
         else:
             assert bind is not None, "a prefill worker needs a bind address or a local registry"
-            export = export_storages(self.source.storages) if cuda_ipc else None
-            self.server = KVSourceServer(self.source, bind, ipc_export=export)
-            self.endpoint = ("cuda_ipc+" if cuda_ipc else "") + self.server.endpoint
+            if nccl:
+                from pdserve.kvtransfer.transport_nccl import NcclSourceServer
+
+                self.server = NcclSourceServer(self.source, bind)
+                self.endpoint = self.server.ticket_endpoint
+            else:
+                export = export_storages(self.source.storages) if cuda_ipc else None
+                self.server = KVSourceServer(self.source, bind, ipc_export=export)
+                self.endpoint = ("cuda_ipc+" if cuda_ipc else "") + self.server.endpoint
         self.num_tier_blocks = 0
 
     @property

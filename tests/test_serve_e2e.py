@@ -112,7 +112,10 @@ def test_chat_answers_and_counts_usage(pd):
     assert r.choices[0].finish_reason == "stop"
     u = r.usage
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens and u.completion_tokens == 8
-    assert _metric(pd.metrics(), "pdserve:pd_decisions_total", reason="remote_prefill") >= 1
+    text = pd.metrics()
+    assert _metric(text, "pdserve:pd_decisions_total", reason="remote_prefill") >= 1
+    # The prefill worker wrote the prompt's full blocks behind into the tier actor.
+    assert _metric(text, "pdserve:kv_tier_blocks") >= 2
 
 
 def test_streamed_equals_unstreamed_with_usage(pd):
@@ -296,3 +299,26 @@ def test_prefix_cached_on_decode_prefills_locally(pd):
 
     assert first == second
     assert delta("remote_prefill") == 1 and delta("prefix_hit_on_decode") == 1
+
+
+@pytest.fixture(scope="module")
+def nccl_pd(tmp_path_factory):
+    # nccl transport on CPU: the same P2P code path over gloo (the two-GPU run is #7's).
+    server = Server(
+        tmp_path_factory.mktemp("nccl"), "--kv-transport", "nccl", "--max-model-len", "1024"
+    )
+    yield server
+    server.stop()
+
+
+def test_pd_over_the_nccl_transport_path(nccl_pd, pd):
+    """Guards `--kv-transport nccl`: the workers form a process group, tickets advertise
+    nccl, KV moves by P2P (counted under that transport), and the answer is the same."""
+    r = nccl_pd.client().chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=20, temperature=0
+    )
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    text = nccl_pd.metrics()
+    assert _metric(text, "pdserve:kv_transfer_pulls_total", transport="nccl") >= 1
+    assert _metric(text, "pdserve:kv_transfer_pulls_total", transport="tcp") == 0
+    assert _metric(pd.metrics(), "pdserve:kv_transfer_pulls_total", transport="tcp") >= 1
