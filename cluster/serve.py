@@ -83,18 +83,23 @@ def run_serve(cfg: ServeConfig) -> int:
     if cfg.kv_transport == "cuda_ipc" and not gpu:
         raise ValueError("--kv-transport cuda_ipc needs the workers on a GPU (this runs on CPU)")
     num_workers = cfg.decode_workers + (cfg.prefill_workers if cfg.mode == "pd" else 0)
+    # A GPU per worker where there are enough (Ray sets each actor's visible device);
+    # otherwise workers share them in equal fractions.
+    num_gpus = torch.cuda.device_count() if gpu else 0
+    gpus_per_worker = min(1.0, num_gpus / num_workers) if gpu else 0.0
+    workers_per_gpu = -(-num_workers // num_gpus) if gpu else 1
     if gpu:
-        # Workers share the GPU: each gets an explicit KV budget, since a memory fraction
+        # Workers sharing a GPU each get an explicit KV budget, since a memory fraction
         # read by each engine at its own start would count the others' allocations.
         engine_kwargs["kv_cache_memory_bytes"] = kv_bytes_per_worker(
-            Path(ecfg.model.path), num_workers, cfg.gpu_memory_utilization
+            Path(ecfg.model.path), workers_per_gpu, cfg.gpu_memory_utilization
         )
     stream_bind = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
     ray.init(
         include_dashboard=False,
         logging_level=logging.WARNING,
         log_to_driver=True,
-        num_gpus=1 if gpu else 0,
+        num_gpus=num_gpus,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
     )
     tier = None
@@ -109,7 +114,7 @@ def run_serve(cfg: ServeConfig) -> int:
         stream_bind,
         cfg.policy,
         cfg.lease_s,
-        gpus_per_worker=(1.0 / num_workers) if gpu else 0.0,
+        gpus_per_worker=gpus_per_worker,
         tier=tier,
         kv_transport=cfg.kv_transport,
         dist_init_method=(
