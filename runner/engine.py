@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from pdserve.runner.config import EngineConfig
 from pdserve.runner.config_resolve import resolve_engine_config
 from pdserve.runner.detokenizer import IncrementalDetokenizer, decode_token
+from pdserve.runner.engine_state import StepStats, Track
 from pdserve.runner.kv_cache_manager import KVCacheManager
 from pdserve.runner.kv_hooks import KVHeld, KVLoader, KVLoadResult
 from pdserve.runner.outputs import Logprob, LogprobDict, RequestDelta
@@ -31,31 +31,6 @@ from pdserve.runner.stop_checker import StopDecision, check_stop
 from pdserve.runner.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepStats:
-    """Where the host's time goes: `cpu_s` is time in `step()` not spent waiting for the
-    device; `wait_s` is time blocked on a step's outputs."""
-
-    num_steps: int = 0
-    cpu_s: float = 0.0
-    wait_s: float = 0.0
-
-    @property
-    def cpu_ms_per_step(self) -> float:
-        return 1e3 * self.cpu_s / max(self.num_steps, 1)
-
-
-@dataclass
-class _Track:
-    """Output-side state of one live request."""
-
-    detok: IncrementalDetokenizer | None
-    hold_back: int  # chars not streamed yet: a stop string may still start in them
-    emitted: int = 0  # chars of output text already handed out in deltas
-    first_delta_sent: bool = False
-    prompt_logprobs: list[LogprobDict | None] | None = None
 
 
 class Engine:
@@ -83,7 +58,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv, config.runner.async_scheduling)
         self._inflight: tuple[SchedulerOutput, Any] | None = None  # async: step N on device
         self.stats = StepStats()
-        self._tracks: dict[str, _Track] = {}
+        self._tracks: dict[str, Track] = {}
         self._pending: list[RequestDelta] = []
         self._held: dict[str, tuple[int, ...]] = {}  # prefill role: blocks under a lease
         self._num_arrivals = 0
@@ -227,7 +202,7 @@ class Engine:
             else None
         )
         hold = max((len(s) for s in params.stop_strings), default=1) - 1
-        self._tracks[request_id] = _Track(detok=detok, hold_back=hold)
+        self._tracks[request_id] = Track(detok=detok, hold_back=hold)
         self.scheduler.add_request(req)
         return req
 
@@ -356,9 +331,7 @@ class Engine:
                 )
             )
 
-    def _next_text(
-        self, req: Request, track: _Track, token: int
-    ) -> tuple[StopDecision | None, str]:
+    def _next_text(self, req: Request, track: Track, token: int) -> tuple[StopDecision | None, str]:
         """Feed `token` to the detokenizer; the stop decision and the text to hand out now
         (all new text but the held-back tail a stop string may still start in)."""
         detok = track.detok

@@ -1,0 +1,34 @@
+"""Small state the engine keeps beside the scheduler: host-time counters and, per live
+request, what its output side has already handed out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.runner.detokenizer import IncrementalDetokenizer
+from pdserve.runner.outputs import LogprobDict
+
+
+@dataclass
+class StepStats:
+    """Where the host's time goes: `cpu_s` is time in `step()` not spent waiting for the
+    device; `wait_s` is time blocked on a step's outputs."""
+
+    num_steps: int = 0
+    cpu_s: float = 0.0
+    wait_s: float = 0.0
+
+    @property
+    def cpu_ms_per_step(self) -> float:
+        return 1e3 * self.cpu_s / max(self.num_steps, 1)
+
+
+@dataclass
+class Track:
+    """Output-side state of one live request."""
+
+    detok: IncrementalDetokenizer | None
+    hold_back: int  # chars not streamed yet: a stop string may still start in them
+    emitted: int = 0  # chars of output text already handed out in deltas
+    first_delta_sent: bool = False
+    prompt_logprobs: list[LogprobDict | None] | None = None
