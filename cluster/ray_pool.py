@@ -50,9 +50,6 @@ class RayWorkerHandle:
     async def stats(self) -> dict:
         return await self._await(self.actor.stats.remote())
 
-    async def health(self) -> dict:
-        return await self.actor.health.remote()
-
 
 def start_worker(spec: PoolSpec, role: str, worker_id: str):
     """A new worker actor (not waited for: await its `info` to know it is up)."""

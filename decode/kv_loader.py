@@ -114,7 +114,7 @@ class TransferLoader:
     def abort_ticket(self, ticket: object) -> None:
         """Give up a ticket whose load never started (its request ended first): the prefill
         side is told on a pool thread, so a dead peer costs the engine thread nothing."""
-        self._pool.submit(self._finish_ticket, ticket, False)
+        self._pool.submit(self.finish_ticket, ticket, False)
 
     def close(self) -> None:
         with self._lock:
@@ -142,10 +142,10 @@ class TransferLoader:
         valid = first * block_size
         ticket = spec.ticket
         if not isinstance(ticket, Ticket) or valid >= spec.num_prompt_tokens:
-            self._finish_ticket(ticket, release=True)
+            self.finish_ticket(ticket, release=True)
             return KVLoadResult(spec.request_id, max(valid, spec.num_local_tokens))
         if cancel.is_set():
-            self._finish_ticket(ticket, release=False)
+            self.finish_ticket(ticket, release=False)
             return KVLoadResult(spec.request_id, valid, "cancelled")
         transport = self.transports.get(scheme_of(ticket.endpoint))
         try:
@@ -163,12 +163,12 @@ class TransferLoader:
             moved = transport.pull(pull, self._dst, self.timeout_s, cancel)
             self.stats.seconds += time.perf_counter() - start
         except TransferError as e:
-            self._finish_ticket(ticket, release=False)
+            self.finish_ticket(ticket, release=False)
             return self._failed(spec, valid, e)
         self.stats.loads += 1
         self.stats.bytes_pulled += moved
         self.stats.pulls[transport.name] += 1
-        self._finish_ticket(ticket, release=True)
+        self.finish_ticket(ticket, release=True)
         return KVLoadResult(spec.request_id, spec.num_prompt_tokens)
 
     def _from_tier(self, spec: KVLoadSpec, first: int) -> int:
@@ -200,7 +200,7 @@ class TransferLoader:
         self.stats.recomputes += 1
         return KVLoadResult(spec.request_id, max(valid, spec.num_local_tokens), str(e))
 
-    def _finish_ticket(self, ticket: object, release: bool) -> None:
+    def finish_ticket(self, ticket: object, release: bool) -> None:
         """Tell the prefill side we are done with its blocks (best effort: if it is gone,
         its lease expires and frees them)."""
         if not isinstance(ticket, Ticket):

@@ -12,7 +12,7 @@ It knows nothing about routing or HTTP.
 from __future__ import annotations
 
 from pdserve.decode.kv_loader import TransferLoader
-from pdserve.kvtransfer.layout import KVLayout, paged_cache_storage
+from pdserve.kvtransfer.layout import paged_cache_storage
 from pdserve.kvtransfer.protocol import Ticket
 from pdserve.kvtransfer.tier import HostKVTier
 from pdserve.kvtransfer.transport import Transport
@@ -46,7 +46,7 @@ class DecodeWorker:
         engine: Engine | None = None,
     ) -> None:
         """`transports` maps an endpoint scheme ("tcp", "local", ...) to a transport built
-        for this worker's layout (see `layout_of`)."""
+        for this worker's layout (`self.layout`, known once the engine exists)."""
         self.worker_id = worker_id
         self.loader = TransferLoader(transports, "", policy, timeout_s, tier)
         self.engine = engine or Engine.from_args(kv_loader=self.loader, **engine_kwargs)
@@ -97,7 +97,7 @@ class DecodeWorker:
             ticket,
         )
         if not continues:
-            self.loader._finish_ticket(ticket, release=True)
+            self.loader.finish_ticket(ticket, release=True)
 
     def abort(self, request_id: str) -> bool:
         # A load, once started, ends its ticket itself (cancelled: abort). A request still
@@ -120,7 +120,3 @@ class DecodeWorker:
 
     def close(self) -> None:
         self.loader.close()
-
-
-def layout_of(worker: DecodeWorker) -> KVLayout:
-    return worker.layout

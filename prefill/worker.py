@@ -14,7 +14,6 @@ It knows nothing about routing or HTTP.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 from pdserve.kvtransfer.layout import paged_cache_storage
@@ -68,7 +67,7 @@ class PrefillWorker:
         also export the KV cache's CUDA IPC handles, and advertise `cuda_ipc+tcp://`.
         `nccl`: also send KV by torch.distributed P2P (the default process group, formed
         by the caller), and advertise `nccl+tcp://`."""
-        engine._check_paged("a prefill worker")
+        engine.require_paged("a prefill worker")
         self.engine = engine
         self.worker_id = worker_id
         self.tier = tier
@@ -161,14 +160,3 @@ class PrefillWorker:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
-
-
-def wait_for_tickets(worker: PrefillWorker, n: int, timeout_s: float) -> list[PrefillResult]:
-    """Step until `n` requests have left the worker (tests, benchmarks, the CLI)."""
-    deadline = time.monotonic() + timeout_s
-    out: list[PrefillResult] = []
-    while len(out) < n:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{len(out)} of {n} prefills done after {timeout_s} s")
-        out += worker.step()
-    return out

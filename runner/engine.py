@@ -131,7 +131,7 @@ class Engine:
         supply is computed here."""
         self.validate(request_id, prompt_token_ids, params)
         if hold_kv or kv_ticket is not None:
-            self._check_paged("hold_kv" if hold_kv else "kv_ticket")
+            self.require_paged("hold_kv" if hold_kv else "kv_ticket")
         if kv_ticket is not None and self.kv_loader is None:
             raise ValueError("kv_ticket needs an engine built with a kv_loader")
         self._new_request(
@@ -152,7 +152,7 @@ class Engine:
         scheduler gives it blocks and the `KVLoader` fills them from `ticket`. Returns
         False when the first token already finished it (nothing will be loaded)."""
         self.validate(request_id, prompt_token_ids, params)
-        self._check_paged("add_prefilled_request")
+        self.require_paged("add_prefilled_request")
         if self.kv_loader is None:
             raise ValueError("add_prefilled_request needs an engine built with a kv_loader")
         vocab = self.config.model.vocab_size
@@ -177,7 +177,7 @@ class Engine:
     def num_held(self) -> int:
         return len(self._held)
 
-    def _check_paged(self, what: str) -> None:
+    def require_paged(self, what: str) -> None:
         if self.config.runner.runner != "mrv2":
             raise ValueError(
                 f"{what} moves paged KV blocks, which the {self.runner_name} runner does not "

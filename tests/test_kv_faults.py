@@ -23,6 +23,7 @@ import pytest
 import torch
 import zmq
 from conftest import DEVICE
+from test_pd_engine import wait_for_tickets
 
 from pdserve.decode.worker import DecodeWorker
 from pdserve.kernels.kv_pack import bitwise_view
@@ -44,7 +45,7 @@ from pdserve.kvtransfer.source import KVSource
 from pdserve.kvtransfer.transport import PullSpec, TransferError
 from pdserve.kvtransfer.transport_local import LocalRegistry, LocalTransport
 from pdserve.kvtransfer.transport_tcp import TcpTransport
-from pdserve.prefill.worker import PrefillWorker, wait_for_tickets
+from pdserve.prefill.worker import PrefillWorker
 from pdserve.runner.engine import Engine
 from pdserve.runner.sampling_params import SamplingParams
 

@@ -17,11 +17,21 @@ from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.tier import HostKVTier
 from pdserve.kvtransfer.transport_local import LocalRegistry, LocalTransport
 from pdserve.kvtransfer.transport_tcp import TcpTransport
-from pdserve.prefill.worker import PrefillWorker, wait_for_tickets
+from pdserve.prefill.worker import PrefillResult, PrefillWorker
 from pdserve.runner.engine import Engine
 from pdserve.runner.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def wait_for_tickets(worker: PrefillWorker, n: int, timeout_s: float) -> list[PrefillResult]:
+    """Step until `n` requests have left the prefill worker."""
+    deadline = time.monotonic() + timeout_s
+    out: list[PrefillResult] = []
+    while len(out) < n:
+        assert time.monotonic() < deadline, f"{len(out)} of {n} prefills done in {timeout_s} s"
+        out += worker.step()
+    return out
 
 
 def _kw(model: str | None, **extra) -> dict:
