@@ -78,6 +78,25 @@ def bench_decode(batch: int, ctx: int) -> dict:
     }  # fmt: skip
 
 
+def bench_decode_in_graph(batch: int, ctx: int, limit: int = 4096) -> list[dict]:
+    """Decode as a CUDA graph runs it: max_seq_len fixed at the model's limit, not the live
+    context; one row per `_MIN_SPLIT_KEYS` candidate (each row slices its own context)."""
+    inp = make_inputs([(ctx, 1)] * batch)
+    inp["max_seq_len"] = limit
+    kv_bytes = batch * ctx * HKV * D * 2 * 2
+    base, rows = pat._MIN_SPLIT_KEYS, []
+    for min_keys in (64, 128, 256, 512):
+        pat._MIN_SPLIT_KEYS = min_keys
+        ms = time_ms(lambda: pat.paged_attention_triton(**inp))
+        rows.append({
+            "case": "decode_graph", "batch": batch, "ctx": ctx, "limit": limit,
+            "min_split_keys": min_keys, "splits": pat.decode_num_splits(batch, HKV, limit),
+            "ms": round(ms, 4), "kv_GBps": round(kv_bytes / ms / 1e6, 1),
+        })  # fmt: skip
+    pat._MIN_SPLIT_KEYS = base
+    return rows
+
+
 def causal_flops(rows: list[tuple[int, int]]) -> float:
     # Query i of a row (position ctx - q + i) sees ctx - q + i + 1 keys; QK^T and PV: 4*D each.
     keys = sum(q * (ctx - q) + q * (q + 1) / 2 for ctx, q in rows)
@@ -161,6 +180,9 @@ def main() -> None:
             bench_prefill(4, 512, prefix=1536),
         ],
         "mixed": [bench_mixed()],
+        "decode_graph": [
+            r for b, c in ((32, 384), (128, 2112), (512, 384)) for r in bench_decode_in_graph(b, c)
+        ],
     }
     if args.sweep:
         results["sweep"] = sweep(args.sweep)

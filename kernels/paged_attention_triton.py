@@ -21,8 +21,10 @@ A mixed step (`max_query_len > 1`) launches both paths; each kernel exits at onc
 rows that belong to the other, so no host-side split of the batch is needed.
 
 What this module does not know: which rows are real. Pad rows (`seq_len == 0`) get zeros;
-rows with no queries are left untouched. `max_seq_len` must bound every `seq_lens` entry
-of a one-query row: the split partition of the context is derived from it.
+rows with no queries are left untouched. `max_seq_len` only bounds the number of decode
+splits (a CUDA graph captures it as the model's limit); each row cuts its own context into
+that many slices at most, so a short row in a long-limit graph still spreads its keys over
+all its programs.
 """
 
 from __future__ import annotations
@@ -153,6 +155,18 @@ def _attend_tile(
 
 
 @triton.jit
+def _row_split_len(seq_len, min_split_keys, num_splits, BLOCK_N: tl.constexpr):
+    # Each row cuts its own context (not the batch's longest) into up to num_splits slices
+    # of whole BLOCK_N tiles, none under min_split_keys: the grid is fixed by host ints
+    # (a CUDA graph replays it at any context length) while the work spreads evenly.
+    row_splits = tl.maximum(
+        tl.minimum(num_splits, (seq_len + min_split_keys - 1) // min_split_keys), 1
+    )
+    per_split = (seq_len + row_splits - 1) // row_splits
+    return tl.maximum((per_split + BLOCK_N - 1) // BLOCK_N, 1) * BLOCK_N
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,  # [T, Hq, D]
     kv_ptr,  # [num_blocks, 2, block_size, Hkv, D]
@@ -163,7 +177,7 @@ def _decode_split_kernel(
     part_o_ptr,  # [R, Hq, num_splits, D] fp32 workspace
     part_lse_ptr,  # [R, Hq, num_splits] fp32 workspace, log2 domain
     qk_scale,
-    split_len,  # keys per split, a multiple of BLOCK_N
+    min_split_keys,  # a row's context is cut into slices of at least this many keys
     num_splits,
     num_q_heads,
     stride_qt,
@@ -191,6 +205,7 @@ def _decode_split_kernel(
     q_start = tl.load(qsl_ptr + row)
     q_len = tl.load(qsl_ptr + row + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + row)
+    split_len = _row_split_len(seq_len, min_split_keys, num_splits, BLOCK_N)
     key_start = split * split_len
     # Rows with several queries belong to the prefill kernel. Splits past the context
     # write nothing: the reduce derives the number of valid splits from seq_len.
@@ -245,7 +260,7 @@ def _decode_reduce_kernel(
     qsl_ptr,
     seq_lens_ptr,
     out_ptr,
-    split_len,
+    min_split_keys,
     num_splits,
     num_q_heads,
     stride_ot,
@@ -253,6 +268,7 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -260,6 +276,7 @@ def _decode_reduce_kernel(
     if tl.load(qsl_ptr + row + 1) - q_start != 1:
         return
     seq_len = tl.load(seq_lens_ptr + row)
+    split_len = _row_split_len(seq_len, min_split_keys, num_splits, BLOCK_N)
     num_valid = tl.minimum((seq_len + split_len - 1) // split_len, num_splits)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -433,11 +450,12 @@ def paged_attention_triton(
 
     # Decode rows (and one-query pad rows), also inside a mixed step.
     cfg = _tiles(q.dtype, d_pad, _DECODE_16BIT, _DECODE_WIDE)
+    # Each row sizes its own slices in-kernel; an explicit num_splits (tests, sweeps) may cut
+    # contexts down to one tile per slice, the heuristic never under _MIN_SPLIT_KEYS.
+    min_keys = cfg.block_n if num_splits is not None else max(_MIN_SPLIT_KEYS, cfg.block_n)
     if num_splits is None:
         num_splits = decode_num_splits(num_rows, num_kv_heads, max_seq_len)
-    # Every split but the last of the longest row is a whole number of BLOCK_N tiles.
-    split_len = triton.cdiv(triton.cdiv(max(1, max_seq_len), num_splits), cfg.block_n) * cfg.block_n
-    num_splits = triton.cdiv(max(1, max_seq_len), split_len)
+    num_splits = max(1, min(num_splits, triton.cdiv(max(1, max_seq_len), min_keys)))
     single = num_splits == 1
     if single:
         part_o = part_lse = out  # unused
@@ -450,14 +468,14 @@ def paged_attention_triton(
         )
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, query_start_loc, seq_lens, out, part_o, part_lse, qk_scale,
-        split_len, num_splits, num_q_heads, q.stride(0), q.stride(1), out.stride(0),
+        min_keys, num_splits, num_q_heads, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), *cache_strides, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
         SINGLE_SPLIT=single, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
     )  # fmt: skip
     if not single:
         _decode_reduce_kernel[(num_rows, num_q_heads)](
-            part_o, part_lse, query_start_loc, seq_lens, out, split_len, num_splits,
+            part_o, part_lse, query_start_loc, seq_lens, out, min_keys, num_splits,
             num_q_heads, out.stride(0), out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_N=cfg.block_n, num_warps=4,
         )  # fmt: skip

@@ -60,6 +60,7 @@ class Batch:
     rows: list[tuple[int, int]]
     contexts: list[tuple[torch.Tensor, torch.Tensor]]  # per row: K, V [ctx, Hkv, D] on CPU
     scale: float
+    seq_len_limit: int | None = None  # max_seq_len passed to the kernels, else the longest
 
     @property
     def max_query_len(self) -> int:
@@ -67,7 +68,7 @@ class Batch:
 
     @property
     def max_seq_len(self) -> int:
-        return max(c for c, _ in self.rows)
+        return self.seq_len_limit or max(c for c, _ in self.rows)
 
     def run_triton(self, **kw) -> torch.Tensor:
         out = torch.full_like(self.q, float("nan"))
@@ -214,6 +215,18 @@ def test_decode_splits(num_splits):
         split_len = -(-batch.max_seq_len // num_splits)
         assert batch.max_seq_len > split_len, "test must put contexts across several splits"
     check(batch, batch.run_triton(num_splits=num_splits))
+
+
+def test_decode_splits_per_row_in_a_long_limit():
+    """Guards the per-row split partition: a CUDA graph captures max_seq_len as the model's
+    limit, far above the live contexts, and each row must still cut its own context into
+    its slices (short rows, a row shorter than one tile, pad rows) and the reduce must
+    merge exactly the slices that were written."""
+    rows = [DECODE, (64 * X, 1), (3, 1), DECODE_AT_1, PAD, LONG_DECODE]
+    batch = make_batch(rows, 4, 2, 24, 16, seed=7)
+    batch.seq_len_limit = 8 * LONG_DECODE[0]
+    for num_splits in (None, 2, 5):
+        check(batch, batch.run_triton(num_splits=num_splits))
 
 
 @pytest.mark.parametrize("rows", [[LONG_DECODE], [CHUNK_ON_PREFIX], [PAD]], ids=str)
