@@ -57,7 +57,7 @@ def main() -> int:
     torch.cuda.empty_cache()
     engine = Engine.from_args(
         model=str(model_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=512,
-        max_num_batched_tokens=8192, gpu_memory_utilization=0.8,
+        max_num_batched_tokens=16384, gpu_memory_utilization=0.8,
     )  # fmt: skip
     w = WORKLOADS[args.workload]
     prompts = make_prompts(w, 151_936)

@@ -38,7 +38,7 @@ def bucket(prefill_tokens: int, decode_rows: int) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="long_prefill", choices=sorted(WORKLOADS))
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
 

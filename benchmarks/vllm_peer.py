@@ -26,7 +26,7 @@ def main() -> int:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--workloads", required=True)
     ap.add_argument("--max-num-seqs", type=int, default=512)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams, TokensPrompt

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from pdserve.kernels.activation import silu_and_mul
-from pdserve.kernels.attention import paged_attention, write_kv
+from pdserve.kernels.attention import paged_attention
 from pdserve.kernels.norm import fused_add_rms_norm, rms_norm
-from pdserve.kernels.rope import apply_rope
+from pdserve.kernels.qkv_prep import prepare_qkv
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.models.rope import build_cos_sin_cache
 
@@ -86,14 +86,13 @@ class Attention(nn.Module):
         attn: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, positions, cos_sin)
-        write_kv(k, v, kv_cache, attn.slot_mapping)
+        qn, kn = self.q_norm, self.k_norm
+        # Split, q/k norm, rope and the KV write in one kernel (kernels/qkv_prep.py).
+        q = prepare_qkv(
+            self.qkv_proj(x), self.num_heads, self.num_kv_heads,
+            None if qn is None else qn.weight, None if kn is None else kn.weight,
+            0.0 if qn is None else qn.eps, positions, cos_sin, kv_cache, attn.slot_mapping,
+        )  # fmt: skip
         out = torch.empty_like(q)
         paged_attention(
             q,

@@ -1,0 +1,225 @@
+"""Attention input preparation in one pass: split the fused QKV projection, apply the
+per-head q/k RMSNorm (Qwen3; absent for Llama), rotate q and k, write k and v to the cache.
+
+`prepare_qkv_ref` is the spec: it is literally the sequence the model ran before this
+kernel existed (`rms_norm_ref` per head, `apply_rope_ref`, `write_kv_ref`), and it is the
+CPU path. The Triton kernel does the same in one launch instead of four (q norm, k norm,
+rope, KV write): one program per token reads its QKV row once, keeps each head as two
+halves in registers (the halves rope pairs up; the norm's sum of squares covers both),
+and writes the rotated q plus the cache slot. At 32 decode rows these four launches were
+~1.5 us each of pure launch cost per layer; in an eager prefill step each is also ~30 us
+of Python launch overhead on the host (H200 profile, benchmarks/profile_step.py).
+
+Rounding follows the references point by point (float32 math; the normed value, its
+product with the weight, each rope product and sum rounded to the input dtype) with FP
+fusion off, so outputs are bit-identical to the spec's.
+
+What this module does not know: the cache's block structure beyond `slot // block_size`,
+or which tokens are real (slot -1 writes nothing; its q is computed and ignored).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.attention import write_kv_ref
+from pdserve.kernels.norm import rms_norm_ref
+from pdserve.kernels.rope import apply_rope_ref
+
+
+def prepare_qkv_ref(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D] fused projection output
+    num_q_heads: int,
+    num_kv_heads: int,
+    q_norm_weight: torch.Tensor | None,  # [D], with k_norm_weight, or both None
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    positions: torch.Tensor,  # [T] int64
+    cos_sin_cache: torch.Tensor,  # [max_positions, D] float32: cos half | sin half
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D], updated in place
+    slot_mapping: torch.Tensor,  # [T'] int64, T' <= T, -1 = skip
+) -> torch.Tensor:
+    """-> q [T, Hq, D], normed and rotated; k (normed, rotated) and v land in the cache."""
+    t = qkv.shape[0]
+    d = kv_cache.shape[-1]
+    q, k, v = qkv.split([num_q_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q = q.reshape(t, num_q_heads, d)
+    k = k.reshape(t, num_kv_heads, d)
+    v = v.reshape(t, num_kv_heads, d)
+    if q_norm_weight is not None:
+        q, k = rms_norm_ref(q, q_norm_weight, eps), rms_norm_ref(k, k_norm_weight, eps)
+    q, k = apply_rope_ref(q, k, positions, cos_sin_cache)
+    write_kv_ref(k, v, kv_cache, slot_mapping)
+    return q
+
+
+@triton.jit
+def _norm_rope_halves(
+    x1,  # [BLOCK_H, BLOCK_HALF] float32, first half of each head (masked lanes 0)
+    x2,
+    w_ptr,
+    cols,
+    col_mask,
+    cos,  # [BLOCK_HALF] float32, already rounded through the input dtype
+    sin,
+    head_dim,
+    eps,
+    dtype: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    if HAS_NORM:
+        variance = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / head_dim
+        inv = tl.rsqrt(variance + eps)[:, None]
+        w1 = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + head_dim // 2 + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        # weight * normed.to(dtype), rounded to the dtype (the weight's, the model's)
+        x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    c = cos[None, :]
+    s = sin[None, :]
+    # rotate_half(x) = [-x2, x1]; each product and each sum rounded as torch rounds them.
+    out1 = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
+    out2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
+    return out1.to(dtype), out2.to(dtype)
+
+
+# num_slots follows the step's token count: not specialised on (no variant per value class).
+@triton.jit(do_not_specialize=["num_slots"])
+def _prepare_qkv_kernel(
+    qkv_ptr,
+    q_out_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    kv_cache_ptr,
+    slot_mapping_ptr,
+    num_slots,
+    qkv_token_stride,
+    cos_sin_stride,
+    cache_block_stride,
+    cache_kv_stride,
+    cache_offset_stride,
+    cache_head_stride,
+    block_size,
+    eps,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    dtype = q_out_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_HALF)
+    col_mask = cols < half
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    cs_row = cos_sin_ptr + pos * cos_sin_stride
+    cos = tl.load(cs_row + cols, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(cs_row + half + cols, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
+    row = qkv_ptr + t * qkv_token_stride
+
+    # q: [Hq, D] at the start of the row -> q_out[t]
+    qh = tl.arange(0, BLOCK_HQ)
+    q_mask = (qh < NUM_Q_HEADS)[:, None] & col_mask[None, :]
+    q_src = row + qh[:, None] * HEAD_DIM + cols[None, :]
+    q1 = tl.load(q_src, mask=q_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(q_src + half, mask=q_mask, other=0.0).to(tl.float32)
+    q1, q2 = _norm_rope_halves(
+        q1, q2, q_norm_ptr, cols, col_mask, cos, sin, HEAD_DIM, eps, dtype, HAS_NORM
+    )
+    q_dst = q_out_ptr + t * (NUM_Q_HEADS * HEAD_DIM) + qh[:, None] * HEAD_DIM + cols[None, :]
+    tl.store(q_dst, q1, mask=q_mask)
+    tl.store(q_dst + half, q2, mask=q_mask)
+
+    # k, v: [Hkv, D] each, after q -> the cache slot (pads and tokens past the slot
+    # mapping see no heads: nothing loaded, nothing stored)
+    slot = tl.load(slot_mapping_ptr + t, mask=t < num_slots, other=-1).to(tl.int64)
+    kh = tl.arange(0, BLOCK_HK)
+    live = tl.where(slot >= 0, NUM_KV_HEADS, 0)
+    k_mask = (kh < live)[:, None] & col_mask[None, :]
+    k_src = row + (NUM_Q_HEADS + kh[:, None]) * HEAD_DIM + cols[None, :]
+    k1 = tl.load(k_src, mask=k_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_src + half, mask=k_mask, other=0.0).to(tl.float32)
+    k1, k2 = _norm_rope_halves(
+        k1, k2, k_norm_ptr, cols, col_mask, cos, sin, HEAD_DIM, eps, dtype, HAS_NORM
+    )
+    v_src = k_src + NUM_KV_HEADS * HEAD_DIM
+    v1 = tl.load(v_src, mask=k_mask, other=0.0)
+    v2 = tl.load(v_src + half, mask=k_mask, other=0.0)
+    # int64: num_blocks * block_size * Hkv * D passes 2^31 on a large cache.
+    base = (slot // block_size) * cache_block_stride + (slot % block_size) * cache_offset_stride
+    dst = kv_cache_ptr + base + kh[:, None] * cache_head_stride + cols[None, :]
+    cache_dtype = kv_cache_ptr.dtype.element_ty
+    tl.store(dst, k1.to(cache_dtype), mask=k_mask)
+    tl.store(dst + half, k2.to(cache_dtype), mask=k_mask)
+    tl.store(dst + cache_kv_stride, v1.to(cache_dtype), mask=k_mask)
+    tl.store(dst + cache_kv_stride + half, v2.to(cache_dtype), mask=k_mask)
+
+
+def prepare_qkv_triton(
+    qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, positions,
+    cos_sin_cache, kv_cache, slot_mapping,
+) -> torch.Tensor:  # fmt: skip
+    _check(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, positions,
+           cos_sin_cache, kv_cache, slot_mapping)  # fmt: skip
+    num_tokens = qkv.shape[0]
+    head_dim = kv_cache.shape[-1]
+    q = torch.empty((num_tokens, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q
+    has_norm = q_norm_weight is not None
+    block_hq = triton.next_power_of_2(num_q_heads)
+    half = triton.next_power_of_2(head_dim // 2)
+    _prepare_qkv_kernel[(num_tokens,)](
+        qkv, q, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
+        positions, cos_sin_cache, kv_cache, slot_mapping, slot_mapping.numel(), qkv.stride(0),
+        cos_sin_cache.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kv_cache.stride(3), kv_cache.shape[2], eps, NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HQ=block_hq,
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=half, HAS_NORM=has_norm,
+        # 16 q heads x 64 = 1024 values per half: 4 warps, 8 per thread.
+        num_warps=4 if block_hq * half <= 2048 else 8,
+        # See rope.py: fusion would contract a rope product into an fma and skip its
+        # rounding, one ulp off the reference on ~2% of bf16 outputs.
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return q
+
+
+def _check(qkv, hq, hkv, qw, kw, positions, cos_sin_cache, kv_cache, slot_mapping) -> None:
+    assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, "a layer's cache is [NB, 2, BS, Hkv, D]"
+    d = kv_cache.shape[-1]
+    assert kv_cache.shape[3] == hkv, f"cache has {kv_cache.shape[3]} kv heads, not {hkv}"
+    assert qkv.dim() == 2 and qkv.shape[1] == (hq + 2 * hkv) * d, (
+        f"qkv is [T, (Hq + 2 Hkv) * D] = [T, {(hq + 2 * hkv) * d}], got {tuple(qkv.shape)}"
+    )
+    assert qkv.stride(1) == 1 and kv_cache.stride(4) == 1, (
+        "rows of qkv and the cache's D are contiguous"
+    )
+    assert d % 2 == 0 and cos_sin_cache.shape[1] == d, "rope covers the full, even head dim"
+    assert (qw is None) == (kw is None), "q and k norms come together"
+    assert qw is None or (
+        qw.numel() == d and kw.numel() == d and qw.is_contiguous() and kw.is_contiguous()
+    )
+    assert positions.dim() == 1 and positions.numel() == qkv.shape[0], "one position per token"
+    assert positions.is_contiguous() and cos_sin_cache.stride(1) == 1
+    assert slot_mapping.dim() == 1 and slot_mapping.is_contiguous()
+    assert slot_mapping.numel() <= qkv.shape[0], "at most one slot per token"
+    assert qkv.dtype == kv_cache.dtype, f"qkv {qkv.dtype} and cache {kv_cache.dtype} dtypes differ"
+
+
+def prepare_qkv(
+    qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, positions,
+    cos_sin_cache, kv_cache, slot_mapping,
+) -> torch.Tensor:  # fmt: skip
+    if qkv.is_cuda:
+        return prepare_qkv_triton(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight,
+                                  eps, positions, cos_sin_cache, kv_cache, slot_mapping)  # fmt: skip
+    return prepare_qkv_ref(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, positions,
+              cos_sin_cache, kv_cache, slot_mapping)  # fmt: skip
