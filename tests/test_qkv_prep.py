@@ -50,6 +50,20 @@ def _inputs(t, hq, hkv, d, dtype, seed, with_norm=True, short_slots=False):
     )  # fmt: skip
 
 
+def _close_after_norm(actual, expected):
+    """`_assert_close`, plus, for 16-bit dtypes, an absolute slack of 2 ulps at the
+    largest magnitude: the norm's float32 sum of squares may round one normed value the
+    other way (see `_assert_close`), and rope's `x1 c - x2 s` then carries that ulp of x
+    into an output that cancellation may have made far smaller than x (seen on the H200:
+    7 of 16.7M bf16 outputs, 0.0078 apart at |x| ~ 4). The at-most-1% rule still holds."""
+    if actual.dtype == torch.float32:
+        return _assert_close(actual, expected)
+    slack = 2 * torch.finfo(actual.dtype).eps * expected.float().abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=2 * torch.finfo(actual.dtype).eps, atol=slack)
+    mismatch = (actual != expected).float().mean().item()
+    assert mismatch <= 0.01, f"{mismatch:.2%} of elements differ"
+
+
 def _run(fn, inp):
     inp = dict(inp, kv_cache=inp["kv_cache"].clone())
     return fn(**inp), inp["kv_cache"]
@@ -66,8 +80,8 @@ def test_prepare_qkv_matches_ref(case, dtype, with_norm):
     inp = _inputs(*case, dtype, seed=sum(case), with_norm=with_norm)
     q_ref, cache_ref = _run(prepare_qkv_ref, inp)
     q, cache = _run(prepare_qkv_triton, inp)
-    _assert_close(q, q_ref)
-    _assert_close(cache, cache_ref)
+    _close_after_norm(q, q_ref)
+    _close_after_norm(cache, cache_ref)
     assert torch.equal(cache[:, 1], cache_ref[:, 1]), "v is a copy: bit-exact"
     if not with_norm:  # no reduction left: every rounding point is the reference's
         assert torch.equal(q, q_ref) and torch.equal(cache, cache_ref)
