@@ -17,7 +17,12 @@ is checked unit by unit), then `--reps` timed pulls; the median is reported.
 cuda_ipc runs only with a GPU, nccl only with two (skipped with a note otherwise). Rows
 (`transport, layout, tokens, bytes, GBps, baseline_GBps, latency_ms, device, commit,
 command`, plus the baseline's name and latency) are printed one JSON object per line and
-written as a list to `<out>/transfer_<device-kind>.json`.
+written as a list to `<out>/transfer_<device-kind>.json`. `latency_ms` / `GBps` are end to
+end (the call, host work included) and stay the headline. Rows of local on a GPU and of
+cuda_ipc add `device_ms` / `device_GBps`: the GPU time of the pull's device work alone
+(ids upload and copy kernels), CUDA events around it while a GPU sleep holds it back until
+it is all queued, so what `latency_ms` adds to it is the per-pull host cost; and
+`baseline_device_ms` / `baseline_device_GBps`, the copy's own GPU time measured alike.
 
 `--p2p-backend gloo` runs the nccl transport's path over gloo on the CPU (no GPU needed);
 `--threads` pins torch's CPU threads per process. The layouts, requests and the source
@@ -78,6 +83,45 @@ def median_s(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> f
     return statistics.median(times)
 
 
+# (transport, spec, dst) -> a call that queues one pull's device work without waiting.
+DeviceWork = Callable[[object, PullSpec, tuple], Callable[[], torch.cuda.Event | None]]
+
+
+# ~1 ms at the H200's 1.98 GHz: queueing a pull's device work takes the host ~0.1 ms.
+_HOLD_CYCLES = 2_000_000
+
+
+def device_ms(enqueue: Callable[[], torch.cuda.Event | None], reps: int, device: str) -> float:
+    """Median GPU time, first to last, of the work `enqueue` queues (it returns an event
+    that completes with that work, or None when the work is on the current stream), after
+    one untimed call. A GPU sleep holds the work back until all of it is queued, so the
+    gaps between the host's launches are not counted; a rep where the sleep ran out first
+    is measured again with a longer sleep."""
+    enqueue()
+    times: list[float] = []
+    hold = _HOLD_CYCLES
+    while len(times) < reps:
+        torch.cuda.synchronize(device)
+        stream = torch.cuda.current_stream(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(device):
+            torch.cuda._sleep(hold)
+        start.record(stream)
+        done = enqueue()
+        if done is not None:
+            stream.wait_event(done)
+        end.record(stream)
+        held = not start.query()  # the sleep still ran when everything was queued
+        end.synchronize()
+        if held:
+            times.append(start.elapsed_time(end))
+        elif hold >= 64 * _HOLD_CYCLES:
+            raise RuntimeError(f"queueing the work outlasted a GPU sleep of {hold} cycles")
+        else:
+            hold *= 2
+    return statistics.median(times)
+
+
 def _sync_for(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if device.startswith("cuda") else lambda: None
 
@@ -103,9 +147,11 @@ def pull_cases(
     run: Run,
     device: str,
     baseline: Callable[[int], None],
+    device_work: DeviceWork | None = None,
 ) -> list[dict]:
     """Pull every request of every layout (one transport per layout) into `device`, and
-    time `baseline(nbytes)` on the same byte count right after."""
+    time `baseline(nbytes)` on the same byte count right after; with `device_work`, also
+    the GPU time of the pull's device work (`device_ms`)."""
     rows = []
     sync = _sync_for(device)
     for name in run.layout_names:
@@ -122,6 +168,16 @@ def pull_cases(
             nbytes = request_bytes(layout, req)
             t = median_s(functools.partial(transport.pull, spec, dst, TIMEOUT_S), run.reps, sync)
             t_base = median_s(functools.partial(baseline, nbytes), run.reps, sync)
+            timed_device = {}
+            if device_work is not None:
+                ms = device_ms(device_work(transport, spec, dst), run.reps, device)
+                base_ms = device_ms(functools.partial(baseline, nbytes), run.reps, device)
+                timed_device = {
+                    "device_ms": ms,
+                    "device_GBps": nbytes / ms / 1e6,
+                    "baseline_device_ms": base_ms,
+                    "baseline_device_GBps": nbytes / base_ms / 1e6,
+                }
             rows.append(
                 {
                     "transport": transport_name,
@@ -133,6 +189,7 @@ def pull_cases(
                     "baseline_GBps": nbytes / t_base / 1e9,
                     "latency_ms": t * 1e3,
                     "baseline_latency_ms": t_base * 1e3,
+                    **timed_device,
                     "reps": run.reps,
                     "threads": torch.get_num_threads(),
                     "device": _device_name(device),
@@ -140,6 +197,20 @@ def pull_cases(
             )
         transport.close()
     return rows
+
+
+def local_device_work(transport, spec: PullSpec, dst: tuple) -> Callable[[], None]:
+    """A local pull on a GPU queues its copies on the current stream and returns."""
+
+    def enqueue() -> None:
+        transport.pull(spec, dst, TIMEOUT_S)
+
+    return enqueue
+
+
+def ipc_device_work(transport, spec: PullSpec, dst: tuple) -> Callable[[], torch.cuda.Event]:
+    """A cuda_ipc pull without its wait: the copies go on the transport's side stream."""
+    return lambda: transport.enqueue_pull(spec, dst, time.monotonic() + TIMEOUT_S).done
 
 
 def _request_socket(endpoint: str) -> zmq.Socket:
@@ -209,9 +280,10 @@ def run_local(run: Run) -> list[dict]:
             leases.add(req.request_id, [list(ids) for ids in req.src_ids], req.tokens)
         storages = allocate(layout, sizes, device, fill=True)
         endpoints[name] = registry.add(KVSource(f"P-{name}", layout, storages, leases))
+    work = local_device_work if device.startswith("cuda") else None
     return pull_cases(
         "local", lambda layout: LocalTransport(registry, layout.compat_hash()), endpoints, run,
-        device, copy_baseline(device),
+        device, copy_baseline(device), work,
     )  # fmt: skip
 
 
@@ -221,7 +293,7 @@ def run_cuda_ipc(run: Run) -> list[dict]:
     with source_process("cuda_ipc", run) as eps:
         return pull_cases(
             "cuda_ipc", lambda layout: CudaIpcTransport("D", layout), eps["layouts"], run,
-            "cuda:0", copy_baseline("cuda:0"),
+            "cuda:0", copy_baseline("cuda:0"), ipc_device_work,
         )  # fmt: skip
 
 

@@ -3,22 +3,40 @@
 The direct transfer path (local and cuda_ipc transports) with no staging buffer: a
 request's blocks are usually scattered on both sides, so a copy per run of consecutive
 blocks costs one launch per run: on the H200 a scattered 2,048-token Qwen3-0.6B-shaped
-request took 2.97 ms per cuda_ipc pull that way, 0.41 ms with this kernel, against
-0.13 ms for one contiguous copy of the same bytes (benchmarks/transfer.py). One kernel
-over (unit, layer, tile) moves them all.
+request took 2.97 ms per cuda_ipc pull that way, 0.41 ms with the first version of this
+kernel, against 0.13 ms for one contiguous copy of the same bytes (benchmarks/transfer.py).
 Source and destination may be different allocations on one device (a CUDA IPC mapping of
-another process's cache included). Words are copied as integers: bitwise for any dtype.
+another process's cache included).
+
+A (unit, layer) row is E elements, dense. Rows are copied as the widest integer word that
+tiles them on both sides (a bf16 paged_gqa row of 65,536 B is 8,192 int64 words), so the
+copy is bitwise for any dtype and a thread moves 16 B vectors whatever the element size.
+The grid is flat: one program per chunk of a row, a chunk being 1 to 4 tiles of
+_TILE_WORDS, fewer tiles when the request is too small to fill the GPU.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.kv_pack import TILE_BYTES, bitwise_view
+from pdserve.kernels.kv_pack import bitwise_view
 
-_MAX_GRID_YZ = 65_535
+# Words one load moves: with 4 warps, 16 words a thread, i.e. eight independent 16 B
+# vectors in flight when words are int64 (a 16 KB tile). Narrower words (odd row sizes)
+# keep 16 words a thread, so an unaligned fp8 row does not spill 128 pointers a thread.
+_TILE_WORDS = 2048
+_NUM_WARPS = 4
+# A program copies up to 4 tiles (64 KB of int64 words: one bf16 Qwen3 block-layer), which
+# makes a 2,048-token request 3,584 programs instead of 28,672 of 8 KB; each reads its
+# unit ids once. Below 4 programs per SM, chunks shrink to one tile so a small request
+# (8 blocks x 28 layers) still spreads over every SM.
+_MAX_TILES_PER_PROGRAM = 4
+_MIN_PROGRAMS_PER_SM = 4
+_MAX_GRID_X = 2**31 - 1
 
 
 def copy_units_ref(
@@ -33,44 +51,110 @@ def copy_units_ref(
 
 @triton.jit
 def _copy_units_kernel(
-    src_ptr,
-    src_ids_ptr,
-    dst_ptr,
-    dst_ids_ptr,
+    src_ptr,  # [L, NU_src, W] words
+    src_ids_ptr,  # [n]
+    dst_ptr,  # [L, NU_dst, W] words
+    dst_ids_ptr,  # [n]
     src_layer_stride,
     src_unit_stride,
     dst_layer_stride,
     dst_unit_stride,
-    num_elems,
-    BLOCK: tl.constexpr,
+    num_layers,
+    num_words,  # W
+    chunks_per_row,
+    CHUNK: tl.constexpr,  # words per program, a multiple of BLOCK
+    BLOCK: tl.constexpr,  # words per load
+    EVEN: tl.constexpr,  # W is a multiple of CHUNK: no masks
 ):
-    i = tl.program_id(0).to(tl.int64)
-    layer = tl.program_id(1).to(tl.int64)
-    tile = tl.program_id(2).to(tl.int64)
+    pid = tl.program_id(0)  # (unit index, layer, chunk), chunk fastest
+    row = pid // chunks_per_row
+    chunk = pid - row * chunks_per_row
+    i = row // num_layers
+    layer = (row - i * num_layers).to(tl.int64)
     s = tl.load(src_ids_ptr + i).to(tl.int64)
     d = tl.load(dst_ids_ptr + i).to(tl.int64)
-    offs = tile * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < num_elems
     src = src_ptr + layer * src_layer_stride + s * src_unit_stride
     dst = dst_ptr + layer * dst_layer_stride + d * dst_unit_stride
-    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+    start = chunk.to(tl.int64) * CHUNK
+    # The bytes are read once and not needed again here: evict_first keeps the decode
+    # side's working set in L2 while hundreds of MB stream through.
+    for k in tl.static_range(0, CHUNK, BLOCK):
+        offs = start + k + tl.arange(0, BLOCK)
+        if EVEN:
+            words = tl.load(src + offs, eviction_policy="evict_first")
+            tl.store(dst + offs, words, eviction_policy="evict_first")
+        else:
+            mask = offs < num_words
+            words = tl.load(src + offs, mask=mask, eviction_policy="evict_first")
+            tl.store(dst + offs, words, mask=mask, eviction_policy="evict_first")
+
+
+def word_bytes_for(src: torch.Tensor, dst: torch.Tensor) -> int:
+    """The widest integer word (8, 4, 2 or 1 bytes, never below the element size) that
+    tiles every row of both tables: row bytes, layer and unit strides in bytes, and both
+    base addresses are multiples of it."""
+    elem = src.element_size()
+    for word in (8, 4, 2):
+        if word <= elem:
+            break
+        if all(
+            (t.shape[2] * elem) % word == 0
+            and (t.stride(0) * elem) % word == 0
+            and (t.stride(1) * elem) % word == 0
+            and t.data_ptr() % word == 0
+            for t in (src, dst)
+        ):
+            return word
+    return elem
+
+
+def launch_shape(num_rows: int, num_words: int, num_sms: int) -> tuple[int, int]:
+    """(words per load, words per program) for `num_rows` rows of `num_words` words."""
+    block = min(triton.next_power_of_2(num_words), _TILE_WORDS)
+    tiles_per_row = triton.cdiv(num_words, block)
+    tiles = min(tiles_per_row, _MAX_TILES_PER_PROGRAM)
+    while (
+        tiles > 1 and num_rows * triton.cdiv(tiles_per_row, tiles) < _MIN_PROGRAMS_PER_SM * num_sms
+    ):
+        tiles //= 2
+    return block, tiles * block
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    # Interpreted (CPU) runs keep the biggest chunks, so tests cover the multi-tile loop.
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch(
+    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor
+) -> None:
+    num_layers = src.shape[0]
+    n = src_ids.numel()
+    if n == 0 or src.shape[2] == 0 or num_layers == 0:
+        return
+    word = word_bytes_for(src, dst)
+    src_words, dst_words = bitwise_view(src, word), bitwise_view(dst, word)
+    num_words = src_words.shape[2]
+    block, chunk = launch_shape(n * num_layers, num_words, _num_sms(src.device))
+    chunks_per_row = triton.cdiv(num_words, chunk)
+    num_programs = n * num_layers * chunks_per_row
+    assert num_programs <= _MAX_GRID_X, f"{num_programs} programs pass CUDA's grid x limit"
+    _copy_units_kernel[(num_programs,)](
+        src_words, src_ids, dst_words, dst_ids,
+        src_words.stride(0), src_words.stride(1), dst_words.stride(0), dst_words.stride(1),
+        num_layers, num_words, chunks_per_row,
+        CHUNK=chunk, BLOCK=block, EVEN=num_words % chunk == 0, num_warps=_NUM_WARPS,
+    )  # fmt: skip
 
 
 def copy_units_triton(
     src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor
 ) -> None:
     _check(src, src_ids, dst, dst_ids)
-    num_layers, _, num_elems = src.shape
-    n = src_ids.numel()
-    if n == 0 or num_elems == 0:
-        return
-    block = min(triton.next_power_of_2(num_elems), TILE_BYTES // src.element_size())
-    num_tiles = triton.cdiv(num_elems, block)
-    assert num_layers <= _MAX_GRID_YZ and num_tiles <= _MAX_GRID_YZ, "grid y/z over 65,535"
-    _copy_units_kernel[(n, num_layers, num_tiles)](
-        bitwise_view(src), src_ids, bitwise_view(dst), dst_ids,
-        src.stride(0), src.stride(1), dst.stride(0), dst.stride(1), num_elems, BLOCK=block,
-    )  # fmt: skip
+    _launch(src, src_ids, dst, dst_ids)
 
 
 def copy_units_direct(
@@ -79,7 +163,7 @@ def copy_units_direct(
     """CUDA tensors on one device -> the Triton kernel; otherwise the torch reference."""
     _check(src, src_ids, dst, dst_ids)
     if src.is_cuda and src.device == dst.device:
-        copy_units_triton(src, src_ids, dst, dst_ids)
+        _launch(src, src_ids, dst, dst_ids)
     else:
         copy_units_ref(src, src_ids, dst, dst_ids)
 

@@ -35,10 +35,13 @@ TILE_BYTES = 8192
 _MAX_GRID_YZ = 65_535
 
 
-def bitwise_view(t: torch.Tensor) -> torch.Tensor:
-    """`t` reinterpreted as the integer dtype of its element size (same memory)."""
-    int_dtype = _INT_OF_SIZE.get(t.element_size())
-    assert int_dtype is not None, f"no integer dtype of {t.element_size()} bytes for {t.dtype}"
+def bitwise_view(t: torch.Tensor, word_bytes: int | None = None) -> torch.Tensor:
+    """`t` reinterpreted as integers of `word_bytes` (default: its element size), same
+    memory. A wider word needs the last dim's bytes, the other strides' bytes and the
+    offset to be multiples of it (torch's `view(dtype)` checks)."""
+    word_bytes = t.element_size() if word_bytes is None else word_bytes
+    int_dtype = _INT_OF_SIZE.get(word_bytes)
+    assert int_dtype is not None, f"no integer dtype of {word_bytes} bytes for {t.dtype}"
     return t if t.dtype == int_dtype else t.view(int_dtype)
 
 

@@ -3,12 +3,17 @@
 `pack` gathers a request's units (its blocks, or its Mamba slot) into one contiguous
 `[L, n, E]` buffer per tensor of the group, layer-major so a layer-wise sender can ship
 `buf[l]` as soon as layer l is done; `unpack` scatters such buffers into another
-storage at that side's own unit ids. `copy_units` skips the buffers when one `copy_`
-reaches both storages (same process, or two devices of one process): each run of ids
+storage at that side's own unit ids. `copy_units` / `copy_groups` skip the buffers when
+one copy reaches both storages: on one CUDA device, one kernel launch per tensor moves
+every unit and layer (the ids travel to the device through an `IdStaging`, one
+asynchronous copy for all groups of a pull); otherwise (CPU, two devices) each run of ids
 consecutive on both sides is one strided copy covering every layer, so a transfer costs
-runs x tensors descriptors, not units x layers (descriptor count, not bandwidth, is what
-makes small blocks slow). `as_byte_view` / `from_bytes` turn CPU buffers into socket
-frames and back without copying.
+runs x tensors descriptors, not units x layers. `as_byte_view` / `from_bytes` turn CPU
+buffers into socket frames and back without copying.
+
+Unit ids are checked on the host (ints in range, destinations distinct) before anything
+moves: the kernels trust them. The checks run as C loops (set, numpy) over the id list;
+a Python loop per id runs only to name the first bad id.
 
 What this module does not know: which units belong to a request, how bytes travel, or
 whether the peer's layout matches (`KVLayout.check_compatible` settles that at handshake).
@@ -19,32 +24,59 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.kernels.kv_copy import copy_units_direct
 from pdserve.kernels.kv_pack import bitwise_view, pack_units, unpack_units
+from pdserve.kvtransfer.id_staging import IdStaging
 from pdserve.kvtransfer.layout import GroupStorage
 
 
-def _check_ids(storage: GroupStorage, unit_ids: Sequence[int], side: str, distinct: bool) -> None:
+def _check_ids(
+    storage: GroupStorage, unit_ids: Sequence[int], side: str, distinct: bool
+) -> np.ndarray:
+    """`unit_ids` as an int64 array, once each is known to be an int (not a bool) in
+    [0, num_units) and, if `distinct`, no id repeats."""
     num_units = storage.num_units
+    ids = _plain_int64(unit_ids)
+    if ids is None or (ids.size and (ids.min() < 0 or ids.max() >= num_units)):
+        ids = _int64_or_raise(unit_ids, num_units, side)
+    # Written ids must be distinct: with a duplicate, which write survives is unspecified.
+    if distinct and ids.size > 1:
+        ordered = np.sort(ids)
+        if (ordered[1:] == ordered[:-1]).any():
+            raise ValueError(f"{side} unit ids must be distinct, got {list(unit_ids)}")
+    return ids
+
+
+def _plain_int64(unit_ids: Sequence[int]) -> np.ndarray | None:
+    """The ids as int64 if every one is exactly an `int` that fits, else None. Types are
+    checked first: numpy would turn 2.5 into 2 and True into 1 without a word."""
+    if not set(map(type, unit_ids)) <= {int}:
+        return None
+    try:
+        return np.array(unit_ids, dtype=np.int64)
+    except OverflowError:
+        return None
+
+
+def _int64_or_raise(unit_ids: Sequence[int], num_units: int, side: str) -> np.ndarray:
     for uid in unit_ids:
         if isinstance(uid, bool) or not isinstance(uid, int) or not 0 <= uid < num_units:
             raise ValueError(f"{side} unit id {uid!r} is not an int in [0, {num_units})")
-    # Written ids must be distinct: with a duplicate, which write survives is unspecified.
-    if distinct and len(set(unit_ids)) != len(unit_ids):
-        raise ValueError(f"{side} unit ids must be distinct, got {list(unit_ids)}")
+    return np.array([int(uid) for uid in unit_ids], dtype=np.int64)  # int subclasses
 
 
-def _ids_tensor(storage: GroupStorage, unit_ids: Sequence[int]) -> torch.Tensor:
-    return torch.tensor(list(unit_ids), dtype=torch.int64, device=storage.device)
+def _ids_tensor(storage: GroupStorage, ids: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(ids).to(storage.device)
 
 
 def pack(storage: GroupStorage, unit_ids: Sequence[int]) -> list[torch.Tensor]:
     """One new `[L, n, E]` buffer per tensor of the group: `buf[l, i]` is unit `unit_ids[i]`."""
-    _check_ids(storage, unit_ids, "source", distinct=False)
-    ids = _ids_tensor(storage, unit_ids)
+    ids = _ids_tensor(storage, _check_ids(storage, unit_ids, "source", distinct=False))
     buffers = []
     for table in storage.flat():
         num_layers, _, num_elems = table.shape
@@ -64,7 +96,7 @@ def unpack(storage: GroupStorage, unit_ids: Sequence[int], buffers: Sequence[tor
             f"{storage.group.kind} group {storage.group.name!r} has {len(tables)} tensor(s), "
             f"got {len(buffers)} buffer(s)"
         )
-    _check_ids(storage, unit_ids, "destination", distinct=True)
+    checked = _check_ids(storage, unit_ids, "destination", distinct=True)
     for i, (table, buf) in enumerate(zip(tables, buffers, strict=True)):
         want = (table.shape[0], len(unit_ids), table.shape[2])
         if tuple(buf.shape) != want:
@@ -75,7 +107,7 @@ def unpack(storage: GroupStorage, unit_ids: Sequence[int], buffers: Sequence[tor
             raise ValueError(f"buffer {i} is on {buf.device}, the storage on {table.device}")
         if buf.numel() and buf.stride(2) != 1:
             raise ValueError(f"buffer {i}: the E axis must be contiguous, strides {buf.stride()}")
-    ids = _ids_tensor(storage, unit_ids)
+    ids = _ids_tensor(storage, checked)
     for table, buf in zip(tables, buffers, strict=True):
         unpack_units(table, ids, buf)
 
@@ -96,32 +128,90 @@ def unit_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int,
     return runs
 
 
+@dataclass(frozen=True)
+class UnitCopy:
+    """One group's part of a direct copy: units `src_ids` of `src` into `dst_ids` of `dst`."""
+
+    src: GroupStorage
+    src_ids: Sequence[int]
+    dst: GroupStorage
+    dst_ids: Sequence[int]
+
+    def on_one_cuda_device(self) -> bool:
+        return self.src.device.type == "cuda" and self.src.device == self.dst.device
+
+
 def copy_units(
     src: GroupStorage,
     src_ids: Sequence[int],
     dst: GroupStorage,
     dst_ids: Sequence[int],
+    staging: IdStaging | None = None,
 ) -> int:
     """Copy units `src_ids` of `src` into units `dst_ids` of `dst` (any devices); returns the
-    number of copy descriptors used, runs x tensors."""
-    if src.group != dst.group:
-        raise ValueError(f"storages of different groups: {src.group} vs {dst.group}")
-    _check_ids(src, src_ids, "source", distinct=False)
-    _check_ids(dst, dst_ids, "destination", distinct=True)
-    tables = list(zip(src.flat(), dst.flat(), strict=True))
-    if src.device.type == "cuda" and src.device == dst.device:
-        # One gather/scatter kernel per tensor, however scattered the units are.
-        ids = torch.tensor([list(src_ids), list(dst_ids)], dtype=torch.int64, device=src.device)
-        s_ids, d_ids = ids[0], ids[1]  # one small host-to-device copy for both
-        for src_table, dst_table in tables:
-            copy_units_direct(src_table, s_ids, dst_table, d_ids)
-        return len(tables)
-    runs = unit_runs(src_ids, dst_ids)
-    for s, d, n in runs:
-        for src_table, dst_table in tables:
-            # One strided copy covers all layers; integer views keep NaN payloads intact.
-            bitwise_view(dst_table)[:, d : d + n].copy_(bitwise_view(src_table)[:, s : s + n])
-    return len(runs) * len(tables)
+    number of copy descriptors used, runs x tensors (tensors, on one CUDA device)."""
+    return copy_groups([UnitCopy(src, src_ids, dst, dst_ids)], staging)
+
+
+def copy_groups(copies: Sequence[UnitCopy], staging: IdStaging | None = None) -> int:
+    """`copy_units` for several groups at once; returns the descriptors used. With
+    `staging` (whose stream must be the current one), the ids of every group on its device
+    reach the GPU in one asynchronous copy; without, each such group's ids are one
+    synchronous copy. Every group's ids are checked before anything is queued."""
+    checked = []
+    for c in copies:
+        if c.src.group != c.dst.group:
+            raise ValueError(f"storages of different groups: {c.src.group} vs {c.dst.group}")
+        if len(c.src_ids) != len(c.dst_ids):
+            raise ValueError(f"{len(c.src_ids)} source ids but {len(c.dst_ids)} destination ids")
+        checked.append(
+            (
+                _check_ids(c.src, c.src_ids, "source", distinct=False),
+                _check_ids(c.dst, c.dst_ids, "destination", distinct=True),
+            )
+        )
+    device_ids = _device_ids(copies, checked, staging)
+    descriptors = 0
+    for k, c in enumerate(copies):
+        tables = list(zip(c.src.flat(), c.dst.flat(), strict=True))
+        if k in device_ids:
+            # One gather/scatter kernel per tensor, however scattered the units are.
+            s_ids, d_ids = device_ids[k]
+            for src_table, dst_table in tables:
+                copy_units_direct(src_table, s_ids, dst_table, d_ids)
+            descriptors += len(tables)
+            continue
+        runs = unit_runs(c.src_ids, c.dst_ids)
+        for s, d, n in runs:
+            for src_table, dst_table in tables:
+                # One strided copy covers all layers; integer views keep NaN payloads intact.
+                bitwise_view(dst_table)[:, d : d + n].copy_(bitwise_view(src_table)[:, s : s + n])
+        descriptors += len(runs) * len(tables)
+    return descriptors
+
+
+def _device_ids(
+    copies: Sequence[UnitCopy],
+    checked: list[tuple[np.ndarray, np.ndarray]],
+    staging: IdStaging | None,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Device (src, dst) id tensors of the copies that one CUDA device covers, by index."""
+    direct = [k for k, c in enumerate(copies) if c.on_one_cuda_device()]
+    staged = [k for k in direct if staging is not None and copies[k].src.device == staging.device]
+    out = {}
+    if staged:
+        assert staging is not None
+        current = torch.cuda.current_stream(staging.device)
+        assert current.stream_id == staging.stream.stream_id, (
+            "the kernels must run on the staging's stream, or they may read ids not yet copied"
+        )
+        views = staging.stage([ids for k in staged for ids in checked[k]])
+        out = {k: (views[2 * j], views[2 * j + 1]) for j, k in enumerate(staged)}
+    for k in direct:
+        if k not in out:
+            both = torch.from_numpy(np.stack(checked[k])).to(copies[k].src.device)
+            out[k] = (both[0], both[1])  # one small synchronous copy for both
+    return out
 
 
 def as_byte_view(t: torch.Tensor) -> memoryview:

@@ -4,9 +4,14 @@ At the first pull from a prefill worker, the puller asks for its KV tensors' CUD
 handles (`IpcOpen` -> `IpcExport`, plain msgpack values: device, handle bytes, sizes,
 shape, stride; never pickle) and maps them into its own address space; from then on a
 pull is a heartbeat (the lease must be live, and is extended past the copy) plus direct
-device-to-device copies on a side stream, one strided copy per run of consecutive
-blocks and tensor (all layers at once), with no packing. The copy is waited for by
-polling an event against the call's deadline.
+device-to-device copies on a side stream, one kernel launch per tensor (all units and
+layers at once), with no packing. The copy is waited for by polling an event against the
+call's deadline.
+
+Per pull the host does little: the unit ids cross to the GPU in one asynchronous copy
+from a pinned buffer (`IdStaging`), and the side stream and its two events are made once
+per thread and device, not per pull. Pulls from several threads (the decode loader's
+pool) each use their own stream, events and staging buffers, so they need no lock.
 
 Endpoints read `cuda_ipc+tcp://host:port`: the control socket is the tcp part.
 """
@@ -16,11 +21,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from pdserve.kvtransfer.id_staging import IdStagingPool
 from pdserve.kvtransfer.layout import DTYPES, GroupStorage, KVLayout
-from pdserve.kvtransfer.pack import copy_units
+from pdserve.kvtransfer.pack import UnitCopy, copy_groups
 from pdserve.kvtransfer.protocol import DEFAULT_MAX_MESSAGE_BYTES, IpcExport, IpcOpen
 from pdserve.kvtransfer.transport import PullSpec, TransferError
 from pdserve.kvtransfer.transport_tcp import ZmqClient
@@ -73,6 +80,25 @@ def import_tensor(d: dict) -> torch.Tensor:
         raise TransferError("ipc_unavailable", f"cannot map the exported tensor: {e}") from e
 
 
+@dataclass(frozen=True)
+class QueuedPull:
+    """A pull's device work, queued and not waited for."""
+
+    moved: int  # bytes the copies will move
+    done: torch.cuda.Event  # completes after the last copy; reused by the thread's next pull
+
+
+class _SideStream:
+    """What one thread reuses across its pulls to one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        # The compute stream's position when a pull starts: the copies wait for it, since
+        # the destination blocks were just allocated (and maybe freed) on that stream.
+        self.ready = torch.cuda.Event()
+        self.done = torch.cuda.Event()
+
+
 class CudaIpcTransport(ZmqClient):
     name = SCHEME
 
@@ -82,7 +108,8 @@ class CudaIpcTransport(ZmqClient):
         super().__init__(worker_id, layout, max_message_bytes)
         self._mapped: dict[str, tuple[GroupStorage, ...]] = {}
         self._map_lock = threading.Lock()
-        self._streams = threading.local()
+        self._side = threading.local()
+        self._stagings = IdStagingPool()
 
     def _sources(self, endpoint: str, deadline: float) -> tuple[GroupStorage, ...]:
         with self._map_lock:
@@ -105,21 +132,26 @@ class CudaIpcTransport(ZmqClient):
             self._mapped[endpoint] = mapped
         return mapped
 
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        stream = getattr(self._streams, "stream", None)
-        if stream is None:
-            stream = self._streams.stream = torch.cuda.Stream(device)
-        return stream
+    def _side_stream(self, device: torch.device) -> _SideStream:
+        sides = self._side.__dict__.setdefault("sides", {})
+        side = sides.get(device)
+        if side is None:
+            side = sides[device] = _SideStream(device)
+        return side
 
-    def pull(
+    def enqueue_pull(
         self,
         spec: PullSpec,
         dst: Sequence[GroupStorage],
-        timeout_s: float,
+        deadline: float,
         cancel: threading.Event | None = None,
-    ) -> int:
+    ) -> QueuedPull:
+        """The device half of `pull`: map the source, keep its lease alive, queue the copies
+        on this thread's side stream and return without waiting (`deadline` is
+        `time.monotonic()` based). `dst` is not final until `done` has completed; benchmarks
+        use this to time the device work alone."""
         ticket = spec.ticket
-        deadline = time.monotonic() + timeout_s
+        timeout_s = max(deadline - time.monotonic(), 0.001)
         sources = self._sources(ticket.endpoint, deadline)
         # The lease must outlast the copy (nothing pins it across processes). While the
         # ticket's own expiry leaves a margin of the whole timeout, no round trip is needed;
@@ -129,25 +161,38 @@ class CudaIpcTransport(ZmqClient):
         if cancel is not None and cancel.is_set():
             raise TransferError("cancelled", f"pull of {ticket.request_id} cancelled")
         device = dst[0].device
-        stream = self._stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+        side = self._side_stream(device)
+        side.ready.record(torch.cuda.current_stream(device))
+        side.stream.wait_event(side.ready)
+        copies = []
         moved = 0
-        with torch.cuda.stream(stream):
-            for g, (src, d) in enumerate(zip(sources, dst, strict=True)):
-                first = spec.first_units[g]
-                src_ids = ticket.group_unit_ids[g][first:]
-                copy_units(src, src_ids, d, spec.dst_unit_ids[g][first:])
-                moved += len(src_ids) * src.group.unit_bytes()
-            done = torch.cuda.Event()
-            done.record(stream)
+        for g, (src, d) in enumerate(zip(sources, dst, strict=True)):
+            first = spec.first_units[g]
+            src_ids = ticket.group_unit_ids[g][first:]
+            copies.append(UnitCopy(src, src_ids, d, spec.dst_unit_ids[g][first:]))
+            moved += len(src_ids) * src.group.unit_bytes()
+        with torch.cuda.stream(side.stream):
+            copy_groups(copies, self._stagings.for_stream(side.stream))
+            side.done.record(side.stream)
+        return QueuedPull(moved, side.done)
+
+    def pull(
+        self,
+        spec: PullSpec,
+        dst: Sequence[GroupStorage],
+        timeout_s: float,
+        cancel: threading.Event | None = None,
+    ) -> int:
+        deadline = time.monotonic() + timeout_s
+        queued = self.enqueue_pull(spec, dst, deadline, cancel)
         spins = 0
-        while not done.query():
+        while not queued.done.query():
             if time.monotonic() > deadline:
-                raise TransferError("timeout", f"device copy of {ticket.request_id} not done")
+                raise TransferError("timeout", f"device copy of {spec.ticket.request_id} not done")
             spins += 1
             if spins > 1000:  # past ~1 ms of spinning, stop burning the core
                 time.sleep(50e-6)
-        return moved
+        return queued.moved
 
     def close(self) -> None:
         with self._map_lock:

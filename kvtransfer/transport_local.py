@@ -1,8 +1,10 @@
 """The `local` transport: source and destination in one process (tests, one-box setups).
 
-No packing and no sockets: `copy_units` copies runs of consecutive units directly (one
-strided copy per run and tensor covers every layer). The sources are found in a
-`LocalRegistry` passed in explicitly (no module-level registry).
+No packing and no sockets: `copy_groups` copies the units directly (on one GPU, one
+kernel launch per tensor, on the caller's current stream and not waited for; otherwise
+one strided copy per run of consecutive units and tensor). On a GPU the unit ids cross
+in one asynchronous copy from a pinned buffer kept per thread and stream. The sources are
+found in a `LocalRegistry` passed in explicitly (no module-level registry).
 """
 
 from __future__ import annotations
@@ -10,9 +12,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+import torch
+
+from pdserve.kvtransfer.id_staging import IdStagingPool
 from pdserve.kvtransfer.layout import GroupStorage
 from pdserve.kvtransfer.lease import LeaseError
-from pdserve.kvtransfer.pack import copy_units
+from pdserve.kvtransfer.pack import UnitCopy, copy_groups
 from pdserve.kvtransfer.protocol import Ticket
 from pdserve.kvtransfer.source import KVSource
 from pdserve.kvtransfer.transport import PullSpec, TransferError
@@ -50,6 +55,7 @@ class LocalTransport:
         self.registry = registry
         self.layout_hash = layout_hash
         self.descriptors = 0  # copy descriptors issued, for the few-per-group budget
+        self._stagings = IdStagingPool()
 
     def pull(
         self,
@@ -61,15 +67,20 @@ class LocalTransport:
         source = self.registry.get(spec.ticket.endpoint)
         if source.layout_hash != self.layout_hash:
             raise TransferError("layout_mismatch", "the source's KV layout differs from ours")
+        device = dst[0].device
+        staging = None
+        if device.type == "cuda":
+            staging = self._stagings.for_stream(torch.cuda.current_stream(device))
         moved = 0
         try:
             with source.leases.pinned(spec.ticket.request_id) as lease:
+                copies = []
                 for g, (src, d) in enumerate(zip(source.storages, dst, strict=True)):
                     first = spec.first_units[g]
                     src_ids = lease.group_unit_ids[g][first:]
-                    dst_ids = spec.dst_unit_ids[g][first:]
-                    self.descriptors += copy_units(src, src_ids, d, dst_ids)
+                    copies.append(UnitCopy(src, src_ids, d, spec.dst_unit_ids[g][first:]))
                     moved += len(src_ids) * src.group.unit_bytes()
+                self.descriptors += copy_groups(copies, staging)
         except LeaseError as e:
             raise TransferError(e.code, str(e)) from e
         return moved

@@ -4,17 +4,22 @@ Collected only where a GPU exists (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gpu_ipc_layouts import LAYOUTS, UNITS, fill
 
 from pdserve.kernels.kv_pack import bitwise_view
+from pdserve.kvtransfer.id_staging import IdStaging
 from pdserve.kvtransfer.protocol import Ticket
 from pdserve.kvtransfer.transport import PullSpec, TransferError
 from pdserve.kvtransfer.transport_cuda_ipc import CudaIpcTransport
@@ -68,3 +73,87 @@ def test_cuda_ipc_round_trip_two_processes(name):
     finally:
         proc.stdin.close()
         assert proc.wait(30) == 0
+
+
+@contextlib.contextmanager
+def _source(name: str) -> Iterator[str]:
+    """The source process for layout `name`; yields its cuda_ipc endpoint."""
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "gpu_ipc_source_proc.py"), name],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield "cuda_ipc+" + proc.stdout.readline().strip()
+    finally:
+        proc.stdin.close()
+        assert proc.wait(30) == 0
+
+
+def test_cuda_ipc_pulls_from_two_threads_at_once():
+    """Guards the per-thread side streams, events and pinned id buffers: the decode
+    loader pulls on two threads through one transport, so a buffer shared by the threads
+    would land one thread's units at the other's ids. The threads map the same source
+    units to different destination ids (in their own storages), and pull a different tail
+    of the ticket each time, so the buffers are refilled at different lengths."""
+    layout, sizes = LAYOUTS["paged_gqa"]
+    (src_units,), (dst_units,) = UNITS["paged_gqa"]
+    maps = (tuple(dst_units), tuple(reversed(dst_units)))
+    with _source("paged_gqa") as endpoint:
+        expect = tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes))
+        fill(expect, seed=7)
+        transport = CudaIpcTransport("D", layout)
+        ticket = Ticket(
+            "r", "P", endpoint, [list(src_units)], 100, layout.compat_hash(),
+            time.time() + 60, 1, None, None,
+        )  # fmt: skip
+        dsts = [tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes)) for _ in maps]
+        errors: list[BaseException] = []
+
+        def puller(k: int) -> None:
+            try:
+                for i in range(30):
+                    first = (k + i) % len(src_units)
+                    spec = PullSpec(ticket, (maps[k],), (first,))
+                    transport.pull(spec, dsts[k], timeout_s=30)
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=puller, args=(k,)) for k in range(len(maps))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        torch.cuda.synchronize()
+        (want,) = expect[0].flat()
+        for dst, units in zip(dsts, maps):
+            (got,) = dst[0].flat()
+            for s, u in zip(src_units, units):
+                assert torch.equal(bitwise_view(got[:, u]), bitwise_view(want[:, s]))
+        transport.release(ticket, 5.0)
+        transport.close()
+
+
+def test_id_staging_never_refills_a_buffer_a_queued_copy_reads():
+    """Guards the pinned buffer's reuse: while the stream is busy (a decode step, or a
+    pull that timed out), the next `stage` must take another host buffer, not refill the
+    one the queued copy has yet to read. Also covers growing past the first buffers."""
+    stream = torch.cuda.Stream()
+    staging = IdStaging(stream)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # ~25 ms: the first copy stays queued meanwhile
+    seen = []
+    for arrays in (
+        [np.arange(5), np.arange(100, 103)],
+        [np.arange(200, 208)],  # fits the first host buffer, whose copy is still queued
+        [np.full(7, -1), np.arange(10_000)[::-1].copy()],  # past the initial 4,096 ids
+    ):
+        views = staging.stage(arrays)
+        with torch.cuda.stream(stream):  # what a copy kernel reads, before the next stage
+            seen.append(torch.cat(views).clone())
+    torch.cuda.synchronize()
+    assert seen[0].tolist() == [0, 1, 2, 3, 4, 100, 101, 102]
+    assert seen[1].tolist() == list(range(200, 208))
+    assert seen[2].tolist() == [-1] * 7 + list(range(9_999, -1, -1))

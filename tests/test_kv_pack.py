@@ -11,8 +11,11 @@ bits with explicit NaN (quiet and signalling) patterns.
 
 from __future__ import annotations
 
+import enum
+import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -203,6 +206,40 @@ def test_edges_refuse_bad_ids_and_buffers():
         copy_units(storage, [0, 1], MAMBA.allocate(4, DEVICE), [2, 2])
     with pytest.raises(ValueError, match="different groups"):
         copy_units(storage, [0], GQA.allocate(4, DEVICE), [0])
+
+
+def test_id_checks_refuse_every_non_int_and_name_the_first_bad_id():
+    """The id checks run as C loops (types, min/max, sort) and fall back to a loop per id
+    only to name the culprit. Guards that fast path against what numpy would accept
+    silently (True as 1, 2.0 as 2, a numpy integer), against an OverflowError instead of a
+    ValueError for an id past int64, and against naming a later bad id than the first."""
+    src, dst = _random_storage(GQA, NUM_UNITS, 3), GQA.allocate(NUM_UNITS, DEVICE)
+    for bad, shown in (
+        ([1, True], "True"),
+        ([1, 2.0], "2.0"),
+        ([np.int64(1)], repr(np.int64(1))),
+        ([2**70], str(2**70)),
+        ([3, 13, -1], "13"),
+        ([-1, 13], "-1"),
+    ):
+        with pytest.raises(ValueError, match=rf"source unit id {re.escape(shown)} is not"):
+            copy_units(src, bad, dst, list(range(len(bad))))
+        with pytest.raises(ValueError, match=rf"destination unit id {re.escape(shown)} is"):
+            copy_units(src, list(range(len(bad))), dst, bad)
+    with pytest.raises(ValueError, match=r"must be distinct, got \[4, 2, 4\]"):
+        copy_units(src, [0, 1, 2], dst, [4, 2, 4])
+    with pytest.raises(ValueError, match="3 source ids but 2 destination ids"):
+        copy_units(src, [0, 1, 2], dst, [4, 2])
+    assert not dst.tensors[0].any(), "a refused copy wrote something"
+
+    class Slot(enum.IntEnum):  # an int subclass other than bool is an int
+        A = 2
+        B = 7
+
+    # Repeated sources are fine (two destinations may hold one block), as are no ids.
+    assert copy_units(src, [Slot.B, 5, 5], dst, [Slot.A, 0, 12]) == 3
+    _assert_moved(src, [7, 5, 5], dst, [2, 0, 12])
+    assert copy_units(src, [], dst, ()) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
