@@ -41,11 +41,11 @@ def test_copy_units_kernel_matches_reference_bitwise(dtype, L, E):
     big = torch.randint(-(2**15), 2**15, (L + 1, 9, E), generator=gen, dtype=torch.int16)
     if dtype == torch.float32:
         big = torch.randint(-(2**31), 2**31 - 1, (L + 1, 9, E), generator=gen, dtype=torch.int32)
-    src = big.view(dtype)[1:]  # layer stride 9 * E, offset one layer
-    src_ids = torch.tensor([8, 0, 3, 4], dtype=torch.int64)
-    dst_ids = torch.tensor([1, 6, 2, 9], dtype=torch.int32)
-    want = torch.zeros(L, 10, E, dtype=dtype)
-    got = torch.zeros(L, 10, E, dtype=dtype)
+    src = big.to(DEVICE).view(dtype)[1:]  # layer stride 9 * E, offset one layer
+    src_ids = torch.tensor([8, 0, 3, 4], dtype=torch.int64, device=DEVICE)
+    dst_ids = torch.tensor([1, 6, 2, 9], dtype=torch.int32, device=DEVICE)
+    want = torch.zeros(L, 10, E, dtype=dtype, device=DEVICE)
+    got = torch.zeros(L, 10, E, dtype=dtype, device=DEVICE)
     copy_units_ref(src, src_ids, want, dst_ids)
     copy_units_triton(src, src_ids, got, dst_ids)
     assert torch.equal(bitwise_view(got), bitwise_view(want))
