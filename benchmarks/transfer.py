@@ -167,6 +167,8 @@ def pull_cases(
             verify(dst, req)
             nbytes = request_bytes(layout, req)
             t = median_s(functools.partial(transport.pull, spec, dst, TIMEOUT_S), run.reps, sync)
+            if run.profile_pulls:
+                profile_host(transport, spec, dst, run.profile_pulls, sync)
             t_base = median_s(functools.partial(baseline, nbytes), run.reps, sync)
             timed_device = {}
             if device_work is not None:
@@ -197,6 +199,19 @@ def pull_cases(
             )
         transport.close()
     return rows
+
+
+def profile_host(transport, spec: PullSpec, dst: tuple, n: int, sync) -> None:
+    """Where a pull's host time goes: `n` pulls under cProfile, top functions to stderr."""
+    import cProfile
+    import pstats
+
+    sync()
+    with cProfile.Profile() as prof:
+        for _ in range(n):
+            transport.pull(spec, dst, TIMEOUT_S)
+            sync()
+    pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
 
 
 def local_device_work(transport, spec: PullSpec, dst: tuple) -> Callable[[], None]:
@@ -355,6 +370,7 @@ def main() -> int:
     ap.add_argument(
         "--threads", type=int, default=0, help="torch CPU threads per process (0: default)"
     )
+    ap.add_argument("--profile-pulls", type=int, default=0, help="also profile N pulls per case")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     transports = args.transports.split(",")
@@ -370,7 +386,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     meta = {"commit": git_commit(), "command": " ".join(["benchmarks/transfer.py", *sys.argv[1:]])}
-    run = Run(tuple(layout_names), args.reps, args.p2p_backend)
+    run = Run(tuple(layout_names), args.reps, args.p2p_backend, args.profile_pulls)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     rows = []
     for name in transports:

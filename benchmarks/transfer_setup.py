@@ -54,6 +54,7 @@ class Run:
     layout_names: tuple[str, ...]
     reps: int
     p2p_backend: str  # "nccl" (GPUs 0 -> 1), or "gloo" (CPU: the nccl transport's path on CPU)
+    profile_pulls: int = 0  # > 0: also run this many pulls per case under cProfile
 
     def source_device(self, kind: str) -> str:
         if kind == "tcp" or (kind == "nccl" and self.p2p_backend == "gloo"):

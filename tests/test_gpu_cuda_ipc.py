@@ -150,9 +150,9 @@ def test_id_staging_never_refills_a_buffer_a_queued_copy_reads():
         [np.arange(200, 208)],  # fits the first host buffer, whose copy is still queued
         [np.full(7, -1), np.arange(10_000)[::-1].copy()],  # past the initial 4,096 ids
     ):
-        views = staging.stage(arrays)
-        with torch.cuda.stream(stream):  # what a copy kernel reads, before the next stage
-            seen.append(torch.cat(views).clone())
+        with torch.cuda.stream(stream):  # `stage` runs on its stream, as copy_groups calls it
+            views = staging.stage(arrays)
+            seen.append(torch.cat(views).clone())  # what a copy kernel reads
     torch.cuda.synchronize()
     assert seen[0].tolist() == [0, 1, 2, 3, 4, 100, 101, 102]
     assert seen[1].tolist() == list(range(200, 208))
