@@ -166,7 +166,9 @@ def _row_split_len(seq_len, min_split_keys, num_splits, BLOCK_N: tl.constexpr):
     return tl.maximum((per_split + BLOCK_N - 1) // BLOCK_N, 1) * BLOCK_N
 
 
-@triton.jit
+# Counts that vary from step to step (eager mixed steps) are not specialised on: each new
+# value class (== 1, % 16) would compile a variant mid-serving, ~1 s each on a cold cache.
+@triton.jit(do_not_specialize=["min_split_keys", "num_splits"])
 def _decode_split_kernel(
     q_ptr,  # [T, Hq, D]
     kv_ptr,  # [num_blocks, 2, block_size, Hkv, D]
@@ -253,7 +255,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["min_split_keys", "num_splits"])
 def _decode_reduce_kernel(
     part_o_ptr,  # [R, Hq, num_splits, D] fp32
     part_lse_ptr,  # [R, Hq, num_splits] fp32
@@ -294,7 +296,7 @@ def _decode_reduce_kernel(
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_slots"])
 def _prefill_kernel(
     q_ptr,  # [T, Hq, D]
     kv_ptr,  # [num_blocks, 2, block_size, Hkv, D]

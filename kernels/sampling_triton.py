@@ -111,7 +111,7 @@ def gumbel_noise(seeds: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_chunk"])  # follows the batch size
 def _gumbel_argmax_kernel(
     logits_ptr,  # [R, V] float32, unit stride along V
     temperature_ptr,  # [R] float32, 0 = greedy
@@ -377,7 +377,7 @@ def apply_top_k_top_p(
     return logits.masked_fill(logits < threshold[:, None], float("-inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_chunk"])  # follows the batch size
 def _logprob_stats_kernel(
     logits_ptr,  # [R, V] float32, unit stride along V
     token_ids_ptr,  # [R] int64
