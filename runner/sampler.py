@@ -31,17 +31,18 @@ from pdserve.kernels.sampling import (
 
 @dataclass
 class SamplingMetadata:
-    """Per-step sampling settings, one row per sampled token, built by the runner."""
+    """Per-step sampling settings, one row per sampled token, built by the runner. The
+    per-row tensors are None only in a `greedy` batch (plain argmax reads none of them)."""
 
-    temperature: Tensor  # [R] float32, 0 = greedy (exact argmax, no noise)
-    top_k: Tensor  # [R] int32, 0 = off
-    top_p: Tensor  # [R] float32, 1.0 = off
-    min_p: Tensor  # [R] float32, 0.0 = off
-    seeds: Tensor  # [R] int64
-    positions: Tensor  # [R] int64, tokens before the one being sampled
-    repetition_penalty: Tensor  # [R] float32, 1.0 = off
-    presence_penalty: Tensor  # [R] float32, 0.0 = off
-    frequency_penalty: Tensor  # [R] float32, 0.0 = off
+    temperature: Tensor | None  # [R] float32, 0 = greedy (exact argmax, no noise)
+    top_k: Tensor | None  # [R] int32, 0 = off
+    top_p: Tensor | None  # [R] float32, 1.0 = off
+    min_p: Tensor | None  # [R] float32, 0.0 = off
+    seeds: Tensor | None  # [R] int64
+    positions: Tensor | None  # [R] int64, tokens before the one being sampled
+    repetition_penalty: Tensor | None  # [R] float32, 1.0 = off
+    presence_penalty: Tensor | None  # [R] float32, 0.0 = off
+    frequency_penalty: Tensor | None  # [R] float32, 0.0 = off
     prompt_mask: Tensor | None  # [R, V] bool, None when no row uses penalties
     output_counts: Tensor | None  # [R, V] int32, None when no row uses penalties
     banned_rows: Tensor | None  # [K] int64, row of each (row, token) pair forced to -inf
@@ -55,8 +56,27 @@ class SamplingMetadata:
     max_top_k: int  # largest top_k with 0 < k < V over the rows; 0 = no row uses top-k
     any_top_p: bool  # some row has top_p < 1
 
+    num_rows: int | None = None  # set by `greedy`, where no tensor gives R
+
+    @classmethod
+    def greedy(cls, num_rows: int, max_num_logprobs: int | None) -> SamplingMetadata:
+        """Every row greedy, no penalties, nothing banned: argmax needs no per-row tensor."""
+        return cls(
+            *([None] * 9), prompt_mask=None, output_counts=None, banned_rows=None,
+            banned_tokens=None, max_num_logprobs=max_num_logprobs, all_greedy=True,
+            any_penalties=False, any_top_k_top_p=False, any_min_p=False, max_top_k=0,
+            any_top_p=False, num_rows=num_rows,
+        )  # fmt: skip
+
+    @property
+    def rows(self) -> int:
+        return self.num_rows if self.temperature is None else self.temperature.shape[0]
+
     def __post_init__(self) -> None:
         assert self.max_top_k >= 0, f"max_top_k must be >= 0, got {self.max_top_k}"
+        assert self.temperature is not None or (
+            self.num_rows is not None and self.all_greedy and not self.any_penalties
+        ), "only an all-greedy batch without penalties may leave the per-row tensors out"
         assert self.any_top_k_top_p or (self.max_top_k == 0 and not self.any_top_p), (
             "max_top_k > 0 or any_top_p needs any_top_k_top_p: the sampler would skip the mask"
         )
@@ -86,8 +106,8 @@ class Sampler:
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         assert logits.dim() == 2, f"logits must be [R, V], got {tuple(logits.shape)}"
-        assert meta.temperature.shape == logits.shape[:1], (
-            f"temperature {tuple(meta.temperature.shape)} must be [R={logits.shape[0]}]"
+        assert meta.rows == logits.shape[0], (
+            f"sampling settings for {meta.rows} rows, logits [R={logits.shape[0]}, V]"
         )
         # `.float()` is a no-op on float32 input; every op below returns a new tensor, so
         # the caller's logits and `raw` are never written.

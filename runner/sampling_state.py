@@ -70,6 +70,17 @@ class SamplingState:
         to_device = to_device or (lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev))
         temp = self.temperature[slots]
         top_k, top_p, min_p = self.top_k[slots], self.top_p[slots], self.min_p[slots]
+        num_lp = self.num_logprobs[slots]
+        pen_rows = self.penalty_rows(slots)
+        blocked = np.nonzero(num_outputs < self.min_tokens[slots])[0]
+        pairs = [(row, tok) for row in blocked.tolist() for tok in self.stop_ids[slots[row]]]
+        all_greedy = bool((temp == 0).all())
+        if all_greedy and not len(pen_rows) and not pairs:
+            # Plain argmax reads none of the per-row settings: skip their two copies (a
+            # greedy batch's host step is launch-bound; each copy costs tens of us there).
+            return SamplingMetadata.greedy(
+                len(slots), int(num_lp.max()) if (num_lp >= 0).any() else None
+            )
         floats = to_device(
             np.stack(
                 [
@@ -88,14 +99,10 @@ class SamplingState:
             )
         )
         banned_rows = banned_tokens = None
-        blocked = np.nonzero(num_outputs < self.min_tokens[slots])[0]
-        pairs = [(row, tok) for row in blocked.tolist() for tok in self.stop_ids[slots[row]]]
         if pairs:
             packed = to_device(np.asarray(pairs, dtype=np.int64).T.copy())
             banned_rows, banned_tokens = packed[0], packed[1]
-        num_lp = self.num_logprobs[slots]
         prompt_mask = output_counts = None
-        pen_rows = self.penalty_rows(slots)
         if len(pen_rows):
             assert penalty_tokens is not None and len(penalty_tokens) == len(pen_rows), (
                 "penalty rows need their token histories"
@@ -128,7 +135,7 @@ class SamplingState:
             banned_rows=banned_rows,
             banned_tokens=banned_tokens,
             max_num_logprobs=int(num_lp.max()) if (num_lp >= 0).any() else None,
-            all_greedy=bool((temp == 0).all()),
+            all_greedy=all_greedy,
             any_penalties=bool(len(pen_rows)),
             any_top_k_top_p=bool(((top_k > 0) | (top_p < 1)).any()),
             any_min_p=bool((min_p > 0).any()),

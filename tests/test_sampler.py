@@ -11,6 +11,7 @@ import dataclasses
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -453,3 +454,48 @@ def test_host_sync_guard_catches_syncs(read) -> None:
     t = torch.randn(50, device=device)
     with pytest.raises((AssertionError, RuntimeError)), _no_host_sync(device):
         read(t)
+
+
+def test_all_greedy_batch_skips_the_per_row_copies() -> None:
+    """Guards the greedy fast path of `SamplingState.metadata`: an all-greedy batch with no
+    penalties and nothing banned ships no per-row tensors (and samples the exact argmax,
+    with logprobs when asked); one random row, one penalty row or one min_tokens row takes
+    the full path again."""
+    from pdserve.runner.sampling_params import SamplingParams
+    from pdserve.runner.sampling_state import SamplingState
+
+    copies: list[np.ndarray] = []
+
+    def to_device(a: np.ndarray) -> torch.Tensor:
+        copies.append(a)
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    state = SamplingState(8, 50, torch.device("cpu"))
+    for slot in range(4):
+        state.add(
+            slot, SamplingParams(temperature=0.0, logprobs=2 if slot == 1 else None), slot, (7,)
+        )
+    slots = np.array([2, 0, 1])
+    meta = state.metadata(slots, np.array([5, 6, 7]), np.array([3, 3, 3]), to_device=to_device)
+    assert copies == [] and meta.all_greedy and meta.temperature is None and meta.rows == 3
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    out = Sampler()(logits, meta)
+    assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
+    assert out.logprobs is not None and out.logprobs.token_ids.shape == (3, 3)
+
+    for slot, params in (
+        (3, SamplingParams(temperature=0.7)),
+        (3, SamplingParams(temperature=0.0, repetition_penalty=1.2)),
+        (3, SamplingParams(temperature=0.0, min_tokens=5)),
+    ):
+        state.add(slot, params, slot, (7,))
+        copies.clear()
+        histories = (
+            [(torch.tensor([1, 2]), torch.tensor([3]))]
+            if params.repetition_penalty != 1.0
+            else None
+        )
+        meta = state.metadata(
+            np.array([0, 3]), np.array([5, 6]), np.array([0, 0]), histories, to_device=to_device
+        )
+        assert copies and meta.temperature is not None and meta.rows == 2, params
