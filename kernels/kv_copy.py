@@ -49,7 +49,8 @@ def copy_units_ref(
     bitwise_view(dst).index_copy_(1, dst_ids.long(), rows)
 
 
-@triton.jit
+# Per-request counts are not specialised on (no compile variant per value class mid-serving).
+@triton.jit(do_not_specialize=["chunks_per_row"])
 def _copy_units_kernel(
     src_ptr,  # [L, NU_src, W] words
     src_ids_ptr,  # [n]
