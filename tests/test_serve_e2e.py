@@ -9,17 +9,12 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+
+from pdserve.cluster.serve_process import ServeProcess
 
 KEY = "test-key"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -29,35 +24,8 @@ LONG = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, tmp: Path, *args: str) -> None:
-        self.port = _free_port()
-        self.log = tmp / f"serve-{self.port}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *args],
-            stdout=self.log.open("w"),
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited:\n{self.log.read_text()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise AssertionError(f"server did not come up:\n{self.log.read_text()}")
+class Server(ServeProcess):
+    """A `ServeProcess` with the test's clients and checks."""
 
     def client(self, key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
@@ -66,14 +34,7 @@ class Server:
         return httpx.get(self.url + "/metrics", timeout=30).text
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
-        try:
-            code = self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            raise AssertionError(
-                f"server did not stop on Ctrl-C:\n{self.log.read_text()}"
-            ) from None
+        code = super().stop()  # Ctrl-C, then wait
         assert code == 0, self.log.read_text()
         assert "pdserve: stopped" in self.log.read_text()
 

@@ -1,0 +1,170 @@
+"""PD vs colocated under load: TTFT and ITL p50/p99 and goodput per request rate.
+
+    python benchmarks/pd_vs_colocated.py [--model DIR] [--workers 2] [--rates 0.5,1,2,4]
+        [--num-prompts 64] [--input-min 2048] [--input-max 8192] [--output-len 256]
+        [--slo ttft:500 tpot:20] [--serve-args "--kv-transport cuda_ipc"] [--out DIR]
+
+The [multi-gpu] comparison. For each mode it starts `pdserve serve` (a local Ray instance
+with real workers): PD runs `--workers / 2` prefill and as many decode workers, colocated
+runs `--workers` independent workers that prefill and decode alike; `pdserve serve`
+gives each worker a whole GPU when there are enough. The same seeded prompts (random
+token ids, lengths uniform in [input-min, input-max], forced output length) go to each
+deployment at each Poisson rate through `pdserve bench`'s load generator, and the report
+per (mode, rate) is `pdserve bench`'s: TTFT, TPOT, ITL, goodput (requests per second
+meeting every SLO). Writes `pd_vs_colocated_<device>.json` (with `gpus`, the device, the
+commit and the command) and a PNG of goodput and TTFT p99 against the rate. A benchmark,
+not a test; on a machine without GPUs it runs the same path on the CPU (use a small model
+and short prompts there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from throughput import git_commit  # noqa: E402
+
+FIRST_ID = 1000  # as `pdserve bench`: clear of special tokens
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_ID, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def serve_args(mode: str, workers: int, extra: list[str]) -> list[str]:
+    if mode == "pd":
+        assert workers >= 2 and workers % 2 == 0, "PD needs an even number of workers (>= 2)"
+        return ["--mode", "pd", "--prefill-workers", str(workers // 2),
+                "--decode-workers", str(workers // 2), *extra]  # fmt: skip
+    return ["--mode", "colocated", "--decode-workers", str(workers), *extra]
+
+
+def run_mode(mode: str, args: argparse.Namespace, prompts: list, log_dir: Path) -> list[dict]:
+    from tqdm import tqdm
+
+    from pdserve.cluster.bench import BenchConfig, run_load
+    from pdserve.cluster.bench_stats import aggregate, parse_goodput
+    from pdserve.cluster.endpoint import probe_model
+    from pdserve.cluster.serve_process import ServeProcess
+
+    extra = [*(["--model", args.model] if args.model else []), *shlex.split(args.serve_args)]
+    server = ServeProcess(log_dir, *serve_args(mode, args.workers, extra))
+    rows = []
+    try:
+        model = probe_model(server.url, None)
+        # Untimed warm-up on other prompts of the same lengths: the first requests of a
+        # fresh server pay compiles and allocations that no rate should be charged with.
+        warm = make_prompts(min(8, len(prompts)), args.input_min, args.input_max,
+                            args.vocab_size, args.seed + 99)  # fmt: skip
+        warm_cfg = BenchConfig(
+            base_url=server.url, model=model, output_len=4, timeout_s=args.timeout
+        )
+        with tqdm(total=len(warm), file=sys.stderr, desc=f"{mode} warm-up", unit="req") as bar:
+            asyncio.run(run_load(warm_cfg, model, warm, bar))
+        for rate in args.rates:
+            cfg = BenchConfig(
+                base_url=server.url, model=model, num_prompts=len(prompts),
+                output_len=args.output_len, request_rate=rate, goodput=tuple(args.slo),
+                seed=args.seed, timeout_s=args.timeout,
+            )  # fmt: skip
+            desc = f"{mode} @ {rate} req/s"
+            with tqdm(total=len(prompts), file=sys.stderr, desc=desc, unit="req") as bar:
+                results, duration = asyncio.run(run_load(cfg, model, prompts, bar))
+            report = aggregate(results, duration, parse_goodput(cfg.goodput))
+            rows.append({"mode": mode, "request_rate": rate, **report})
+            print(json.dumps(_brief(rows[-1])), flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
+def _brief(row: dict) -> dict:
+    def pick(name: str) -> dict:
+        return {k: round(row[name][k], 1) for k in ("p50", "p99") if row[name].get(k) is not None}
+
+    return {
+        "mode": row["mode"], "rate": row["request_rate"], "completed": row["completed"],
+        "failed": row["failed"], "goodput": row["goodput"], "ttft_ms": pick("ttft_ms"),
+        "itl_ms": pick("itl_ms"), "tpot_ms": pick("tpot_ms"),
+    }  # fmt: skip
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in sorted({r["mode"] for r in rows}):
+        mine = [r for r in rows if r["mode"] == mode]
+        rates = [r["request_rate"] for r in mine]
+        a.plot(rates, [r["goodput"] or 0.0 for r in mine], marker="o", label=mode)
+        b.plot(rates, [r["ttft_ms"].get("p99") for r in mine], marker="o", label=mode)
+    a.set(xlabel="request rate (req/s)", ylabel="goodput (req/s within SLOs)")
+    b.set(xlabel="request rate (req/s)", ylabel="TTFT p99 (ms)", yscale="log")
+    for ax in (a, b):
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="default: the server's default model")
+    ap.add_argument("--workers", type=int, default=2, help="total workers (GPUs) per mode")
+    ap.add_argument("--modes", default="pd,colocated")
+    ap.add_argument("--rates", default="0.5,1,2,4", help="Poisson request rates, req/s")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-min", type=int, default=2048)
+    ap.add_argument("--input-max", type=int, default=8192)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--vocab-size", type=int, default=32000, help="ids drawn from [1000, V)")
+    ap.add_argument("--slo", nargs="+", default=["ttft:500", "tpot:20"], metavar="METRIC:MS")
+    ap.add_argument("--serve-args", default="", help="more `pdserve serve` flags, one string")
+    ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    args.rates = [float(r) for r in args.rates.split(",")]
+    if not 0 < args.input_min <= args.input_max or args.num_prompts < 1:
+        ap.error("need 0 < --input-min <= --input-max and --num-prompts >= 1")
+
+    prompts = make_prompts(
+        args.num_prompts, args.input_min, args.input_max, args.vocab_size, args.seed
+    )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = torch.cuda.get_device_name() if gpus else "cpu"
+    log_dir = Path(tempfile.mkdtemp(prefix="pd-vs-colocated-"))
+    rows = []
+    for mode in args.modes.split(","):
+        rows += run_mode(mode, args, prompts, log_dir)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"pd_vs_colocated_{device.lower().replace(' ', '-')}_{gpus}gpu"
+    meta = {
+        "gpus": gpus, "device": device, "workers": args.workers, "commit": git_commit(),
+        "command": " ".join(["benchmarks/pd_vs_colocated.py", *sys.argv[1:]]),
+        "prompts": {"n": args.num_prompts, "input_min": args.input_min,
+                    "input_max": args.input_max, "output_len": args.output_len},
+        "slos_ms": dict(s.split(":") for s in args.slo), "server_logs": str(log_dir),
+    }  # fmt: skip
+    (out / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    plot(rows, out / f"{stem}.png")
+    print(f"wrote {out / stem}.json and .png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

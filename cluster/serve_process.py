@@ -1,0 +1,68 @@
+"""`pdserve serve` as a child process: start it on a free port, wait until /health answers,
+stop it the way an operator does (Ctrl-C), with a deadline on every wait.
+
+Used by the end-to-end tests and by benchmarks that compare deployments (PD vs
+colocated). The server's output goes to a log file, which every error quotes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """One `pdserve serve --port P *args` child, up and healthy once constructed."""
+
+    def __init__(self, log_dir: Path, *args: str, start_timeout_s: float = 300.0) -> None:
+        self.port = free_port()
+        self.log = Path(log_dir) / f"serve-{self.port}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *args],
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited:\n{self.log.read_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.kill()
+        raise RuntimeError(
+            f"server did not come up in {start_timeout_s:.0f} s:\n{self.log.read_text()}"
+        )
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """Ctrl-C, then wait; SIGKILL of the whole group past the deadline (and an error)."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError(f"server did not stop on Ctrl-C:\n{self.log.read_text()}") from None
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
