@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from throughput import git_commit  # noqa: E402
+from run_meta import device_kind, git_commit  # noqa: E402
 
 FIRST_ID = 1000  # as `pdserve bench`: clear of special tokens
 
@@ -152,7 +152,7 @@ def main() -> int:
         rows += run_mode(mode, args, prompts, log_dir)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"pd_vs_colocated_{device.lower().replace(' ', '-')}_{gpus}gpu"
+    stem = f"pd_vs_colocated_{device_kind()}_{gpus}gpu"
     meta = {
         "gpus": gpus, "device": device, "workers": args.workers, "commit": git_commit(),
         "command": " ".join(["benchmarks/pd_vs_colocated.py", *sys.argv[1:]]),

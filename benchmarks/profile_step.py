@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from throughput import Workload, build_model_dir, git_commit, make_prompts  # noqa: E402
+from run_meta import git_commit  # noqa: E402
+from throughput import Workload, build_model_dir, make_prompts  # noqa: E402
 
 
 def main() -> int:

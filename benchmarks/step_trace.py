@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from throughput import WORKLOADS, Workload, build_model_dir, git_commit, make_prompts, run_engine  # noqa: E402
+from run_meta import git_commit  # noqa: E402
+from throughput import WORKLOADS, Workload, build_model_dir, make_prompts, run_engine  # noqa: E402
 
 
 def bucket(prefill_tokens: int, decode_rows: int) -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from run_meta import git_commit
 
 PEAK_FLOPS = 789e12  # bf16 dense GEMM measured on this H200
 PEAK_BYTES = 4.28e12  # device-to-device read+write bandwidth measured on this H200
@@ -169,18 +169,6 @@ def run_hf(model, w: Workload, prompts: list[list[int]]) -> dict:
     }
 
 
-def git_commit() -> str:
-    """PDSERVE_COMMIT when set (a device copy's .git may lag the tree), else git's HEAD."""
-    if os.environ.get("PDSERVE_COMMIT"):
-        return os.environ["PDSERVE_COMMIT"]
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], text=True, cwd=Path(__file__).parent
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -194,8 +182,9 @@ def main() -> int:
     # 16,384: vLLM's own default for offline use (its LLM class) on GPUs of >= 70 GiB such
     # as this H200; the peer runs with the same value. At 8,192 an eager chunked-prefill
     # step of this small model is bound by the host's launches (~28 ms of host vs ~22 ms of
-    # device per step, benchmarks/profile_step.py --phase prefill), so halving the step
-    # count of the prefill phase is worth ~0.2 s of long_prefill's ~1.9 s.
+    # device per step, benchmarks/profile_step.py --phase prefill); at 16,384 the step is
+    # device-bound (long_prefill 1.90 s at fad9d3d -> 1.76 s at 134a581, together with the
+    # fused attention-input kernel).
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--model-dir", default=None, help="reuse a saved model directory")
     ap.add_argument("--out", default="benchmarks/results")

@@ -38,10 +38,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -50,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import zmq
+from run_meta import device_kind, git_commit
 from transfer_setup import (
     LAYOUTS,
     TIMEOUT_S,
@@ -335,25 +333,6 @@ RUNNERS = {"tcp": run_tcp, "local": run_local, "cuda_ipc": run_cuda_ipc, "nccl":
 
 def progress(line: str) -> None:
     print(f"[transfer] {line}", file=sys.stderr, flush=True)
-
-
-def git_commit() -> str:
-    """PDSERVE_COMMIT when set (a device copy's .git may lag the tree), else git's HEAD."""
-    if os.environ.get("PDSERVE_COMMIT"):
-        return os.environ["PDSERVE_COMMIT"]
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], text=True, cwd=Path(__file__).parent
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def device_kind() -> str:
-    """`cpu`, or the GPU's name as a file-name slug (`nvidia-h200`)."""
-    if not torch.cuda.is_available():
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
 
 
 def main() -> int:

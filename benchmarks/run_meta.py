@@ -1,0 +1,29 @@
+"""What every benchmark row records about where it ran: the commit and the device."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def git_commit() -> str:
+    """PDSERVE_COMMIT when set (a device copy's .git may lag the tree), else git's HEAD."""
+    if os.environ.get("PDSERVE_COMMIT"):
+        return os.environ["PDSERVE_COMMIT"]
+    try:
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], text=True, cwd=Path(__file__).parent
+        ).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_kind() -> str:
+    """`cpu`, or the GPU's name as a file-name slug (`nvidia-h200`)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
