@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # One device call (see ../shared/GPU.md): benchmarks, then the GPU-path correctness tests.
 # Run from the repo root on the GPU machine with `.gpu` carried
-# (bash ../shared/tools/gpu-bundle.sh hypothesis sortedcontainers attrs).
+# (bash ../shared/tools/gpu-bundle.sh hypothesis sortedcontainers attrs fastapi uvicorn
+#  starlette pydantic pydantic-core annotated-types typing-inspection anyio sniffio h11 click
+#  typing-extensions: the last ones for `pdserve serve`).
 #   BENCH=throughput|transfer|both|none (default both)   BENCH_ARGS=...   TESTS=0 to skip tests
 set -o pipefail
 OUT=${OUT:-/tmp/pdserve-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
+# Ray (slim) for `pdserve serve` and the PD benchmarks.
+[ -d /tmp/site/ray ] || tar xJf .gpu/ray-*-slim.tar.xz -C /tmp/site
+export RAY_USAGE_STATS_ENABLED=0
 # The image's setuptools editable install does not always map package-dir; a symlink
 # tree gives the same import names without touching the image.
 mkdir -p /tmp/pdpkg/pdserve && cp pdserve/*.py /tmp/pdpkg/pdserve/

@@ -11,10 +11,14 @@ gives each worker a whole GPU when there are enough. The same seeded prompts (ra
 token ids, lengths uniform in [input-min, input-max], forced output length) go to each
 deployment at each Poisson rate through `pdserve bench`'s load generator, and the report
 per (mode, rate) is `pdserve bench`'s: TTFT, TPOT, ITL, goodput (requests per second
-meeting every SLO). Writes `pd_vs_colocated_<device>.json` (with `gpus`, the device, the
-commit and the command) and a PNG of goodput and TTFT p99 against the rate. A benchmark,
-not a test; on a machine without GPUs it runs the same path on the CPU (use a small model
-and short prompts there).
+meeting every SLO). Before the rates, two warm-up prompts are completed greedily one at a
+time in each mode: the modes must agree token for token (`greedy_agree`), which checks the
+KV moved between workers end to end. Writes `pd_vs_colocated_<device-kind>.json` (with
+`gpus`, the device, the commit and the command; rewritten after every rate, so a run cut
+short keeps what it measured) and, with matplotlib, a PNG of goodput and TTFT p99 against
+the rate (`--replot JSON` draws it from the JSON elsewhere). A benchmark, not a test; on
+a machine without GPUs it runs the same path on the CPU (use a small model and short
+prompts there). A model directory for the GPU: `python benchmarks/synthetic_model.py DIR`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import random
 import shlex
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,7 +54,27 @@ def serve_args(mode: str, workers: int, extra: list[str]) -> list[str]:
     return ["--mode", "colocated", "--decode-workers", str(workers), *extra]
 
 
-def run_mode(mode: str, args: argparse.Namespace, prompts: list, log_dir: Path) -> list[dict]:
+def greedy_texts(url: str, model: str, prompts: list, max_tokens: int, timeout_s: float) -> list:
+    """Each prompt's greedy completion, one request at a time (the same batch shapes in
+    every mode, so the modes must agree token for token: the KV moved between GPUs in PD
+    mode is checked end to end)."""
+    import httpx
+
+    out = []
+    for prompt in prompts:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+        r = httpx.post(url + "/v1/completions", json=body, timeout=timeout_s)
+        r.raise_for_status()
+        out.append(r.json()["choices"][0]["text"])
+    return out
+
+
+def run_mode(
+    mode: str, args: argparse.Namespace, prompts: list, log_dir: Path, record: Callable
+) -> tuple[list[dict], list]:
+    """Rows of this mode, one per rate, each also passed to `record(row, texts)` as it
+    lands (a run cut short keeps what it measured); and the greedy completions."""
     from tqdm import tqdm
 
     from pdserve.cluster.bench import BenchConfig, run_load
@@ -71,6 +96,7 @@ def run_mode(mode: str, args: argparse.Namespace, prompts: list, log_dir: Path) 
         )
         with tqdm(total=len(warm), file=sys.stderr, desc=f"{mode} warm-up", unit="req") as bar:
             asyncio.run(run_load(warm_cfg, model, warm, bar))
+        texts = greedy_texts(server.url, model, warm[:2], 32, args.timeout)
         for rate in args.rates:
             cfg = BenchConfig(
                 base_url=server.url, model=model, num_prompts=len(prompts),
@@ -83,9 +109,10 @@ def run_mode(mode: str, args: argparse.Namespace, prompts: list, log_dir: Path) 
             report = aggregate(results, duration, parse_goodput(cfg.goodput))
             rows.append({"mode": mode, "request_rate": rate, **report})
             print(json.dumps(_brief(rows[-1])), flush=True)
+            record(rows[-1], texts)
     finally:
         server.stop()
-    return rows
+    return rows, texts
 
 
 def _brief(row: dict) -> dict:
@@ -100,7 +127,11 @@ def _brief(row: dict) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the GPU image has none: `--replot JSON` draws it elsewhere
+        print(f"matplotlib missing: no {path.name}; run --replot on the JSON", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -136,7 +167,12 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--replot", default=None, metavar="JSON", help="only draw the PNG of a run")
     args = ap.parse_args()
+    if args.replot:
+        path = Path(args.replot)
+        plot(json.loads(path.read_text())["rows"], path.with_suffix(".png"))
+        return 0
     args.rates = [float(r) for r in args.rates.split(",")]
     if not 0 < args.input_min <= args.input_max or args.num_prompts < 1:
         ap.error("need 0 < --input-min <= --input-max and --num-prompts >= 1")
@@ -147,12 +183,9 @@ def main() -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = torch.cuda.get_device_name() if gpus else "cpu"
     log_dir = Path(tempfile.mkdtemp(prefix="pd-vs-colocated-"))
-    rows = []
-    for mode in args.modes.split(","):
-        rows += run_mode(mode, args, prompts, log_dir)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"pd_vs_colocated_{device_kind()}_{gpus}gpu"
+    stem = f"pd_vs_colocated_{device_kind()}"
     meta = {
         "gpus": gpus, "device": device, "workers": args.workers, "commit": git_commit(),
         "command": " ".join(["benchmarks/pd_vs_colocated.py", *sys.argv[1:]]),
@@ -160,9 +193,23 @@ def main() -> int:
                     "input_max": args.input_max, "output_len": args.output_len},
         "slos_ms": dict(s.split(":") for s in args.slo), "server_logs": str(log_dir),
     }  # fmt: skip
-    (out / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    rows: list[dict] = []
+    greedy: dict[str, list] = {}
+
+    def record(row: dict, texts: list) -> None:
+        rows.append(row)
+        greedy[row["mode"]] = texts
+        agree = len({json.dumps(t) for t in greedy.values()}) == 1 if len(greedy) > 1 else None
+        doc = {**meta, "greedy_agree": agree, "greedy_texts": greedy, "rows": rows}
+        (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+
+    for mode in args.modes.split(","):
+        run_mode(mode, args, prompts, log_dir, record)
+    if len(greedy) > 1:
+        agree = len({json.dumps(t) for t in greedy.values()}) == 1
+        print(f"greedy completions agree across modes: {agree}", file=sys.stderr)
     plot(rows, out / f"{stem}.png")
-    print(f"wrote {out / stem}.json and .png", file=sys.stderr)
+    print(f"wrote {out / stem}.json (and .png with matplotlib)", file=sys.stderr)
     return 0
 
 

@@ -23,7 +23,10 @@ def git_commit() -> str:
 
 
 def device_kind() -> str:
-    """`cpu`, or the GPU's name as a file-name slug (`nvidia-h200`)."""
+    """`cpu`, or the GPU's name as a file-name slug (`nvidia-h200`), with `-x<N>` for N > 1
+    GPUs (`nvidia-h200-x2`, as the device tool names its machines)."""
     if not torch.cuda.is_available():
         return "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+    slug = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+    n = torch.cuda.device_count()
+    return slug if n == 1 else f"{slug}-x{n}"

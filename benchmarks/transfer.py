@@ -12,9 +12,11 @@ is checked unit by unit), then `--reps` timed pulls; the median is reported.
 | tcp | two, CPU, loopback | one pyzmq frame between the same two processes |
 | local | one (GPU if present) | one `torch` copy of a contiguous buffer |
 | cuda_ipc | two, one GPU | one device-to-device copy |
-| nccl | two, two GPUs | one `dist.send`/`recv` of a contiguous buffer |
+| cuda_ipc_peer | two, source on GPU 0, puller on GPU 1 | one peer copy GPU 0 -> 1 |
+| nccl | two, two GPUs | one peer copy GPU 0 -> 1 (and `send_recv_*`: one `dist.send`/`recv`) |
 
-cuda_ipc runs only with a GPU, nccl only with two (skipped with a note otherwise). Rows
+cuda_ipc runs only with a GPU, cuda_ipc_peer and nccl only with two (skipped with a note
+otherwise); their rows say `transport: cuda_ipc` / `nccl` with `src_device`/`dst_device`. Rows
 (`transport, layout, tokens, bytes, GBps, baseline_GBps, latency_ms, device, commit,
 command`, plus the baseline's name and latency) are printed one JSON object per line and
 written as a list to `<out>/transfer_<device-kind>.json`. `latency_ms` / `GBps` are end to
@@ -28,7 +30,7 @@ it is all queued, so what `latency_ms` adds to it is the per-pull host cost; and
 `--threads` pins torch's CPU threads per process. The layouts, requests and the source
 process live in benchmarks/transfer_setup.py.
 
-    python benchmarks/transfer.py [--transports tcp,local,cuda_ipc,nccl] \
+    python benchmarks/transfer.py [--transports tcp,local,cuda_ipc,cuda_ipc_peer,nccl] \
         [--layouts paged_gqa,hybrid] [--reps 5] [--p2p-backend nccl|gloo] [--threads N] \
         [--out benchmarks/results]
 """
@@ -121,7 +123,15 @@ def device_ms(enqueue: Callable[[], torch.cuda.Event | None], reps: int, device:
 
 
 def _sync_for(device: str) -> Callable[[], None]:
-    return torch.cuda.synchronize if device.startswith("cuda") else lambda: None
+    """Waits for every GPU: a two-GPU case's work runs on both."""
+    if not device.startswith("cuda"):
+        return lambda: None
+
+    def sync() -> None:
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
+
+    return sync
 
 
 def _device_name(device: str) -> str:
@@ -134,7 +144,8 @@ BASELINES = {
     "tcp": "raw pyzmq frame",
     "local": "torch copy",
     "cuda_ipc": "device-to-device copy",
-    "nccl": "raw dist.send/recv",
+    "cuda_ipc_peer": "peer copy cuda:0 -> cuda:1",
+    "nccl": "peer copy cuda:0 -> cuda:1",
 }
 
 
@@ -146,10 +157,13 @@ def pull_cases(
     device: str,
     baseline: Callable[[int], None],
     device_work: DeviceWork | None = None,
+    extra_baselines: dict[str, Callable[[int], None]] | None = None,
+    baseline_name: str | None = None,
 ) -> list[dict]:
     """Pull every request of every layout (one transport per layout) into `device`, and
     time `baseline(nbytes)` on the same byte count right after; with `device_work`, also
-    the GPU time of the pull's device work (`device_ms`)."""
+    the GPU time of the pull's device work (`device_ms`); each of `extra_baselines` adds
+    `<name>_GBps` / `<name>_latency_ms`."""
     rows = []
     sync = _sync_for(device)
     for name in run.layout_names:
@@ -168,6 +182,11 @@ def pull_cases(
             if run.profile_pulls:
                 profile_host(transport, spec, dst, run.profile_pulls, sync)
             t_base = median_s(functools.partial(baseline, nbytes), run.reps, sync)
+            extra = {}
+            for key, fn in (extra_baselines or {}).items():
+                t_extra = median_s(functools.partial(fn, nbytes), run.reps, sync)
+                extra[f"{key}_GBps"] = nbytes / t_extra / 1e9
+                extra[f"{key}_latency_ms"] = t_extra * 1e3
             timed_device = {}
             if device_work is not None:
                 ms = device_ms(device_work(transport, spec, dst), run.reps, device)
@@ -180,16 +199,21 @@ def pull_cases(
                 }
             rows.append(
                 {
-                    "transport": transport_name,
+                    "transport": transport_name.removesuffix("_peer"),
+                    "src_device": device
+                    if transport_name == "local"
+                    else run.source_device(transport_name),
+                    "dst_device": device,
                     "layout": name,
                     "tokens": req.tokens,
                     "bytes": nbytes,
                     "GBps": nbytes / t / 1e9,
-                    "baseline": BASELINES[transport_name],
+                    "baseline": baseline_name or BASELINES[transport_name],
                     "baseline_GBps": nbytes / t_base / 1e9,
                     "latency_ms": t * 1e3,
                     "baseline_latency_ms": t_base * 1e3,
                     **timed_device,
+                    **extra,
                     "reps": run.reps,
                     "threads": torch.get_num_threads(),
                     "device": _device_name(device),
@@ -258,12 +282,17 @@ def p2p_baseline(endpoint: str, device: str) -> Callable[[int], None]:
     return fetch
 
 
-def copy_baseline(device: str) -> Callable[[int], None]:
+def copy_baseline(device: str, src_device: str | None = None) -> Callable[[int], None]:
+    """One copy of a contiguous buffer into `device`, from `src_device` (default: the same
+    device; another GPU makes it a peer copy, torch's copy-engine path)."""
     bufs: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def copy(nbytes: int) -> None:
         if nbytes not in bufs:
-            bufs[nbytes] = tuple(torch.ones(nbytes, dtype=torch.uint8, device=device) for _ in "ab")
+            bufs[nbytes] = tuple(
+                torch.ones(nbytes, dtype=torch.uint8, device=d)
+                for d in (src_device or device, device)
+            )
         src, dst = bufs[nbytes]
         dst.copy_(src)
 
@@ -310,6 +339,18 @@ def run_cuda_ipc(run: Run) -> list[dict]:
         )  # fmt: skip
 
 
+def run_cuda_ipc_peer(run: Run) -> list[dict]:
+    """cuda_ipc between two GPUs: the source process's cache on cuda:0, this process pulls
+    into cuda:1 (its copy kernel on cuda:1 reads cuda:0's memory over the link)."""
+    from pdserve.kvtransfer.transport_cuda_ipc import CudaIpcTransport
+
+    with source_process("cuda_ipc_peer", run) as eps:
+        return pull_cases(
+            "cuda_ipc_peer", lambda layout: CudaIpcTransport("D", layout), eps["layouts"], run,
+            "cuda:1", copy_baseline("cuda:1", "cuda:0"), ipc_device_work,
+        )  # fmt: skip
+
+
 def run_nccl(run: Run) -> list[dict]:
     """Source rank 0 on GPU 0, puller rank 1 (this process) on GPU 1; with the gloo
     backend both on the CPU."""
@@ -320,15 +361,26 @@ def run_nccl(run: Run) -> list[dict]:
     join_group = functools.partial(init_group, run.p2p_backend, port, 1, device)
     with source_process("nccl", run, port, join_group) as eps:
         try:
+            if device == "cpu":
+                base, extra, name = p2p_baseline(eps["raw"], device), {}, "raw dist.send/recv"
+            else:  # the headline baseline is a plain peer copy, send/recv rides along
+                base, name = copy_baseline(device, "cuda:0"), None
+                extra = {"send_recv": p2p_baseline(eps["raw"], device)}
             return pull_cases(
                 "nccl", lambda layout: NcclTransport("D", layout), eps["layouts"], run, device,
-                p2p_baseline(eps["raw"], device),
+                base, extra_baselines=extra, baseline_name=name,
             )  # fmt: skip
         finally:
             dist.destroy_process_group()
 
 
-RUNNERS = {"tcp": run_tcp, "local": run_local, "cuda_ipc": run_cuda_ipc, "nccl": run_nccl}
+RUNNERS = {
+    "tcp": run_tcp,
+    "local": run_local,
+    "cuda_ipc": run_cuda_ipc,
+    "cuda_ipc_peer": run_cuda_ipc_peer,
+    "nccl": run_nccl,
+}
 
 
 def progress(line: str) -> None:
@@ -337,7 +389,7 @@ def progress(line: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--transports", default="tcp,local,cuda_ipc,nccl")
+    ap.add_argument("--transports", default="tcp,local,cuda_ipc,cuda_ipc_peer,nccl")
     ap.add_argument("--layouts", default="paged_gqa", help=f"of {sorted(LAYOUTS)}")
     ap.add_argument("--reps", type=int, default=5, help="timed pulls per case (median)")
     ap.add_argument(
@@ -369,13 +421,15 @@ def main() -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     rows = []
     for name in transports:
-        needs = {"cuda_ipc": 1, "nccl": 2 if run.p2p_backend == "nccl" else 0}.get(name, 0)
+        needs = {"cuda_ipc": 1, "cuda_ipc_peer": 2, "nccl": 2 if run.p2p_backend == "nccl" else 0}
+        needs = needs.get(name, 0)
         if gpus < needs:
             progress(f"{name}: skipped, needs {needs} GPU(s), found {gpus}")
             continue
         for row in RUNNERS[name](run):
             if name == "nccl":
                 row["p2p_backend"] = run.p2p_backend
+            row["gpus"] = gpus
             row.update(meta)
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -178,7 +178,7 @@ def serve(kind: str, run: Run, threads: int, pg_port: int, q: mp.Queue, done: mp
         if kind == "tcp":
             server = KVSourceServer(source)
             endpoints[name] = server.endpoint
-        elif kind == "cuda_ipc":
+        elif kind in ("cuda_ipc", "cuda_ipc_peer"):
             from pdserve.kvtransfer.transport_cuda_ipc import export_storages
 
             server = KVSourceServer(source, ipc_export=export_storages(storages))
@@ -189,19 +189,20 @@ def serve(kind: str, run: Run, threads: int, pg_port: int, q: mp.Queue, done: mp
             server = NcclSourceServer(source, send_timeout_s=TIMEOUT_S)
             endpoints[name] = server.ticket_endpoint
         servers.append(server)
-    # The baseline's sender; cuda_ipc's baseline is a copy in the puller's process.
+    # The baseline's sender; cuda_ipc's baselines are copies in the puller's process.
     raw = zmq.Context.instance().socket(zmq.REP)
     raw.setsockopt(zmq.LINGER, 0)
     raw.bind("tcp://127.0.0.1:0")
     stop = threading.Event()
-    if kind != "cuda_ipc":
+    ipc = kind.startswith("cuda_ipc")
+    if not ipc:
         buf = torch.ones(max_bytes, dtype=torch.uint8, device=device)
         sender = threading.Thread(target=_raw_sender, args=(kind, buf, raw, stop), daemon=True)
         sender.start()
     q.put({"layouts": endpoints, "raw": raw.getsockopt_string(zmq.LAST_ENDPOINT)})
     done.wait()
     stop.set()
-    if kind != "cuda_ipc":
+    if not ipc:
         sender.join(5)
     raw.close()
     for server in servers:

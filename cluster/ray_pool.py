@@ -51,9 +51,17 @@ class RayWorkerHandle:
         return await self._await(self.actor.stats.remote())
 
 
+def actor_options(spec: PoolSpec, worker_id: str) -> dict:
+    """Ray options of a worker actor: its GPU share, name and extra environment."""
+    opts = dict(num_cpus=0, num_gpus=spec.gpus_per_worker, name=f"pdserve-{worker_id}")
+    if spec.actor_env:
+        opts["runtime_env"] = {"env_vars": dict(spec.actor_env)}
+    return opts
+
+
 def start_worker(spec: PoolSpec, role: str, worker_id: str):
     """A new worker actor (not waited for: await its `info` to know it is up)."""
-    opts = dict(num_cpus=0, num_gpus=spec.gpus_per_worker, name=f"pdserve-{worker_id}")
+    opts = actor_options(spec, worker_id)
     dist_spec = spec.dist_spec(role, worker_id)
     if role == "decode":
         actor = (
@@ -98,6 +106,7 @@ class PoolSpec:
     tier: object | None = None  # the KV tier actor's handle, if there is one
     kv_transport: str = "tcp"  # "tcp" | "cuda_ipc" | "nccl"
     dist_init_method: str | None = None  # nccl: where the KV transfer group meets
+    actor_env: dict | None = None  # extra environment of worker actors (gpu_binding)
 
     def dist_spec(self, role: str, worker_id: str) -> dict | None:
         """nccl: this worker's place in the KV transfer group (decode workers first)."""

@@ -50,6 +50,7 @@ def run_serve(cfg: ServeConfig) -> int:
     import uvicorn
 
     from pdserve.cluster.controller import Controller
+    from pdserve.cluster.gpu_binding import actor_env, node_gpu_ids
     from pdserve.cluster.http_app import AppState, build_app
     from pdserve.cluster.membership import sync_members
     from pdserve.cluster.metrics import Metrics
@@ -78,6 +79,7 @@ def run_serve(cfg: ServeConfig) -> int:
         model=ecfg.model.path, dtype=cfg.dtype, device=cfg.device,
         max_model_len=ecfg.model.max_model_len, block_size=cfg.block_size,
         max_num_seqs=cfg.max_num_seqs, runner=cfg.runner,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
     )  # fmt: skip
     gpu = torch.cuda.is_available() and cfg.device != "cpu"
     if cfg.kv_transport == "cuda_ipc" and not gpu:
@@ -120,6 +122,8 @@ def run_serve(cfg: ServeConfig) -> int:
         dist_init_method=(
             f"tcp://127.0.0.1:{_free_port('127.0.0.1')}" if cfg.kv_transport == "nccl" else None
         ),
+        # Whole-GPU workers see the node's other GPUs too (cuda_ipc between GPUs).
+        actor_env=actor_env(node_gpu_ids(num_gpus)) if gpus_per_worker >= 1 < num_gpus else None,
     )
     controller = (
         ray.remote(Controller)

@@ -19,6 +19,7 @@ class ServeConfig:
     max_model_len: int | None = 4096
     block_size: int = 16
     max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # tokens per engine step (prefill chunks + decodes)
     runner: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
@@ -44,6 +45,14 @@ class ServeConfig:
             raise ValueError(
                 f"--kv-transport must be tcp, cuda_ipc or nccl, got {self.kv_transport!r}"
             )
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
 
@@ -61,6 +70,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"tokens per engine step (default {d.max_num_batched_tokens})",
+    )
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help=f"share of each GPU for weights + KV cache (default {d.gpu_memory_utilization})")  # fmt: skip
     p.add_argument("--runner", choices=["auto", "mrv2", "reference"], default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)

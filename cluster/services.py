@@ -14,6 +14,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from pdserve.cluster.gpu_binding import bind_visible_gpus
 from pdserve.cluster.tier_actor import TierClient
 from pdserve.cluster.token_stream import TokenPublisher, delta_from_engine
 from pdserve.cluster.wire import WorkRequest
@@ -105,6 +106,7 @@ class DecodeService(_Service):
         dist_spec: dict | None = None,
     ) -> None:
         self.worker_id = worker_id
+        bind_visible_gpus()  # before CUDA starts (a no-op outside whole-GPU actors)
         in_group = join_kv_group(dist_spec)
         tier = TierClient(tier_actor) if tier_actor is not None else None
         self.worker = DecodeWorker(engine_kwargs, worker_id, {}, policy, transfer_timeout_s, tier)
@@ -163,6 +165,7 @@ class PrefillService(_Service):
         dist_spec: dict | None = None,
     ) -> None:
         self.worker_id = worker_id
+        bind_visible_gpus()  # before CUDA starts (a no-op outside whole-GPU actors)
         in_group = join_kv_group(dist_spec)
         engine = Engine.from_args(**engine_kwargs)
         tier = TierClient(tier_actor) if tier_actor is not None else None

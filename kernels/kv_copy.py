@@ -139,7 +139,7 @@ def _launch(
     word = word_bytes_for(src, dst)
     src_words, dst_words = bitwise_view(src, word), bitwise_view(dst, word)
     num_words = src_words.shape[2]
-    block, chunk = launch_shape(n * num_layers, num_words, _num_sms(src.device))
+    block, chunk = launch_shape(n * num_layers, num_words, _num_sms(dst.device))
     chunks_per_row = triton.cdiv(num_words, chunk)
     num_programs = n * num_layers * chunks_per_row
     assert num_programs <= _MAX_GRID_X, f"{num_programs} programs pass CUDA's grid x limit"
@@ -159,12 +159,21 @@ def copy_units_triton(
 
 
 def copy_units_direct(
-    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor
+    src: torch.Tensor,
+    src_ids: torch.Tensor,
+    dst: torch.Tensor,
+    dst_ids: torch.Tensor,
+    peer: bool = False,
 ) -> None:
-    """CUDA tensors on one device -> the Triton kernel; otherwise the torch reference."""
+    """CUDA tensors on one device -> the Triton kernel; with `peer` (the caller enabled
+    peer access between two CUDA devices), the kernel on dst's device reading src over
+    the link, ids on dst's device; otherwise the torch reference."""
     _check(src, src_ids, dst, dst_ids)
     if src.is_cuda and src.device == dst.device:
         _launch(src, src_ids, dst, dst_ids)
+    elif peer and src.is_cuda and dst.is_cuda:
+        with torch.cuda.device(dst.device):
+            _launch(src, src_ids, dst, dst_ids)
     else:
         copy_units_ref(src, src_ids, dst, dst_ids)
 

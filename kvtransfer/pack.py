@@ -136,9 +136,14 @@ class UnitCopy:
     src_ids: Sequence[int]
     dst: GroupStorage
     dst_ids: Sequence[int]
+    # src and dst on two CUDA devices whose peer access the caller has enabled: the kernel
+    # runs on dst's device and reads src across the link (cuda_ipc between two GPUs).
+    peer: bool = False
 
-    def on_one_cuda_device(self) -> bool:
-        return self.src.device.type == "cuda" and self.src.device == self.dst.device
+    def on_gpu(self) -> bool:
+        """Copied by the kernel: both on one CUDA device, or on two peers."""
+        src, dst = self.src.device, self.dst.device
+        return src.type == "cuda" and (src == dst or (self.peer and dst.type == "cuda"))
 
 
 def copy_units(
@@ -178,7 +183,7 @@ def copy_groups(copies: Sequence[UnitCopy], staging: IdStaging | None = None) ->
             # One gather/scatter kernel per tensor, however scattered the units are.
             s_ids, d_ids = device_ids[k]
             for src_table, dst_table in tables:
-                copy_units_direct(src_table, s_ids, dst_table, d_ids)
+                copy_units_direct(src_table, s_ids, dst_table, d_ids, peer=c.peer)
             descriptors += len(tables)
             continue
         runs = unit_runs(c.src_ids, c.dst_ids)
@@ -195,9 +200,11 @@ def _device_ids(
     checked: list[tuple[np.ndarray, np.ndarray]],
     staging: IdStaging | None,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Device (src, dst) id tensors of the copies that one CUDA device covers, by index."""
-    direct = [k for k, c in enumerate(copies) if c.on_one_cuda_device()]
-    staged = [k for k in direct if staging is not None and copies[k].src.device == staging.device]
+    """Device (src, dst) id tensors, on the destination's device, of the copies the kernel
+    does, by index."""
+    direct = [k for k, c in enumerate(copies) if c.on_gpu()]
+    # The ids go where the kernel runs: the destination's device.
+    staged = [k for k in direct if staging is not None and copies[k].dst.device == staging.device]
     out = {}
     if staged:
         assert staging is not None
@@ -209,7 +216,7 @@ def _device_ids(
         out = {k: (views[2 * j], views[2 * j + 1]) for j, k in enumerate(staged)}
     for k in direct:
         if k not in out:
-            both = torch.from_numpy(np.stack(checked[k])).to(copies[k].src.device)
+            both = torch.from_numpy(np.stack(checked[k])).to(copies[k].dst.device)
             out[k] = (both[0], both[1])  # one small synchronous copy for both
     return out
 

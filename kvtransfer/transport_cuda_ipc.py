@@ -18,6 +18,7 @@ Endpoints read `cuda_ipc+tcp://host:port`: the control socket is the tcp part.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -44,6 +45,9 @@ def export_tensor(t: torch.Tensor) -> dict:
     )
     return {
         "device": int(device),
+        # Indices differ between processes that see the GPUs in other orders (a worker
+        # sees its own GPU as cuda:0): the importer finds the GPU by UUID.
+        "device_uuid": str(torch.cuda.get_device_properties(int(device)).uuid),
         "handle": bytes(handle),
         "size_bytes": int(size_bytes),
         "offset_bytes": int(offset_bytes),
@@ -62,10 +66,42 @@ def export_storages(storages: Sequence[GroupStorage]) -> dict:
     return {"tensors": [[export_tensor(t) for t in s.tensors] for s in storages]}
 
 
+def local_device_index(d: dict) -> int:
+    """This process's index of the exporter's GPU (by UUID; the exporter's own index when
+    the export names none)."""
+    uuid = d.get("device_uuid")
+    if uuid is None:
+        return int(d["device"])
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return i
+    raise TransferError(
+        "ipc_unavailable",
+        f"the source's GPU {uuid} is not visible to this process "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})",
+    )
+
+
+def enable_peer_access(a: torch.device, b: torch.device) -> None:
+    """Let kernels on either GPU read and write the other's memory. torch enables peer
+    access (once per pair, then cached) on a copy between two devices; a 1-byte copy each
+    way between scratch tensors of this process triggers it without touching the source's
+    memory."""
+    if a == b:
+        return
+    if not torch.cuda.can_device_access_peer(a, b):
+        raise TransferError("ipc_unavailable", f"{a} and {b} have no peer access")
+    x = torch.zeros(1, dtype=torch.uint8, device=a)
+    y = torch.zeros(1, dtype=torch.uint8, device=b)
+    y.copy_(x)
+    x.copy_(y)
+
+
 def import_tensor(d: dict) -> torch.Tensor:
+    device = local_device_index(d)
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
-            d["device"],
+            device,
             d["handle"],
             d["size_bytes"],
             d["offset_bytes"],
@@ -74,7 +110,7 @@ def import_tensor(d: dict) -> torch.Tensor:
             d["event_handle"],
             d["event_sync"],
         )
-        t = torch.empty(0, dtype=DTYPES[d["dtype"]], device=f"cuda:{d['device']}")
+        t = torch.empty(0, dtype=DTYPES[d["dtype"]], device=f"cuda:{device}")
         return t.set_(storage, d["storage_offset"], d["shape"], d["stride"])
     except (KeyError, TypeError, RuntimeError) as e:
         raise TransferError("ipc_unavailable", f"cannot map the exported tensor: {e}") from e
@@ -110,6 +146,7 @@ class CudaIpcTransport(ZmqClient):
         self._map_lock = threading.Lock()
         self._side = threading.local()
         self._stagings = IdStagingPool()
+        self._peers: set[tuple[torch.device, torch.device]] = set()  # peer access enabled
 
     def _sources(self, endpoint: str, deadline: float) -> tuple[GroupStorage, ...]:
         with self._map_lock:
@@ -131,6 +168,11 @@ class CudaIpcTransport(ZmqClient):
         with self._map_lock:
             self._mapped[endpoint] = mapped
         return mapped
+
+    def _ensure_peer(self, src: torch.device, dst: torch.device) -> None:
+        if src != dst and (src, dst) not in self._peers:
+            enable_peer_access(src, dst)
+            self._peers.add((src, dst))
 
     def _side_stream(self, device: torch.device) -> _SideStream:
         sides = self._side.__dict__.setdefault("sides", {})
@@ -161,6 +203,7 @@ class CudaIpcTransport(ZmqClient):
         if cancel is not None and cancel.is_set():
             raise TransferError("cancelled", f"pull of {ticket.request_id} cancelled")
         device = dst[0].device
+        self._ensure_peer(sources[0].device, device)
         side = self._side_stream(device)
         side.ready.record(torch.cuda.current_stream(device))
         side.stream.wait_event(side.ready)
@@ -169,7 +212,8 @@ class CudaIpcTransport(ZmqClient):
         for g, (src, d) in enumerate(zip(sources, dst, strict=True)):
             first = spec.first_units[g]
             src_ids = ticket.group_unit_ids[g][first:]
-            copies.append(UnitCopy(src, src_ids, d, spec.dst_unit_ids[g][first:]))
+            peer = src.device != d.device  # _ensure_peer enabled it
+            copies.append(UnitCopy(src, src_ids, d, spec.dst_unit_ids[g][first:], peer))
             moved += len(src_ids) * src.group.unit_bytes()
         with torch.cuda.stream(side.stream):
             copy_groups(copies, self._stagings.for_stream(side.stream))

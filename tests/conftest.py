@@ -3,6 +3,7 @@ with save_pretrained, and transformers' greedy `generate` as the oracle."""
 
 from __future__ import annotations
 
+import glob
 import os
 
 
@@ -18,8 +19,17 @@ if not _cuda_present():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# GPU-only test modules are not collected without a GPU (rather than collected and skipped).
-collect_ignore = (
+
+def _num_gpus() -> int:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([g for g in visible.split(",") if g.strip()])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+# GPU-only test modules are not collected without a GPU (rather than collected and skipped);
+# two-GPU ones not without two.
+collect_ignore = ([] if _num_gpus() >= 2 else ["test_gpu_peer_ipc.py"]) + (
     []
     if _cuda_present()
     else [

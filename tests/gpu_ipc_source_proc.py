@@ -1,6 +1,6 @@
 """Serving side of tests/test_gpu_cuda_ipc.py, in its own process: CUDA KV storages filled
 from a seed, a lease on given units, a KVSourceServer exporting CUDA IPC handles. Prints
-the endpoint, serves until stdin closes."""
+the endpoint, serves until stdin closes. Usage: gpu_ipc_source_proc.py LAYOUT [DEVICE]."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from gpu_ipc_layouts import LAYOUTS, UNITS, fill  # noqa: E402
 
 def main() -> None:
     name = sys.argv[1]
+    device = sys.argv[2] if len(sys.argv) > 2 else "cuda"  # the storages' device
     layout, sizes = LAYOUTS[name]
-    storages = tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes))
+    storages = tuple(g.allocate(n, device) for g, n in zip(layout.groups, sizes))
     fill(storages, seed=7)
     leases = LeaseTable(60.0)
     leases.add("r", [list(u) for u in UNITS[name][0]], 100)
