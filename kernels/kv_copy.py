@@ -139,7 +139,7 @@ def _launch(
     word = word_bytes_for(src, dst)
     src_words, dst_words = bitwise_view(src, word), bitwise_view(dst, word)
     num_words = src_words.shape[2]
-    block, chunk = launch_shape(n * num_layers, num_words, _num_sms(dst.device))
+    block, chunk = launch_shape(n * num_layers, num_words, _num_sms(src.device))
     chunks_per_row = triton.cdiv(num_words, chunk)
     num_programs = n * num_layers * chunks_per_row
     assert num_programs <= _MAX_GRID_X, f"{num_programs} programs pass CUDA's grid x limit"
@@ -166,13 +166,18 @@ def copy_units_direct(
     peer: bool = False,
 ) -> None:
     """CUDA tensors on one device -> the Triton kernel; with `peer` (the caller enabled
-    peer access between two CUDA devices), the kernel on dst's device reading src over
-    the link, ids on dst's device; otherwise the torch reference."""
+    peer access between two CUDA devices), the kernel on src's device writing dst over
+    the link, ids on src's device; otherwise the torch reference.
+
+    Why the source's device: a CUDA IPC mapping of another process's memory is usable
+    only from the device it was opened on (Triton refuses its pointer in another device's
+    context, H200 x2), while plain allocations of a peer are fine both ways. Writing
+    over NVLink measured as fast as reading (338 vs 342 GB/s, benchmarks/peer_copy.py)."""
     _check(src, src_ids, dst, dst_ids)
     if src.is_cuda and src.device == dst.device:
         _launch(src, src_ids, dst, dst_ids)
     elif peer and src.is_cuda and dst.is_cuda:
-        with torch.cuda.device(dst.device):
+        with torch.cuda.device(src.device):
             _launch(src, src_ids, dst, dst_ids)
     else:
         copy_units_ref(src, src_ids, dst, dst_ids)

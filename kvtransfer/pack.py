@@ -137,7 +137,7 @@ class UnitCopy:
     dst: GroupStorage
     dst_ids: Sequence[int]
     # src and dst on two CUDA devices whose peer access the caller has enabled: the kernel
-    # runs on dst's device and reads src across the link (cuda_ipc between two GPUs).
+    # runs on src's device and writes dst across the link (cuda_ipc between two GPUs).
     peer: bool = False
 
     def on_gpu(self) -> bool:
@@ -200,11 +200,10 @@ def _device_ids(
     checked: list[tuple[np.ndarray, np.ndarray]],
     staging: IdStaging | None,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Device (src, dst) id tensors, on the destination's device, of the copies the kernel
-    does, by index."""
+    """Device (src, dst) id tensors, on the source's device (where the kernel runs), of the
+    copies the kernel does, by index."""
     direct = [k for k, c in enumerate(copies) if c.on_gpu()]
-    # The ids go where the kernel runs: the destination's device.
-    staged = [k for k in direct if staging is not None and copies[k].dst.device == staging.device]
+    staged = [k for k in direct if staging is not None and copies[k].src.device == staging.device]
     out = {}
     if staged:
         assert staging is not None
@@ -216,7 +215,7 @@ def _device_ids(
         out = {k: (views[2 * j], views[2 * j + 1]) for j, k in enumerate(staged)}
     for k in direct:
         if k not in out:
-            both = torch.from_numpy(np.stack(checked[k])).to(copies[k].dst.device)
+            both = torch.from_numpy(np.stack(checked[k])).to(copies[k].src.device)
             out[k] = (both[0], both[1])  # one small synchronous copy for both
     return out
 

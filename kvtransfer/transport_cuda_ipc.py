@@ -10,8 +10,13 @@ call's deadline.
 
 Per pull the host does little: the unit ids cross to the GPU in one asynchronous copy
 from a pinned buffer (`IdStaging`), and the side stream and its two events are made once
-per thread and device, not per pull. Pulls from several threads (the decode loader's
+per thread and (source, destination) device pair, not per pull. Pulls from several threads (the decode loader's
 pool) each use their own stream, events and staging buffers, so they need no lock.
+
+Between two GPUs of a node (peer access over NVLink): the export names its GPU by UUID, so
+processes that number the GPUs differently agree on it; peer access is enabled once per
+pair, and the copy kernel runs on the source's GPU, where the mapping lives, writing the
+destination's memory across the link.
 
 Endpoints read `cuda_ipc+tcp://host:port`: the control socket is the tcp part.
 """
@@ -125,7 +130,9 @@ class QueuedPull:
 
 
 class _SideStream:
-    """What one thread reuses across its pulls to one device."""
+    """What one thread reuses across its pulls from one device to one device. The copies
+    run on the source's device (for a mapping of another GPU, the one device that may use
+    it: kernels/kv_copy.py); `ready` is recorded on the destination's stream."""
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
@@ -174,11 +181,11 @@ class CudaIpcTransport(ZmqClient):
             enable_peer_access(src, dst)
             self._peers.add((src, dst))
 
-    def _side_stream(self, device: torch.device) -> _SideStream:
+    def _side_stream(self, src: torch.device, dst: torch.device) -> _SideStream:
         sides = self._side.__dict__.setdefault("sides", {})
-        side = sides.get(device)
+        side = sides.get((src, dst))
         if side is None:
-            side = sides[device] = _SideStream(device)
+            side = sides[(src, dst)] = _SideStream(src)
         return side
 
     def enqueue_pull(
@@ -204,7 +211,7 @@ class CudaIpcTransport(ZmqClient):
             raise TransferError("cancelled", f"pull of {ticket.request_id} cancelled")
         device = dst[0].device
         self._ensure_peer(sources[0].device, device)
-        side = self._side_stream(device)
+        side = self._side_stream(sources[0].device, device)
         side.ready.record(torch.cuda.current_stream(device))
         side.stream.wait_event(side.ready)
         copies = []
