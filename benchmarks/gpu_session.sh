@@ -12,6 +12,8 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
 # Ray (slim) for `pdserve serve` and the PD benchmarks.
 [ -d /tmp/site/ray ] || tar xJf .gpu/ray-*-slim.tar.xz -C /tmp/site
+# The slim tarball comes from an unzipped wheel, which drops the executable bits.
+chmod +x /tmp/site/ray/core/src/ray/gcs/gcs_server /tmp/site/ray/core/src/ray/raylet/raylet
 export RAY_USAGE_STATS_ENABLED=0
 # The image's setuptools editable install does not always map package-dir; a symlink
 # tree gives the same import names without touching the image.

@@ -38,6 +38,7 @@ process live in benchmarks/transfer_setup.py.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import json
 import statistics
@@ -402,8 +403,14 @@ def main() -> int:
         "--threads", type=int, default=0, help="torch CPU threads per process (0: default)"
     )
     ap.add_argument("--profile-pulls", type=int, default=0, help="also profile N pulls per case")
+    ap.add_argument(
+        "--hang-dump-s", type=float, default=0.0,
+        help="print every thread's stack in both processes after this many seconds (a hang)",
+    )  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
+    if args.hang_dump_s > 0:
+        faulthandler.dump_traceback_later(args.hang_dump_s)
     transports = args.transports.split(",")
     layout_names = args.layouts.split(",")
     for bad, known in (
@@ -417,7 +424,9 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     meta = {"commit": git_commit(), "command": " ".join(["benchmarks/transfer.py", *sys.argv[1:]])}
-    run = Run(tuple(layout_names), args.reps, args.p2p_backend, args.profile_pulls)
+    run = Run(
+        tuple(layout_names), args.reps, args.p2p_backend, args.profile_pulls, args.hang_dump_s
+    )
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     rows = []
     for name in transports:

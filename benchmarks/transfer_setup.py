@@ -8,6 +8,7 @@ Not a test, and it measures nothing itself.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import math
 import multiprocessing as mp
 import socket
@@ -55,6 +56,7 @@ class Run:
     reps: int
     p2p_backend: str  # "nccl" (GPUs 0 -> 1), or "gloo" (CPU: the nccl transport's path on CPU)
     profile_pulls: int = 0  # > 0: also run this many pulls per case under cProfile
+    hang_dump_s: float = 0.0  # > 0: both processes print every thread's stack after this long
 
     def source_device(self, kind: str) -> str:
         if kind == "tcp" or (kind == "nccl" and self.p2p_backend == "gloo"):
@@ -162,6 +164,8 @@ def serve(kind: str, run: Run, threads: int, pg_port: int, q: mp.Queue, done: mp
     from pdserve.kvtransfer.server import KVSourceServer
 
     torch.set_num_threads(threads)  # the puller's: both sides pack or unpack alike
+    if run.hang_dump_s > 0:
+        faulthandler.dump_traceback_later(run.hang_dump_s)
     device = run.source_device(kind)
     if kind == "nccl":
         init_group(run.p2p_backend, pg_port, 0, device)
