@@ -11,9 +11,13 @@ gives each worker a whole GPU when there are enough. The same seeded prompts (ra
 token ids, lengths uniform in [input-min, input-max], forced output length) go to each
 deployment at each Poisson rate through `pdserve bench`'s load generator, and the report
 per (mode, rate) is `pdserve bench`'s: TTFT, TPOT, ITL, goodput (requests per second
-meeting every SLO). Before the rates, two warm-up prompts are completed greedily one at a
-time in each mode: the modes must agree token for token (`greedy_agree`), which checks the
-KV moved between workers end to end. Writes `pd_vs_colocated_<device-kind>.json` (with
+meeting every SLO). First, two fresh prompts are completed greedily one at a time in each
+mode: each prefill then runs alone on the same kernels, so the modes must agree token for
+token (`greedy_agree`), which checks the KV moved between workers end to end. (Prompts
+prefilled in a batch would not do: the batch changes cuBLAS's kernel choice and so the
+KV's last bits, and a random model's near-tied logits flip on that.) Each row also keeps
+the router's path counters (`server_counters`: remote-prefill decisions, failed remote
+prefills, pulls by transport), so a fallback cannot pass for PD. Writes `pd_vs_colocated_<device-kind>.json` (with
 `gpus`, the device, the commit and the command; rewritten after every rate, so a run cut
 short keeps what it measured) and, with matplotlib, a PNG of goodput and TTFT p99 against
 the rate (`--replot JSON` draws it from the JSON elsewhere). A benchmark, not a test; on
@@ -70,6 +74,23 @@ def greedy_texts(url: str, model: str, prompts: list, max_tokens: int, timeout_s
     return out
 
 
+# What path the requests took, from the router's /metrics (cumulative since the start):
+# remote-prefill decisions by reason, failed remote prefills by error, pulls by transport.
+PATH_METRICS = ("pdserve:pd_decisions", "pdserve:pd_prefill_failures", "pdserve:kv_transfer_pulls")
+
+
+def path_counters(url: str) -> dict[str, float]:
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(PATH_METRICS):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
 def run_mode(
     mode: str, args: argparse.Namespace, prompts: list, log_dir: Path, record: Callable
 ) -> tuple[list[dict], list]:
@@ -87,6 +108,10 @@ def run_mode(
     rows = []
     try:
         model = probe_model(server.url, None)
+        # Fresh prompts (no prefix cached anywhere), one at a time: every prefill runs
+        # alone in every mode, so the same kernels compute the same KV bits.
+        fresh = make_prompts(2, args.input_min, args.input_max, args.vocab_size, args.seed + 7)
+        texts = greedy_texts(server.url, model, fresh, 32, args.timeout)
         # Untimed warm-up on other prompts of the same lengths: the first requests of a
         # fresh server pay compiles and allocations that no rate should be charged with.
         warm = make_prompts(min(8, len(prompts)), args.input_min, args.input_max,
@@ -96,7 +121,6 @@ def run_mode(
         )
         with tqdm(total=len(warm), file=sys.stderr, desc=f"{mode} warm-up", unit="req") as bar:
             asyncio.run(run_load(warm_cfg, model, warm, bar))
-        texts = greedy_texts(server.url, model, warm[:2], 32, args.timeout)
         for rate in args.rates:
             cfg = BenchConfig(
                 base_url=server.url, model=model, num_prompts=len(prompts),
@@ -107,6 +131,7 @@ def run_mode(
             with tqdm(total=len(prompts), file=sys.stderr, desc=desc, unit="req") as bar:
                 results, duration = asyncio.run(run_load(cfg, model, prompts, bar))
             report = aggregate(results, duration, parse_goodput(cfg.goodput))
+            report["server_counters"] = path_counters(server.url)
             rows.append({"mode": mode, "request_rate": rate, **report})
             print(json.dumps(_brief(rows[-1])), flush=True)
             record(rows[-1], texts)

@@ -68,14 +68,24 @@ class TierService:
 
 
 class TierClient:
-    """Write-behind puts do not wait: at most MAX_PENDING_PUTS are in flight, more are
-    dropped (counted), and finished ones are reaped on the next call."""
+    """Write-behind puts do not wait: at most MAX_PENDING_PUTS and `max_pending_bytes` are
+    in flight, more are dropped (counted), and finished ones are reaped on the next call.
+
+    The byte cap keeps the prefill worker serving. A put costs its worker a device-to-host
+    copy and the serialization of every byte, under the GIL, on the step loop: on 2 H200s,
+    long prompts (2,048-8,192 tokens, 0.23-0.94 GB of Qwen3-0.6B KV each) at 2 req/s with
+    no cap starved the actor's event loop until its health checks timed out and the
+    controller restarted it (benchmarks/pd_vs_colocated.py, c615c22). Callers ask `admits`
+    before packing anything."""
 
     MAX_PENDING_PUTS = 8
+    MAX_PENDING_BYTES = 256 << 20
 
-    def __init__(self, actor) -> None:
+    def __init__(self, actor, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self.actor = actor
+        self.max_pending_bytes = max_pending_bytes
         self._pending: list = []
+        self._pending_bytes: dict = {}  # ref -> bytes it carries
         self.dropped_puts = 0
         self.failed_puts = 0
 
@@ -87,20 +97,32 @@ class TierClient:
             return
         done, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
         for ref in done:
+            self._pending_bytes.pop(ref, None)
             try:
                 ray.get(ref, timeout=0)
             except Exception as e:
                 self.failed_puts += 1
                 logger.warning("tier put failed: %r", e)
 
+    def admits(self, nbytes: int) -> bool:
+        """Whether a write-behind of `nbytes` would be queued now; a refusal is counted as
+        a dropped put (the caller then skips packing the blocks)."""
+        self._reap()
+        pending = sum(self._pending_bytes.values())
+        ok = len(self._pending) < self.MAX_PENDING_PUTS
+        ok = ok and pending + nbytes <= self.max_pending_bytes
+        if not ok:
+            self.dropped_puts += 1
+        return ok
+
     def put(self, layout_hash: str, block_hashes: list[int], blocks: list[Block]) -> int:
         """Queue a write-behind; returns 0 (how many were new is only known later)."""
-        self._reap()
-        if len(self._pending) >= self.MAX_PENDING_PUTS:
-            self.dropped_puts += 1
-            return 0
         blob, spec = blocks_to_wire(blocks)
-        self._pending.append(self.actor.put.remote(layout_hash, block_hashes, blob, spec))
+        if not self.admits(len(blob)):
+            return 0
+        ref = self.actor.put.remote(layout_hash, block_hashes, blob, spec)
+        self._pending.append(ref)
+        self._pending_bytes[ref] = len(blob)
         return 0
 
     def flush(self, timeout_s: float = CALL_TIMEOUT_S) -> None:

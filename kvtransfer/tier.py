@@ -63,6 +63,10 @@ class HostKVTier:
         self._spilled_bytes = 0
         self._counters = dict(hits=0, misses=0, evictions=0, puts=0)
 
+    def admits(self, nbytes: int) -> bool:
+        """Whether a put of `nbytes` is worth packing: not more than the whole tier."""
+        return nbytes <= self.byte_budget
+
     def put(self, layout_hash: str, block_hashes: list[int], blocks: list[Block]) -> int:
         """Store copies of the blocks not present yet; returns how many were newly stored."""
         _check_keys(layout_hash, block_hashes)

@@ -151,7 +151,7 @@ class PrefillWorker:
 
     def _write_behind(self, block_ids: tuple[int, ...], block_hashes: tuple[int, ...]) -> None:
         n = len(block_hashes)
-        if n == 0:
+        if n == 0 or not self.tier.admits(n * self.source.layout.groups[0].unit_bytes()):
             return
         buffers = [b.cpu() for b in pack(self.source.storages[0], list(block_ids[:n]))]
         blocks = [tuple(b[:, i] for b in buffers) for i in range(n)]

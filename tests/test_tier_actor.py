@@ -40,3 +40,28 @@ def test_tier_service_put_lookup_get():
     assert svc.lookup("layout-b", [11]) == 0
     got = blocks_from_wire(*svc.get("layout-a", [11, 12]), 2)
     assert torch.equal(bitwise_view(got[1][0]), bitwise_view(blocks[1][0]))
+
+
+def test_client_drops_write_behinds_past_its_byte_cap():
+    """Guards the prefill worker's step loop: a put that would take the bytes in flight
+    past the cap is refused before anything is packed (and counted), one that fits is
+    queued, and the cap frees again once the actor has taken the bytes."""
+    import ray
+
+    from pdserve.cluster.tier_actor import TierClient
+
+    blocks = _blocks(3, 2)
+    blob, _ = blocks_to_wire(blocks)
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    try:
+        actor = ray.remote(TierService).options(num_cpus=0).remote(1 << 20)
+        client = TierClient(actor, max_pending_bytes=len(blob))
+        assert not client.admits(len(blob) + 1) and client.dropped_puts == 1
+        assert client.put("layout-a", [1, 2, 3], blocks) == 0
+        assert not client.admits(1), "the first put's bytes are still in flight"
+        assert client.dropped_puts == 2
+        client.flush()
+        assert client.admits(len(blob)) and client.dropped_puts == 2
+        assert client.lookup("layout-a", [1, 2, 3]) == 3
+    finally:
+        ray.shutdown()
