@@ -360,19 +360,16 @@ def run_nccl(run: Run) -> list[dict]:
     port = free_port()
     device = "cpu" if run.p2p_backend == "gloo" else "cuda:1"
     join_group = functools.partial(init_group, run.p2p_backend, port, 1, device)
-    with source_process("nccl", run, port, join_group) as eps:
-        try:
-            if device == "cpu":
-                base, extra, name = p2p_baseline(eps["raw"], device), {}, "raw dist.send/recv"
-            else:  # the headline baseline is a plain peer copy, send/recv rides along
-                base, name = copy_baseline(device, "cuda:0"), None
-                extra = {"send_recv": p2p_baseline(eps["raw"], device)}
-            return pull_cases(
-                "nccl", lambda layout: NcclTransport("D", layout), eps["layouts"], run, device,
-                base, extra_baselines=extra, baseline_name=name,
-            )  # fmt: skip
-        finally:
-            dist.destroy_process_group()
+    with source_process("nccl", run, port, join_group, dist.destroy_process_group) as eps:
+        if device == "cpu":
+            base, extra, name = p2p_baseline(eps["raw"], device), {}, "raw dist.send/recv"
+        else:  # the headline baseline is a plain peer copy, send/recv rides along
+            base, name = copy_baseline(device, "cuda:0"), None
+            extra = {"send_recv": p2p_baseline(eps["raw"], device)}
+        return pull_cases(
+            "nccl", lambda layout: NcclTransport("D", layout), eps["layouts"], run, device,
+            base, extra_baselines=extra, baseline_name=name,
+        )  # fmt: skip
 
 
 RUNNERS = {

@@ -217,10 +217,17 @@ def serve(kind: str, run: Run, threads: int, pg_port: int, q: mp.Queue, done: mp
 
 @contextlib.contextmanager
 def source_process(
-    kind: str, run: Run, pg_port: int = 0, join_group: Callable[[], None] | None = None
+    kind: str,
+    run: Run,
+    pg_port: int = 0,
+    join_group: Callable[[], None] | None = None,
+    leave_group: Callable[[], None] | None = None,
 ) -> Iterator[dict]:
     """The source's endpoints, while it serves. `join_group` runs before they are read:
-    rank 0 builds its servers only once both ranks have joined the process group."""
+    rank 0 builds its servers only once both ranks have joined the process group.
+    `leave_group` runs once the source has been told to stop and before it is waited for:
+    NCCL's destroy waits for the other rank's, so the two must overlap (a puller that
+    destroyed its group before telling the source to stop hung, H200 x2)."""
     ctx = mp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()
     args = (kind, run, torch.get_num_threads(), pg_port, q, done)
@@ -232,6 +239,8 @@ def source_process(
         yield q.get(timeout=TIMEOUT_S)
     finally:
         done.set()
+        if leave_group is not None:
+            leave_group()
         proc.join(30)
         if proc.is_alive():
             proc.kill()
