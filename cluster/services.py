@@ -78,6 +78,7 @@ def join_kv_group(dist_spec: dict | None) -> bool:
 
 class _Service:
     loop: WorkerLoop
+    tier: TierClient | None
 
     def _call(self, fn) -> Any:
         return self.loop.call(fn).result(timeout=CALL_TIMEOUT_S)
@@ -91,6 +92,8 @@ class _Service:
 
     def shutdown(self) -> None:
         self.loop.stop()
+        if self.tier is not None:
+            self.tier.close()
 
 
 class DecodeService(_Service):
@@ -108,7 +111,7 @@ class DecodeService(_Service):
         self.worker_id = worker_id
         bind_visible_gpus()  # before CUDA starts (a no-op outside whole-GPU actors)
         in_group = join_kv_group(dist_spec)
-        tier = TierClient(tier_actor) if tier_actor is not None else None
+        tier = self.tier = TierClient(tier_actor) if tier_actor is not None else None
         self.worker = DecodeWorker(engine_kwargs, worker_id, {}, policy, transfer_timeout_s, tier)
         layout = self.worker.layout
         if layout is not None:  # tickets name their transport by endpoint scheme
@@ -168,7 +171,7 @@ class PrefillService(_Service):
         bind_visible_gpus()  # before CUDA starts (a no-op outside whole-GPU actors)
         in_group = join_kv_group(dist_spec)
         engine = Engine.from_args(**engine_kwargs)
-        tier = TierClient(tier_actor) if tier_actor is not None else None
+        tier = self.tier = TierClient(tier_actor) if tier_actor is not None else None
         self.worker = PrefillWorker(
             engine, worker_id, lease_s, bind=f"tcp://{host}:0", tier=tier, cuda_ipc=cuda_ipc,
             nccl=in_group,

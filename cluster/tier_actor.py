@@ -2,8 +2,8 @@
 
 Blocks cross the actor boundary as one bytes blob plus a small spec of shapes and dtypes
 (msgpack-able values; never pickled tensors). `TierClient` has the `HostKVTier` methods
-the prefill worker (write-behind `put`) and the decode loader (`lookup`, `get`) call, with
-a timeout on every call. A tier that is down costs a logged miss, never a failed request.
+the prefill worker (write-behind `put`, off its thread: cluster/tier_writer.py) and the
+decode loader (`lookup`, `get`) call, with a timeout on every call. A tier that is down costs a logged miss, never a failed request.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import math
 import ray
 import torch
 
+from pdserve.cluster.tier_writer import TierWriter
 from pdserve.kvtransfer.layout import DTYPES
 from pdserve.kvtransfer.tier import Block, HostKVTier
 
@@ -68,68 +69,45 @@ class TierService:
 
 
 class TierClient:
-    """Write-behind puts do not wait: at most MAX_PENDING_PUTS and `max_pending_bytes` are
-    in flight, more are dropped (counted), and finished ones are reaped on the next call.
+    """What workers call instead of a local tier. Write-behind puts go through a
+    `TierWriter` (a thread; capped, drops counted); lookups and gets wait, with a timeout.
+    Call `close` when the worker stops."""
 
-    The byte cap keeps the prefill worker serving. A put costs its worker a device-to-host
-    copy and the serialization of every byte, under the GIL, on the step loop: on 2 H200s,
-    long prompts (2,048-8,192 tokens, 0.23-0.94 GB of Qwen3-0.6B KV each) at 2 req/s with
-    no cap starved the actor's event loop until its health checks timed out and the
-    controller restarted it (benchmarks/pd_vs_colocated.py, c615c22). Callers ask `admits`
-    before packing anything."""
-
-    MAX_PENDING_PUTS = 8
-    MAX_PENDING_BYTES = 256 << 20
-
-    def __init__(self, actor, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+    def __init__(self, actor, max_pending_bytes: int = TierWriter.MAX_PENDING_BYTES) -> None:
         self.actor = actor
-        self.max_pending_bytes = max_pending_bytes
-        self._pending: list = []
-        self._pending_bytes: dict = {}  # ref -> bytes it carries
-        self.dropped_puts = 0
-        self.failed_puts = 0
+        self.writer = TierWriter(self._submit, max_pending_bytes)
+
+    def _submit(self, layout_hash: str, block_hashes: list[int], blocks: list[Block]):
+        blob, spec = blocks_to_wire(blocks)
+        return self.actor.put.remote(layout_hash, block_hashes, blob, spec)
 
     def _call(self, ref):
         return ray.get(ref, timeout=CALL_TIMEOUT_S)
 
-    def _reap(self) -> None:
-        if not self._pending:
-            return
-        done, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
-        for ref in done:
-            self._pending_bytes.pop(ref, None)
-            try:
-                ray.get(ref, timeout=0)
-            except Exception as e:
-                self.failed_puts += 1
-                logger.warning("tier put failed: %r", e)
+    @property
+    def dropped_puts(self) -> int:
+        return self.writer.dropped_puts
+
+    @property
+    def failed_puts(self) -> int:
+        return self.writer.failed_puts
 
     def admits(self, nbytes: int) -> bool:
-        """Whether a write-behind of `nbytes` would be queued now; a refusal is counted as
-        a dropped put (the caller then skips packing the blocks)."""
-        self._reap()
-        pending = sum(self._pending_bytes.values())
-        ok = len(self._pending) < self.MAX_PENDING_PUTS
-        ok = ok and pending + nbytes <= self.max_pending_bytes
-        if not ok:
-            self.dropped_puts += 1
-        return ok
+        """Whether a write-behind of `nbytes` would be queued now (a refusal is counted as
+        a dropped put; the caller then skips packing the blocks)."""
+        return self.writer.admits(nbytes)
 
     def put(self, layout_hash: str, block_hashes: list[int], blocks: list[Block]) -> int:
         """Queue a write-behind; returns 0 (how many were new is only known later)."""
-        blob, spec = blocks_to_wire(blocks)
-        if not self.admits(len(blob)):
-            return 0
-        ref = self.actor.put.remote(layout_hash, block_hashes, blob, spec)
-        self._pending.append(ref)
-        self._pending_bytes[ref] = len(blob)
+        self.writer.put(layout_hash, block_hashes, blocks)
         return 0
 
     def flush(self, timeout_s: float = CALL_TIMEOUT_S) -> None:
-        """Wait for the write-behinds in flight (tests, shutdown)."""
-        if self._pending:
-            ray.wait(self._pending, num_returns=len(self._pending), timeout=timeout_s)
-        self._reap()
+        """Wait for the write-behinds queued or in flight (tests, shutdown)."""
+        self.writer.flush(timeout_s)
+
+    def close(self) -> None:
+        self.writer.close()
 
     def lookup(self, layout_hash: str, block_hashes: list[int]) -> int:
         try:

@@ -43,9 +43,12 @@ def test_tier_service_put_lookup_get():
 
 
 def test_client_drops_write_behinds_past_its_byte_cap():
-    """Guards the prefill worker's step loop: a put that would take the bytes in flight
-    past the cap is refused before anything is packed (and counted), one that fits is
-    queued, and the cap frees again once the actor has taken the bytes."""
+    """Guards the prefill worker's step loop: `put` returns at once (a writer thread
+    serializes and submits), a put that would take the bytes queued or in flight past the
+    cap is refused before anything is packed (and counted), and the cap frees again once
+    the actor has taken the bytes."""
+    import threading
+
     import ray
 
     from pdserve.cluster.tier_actor import TierClient
@@ -56,12 +59,25 @@ def test_client_drops_write_behinds_past_its_byte_cap():
     try:
         actor = ray.remote(TierService).options(num_cpus=0).remote(1 << 20)
         client = TierClient(actor, max_pending_bytes=len(blob))
+        gate = threading.Event()  # holds the writer thread inside its first submit
+        submit = client.writer._submit
+
+        def held_submit(*args):
+            gate.wait(30)
+            return submit(*args)
+
+        client.writer._submit = held_submit
         assert not client.admits(len(blob) + 1) and client.dropped_puts == 1
-        assert client.put("layout-a", [1, 2, 3], blocks) == 0
-        assert not client.admits(1), "the first put's bytes are still in flight"
+        assert client.put("layout-a", [1, 2, 3], blocks) == 0  # returns while held
+        assert not client.admits(1), "the first put's bytes are still queued"
         assert client.dropped_puts == 2
+        gate.set()
         client.flush()
         assert client.admits(len(blob)) and client.dropped_puts == 2
         assert client.lookup("layout-a", [1, 2, 3]) == 3
+        client.close()
+        assert not client.writer._thread.is_alive()
+        client.put("layout-a", [4], blocks[:1])  # after close: dropped, not hung
+        assert client.dropped_puts == 3
     finally:
         ray.shutdown()

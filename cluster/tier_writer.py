@@ -1,0 +1,135 @@
+"""Write-behind to the KV tier actor, off the caller's thread.
+
+A prefill worker writes a finished prompt's full blocks behind into the tier. Turning them
+into one bytes blob and handing it to Ray copies every byte, under the GIL for part of it:
+~0.5 GB of a long prompt took the worker's step loop long enough that its health checks
+timed out (H200 x2, c615c22), and smaller puts still stalled the prompts queued behind them.
+So `put` only reserves room and queues the blocks; one writer thread serializes and submits
+them while the step loop goes on. At most `MAX_PENDING_PUTS` puts and `max_pending_bytes`
+are queued or in flight; past either a put is dropped, and counted (the tier is a cache:
+a dropped put is a later miss, never an error).
+
+The caller's blocks must not change after `put` (the prefill worker hands over host copies
+it does not keep). `close` stops the thread; `flush` waits for everything queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import ray
+
+from pdserve.kvtransfer.tier import Block
+
+logger = logging.getLogger(__name__)
+
+Submit = Callable[[str, list[int], list[Block]], "ray.ObjectRef"]
+
+
+def blocks_nbytes(blocks: list[Block]) -> int:
+    return sum(t.numel() * t.element_size() for b in blocks for t in b)
+
+
+class TierWriter:
+    MAX_PENDING_PUTS = 8
+    MAX_PENDING_BYTES = 256 << 20
+
+    def __init__(self, submit: Submit, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+        self._submit = submit  # serializes and sends one put; returns its ObjectRef
+        self.max_pending_bytes = max_pending_bytes
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._in_flight: dict = {}  # ObjectRef -> bytes, submitted and not yet reaped
+        self._queued = 0  # puts queued, not yet submitted
+        self._bytes = 0  # bytes queued or in flight
+        self.dropped_puts = 0
+        self.failed_puts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tier-writer", daemon=True)
+        self._thread.start()
+
+    def _reap(self) -> None:
+        """Forget finished puts (counting failures); call with the lock held."""
+        refs = list(self._in_flight)
+        if not refs:
+            return
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in done:
+            self._bytes -= self._in_flight.pop(ref)
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as e:
+                self.failed_puts += 1
+                logger.warning("tier put failed: %r", e)
+
+    def _fits(self, nbytes: int) -> bool:
+        self._reap()
+        count = self._queued + len(self._in_flight)
+        return count < self.MAX_PENDING_PUTS and self._bytes + nbytes <= self.max_pending_bytes
+
+    def admits(self, nbytes: int) -> bool:
+        """Whether a put of `nbytes` would be queued now; a refusal counts as a dropped put
+        (the caller then skips preparing the blocks)."""
+        with self._lock:
+            ok = self._fits(nbytes)
+            if not ok:
+                self.dropped_puts += 1
+            return ok
+
+    def put(self, layout_hash: str, block_hashes: list[int], blocks: list[Block]) -> bool:
+        """Queue a write-behind and return at once; False if it was dropped."""
+        nbytes = blocks_nbytes(blocks)
+        with self._lock:
+            if self._stop.is_set() or not self._fits(nbytes):
+                self.dropped_puts += 1
+                return False
+            self._queued += 1
+            self._bytes += nbytes
+        self._queue.put((layout_hash, block_hashes, blocks, nbytes))
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            layout_hash, block_hashes, blocks, nbytes = item
+            try:
+                ref = self._submit(layout_hash, block_hashes, blocks)
+            except Exception as e:  # the actor is gone, or the blocks would not serialize
+                with self._lock:
+                    self._queued -= 1
+                    self._bytes -= nbytes
+                    self.failed_puts += 1
+                logger.warning("tier put failed: %r", e)
+                continue
+            with self._lock:
+                self._queued -= 1
+                self._in_flight[ref] = nbytes
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued put has been submitted and has finished; False if some
+        had not by the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                self._reap()
+                if self._queued == 0 and not self._in_flight:
+                    return True
+            time.sleep(0.005)
+        return False
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread; puts still queued are dropped (counted)."""
+        self._stop.set()
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        with self._lock:
+            self.dropped_puts += self._queued
