@@ -212,7 +212,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"pd_vs_colocated_{device_kind()}"
     meta = {
-        "gpus": gpus, "device": device, "workers": args.workers, "commit": git_commit(),
+        "gpus": gpus, "device": device, "device_kind": device_kind(), "workers": args.workers,
+        "commit": git_commit(),
         "command": " ".join(["benchmarks/pd_vs_colocated.py", *sys.argv[1:]]),
         "prompts": {"n": args.num_prompts, "input_min": args.input_min,
                     "input_max": args.input_max, "output_len": args.output_len},

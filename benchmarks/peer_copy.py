@@ -91,7 +91,8 @@ def main() -> int:
             row = {
                 "case": name, "tokens": req.tokens, "bytes": nbytes, "ms": ms,
                 "GBps": nbytes / ms / 1e6, "device": torch.cuda.get_device_name(a),
-                "gpus": torch.cuda.device_count(), "commit": git_commit(),
+                "gpus": torch.cuda.device_count(), "device_kind": device_kind(),
+                "commit": git_commit(),
                 "command": " ".join(["benchmarks/peer_copy.py", *sys.argv[1:]]),
             }  # fmt: skip
             print(json.dumps(row), flush=True)

@@ -436,6 +436,7 @@ def main() -> int:
             if name == "nccl":
                 row["p2p_backend"] = run.p2p_backend
             row["gpus"] = gpus
+            row["device_kind"] = device_kind()
             row.update(meta)
             print(json.dumps(row), flush=True)
             rows.append(row)
