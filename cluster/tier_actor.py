@@ -97,9 +97,12 @@ class TierClient:
         a dropped put; the caller then skips packing the blocks)."""
         return self.writer.admits(nbytes)
 
-    def put(self, layout_hash: str, block_hashes: list[int], blocks: list[Block]) -> int:
-        """Queue a write-behind; returns 0 (how many were new is only known later)."""
-        self.writer.put(layout_hash, block_hashes, blocks)
+    def put(
+        self, layout_hash: str, block_hashes: list[int], blocks: list[Block], ready=None
+    ) -> int:
+        """Queue a write-behind (`ready`: as `HostKVTier.put`, waited for by the writer
+        thread); returns 0 (how many were new is only known later)."""
+        self.writer.put(layout_hash, block_hashes, blocks, ready)
         return 0
 
     def flush(self, timeout_s: float = CALL_TIMEOUT_S) -> None:

@@ -37,6 +37,7 @@ def blocks_nbytes(blocks: list[Block]) -> int:
 class TierWriter:
     MAX_PENDING_PUTS = 8
     MAX_PENDING_BYTES = 256 << 20
+    READY_TIMEOUT_S = 30.0  # for a put's host copies to complete
 
     def __init__(self, submit: Submit, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self._submit = submit  # serializes and sends one put; returns its ObjectRef
@@ -80,8 +81,12 @@ class TierWriter:
                 self.dropped_puts += 1
             return ok
 
-    def put(self, layout_hash: str, block_hashes: list[int], blocks: list[Block]) -> bool:
-        """Queue a write-behind and return at once; False if it was dropped."""
+    def put(
+        self, layout_hash: str, block_hashes: list[int], blocks: list[Block], ready=None
+    ) -> bool:
+        """Queue a write-behind and return at once; False if it was dropped. `ready`: an
+        event (`query()` true once the blocks' bytes are final, e.g. a CUDA event after
+        queued device-to-host copies) the writer waits for, up to READY_TIMEOUT_S."""
         nbytes = blocks_nbytes(blocks)
         with self._lock:
             if self._stop.is_set() or not self._fits(nbytes):
@@ -89,7 +94,7 @@ class TierWriter:
                 return False
             self._queued += 1
             self._bytes += nbytes
-        self._queue.put((layout_hash, block_hashes, blocks, nbytes))
+        self._queue.put((layout_hash, block_hashes, blocks, nbytes, ready))
         return True
 
     def _run(self) -> None:
@@ -100,10 +105,11 @@ class TierWriter:
                 continue
             if item is None:
                 return
-            layout_hash, block_hashes, blocks, nbytes = item
+            layout_hash, block_hashes, blocks, nbytes, ready = item
             try:
+                self._wait_ready(ready)
                 ref = self._submit(layout_hash, block_hashes, blocks)
-            except Exception as e:  # the actor is gone, or the blocks would not serialize
+            except Exception as e:  # not ready in time, the actor is gone, or bad blocks
                 with self._lock:
                     self._queued -= 1
                     self._bytes -= nbytes
@@ -113,6 +119,15 @@ class TierWriter:
             with self._lock:
                 self._queued -= 1
                 self._in_flight[ref] = nbytes
+
+    def _wait_ready(self, ready) -> None:
+        if ready is None:
+            return
+        deadline = time.monotonic() + self.READY_TIMEOUT_S
+        while not ready.query():
+            if self._stop.is_set() or time.monotonic() > deadline:
+                raise TimeoutError("the blocks' host copies did not complete")
+            time.sleep(0.0005)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued put has been submitted and has finished; False if some

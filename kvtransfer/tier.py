@@ -67,8 +67,14 @@ class HostKVTier:
         """Whether a put of `nbytes` is worth packing: not more than the whole tier."""
         return nbytes <= self.byte_budget
 
-    def put(self, layout_hash: str, block_hashes: list[int], blocks: list[Block]) -> int:
-        """Store copies of the blocks not present yet; returns how many were newly stored."""
+    def put(
+        self, layout_hash: str, block_hashes: list[int], blocks: list[Block], ready=None
+    ) -> int:
+        """Store copies of the blocks not present yet; returns how many were newly stored.
+        `ready`: a CUDA event after which the blocks' bytes are final (host copies still
+        queued when the caller hands them over); waited for here."""
+        if ready is not None:
+            ready.synchronize()
         _check_keys(layout_hash, block_hashes)
         if len(blocks) != len(block_hashes):
             raise ValueError(f"{len(block_hashes)} block hashes but {len(blocks)} blocks")

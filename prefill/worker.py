@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from pdserve.kvtransfer.layout import paged_cache_storage
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.pack import pack
@@ -49,6 +51,20 @@ def ticket_logprobs(delta: RequestDelta) -> list[list[float]] | None:
     rows = [[lp.token_ids[0], lp.logprobs[0], lp.rank]]
     rows += [[t, v, r] for r, (t, v) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:]), 1)]
     return rows
+
+
+def host_copies(buffers: list[torch.Tensor]) -> tuple[list[torch.Tensor], object | None]:
+    """Host copies of packed buffers, without waiting: on a GPU, copies into pinned memory
+    queued on the current stream and a CUDA event after them (the step loop goes on; the
+    tier waits for the event before it reads); on the CPU, the buffers themselves."""
+    if not buffers or not buffers[0].is_cuda:
+        return buffers, None
+    host = [torch.empty(b.shape, dtype=b.dtype, pin_memory=True) for b in buffers]
+    for h, b in zip(host, buffers):
+        h.copy_(b, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 class PrefillWorker:
@@ -153,9 +169,11 @@ class PrefillWorker:
         n = len(block_hashes)
         if n == 0 or not self.tier.admits(n * self.source.layout.groups[0].unit_bytes()):
             return
-        buffers = [b.cpu() for b in pack(self.source.storages[0], list(block_ids[:n]))]
+        buffers, ready = host_copies(pack(self.source.storages[0], list(block_ids[:n])))
         blocks = [tuple(b[:, i] for b in buffers) for i in range(n)]
-        self.num_tier_blocks += self.tier.put(self.source.layout_hash, list(block_hashes), blocks)
+        self.num_tier_blocks += self.tier.put(
+            self.source.layout_hash, list(block_hashes), blocks, ready
+        )
 
     def close(self) -> None:
         if self.server is not None:

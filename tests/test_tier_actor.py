@@ -81,3 +81,40 @@ def test_client_drops_write_behinds_past_its_byte_cap():
         assert client.dropped_puts == 3
     finally:
         ray.shutdown()
+
+
+def test_writer_submits_only_once_the_blocks_are_ready():
+    """Guards the prefill worker's asynchronous host copies: the writer thread must not
+    serialize blocks whose device-to-host copies are still queued. On a GPU `ready` is a
+    CUDA event; CI has none, so a flag with the same `query()` stands in for it."""
+    import threading
+    import time
+
+    import ray
+
+    from pdserve.cluster.tier_actor import TierClient
+
+    class Ready:
+        def __init__(self) -> None:
+            self.done = threading.Event()
+
+        def query(self) -> bool:
+            return self.done.is_set()
+
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    try:
+        actor = ray.remote(TierService).options(num_cpus=0).remote(1 << 20)
+        client = TierClient(actor)
+        submitted = []
+        submit = client.writer._submit
+        client.writer._submit = lambda *a: submitted.append(a[1]) or submit(*a)
+        ready = Ready()
+        client.put("layout-a", [7, 8], _blocks(2, 3), ready)
+        time.sleep(0.3)
+        assert submitted == [], "submitted before its host copies completed"
+        ready.done.set()
+        client.flush()
+        assert submitted == [[7, 8]] and client.lookup("layout-a", [7, 8]) == 2
+        client.close()
+    finally:
+        ray.shutdown()
