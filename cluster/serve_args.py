@@ -19,7 +19,9 @@ class ServeConfig:
     max_model_len: int | None = 4096
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # tokens per engine step (prefill chunks + decodes)
+    # Tokens per engine step (prefill chunks + decodes); None: vLLM's server default, 8,192
+    # on GPUs of >= 70 GiB, else 2,048 (serve.default_batched_tokens).
+    max_num_batched_tokens: int | None = None
     runner: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
@@ -45,7 +47,7 @@ class ServeConfig:
             raise ValueError(
                 f"--kv-transport must be tcp, cuda_ipc or nccl, got {self.kv_transport!r}"
             )
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
@@ -74,7 +76,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help=f"tokens per engine step (default {d.max_num_batched_tokens})",
+        help="tokens per engine step (default: 8192 on GPUs of >= 70 GiB, else 2048)",
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help=f"share of each GPU for weights + KV cache (default {d.gpu_memory_utilization})")  # fmt: skip

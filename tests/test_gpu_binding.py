@@ -83,3 +83,14 @@ def test_whole_gpu_workers_see_their_gpu_first_and_the_others_after():
 def test_serve_config_refuses_bad_engine_limits(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ServeConfig(**kwargs)
+
+
+def test_serve_batched_tokens_default_follows_vllm_on_cpu():
+    """On the CPU the serve default stays at 2,048 tokens per step (vLLM's for small
+    devices); the GPU branch (8,192 on >= 70 GiB) runs in the two-GPU benchmarks."""
+    from types import SimpleNamespace
+
+    from pdserve.cluster.serve import default_batched_tokens
+
+    assert ServeConfig().max_num_batched_tokens is None
+    assert default_batched_tokens(SimpleNamespace(runner=SimpleNamespace(device="cpu"))) == 2048
