@@ -74,11 +74,18 @@ def _ids_tensor(storage: GroupStorage, ids: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(ids).to(storage.device)
 
 
-def pack(storage: GroupStorage, unit_ids: Sequence[int]) -> list[torch.Tensor]:
-    """One new `[L, n, E]` buffer per tensor of the group: `buf[l, i]` is unit `unit_ids[i]`."""
+def pack(
+    storage: GroupStorage, unit_ids: Sequence[int], layers: tuple[int, int] | None = None
+) -> list[torch.Tensor]:
+    """One new `[L, n, E]` buffer per tensor of the group: `buf[l, i]` is unit `unit_ids[i]`;
+    with `layers = (start, end)`, only those layers (`[end - start, n, E]`)."""
     ids = _ids_tensor(storage, _check_ids(storage, unit_ids, "source", distinct=False))
     buffers = []
     for table in storage.flat():
+        if layers is not None:
+            if not 0 <= layers[0] <= layers[1] <= table.shape[0]:
+                raise ValueError(f"layers {layers} outside [0, {table.shape[0]}]")
+            table = table[layers[0] : layers[1]]
         num_layers, _, num_elems = table.shape
         buf = torch.empty(
             (num_layers, len(unit_ids), num_elems), dtype=table.dtype, device=table.device

@@ -7,11 +7,15 @@ the source's control socket (`KVSourceServer`'s). The source's rank is not in th
 endpoint: the source names it in its reply, so a stale endpoint cannot make the puller
 wait on a rank that is not going to send.
 
-A pull: `NcclPull(dst_rank)` -> one `DataHeader` per packed buffer, then `NcclSend(src_rank,
-num_frames)`, over ZMQ; then the source `isend`s each buffer (packed on its device, sent as
+A pull: `NcclPull(dst_rank)` -> one `DataHeader` per frame, then `NcclSend(src_rank,
+num_frames)`, over ZMQ; then the source `isend`s each frame (packed on its device, sent as
 flat uint8: every backend has it, and bytes keep NaN payloads) and the puller `irecv`s
 into buffers on its own device, checked against its expectations before anything is
-allocated, and scatters each with `unpack_frame` as it lands.
+allocated, and scatters each with `unpack_frame` as it lands. A frame is one tensor's
+units over a range of whole layers: a big tensor goes as up to MAX_FRAMES frames, packed
+one by one as the previous is sent, so packing, the wire and the scatter overlap (on the
+H200 x2 at bfa8945, one 235 MB frame took 2.4 ms end to end against 1.0 ms for a raw
+send of the same bytes).
 
 Timeouts. ZMQ waits use the call's deadline. CUDA tensors go through NCCL, whose works are
 polled with `is_completed()` until the deadline; CPU tensors go through gloo, whose P2P
@@ -48,6 +52,7 @@ import torch.distributed as dist
 
 from pdserve.kvtransfer.layout import GroupStorage, KVLayout
 from pdserve.kvtransfer.lease import LeaseError
+from pdserve.kvtransfer.pack import pack
 from pdserve.kvtransfer.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DataHeader,
@@ -121,6 +126,7 @@ class NcclSourceServer(KVSourceServer):
         group: dist.ProcessGroup | None = None,
         send_timeout_s: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        frame_bytes: int | None = None,
     ) -> None:
         if not send_timeout_s > 0:
             raise ValueError(f"send_timeout_s must be > 0, got {send_timeout_s}")
@@ -130,6 +136,7 @@ class NcclSourceServer(KVSourceServer):
         self.rank = dist.get_rank()  # global ranks throughout, as P2P calls take them
         self.send_timeout_s = send_timeout_s
         self.broken: str | None = None  # why the group is unusable, once it is
+        self.frame_bytes = frame_bytes or FRAME_BYTES  # how big a tensor's frames get
         super().__init__(source, bind, max_message_bytes=max_message_bytes)
 
     @property
@@ -155,37 +162,48 @@ class NcclSourceServer(KVSourceServer):
             with src.leases.pinned(rid) as lease:
                 if len(msg.first_units) != len(lease.group_unit_ids):
                     return self._error(identity, rid, "bad_pull", "first_units per group")
-                with _on_device(src.storages[0].device):
-                    buffers = src.pack_request(lease.group_unit_ids, msg.first_units, False)
+                units = [
+                    list(ids[first:])
+                    for ids, first in zip(lease.group_unit_ids, msg.first_units, strict=True)
+                ]
+                headers = frame_headers(
+                    rid, src.storages, [len(u) for u in units], self.frame_bytes
+                )
+                for header in headers:
+                    self._send(identity, header)
+                self._send(identity, NcclSend(rid, self.rank, len(headers)))
+                # Pack each frame just before its send: the pack of frame i + 1 runs on
+                # the compute stream while frame i is on the wire.
+                sent = self._send_frames(headers, units, msg.dst_rank, rid)
         except LeaseError as e:
             return self._error(identity, rid, e.code, str(e))
-        frames = []
-        for g, tensors in enumerate(buffers):
-            for t, buf in enumerate(tensors):
-                header = DataHeader(
-                    rid, g, t, 0, buf.shape[0], list(buf.shape),
-                    str(buf.dtype).removeprefix("torch."), buf.numel() * buf.element_size(),
-                )  # fmt: skip
-                self._send(identity, header)
-                frames.append(buf.reshape(-1).view(torch.uint8))
-        self._send(identity, NcclSend(rid, self.rank, len(frames)))
-        try:
-            self._send_frames(frames, msg.dst_rank, rid)
         except TransferError as e:
             self.broken = f"a send to rank {msg.dst_rank} failed ({e}); rebuild the group"
             logger.error("kv source %s: %s", src.worker_id, self.broken)
             return
         self.counts["pulls"] += 1
-        self.counts["bytes"] += sum(f.numel() for f in frames)
+        self.counts["bytes"] += sent
 
-    def _send_frames(self, frames: list[torch.Tensor], dst_rank: int, request_id: str) -> None:
-        """Post every send at once (the puller posts its receives in the same order) and
-        wait for each, keeping each frame referenced until its send completes."""
+    def _send_frames(
+        self, headers: list[DataHeader], units: list[list[int]], dst_rank: int, request_id: str
+    ) -> int:
+        """Pack and post every send in header order (the puller posts its receives in the
+        same order), then wait for each, keeping each frame referenced until its send
+        completes. Returns the bytes sent."""
         deadline = time.monotonic() + self.send_timeout_s
-        with _on_device(self.source.storages[0].device):
-            works = [dist.isend(f, dst_rank, group=self.group) for f in frames]
+        storages = self.source.storages
+        with _on_device(storages[0].device):
+            frames, works = [], []
+            for h in headers:
+                try:
+                    buf = pack(storages[h.group], units[h.group], (h.layer_start, h.layer_end))
+                except ValueError as e:  # the frames are announced: the group is out of step
+                    raise TransferError("pack_failed", f"{request_id}: {e}") from e
+                frames.append(buf[h.tensor].reshape(-1).view(torch.uint8))
+                works.append(dist.isend(frames[-1], dst_rank, group=self.group))
             for i, (work, frame) in enumerate(zip(works, frames)):
                 wait_p2p(work, frame, deadline, f"send {i} of {request_id} to rank {dst_rank}")
+        return sum(f.numel() for f in frames)
 
 
 class NcclTransport(ZmqClient):
@@ -269,11 +287,12 @@ class NcclTransport(ZmqClient):
             msg = self.recv_message(endpoint, deadline, rid)
         if msg.src_rank == self.rank or msg.src_rank not in self.ranks:
             raise TransferError("bad_reply", f"{endpoint} sends from rank {msg.src_rank}")
-        expected = _expected_headers(spec, dst)
-        if msg.num_frames != len(headers) or headers != expected:
+        if msg.num_frames != len(headers):
             raise TransferError(
-                "bad_frame", f"{endpoint} announced {headers}, this pull expects {expected}"
+                "bad_frame",
+                f"{endpoint} announced {msg.num_frames} frames, sent {len(headers)} headers",
             )
+        check_headers(headers, spec, dst)
         frames = [
             torch.empty(h.nbytes, dtype=torch.uint8, device=dst[h.group].device) for h in headers
         ]
@@ -285,26 +304,83 @@ class NcclTransport(ZmqClient):
         return sum(h.nbytes for h in headers)
 
 
-def _expected_headers(spec: PullSpec, dst: Sequence[GroupStorage]) -> list[DataHeader]:
-    """The headers a correct source sends for this pull, in order (checked before any
-    receive buffer is allocated: a peer cannot make us allocate what we did not ask for)."""
-    rid, out = spec.ticket.request_id, []
+# A request's tensor goes as several frames of whole layers when it is big: the source
+# packs frame i + 1 while frame i is sent, and the puller scatters frame i while frame
+# i + 1 arrives. One frame below 2 x FRAME_BYTES; at most MAX_FRAMES per tensor (a 2,048-
+# token Qwen3-0.6B request, 235 MB in one tensor: 4 frames of 7 layers).
+FRAME_BYTES = 32 << 20
+MAX_FRAMES = 4
+
+
+def layer_frames(
+    num_layers: int, nbytes: int, frame_bytes: int = FRAME_BYTES
+) -> list[tuple[int, int]]:
+    """The [start, end) layer ranges a source sends one tensor of `nbytes` over
+    `num_layers` in."""
+    n = max(1, min(MAX_FRAMES, nbytes // frame_bytes, num_layers))
+    per = -(-num_layers // n)
+    return [(a, min(a + per, num_layers)) for a in range(0, num_layers, per)]
+
+
+def frame_headers(
+    request_id: str,
+    storages: Sequence[GroupStorage],
+    num_units: list[int],
+    frame_bytes: int = FRAME_BYTES,
+) -> list[DataHeader]:
+    """Every frame of a pull of `num_units[g]` units per group, in sending order: groups,
+    then tensors, then layer ranges."""
+    out = []
+    for g, (storage, n) in enumerate(zip(storages, num_units, strict=True)):
+        if n == 0:
+            continue
+        for t, table in enumerate(storage.flat()):
+            num_layers, _, num_elems = table.shape
+            layer_bytes = n * num_elems * table.element_size()
+            for a, b in layer_frames(num_layers, num_layers * layer_bytes, frame_bytes):
+                out.append(
+                    DataHeader(
+                        request_id,
+                        g,
+                        t,
+                        a,
+                        b,
+                        [b - a, n, num_elems],
+                        str(table.dtype).removeprefix("torch."),
+                        (b - a) * layer_bytes,
+                    )  # fmt: skip
+                )
+    return out
+
+
+def check_headers(headers: list[DataHeader], spec: PullSpec, dst: Sequence[GroupStorage]) -> None:
+    """What a source announces must be this pull's frames: every tensor of every group
+    with units to move, in order, each as whole-layer ranges that tile its layers in order,
+    with the shape, dtype and byte count the geometry gives. How the layers are split is
+    the source's choice. Checked before any receive buffer is allocated: a peer cannot
+    make us allocate what we did not ask for."""
+    rid, pos = spec.ticket.request_id, 0
     for g, storage in enumerate(dst):
         n = len(spec.dst_unit_ids[g]) - spec.first_units[g]
         if n == 0:
             continue
         for t, table in enumerate(storage.flat()):
             num_layers, _, num_elems = table.shape
-            out.append(
-                DataHeader(
-                    rid,
-                    g,
-                    t,
-                    0,
-                    num_layers,
-                    [num_layers, n, num_elems],
-                    str(table.dtype).removeprefix("torch."),
-                    num_layers * n * num_elems * table.element_size(),
-                )
-            )
-    return out
+            layer_bytes = n * num_elems * table.element_size()
+            dtype = str(table.dtype).removeprefix("torch.")
+            layer = 0
+            while layer < num_layers:
+                h = headers[pos] if pos < len(headers) else None
+                end = h.layer_end if h is not None else -1
+                want = DataHeader(
+                    rid, g, t, layer, end, [end - layer, n, num_elems], dtype,
+                    (end - layer) * layer_bytes,
+                )  # fmt: skip
+                if h != want or not layer < end <= num_layers:
+                    raise TransferError(
+                        "bad_frame",
+                        f"frame {pos} is {h}; expected group {g} tensor {t} from layer {layer}",
+                    )
+                layer, pos = end, pos + 1
+    if pos != len(headers):
+        raise TransferError("bad_frame", f"{len(headers) - pos} frame(s) more than this pull has")

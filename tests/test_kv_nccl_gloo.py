@@ -33,16 +33,18 @@ LAYOUTS = {
     "paged_gqa": KVLayout("gqa", (_GQA,)),
     "hybrid": KVLayout("hybrid", (_GQA, _MAMBA)),
     "silent": KVLayout("gqa", (_GQA,)),
+    "framed": KVLayout("gqa", (_GQA,)),  # served in one frame per layer
 }
-SIZES = {"paged_gqa": (24,), "hybrid": (24, 5), "silent": (24,)}
+SIZES = {"paged_gqa": (24,), "hybrid": (24, 5), "silent": (24,), "framed": (24,)}
 # Scattered on both sides, with one run consecutive on both (3, 4 -> 10, 11).
 _SRC, _DST = (17, 3, 4, 9, 22, 0), (5, 10, 11, 2, 23, 7)
 UNITS = {  # name -> (source units per group, destination units per group)
     "paged_gqa": ((_SRC,), (_DST,)),
     "hybrid": ((_SRC, (4,)), (_DST, (1,))),
     "silent": ((_SRC,), (_DST,)),
+    "framed": ((_SRC,), (_DST,)),
 }
-FIRST = {"paged_gqa": (2,), "hybrid": (1, 0), "silent": (0,)}
+FIRST = {"paged_gqa": (2,), "hybrid": (1, 0), "silent": (0,), "framed": (1,)}
 SEED = 11
 
 
@@ -67,8 +69,8 @@ def _storages(name: str, seed: int | None):
 class _SilentServer(NcclSourceServer):
     """Announces its frames and never sends them: a source that hung or died mid-pull."""
 
-    def _send_frames(self, frames, dst_rank, request_id) -> None:
-        pass
+    def _send_frames(self, headers, units, dst_rank, request_id) -> int:
+        return 0
 
 
 def _serve(port: int, endpoints: mp.Queue, done: mp.Event) -> None:
@@ -80,7 +82,9 @@ def _serve(port: int, endpoints: mp.Queue, done: mp.Event) -> None:
             leases.add(rid, [list(u) for u in UNITS[name][0]], 100)
         source = KVSource("P", layout, _storages(name, SEED), leases)
         cls = _SilentServer if name == "silent" else NcclSourceServer
-        servers[name] = cls(source, send_timeout_s=10.0)
+        # "framed": a frame size of one byte splits every tensor into per-layer frames.
+        frame_bytes = 1 if name == "framed" else None
+        servers[name] = cls(source, send_timeout_s=10.0, frame_bytes=frame_bytes)
     endpoints.put({name: s.ticket_endpoint for name, s in servers.items()})
     done.wait(60)
     for server in servers.values():
@@ -129,7 +133,10 @@ def _pull_cases(port: int, endpoints_q: mp.Queue, results: mp.Queue) -> None:
     # One transport per layout (a transport has one layout); "silent" shares gqa's, so the
     # broken group is seen by a transport that has pulled before.
     gqa = NcclTransport("D", LAYOUTS["paged_gqa"])
-    transports = {"paged_gqa": gqa, "hybrid": NcclTransport("D", LAYOUTS["hybrid"]), "silent": gqa}
+    transports = {
+        "paged_gqa": gqa, "hybrid": NcclTransport("D", LAYOUTS["hybrid"]), "silent": gqa,
+        "framed": gqa,
+    }  # fmt: skip
     out: dict[str, str] = {}
 
     def case(name, fn) -> None:
@@ -166,6 +173,7 @@ def _pull_cases(port: int, endpoints_q: mp.Queue, results: mp.Queue) -> None:
     case("refused", refused)
     case("paged_gqa", lambda: _round_trip(transports, endpoints, "paged_gqa"))
     case("hybrid", lambda: _round_trip(transports, endpoints, "hybrid"))
+    case("framed", lambda: _round_trip(transports, endpoints, "framed"))
     case("control", control)
     case("timeout", timeout)  # last: it leaves the group unusable
     results.put(out)
@@ -220,6 +228,13 @@ def test_hybrid_round_trip_is_bitwise(outcomes):
     _check(outcomes, "hybrid")
 
 
+def test_tensor_in_layer_frames_round_trip_is_bitwise(outcomes):
+    """A big tensor goes as several frames of whole layers (packed one by one while the
+    previous is sent); the puller accepts any in-order tiling of the layers and scatters
+    each frame into its own layers."""
+    _check(outcomes, "framed")
+
+
 def test_release_and_heartbeat_reach_the_source_through_an_nccl_endpoint(outcomes):
     """Control calls go to the tcp part of `nccl+tcp://`; a released lease is not pulled."""
     _check(outcomes, "control")
@@ -229,3 +244,37 @@ def test_p2p_timeout_raises_and_marks_the_group_broken(outcomes):
     """A source that announces frames and never sends: the pull must end at its deadline
     with code "timeout", and later pulls must refuse at once instead of matching stale ops."""
     _check(outcomes, "timeout")
+
+
+def test_puller_refuses_frames_that_do_not_tile_the_layers():
+    """A source chooses how to split a tensor into layer frames, but not what it sends:
+    a gap, an overlap, a wrong shape or byte count, or a frame too many is refused before
+    anything is allocated."""
+    from dataclasses import replace
+
+    from pdserve.kvtransfer.transport_nccl import check_headers, frame_headers
+
+    spec = PullSpec(_ticket("paged_gqa", "nccl+tcp://x:1"), UNITS["paged_gqa"][1], (2,))
+    dst = _storages("paged_gqa", None)
+    n = len(UNITS["paged_gqa"][1][0]) - 2
+    for frame_bytes in (1, 10**9):  # per-layer frames, and one frame
+        good = frame_headers("r", dst, [n], frame_bytes)
+        check_headers(good, spec, dst)
+    per_layer = frame_headers("r", dst, [n], 1)
+    assert [(h.layer_start, h.layer_end) for h in per_layer] == [(0, 1), (1, 2), (2, 3)]
+    layer_bytes, elems = per_layer[0].nbytes, per_layer[0].shape[2]
+    bad = {
+        "gap": [per_layer[0], per_layer[2]],
+        "overlap": [per_layer[0], replace(per_layer[1], layer_start=0), per_layer[2]],
+        "shape": [replace(per_layer[0], shape=[1, n + 1, elems]), *per_layer[1:]],
+        "bytes": [replace(per_layer[0], nbytes=layer_bytes + 1), *per_layer[1:]],
+        "extra": [*per_layer, per_layer[2]],
+        "past the last layer": [
+            *per_layer[:2],
+            replace(per_layer[2], layer_end=4, shape=[2, n, elems], nbytes=2 * layer_bytes),
+        ],
+    }
+    for name, headers in bad.items():
+        with pytest.raises(TransferError, match="frame") as info:
+            check_headers(headers, spec, dst)
+        assert info.value.code == "bad_frame", name
