@@ -3,8 +3,8 @@
 `Router.generate` takes a parsed request and yields `(index, StreamDelta)` for each of its
 `n` completions: it picks a decode worker (fewest requests in flight, then KV headroom),
 decides whether remote prefill pays (`pd` mode, a prompt whose part not already cached on
-the decode worker is long enough, a prefill worker up; every decision is counted by
-reason), runs the prefill on the prefill worker with the most cached prefix (then the
+the decode worker is long enough, a prefill worker up and, with
+`pd_max_prefill_queue_tokens`, not backed up; every decision is counted by reason), runs the prefill on the prefill worker with the most cached prefix (then the
 least busy),
 hands the ticket to the decode worker, and relays the token stream that arrives over
 ZMQ. If the prefill fails, policy `recompute` lets the decode worker prefill itself and
@@ -49,6 +49,9 @@ class WorkerHandle(Protocol):
 class RouterConfig:
     mode: str = "pd"  # "pd" | "colocated"
     pd_min_prompt_tokens: int = 16  # shorter prompts (or uncached tails) prefill on D
+    # When every prefill worker already has this many prompt tokens in flight, a new prompt
+    # prefills on its decode worker instead ("prefill_busy"); 0 = never (always remote).
+    pd_max_prefill_queue_tokens: int = 0
     block_size: int = 16  # the workers' KV block size: prefix hashes are per full block
     policy: str = "recompute"  # prefill failure: "recompute" | "fail"
     prefill_timeout_s: float = 120.0
@@ -59,6 +62,10 @@ class RouterConfig:
             raise ValueError(f"mode must be 'pd' or 'colocated', got {self.mode!r}")
         if self.policy not in ("recompute", "fail"):
             raise ValueError(f"policy must be 'recompute' or 'fail', got {self.policy!r}")
+        if self.pd_max_prefill_queue_tokens < 0:
+            raise ValueError(
+                f"pd_max_prefill_queue_tokens must be >= 0, got {self.pd_max_prefill_queue_tokens}"
+            )
 
 
 class Router:
@@ -78,6 +85,9 @@ class Router:
         self.tier = None  # the KV tier actor, when there is one (stats only)
         self.tier_stats: dict = {}
         self._inflight: Counter[str] = Counter()  # worker id -> requests in flight
+        self._prefill_tokens: Counter[str] = (
+            Counter()
+        )  # prefill worker id -> prompt tokens in flight
         self._queues: dict[str, asyncio.Queue[StreamDelta]] = {}
         self._assigned: dict[str, str] = {}  # request id -> decode worker id
         self._background: set[asyncio.Task] = set()  # aborts in flight; awaited by close()
@@ -123,6 +133,9 @@ class Router:
             return "prefix_hit_on_decode"  # D has the prefix: only a short tail to compute
         if not self.prefill_workers:
             return "no_prefill_worker"
+        cap = self.config.pd_max_prefill_queue_tokens
+        if cap and min(self._prefill_tokens[w.worker_id] for w in self.prefill_workers) >= cap:
+            return "prefill_busy"  # the prefill pool is backed up: D prefills this one
         return "remote_prefill"
 
     def _pick_prefill(self, hashes: list[int]) -> WorkerHandle:
@@ -209,6 +222,7 @@ class Router:
         prefill_w = self._pick_prefill(hashes)
         self.prefix_index.remember(prefill_w.worker_id, hashes)
         self._inflight[prefill_w.worker_id] += 1
+        self._prefill_tokens[prefill_w.worker_id] += len(work.prompt_token_ids)
         holders.append(prefill_w)
         start = time.monotonic()
         try:
@@ -239,6 +253,7 @@ class Router:
             return None
         finally:
             self._inflight[prefill_w.worker_id] -= 1
+            self._prefill_tokens[prefill_w.worker_id] -= len(work.prompt_token_ids)
 
     @staticmethod
     async def _abort_quietly(worker: WorkerHandle, request_id: str) -> None:

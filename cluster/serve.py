@@ -145,7 +145,15 @@ def run_serve(cfg: ServeConfig) -> int:
         print(f"pdserve: starting {num_workers} worker(s) on Ray ({ecfg.model.source})", flush=True)
         members = ray.get(controller.start.remote(), timeout=900)
         router = Router(
-            RouterConfig(cfg.mode, cfg.pd_min_prompt_tokens, cfg.block_size, cfg.policy), [], []
+            RouterConfig(
+                mode=cfg.mode,
+                pd_min_prompt_tokens=cfg.pd_min_prompt_tokens,
+                pd_max_prefill_queue_tokens=cfg.pd_max_prefill_queue_tokens,
+                block_size=cfg.block_size,
+                policy=cfg.policy,
+            ),
+            [],
+            [],
         )
         sync_members(router, members)
         router.tier = tier

@@ -27,6 +27,7 @@ class ServeConfig:
     device: str = "auto"
     policy: str = "recompute"
     pd_min_prompt_tokens: int = 16
+    pd_max_prefill_queue_tokens: int = 0  # conditional disaggregation; 0 = always remote
     lease_s: float = 30.0
     max_body_bytes: int = 4 << 20
     health_interval_s: float = 2.0
@@ -50,6 +51,11 @@ class ServeConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.pd_max_prefill_queue_tokens < 0:
+            raise ValueError(
+                "--pd-max-prefill-queue-tokens must be >= 0, got "
+                f"{self.pd_max_prefill_queue_tokens}"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
@@ -85,6 +91,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--kv-transport", choices=["tcp", "cuda_ipc", "nccl"], default=None,
                    help="how decode workers pull KV from prefill workers (default tcp)")  # fmt: skip
+    p.add_argument("--pd-max-prefill-queue-tokens", type=int, default=None,
+                   help="pd mode: when every prefill worker has this many prompt tokens in "
+                   "flight, prefill on the decode worker instead (default 0: always remote)")  # fmt: skip
     p.add_argument("--policy", choices=["recompute", "fail"], default=None,
                    help="when a remote prefill or KV pull fails (default recompute)")  # fmt: skip
 

@@ -78,6 +78,7 @@ def test_whole_gpu_workers_see_their_gpu_first_and_the_others_after():
         ({"max_num_batched_tokens": 0}, "--max-num-batched-tokens"),
         ({"gpu_memory_utilization": 0.0}, "--gpu-memory-utilization"),
         ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization"),
+        ({"pd_max_prefill_queue_tokens": -1}, "--pd-max-prefill-queue-tokens"),
     ],
 )
 def test_serve_config_refuses_bad_engine_limits(kwargs, message):

@@ -263,6 +263,42 @@ def test_prefix_cached_on_decode_prefills_locally(pd):
 
 
 @pytest.fixture(scope="module")
+def pd_busy(tmp_path_factory):
+    # Conditional disaggregation at its tightest: one prompt token in flight on the prefill
+    # worker is "backed up", so prompts arriving meanwhile prefill on the decode worker.
+    server = Server(tmp_path_factory.mktemp("busy"), "--pd-max-prefill-queue-tokens", "1")
+    yield server
+    server.stop()
+
+
+def test_backed_up_prefill_pool_sends_prompts_to_the_decode_worker(pd_busy, pd):
+    """Guards `--pd-max-prefill-queue-tokens`: of prompts sent together, those arriving
+    while the prefill worker is busy prefill on the decode worker (counted as
+    prefill_busy), the first still goes remote, and every answer equals the one the
+    default PD server gives the same prompt alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cities = ("Lisbon", "Vienna", "Prague", "Dublin", "Oslo", "Madrid")
+    # The city comes first: no two prompts share a cached block, so none is a prefix hit.
+    prompts = [f"Name one museum in {city}. {LONG}" for city in cities]
+
+    def ask(server: Server, prompt: str) -> str:
+        r = server.client().completions.create(
+            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0
+        )
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: ask(pd_busy, p), prompts))
+    alone = [ask(pd, p) for p in prompts]
+    assert together == alone
+    text = pd_busy.metrics()
+    name = "pdserve:pd_decisions_total"
+    assert _metric(text, name, reason="prefill_busy") >= 1
+    assert _metric(text, name, reason="remote_prefill") >= 1
+
+
+@pytest.fixture(scope="module")
 def nccl_pd(tmp_path_factory):
     # nccl transport on CPU: the same P2P code path over gloo (the two-GPU run is #7's).
     server = Server(
