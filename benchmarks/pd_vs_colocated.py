@@ -1,11 +1,13 @@
 """PD vs colocated under load: TTFT and ITL p50/p99 and goodput per request rate.
 
     python benchmarks/pd_vs_colocated.py [--model DIR] [--workers 2] [--rates 0.5,1,2,4]
+        [--modes pd,pd-cond,colocated] [--cond-tokens 16384]
         [--num-prompts 64] [--input-min 2048] [--input-max 8192] [--output-len 256]
         [--slo ttft:500 tpot:20] [--serve-args "--kv-transport cuda_ipc"] [--out DIR]
 
 The [multi-gpu] comparison. For each mode it starts `pdserve serve` (a local Ray instance
-with real workers): PD runs `--workers / 2` prefill and as many decode workers, colocated
+with real workers): PD runs `--workers / 2` prefill and as many decode workers, `pd-cond`
+the same with conditional disaggregation (`--pd-max-prefill-queue-tokens`), colocated
 runs `--workers` independent workers that prefill and decode alike; `pdserve serve`
 gives each worker a whole GPU when there are enough. The same seeded prompts (random
 token ids, lengths uniform in [input-min, input-max], forced output length) go to each
@@ -50,11 +52,17 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
     return [[rng.randrange(FIRST_ID, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def serve_args(mode: str, workers: int, extra: list[str]) -> list[str]:
-    if mode == "pd":
+MODES = ("pd", "pd-cond", "colocated")
+
+
+def serve_args(mode: str, workers: int, extra: list[str], cond_tokens: int) -> list[str]:
+    """`pd-cond` is PD with conditional disaggregation: prompts arriving while every
+    prefill worker has `cond_tokens` prompt tokens in flight prefill on their decode worker."""
+    if mode in ("pd", "pd-cond"):
         assert workers >= 2 and workers % 2 == 0, "PD needs an even number of workers (>= 2)"
+        cond = ["--pd-max-prefill-queue-tokens", str(cond_tokens)] if mode == "pd-cond" else []
         return ["--mode", "pd", "--prefill-workers", str(workers // 2),
-                "--decode-workers", str(workers // 2), *extra]  # fmt: skip
+                "--decode-workers", str(workers // 2), *cond, *extra]  # fmt: skip
     return ["--mode", "colocated", "--decode-workers", str(workers), *extra]
 
 
@@ -104,7 +112,7 @@ def run_mode(
     from pdserve.cluster.serve_process import ServeProcess
 
     extra = [*(["--model", args.model] if args.model else []), *shlex.split(args.serve_args)]
-    server = ServeProcess(log_dir, *serve_args(mode, args.workers, extra))
+    server = ServeProcess(log_dir, *serve_args(mode, args.workers, extra, args.cond_tokens))
     rows = []
     try:
         model = probe_model(server.url, None)
@@ -180,7 +188,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default: the server's default model")
     ap.add_argument("--workers", type=int, default=2, help="total workers (GPUs) per mode")
-    ap.add_argument("--modes", default="pd,colocated")
+    ap.add_argument("--modes", default="pd,colocated", help=f"of {', '.join(MODES)}")
+    ap.add_argument(
+        "--cond-tokens", type=int, default=16384,
+        help="pd-cond: prefill worker tokens in flight past which the decode worker prefills",
+    )  # fmt: skip
     ap.add_argument("--rates", default="0.5,1,2,4", help="Poisson request rates, req/s")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-min", type=int, default=2048)
@@ -199,6 +211,8 @@ def main() -> int:
         plot(json.loads(path.read_text())["rows"], path.with_suffix(".png"))
         return 0
     args.rates = [float(r) for r in args.rates.split(",")]
+    if bad := set(args.modes.split(",")) - set(MODES):
+        ap.error(f"unknown modes {sorted(bad)}; known: {', '.join(MODES)}")
     if not 0 < args.input_min <= args.input_max or args.num_prompts < 1:
         ap.error("need 0 < --input-min <= --input-max and --num-prompts >= 1")
 
