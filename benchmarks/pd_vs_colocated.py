@@ -8,23 +8,24 @@
 The [multi-gpu] comparison. For each mode it starts `pdserve serve` (a local Ray instance
 with real workers): PD runs `--workers / 2` prefill and as many decode workers, `pd-cond`
 the same with conditional disaggregation (`--pd-max-prefill-queue-tokens`), colocated
-runs `--workers` independent workers that prefill and decode alike; `pdserve serve`
-gives each worker a whole GPU when there are enough. The same seeded prompts (random
-token ids, lengths uniform in [input-min, input-max], forced output length) go to each
-deployment at each Poisson rate through `pdserve bench`'s load generator, and the report
-per (mode, rate) is `pdserve bench`'s: TTFT, TPOT, ITL, goodput (requests per second
-meeting every SLO). First, two fresh prompts are completed greedily one at a time in each
-mode: each prefill then runs alone on the same kernels, so the modes must agree token for
-token (`greedy_agree`), which checks the KV moved between workers end to end. (Prompts
+runs `--workers` independent workers that prefill and decode alike; `pdserve serve` gives
+each worker a whole GPU when there are enough. The same seeded prompts (random token ids,
+lengths uniform in [input-min, input-max], forced output length) go to each deployment at
+each Poisson rate through `pdserve bench`'s load generator, and the report per (mode,
+rate) is `pdserve bench`'s: TTFT, TPOT, ITL, goodput (requests per second meeting every
+SLO). First, two fresh prompts are completed greedily one at a time in each mode: each
+prefill then runs alone on the same kernels, so the modes must agree token for token
+(`greedy_agree`), which checks the KV moved between workers end to end. (Prompts
 prefilled in a batch would not do: the batch changes cuBLAS's kernel choice and so the
 KV's last bits, and a random model's near-tied logits flip on that.) Each row also keeps
 the router's path counters (`server_counters`: remote-prefill decisions, failed remote
-prefills, pulls by transport), so a fallback cannot pass for PD. Writes `pd_vs_colocated_<device-kind>.json` (with
-`gpus`, the device, the commit and the command; rewritten after every rate, so a run cut
-short keeps what it measured) and, with matplotlib, a PNG of goodput and TTFT p99 against
-the rate (`--replot JSON` draws it from the JSON elsewhere). A benchmark, not a test; on
-a machine without GPUs it runs the same path on the CPU (use a small model and short
-prompts there). A model directory for the GPU: `python benchmarks/synthetic_model.py DIR`.
+prefills, pulls by transport), so a fallback cannot pass for PD. Writes
+`pd_vs_colocated_<device-kind>.json` (with `gpus`, the device, the commit and the
+command; rewritten after every rate, so a run cut short keeps what it measured) and, with
+matplotlib, a PNG of goodput and TTFT p99 against the rate (`--replot JSON` draws it from
+the JSON elsewhere). A benchmark, not a test; on a machine without GPUs it runs the same
+path on the CPU (use a small model and short prompts there). A model directory for the
+GPU: `python benchmarks/synthetic_model.py DIR`.
 """
 
 from __future__ import annotations

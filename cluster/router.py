@@ -1,15 +1,15 @@
 """The router's request flow (DESIGN §2), independent of HTTP and of Ray.
 
-`Router.generate` takes a parsed request and yields `(index, StreamDelta)` for each of its
-`n` completions: it picks a decode worker (fewest requests in flight, then KV headroom),
-decides whether remote prefill pays (`pd` mode, a prompt whose part not already cached on
-the decode worker is long enough, a prefill worker up and, with
-`pd_max_prefill_queue_tokens`, not backed up; every decision is counted by reason), runs the prefill on the prefill worker with the most cached prefix (then the
-least busy),
-hands the ticket to the decode worker, and relays the token stream that arrives over
-ZMQ. If the prefill fails, policy `recompute` lets the decode worker prefill itself and
-`fail` ends the request with an error; both are counted. When the consumer stops early
-(client disconnect) every worker that may hold the request is told to abort it.
+`Router.generate` takes a parsed request and yields `(index, StreamDelta)` for each of
+its `n` completions: it picks a decode worker (fewest requests in flight, then KV
+headroom), decides whether remote prefill pays (`pd` mode, a prompt whose part not
+already cached on the decode worker is long enough, a prefill worker up and, with
+`pd_max_prefill_queue_tokens`, not backed up; every decision is counted by reason), runs
+the prefill on the prefill worker with the most cached prefix (then the least busy),
+hands the ticket to the decode worker, and relays the token stream that arrives over ZMQ.
+If the prefill fails, policy `recompute` lets the decode worker prefill itself and `fail`
+ends the request with an error; both are counted. When the consumer stops early (client
+disconnect) every worker that may hold the request is told to abort it.
 
 Workers are reached through handles (`WorkerHandle`) so the same flow drives Ray actors
 and in-process services.

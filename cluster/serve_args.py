@@ -84,8 +84,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens per engine step (default: 8192 on GPUs of >= 70 GiB, else 2048)",
     )
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help=f"share of each GPU for weights + KV cache (default {d.gpu_memory_utilization})")  # fmt: skip
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help=f"share of each GPU for weights + KV cache (default {d.gpu_memory_utilization})",
+    )
     p.add_argument("--runner", choices=["auto", "mrv2", "reference"], default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)

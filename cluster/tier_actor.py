@@ -3,7 +3,8 @@
 Blocks cross the actor boundary as one bytes blob plus a small spec of shapes and dtypes
 (msgpack-able values; never pickled tensors). `TierClient` has the `HostKVTier` methods
 the prefill worker (write-behind `put`, off its thread: cluster/tier_writer.py) and the
-decode loader (`lookup`, `get`) call, with a timeout on every call. A tier that is down costs a logged miss, never a failed request.
+decode loader (`lookup`, `get`) call, with a timeout on every call. A tier that is down
+costs a logged miss, never a failed request.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ call's deadline.
 
 Per pull the host does little: the unit ids cross to the GPU in one asynchronous copy
 from a pinned buffer (`IdStaging`), and the side stream and its two events are made once
-per thread and (source, destination) device pair, not per pull. Pulls from several threads (the decode loader's
-pool) each use their own stream, events and staging buffers, so they need no lock.
+per thread and (source, destination) device pair, not per pull. Pulls from several
+threads (the decode loader's pool) each use their own stream, events and staging
+buffers, so they need no lock.
 
 Between two GPUs of a node (peer access over NVLink): the export names its GPU by UUID, so
 processes that number the GPUs differently agree on it; peer access is enabled once per
