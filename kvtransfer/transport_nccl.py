@@ -371,16 +371,19 @@ def check_headers(headers: list[DataHeader], spec: PullSpec, dst: Sequence[Group
             layer = 0
             while layer < num_layers:
                 h = headers[pos] if pos < len(headers) else None
-                end = h.layer_end if h is not None else -1
-                want = DataHeader(
-                    rid, g, t, layer, end, [end - layer, n, num_elems], dtype,
-                    (end - layer) * layer_bytes,
-                )  # fmt: skip
-                if h != want or not layer < end <= num_layers:
+                # The range first: a header for it is only built when it is a valid one.
+                ok = h is not None and layer < h.layer_end <= num_layers
+                if ok:
+                    end = h.layer_end
+                    ok = h == DataHeader(
+                        rid, g, t, layer, end, [end - layer, n, num_elems], dtype,
+                        (end - layer) * layer_bytes,
+                    )  # fmt: skip
+                if not ok:
                     raise TransferError(
                         "bad_frame",
                         f"frame {pos} is {h}; expected group {g} tensor {t} from layer {layer}",
                     )
-                layer, pos = end, pos + 1
+                layer, pos = h.layer_end, pos + 1
     if pos != len(headers):
         raise TransferError("bad_frame", f"{len(headers) - pos} frame(s) more than this pull has")

@@ -269,6 +269,8 @@ def test_puller_refuses_frames_that_do_not_tile_the_layers():
         "shape": [replace(per_layer[0], shape=[1, n + 1, elems]), *per_layer[1:]],
         "bytes": [replace(per_layer[0], nbytes=layer_bytes + 1), *per_layer[1:]],
         "extra": [*per_layer, per_layer[2]],
+        "too few": per_layer[:2],
+        "backwards": [per_layer[0], per_layer[1], per_layer[0]],
         "past the last layer": [
             *per_layer[:2],
             replace(per_layer[2], layer_end=4, shape=[2, n, elems], nbytes=2 * layer_bytes),
