@@ -1,6 +1,14 @@
-"""Layouts and fill rule shared by tests/test_gpu_cuda_ipc.py and its source process."""
+"""Layouts, fill rule and source-process launcher shared by tests/test_gpu_cuda_ipc.py,
+tests/test_gpu_peer_ipc.py and their source process (gpu_ipc_source_proc.py)."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -44,3 +52,23 @@ def fill(storages, seed: int) -> None:
                 info.min, info.max, tuple(t.shape), generator=gen, dtype=bits.dtype
             )
             bits.copy_(host.to(t.device))
+
+
+@contextlib.contextmanager
+def source_process(name: str, device: str = "cuda", visible: str | None = None) -> Iterator[str]:
+    """gpu_ipc_source_proc.py serving layout `name` from `device` (seeing the GPUs as
+    `visible`, a CUDA_VISIBLE_DEVICES value, when given); yields its cuda_ipc endpoint and
+    checks it exits cleanly once told to stop."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible) if visible is not None else None
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "gpu_ipc_source_proc.py"), name, device],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        yield "cuda_ipc+" + proc.stdout.readline().strip()
+    finally:
+        proc.stdin.close()
+        assert proc.wait(30) == 0

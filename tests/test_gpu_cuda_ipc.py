@@ -4,27 +4,20 @@ Collected only where a GPU exists (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from gpu_ipc_layouts import LAYOUTS, UNITS, fill
+from gpu_ipc_layouts import LAYOUTS, UNITS, fill, source_process
 
 from pdserve.kernels.kv_pack import bitwise_view
 from pdserve.kvtransfer.id_staging import IdStaging
 from pdserve.kvtransfer.protocol import Ticket
 from pdserve.kvtransfer.transport import PullSpec, TransferError
 from pdserve.kvtransfer.transport_cuda_ipc import CudaIpcTransport
-
-HERE = Path(__file__).parent
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -34,14 +27,7 @@ def test_cuda_ipc_round_trip_two_processes(name):
     every other destination unit stays zero."""
     layout, sizes = LAYOUTS[name]
     src_units, dst_units = UNITS[name]
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "gpu_ipc_source_proc.py"), name],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        endpoint = "cuda_ipc+" + proc.stdout.readline().strip()
+    with source_process(name) as endpoint:
         expect = tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes))
         fill(expect, seed=7)
         dst = tuple(g.allocate(n + 3, "cuda") for g, n in zip(layout.groups, sizes))
@@ -70,25 +56,6 @@ def test_cuda_ipc_round_trip_two_processes(name):
         with pytest.raises(TransferError, match="unknown_lease"):
             transport.pull(PullSpec(late, dst_units, first), dst, timeout_s=5)
         transport.close()
-    finally:
-        proc.stdin.close()
-        assert proc.wait(30) == 0
-
-
-@contextlib.contextmanager
-def _source(name: str) -> Iterator[str]:
-    """The source process for layout `name`; yields its cuda_ipc endpoint."""
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "gpu_ipc_source_proc.py"), name],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        yield "cuda_ipc+" + proc.stdout.readline().strip()
-    finally:
-        proc.stdin.close()
-        assert proc.wait(30) == 0
 
 
 def test_cuda_ipc_pulls_from_two_threads_at_once():
@@ -100,7 +67,7 @@ def test_cuda_ipc_pulls_from_two_threads_at_once():
     layout, sizes = LAYOUTS["paged_gqa"]
     (src_units,), (dst_units,) = UNITS["paged_gqa"]
     maps = (tuple(dst_units), tuple(reversed(dst_units)))
-    with _source("paged_gqa") as endpoint:
+    with source_process("paged_gqa") as endpoint:
         expect = tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes))
         fill(expect, seed=7)
         transport = CudaIpcTransport("D", layout)

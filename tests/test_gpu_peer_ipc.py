@@ -8,42 +8,16 @@ importer must find the GPU by its UUID.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-from gpu_ipc_layouts import LAYOUTS, UNITS, fill
+from gpu_ipc_layouts import LAYOUTS, UNITS, fill, source_process
 
 from pdserve.kernels.kv_pack import bitwise_view
 from pdserve.kvtransfer.protocol import Ticket
 from pdserve.kvtransfer.transport import PullSpec
 from pdserve.kvtransfer.transport_cuda_ipc import CudaIpcTransport
-
-HERE = Path(__file__).parent
-
-
-@contextlib.contextmanager
-def _source(name: str, visible: str, device: str) -> Iterator[str]:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible)
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "gpu_ipc_source_proc.py"), name, device],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        yield "cuda_ipc+" + proc.stdout.readline().strip()
-    finally:
-        proc.stdin.close()
-        assert proc.wait(30) == 0
-
 
 # (source's CUDA_VISIBLE_DEVICES, source's device, puller's destination device): the
 # source's storages are on physical GPU 0 in the first case, on physical GPU 1 (its own
@@ -58,11 +32,11 @@ CASES = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_cuda_ipc_round_trip_between_two_gpus(name, case):
     """Every destination unit equals its source unit bit for bit after a pull whose copy
-    kernel runs on one GPU and reads the other's memory; other units stay zero."""
+    kernel runs on the source's GPU and writes the other's memory; other units stay zero."""
     visible, src_device, dst_device = CASES[case]
     layout, sizes = LAYOUTS[name]
     src_units, dst_units = UNITS[name]
-    with _source(name, visible, src_device) as endpoint:
+    with source_process(name, src_device, visible) as endpoint:
         expect = tuple(g.allocate(n, "cpu") for g, n in zip(layout.groups, sizes))
         fill(expect, seed=7)
         dst = tuple(g.allocate(n + 3, dst_device) for g, n in zip(layout.groups, sizes))
