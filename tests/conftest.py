@@ -52,6 +52,26 @@ DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
 torch.set_num_threads(min(4, os.cpu_count() or 1))
 
 
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    """`pdserve serve` as the README runs it (PD mode, 1 prefill + 1 decode worker, a tier
+    actor, the bundled SmolLM2) on a free port, one per test module that asks for it."""
+    from serve_server import Server
+
+    server = Server(tmp_path_factory.mktemp("pd"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    from serve_server import Server
+
+    server = Server(tmp_path_factory.mktemp("co"), "--mode", "colocated", "--max-model-len", "1024")
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def smollm_dir() -> str:
     from pdserve.runner.model_source import resolve_model_dir

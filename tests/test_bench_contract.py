@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from test_serve_e2e import Server
+from serve_server import Server
 
 from pdserve.cluster.bench_stats import (
     RequestResult,
@@ -167,20 +167,6 @@ def test_tools_fail_clearly_on_bad_endpoints(tmp_path, not_openai):
 
 
 # ---------------------------------------------------------------- live servers
-
-
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    server = Server(tmp_path_factory.mktemp("pd"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def colocated(tmp_path_factory):
-    server = Server(tmp_path_factory.mktemp("co"), "--mode", "colocated", "--max-model-len", "1024")
-    yield server
-    server.stop()
 
 
 def test_bench_report_fields_and_percentiles(pd, tmp_path):

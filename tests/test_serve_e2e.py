@@ -13,46 +13,13 @@ import json
 import httpx
 import openai
 import pytest
+from serve_server import KEY, Server
 
-from pdserve.cluster.serve_process import ServeProcess
-
-KEY = "test-key"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 LONG = (
     "You are a helpful assistant for a travel agency. Answer briefly and precisely. "
     "The customer is planning a trip through Europe in the spring and asks about cities. "
 )
-
-
-class Server(ServeProcess):
-    """A `ServeProcess` with the test's clients and checks."""
-
-    def client(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
-
-    def metrics(self) -> str:
-        return httpx.get(self.url + "/metrics", timeout=30).text
-
-    def stop(self) -> None:
-        code = super().stop()  # Ctrl-C, then wait
-        assert code == 0, self.log.read_text()
-        assert "pdserve: stopped" in self.log.read_text()
-
-
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    # The README's default: no flags but a free port (PD mode, 1 prefill + 1 decode worker,
-    # a tier actor, the bundled SmolLM2).
-    server = Server(tmp_path_factory.mktemp("pd"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def colocated(tmp_path_factory):
-    server = Server(tmp_path_factory.mktemp("co"), "--mode", "colocated", "--max-model-len", "1024")
-    yield server
-    server.stop()
 
 
 def _metric(text: str, name: str, **labels: str) -> float:

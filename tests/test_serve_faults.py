@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_serve_e2e import KEY, LONG, Server, _metric
+from serve_server import KEY, Server
+from test_serve_e2e import LONG, _metric
 
 MODEL = "SmolLM2-135M-Instruct"
 
