@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run_meta import git_commit  # noqa: E402
-from throughput import Workload, build_model_dir, make_prompts  # noqa: E402
+from throughput import Workload, make_prompts, random_model_engine  # noqa: E402
 
 
 def main() -> int:
@@ -44,16 +43,9 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
 
-    from pdserve.runner.engine import Engine
     from pdserve.runner.sampling_params import SamplingParams
 
-    model_dir = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
-    build_model_dir(model_dir)  # the in-memory copy it returns is dropped here
-    torch.cuda.empty_cache()
-    engine = Engine.from_args(
-        model=str(model_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=512,
-        max_num_batched_tokens=16384, gpu_memory_utilization=0.8,
-    )  # fmt: skip
+    engine = random_model_engine()
     w = Workload("profile", args.num_requests, args.prompt_len, 10_000, "output_tok_s")
     params = SamplingParams(temperature=0.0, max_tokens=64 + args.steps, ignore_eos=True)
     if args.phase == "prefill":

@@ -14,7 +14,6 @@ import argparse
 import functools
 import json
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from throughput import WORKLOADS, Workload, build_model_dir, make_prompts, run_engine  # noqa: E402
+from throughput import WORKLOADS, Workload, make_prompts, random_model_engine, run_engine  # noqa: E402
 
 TOTALS: dict[str, float] = defaultdict(float)
 CALLS: dict[str, int] = defaultdict(int)
@@ -52,13 +51,7 @@ def main() -> int:
     from pdserve.runner.mrv2 import host_ring, model_runner
     from pdserve.runner.scheduler import Scheduler
 
-    model_dir = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
-    build_model_dir(model_dir)
-    torch.cuda.empty_cache()
-    engine = Engine.from_args(
-        model=str(model_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=512,
-        max_num_batched_tokens=16384, gpu_memory_utilization=0.8,
-    )  # fmt: skip
+    engine = random_model_engine()
     w = WORKLOADS[args.workload]
     prompts = make_prompts(w, 151_936)
     # Warm-up on the workload's own shapes with other prompts, as throughput.py does: an

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run_meta import git_commit  # noqa: E402
-from throughput import WORKLOADS, Workload, build_model_dir, make_prompts, run_engine  # noqa: E402
+from throughput import WORKLOADS, Workload, make_prompts, random_model_engine, run_engine  # noqa: E402
 
 
 def bucket(prefill_tokens: int, decode_rows: int) -> str:
@@ -43,15 +42,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
 
-    from pdserve.runner.engine import Engine
-
-    model_dir = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
-    build_model_dir(model_dir)
-    torch.cuda.empty_cache()
-    engine = Engine.from_args(
-        model=str(model_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=512,
-        max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.8,
-    )  # fmt: skip
+    engine = random_model_engine(args.max_num_batched_tokens)
     w = WORKLOADS[args.workload]
     run_engine(engine, Workload(w.name, w.num_requests, w.prompt_len, 4, w.metric),
                make_prompts(w, 151_936, seed=99))  # fmt: skip

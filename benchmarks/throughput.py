@@ -91,6 +91,20 @@ def build_model_dir(path: Path):
     return model
 
 
+def random_model_engine(max_num_batched_tokens: int = 16384):
+    """The profiling scripts' engine: a fresh random Qwen3-0.6B-shaped model directory and
+    the throughput runs' settings (512 sequences, 80% of the GPU)."""
+    from pdserve.runner.engine import Engine
+
+    model_dir = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
+    build_model_dir(model_dir)  # the in-memory copy it returns is dropped here
+    torch.cuda.empty_cache()
+    return Engine.from_args(
+        model=str(model_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=512,
+        max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=0.8,
+    )  # fmt: skip
+
+
 def floor_seconds(w: Workload, batch: int) -> float:
     """Time floor: prefill FLOPs at peak + decode steps at peak bandwidth."""
     params_flops = 2 * 0.44e9  # non-embedding matmul params (28 x 15.7M) + LM head 155M
