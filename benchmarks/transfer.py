@@ -201,9 +201,7 @@ def pull_cases(
             rows.append(
                 {
                     "transport": transport_name.removesuffix("_peer"),
-                    "src_device": device
-                    if transport_name == "local"
-                    else run.source_device(transport_name),
+                    "src_device": run.source_device(transport_name),
                     "dst_device": device,
                     "layout": name,
                     "tokens": req.tokens,
@@ -313,7 +311,7 @@ def run_tcp(run: Run) -> list[dict]:
 def run_local(run: Run) -> list[dict]:
     from pdserve.kvtransfer.transport_local import LocalRegistry, LocalTransport
 
-    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    device = run.source_device("local")  # one process: the pull's device too
     registry, endpoints = LocalRegistry(), {}
     for name in run.layout_names:
         layout = LAYOUTS[name]

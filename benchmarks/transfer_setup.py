@@ -61,6 +61,8 @@ class Run:
     def source_device(self, kind: str) -> str:
         if kind == "tcp" or (kind == "nccl" and self.p2p_backend == "gloo"):
             return "cpu"
+        if kind == "local" and not torch.cuda.is_available():
+            return "cpu"
         return "cuda:0"
 
 
