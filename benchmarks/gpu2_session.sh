@@ -5,6 +5,7 @@
 # stage that hangs leaves the others' results.
 #   STAGES=tests,transfer,pd (default all)   RATES=2,4,8,16   PROMPTS=48
 #   MODES=pd,pd-cond,colocated   TRANSPORT=cuda_ipc   PD_TIMEOUT=420
+#   REPS=20 (timed pulls per transfer case)   PROFILE_PULLS=0 (cProfile N pulls per case)
 set -o pipefail
 OUT=${OUT:-/tmp/pdserve-out}
 mkdir -p "$OUT"
@@ -18,7 +19,8 @@ if [[ ,$STAGES, == *,tests,* ]]; then
   tail -2 "$OUT/gpu2_tests.log"
 fi
 if [[ ,$STAGES, == *,transfer,* ]]; then
-  timeout 150 python3 benchmarks/transfer.py --transports cuda_ipc_peer,nccl --hang-dump-s 130 \
+  timeout 170 python3 benchmarks/transfer.py --transports cuda_ipc_peer,nccl --hang-dump-s 150 \
+      --reps ${REPS:-20} --profile-pulls ${PROFILE_PULLS:-0} \
       --out "$OUT" > "$OUT/transfer.log" 2>&1
   grep '^{' "$OUT/transfer.log" | cut -c1-160
 fi

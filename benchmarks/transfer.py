@@ -23,7 +23,8 @@ written as a list to `<out>/transfer_<device-kind>.json`. `latency_ms` / `GBps` 
 end (the call, host work included) and stay the headline. Rows of local on a GPU and of
 cuda_ipc add `device_ms` / `device_GBps`: the GPU time of the pull's device work alone
 (ids upload and copy kernels), CUDA events around it while a GPU sleep holds it back until
-it is all queued, so what `latency_ms` adds to it is the per-pull host cost; and
+it is all queued, so what `latency_ms` adds to it is the per-pull host cost; `host_ms`,
+the host time of queueing that work (the part of that cost before the GPU can start); and
 `baseline_device_ms` / `baseline_device_GBps`, the copy's own GPU time measured alike.
 
 `--p2p-backend gloo` runs the nccl transport's path over gloo on the CPU (no GPU needed);
@@ -123,6 +124,20 @@ def device_ms(enqueue: Callable[[], torch.cuda.Event | None], reps: int, device:
     return statistics.median(times)
 
 
+def host_ms(enqueue: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
+    """Median host time of queueing one pull's device work (`enqueue` returns once it is
+    queued), the GPU idle before each call: the part of `latency_ms` the host adds before
+    the device can start."""
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        enqueue()
+        times.append(time.perf_counter() - start)
+    sync()
+    return statistics.median(times) * 1e3
+
+
 def _sync_for(device: str) -> Callable[[], None]:
     """Waits for every GPU: a two-GPU case's work runs on both."""
     if not device.startswith("cuda"):
@@ -190,9 +205,11 @@ def pull_cases(
                 extra[f"{key}_latency_ms"] = t_extra * 1e3
             timed_device = {}
             if device_work is not None:
-                ms = device_ms(device_work(transport, spec, dst), run.reps, device)
+                enqueue = device_work(transport, spec, dst)
+                ms = device_ms(enqueue, run.reps, device)
                 base_ms = device_ms(functools.partial(baseline, nbytes), run.reps, device)
                 timed_device = {
+                    "host_ms": host_ms(enqueue, run.reps, sync),
                     "device_ms": ms,
                     "device_GBps": nbytes / ms / 1e6,
                     "baseline_device_ms": base_ms,
