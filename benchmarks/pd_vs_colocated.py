@@ -9,9 +9,11 @@ The [multi-gpu] comparison. For each mode it starts `pdserve serve` (a local Ray
 with real workers): PD runs `--workers / 2` prefill and as many decode workers, `pd-cond`
 the same with conditional disaggregation (`--pd-max-prefill-queue-tokens`), colocated
 runs `--workers` independent workers that prefill and decode alike; `pdserve serve` gives
-each worker a whole GPU when there are enough. The same seeded prompts (random token ids,
-lengths uniform in [input-min, input-max], forced output length) go to each deployment at
-each Poisson rate through `pdserve bench`'s load generator, and the report per (mode,
+each worker a whole GPU when there are enough. Seeded prompts (random token ids, lengths
+uniform in [input-min, input-max], forced output length) go to each deployment at each
+Poisson rate through `pdserve bench`'s load generator: a fresh set per rate, the same sets
+in every mode (one server runs every rate of a mode, so a set sent twice would be a prefix
+cache hit the second time, and no prefill at all), and the report per (mode,
 rate) is `pdserve bench`'s: TTFT, TPOT, ITL, goodput (requests per second meeting every
 SLO). First, two fresh prompts are completed greedily one at a time in each mode: each
 prefill then runs alone on the same kernels, so the modes must agree token for token
@@ -101,10 +103,11 @@ def path_counters(url: str) -> dict[str, float]:
 
 
 def run_mode(
-    mode: str, args: argparse.Namespace, prompts: list, log_dir: Path, record: Callable
+    mode: str, args: argparse.Namespace, prompt_sets: list, log_dir: Path, record: Callable
 ) -> tuple[list[dict], list]:
-    """Rows of this mode, one per rate, each also passed to `record(row, texts)` as it
-    lands (a run cut short keeps what it measured); and the greedy completions."""
+    """Rows of this mode, one per rate (`prompt_sets[i]` at `args.rates[i]`), each also
+    passed to `record(row, texts)` as it lands (a run cut short keeps what it measured);
+    and the greedy completions."""
     from tqdm import tqdm
 
     from pdserve.cluster.bench import BenchConfig, run_load
@@ -123,14 +126,14 @@ def run_mode(
         texts = greedy_texts(server.url, model, fresh, 32, args.timeout)
         # Untimed warm-up on other prompts of the same lengths: the first requests of a
         # fresh server pay compiles and allocations that no rate should be charged with.
-        warm = make_prompts(min(8, len(prompts)), args.input_min, args.input_max,
+        warm = make_prompts(min(8, args.num_prompts), args.input_min, args.input_max,
                             args.vocab_size, args.seed + 99)  # fmt: skip
         warm_cfg = BenchConfig(
             base_url=server.url, model=model, output_len=4, timeout_s=args.timeout
         )
         with tqdm(total=len(warm), file=sys.stderr, desc=f"{mode} warm-up", unit="req") as bar:
             asyncio.run(run_load(warm_cfg, model, warm, bar))
-        for rate in args.rates:
+        for rate, prompts in zip(args.rates, prompt_sets, strict=True):
             cfg = BenchConfig(
                 base_url=server.url, model=model, num_prompts=len(prompts),
                 output_len=args.output_len, request_rate=rate, goodput=tuple(args.slo),
@@ -217,9 +220,14 @@ def main() -> int:
     if not 0 < args.input_min <= args.input_max or args.num_prompts < 1:
         ap.error("need 0 < --input-min <= --input-max and --num-prompts >= 1")
 
-    prompts = make_prompts(
-        args.num_prompts, args.input_min, args.input_max, args.vocab_size, args.seed
-    )
+    # Seeds clear of the greedy check's (seed + 7) and the warm-up's (seed + 99).
+    prompt_sets = [
+        make_prompts(
+            args.num_prompts, args.input_min, args.input_max, args.vocab_size,
+            args.seed + 1000 * (i + 1),
+        )
+        for i in range(len(args.rates))
+    ]  # fmt: skip
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = torch.cuda.get_device_name() if gpus else "cpu"
     log_dir = Path(tempfile.mkdtemp(prefix="pd-vs-colocated-"))
@@ -231,7 +239,8 @@ def main() -> int:
         "commit": git_commit(),
         "command": " ".join(["benchmarks/pd_vs_colocated.py", *sys.argv[1:]]),
         "prompts": {"n": args.num_prompts, "input_min": args.input_min,
-                    "input_max": args.input_max, "output_len": args.output_len},
+                    "input_max": args.input_max, "output_len": args.output_len,
+                    "fresh_set_per_rate": True},
         "slos_ms": dict(s.split(":") for s in args.slo), "server_logs": str(log_dir),
     }  # fmt: skip
     rows: list[dict] = []
@@ -245,7 +254,7 @@ def main() -> int:
         (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
 
     for mode in args.modes.split(","):
-        run_mode(mode, args, prompts, log_dir, record)
+        run_mode(mode, args, prompt_sets, log_dir, record)
     if len(greedy) > 1:
         agree = len({json.dumps(t) for t in greedy.values()}) == 1
         print(f"greedy completions agree across modes: {agree}", file=sys.stderr)

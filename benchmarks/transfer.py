@@ -206,6 +206,8 @@ def pull_cases(
             timed_device = {}
             if device_work is not None:
                 enqueue = device_work(transport, spec, dst)
+                if run.profile_pulls:
+                    profile_enqueue(enqueue, run.profile_pulls, sync)
                 ms = device_ms(enqueue, run.reps, device)
                 base_ms = device_ms(functools.partial(baseline, nbytes), run.reps, device)
                 timed_device = {
@@ -250,6 +252,21 @@ def profile_host(transport, spec: PullSpec, dst: tuple, n: int, sync) -> None:
             transport.pull(spec, dst, TIMEOUT_S)
             sync()
     pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+
+
+def profile_enqueue(enqueue: Callable[[], object], n: int, sync: Callable[[], None]) -> None:
+    """Where the host time of queueing a pull goes down to the CUDA API calls (a call that
+    blocks shows there, not in cProfile): `n` enqueues, the GPU idle before each, under
+    torch's profiler; the table to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            enqueue()
+            sync()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    print(table, file=sys.stderr)
 
 
 def local_device_work(transport, spec: PullSpec, dst: tuple) -> Callable[[], None]:
