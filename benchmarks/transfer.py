@@ -254,12 +254,31 @@ def profile_host(transport, spec: PullSpec, dst: tuple, n: int, sync) -> None:
     pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
 
 
+def _pull_stages() -> list[tuple[object, str]]:
+    """The functions a pull's host time is split over (`host_stages`)."""
+    from pdserve.kernels import kv_copy
+    from pdserve.kvtransfer import id_staging, pack, transport_cuda_ipc
+
+    ipc = transport_cuda_ipc.CudaIpcTransport
+    return [
+        (ipc, "_sources"), (ipc, "_ensure_peer"), (ipc, "_side_stream"),
+        (pack, "copy_groups"), (pack, "_check_ids"), (pack, "_device_ids"),
+        (id_staging.IdStaging, "stage"), (pack, "copy_units_direct"), (kv_copy, "_launch"),
+        (kv_copy, "word_bytes_for"), (kv_copy, "launch_shape"),
+        (kv_copy._copy_units_kernel, "run"),
+    ]  # fmt: skip
+
+
 def profile_enqueue(enqueue: Callable[[], object], n: int, sync: Callable[[], None]) -> None:
-    """Where the host time of queueing a pull goes down to the CUDA API calls (a call that
-    blocks shows there, not in cProfile): `n` enqueues, the GPU idle before each, under
-    torch's profiler; the table to stderr."""
+    """Where the host time of queueing a pull goes: microseconds per enqueue in each of
+    `_pull_stages` (wall clock), then down to the CUDA API calls (a call that blocks shows
+    there, not in cProfile): `n` enqueues, the GPU idle before each, under torch's
+    profiler; both to stderr."""
+    from host_stages import stage_times
     from torch.profiler import ProfilerActivity, profile
 
+    stages = stage_times(_pull_stages(), enqueue, n, between=sync)
+    print(json.dumps({"host_us": {k: round(v, 1) for k, v in stages.items()}}), file=sys.stderr)
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
