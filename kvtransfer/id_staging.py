@@ -42,13 +42,15 @@ class IdStaging:
         # The last copy out of `_host`; query() is True before the first record.
         self._copied = torch.cuda.Event()
 
-    def stage(self, id_arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
-        """One device int64 view per array, all filled by one host-to-device copy queued on
-        `self.stream`, which must be the current stream (`copy_groups` checks); valid until
-        the next `stage` (kernels reading them must be queued on the same stream)."""
+    def stage(self, id_arrays: Sequence[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
+        """The arrays back to back in one device int64 buffer, filled by one host-to-device
+        copy queued on `self.stream`, which must be the current stream (`copy_groups`
+        checks), and where each array starts in it; valid until the next `stage` (kernels
+        reading it must be queued on the same stream). No views are made: each costs the
+        host a few microseconds, and the copy kernel takes the buffer and an offset."""
         total = sum(a.size for a in id_arrays)
         if total == 0:  # every unit was local already: nothing to queue
-            return [self._device[:0] for _ in id_arrays]
+            return self._device, [0] * len(id_arrays)
         if total > self._host.numel() or not self._copied.query():
             size = _capacity(total, self._host.numel())
             self._host = torch.empty(size, dtype=torch.int64, pin_memory=True)
@@ -58,17 +60,17 @@ class IdStaging:
                     _capacity(total, self._device.numel()), dtype=torch.int64, device=self.device
                 )
         host = self._host.numpy()
-        bounds = []
+        offsets = []
         start = 0
         for a in id_arrays:
             host[start : start + a.size] = a
-            bounds.append((start, start + a.size))
+            offsets.append(start)
             start += a.size
         # The caller runs on `self.stream` already (copy_groups asserts it): no stream
         # context here, each costs the host a few us.
         self._device[:total].copy_(self._host[:total], non_blocking=True)
         self._copied.record(self.stream)
-        return [self._device[a:b] for a, b in bounds]
+        return self._device, offsets
 
 
 def _capacity(needed: int, current: int) -> int:

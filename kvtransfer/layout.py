@@ -245,6 +245,13 @@ class GroupStorage:
                 raise ValueError(
                     f"{where} tensor {i} must be dense below the layer axis, strides {t.stride()}"
                 )
+        # Made once: a pull reads them on every call, and the copy kernel's launch set-up
+        # is kept per pair of these very views (kernels/kv_copy.PairCache).
+        flat = tuple(
+            t.view(t.shape[0], t.shape[1], e)
+            for t, e in zip(self.tensors, g.unit_elems(), strict=True)
+        )
+        object.__setattr__(self, "_flat", flat)
 
     @property
     def num_units(self) -> int:
@@ -256,10 +263,7 @@ class GroupStorage:
 
     def flat(self) -> tuple[torch.Tensor, ...]:
         """Each tensor as a `[num_layers, num_units, E]` view (same memory, no copy)."""
-        return tuple(
-            t.view(t.shape[0], t.shape[1], e)
-            for t, e in zip(self.tensors, self.group.unit_elems(), strict=True)
-        )
+        return self._flat  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.kernels.kv_copy import copy_units_direct
+from pdserve.kernels.kv_copy import PairCache, copy_units_joined
 from pdserve.kernels.kv_pack import bitwise_view, pack_units, unpack_units
 from pdserve.kvtransfer.id_staging import IdStaging
 from pdserve.kvtransfer.layout import GroupStorage
@@ -165,11 +165,16 @@ def copy_units(
     return copy_groups([UnitCopy(src, src_ids, dst, dst_ids)], staging)
 
 
-def copy_groups(copies: Sequence[UnitCopy], staging: IdStaging | None = None) -> int:
+def copy_groups(
+    copies: Sequence[UnitCopy],
+    staging: IdStaging | None = None,
+    pairs: PairCache | None = None,
+) -> int:
     """`copy_units` for several groups at once; returns the descriptors used. With
     `staging` (whose stream must be the current one), the ids of every group on its device
     reach the GPU in one asynchronous copy; without, each such group's ids are one
-    synchronous copy. Every group's ids are checked before anything is queued."""
+    synchronous copy. Every group's ids are checked before anything is queued. `pairs`
+    keeps the kernel's per-table-pair launch set-up across calls (a transport holds one)."""
     checked = []
     for c in copies:
         if c.src.group != c.dst.group:
@@ -183,14 +188,16 @@ def copy_groups(copies: Sequence[UnitCopy], staging: IdStaging | None = None) ->
             )
         )
     device_ids = _device_ids(copies, checked, staging)
+    pairs = pairs if pairs is not None else PairCache()
     descriptors = 0
     for k, c in enumerate(copies):
         tables = list(zip(c.src.flat(), c.dst.flat(), strict=True))
         if k in device_ids:
             # One gather/scatter kernel per tensor, however scattered the units are.
-            s_ids, d_ids = device_ids[k]
+            ids, offset = device_ids[k]
+            n = len(checked[k][0])
             for src_table, dst_table in tables:
-                copy_units_direct(src_table, s_ids, dst_table, d_ids, peer=c.peer)
+                copy_units_joined(pairs.get(src_table, dst_table), ids, offset, n, c.peer)
             descriptors += len(tables)
             continue
         runs = unit_runs(c.src_ids, c.dst_ids)
@@ -206,9 +213,10 @@ def _device_ids(
     copies: Sequence[UnitCopy],
     checked: list[tuple[np.ndarray, np.ndarray]],
     staging: IdStaging | None,
-) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Device (src, dst) id tensors, on the source's device (where the kernel runs), of the
-    copies the kernel does, by index."""
+) -> dict[int, tuple[torch.Tensor, int]]:
+    """By index, for the copies the kernel does: an int64 buffer on the source's device
+    (where the kernel runs) holding that copy's source ids at the offset, its destination
+    ids right after."""
     direct = [k for k, c in enumerate(copies) if c.on_gpu()]
     staged = [k for k in direct if staging is not None and copies[k].src.device == staging.device]
     out = {}
@@ -218,12 +226,12 @@ def _device_ids(
         assert current.stream_id == staging.stream.stream_id, (
             "the kernels must run on the staging's stream, or they may read ids not yet copied"
         )
-        views = staging.stage([ids for k in staged for ids in checked[k]])
-        out = {k: (views[2 * j], views[2 * j + 1]) for j, k in enumerate(staged)}
+        ids, offsets = staging.stage([ids for k in staged for ids in checked[k]])
+        out = {k: (ids, offsets[2 * j]) for j, k in enumerate(staged)}
     for k in direct:
         if k not in out:
-            both = torch.from_numpy(np.stack(checked[k])).to(copies[k].src.device)
-            out[k] = (both[0], both[1])  # one small synchronous copy for both
+            joined = torch.from_numpy(np.concatenate(checked[k])).to(copies[k].src.device)
+            out[k] = (joined, 0)  # one small synchronous copy for both
     return out
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels.kv_copy import PairCache
 from pdserve.kvtransfer.id_staging import IdStagingPool
 from pdserve.kvtransfer.layout import DTYPES, GroupStorage, KVLayout
 from pdserve.kvtransfer.pack import UnitCopy, copy_groups
@@ -154,6 +155,7 @@ class CudaIpcTransport(ZmqClient):
         self._map_lock = threading.Lock()
         self._side = threading.local()
         self._stagings = IdStagingPool()
+        self._pairs = PairCache()  # the copy kernel's set-up per (source, destination) table
         self._peers: set[tuple[torch.device, torch.device]] = set()  # peer access enabled
 
     def _sources(self, endpoint: str, deadline: float) -> tuple[GroupStorage, ...]:
@@ -224,7 +226,7 @@ class CudaIpcTransport(ZmqClient):
             copies.append(UnitCopy(src, src_ids, d, spec.dst_unit_ids[g][first:], peer))
             moved += len(src_ids) * src.group.unit_bytes()
         with torch.cuda.stream(side.stream):
-            copy_groups(copies, self._stagings.for_stream(side.stream))
+            copy_groups(copies, self._stagings.for_stream(side.stream), self._pairs)
             side.done.record(side.stream)
         return QueuedPull(moved, side.done)
 

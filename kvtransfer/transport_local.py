@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve.kernels.kv_copy import PairCache
 from pdserve.kvtransfer.id_staging import IdStagingPool
 from pdserve.kvtransfer.layout import GroupStorage
 from pdserve.kvtransfer.lease import LeaseError
@@ -56,6 +57,7 @@ class LocalTransport:
         self.layout_hash = layout_hash
         self.descriptors = 0  # copy descriptors issued, for the few-per-group budget
         self._stagings = IdStagingPool()
+        self._pairs = PairCache()  # the copy kernel's set-up per (source, destination) table
 
     def pull(
         self,
@@ -80,7 +82,7 @@ class LocalTransport:
                     src_ids = lease.group_unit_ids[g][first:]
                     copies.append(UnitCopy(src, src_ids, d, spec.dst_unit_ids[g][first:]))
                     moved += len(src_ids) * src.group.unit_bytes()
-                self.descriptors += copy_groups(copies, staging)
+                self.descriptors += copy_groups(copies, staging, self._pairs)
         except LeaseError as e:
             raise TransferError(e.code, str(e)) from e
         return moved

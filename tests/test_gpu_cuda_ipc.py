@@ -118,8 +118,10 @@ def test_id_staging_never_refills_a_buffer_a_queued_copy_reads():
         [np.full(7, -1), np.arange(10_000)[::-1].copy()],  # past the initial 4,096 ids
     ):
         with torch.cuda.stream(stream):  # `stage` runs on its stream, as copy_groups calls it
-            views = staging.stage(arrays)
-            seen.append(torch.cat(views).clone())  # what a copy kernel reads
+            ids, offsets = staging.stage(arrays)
+            total = sum(a.size for a in arrays)
+            assert offsets == [sum(a.size for a in arrays[:i]) for i in range(len(arrays))]
+            seen.append(ids[:total].clone())  # what a copy kernel reads
     torch.cuda.synchronize()
     assert seen[0].tolist() == [0, 1, 2, 3, 4, 100, 101, 102]
     assert seen[1].tolist() == list(range(200, 208))
