@@ -257,14 +257,15 @@ def profile_host(transport, spec: PullSpec, dst: tuple, n: int, sync) -> None:
 def _pull_stages() -> list[tuple[object, str]]:
     """The functions a pull's host time is split over (`host_stages`)."""
     from pdserve.kernels import kv_copy
-    from pdserve.kvtransfer import id_staging, pack, transport_cuda_ipc
+    from pdserve.kvtransfer import id_staging, pack, transport_cuda_ipc, transport_local
 
     ipc = transport_cuda_ipc.CudaIpcTransport
     return [
         (ipc, "_sources"), (ipc, "_ensure_peer"), (ipc, "_side_stream"),
-        (pack, "copy_groups"), (pack, "_check_ids"), (pack, "_device_ids"),
-        (id_staging.IdStaging, "stage"), (pack, "copy_units_direct"), (kv_copy, "_launch"),
-        (kv_copy, "word_bytes_for"), (kv_copy, "launch_shape"),
+        (transport_cuda_ipc, "copy_groups"), (transport_local, "copy_groups"),
+        (pack, "_check_ids"), (pack, "_device_ids"),
+        (id_staging.IdStaging, "stage"), (kv_copy.PairCache, "get"),
+        (pack, "copy_units_joined"), (kv_copy._Pair, "launch"),
         (kv_copy._copy_units_kernel, "run"),
     ]  # fmt: skip
 
