@@ -11,6 +11,11 @@ a dropped put is a later miss, never an error).
 
 The caller's blocks must not change after `put` (the prefill worker hands over host copies
 it does not keep). `close` stops the thread; `flush` waits for everything queued.
+
+Only the writer thread (and `flush`) talks to Ray: `admits` and `put` run on the prefill
+worker's step loop, inside an async actor, where even a `ray.wait(timeout=0)` blocks the
+event loop (Ray warns) and costs each step a round trip to the raylet. They read counters
+the writer keeps; a finished put's bytes are freed by the writer within `REAP_S`.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class TierWriter:
     MAX_PENDING_PUTS = 8
     MAX_PENDING_BYTES = 256 << 20
     READY_TIMEOUT_S = 30.0  # for a put's host copies to complete
+    REAP_S = 0.02  # how often the writer frees finished puts while some are in flight
 
     def __init__(self, submit: Submit, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self._submit = submit  # serializes and sends one put; returns its ObjectRef
@@ -54,21 +60,35 @@ class TierWriter:
         self._thread.start()
 
     def _reap(self) -> None:
-        """Forget finished puts (counting failures); call with the lock held."""
-        refs = list(self._in_flight)
+        """Forget finished puts (counting failures). Takes the lock only to read and update
+        the books, not across the Ray calls, so `admits` never waits on them; the writer
+        thread and `flush` may both reap: a put is freed by whichever pops it first."""
+        with self._lock:
+            refs = list(self._in_flight)
         if not refs:
             return
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         for ref in done:
-            self._bytes -= self._in_flight.pop(ref)
             try:
                 ray.get(ref, timeout=0)
+                failed = False
             except Exception as e:
-                self.failed_puts += 1
+                failed = True
                 logger.warning("tier put failed: %r", e)
+            with self._lock:
+                nbytes = self._in_flight.pop(ref, None)
+                if nbytes is not None:
+                    self._bytes -= nbytes
+                    self.failed_puts += int(failed)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes queued or in flight (what the cap counts)."""
+        with self._lock:
+            return self._bytes
 
     def _fits(self, nbytes: int) -> bool:
-        self._reap()
+        """Room for `nbytes` more; counters only (no Ray call): call with the lock held."""
         count = self._queued + len(self._in_flight)
         return count < self.MAX_PENDING_PUTS and self._bytes + nbytes <= self.max_pending_bytes
 
@@ -99,8 +119,10 @@ class TierWriter:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._reap()
+            wait_s = self.REAP_S if self._in_flight else 0.1
             try:
-                item = self._queue.get(timeout=0.1)
+                item = self._queue.get(timeout=wait_s)
             except queue.Empty:
                 continue
             if item is None:
@@ -134,8 +156,8 @@ class TierWriter:
         had not by the deadline."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            self._reap()
             with self._lock:
-                self._reap()
                 if self._queued == 0 and not self._in_flight:
                     return True
             time.sleep(0.005)

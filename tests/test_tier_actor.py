@@ -42,22 +42,43 @@ def test_tier_service_put_lookup_get():
     assert torch.equal(bitwise_view(got[1][0]), bitwise_view(blocks[1][0]))
 
 
-def test_client_drops_write_behinds_past_its_byte_cap():
+def test_client_drops_write_behinds_past_its_byte_cap(monkeypatch):
     """Guards the prefill worker's step loop: `put` returns at once (a writer thread
     serializes and submits), a put that would take the bytes queued or in flight past the
-    cap is refused before anything is packed (and counted), and the cap frees again once
-    the actor has taken the bytes."""
+    cap is refused before anything is packed (and counted), the cap frees again once the
+    actor has taken the bytes (the writer frees them by itself, no flush needed), and
+    `admits`/`put` never call Ray: on the step loop, inside an async actor, even a
+    zero-timeout `ray.wait` blocks the event loop."""
     import threading
+    import time
 
     import ray
 
+    from pdserve.cluster import tier_writer
     from pdserve.cluster.tier_actor import TierClient
+
+    callers = []
+
+    class RecordingRay:  # the real Ray, recording which thread calls it
+        def __getattr__(self, name):
+            def call(*args, **kwargs):
+                callers.append(threading.current_thread().name)
+                return getattr(ray, name)(*args, **kwargs)
+
+            return call
+
+    monkeypatch.setattr(tier_writer, "ray", RecordingRay())
+
+    class SlowTier(TierService):  # keeps a put in flight long enough to ask meanwhile
+        def put(self, *args):
+            time.sleep(1.0)
+            return super().put(*args)
 
     blocks = _blocks(3, 2)
     blob, _ = blocks_to_wire(blocks)
     ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
     try:
-        actor = ray.remote(TierService).options(num_cpus=0).remote(1 << 20)
+        actor = ray.remote(SlowTier).options(num_cpus=0).remote(1 << 20)
         client = TierClient(actor, max_pending_bytes=len(blob))
         gate = threading.Event()  # holds the writer thread inside its first submit
         submit = client.writer._submit
@@ -72,13 +93,20 @@ def test_client_drops_write_behinds_past_its_byte_cap():
         assert not client.admits(1), "the first put's bytes are still queued"
         assert client.dropped_puts == 2
         gate.set()
-        client.flush()
-        assert client.admits(len(blob)) and client.dropped_puts == 2
+        time.sleep(0.3)  # submitted by now; the actor holds it for a second
+        assert not client.admits(1), "the first put's bytes are still in flight"
+        assert client.dropped_puts == 3
+        deadline = time.monotonic() + 10
+        while client.writer.pending_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.writer.pending_bytes == 0, "the writer did not free a finished put"
+        assert client.admits(len(blob)) and client.dropped_puts == 3
+        assert callers and set(callers) == {"tier-writer"}, callers
         assert client.lookup("layout-a", [1, 2, 3]) == 3
         client.close()
         assert not client.writer._thread.is_alive()
         client.put("layout-a", [4], blocks[:1])  # after close: dropped, not hung
-        assert client.dropped_puts == 3
+        assert client.dropped_puts == 4
     finally:
         ray.shutdown()
 
