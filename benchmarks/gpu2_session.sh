@@ -6,6 +6,7 @@
 #   STAGES=tests,transfer,pd (default all)   RATES=2,4,8,16   PROMPTS=48
 #   MODES=pd,pd-cond,colocated   TRANSPORT=cuda_ipc   PD_TIMEOUT=420
 #   REPS=20 (timed pulls per transfer case)   PROFILE_PULLS=0 (cProfile N pulls per case)
+#   COND_TOKENS=16384 (pd-cond's prefill queue threshold)
 set -o pipefail
 OUT=${OUT:-/tmp/pdserve-out}
 mkdir -p "$OUT"
@@ -30,6 +31,7 @@ if [[ ,$STAGES, == *,pd,* ]]; then
   (cd /tmp && timeout "${PD_TIMEOUT:-420}" python3 "$R/benchmarks/pd_vs_colocated.py" \
       --model /tmp/pdserve-model --workers 2 --modes "${MODES:-pd,pd-cond,colocated}" \
       --rates "${RATES:-2,4,8,16}" --num-prompts "${PROMPTS:-48}" --out "$OUT" \
+      --cond-tokens "${COND_TOKENS:-16384}" \
       --serve-args "--kv-transport ${TRANSPORT:-cuda_ipc} --max-model-len 8704 --max-num-seqs 256" \
       2>&1 | grep -v "req/s\]" | tail -15)
   tar czf "$OUT/serve_logs.tgz" /tmp/pd-vs-colocated-* 2>/dev/null
