@@ -12,10 +12,12 @@ a dropped put is a later miss, never an error).
 The caller's blocks must not change after `put` (the prefill worker hands over host copies
 it does not keep). `close` stops the thread; `flush` waits for everything queued.
 
-Only the writer thread (and `flush`) talks to Ray: `admits` and `put` run on the prefill
-worker's step loop, inside an async actor, where even a `ray.wait(timeout=0)` blocks the
-event loop (Ray warns) and costs each step a round trip to the raylet. They read counters
-the writer keeps; a finished put's bytes are freed by the writer within `REAP_S`.
+`admits` and `put` run on the prefill worker's step loop and make no Ray call: a put in
+flight is watched through its ObjectRef's future, so seeing it finished is a flag read.
+(With `ray.wait`/`ray.get(timeout=0)` each check was a call into Ray's core worker, and a
+`ray.get` in an async actor, even off its event loop, makes Ray log that it blocks the
+event loop.) The writer also frees finished puts by itself, every `REAP_S` while some
+are in flight.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import ray
 
@@ -50,7 +53,7 @@ class TierWriter:
         self.max_pending_bytes = max_pending_bytes
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
-        self._in_flight: dict = {}  # ObjectRef -> bytes, submitted and not yet reaped
+        self._in_flight: dict[Future, int] = {}  # a put's future -> bytes, not yet reaped
         self._queued = 0  # puts queued, not yet submitted
         self._bytes = 0  # bytes queued or in flight
         self.dropped_puts = 0
@@ -60,26 +63,17 @@ class TierWriter:
         self._thread.start()
 
     def _reap(self) -> None:
-        """Forget finished puts (counting failures). Takes the lock only to read and update
-        the books, not across the Ray calls, so `admits` never waits on them; the writer
-        thread and `flush` may both reap: a put is freed by whichever pops it first."""
         with self._lock:
-            refs = list(self._in_flight)
-        if not refs:
-            return
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        for ref in done:
-            try:
-                ray.get(ref, timeout=0)
-                failed = False
-            except Exception as e:
-                failed = True
-                logger.warning("tier put failed: %r", e)
-            with self._lock:
-                nbytes = self._in_flight.pop(ref, None)
-                if nbytes is not None:
-                    self._bytes -= nbytes
-                    self.failed_puts += int(failed)
+            self._reap_locked()
+
+    def _reap_locked(self) -> None:
+        """Forget finished puts (counting failures); no Ray call, no wait."""
+        for fut in [f for f in self._in_flight if f.done()]:
+            self._bytes -= self._in_flight.pop(fut)
+            error = fut.exception() if not fut.cancelled() else "cancelled"
+            if error is not None:
+                self.failed_puts += 1
+                logger.warning("tier put failed: %r", error)
 
     @property
     def pending_bytes(self) -> int:
@@ -88,7 +82,8 @@ class TierWriter:
             return self._bytes
 
     def _fits(self, nbytes: int) -> bool:
-        """Room for `nbytes` more; counters only (no Ray call): call with the lock held."""
+        """Room for `nbytes` more (finished puts freed first); call with the lock held."""
+        self._reap_locked()
         count = self._queued + len(self._in_flight)
         return count < self.MAX_PENDING_PUTS and self._bytes + nbytes <= self.max_pending_bytes
 
@@ -140,7 +135,7 @@ class TierWriter:
                 continue
             with self._lock:
                 self._queued -= 1
-                self._in_flight[ref] = nbytes
+                self._in_flight[ref.future()] = nbytes
 
     def _wait_ready(self, ready) -> None:
         if ready is None:
