@@ -1,7 +1,10 @@
 """The KV tier as a Ray actor, and the client workers use in place of a local tier.
 
-Blocks cross the actor boundary as one bytes blob plus a small spec of shapes and dtypes
-(msgpack-able values; never pickled tensors). `TierClient` has the `HostKVTier` methods
+Blocks cross the actor boundary as one flat uint8 array plus a small spec of shapes and
+dtypes (msgpack-able values; never pickled tensors). An array, not `bytes`: Ray moves a
+numpy buffer out of band, and both ends copy it with the GIL released. Making `bytes`
+(`tobytes()`) or a `bytearray` of 128 MB held the GIL for the whole copy (~0.2 s here),
+a stall of the prefill or decode worker's step loop, which shares the process. `TierClient` has the `HostKVTier` methods
 the prefill worker (write-behind `put`, off its thread: cluster/tier_writer.py) and the
 decode loader (`lookup`, `get`) call, with a timeout on every call. A tier that is down
 costs a logged miss, never a failed request.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
 import ray
 import torch
 
@@ -24,20 +28,24 @@ logger = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 10.0
 
 
-def blocks_to_wire(blocks: list[Block]) -> tuple[bytes, list]:
-    """(all bytes, [(shape, dtype) per tensor]) for blocks of equal shapes."""
+def blocks_to_wire(blocks: list[Block]) -> tuple[np.ndarray, list]:
+    """(all bytes as one uint8 array, [(shape, dtype) per tensor]) for blocks of equal
+    shapes."""
     if not blocks:
-        return b"", []
+        return np.empty(0, dtype=np.uint8), []
     spec = [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in blocks[0]]
     parts = [t.contiguous().view(torch.uint8).reshape(-1) for b in blocks for t in b]
-    return torch.cat(parts).numpy().tobytes(), spec
+    return torch.cat(parts).numpy(), spec
 
 
-def blocks_from_wire(blob: bytes, spec: list, n: int) -> list[Block]:
+def blocks_from_wire(blob, spec: list, n: int) -> list[Block]:
+    """Blocks from `blocks_to_wire`'s output (`blob`: any buffer, a read-only array from
+    Ray's object store or bytes), copied into memory of their own."""
     sizes = [math.prod(shape) * DTYPES[dtype].itemsize for shape, dtype in spec]
-    if len(blob) != n * sum(sizes):
-        raise ValueError(f"tier blob holds {len(blob)} bytes, {n} blocks need {n * sum(sizes)}")
-    raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    flat = np.frombuffer(blob, dtype=np.uint8) if len(blob) else np.empty(0, dtype=np.uint8)
+    if flat.size != n * sum(sizes):
+        raise ValueError(f"tier blob holds {flat.size} bytes, {n} blocks need {n * sum(sizes)}")
+    raw = torch.from_numpy(flat.copy())
     out, off = [], 0
     for _ in range(n):
         block = []

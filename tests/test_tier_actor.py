@@ -1,7 +1,10 @@
-"""The tier actor's wire format and service (what crosses the Ray boundary is bytes)."""
+"""The tier actor's wire format and service (what crosses the Ray boundary is one flat
+uint8 array and a spec)."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from pdserve.cluster.tier_actor import TierService, blocks_from_wire, blocks_to_wire
@@ -19,15 +22,28 @@ def _blocks(n: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
 
 
 def test_blocks_round_trip_bitwise_through_the_wire():
-    """Guards the tier actor's boundary: blocks become one bytes blob plus a spec of
-    shapes and dtypes (no pickled tensors) and come back bit for bit."""
+    """Guards the tier actor's boundary: blocks become one flat uint8 array plus a spec of
+    shapes and dtypes (no pickled tensors) and come back bit for bit, from the array, from
+    a read-only copy (what Ray's object store hands over) or from bytes; a blob of the
+    wrong size is refused."""
     blocks = _blocks(4, 0)
     blob, spec = blocks_to_wire(blocks)
-    assert isinstance(blob, bytes) and spec == [([3, 40], "bfloat16"), ([3, 7], "float32")]
-    back = blocks_from_wire(blob, spec, 4)
-    for want, got in zip(blocks, back):
-        for w, g in zip(want, got):
-            assert torch.equal(bitwise_view(w), bitwise_view(g))
+    assert blob.dtype == np.uint8 and blob.ndim == 1 and blob.size == 4 * (3 * 40 * 2 + 3 * 7 * 4)
+    assert spec == [([3, 40], "bfloat16"), ([3, 7], "float32")]
+    read_only = blob.copy()
+    read_only.flags.writeable = False
+    for wire in (blob, read_only, blob.tobytes()):
+        back = blocks_from_wire(wire, spec, 4)
+        for want, got in zip(blocks, back):
+            for w, g in zip(want, got):
+                assert torch.equal(bitwise_view(w), bitwise_view(g))
+    back[0][0].zero_()  # the blocks own their memory: the wire buffer is untouched
+    assert torch.equal(
+        blocks_from_wire(blob, spec, 4)[0][0].view(torch.int16), blocks[0][0].view(torch.int16)
+    )
+    with pytest.raises(ValueError, match="blocks need"):
+        blocks_from_wire(blob[:-1], spec, 4)
+    assert blocks_from_wire(*blocks_to_wire([]), 0) == []
 
 
 def test_tier_service_put_lookup_get():
@@ -87,6 +103,10 @@ def test_client_drops_write_behinds_past_its_byte_cap():
         assert client.writer.pending_bytes == 0, "the writer did not free a finished put"
         assert client.admits(len(blob)) and client.dropped_puts == 3
         assert client.lookup("layout-a", [1, 2, 3]) == 3
+        # Back through Ray (a read-only array out of its object store), bit for bit.
+        for want, got in zip(blocks, client.get("layout-a", [1, 2, 3])):
+            for w, g in zip(want, got):
+                assert torch.equal(bitwise_view(w), bitwise_view(g))
         client.close()
         assert not client.writer._thread.is_alive()
         client.put("layout-a", [4], blocks[:1])  # after close: dropped, not hung
