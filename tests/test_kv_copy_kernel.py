@@ -154,3 +154,25 @@ def test_empty_copy_launches_nothing():
     copy_units_triton(src, empty, dst, empty)
     copy_units_direct(src, empty, dst, empty)
     assert not dst.any()
+
+
+def test_joined_ids_at_an_offset_and_one_pair_reused():
+    """Guards the pull path's id buffer (kvtransfer/pack.copy_groups): one int64 buffer
+    holds every group's source ids then destination ids, each group at its own offset,
+    and the launch set-up is reused per pair of tables. Ids outside a group's span (here
+    -1, out of range) must never be read, and a second copy through the cached pair with
+    another id count must land as well."""
+    from pdserve.kernels.kv_copy import PairCache, copy_units_joined
+
+    src = _random((3, 9, 40), torch.bfloat16, 11)
+    dst = torch.zeros(3, 7, 40, dtype=torch.bfloat16, device=DEVICE)
+    pairs = PairCache()
+    ids = torch.tensor([-1, -1, 8, 0, 5, 6, 2, 4, -1], dtype=torch.int64, device=DEVICE)
+    copy_units_joined(pairs.get(src, dst), ids, 2, 3, peer=False)  # 8,0,5 -> 6,2,4
+    ids2 = torch.tensor([7, 3, -1], dtype=torch.int64, device=DEVICE)
+    copy_units_joined(pairs.get(src, dst), ids2, 0, 1, peer=False)  # 7 -> 3
+    assert pairs.get(src, dst) is pairs.get(src, dst)
+    want = torch.zeros_like(dst)
+    for s, d in ((8, 6), (0, 2), (5, 4), (7, 3)):
+        want[:, d] = src[:, s]
+    assert torch.equal(bitwise_view(dst), bitwise_view(want))
