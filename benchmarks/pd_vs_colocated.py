@@ -20,8 +20,9 @@ prefill then runs alone on the same kernels, so the modes must agree token for t
 (`greedy_agree`), which checks the KV moved between workers end to end. (Prompts
 prefilled in a batch would not do: the batch changes cuBLAS's kernel choice and so the
 KV's last bits, and a random model's near-tied logits flip on that.) Each row also keeps
-the router's path counters (`server_counters`: remote-prefill decisions, failed remote
-prefills, pulls by transport), so a fallback cannot pass for PD. Writes
+the router's path counters (remote-prefill decisions, failed remote prefills, pulls by
+transport, tier blocks, puts and hits), so a fallback cannot pass for PD: `server_counters` since the server started,
+`server_counters_this_rate` what changed during that rate. Writes
 `pd_vs_colocated_<device-kind>.json` (with `gpus`, the device, the commit and the
 command; rewritten after every rate, so a run cut short keeps what it measured) and, with
 matplotlib, a PNG of goodput and TTFT p99 against the rate (`--replot JSON` draws it from
@@ -87,7 +88,15 @@ def greedy_texts(url: str, model: str, prompts: list, max_tokens: int, timeout_s
 
 # What path the requests took, from the router's /metrics (cumulative since the start):
 # remote-prefill decisions by reason, failed remote prefills by error, pulls by transport.
-PATH_METRICS = ("pdserve:pd_decisions", "pdserve:pd_prefill_failures", "pdserve:kv_transfer_pulls")
+# Decisions, failures, pulls by transport, and the tier's blocks, puts and hits (a decode
+# worker loads a prompt's blocks from the tier instead of pulling them when the prefill
+# worker's write-behind got there first: then pulls < remote decisions).
+PATH_METRICS = (
+    "pdserve:pd_decisions",
+    "pdserve:pd_prefill_failures",
+    "pdserve:kv_transfer_pulls",
+    "pdserve:kv_tier",
+)
 
 
 def path_counters(url: str) -> dict[str, float]:
@@ -133,6 +142,7 @@ def run_mode(
         )
         with tqdm(total=len(warm), file=sys.stderr, desc=f"{mode} warm-up", unit="req") as bar:
             asyncio.run(run_load(warm_cfg, model, warm, bar))
+        before = path_counters(server.url)  # after the greedy check and the warm-up
         for rate, prompts in zip(args.rates, prompt_sets, strict=True):
             cfg = BenchConfig(
                 base_url=server.url, model=model, num_prompts=len(prompts),
@@ -143,7 +153,12 @@ def run_mode(
             with tqdm(total=len(prompts), file=sys.stderr, desc=desc, unit="req") as bar:
                 results, duration = asyncio.run(run_load(cfg, model, prompts, bar))
             report = aggregate(results, duration, parse_goodput(cfg.goodput))
-            report["server_counters"] = path_counters(server.url)
+            counters = path_counters(server.url)
+            report["server_counters"] = counters  # since the server started
+            report["server_counters_this_rate"] = {
+                k: v - before.get(k, 0.0) for k, v in counters.items() if v != before.get(k, 0.0)
+            }
+            before = counters
             rows.append({"mode": mode, "request_rate": rate, **report})
             print(json.dumps(_brief(rows[-1])), flush=True)
             record(rows[-1], texts)

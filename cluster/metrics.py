@@ -103,11 +103,15 @@ class _RouterCollector:
             PREFIX + "kv_tier_puts", "Blocks written behind to the tier"
         )
         tier_hits = CounterMetricFamily(PREFIX + "kv_tier_hits", "Blocks found in the tier")
+        tier_loaded = CounterMetricFamily(
+            PREFIX + "kv_tier_loaded", "Blocks read back from the tier into a worker"
+        )
         if isinstance(router.tier_stats.get("num_blocks"), int):
             tier.add_metric([], router.tier_stats["num_blocks"])
             tier_puts.add_metric([], router.tier_stats.get("puts", 0))
             tier_hits.add_metric([], router.tier_stats.get("hits", 0))
-        yield from (tier, tier_puts, tier_hits)
+            tier_loaded.add_metric([], router.tier_stats.get("loaded", 0))
+        yield from (tier, tier_puts, tier_hits, tier_loaded)
         decisions = CounterMetricFamily(
             PREFIX + "pd_decisions", "Remote-prefill decisions by reason", labels=["reason"]
         )

@@ -61,7 +61,9 @@ class HostKVTier:
         self._spilled: OrderedDict[_Key, int] = OrderedDict()
         self._bytes = 0
         self._spilled_bytes = 0
-        self._counters = dict(hits=0, misses=0, evictions=0, puts=0)
+        # In blocks. hits/misses: what `lookup` found (a block found and then read with
+        # `get` is one hit, not two); loaded: blocks read back by `get`.
+        self._counters = dict(hits=0, misses=0, loaded=0, evictions=0, puts=0)
 
     def admits(self, nbytes: int) -> bool:
         """Whether a put of `nbytes` is worth packing: not more than the whole tier."""
@@ -145,7 +147,7 @@ class HostKVTier:
                 self._insert(key, loaded[key])
             for h in reversed(block_hashes):
                 self._touch((layout_hash, h))
-            self._counters["hits"] += len(block_hashes)
+            self._counters["loaded"] += len(block_hashes)
             self._evict()
             return out
 
