@@ -138,16 +138,18 @@ class TransferLoader:
         assert self._dst is not None
         block_size = self._dst[0].group.block_size
         first = spec.num_local_tokens // block_size
-        first += self._from_tier(spec, first)
-        valid = first * block_size
         ticket = spec.ticket
-        if not isinstance(ticket, Ticket) or valid >= spec.num_prompt_tokens:
+        has_ticket = isinstance(ticket, Ticket)
+        transport = self.transports.get(scheme_of(ticket.endpoint)) if has_ticket else None
+        if transport is None or not transport.beats_tier:
+            first += self._from_tier(spec, first)
+        valid = first * block_size
+        if not has_ticket or valid >= spec.num_prompt_tokens:
             self.finish_ticket(ticket, release=True)
             return KVLoadResult(spec.request_id, max(valid, spec.num_local_tokens))
         if cancel.is_set():
             self.finish_ticket(ticket, release=False)
             return KVLoadResult(spec.request_id, valid, "cancelled")
-        transport = self.transports.get(scheme_of(ticket.endpoint))
         try:
             if transport is None:
                 raise TransferError("unreachable", f"no transport for {ticket.endpoint!r}")

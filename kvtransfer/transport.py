@@ -51,6 +51,11 @@ class PullSpec:
 
 class Transport(Protocol):
     name: str
+    # A pull over this transport is faster than reading the host tier (a device path:
+    # local, cuda_ipc, nccl). With a ticket for it, the decode loader skips the tier: the
+    # ticket's blocks sit pinned on the prefill GPU, and the tier's copy would cross host
+    # memory (and a Ray call) for nothing. Over tcp the tier's shared memory is faster.
+    beats_tier: bool
 
     def pull(
         self,

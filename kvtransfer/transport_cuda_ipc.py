@@ -146,6 +146,7 @@ class _SideStream:
 
 class CudaIpcTransport(ZmqClient):
     name = SCHEME
+    beats_tier = True
 
     def __init__(
         self, worker_id: str, layout: KVLayout, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES

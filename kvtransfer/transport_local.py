@@ -51,6 +51,7 @@ class LocalRegistry:
 
 class LocalTransport:
     name = "local"
+    beats_tier = True
 
     def __init__(self, registry: LocalRegistry, layout_hash: str) -> None:
         self.registry = registry

@@ -210,6 +210,7 @@ class NcclTransport(ZmqClient):
     """The pulling side; release, abort and heartbeat are `ZmqClient`'s."""
 
     name = SCHEME
+    beats_tier = True
 
     def __init__(
         self,

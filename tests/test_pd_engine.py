@@ -148,6 +148,40 @@ def test_decode_loads_from_tier_instead_of_prefill(tiny_qwen3_dir):
     assert decode.loader.stats.loads == 0  # nothing was pulled from a prefill worker
 
 
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+def test_a_ticket_over_a_device_path_skips_the_tier(tiny_qwen3_dir, transport):
+    """Guards where a ticketed load reads from when the tier also has the prompt (the
+    prefill worker wrote it behind): over a device path (local here; cuda_ipc and nccl
+    alike) it pulls every block from the prefill worker and never touches the tier; over
+    tcp it takes the tier's full blocks and pulls only the partial tail. Tokens equal the
+    colocated run's either way."""
+    prompts = _prompts(3, 990, seed=5, lo=40, hi=80)
+    want = _colocated(tiny_qwen3_dir, prompts)
+    tier = HostKVTier(byte_budget=64 << 20)
+    if transport == "local":
+        prefill, decode = _local_pair(tiny_qwen3_dir, tier=tier)
+    else:
+        prefill = PrefillWorker(Engine.from_args(**_kw(tiny_qwen3_dir)), "P0", tier=tier)
+        tcp = TcpTransport("D0", prefill.source.layout)
+        decode = DecodeWorker(_kw(tiny_qwen3_dir), "D0", {"tcp": tcp}, tier=tier)
+    try:
+        full_blocks = sum(len(p) // 16 for p in prompts)
+        assert _pd(prefill, decode, prompts) == want
+        assert prefill.num_tier_blocks == full_blocks  # the tier had every full block
+        assert decode.loader.stats.loads == len(prompts) and decode.loader.stats.recomputes == 0
+        tier_stats = tier.stats()
+        if transport == "local":
+            assert decode.loader.stats.tier_blocks == 0 and tier_stats["hits"] == 0
+            assert tier_stats["misses"] == 0, "the tier was not even asked"
+        else:
+            assert decode.loader.stats.tier_blocks == full_blocks
+            tail_bytes = sum(-(-len(p) // 16) - len(p) // 16 for p in prompts)
+            unit = prefill.source.layout.groups[0].unit_bytes()
+            assert decode.loader.stats.bytes_pulled == tail_bytes * unit
+    finally:
+        prefill.close()
+
+
 def test_dead_prefill_endpoint_recomputes_or_fails(tiny_qwen3_dir):
     """Guards the failure policies: a ticket whose prefill worker is gone must neither hang
     nor decode from garbage. `recompute` gives the colocated tokens; `fail` ends the
