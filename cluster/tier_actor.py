@@ -16,7 +16,6 @@ import logging
 import math
 
 import numpy as np
-import ray
 import torch
 
 from pdserve.cluster.tier_writer import TierWriter
@@ -91,7 +90,10 @@ class TierClient:
         return self.actor.put.remote(layout_hash, block_hashes, blob, spec)
 
     def _call(self, ref):
-        return ray.get(ref, timeout=CALL_TIMEOUT_S)
+        # Through the ref's future, not ray.get: the callers are worker threads of an async
+        # actor, where any ray.get makes Ray log that it blocks the event loop (it does not
+        # here; the warning would only mislead an operator).
+        return ref.future().result(timeout=CALL_TIMEOUT_S)
 
     @property
     def dropped_puts(self) -> int:

@@ -177,3 +177,29 @@ def test_a_failed_put_is_counted_and_frees_its_bytes():
         client.close()
     finally:
         ray.shutdown()
+
+
+def test_a_dead_tier_is_a_miss_not_a_failure():
+    """Guards the decode loader against a tier actor that died: a lookup is a miss (0)
+    and a get a KeyError (the loader then pulls from the ticket), both within the call
+    timeout, not a hang or a crash."""
+    import time
+
+    import ray
+
+    from pdserve.cluster.tier_actor import CALL_TIMEOUT_S, TierClient
+
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    try:
+        actor = ray.remote(TierService).options(num_cpus=0).remote(1 << 20)
+        client = TierClient(actor)
+        assert client.lookup("layout-a", [1]) == 0  # alive, empty
+        ray.kill(actor, no_restart=True)
+        start = time.monotonic()
+        assert client.lookup("layout-a", [1]) == 0
+        with pytest.raises(KeyError, match="tier get failed"):
+            client.get("layout-a", [1])
+        assert time.monotonic() - start < 2 * CALL_TIMEOUT_S
+        client.close()
+    finally:
+        ray.shutdown()
