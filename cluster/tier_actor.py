@@ -4,10 +4,11 @@ Blocks cross the actor boundary as one flat uint8 array plus a small spec of sha
 dtypes (msgpack-able values; never pickled tensors). An array, not `bytes`: Ray moves a
 numpy buffer out of band, and both ends copy it with the GIL released. Making `bytes`
 (`tobytes()`) or a `bytearray` of 128 MB held the GIL for the whole copy (~0.2 s here),
-a stall of the prefill or decode worker's step loop, which shares the process. `TierClient` has the `HostKVTier` methods
-the prefill worker (write-behind `put`, off its thread: cluster/tier_writer.py) and the
-decode loader (`lookup`, `get`) call, with a timeout on every call. A tier that is down
-costs a logged miss, never a failed request.
+a stall of the prefill or decode worker's step loop, which shares the process.
+
+`TierClient` has the `HostKVTier` methods the prefill worker (write-behind `put`, off its
+thread: cluster/tier_writer.py) and the decode loader (`lookup`, `get`) call, with a
+timeout on every call. A tier that is down costs a logged miss, never a failed request.
 """
 
 from __future__ import annotations
