@@ -167,10 +167,15 @@ class TransferLoader:
         except TransferError as e:
             self.finish_ticket(ticket, release=False)
             return self._failed(spec, valid, e)
+        released = self.finish_ticket(ticket, release=True)
+        if not released and transport.release_confirms_copy:
+            # The copy read the source's memory with no proof it was still held then.
+            return self._failed(
+                spec, valid, TransferError("source_lost", "the release after the copy failed")
+            )
         self.stats.loads += 1
         self.stats.bytes_pulled += moved
         self.stats.pulls[transport.name] += 1
-        self.finish_ticket(ticket, release=True)
         return KVLoadResult(spec.request_id, spec.num_prompt_tokens)
 
     def _from_tier(self, spec: KVLoadSpec, first: int) -> int:
@@ -202,14 +207,14 @@ class TransferLoader:
         self.stats.recomputes += 1
         return KVLoadResult(spec.request_id, max(valid, spec.num_local_tokens), str(e))
 
-    def finish_ticket(self, ticket: object, release: bool) -> None:
+    def finish_ticket(self, ticket: object, release: bool) -> bool:
         """Tell the prefill side we are done with its blocks (best effort: if it is gone,
-        its lease expires and frees them)."""
+        its lease expires and frees them); False if it did not acknowledge."""
         if not isinstance(ticket, Ticket):
-            return
+            return False
         transport = self.transports.get(scheme_of(ticket.endpoint))
         if transport is None:
-            return
+            return False
         try:
             if release:
                 transport.release(ticket, self.timeout_s)
@@ -218,3 +223,5 @@ class TransferLoader:
         except TransferError as e:
             self.stats.errors[f"release_{e.code}"] += 1
             logger.warning("could not release %s at %s: %s", ticket.request_id, ticket.endpoint, e)
+            return False
+        return True

@@ -122,9 +122,15 @@ class KVSourceServer:
                 why = f"pull for layout {msg.layout_hash[:12]}, here {src.layout_hash[:12]}"
                 return self._error(identity, rid, "layout_mismatch", why)
             return self._pull(identity, msg)
-        if isinstance(msg, Release | Abort):
-            src.leases.release(rid, "released" if isinstance(msg, Release) else "aborted")
+        if isinstance(msg, Abort):
+            src.leases.release(rid, "aborted")
             return self._send(identity, Ack(rid))
+        if isinstance(msg, Release):
+            if src.leases.release(rid, "released"):
+                return self._send(identity, Ack(rid))
+            # An Ack confirms that the lease was live until now, so the blocks were not
+            # freed while a direct copy (cuda_ipc) read them; say so when it was not.
+            return self._error(identity, rid, "lease_gone", f"the lease of {rid!r} had ended")
         if isinstance(msg, Heartbeat):
             try:
                 expiry = src.leases.extend(rid, msg.extend_s)

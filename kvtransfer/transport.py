@@ -56,6 +56,10 @@ class Transport(Protocol):
     # ticket's blocks sit pinned on the prefill GPU, and the tier's copy would cross host
     # memory (and a Ray call) for nothing. Over tcp the tier's shared memory is faster.
     beats_tier: bool
+    # The pull reads the source's memory directly (cuda_ipc): nothing on the wire shows
+    # the source was alive and still held the blocks while the copy ran. The release's
+    # Ack does; the loader counts a failed release as a failed load.
+    release_confirms_copy: bool
 
     def pull(
         self,

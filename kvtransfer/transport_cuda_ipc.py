@@ -147,6 +147,7 @@ class _SideStream:
 class CudaIpcTransport(ZmqClient):
     name = SCHEME
     beats_tier = True
+    release_confirms_copy = True
 
     def __init__(
         self, worker_id: str, layout: KVLayout, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -249,7 +250,27 @@ class CudaIpcTransport(ZmqClient):
                 time.sleep(50e-6)
         return queued.moved
 
+    def recv(self, endpoint: str, deadline: float) -> list:
+        try:
+            return super().recv(endpoint, deadline)
+        except TransferError as e:
+            if e.code == "timeout":
+                self.forget(endpoint)
+            raise
+
+    def forget(self, endpoint: str) -> bool:
+        """Drop a source's mapping and the copy set-up that holds it. A source that stops
+        answering may be gone, its memory freed: a copy must not read the old mapping
+        again, and holding it keeps nothing useful (a later pull maps afresh). Pulls in
+        flight keep their own references until they end."""
+        with self._map_lock:
+            if self._mapped.pop(endpoint, None) is None:
+                return False
+            self._pairs = PairCache()
+            return True
+
     def close(self) -> None:
         with self._map_lock:
             self._mapped.clear()
+            self._pairs = PairCache()
         super().close()

@@ -52,6 +52,7 @@ class LocalRegistry:
 class LocalTransport:
     name = "local"
     beats_tier = True
+    release_confirms_copy = False
 
     def __init__(self, registry: LocalRegistry, layout_hash: str) -> None:
         self.registry = registry

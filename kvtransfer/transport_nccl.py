@@ -211,6 +211,7 @@ class NcclTransport(ZmqClient):
 
     name = SCHEME
     beats_tier = True
+    release_confirms_copy = False
 
     def __init__(
         self,

@@ -681,3 +681,32 @@ def test_decode_makes_progress_when_loaded_requests_hold_every_block(tiny_qwen3_
         assert kv.num_free_blocks == kv.num_blocks - 1
     finally:
         decode_worker.close()
+
+
+def test_cuda_ipc_forgets_a_source_that_stops_answering():
+    """Guards cuda_ipc against reading a dead prefill worker's memory: once a call to a
+    source times out (a heartbeat here; any call alike), the transport drops that
+    source's mapping and the copy set-up that holds it, so no later pull copies through
+    the old mapping (the next one maps afresh, after a handshake). Runs on the CPU: the
+    mapping is a stand-in storage, the silent source a real socket that never answers."""
+    from pdserve.kvtransfer.transport_cuda_ipc import CudaIpcTransport
+
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"cuda_ipc+tcp://127.0.0.1:{port}"
+    transport = CudaIpcTransport("D", HYBRID)
+    try:
+        transport._mapped[endpoint] = _zeroed()  # as if mapped by an earlier pull
+        pairs = transport._pairs
+        ticket = _ticket("r", endpoint, HYBRID.compat_hash())
+        start = time.monotonic()
+        with pytest.raises(TransferError) as err:
+            transport.heartbeat(ticket, 5.0, 0.3)
+        assert err.value.code == "timeout" and time.monotonic() - start < 2.0
+        assert endpoint not in transport._mapped and transport._pairs is not pairs
+        assert not transport.forget(endpoint)  # nothing left to drop
+    finally:
+        transport.close()
+        silent.close(linger=0)

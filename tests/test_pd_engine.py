@@ -219,6 +219,38 @@ def test_dead_prefill_endpoint_recomputes_or_fails(tiny_qwen3_dir):
         decode.close()
 
 
+def test_a_lease_gone_by_the_release_fails_a_direct_copy(tiny_qwen3_dir):
+    """Guards cuda_ipc's proof of a good copy: a direct copy reads the source's memory
+    with nothing on the wire, so the release after it must be acknowledged (the lease was
+    live, the blocks not freed meanwhile). Here a real tcp transport stands in with the
+    cuda_ipc policy, and the lease of one request ends between its pull and its release:
+    the source answers `lease_gone`, that load counts as failed and recomputes, the other
+    loads stand, and the tokens equal the colocated run's."""
+    prompts = _prompts(3, 990, seed=6, lo=30, hi=60)
+    want = _colocated(tiny_qwen3_dir, prompts)
+    prefill = PrefillWorker(Engine.from_args(**_kw(tiny_qwen3_dir)), "P0")
+
+    class DirectCopyPolicy(TcpTransport):
+        release_confirms_copy = True
+
+        def pull(self, spec, dst, timeout_s, cancel=None):
+            moved = super().pull(spec, dst, timeout_s, cancel)
+            if spec.ticket.request_id == "1":  # its lease ends before the release
+                prefill.leases.release("1", "aborted")
+            return moved
+
+    try:
+        transport = DirectCopyPolicy("D0", prefill.source.layout)
+        decode = DecodeWorker(_kw(tiny_qwen3_dir), "D0", {"tcp": transport})
+        assert _pd(prefill, decode, prompts) == want
+        stats = decode.loader.stats
+        assert stats.errors["source_lost"] == 1 and stats.errors["release_lease_gone"] == 1
+        assert stats.recomputes == 1 and stats.loads == len(prompts) - 1
+        assert prefill.server.counts["errors"] == 1
+    finally:
+        prefill.close()
+
+
 def test_lease_expiry_frees_prefill_blocks(tiny_qwen3_dir):
     """Guards against a decode worker that never comes: the prefill side's blocks must
     return to its pool when the lease expires, and a late pull must be refused."""
