@@ -3,13 +3,13 @@
 At the first pull from a prefill worker, the puller asks for its KV tensors' CUDA IPC
 handles (`IpcOpen` -> `IpcExport`, plain msgpack values: device, handle bytes, sizes,
 shape, stride; never pickle) and maps them into its own address space; from then on a
-pull is a heartbeat (the lease must be live, and is extended past the copy) plus direct
-device-to-device copies on a side stream, one kernel launch per tensor (all units and
-layers at once), with no packing. The copy is waited for by polling an event against the
-call's deadline. Nothing on the wire shows that the source was alive and still held the
-blocks while the copy ran: the release after it does (`release_confirms_copy`; the
-decode loader fails the load when it is not acknowledged), and a source that stops
-answering is forgotten, mapping and all.
+pull is direct device-to-device copies on a side stream, one kernel launch per tensor
+(all units and layers at once), with no packing; a heartbeat that extends the lease past
+the copy comes first only when the ticket's lease would end within the call's timeout.
+The copy is waited for by polling an event against the call's deadline. Nothing on the
+wire shows that the source was alive and still held the blocks while the copy ran: the
+release after it does (`release_confirms_copy`; the decode loader fails the load when it
+is not acknowledged), and a source that stops answering is forgotten, mapping and all.
 
 Per pull the host does little: the unit ids cross to the GPU in one asynchronous copy
 from a pinned buffer (`IdStaging`), and the side stream and its two events are made once
