@@ -5,9 +5,10 @@ One process, the Qwen3-0.6B-shaped paged cache of benchmarks/transfer_setup.py o
 (source) and GPU 1 (destination), units scattered on both sides. For the 2,048- and
 128-token requests it times, median of `--reps` after a warm-up, both GPUs synchronized:
 - `peer_copy`: one contiguous torch copy of the same bytes GPU 0 -> 1 (copy engines);
-- `kernel_reads_remote`: the copy kernel on GPU 1 loading GPU 0's memory (what the
-  cuda_ipc transport does: the puller launches it);
-- `kernel_writes_remote`: the same kernel on GPU 0 storing into GPU 1's memory.
+- `kernel_reads_remote`: the copy kernel on GPU 1 loading GPU 0's memory;
+- `kernel_writes_remote`: the same kernel on GPU 0 storing into GPU 1's memory (what the
+  cuda_ipc transport does: a mapping of another process's memory is usable only from its
+  own device, so the kernel runs on the source's GPU).
 Each kernel result is checked unit by unit. Prints one JSON object per case and writes
 them to `<out>/peer_copy_<device-kind>.json`.
 
@@ -19,13 +20,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from run_meta import device_kind, git_commit
+from transfer import median_s
 from transfer_setup import LAYOUTS, allocate, plan, request_bytes, verify
 
 from pdserve.kernels.kv_copy import copy_units_triton
@@ -35,18 +35,6 @@ from pdserve.kvtransfer.transport_cuda_ipc import enable_peer_access
 def sync_all() -> None:
     for i in range(torch.cuda.device_count()):
         torch.cuda.synchronize(i)
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        sync_all()
-        start = time.perf_counter()
-        fn()
-        sync_all()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def kernel_copy(src: tuple, dst: tuple, req, on: str):
@@ -87,7 +75,7 @@ def main() -> int:
             verify(dst, req)
             cases[name] = kernel_copy(src, dst, req, on)
         for name, fn in cases.items():
-            ms = median_ms(fn, args.reps)
+            ms = median_s(fn, args.reps, sync_all) * 1e3
             row = {
                 "case": name, "tokens": req.tokens, "bytes": nbytes, "ms": ms,
                 "GBps": nbytes / ms / 1e6, "device": torch.cuda.get_device_name(a),

@@ -11,35 +11,16 @@ prints milliseconds per step for each. A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from host_stages import timed_functions  # noqa: E402
 from throughput import WORKLOADS, Workload, make_prompts, random_model_engine, run_engine  # noqa: E402
-
-TOTALS: dict[str, float] = defaultdict(float)
-CALLS: dict[str, int] = defaultdict(int)
-
-
-def timed(owner, attr: str, label: str) -> None:
-    fn = getattr(owner, attr)
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            TOTALS[label] += time.perf_counter() - t
-            CALLS[label] += 1
-
-    setattr(owner, attr, wrapper)
 
 
 def main() -> int:
@@ -61,35 +42,38 @@ def main() -> int:
         Workload(w.name, w.num_requests, w.prompt_len, 4, w.metric),
         make_prompts(w, 151_936, seed=99),
     )
-    timed(Scheduler, "schedule", "schedule")
-    timed(model_runner.MRV2ModelRunner, "execute", "runner.execute")
-    timed(model_runner.StepHandle, "get", "handle.get (wait + fetch)")
-    timed(Engine, "_process", "engine._process")
-    timed(host_ring.HostRing, "_slot", "host_ring._slot (may wait on an event)")
-    timed(torch.cuda.Event, "synchronize", "cuda.Event.synchronize")
-    timed(torch.cuda, "synchronize", "cuda.synchronize")
     from pdserve.runner import sampler, sampling_state
     from pdserve.runner.mrv2 import cuda_graphs, input_batch, request_state
 
-    timed(cuda_graphs.CudaGraphs, "replay", "  execute: graph replay")
-    timed(input_batch.InputBuffers, "build", "  execute: buffers.build")
-    timed(request_state.RequestState, "apply_staged_writes", "  execute: staged writes")
-    timed(sampler.Sampler, "__call__", "  execute: sampler")
-    timed(sampling_state.SamplingState, "metadata", "  execute: sampling metadata")
-    timed(type(engine.runner.model), "compute_logits", "  execute: lm head")
-    timed(model_runner, "post_update", "  execute: post_update")
+    targets = [
+        (Scheduler, "schedule", "schedule"),
+        (model_runner.MRV2ModelRunner, "execute", "runner.execute"),
+        (model_runner.StepHandle, "get", "handle.get (wait + fetch)"),
+        (Engine, "_process", "engine._process"),
+        (host_ring.HostRing, "_slot", "host_ring._slot (may wait on an event)"),
+        (torch.cuda.Event, "synchronize", "cuda.Event.synchronize"),
+        (torch.cuda, "synchronize", "cuda.synchronize"),
+        (cuda_graphs.CudaGraphs, "replay", "  execute: graph replay"),
+        (input_batch.InputBuffers, "build", "  execute: buffers.build"),
+        (request_state.RequestState, "apply_staged_writes", "  execute: staged writes"),
+        (sampler.Sampler, "__call__", "  execute: sampler"),
+        (sampling_state.SamplingState, "metadata", "  execute: sampling metadata"),
+        (type(engine.runner.model), "compute_logits", "  execute: lm head"),
+        (model_runner, "post_update", "  execute: post_update"),
+    ]
     s0 = engine.stats.num_steps
-    t = time.perf_counter()
-    row = run_engine(engine, w, prompts)
-    wall = time.perf_counter() - t
+    with timed_functions(targets) as timings:
+        t = time.perf_counter()
+        row = run_engine(engine, w, prompts)
+        wall = time.perf_counter() - t
     steps = engine.stats.num_steps - s0
     out = {
         "workload": w.name,
         "steps": steps,
         "wall_ms_per_step": 1e3 * wall / steps,
         "output_tok_s": row["output_tok_s"],
-        "ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in TOTALS.items()},
-        "calls_per_step": {k: round(v / steps, 2) for k, v in CALLS.items()},
+        "ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in timings.seconds.items()},
+        "calls_per_step": {k: round(v / steps, 2) for k, v in timings.calls.items()},
     }
     print(json.dumps(out, indent=1))
     return 0

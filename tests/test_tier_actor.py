@@ -3,6 +3,8 @@ uint8 array and a spec)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,26 @@ def _blocks(n: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
         b = torch.randint(-(2**31), 2**31 - 1, (3, 7), generator=gen, dtype=torch.int32)
         out.append((a.view(torch.bfloat16), b.view(torch.float32)))  # NaN payloads included
     return out
+
+
+@contextmanager
+def _tier_on_ray(service: type = TierService, **client_kwargs):
+    """A real Ray instance with one tier actor running `service`, and a `TierClient` on
+    it; yields (actor, client), then closes the client and shuts Ray down."""
+    import ray
+
+    from pdserve.cluster.tier_actor import TierClient
+
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    try:
+        actor = ray.remote(service).options(num_cpus=0).remote(1 << 20)
+        client = TierClient(actor, **client_kwargs)
+        try:
+            yield actor, client
+        finally:
+            client.close()
+    finally:
+        ray.shutdown()
 
 
 def test_blocks_round_trip_bitwise_through_the_wire():
@@ -66,10 +88,6 @@ def test_client_drops_write_behinds_past_its_byte_cap():
     import threading
     import time
 
-    import ray
-
-    from pdserve.cluster.tier_actor import TierClient
-
     class SlowTier(TierService):  # keeps a put in flight long enough to ask meanwhile
         def put(self, *args):
             time.sleep(1.0)
@@ -77,10 +95,7 @@ def test_client_drops_write_behinds_past_its_byte_cap():
 
     blocks = _blocks(3, 2)
     blob, _ = blocks_to_wire(blocks)
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
-    try:
-        actor = ray.remote(SlowTier).options(num_cpus=0).remote(1 << 20)
-        client = TierClient(actor, max_pending_bytes=len(blob))
+    with _tier_on_ray(SlowTier, max_pending_bytes=len(blob)) as (_, client):
         gate = threading.Event()  # holds the writer thread inside its first submit
         submit = client.writer._submit
 
@@ -111,8 +126,6 @@ def test_client_drops_write_behinds_past_its_byte_cap():
         assert not client.writer._thread.is_alive()
         client.put("layout-a", [4], blocks[:1])  # after close: dropped, not hung
         assert client.dropped_puts == 4
-    finally:
-        ray.shutdown()
 
 
 def test_writer_submits_only_once_the_blocks_are_ready():
@@ -122,10 +135,6 @@ def test_writer_submits_only_once_the_blocks_are_ready():
     import threading
     import time
 
-    import ray
-
-    from pdserve.cluster.tier_actor import TierClient
-
     class Ready:
         def __init__(self) -> None:
             self.done = threading.Event()
@@ -133,10 +142,7 @@ def test_writer_submits_only_once_the_blocks_are_ready():
         def query(self) -> bool:
             return self.done.is_set()
 
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
-    try:
-        actor = ray.remote(TierService).options(num_cpus=0).remote(1 << 20)
-        client = TierClient(actor)
+    with _tier_on_ray() as (_, client):
         submitted = []
         submit = client.writer._submit
         client.writer._submit = lambda *a: submitted.append(a[1]) or submit(*a)
@@ -147,17 +153,11 @@ def test_writer_submits_only_once_the_blocks_are_ready():
         ready.done.set()
         client.flush()
         assert submitted == [[7, 8]] and client.lookup("layout-a", [7, 8]) == 2
-        client.close()
-    finally:
-        ray.shutdown()
 
 
 def test_a_failed_put_is_counted_and_frees_its_bytes():
     """Guards the write-behind's books: a put the tier actor fails (here it raises) is
     counted once, frees its share of the cap, and leaves the worker unharmed."""
-    import ray
-
-    from pdserve.cluster.tier_actor import TierClient
 
     class BrokenTier(TierService):
         def put(self, *args):
@@ -165,18 +165,12 @@ def test_a_failed_put_is_counted_and_frees_its_bytes():
 
     blocks = _blocks(2, 2)
     blob, _ = blocks_to_wire(blocks)
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
-    try:
-        actor = ray.remote(BrokenTier).options(num_cpus=0).remote(1 << 20)
-        client = TierClient(actor, max_pending_bytes=len(blob))
+    with _tier_on_ray(BrokenTier, max_pending_bytes=len(blob)) as (_, client):
         client.put("layout-a", [1, 2], blocks)
         assert client.writer.flush(10.0), "a failed put was never reaped"
         assert client.failed_puts == 1 and client.dropped_puts == 0
         assert client.writer.pending_bytes == 0 and client.admits(len(blob))
         assert client.lookup("layout-a", [1, 2]) == 0
-        client.close()
-    finally:
-        ray.shutdown()
 
 
 def test_a_dead_tier_is_a_miss_not_a_failure():
@@ -187,12 +181,9 @@ def test_a_dead_tier_is_a_miss_not_a_failure():
 
     import ray
 
-    from pdserve.cluster.tier_actor import CALL_TIMEOUT_S, TierClient
+    from pdserve.cluster.tier_actor import CALL_TIMEOUT_S
 
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
-    try:
-        actor = ray.remote(TierService).options(num_cpus=0).remote(1 << 20)
-        client = TierClient(actor)
+    with _tier_on_ray() as (actor, client):
         assert client.lookup("layout-a", [1]) == 0  # alive, empty
         ray.kill(actor, no_restart=True)
         start = time.monotonic()
@@ -200,6 +191,3 @@ def test_a_dead_tier_is_a_miss_not_a_failure():
         with pytest.raises(KeyError, match="tier get failed"):
             client.get("layout-a", [1])
         assert time.monotonic() - start < 2 * CALL_TIMEOUT_S
-        client.close()
-    finally:
-        ray.shutdown()
