@@ -275,6 +275,17 @@ def nccl_pd(tmp_path_factory):
     server.stop()
 
 
+# What the router saw of a request's path: shown when a path assertion fails (a pull that
+# fell back to recompute still answers right).
+PATH_SERIES = (
+    "pdserve:kv_transfer",
+    "pdserve:kv_recompute",
+    "pdserve:pd_",
+    "pdserve:kv_tier",
+    "pdserve:num_requests",
+)
+
+
 def test_pd_over_the_nccl_transport_path(nccl_pd, pd):
     """Guards `--kv-transport nccl`: the workers form a process group, tickets advertise
     nccl, KV moves by P2P (counted under that transport), and the answer is the same."""
@@ -283,6 +294,7 @@ def test_pd_over_the_nccl_transport_path(nccl_pd, pd):
     )
     assert r.choices[0].message.content == "The capital of France is Paris."
     text = nccl_pd.metrics()
-    assert _metric(text, "pdserve:kv_transfer_pulls_total", transport="nccl") >= 1
+    path = [line for line in text.splitlines() if line.startswith(PATH_SERIES)]
+    assert _metric(text, "pdserve:kv_transfer_pulls_total", transport="nccl") >= 1, path
     assert _metric(text, "pdserve:kv_transfer_pulls_total", transport="tcp") == 0
     assert _metric(pd.metrics(), "pdserve:kv_transfer_pulls_total", transport="tcp") >= 1
