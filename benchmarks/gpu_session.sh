@@ -35,6 +35,6 @@ fi
 PDSERVE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-360}" python3 -P -m pytest -q -p no:cacheprovider \
     tests/test_gpu_step_loop.py tests/test_gpu_attention.py tests/test_gpu_kernels.py \
     tests/test_gpu_cuda_ipc.py tests/test_pd_engine.py tests/test_qkv_prep.py \
-    tests/test_kv_copy_kernel.py tests/test_paged_attention_triton.py \
+    tests/test_kv_copy_kernel.py tests/test_paged_attention_triton.py tests/test_skinny_linear.py \
     tests/test_parity_hf.py tests/test_self_consistency.py tests/test_async_scheduling.py \
     -k "not smollm2 and not bundled and not stop_strings" 2>&1 | tee "$OUT/gpu_tests.log"

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.paged_attention_triton import paged_attention_triton
+from pdserve.kernels.workspace import KernelWorkspace
 
 
 def write_kv_ref(
@@ -124,12 +125,21 @@ def _decode_batch(q, kv_cache, block_tables, qsl, lens, rows, scale, out) -> Non
 
 
 def paged_attention(
-    q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out, max_query_len, max_seq_len
+    q,
+    kv_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    scale,
+    out,
+    max_query_len,
+    max_seq_len,
+    workspace: KernelWorkspace | None = None,
 ) -> None:
     assert q.dim() == 3 and kv_cache.dim() == 5, "q is [T, Hq, D]; a layer's cache is 5-D"
     assert q.shape[1] % kv_cache.shape[3] == 0, "query heads must be a multiple of kv heads"
     args = (q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out)
     if q.is_cuda:
-        paged_attention_triton(*args, max_query_len, max_seq_len)
+        paged_attention_triton(*args, max_query_len, max_seq_len, workspace=workspace)
     else:
         paged_attention_ref(*args, max_query_len, max_seq_len)

@@ -7,11 +7,19 @@ collect this module without a GPU; the parity tests and their helpers live in
 
 from __future__ import annotations
 
+import pytest
 import torch
+from test_paged_attention_triton import make_batch
+from test_skinny_linear import check as check_skinny
+from test_skinny_linear import make as make_skinny
 from test_triton_index_kernels import DEVICE, _batch, _qkv_views
 from test_triton_layer_kernels import _TRITON_LAUNCHERS, _cpu_calls
 
 from pdserve.kernels import activation, attention, block_table, input_prep, kv_write, norm, rope
+from pdserve.kernels import skinny_linear as sl
+from pdserve.kernels.activation import silu_and_mul_ref
+from pdserve.kernels.paged_attention_triton import paged_attention_triton
+from pdserve.kernels.workspace import KernelWorkspace
 
 
 def test_write_kv_offsets_past_int32():
@@ -155,3 +163,49 @@ def test_launchers_replay_in_a_cuda_graph():
     want_tokens = token_ids_before.clone()
     input_prep.post_update_ref(idx, bufs["sampled"], want_prep[2][:8], bufs["mask"], want_tokens)
     assert torch.equal(token_ids, want_tokens)
+
+
+@pytest.mark.parametrize("rows", [1, 32, 64])
+@pytest.mark.parametrize("n,k,silu", [(1024, 2048, False), (1024, 3072, True), (4096, 1024, False)])
+def test_skinny_linear_at_decoder_shapes(rows, n, k, silu):
+    """The Qwen3-0.6B o_proj and down_proj (with the fused activation) as `linear` sends
+    them, and a wide output forced through the kernel, at decode batch sizes."""
+    x, w, b = make_skinny(rows, n, k, torch.bfloat16, False, seed=rows, x_cols=2 * k if silu else k)
+    y = sl.skinny_linear_triton(x, w, b, KernelWorkspace(), silu_mul_input=silu)
+    check_skinny(y, silu_and_mul_ref(x) if silu else x, w, b)
+
+
+def test_skinny_linear_and_split_attention_replay_in_a_cuda_graph():
+    """Guards the last-arriver kernels under CUDA graphs: captured on the model's workspace,
+    replays on new inputs equal eager calls bitwise, and the counters are zero after each
+    replay (a counter left non-zero would merge early on the next replay)."""
+    ws = KernelWorkspace()
+    x, w, b = make_skinny(32, 1024, 3072, torch.bfloat16, True, seed=1, x_cols=6144)
+    sl.linear(x, w, b, ws, silu_mul_input=True)  # sizes the workspace before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = sl.linear(x, w, b, ws, silu_mul_input=True)
+    for seed in (2, 3):
+        x.copy_(make_skinny(32, 1024, 3072, torch.bfloat16, True, seed=seed, x_cols=6144)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, sl.linear(x, w, b, ws, silu_mul_input=True))
+        assert int(ws.counters("skinny_linear", 1, x.device).abs().sum()) == 0
+
+    # Split decode attention on the same workspace: 32 rows, several splits each.
+    batch = make_batch([(700, 1)] * 30 + [(3, 1), (0, 1)], 16, 8, 128, 16, torch.bfloat16)
+    eager = batch.run_triton(num_splits=4, workspace=ws)
+    out = torch.empty_like(eager)
+    run = lambda: paged_attention_triton(  # noqa: E731
+        batch.q, batch.cache, batch.tables, batch.qsl, batch.seq_lens, batch.scale, out, 1,
+        batch.max_seq_len, num_splits=4, workspace=ws,
+    )  # fmt: skip
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        assert int(ws.counters("decode_attention", 1, x.device).abs().sum()) == 0

@@ -34,6 +34,7 @@ import torch
 
 from pdserve.kernels.attention import paged_attention, paged_attention_ref
 from pdserve.kernels.paged_attention_triton import decode_num_splits, paged_attention_triton
+from pdserve.kernels.workspace import KernelWorkspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -207,8 +208,8 @@ def test_mixed_batch_16bit(hq, hk, d, bs, dtype):
 @pytest.mark.parametrize("num_splits", [None, 1, 2, 3, 7])
 def test_decode_splits(num_splits):
     """Guards the split-K decode: every split count gives the same answer (partials merged by
-    lse; splits past a short row's context write nothing and are masked in the reduce, not
-    read as garbage), pad rows of a CUDA-graph-padded batch (q_len 1, seq_len 0) get zeros."""
+    lse; splits past a short row's context write nothing and are not merged, not read as
+    garbage), pad rows of a CUDA-graph-padded batch (q_len 1, seq_len 0) get zeros."""
     rows = [LONG_DECODE, DECODE, (64 * X, 1), (65 * X, 1), DECODE_AT_1, PAD, PAD]
     batch = make_batch(rows, 4, 1, 36, 16)
     if num_splits not in (None, 1):
@@ -220,13 +221,28 @@ def test_decode_splits(num_splits):
 def test_decode_splits_per_row_in_a_long_limit():
     """Guards the per-row split partition: a CUDA graph captures max_seq_len as the model's
     limit, far above the live contexts, and each row must still cut its own context into
-    its slices (short rows, a row shorter than one tile, pad rows) and the reduce must
+    its slices (short rows, a row shorter than one tile, pad rows) and the merge must
     merge exactly the slices that were written."""
     rows = [DECODE, (64 * X, 1), (3, 1), DECODE_AT_1, PAD, LONG_DECODE]
     batch = make_batch(rows, 4, 2, 24, 16, seed=7)
     batch.seq_len_limit = 8 * LONG_DECODE[0]
     for num_splits in (None, 2, 5):
         check(batch, batch.run_triton(num_splits=num_splits))
+
+
+def test_split_merge_counters_return_to_zero_across_calls():
+    """Guards the in-kernel merge: the last split of a (row, kv head) to finish merges all
+    of them and resets its arrival counter. A counter left at any other value (a split that
+    skips without counting in, a pad row's lone split) would make a later call on the same
+    workspace merge too early or never, as a CUDA graph replay reuses it every step."""
+    ws = KernelWorkspace()
+    rows = [LONG_DECODE, DECODE, (3, 1), PAD, DECODE_AT_1]
+    for seed, num_splits in ((1, 5), (2, 3), (3, 5)):
+        batch = make_batch(rows, 4, 2, 24, 16, seed=seed)
+        check(batch, batch.run_triton(num_splits=num_splits, workspace=ws))
+        counters = ws.counters("decode_attention", 1, batch.q.device)
+        assert counters.numel() >= len(rows) * 2
+        assert int(counters.abs().sum()) == 0, counters
 
 
 @pytest.mark.parametrize("rows", [[LONG_DECODE], [CHUNK_ON_PREFIX], [PAD]], ids=str)

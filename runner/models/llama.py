@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdserve.kernels.activation import silu_and_mul
 from pdserve.kernels.attention import paged_attention
 from pdserve.kernels.norm import fused_add_rms_norm, rms_norm
 from pdserve.kernels.qkv_prep import prepare_qkv
+from pdserve.kernels.skinny_linear import linear
+from pdserve.kernels.workspace import KernelWorkspace
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.models.rope import build_cos_sin_cache
 
@@ -62,8 +63,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Any, spec: FamilySpec):
+    def __init__(self, cfg: Any, spec: FamilySpec, workspace: KernelWorkspace):
         super().__init__()
+        self.workspace = workspace
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(cfg)
@@ -104,26 +106,31 @@ class Attention(nn.Module):
             out,
             attn.max_query_len,
             attn.max_seq_len,
+            workspace=self.workspace,
         )
-        return self.o_proj(out.reshape(t, self.q_size))
+        o = self.o_proj
+        return linear(out.reshape(t, self.q_size), o.weight, o.bias, self.workspace)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, workspace: KernelWorkspace):
         super().__init__()
+        self.workspace = workspace
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        # SiLU-and-mul rides in the down projection's input loads on the skinny path.
+        down = self.down_proj
+        return linear(self.gate_up_proj(x), down.weight, down.bias, self.workspace, True)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, spec: FamilySpec):
+    def __init__(self, cfg: Any, spec: FamilySpec, workspace: KernelWorkspace):
         super().__init__()
-        self.self_attn = Attention(cfg, spec)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, spec, workspace)
+        self.mlp = MLP(cfg, workspace)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -143,7 +150,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.config = cfg
         spec = family_spec(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, spec) for _ in range(cfg.num_hidden_layers))
+        # Split-kernel scratch and arrival counters, shared by the layers (they run in turn
+        # on one stream); sized by the first forward at each size, before graph capture.
+        self.workspace = KernelWorkspace()
+        layers = (DecoderLayer(cfg, spec, self.workspace) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = (

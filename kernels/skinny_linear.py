@@ -1,0 +1,223 @@
+"""Linear layers for a few rows (decode batches): `y = x @ W.T + b` with M <= 64.
+
+At M = 32 cuBLAS reads the Qwen3-0.6B decoder weights at 0.8-2.1 TB/s (profile_step_32:
+5-6 us per GEMM, 0.66 ms of a 1.65 ms step; the H200 copies at 4.28 TB/s). The weights are
+4-13 MB per GEMM, so what matters is how fast the whole chip starts streaming them: the
+o_proj (N=1024) and down_proj (N=1024) outputs give too few output tiles to occupy 132 SMs.
+
+Device path: one Triton kernel. A program owns BLOCK_N output features and a slice of K
+(split-K), streams its `[BLOCK_N, BLOCK_K]` weight tiles and multiplies them by the
+`[BLOCK_K, M]` transposed input (swap-AB: the weight rows are the MMA's M side, so a
+32-row batch does not pad to a 64-row tile). With split-K every program writes its fp32
+partial to a workspace, counts itself in on an arrival counter per output tile, and the
+last to arrive sums the SPLIT_K partials in split order, adds the bias and stores the
+output: one launch, and the result does not depend on which program came last.
+
+With `silu_mul_input` the input is the fused [gate | up] projection and the kernel applies
+SiLU-and-mul as it loads it (same rounding points as kernels/activation.py), so the MLP's
+down projection needs no separate activation launch.
+
+Measured at 32 rows in CUDA graphs over 28 distinct weights (benchmarks/skinny_bench.py,
+H200): o_proj 5.1 vs cuBLAS 5.9 us, down_proj 5.8 vs 6.9 us (cuBLAS splits K and adds a
+reduce kernel there); on the wide qkv and gate_up outputs the best tiles only tie cuBLAS
+(5.2 vs 5.3, 5.8 vs 6.0), so `linear` sends only narrow outputs (N <= 2048) here.
+
+The partials and counters live in the model's `KernelWorkspace` (kernels/workspace.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from pdserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+from pdserve.kernels.workspace import KernelWorkspace
+
+MAX_ROWS = 64  # the largest M this path takes; larger batches go to cuBLAS
+NARROW_N = 2048  # outputs this narrow need split-K, where cuBLAS adds a reduce launch
+
+
+def skinny_linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu_mul_input: bool = False,
+) -> torch.Tensor:
+    return F.linear(silu_and_mul_ref(x) if silu_mul_input else x, weight, bias)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+# num_rows is the batch's row count: not specialised on (a variant per value class would
+# compile mid-serving); M_PAD is. k_per_split is: its divisibility by 16 is what lets the
+# compiler prove the weight rows 16-byte aligned and load them in wide vectors (without it
+# the loads went scalar and ran at 0.5-1 TB/s).
+@triton.jit(do_not_specialize=["num_rows"])
+def _skinny_linear_kernel(
+    x_ptr,  # [M, K], unit stride on K; [M, 2K] ([gate | up]) when SILU_MUL
+    w_ptr,  # [N, K], unit stride on K
+    bias_ptr,  # [N] or unused
+    out_ptr,  # [M, N]
+    part_ptr,  # [SPLIT_K, M_PAD, N] fp32 workspace (unused when SPLIT_K == 1)
+    count_ptr,  # [cdiv(N, BLOCK_N)] int32 arrival counters, zero between launches
+    num_rows,
+    n,
+    k,
+    k_per_split,  # a multiple of BLOCK_K
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # k_per_split divides K: no slice is short, no K mask
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < n
+    m_mask = offs_m < num_rows
+    k_start = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
+    acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    for step in range(tl.cdiv(tl.minimum(k_per_split, k - k_start), BLOCK_K)):
+        if EVEN_K:
+            w_mask = n_mask[:, None]
+            x_mask = m_mask[:, None]
+        else:
+            k_mask = offs_k < k - k_start - step * BLOCK_K
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            x_mask = m_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        xs = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if SILU_MUL:
+            # kernels/activation.py's math: silu in fp32 rounded to the input dtype, then
+            # the product rounded; masked columns give silu(0) * 0 = 0.
+            up = tl.load(x_ptrs + k, mask=x_mask, other=0.0).to(tl.float32)
+            gate = xs.to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(xs.dtype).to(tl.float32)
+            xs = (silu * up).to(xs.dtype)
+        if IEEE_DOT:
+            # fp32 inputs, and 16-bit ones under Triton's interpreter (which multiplies
+            # 16-bit tiles as raw bits): fp32 operands, no tf32 rounding; 16-bit products
+            # are exact in fp32, so this is what the tensor cores give.
+            acc = tl.dot(w.to(tl.float32), tl.trans(xs.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(xs), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+
+    if SPLIT_K > 1:
+        # [SPLIT_K, M_PAD, N]: rows past num_rows hold zeros (their x was masked to 0).
+        tile = offs_m[None, :].to(tl.int64) * n + offs_n[:, None]
+        tl.store(part_ptr + pid_k * M_PAD * n + tile, acc, mask=n_mask[:, None])
+        # Every thread's partial is stored before one thread counts the program in; the
+        # acq_rel atomic publishes them to the last arriver, which reads them from L2.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived != SPLIT_K - 1:
+            return
+        acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+        for s in range(SPLIT_K):  # split order, whoever arrived last: deterministic
+            acc += tl.load(
+                part_ptr + s * M_PAD * n + tile, mask=n_mask[:, None], cache_modifier=".cg"
+            )
+        tl.store(count_ptr + pid_n, 0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+def choose_config(num_rows: int, n: int, k: int, num_sms: int = 132) -> SkinnyConfig:
+    """Tiles for an [M <= 64] x [N, K] product: about two programs per SM.
+
+    Output tiles of 32 features; K is split while the grid is under 2 programs per SM and
+    each slice keeps at least 4 steps of 128 keys (the pipeline needs a few to fill).
+    """
+    block_n, block_k = 32, 128
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split * 2 <= 2 * num_sms and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4)
+
+
+def skinny_linear_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    workspace: KernelWorkspace,
+    silu_mul_input: bool = False,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """`skinny_linear_ref` for M <= 64 rows on the GPU (or Triton's interpreter)."""
+    assert x.dim() == 2 and weight.dim() == 2, "x is [M, K] and weight is [N, K]"
+    num_rows, k = x.shape[0], weight.shape[1]
+    n = weight.shape[0]
+    x_cols = 2 * k if silu_mul_input else k
+    assert x.shape[1] == x_cols, f"x has {x.shape[1]} features, weight expects {x_cols}"
+    assert 0 < num_rows <= MAX_ROWS, f"the skinny path takes 1..{MAX_ROWS} rows, got {num_rows}"
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight have unit stride on K"
+    assert x.dtype == weight.dtype and x.dtype.is_floating_point, (
+        f"x ({x.dtype}) and weight ({weight.dtype}) share a float dtype"
+    )
+    assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), "bias is [N]"
+    cfg = config or choose_config(num_rows, n, k)
+    m_pad = max(16, triton.next_power_of_2(num_rows))
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)  # no empty slice: each program counts itself in
+    tiles = triton.cdiv(n, cfg.block_n)
+    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    if split > 1:
+        part = workspace.scratch("skinny_linear", split * m_pad * n, x.device)
+        counters = workspace.counters("skinny_linear", tiles, x.device)
+    else:
+        part = counters = out  # unused
+    ieee = x.dtype == torch.float32 or x.device.type == "cpu"
+    _skinny_linear_kernel[(tiles, split)](
+        x, weight, bias if bias is not None else out, out, part, counters, num_rows, n, k,
+        k_per_split, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul_input,
+        SPLIT_K=split, EVEN_K=k % k_per_split == 0, M_PAD=m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        IEEE_DOT=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    workspace: KernelWorkspace,
+    silu_mul_input: bool = False,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` (of `silu_and_mul(x)` with `silu_mul_input`): the skinny
+    kernel for a 16-bit decode batch into a narrow output, cuBLAS otherwise."""
+    if (
+        x.is_cuda
+        and x.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and 0 < x.shape[0] <= MAX_ROWS
+        and weight.shape[0] <= NARROW_N
+    ):
+        return skinny_linear_triton(x, weight, bias, workspace, silu_mul_input)
+    return F.linear(silu_and_mul(x) if silu_mul_input else x, weight, bias)

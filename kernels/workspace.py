@@ -1,0 +1,45 @@
+"""Persistent scratch for kernels that finish in one launch by "last arriver merges".
+
+A split kernel (split-K linear, split decode attention) writes its partials to scratch,
+counts itself in on an arrival counter, and the program that arrives last merges the
+partials and resets the counter to zero. That saves the second (reduce) launch, ~3 us
+a layer on an H200, but the counters must be zero before every launch and keep their
+address under CUDA graphs. So they live here, owned by the model and handed to the
+kernels explicitly: one workspace per model, shared by its layers, which run one after
+another on one stream.
+
+Buffers grow on demand (the largest request wins) and never shrink or move afterwards.
+Growing during a CUDA graph capture is refused: the warm-up forward that precedes each
+capture, largest size first, sizes them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KernelWorkspace:
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def _get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get((name, dtype))
+        if buf is not None and buf.numel() >= numel and buf.device == device:
+            return buf
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), (
+            f"kernel workspace '{name}' must be sized before CUDA graph capture "
+            "(run one eager forward at the largest capture size first)"
+        )
+        grown = max(numel, 1 if buf is None or buf.device != device else buf.numel())
+        # Zeroed once: counters are zero between launches; scratch is written before read.
+        buf = torch.zeros(grown, dtype=dtype, device=device)
+        self._buffers[(name, dtype)] = buf
+        return buf
+
+    def counters(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        """[>= numel] int32 arrival counters, zero between launches."""
+        return self._get(name, numel, torch.int32, device)
+
+    def scratch(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        """[>= numel] float32 scratch for partial results."""
+        return self._get(name, numel, torch.float32, device)
