@@ -21,6 +21,7 @@ configs by patching the module's constants, to choose them on the real GPU.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 
@@ -160,13 +161,40 @@ def sweep(which: str) -> list[dict]:
     return results
 
 
+def sweep_small_batch() -> list[dict]:
+    """Decode tiles x minimum split length at 32 rows, as the small_batch graph runs them
+    (max_seq_len at the model's 4,096 limit): the in-kernel split merge changed the cost
+    of a split, so the 256-key minimum chosen with a reduce launch is re-measured."""
+    results = []
+    base_cfg, base_keys = pat._DECODE_16BIT, pat._MIN_SPLIT_KEYS
+    for block_n, warps, stages in itertools.product((32, 64), (4, 8), (2, 3, 4)):
+        pat._DECODE_16BIT = pat.TileConfig(0, block_n, warps, stages)
+        for min_keys in (64, 128, 256):
+            pat._MIN_SPLIT_KEYS = min_keys
+            for ctx in (256, 384, 512):
+                inp = make_inputs([(ctx, 1)] * 32)
+                inp["max_seq_len"] = 4096
+                ms = time_ms(lambda inp=inp: pat.paged_attention_triton(**inp))
+                results.append({
+                    "case": "decode_small", "ctx": ctx, "cfg": [block_n, warps, stages],
+                    "min_split_keys": min_keys, "us": round(ms * 1e3, 2),
+                })  # fmt: skip
+    pat._DECODE_16BIT, pat._MIN_SPLIT_KEYS = base_cfg, base_keys
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--sweep", choices=("decode", "prefill", "all"), help="also time alternative tiles"
     )
+    parser.add_argument("--small-batch", action="store_true", help="only the 32-row sweep")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
+    if args.small_batch:
+        for r in sweep_small_batch():
+            print(json.dumps(r))
+        return
     results = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

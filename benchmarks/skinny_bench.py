@@ -21,8 +21,11 @@ import torch.nn.functional as F
 import triton
 
 from pdserve.kernels import skinny_linear as sl
+from pdserve.kernels.activation import silu_and_mul
+from pdserve.kernels.workspace import KernelWorkspace
 
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+SILU = {"gate_up_silu": "gate_up"}  # SiLU-and-mul as the gate/up projection's epilogue
 LAYERS = 28
 
 
@@ -45,17 +48,19 @@ def graph_us(calls, reps: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / (reps * len(calls))
 
 
-def check(x, w, cfg, ws) -> dict:
+def check(x, w, cfg, ws, silu: bool) -> dict:
     ref = F.linear(x.float(), w.float())
-    y1 = sl.skinny_linear_triton(x, w, None, ws, cfg)
-    y2 = sl.skinny_linear_triton(x, w, None, ws, cfg)
+    ref = silu_and_mul(ref) if silu else ref
+    y1 = sl.skinny_linear_triton(x, w, None, ws, silu, cfg)
+    y2 = sl.skinny_linear_triton(x, w, None, ws, silu, cfg)
     # bf16 keeps 8 significant bits: a correctly rounded fp32 sum is within 2^-8 relative.
     excess = ((y1.float() - ref).abs() - ref.abs() * 2**-8).max().item()
     return {"max_err_over_bound": round(excess, 5), "repeatable": bool(torch.equal(y1, y2))}
 
 
 def bench_shape(name: str, rows: int, configs: list[sl.SkinnyConfig | None]) -> list[dict]:
-    n, k = SHAPES[name]
+    silu = name in SILU
+    n, k = SHAPES[SILU.get(name, name)]
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = [
         torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
@@ -63,16 +68,20 @@ def bench_shape(name: str, rows: int, configs: list[sl.SkinnyConfig | None]) -> 
     ]
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)
     mb = n * k * 2 / 1e6
-    cublas = graph_us([lambda w=w: F.linear(x, w) for w in ws])
+    # With SILU the cuBLAS column is the unfused pair: the GEMM, then a silu_and_mul launch.
+    cublas = graph_us([lambda w=w: (silu_and_mul if silu else _same)(F.linear(x, w)) for w in ws])
     out = [{"gemm": name, "rows": rows, "impl": "cublas", "us": round(cublas, 2),
             "GBps": round(mb * 1e3 / cublas, 1)}]  # fmt: skip
-    work = sl.SkinnyWorkspace()
+    work = KernelWorkspace()
     for cfg in configs:
-        chosen = cfg or sl.choose_config(rows, n, k)
+        chosen = cfg or sl.choose_config(rows, n // 2 if silu else n, k, silu)
         try:
-            ok = check(x, ws[0], chosen, work)
+            ok = check(x, ws[0], chosen, work, silu)
             us = graph_us(
-                [lambda w=w, c=chosen: sl.skinny_linear_triton(x, w, None, work, c) for w in ws]
+                [
+                    lambda w=w, c=chosen: sl.skinny_linear_triton(x, w, None, work, silu, c)
+                    for w in ws
+                ]
             )
         except Exception as exc:  # out of shared memory etc.: report, go on
             out.append(
@@ -92,11 +101,15 @@ def bench_shape(name: str, rows: int, configs: list[sl.SkinnyConfig | None]) -> 
     return out
 
 
+def _same(y: torch.Tensor) -> torch.Tensor:
+    return y
+
+
 def sweep_configs() -> list[sl.SkinnyConfig]:
     return [
         sl.SkinnyConfig(bn, bk, split, warps, stages)
         for bn, bk, split, warps, stages in itertools.product(
-            (16, 32, 64, 128), (128, 256), (1, 2, 4, 8), (4, 8), (3, 4)
+            (16, 32, 64), (64, 128, 256), (1, 2, 4, 8), (4,), (3, 4)
         )
     ]
 
@@ -105,14 +118,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time alternative tiles at 32 rows")
     parser.add_argument("--rows", default="1,8,16,32,64")
+    parser.add_argument("--gemms", default=",".join([*SHAPES, *SILU]), help="which to sweep")
     parser.add_argument("--out")
     args = parser.parse_args()
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
-        for name in SHAPES:
+        for name in [*SHAPES, *SILU]:
             results += bench_shape(name, rows, [None])
     if args.sweep:
-        for name in SHAPES:
+        for name in args.gemms.split(","):
             results += bench_shape(name, 32, sweep_configs())
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "results": results}  # fmt: skip

@@ -13,9 +13,12 @@ partial to a workspace, counts itself in on an arrival counter per output tile, 
 last to arrive sums the SPLIT_K partials in split order, adds the bias and stores the
 output: one launch, and the result does not depend on which program came last.
 
-With `silu_mul_input` the input is the fused [gate | up] projection and the kernel applies
-SiLU-and-mul as it loads it (same rounding points as kernels/activation.py), so the MLP's
-down projection needs no separate activation launch.
+With `silu_mul_output` the weight is the fused [gate | up] projection ([2N, K]): a program
+computes the gate and the up rows of its N features and writes `silu(gate) * up` with
+kernels/activation.py's rounding points (each projection rounded to the dtype first, as
+cuBLAS would write it), so the MLP needs no separate activation launch. (Applying it on
+the down projection's input loads instead was measured at 20.5 us against 8.0 for the
+unfused pair: every output tile recomputes the activation of the whole input.)
 
 Measured at 32 rows in CUDA graphs over 28 distinct weights (benchmarks/skinny_bench.py,
 H200): o_proj 5.1 vs cuBLAS 5.9 us, down_proj 5.8 vs 6.9 us (cuBLAS splits K and adds a
@@ -45,9 +48,10 @@ def skinny_linear_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    silu_mul_input: bool = False,
+    silu_mul_output: bool = False,
 ) -> torch.Tensor:
-    return F.linear(silu_and_mul_ref(x) if silu_mul_input else x, weight, bias)
+    y = F.linear(x, weight, bias)
+    return silu_and_mul_ref(y) if silu_mul_output else y
 
 
 @dataclass(frozen=True)
@@ -59,15 +63,25 @@ class SkinnyConfig:
     num_stages: int
 
 
+@triton.jit
+def _dot(w, xs, acc, IEEE_DOT: tl.constexpr):
+    # acc + w @ xs^T. IEEE_DOT: fp32 inputs, and 16-bit ones under Triton's interpreter
+    # (which multiplies 16-bit tiles as raw bits): fp32 operands, no tf32 rounding; 16-bit
+    # products are exact in fp32, so this is what the tensor cores give.
+    if IEEE_DOT:
+        return tl.dot(w.to(tl.float32), tl.trans(xs.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(w, tl.trans(xs), acc)
+
+
 # num_rows is the batch's row count: not specialised on (a variant per value class would
 # compile mid-serving); M_PAD is. k_per_split is: its divisibility by 16 is what lets the
 # compiler prove the weight rows 16-byte aligned and load them in wide vectors (without it
 # the loads went scalar and ran at 0.5-1 TB/s).
 @triton.jit(do_not_specialize=["num_rows"])
 def _skinny_linear_kernel(
-    x_ptr,  # [M, K], unit stride on K; [M, 2K] ([gate | up]) when SILU_MUL
-    w_ptr,  # [N, K], unit stride on K
-    bias_ptr,  # [N] or unused
+    x_ptr,  # [M, K], unit stride on K
+    w_ptr,  # [N, K], unit stride on K; [2N, K] ([gate | up]) when SILU_MUL
+    bias_ptr,  # [N] ([2N] when SILU_MUL) or unused
     out_ptr,  # [M, N]
     part_ptr,  # [SPLIT_K, M_PAD, N] fp32 workspace (unused when SPLIT_K == 1)
     count_ptr,  # [cdiv(N, BLOCK_N)] int32 arrival counters, zero between launches
@@ -98,6 +112,7 @@ def _skinny_linear_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)  # SILU_MUL only
     for step in range(tl.cdiv(tl.minimum(k_per_split, k - k_start), BLOCK_K)):
         if EVEN_K:
             w_mask = n_mask[:, None]
@@ -108,20 +123,10 @@ def _skinny_linear_kernel(
             x_mask = m_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         xs = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if SILU_MUL:
-            # kernels/activation.py's math: silu in fp32 rounded to the input dtype, then
-            # the product rounded; masked columns give silu(0) * 0 = 0.
-            up = tl.load(x_ptrs + k, mask=x_mask, other=0.0).to(tl.float32)
-            gate = xs.to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(xs.dtype).to(tl.float32)
-            xs = (silu * up).to(xs.dtype)
-        if IEEE_DOT:
-            # fp32 inputs, and 16-bit ones under Triton's interpreter (which multiplies
-            # 16-bit tiles as raw bits): fp32 operands, no tf32 rounding; 16-bit products
-            # are exact in fp32, so this is what the tensor cores give.
-            acc = tl.dot(w.to(tl.float32), tl.trans(xs.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, tl.trans(xs), acc)
+        acc = _dot(w, xs, acc, IEEE_DOT)
+        if SILU_MUL:  # the up rows sit N rows below the gate rows
+            w_up = tl.load(w_ptrs + n * stride_wn, mask=w_mask, other=0.0)
+            acc_up = _dot(w_up, xs, acc_up, IEEE_DOT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
@@ -141,19 +146,33 @@ def _skinny_linear_kernel(
                 part_ptr + s * M_PAD * n + tile, mask=n_mask[:, None], cache_modifier=".cg"
             )
         tl.store(count_ptr + pid_n, 0)
+    dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        if SILU_MUL:
+            up_bias = tl.load(bias_ptr + n + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            acc_up += up_bias[:, None]
+    if SILU_MUL:
+        # kernels/activation.py on the rounded projections: silu in fp32 rounded to the
+        # dtype, then the product (rounded by the store below).
+        gate = acc.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = silu * acc_up.to(dtype).to(tl.float32)
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+    tl.store(out_ptrs, acc.to(dtype), mask=n_mask[:, None] & m_mask[None, :])
 
 
-def choose_config(num_rows: int, n: int, k: int, num_sms: int = 132) -> SkinnyConfig:
-    """Tiles for an [M <= 64] x [N, K] product: about two programs per SM.
+def choose_config(num_rows: int, n: int, k: int, silu_mul: bool = False) -> SkinnyConfig:
+    """Tiles for an [M <= 64] x [N, K] product on the H200's 132 SMs (skinny_bench sweep).
 
-    Output tiles of 32 features; K is split while the grid is under 2 programs per SM and
-    each slice keeps at least 4 steps of 128 keys (the pipeline needs a few to fill).
+    Output tiles of 32 features; K is split while the grid stays under ~2 programs per SM
+    and each slice keeps at least 4 steps of 128 (the pipeline needs a few to fill): 4-way
+    for the 1024-wide o/down projections. SiLU-and-mul outputs are not split (the gate and
+    up halves would both need merging); 16-feature tiles give them 2x the programs.
     """
-    block_n, block_k = 32, 128
+    if silu_mul:
+        return SkinnyConfig(16, 128, 1, num_warps=4, num_stages=4)
+    block_n, block_k, num_sms = 32, 128, 132
     tiles = triton.cdiv(n, block_n)
     split = 1
     while tiles * split * 2 <= 2 * num_sms and k // (split * 2) >= 4 * block_k:
@@ -166,22 +185,26 @@ def skinny_linear_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     workspace: KernelWorkspace,
-    silu_mul_input: bool = False,
+    silu_mul_output: bool = False,
     config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
     """`skinny_linear_ref` for M <= 64 rows on the GPU (or Triton's interpreter)."""
     assert x.dim() == 2 and weight.dim() == 2, "x is [M, K] and weight is [N, K]"
-    num_rows, k = x.shape[0], weight.shape[1]
-    n = weight.shape[0]
-    x_cols = 2 * k if silu_mul_input else k
-    assert x.shape[1] == x_cols, f"x has {x.shape[1]} features, weight expects {x_cols}"
+    num_rows, k = x.shape
+    assert weight.shape[1] == k, f"x has {k} features, weight expects {weight.shape[1]}"
+    rows_w = weight.shape[0]
+    assert not silu_mul_output or rows_w % 2 == 0, "a [gate | up] weight has 2N rows"
+    n = rows_w // 2 if silu_mul_output else rows_w
     assert 0 < num_rows <= MAX_ROWS, f"the skinny path takes 1..{MAX_ROWS} rows, got {num_rows}"
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight have unit stride on K"
     assert x.dtype == weight.dtype and x.dtype.is_floating_point, (
         f"x ({x.dtype}) and weight ({weight.dtype}) share a float dtype"
     )
-    assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), "bias is [N]"
-    cfg = config or choose_config(num_rows, n, k)
+    assert bias is None or (bias.shape == (rows_w,) and bias.is_contiguous()), (
+        "bias has one value per weight row"
+    )
+    cfg = config or choose_config(num_rows, n, k, silu_mul_output)
+    assert not (silu_mul_output and cfg.split_k > 1), "SiLU-and-mul outputs are not split"
     m_pad = max(16, triton.next_power_of_2(num_rows))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # no empty slice: each program counts itself in
@@ -196,7 +219,7 @@ def skinny_linear_triton(
     _skinny_linear_kernel[(tiles, split)](
         x, weight, bias if bias is not None else out, out, part, counters, num_rows, n, k,
         k_per_split, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul_input,
+        SILU_MUL=silu_mul_output,
         SPLIT_K=split, EVEN_K=k % k_per_split == 0, M_PAD=m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         IEEE_DOT=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -208,16 +231,18 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     workspace: KernelWorkspace,
-    silu_mul_input: bool = False,
+    silu_mul_output: bool = False,
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` (of `silu_and_mul(x)` with `silu_mul_input`): the skinny
-    kernel for a 16-bit decode batch into a narrow output, cuBLAS otherwise."""
+    """`F.linear(x, weight, bias)` (then `silu_and_mul` with `silu_mul_output`): the skinny
+    kernel for a 16-bit decode batch into a narrow output or a fused SiLU-and-mul, cuBLAS
+    otherwise."""
     if (
         x.is_cuda
         and x.dim() == 2
         and x.dtype in (torch.bfloat16, torch.float16)
         and 0 < x.shape[0] <= MAX_ROWS
-        and weight.shape[0] <= NARROW_N
+        and (silu_mul_output or weight.shape[0] <= NARROW_N)
     ):
-        return skinny_linear_triton(x, weight, bias, workspace, silu_mul_input)
-    return F.linear(silu_and_mul(x) if silu_mul_input else x, weight, bias)
+        return skinny_linear_triton(x, weight, bias, workspace, silu_mul_output)
+    y = F.linear(x, weight, bias)
+    return silu_and_mul(y) if silu_mul_output else y

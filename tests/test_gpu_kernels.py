@@ -17,7 +17,7 @@ from test_triton_layer_kernels import _TRITON_LAUNCHERS, _cpu_calls
 
 from pdserve.kernels import activation, attention, block_table, input_prep, kv_write, norm, rope
 from pdserve.kernels import skinny_linear as sl
-from pdserve.kernels.activation import silu_and_mul_ref
+from pdserve.kernels.activation import silu_and_mul
 from pdserve.kernels.paged_attention_triton import paged_attention_triton
 from pdserve.kernels.workspace import KernelWorkspace
 
@@ -166,13 +166,21 @@ def test_launchers_replay_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize("rows", [1, 32, 64])
-@pytest.mark.parametrize("n,k,silu", [(1024, 2048, False), (1024, 3072, True), (4096, 1024, False)])
+@pytest.mark.parametrize("n,k,silu", [(1024, 2048, False), (1024, 3072, False), (3072, 1024, True)])
 def test_skinny_linear_at_decoder_shapes(rows, n, k, silu):
-    """The Qwen3-0.6B o_proj and down_proj (with the fused activation) as `linear` sends
-    them, and a wide output forced through the kernel, at decode batch sizes."""
-    x, w, b = make_skinny(rows, n, k, torch.bfloat16, False, seed=rows, x_cols=2 * k if silu else k)
-    y = sl.skinny_linear_triton(x, w, b, KernelWorkspace(), silu_mul_input=silu)
-    check_skinny(y, silu_and_mul_ref(x) if silu else x, w, b)
+    """The Qwen3-0.6B o_proj, down_proj and gate_up_proj (SiLU-and-mul fused) as `linear`
+    sends them, at decode batch sizes."""
+    w_rows = 2 * n if silu else n
+    x, w, b = make_skinny(rows, w_rows, k, torch.bfloat16, False, seed=rows)
+    y = sl.linear(x, w, b, KernelWorkspace(), silu_mul_output=silu)
+    if silu:  # the projections alone, then the activation kernel on them: bitwise equal
+        gate_up = sl.skinny_linear_triton(
+            x, w, b, KernelWorkspace(), config=sl.choose_config(rows, n, k, True)
+        )
+        check_skinny(gate_up, x, w, b)
+        assert torch.equal(y, silu_and_mul(gate_up))
+    else:
+        check_skinny(y, x, w, b)
 
 
 def test_skinny_linear_and_split_attention_replay_in_a_cuda_graph():
@@ -180,16 +188,16 @@ def test_skinny_linear_and_split_attention_replay_in_a_cuda_graph():
     replays on new inputs equal eager calls bitwise, and the counters are zero after each
     replay (a counter left non-zero would merge early on the next replay)."""
     ws = KernelWorkspace()
-    x, w, b = make_skinny(32, 1024, 3072, torch.bfloat16, True, seed=1, x_cols=6144)
-    sl.linear(x, w, b, ws, silu_mul_input=True)  # sizes the workspace before capture
+    x, w, b = make_skinny(32, 1024, 3072, torch.bfloat16, True, seed=1)
+    sl.linear(x, w, b, ws)  # sizes the workspace before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = sl.linear(x, w, b, ws, silu_mul_input=True)
+        y = sl.linear(x, w, b, ws)
     for seed in (2, 3):
-        x.copy_(make_skinny(32, 1024, 3072, torch.bfloat16, True, seed=seed, x_cols=6144)[0])
+        x.copy_(make_skinny(32, 1024, 3072, torch.bfloat16, True, seed=seed)[0])
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y, sl.linear(x, w, b, ws, silu_mul_input=True))
+        assert torch.equal(y, sl.linear(x, w, b, ws))
         assert int(ws.counters("skinny_linear", 1, x.device).abs().sum()) == 0
 
     # Split decode attention on the same workspace: 32 rows, several splits each.

@@ -121,9 +121,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # SiLU-and-mul rides in the down projection's input loads on the skinny path.
-        down = self.down_proj
-        return linear(self.gate_up_proj(x), down.weight, down.bias, self.workspace, True)
+        # On the skinny path SiLU-and-mul is the gate/up projection's epilogue.
+        gate_up, down = self.gate_up_proj, self.down_proj
+        h = linear(x, gate_up.weight, gate_up.bias, self.workspace, silu_mul_output=True)
+        return linear(h, down.weight, down.bias, self.workspace)
 
 
 class DecoderLayer(nn.Module):
