@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 
 import torch
 import torch.nn.functional as F
 import triton
+from run_meta import git_commit
 
 from pdserve.kernels import skinny_linear as sl
 from pdserve.kernels.activation import silu_and_mul
@@ -129,7 +131,8 @@ def main() -> None:
         for name in args.gemms.split(","):
             results += bench_shape(name, 32, sweep_configs())
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "results": results}  # fmt: skip
+           "triton": triton.__version__, "commit": git_commit(),
+           "command": " ".join(["benchmarks/skinny_bench.py", *sys.argv[1:]]), "results": results}  # fmt: skip
     for r in results:  # one line per case; the JSON holds the same
         print(json.dumps(r))
     if args.out:

@@ -21,9 +21,11 @@ the down projection's input loads instead was measured at 20.5 us against 8.0 fo
 unfused pair: every output tile recomputes the activation of the whole input.)
 
 Measured at 32 rows in CUDA graphs over 28 distinct weights (benchmarks/skinny_bench.py,
-H200): o_proj 5.1 vs cuBLAS 5.9 us, down_proj 5.8 vs 6.9 us (cuBLAS splits K and adds a
-reduce kernel there); on the wide qkv and gate_up outputs the best tiles only tie cuBLAS
-(5.2 vs 5.3, 5.8 vs 6.0), so `linear` sends only narrow outputs (N <= 2048) here.
+H200, results/skinny_bench_*.json): o_proj 5.2 vs cuBLAS 5.6-5.9 us, down_proj 5.8 vs
+6.9 us (cuBLAS splits K and adds a reduce kernel there), gate_up with SiLU-and-mul 6.8 vs
+7.6 for cuBLAS plus the activation launch. On the plain qkv output the best tiles only tie
+cuBLAS (5.2 vs 4.9-5.3), so `linear` sends narrow outputs (N <= 2048) and fused
+activations here, the rest to cuBLAS.
 
 The partials and counters live in the model's `KernelWorkspace` (kernels/workspace.py).
 """
@@ -168,10 +170,11 @@ def choose_config(num_rows: int, n: int, k: int, silu_mul: bool = False) -> Skin
     Output tiles of 32 features; K is split while the grid stays under ~2 programs per SM
     and each slice keeps at least 4 steps of 128 (the pipeline needs a few to fill): 4-way
     for the 1024-wide o/down projections. SiLU-and-mul outputs are not split (the gate and
-    up halves would both need merging); 16-feature tiles give them 2x the programs.
+    up halves would both need merging); 64-feature tiles (gate and up: 128 weight rows a
+    program) measured best there, 6.8 us against 7.7 for 16 and 7.6 for cuBLAS + silu.
     """
     if silu_mul:
-        return SkinnyConfig(16, 128, 1, num_warps=4, num_stages=4)
+        return SkinnyConfig(64, 128, 1, num_warps=4, num_stages=4)
     block_n, block_k, num_sms = 32, 128, 132
     tiles = triton.cdiv(n, block_n)
     split = 1
