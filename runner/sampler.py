@@ -109,6 +109,12 @@ class Sampler:
         assert meta.rows == logits.shape[0], (
             f"sampling settings for {meta.rows} rows, logits [R={logits.shape[0]}, V]"
         )
+        plain_argmax = meta.all_greedy and meta.banned_rows is None and not meta.any_penalties
+        if plain_argmax and meta.max_num_logprobs is None:
+            # A plain argmax on the model's dtype: converting to float32 is exact and keeps
+            # the order, so the token is the same, without a [R, V] float32 copy (at 512
+            # rows of a 151,936 vocab, 311 MB written a step).
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
         # `.float()` is a no-op on float32 input; every op below returns a new tensor, so
         # the caller's logits and `raw` are never written.
         raw = logits.float()

@@ -499,3 +499,29 @@ def test_all_greedy_batch_skips_the_per_row_copies() -> None:
             np.array([0, 3]), np.array([5, 6]), np.array([0, 0]), histories, to_device=to_device
         )
         assert copies and meta.temperature is not None and meta.rows == 2, params
+
+
+def test_plain_argmax_reads_model_dtype_logits_without_a_float32_copy() -> None:
+    """Guards the plain-argmax path: bf16 logits (the runner no longer converts them) give
+    the same tokens as their exact float32 conversion, including ties to the first index,
+    with no float32 [R, V] tensor made; asking for logprobs still converts and returns raw
+    float32 logprobs."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 97, generator=g) * 4).bfloat16()
+    logits[2, 10] = logits[2, 40] = logits[2].max() + 1  # a tie: the first index wins
+    meta = SamplingMetadata.greedy(6, None)
+
+    class NoFloat32(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple) else (out,):
+                assert not (isinstance(t, torch.Tensor) and t.dtype == torch.float32), func
+            return out
+
+    with NoFloat32():
+        out = Sampler()(logits, meta)
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(-1))
+    assert int(out.sampled_token_ids[2]) == 10 and out.logprobs is None
+    with_lp = Sampler()(logits, SamplingMetadata.greedy(6, 2))
+    assert torch.equal(with_lp.sampled_token_ids, out.sampled_token_ids)
+    assert with_lp.logprobs is not None and with_lp.logprobs.logprobs.dtype == torch.float32

@@ -196,11 +196,14 @@ class LlamaFamilyForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, cos_sin, kv_cache, attn)
         return x + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] pre-norm hidden states of the rows to sample -> [N, vocab] float32."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """[N, hidden] pre-norm hidden states of the rows to sample -> [N, vocab] float32
+        (or the model's dtype with `float32=False`: the sampler converts only when it needs
+        to; a plain argmax does not, which saves a [N, vocab] copy a step)."""
         h = self.norm(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(h, weight).float()
+        logits = torch.nn.functional.linear(h, weight)
+        return logits.float() if float32 else logits
 
     # ---- weights -------------------------------------------------------------------------
 

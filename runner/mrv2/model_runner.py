@@ -177,10 +177,10 @@ class MRV2ModelRunner:
         self.model_state.prepare(batch)
         if graph_size is not None:
             hidden = self.graphs.replay(graph_size)
-            logits = self.model.compute_logits(hidden[: batch.num_reqs])
+            logits = self.model.compute_logits(hidden[: batch.num_reqs], float32=False)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            logits = self.model.compute_logits(hidden[batch.logits_indices], float32=False)
         self.model_state.post_forward(batch, hidden)
 
         seq_lens = batch.seq_lens_np
