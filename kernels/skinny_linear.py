@@ -40,7 +40,6 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.activation import silu_and_mul, silu_and_mul_ref
-from pdserve.kernels.pdl import pdl_launch_args, wait_for_producer
 from pdserve.kernels.workspace import KernelWorkspace
 
 MAX_ROWS = 64  # the largest M this path takes; larger batches go to cuBLAS
@@ -103,9 +102,7 @@ def _skinny_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_producer(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -227,7 +224,7 @@ def skinny_linear_triton(
         k_per_split, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul_output,
         SPLIT_K=split, EVEN_K=k % k_per_split == 0, M_PAD=m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        IEEE_DOT=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_args(x),
+        IEEE_DOT=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
