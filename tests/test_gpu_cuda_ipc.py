@@ -5,8 +5,12 @@ Collected only where a GPU exists (tests/conftest.py)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -126,3 +130,28 @@ def test_id_staging_never_refills_a_buffer_a_queued_copy_reads():
     assert seen[0].tolist() == [0, 1, 2, 3, 4, 100, 101, 102]
     assert seen[1].tolist() == list(range(200, 208))
     assert seen[2].tolist() == [-1] * 7 + list(range(9_999, -1, -1))
+
+
+def test_a_dead_source_fails_the_release_not_the_process():
+    """Guards the cuda_ipc failure path (DESIGN §2, release confirms the copy): a prefill
+    process that dies after a first pull leaves a cached mapping behind, and a ticket whose
+    lease still has time left is copied through it without a round trip. Whatever that
+    copy reads, it must not fault the puller's CUDA context; the release that follows must
+    fail within its timeout (so the loader counts the load failed and recomputes), drop
+    the mapping, and a later pull must fail cleanly instead of reusing it. Run in a child
+    process, which a fault would kill instead of this one."""
+    script = Path(__file__).parent / "gpu_ipc_dead_source_proc.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "paged_gqa"], capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(report)  # the log records what the copy through a dead mapping did
+    assert report["first_pull"][0] == "ok", report
+    second = report["second_pull"][0]
+    assert second == "ok" or second.startswith("TransferError:"), report
+    assert report["release"][0] == "TransferError:timeout" and report["release"][1] < 10, report
+    assert report["mapping_kept"] is False, report
+    assert report["third_pull"][0].startswith("TransferError:"), report
+    assert report["third_pull"][1] < 10, report
+    assert report["context_ok"] is True, report
