@@ -297,4 +297,21 @@ def test_pd_over_the_nccl_transport_path(nccl_pd, pd):
     path = [line for line in text.splitlines() if line.startswith(PATH_SERIES)]
     assert _metric(text, "pdserve:kv_transfer_pulls_total", transport="nccl") >= 1, path
     assert _metric(text, "pdserve:kv_transfer_pulls_total", transport="tcp") == 0
-    assert _metric(pd.metrics(), "pdserve:kv_transfer_pulls_total", transport="tcp") >= 1
+    # The same counter on the tcp server moves under tcp. Its own request, with a prompt
+    # no other test sends (no prefix hit on the decode side): the assertion must not
+    # depend on which tests ran before on the session's `pd` server.
+    before = _metric(pd.metrics(), "pdserve:kv_transfer_pulls_total", transport="tcp")
+    done = pd.client().completions.create(
+        model="SmolLM2-135M-Instruct", max_tokens=8, temperature=0,
+        prompt="For the transport check, the capitals read: France, Paris; Germany, Berlin; "
+        "Spain, Madrid; Portugal, Lisbon; Italy,",
+    )  # fmt: skip
+    # 27 prompt tokens: the last block is partial, so only a pull can bring it even when
+    # the tier already holds the full one (over tcp the tier's blocks come first).
+    assert done.usage.prompt_tokens % 16 != 0, done.usage
+    after = pd.metrics()
+    tcp_path = [line for line in after.splitlines() if line.startswith(PATH_SERIES)]
+    assert _metric(after, "pdserve:kv_transfer_pulls_total", transport="tcp") > before, (
+        done.choices[0],
+        "\n".join(tcp_path),
+    )
