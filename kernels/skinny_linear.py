@@ -214,7 +214,9 @@ def skinny_linear_triton(
     tiles = triton.cdiv(n, cfg.block_n)
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if split > 1:
-        part = workspace.scratch("skinny_linear", split * m_pad * n, x.device)
+        # Partials laid out for m_pad rows; sized for the largest pad so that a batch
+        # wider than the captured ones does not grow the buffer.
+        part = workspace.scratch("skinny_linear", split * max(m_pad, MAX_ROWS) * n, x.device)
         counters = workspace.counters("skinny_linear", tiles, x.device)
     else:
         part = counters = out  # unused

@@ -8,9 +8,11 @@ address under CUDA graphs. So they live here, owned by the model and handed to t
 kernels explicitly: one workspace per model, shared by its layers, which run one after
 another on one stream.
 
-Buffers grow on demand (the largest request wins) and never shrink or move afterwards.
-Growing during a CUDA graph capture is refused: the warm-up forward that precedes each
-capture, largest size first, sizes them.
+Buffers grow on demand (the largest request wins). A buffer once handed out is never
+freed: a CUDA graph captured its address, and an eager step that later needs a larger one
+(more rows than any captured size) gets a new buffer while the old one stays alive for
+the graph's replays (same stream, so the two are never in use at once). Growing during a
+capture is refused: the warm-up forward that precedes each capture sizes them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 class KernelWorkspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []  # outgrown, kept for graphs that hold them
 
     def _get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buf = self._buffers.get((name, dtype))
@@ -31,6 +34,8 @@ class KernelWorkspace:
             "(run one eager forward at the largest capture size first)"
         )
         grown = max(numel, 1 if buf is None or buf.device != device else buf.numel())
+        if buf is not None:
+            self._retired.append(buf)
         # Zeroed once: counters are zero between launches; scratch is written before read.
         buf = torch.zeros(grown, dtype=dtype, device=device)
         self._buffers[(name, dtype)] = buf

@@ -129,3 +129,22 @@ def test_linear_dispatch_and_errors():
         sl.skinny_linear_triton(big, w.bfloat16(), None, ws)
     with pytest.raises(AssertionError, match="features"):
         sl.skinny_linear_triton(x[:, :63], w, None, ws)
+
+
+def test_workspace_keeps_outgrown_buffers_alive():
+    """Guards CUDA graphs against a workspace that grows after capture: a graph holds the
+    address of the buffer it was captured with, so when an eager step needs a larger one
+    the old buffer must stay allocated (freed, its memory would be reused by other tensors
+    and every replay would count into them)."""
+    import gc
+    import weakref
+
+    ws = KernelWorkspace()
+    small = ws.counters("decode_attention", 8, torch.device("cpu"))
+    gone = weakref.ref(small)
+    del small
+    big = ws.counters("decode_attention", 64, torch.device("cpu"))
+    assert big.numel() == 64 and int(big.abs().sum()) == 0
+    gc.collect()
+    assert gone() is not None, "an outgrown buffer was freed"
+    assert ws.counters("decode_attention", 10, torch.device("cpu")) is big  # fits: no growth
