@@ -1,10 +1,9 @@
 """Triton paged attention: split-K decode and varlen causal prefill over the paged KV cache.
 
 `paged_attention_triton` has the signature of `attention.paged_attention_ref` (the spec)
-plus an optional `num_splits` and the model's `workspace`. It launches at most two kernels,
-each on a grid sized
-from host ints only (shapes, `max_query_len`, `max_seq_len`), so a call never syncs with
-the device and can be captured in a CUDA graph:
+plus an optional `num_splits` and the model's `workspace`. It launches at most two
+kernels, each on a grid sized from host ints only (shapes, `max_query_len`,
+`max_seq_len`), so a call never syncs with the device and can be captured in a CUDA graph:
 
 - `_decode_split_kernel`, grid `(R, Hkv, num_splits)`: rows with exactly one query. A
   program owns one KV head of one row and one contiguous slice of its context; it reads
@@ -216,8 +215,8 @@ def _decode_split_kernel(
     split_len = _row_split_len(seq_len, min_split_keys, num_splits, BLOCK_N)
     key_start = split * split_len
     # Rows with several queries belong to the prefill kernel. Splits past the context
-    # write nothing: the reduce derives the number of valid splits from seq_len.
-    # Split 0 always runs, so an empty pad row (seq_len 0) still gets its zeros.
+    # write nothing and do not count in: the merging program derives the number of valid
+    # splits from seq_len. Split 0 always runs, so an empty pad row still gets its zeros.
     skip = q_len != 1
     if not SINGLE_SPLIT:
         skip = skip | ((key_start >= seq_len) & (split > 0))
