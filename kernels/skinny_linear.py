@@ -246,6 +246,8 @@ def linear(
         and x.dim() == 2
         and x.dtype in (torch.bfloat16, torch.float16)
         and 0 < x.shape[0] <= MAX_ROWS
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
         and (silu_mul_output or weight.shape[0] <= NARROW_N)
     ):
         return skinny_linear_triton(x, weight, bias, workspace, silu_mul_output)
