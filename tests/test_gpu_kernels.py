@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_paged_attention_triton import check as check_attention
 from test_paged_attention_triton import make_batch
 from test_skinny_linear import check as check_skinny
 from test_skinny_linear import make as make_skinny
@@ -217,3 +218,23 @@ def test_skinny_linear_and_split_attention_replay_in_a_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
         assert int(ws.counters("decode_attention", 1, x.device).abs().sum()) == 0
+
+
+def test_last_arriver_merges_never_read_a_stale_partial():
+    """Guards the memory ordering of the in-kernel merges (a barrier, an acq_rel counter
+    and L2 loads): 200 back-to-back launches on fresh inputs over one workspace. A merge
+    that read a partial before its program had stored it would read the previous launch's
+    value for that slot, an O(|y|) error the bf16 bound cannot absorb."""
+    ws = KernelWorkspace()
+    g = torch.Generator(device="cuda").manual_seed(11)
+    w = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16, generator=g) / 55
+    xs = torch.randn(200, 32, 3072, device="cuda", dtype=torch.bfloat16, generator=g)
+    outs = [sl.linear(x, w, None, ws) for x in xs]  # queued back to back, no syncs between
+    for x, y in zip(xs, outs):
+        check_skinny(y, x, w, None)
+    assert int(ws.counters("skinny_linear", 1, w.device).abs().sum()) == 0
+    batches = [make_batch([(600, 1)] * 24 + [(0, 1)], 16, 8, 128, 16, seed=s) for s in range(8)]
+    outs = [batch.run_triton(num_splits=4, workspace=ws) for batch in batches]
+    for batch, out in zip(batches, outs):
+        check_attention(batch, out)  # fp32 against the float64 spec, 1e-5
+    assert int(ws.counters("decode_attention", 1, w.device).abs().sum()) == 0
