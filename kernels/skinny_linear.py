@@ -164,7 +164,7 @@ def _skinny_linear_kernel(
     tl.store(out_ptrs, acc.to(dtype), mask=n_mask[:, None] & m_mask[None, :])
 
 
-def choose_config(num_rows: int, n: int, k: int, silu_mul: bool = False) -> SkinnyConfig:
+def choose_config(n: int, k: int, silu_mul: bool = False) -> SkinnyConfig:
     """Tiles for an [M <= 64] x [N, K] product on the H200's 132 SMs (skinny_bench sweep).
 
     Output tiles of 32 features; K is split while the grid stays under ~2 programs per SM
@@ -206,7 +206,7 @@ def skinny_linear_triton(
     assert bias is None or (bias.shape == (rows_w,) and bias.is_contiguous()), (
         "bias has one value per weight row"
     )
-    cfg = config or choose_config(num_rows, n, k, silu_mul_output)
+    cfg = config or choose_config(n, k, silu_mul_output)
     assert not (silu_mul_output and cfg.split_k > 1), "SiLU-and-mul outputs are not split"
     m_pad = max(16, triton.next_power_of_2(num_rows))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k

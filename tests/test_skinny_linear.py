@@ -110,10 +110,10 @@ def test_split_k_is_repeatable_and_leaves_counters_at_zero():
 def test_choose_config_splits_narrow_outputs_only():
     """Guards the tile choice measured on the H200: the narrow o/down projections (1024
     outputs, 32 tiles) split K four ways to occupy the 132 SMs; a wide output does not."""
-    assert sl.choose_config(32, 1024, 2048).split_k == 4
-    assert sl.choose_config(32, 1024, 3072).split_k == 4
-    assert sl.choose_config(32, 6144, 1024).split_k == 1
-    assert sl.choose_config(1, 1024, 256).split_k == 1  # slices keep >= 4 steps of 128
+    assert sl.choose_config(1024, 2048).split_k == 4
+    assert sl.choose_config(1024, 3072).split_k == 4
+    assert sl.choose_config(6144, 1024).split_k == 1
+    assert sl.choose_config(1024, 256).split_k == 1  # slices keep >= 4 steps of 128
 
 
 def test_linear_dispatch_and_errors():
