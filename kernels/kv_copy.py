@@ -96,6 +96,52 @@ def _copy_units_kernel(
             tl.store(dst + offs, words, mask=mask, eviction_policy="evict_first")
 
 
+@triton.jit(do_not_specialize=["count_offset", "src_offset", "dst_offset", "chunks_per_row"])
+def _copy_units_loop_kernel(
+    src_ptr,  # [L, NU_src, W] words
+    dst_ptr,  # [L, NU_dst, W] words
+    ids_ptr,  # int64: the id count n at count_offset, n source ids at src_offset, n
+    # destination ids at dst_offset
+    count_offset,
+    src_offset,
+    dst_offset,
+    src_layer_stride,
+    src_unit_stride,
+    dst_layer_stride,
+    dst_unit_stride,
+    num_layers,
+    num_words,  # W
+    chunks_per_row,
+    CHUNK: tl.constexpr,  # words per work item, a multiple of BLOCK
+    BLOCK: tl.constexpr,  # words per load
+    EVEN: tl.constexpr,  # W is a multiple of CHUNK: no masks
+):
+    """A fixed grid looping over the (unit, layer, chunk) work items, the count read on
+    the device: one launch shape serves every id count, so it can be captured in a CUDA
+    graph once and replayed for any pull whose ids fit the captured buffer."""
+    n = tl.load(ids_ptr + count_offset)
+    total = n * num_layers * chunks_per_row
+    for work in range(tl.program_id(0), total, tl.num_programs(0)):
+        row = work // chunks_per_row
+        chunk = work - row * chunks_per_row
+        i = row // num_layers
+        layer = row - i * num_layers
+        s = tl.load(ids_ptr + src_offset + i)
+        d = tl.load(ids_ptr + dst_offset + i)
+        src = src_ptr + layer * src_layer_stride + s * src_unit_stride
+        dst = dst_ptr + layer * dst_layer_stride + d * dst_unit_stride
+        start = chunk * CHUNK
+        for k in tl.static_range(0, CHUNK, BLOCK):
+            offs = start + k + tl.arange(0, BLOCK)
+            if EVEN:
+                words = tl.load(src + offs, eviction_policy="evict_first")
+                tl.store(dst + offs, words, eviction_policy="evict_first")
+            else:
+                mask = offs < num_words
+                words = tl.load(src + offs, mask=mask, eviction_policy="evict_first")
+                tl.store(dst + offs, words, mask=mask, eviction_policy="evict_first")
+
+
 def word_bytes_for(src: torch.Tensor, dst: torch.Tensor) -> int:
     """The widest integer word (8, 4, 2 or 1 bytes, never below the element size) that
     tiles every row of both tables: row bytes, layer and unit strides in bytes, and both
