@@ -102,7 +102,9 @@ def sweep(device: str) -> list[dict]:
         flat_dst = torch.empty_like(flat_src)
         base = _events_ms(lambda: flat_dst.copy_(flat_src))
         want = dst.clone()
-        kv_copy.copy_units_ref(src, torch.tensor(s_ids), want, torch.tensor(d_ids))
+        kv_copy.copy_units_ref(
+            src, torch.tensor(s_ids, device=device), want, torch.tensor(d_ids, device=device)
+        )
         cases = []
         for warps in (4, 8):
             for block in (1024, 2048, 4096):
@@ -188,9 +190,7 @@ def host_costs(device: str) -> dict[str, float]:
         "with torch.cuda.stream": _host_us(in_side_stream),
         "set_stream x2": _host_us(set_stream_pair),
         "graph.replay in stream ctx": _host_us(replay),
-        "h2d copy_ 2 KB non_blocking": _host_us(
-            lambda: ids_dev.copy_(ids_host, non_blocking=True)
-        ),
+        "h2d copy_ 2 KB non_blocking": _host_us(lambda: ids_dev.copy_(ids_host, non_blocking=True)),
         "triton launch (8 rows)": _host_us(lambda: pair.launch(ids_dev, 0, 2)),
         "_check_ids 128 ids": _host_us(
             lambda: pack._check_ids(storage, ids_list, "destination", True)
