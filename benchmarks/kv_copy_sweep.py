@@ -21,6 +21,7 @@ makes (streams, events, a graph replay, a Triton launch, the id checks), mean of
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -100,7 +101,7 @@ def sweep(device: str) -> list[dict]:
         counted = torch.tensor([n, *s_ids, *d_ids], dtype=torch.int64, device=device)
         flat_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         flat_dst = torch.empty_like(flat_src)
-        base = _events_ms(lambda: flat_dst.copy_(flat_src))
+        base = _events_ms(functools.partial(flat_dst.copy_, flat_src))
         want = dst.clone()
         kv_copy.copy_units_ref(
             src, torch.tensor(s_ids, device=device), want, torch.tensor(d_ids, device=device)
