@@ -89,6 +89,94 @@ def _persistent_case(pair, ids, n, block, chunk, warps, per_sm):
     return launch
 
 
+class _CopyEngineBatch:
+    """cuMemcpyBatchAsync (CUDA >= 12.8) through ctypes: one call queues every row copy
+    on the copy engines; the candidate with no kernel at all."""
+
+    def __init__(self, device: int) -> None:
+        import ctypes
+
+        class Loc(ctypes.Structure):
+            _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+        class Attrs(ctypes.Structure):
+            _fields_ = [
+                ("srcAccessOrder", ctypes.c_int), ("srcLocHint", Loc), ("dstLocHint", Loc),
+                ("flags", ctypes.c_uint),
+            ]  # fmt: skip
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.v2 = hasattr(lib, "cuMemcpyBatchAsync_v2")
+        self.fn = lib.cuMemcpyBatchAsync_v2 if self.v2 else lib.cuMemcpyBatchAsync
+        self.fn.restype = ctypes.c_int
+        self.attrs = Attrs(1, Loc(1, device), Loc(1, device), 0)  # order STREAM, on device
+        self.idx = (ctypes.c_size_t * 1)(0)
+        self.fail = ctypes.c_size_t(0)
+        self.ctypes = ctypes
+
+    def __call__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream) -> None:
+        c = self.ctypes
+        args = [
+            c.c_void_p(dsts.ctypes.data), c.c_void_p(srcs.ctypes.data),
+            c.c_void_p(sizes.ctypes.data), c.c_size_t(dsts.size), c.byref(self.attrs),
+            self.idx, c.c_size_t(1),
+        ]  # fmt: skip
+        if not self.v2:
+            args.append(c.byref(self.fail))
+        err = self.fn(*args, c.c_void_p(stream.cuda_stream))
+        if err != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync failed with CUresult {err}")
+
+
+def _ce_case(ce, pair, s_ids, d_ids):
+    src, dst = pair.src_words, pair.dst_words
+    row = pair.num_words * 8
+    layers = np.arange(pair.num_layers, dtype=np.uint64)
+
+    def launch():
+        s = np.asarray(s_ids, dtype=np.uint64)
+        d = np.asarray(d_ids, dtype=np.uint64)
+        srcs = (src.data_ptr() + layers[None, :] * (src.stride(0) * 8)) + s[:, None] * (
+            src.stride(1) * 8
+        )
+        dsts = (dst.data_ptr() + layers[None, :] * (dst.stride(0) * 8)) + d[:, None] * (
+            dst.stride(1) * 8
+        )
+        sizes = np.full(srcs.size, row, dtype=np.uint64)
+        ce(dsts.reshape(-1), srcs.reshape(-1), sizes, torch.cuda.current_stream())
+
+    return launch
+
+
+def _held_ms(fn, reps: int = 20) -> float:
+    """GPU time of the work `fn` queues, a GPU sleep holding it back until it is queued."""
+    fn()
+    times = []
+    while len(times) < reps:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(4_000_000)
+        start.record()
+        fn()
+        end.record()
+        held = not start.query()
+        end.synchronize()
+        if held:
+            times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def _call_us(fn, reps: int = 20) -> float:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return float(np.median(times)) * 1e6
+
+
 def sweep(device: str) -> list[dict]:
     src, dst, requests = _tables(device)
     pair = kv_copy._Pair(src, dst)
@@ -102,6 +190,8 @@ def sweep(device: str) -> list[dict]:
         flat_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         flat_dst = torch.empty_like(flat_src)
         base = _events_ms(functools.partial(flat_dst.copy_, flat_src))
+        base_held = _held_ms(functools.partial(flat_dst.copy_, flat_src))
+        dst.zero_()
         want = dst.clone()
         kv_copy.copy_units_ref(
             src, torch.tensor(s_ids, device=device), want, torch.tensor(d_ids, device=device)
@@ -122,6 +212,11 @@ def sweep(device: str) -> list[dict]:
                             (f"persistent b{block} t{tiles} w{warps} p{per_sm}",
                              _persistent_case(pair, counted, n, block, chunk, warps, per_sm))
                         )  # fmt: skip
+        try:
+            ce = _CopyEngineBatch(torch.device(device).index or 0)
+            cases.append(("copy engines (cuMemcpyBatchAsync)", _ce_case(ce, pair, s_ids, d_ids)))
+        except (OSError, AttributeError, RuntimeError) as e:
+            rows.append({"tokens": req.tokens, "case": "copy engines", "error": repr(e)[:200]})
         for name, launch in cases:
             dst.zero_()
             try:
@@ -130,11 +225,13 @@ def sweep(device: str) -> list[dict]:
                 rows.append({"tokens": req.tokens, "case": name, "error": repr(e)[:200]})
                 continue
             ok = bool(torch.equal(bitwise_view(dst), bitwise_view(want)))
+            held = _held_ms(launch) if name.startswith(("copy", "grid b2048 t4 w4")) else None
             rows.append(
                 {
-                    "tokens": req.tokens, "case": name, "ms": round(ms, 5),
+                    "tokens": req.tokens, "case": name, "ms": round(ms, 5), "held_ms": held,
+                    "call_us": _call_us(launch),
                     "GBps": round(nbytes / ms / 1e6, 1), "of_copy": round(base / ms, 4),
-                    "copy_ms": round(base, 5), "correct": ok,
+                    "copy_ms": round(base, 5), "copy_held_ms": base_held, "correct": ok,
                 }
             )  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
