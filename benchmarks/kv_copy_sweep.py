@@ -317,8 +317,11 @@ def main() -> int:
         "device": torch.cuda.get_device_name(0),
         "commit": git_commit(),
         "command": " ".join(["benchmarks/kv_copy_sweep.py", *sys.argv[1:]]),
-        "rows": sweep("cuda:0"),
     }
+    # Not the legacy default stream: cuMemcpyBatchAsync refuses it (CUDA_ERROR_INVALID_VALUE),
+    # and a pull's copies run on a side stream anyway.
+    with torch.cuda.stream(torch.cuda.Stream()):
+        result["rows"] = sweep("cuda:0")
     if args.host:
         result["host_us"] = host_costs("cuda:0")
         print(json.dumps(result["host_us"], indent=1))
