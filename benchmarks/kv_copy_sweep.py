@@ -81,7 +81,8 @@ def _persistent_case(pair, ids, n, block, chunk, warps, per_sm):
 
     def launch():
         kv_copy._copy_units_loop_kernel[(programs,)](
-            pair.src_words, pair.dst_words, ids, 0, 1, 1 + n, *pair.strides,
+            pair.src_words, pair.dst_words, ids, 0, 1, 1 + n, pair.src_words.shape[1],
+            pair.dst_words.shape[1], *pair.strides,
             pair.num_layers, pair.num_words, chunks_per_row,
             CHUNK=chunk, BLOCK=block, EVEN=pair.num_words % chunk == 0, num_warps=warps,
         )  # fmt: skip

@@ -42,6 +42,11 @@ _NUM_WARPS = 4
 _MAX_TILES_PER_PROGRAM = 4
 _MIN_PROGRAMS_PER_SM = 4
 _MAX_GRID_X = 2**31 - 1
+# The loop kernel's grid: 16 programs of 4 warps per SM (2,048 threads, the SM's limit).
+# Swept on the H200 (benchmarks/kv_copy_sweep.py): 2, 4, 8 and 16 per SM, tiles of 1 to 8
+# and 4 or 8 warps all land within 3% for the 2,048-token request (0.131-0.135 ms, the
+# plain copy 0.114); 16 was at the top for most shapes.
+_LOOP_PROGRAMS_PER_SM = 16
 
 
 def copy_units_ref(
@@ -105,6 +110,8 @@ def _copy_units_loop_kernel(
     count_offset,
     src_offset,
     dst_offset,
+    src_units,  # NU_src: a source id outside [0, NU_src) is skipped, not read
+    dst_units,  # NU_dst: likewise for destination ids
     src_layer_stride,
     src_unit_stride,
     dst_layer_stride,
@@ -117,8 +124,10 @@ def _copy_units_loop_kernel(
     EVEN: tl.constexpr,  # W is a multiple of CHUNK: no masks
 ):
     """A fixed grid looping over the (unit, layer, chunk) work items, the count read on
-    the device: one launch shape serves every id count, so it can be captured in a CUDA
-    graph once and replayed for any pull whose ids fit the captured buffer."""
+    the device: one launch shape serves every id count, so it is captured in a CUDA graph
+    once and replayed for any pull whose ids fit the captured buffer. The ids are checked
+    here (out of range: skipped) because the graph path checks them on the host while
+    the copy runs (kvtransfer/copy_graph.py), not before."""
     n = tl.load(ids_ptr + count_offset)
     total = n * num_layers * chunks_per_row
     for work in range(tl.program_id(0), total, tl.num_programs(0)):
@@ -128,18 +137,19 @@ def _copy_units_loop_kernel(
         layer = row - i * num_layers
         s = tl.load(ids_ptr + src_offset + i)
         d = tl.load(ids_ptr + dst_offset + i)
-        src = src_ptr + layer * src_layer_stride + s * src_unit_stride
-        dst = dst_ptr + layer * dst_layer_stride + d * dst_unit_stride
-        start = chunk * CHUNK
-        for k in tl.static_range(0, CHUNK, BLOCK):
-            offs = start + k + tl.arange(0, BLOCK)
-            if EVEN:
-                words = tl.load(src + offs, eviction_policy="evict_first")
-                tl.store(dst + offs, words, eviction_policy="evict_first")
-            else:
-                mask = offs < num_words
-                words = tl.load(src + offs, mask=mask, eviction_policy="evict_first")
-                tl.store(dst + offs, words, mask=mask, eviction_policy="evict_first")
+        if (s >= 0) & (s < src_units) & (d >= 0) & (d < dst_units):
+            src = src_ptr + layer * src_layer_stride + s * src_unit_stride
+            dst = dst_ptr + layer * dst_layer_stride + d * dst_unit_stride
+            start = chunk * CHUNK
+            for k in tl.static_range(0, CHUNK, BLOCK):
+                offs = start + k + tl.arange(0, BLOCK)
+                if EVEN:
+                    words = tl.load(src + offs, eviction_policy="evict_first")
+                    tl.store(dst + offs, words, eviction_policy="evict_first")
+                else:
+                    mask = offs < num_words
+                    words = tl.load(src + offs, mask=mask, eviction_policy="evict_first")
+                    tl.store(dst + offs, words, mask=mask, eviction_policy="evict_first")
 
 
 def word_bytes_for(src: torch.Tensor, dst: torch.Tensor) -> int:
@@ -218,6 +228,23 @@ class _Pair:
             CHUNK=chunk, BLOCK=block, EVEN=self.num_words % chunk == 0, num_warps=_NUM_WARPS,
         )  # fmt: skip
 
+    def launch_counted(self, ids: torch.Tensor, count_offset: int, capacity: int) -> None:
+        """The loop kernel, sized for up to `capacity` ids: the count at
+        `ids[count_offset]`, then `capacity` slots of source ids, then `capacity` of
+        destination ids (out-of-range ids skipped on the device)."""
+        if capacity == 0 or self.num_words == 0 or self.num_layers == 0:
+            return
+        block, chunk = launch_shape(capacity * self.num_layers, self.num_words, self.num_sms)
+        chunks_per_row = triton.cdiv(self.num_words, chunk)
+        items = capacity * self.num_layers * chunks_per_row
+        programs = min(items, _LOOP_PROGRAMS_PER_SM * self.num_sms)
+        _copy_units_loop_kernel[(programs,)](
+            self.src_words, self.dst_words, ids, count_offset, count_offset + 1,
+            count_offset + 1 + capacity, self.src_words.shape[1], self.dst_words.shape[1],
+            *self.strides, self.num_layers, self.num_words, chunks_per_row,
+            CHUNK=chunk, BLOCK=block, EVEN=self.num_words % chunk == 0, num_warps=_NUM_WARPS,
+        )  # fmt: skip
+
 
 class PairCache:
     """`_Pair`s by the identities of their two tables (the storages' `flat()` views, made
@@ -234,6 +261,34 @@ class PairCache:
                 self._pairs.clear()
             pair = self._pairs[(id(src), id(dst))] = _Pair(src, dst)
         return pair
+
+
+def copy_units_counted_ref(
+    src: torch.Tensor,  # [L, NU_src, E]
+    dst: torch.Tensor,  # [L, NU_dst, E], written in place
+    ids: torch.Tensor,  # int64: count, `capacity` source slots, `capacity` destination slots
+    count_offset: int,
+    capacity: int,
+) -> None:
+    """The graph path's copy: `n = ids[count_offset]` pairs from the slots after it; a pair
+    with an id outside its table is skipped."""
+    n = int(ids[count_offset])
+    s = ids[count_offset + 1 : count_offset + 1 + n].long().cpu()
+    d = ids[count_offset + 1 + capacity : count_offset + 1 + capacity + n].long().cpu()
+    ok = (s >= 0) & (s < src.shape[1]) & (d >= 0) & (d < dst.shape[1])
+    copy_units_ref(src, s[ok].to(src.device), dst, d[ok].to(dst.device))
+
+
+def copy_units_counted(
+    src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, count_offset: int, capacity: int
+) -> None:
+    """`copy_units_counted_ref` as the loop kernel (one launch shape for every count up to
+    `capacity`, so it can be graph-captured). `ids` is int64 on the tables' device."""
+    _check_tables(src, dst)
+    assert ids.dtype == torch.int64 and ids.dim() == 1, "ids are a flat int64 buffer"
+    assert ids.numel() >= count_offset + 1 + 2 * capacity, "ids shorter than the capacity"
+    assert ids.device == src.device == dst.device, "ids and tables on one device"
+    _Pair(src, dst).launch_counted(ids, count_offset, capacity)
 
 
 def _joined(src_ids: torch.Tensor, dst_ids: torch.Tensor) -> torch.Tensor:

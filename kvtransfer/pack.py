@@ -165,16 +165,9 @@ def copy_units(
     return copy_groups([UnitCopy(src, src_ids, dst, dst_ids)], staging)
 
 
-def copy_groups(
-    copies: Sequence[UnitCopy],
-    staging: IdStaging | None = None,
-    pairs: PairCache | None = None,
-) -> int:
-    """`copy_units` for several groups at once; returns the descriptors used. With
-    `staging` (whose stream must be the current one), the ids of every group on its device
-    reach the GPU in one asynchronous copy; without, each such group's ids are one
-    synchronous copy. Every group's ids are checked before anything is queued. `pairs`
-    keeps the kernel's per-table-pair launch set-up across calls (a transport holds one)."""
+def check_copies(copies: Sequence[UnitCopy]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each copy's (source ids, destination ids) as int64 arrays, once both storages are of
+    one group and every id is an int in range (destinations distinct); else ValueError."""
     checked = []
     for c in copies:
         if c.src.group != c.dst.group:
@@ -187,6 +180,20 @@ def copy_groups(
                 _check_ids(c.dst, c.dst_ids, "destination", distinct=True),
             )
         )
+    return checked
+
+
+def copy_groups(
+    copies: Sequence[UnitCopy],
+    staging: IdStaging | None = None,
+    pairs: PairCache | None = None,
+) -> int:
+    """`copy_units` for several groups at once; returns the descriptors used. With
+    `staging` (whose stream must be the current one), the ids of every group on its device
+    reach the GPU in one asynchronous copy; without, each such group's ids are one
+    synchronous copy. Every group's ids are checked before anything is queued. `pairs`
+    keeps the kernel's per-table-pair launch set-up across calls (a transport holds one)."""
+    checked = check_copies(copies)
     device_ids = _device_ids(copies, checked, staging)
     pairs = pairs if pairs is not None else PairCache()
     descriptors = 0

@@ -11,11 +11,17 @@ wire shows that the source was alive and still held the blocks while the copy ra
 release after it does (`release_confirms_copy`; the decode loader fails the load when it
 is not acknowledged), and a source that stops answering is forgotten, mapping and all.
 
-Per pull the host does little: the unit ids cross to the GPU in one asynchronous copy
-from a pinned buffer (`IdStaging`), and the side stream and its two events are made once
-per thread and (source, destination) device pair, not per pull. Pulls from several
-threads (the decode loader's pool) each use their own stream, events and staging
-buffers, so they need no lock.
+Per pull the host does little. On one GPU the copy is a replay of a CUDA graph captured
+once per (tables, id capacity) on the thread's side stream (kvtransfer/copy_graph.py):
+the host writes the ids into the graph's pinned buffer, replays it (id upload plus one
+loop-kernel launch per tensor), and checks the ids while the device copies; the pull fails
+after the copy if they were bad (the kernel skips out-of-range ids). Otherwise (two GPUs,
+a graph whose last replay is still queued, more ids than a graph holds) the eager path
+checks the ids first, stages them through a pinned buffer (`IdStaging`) and launches the
+kernel. The side stream and its two events are made once per thread and (source,
+destination) device pair, not per pull. Pulls from several threads (the decode loader's
+pool) each use their own stream, events, graphs and staging buffers, so they need no
+lock.
 
 Between two GPUs of a node (peer access over NVLink): the export names its GPU by UUID, so
 processes that number the GPUs differently agree on it; peer access is enabled once per
@@ -36,9 +42,10 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.kv_copy import PairCache
+from pdserve.kvtransfer.copy_graph import CopyGraphs
 from pdserve.kvtransfer.id_staging import IdStagingPool
 from pdserve.kvtransfer.layout import DTYPES, GroupStorage, KVLayout
-from pdserve.kvtransfer.pack import UnitCopy, copy_groups
+from pdserve.kvtransfer.pack import UnitCopy, check_copies, copy_groups
 from pdserve.kvtransfer.protocol import DEFAULT_MAX_MESSAGE_BYTES, IpcExport, IpcOpen
 from pdserve.kvtransfer.transport import PullSpec, TransferError
 from pdserve.kvtransfer.transport_tcp import ZmqClient
@@ -132,6 +139,9 @@ class QueuedPull:
 
     moved: int  # bytes the copies will move
     done: torch.cuda.Event  # completes after the last copy; reused by the thread's next pull
+    # Copies queued before their ids were checked (the graph path): `pull` checks them
+    # while the device copies, and fails the pull if they are bad.
+    unchecked: tuple[UnitCopy, ...] = ()
 
 
 class _SideStream:
@@ -139,12 +149,20 @@ class _SideStream:
     run on the source's device (for a mapping of another GPU, the one device that may use
     it: kernels/kv_copy.py); `ready` is recorded on the destination's stream."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device)
-        # The compute stream's position when a pull starts: the copies wait for it, since
+    def __init__(self, src: torch.device, dst: torch.device) -> None:
+        self.stream = torch.cuda.Stream(src)
+        # The stream current on this thread for the destination's device: the engine's
+        # compute stream (the default stream; loader threads never switch streams). Kept,
+        # not asked per pull: `torch.cuda.current_stream` costs the H200 host ~7 us.
+        self.caller = torch.cuda.current_stream(dst)
+        # The caller stream's position when a pull starts: the copies wait for it, since
         # the destination blocks were just allocated (and maybe freed) on that stream.
         self.ready = torch.cuda.Event()
         self.done = torch.cuda.Event()
+        # Same-device pulls replay captured graphs (kvtransfer/copy_graph.py); the
+        # transport's generation says when a forgotten source makes them stale.
+        self.graphs = CopyGraphs(self.stream) if src == dst else None
+        self.generation = 0
 
 
 class CudaIpcTransport(ZmqClient):
@@ -162,6 +180,7 @@ class CudaIpcTransport(ZmqClient):
         self._stagings = IdStagingPool()
         self._pairs = PairCache()  # the copy kernel's set-up per (source, destination) table
         self._peers: set[tuple[torch.device, torch.device]] = set()  # peer access enabled
+        self._generation = 0  # bumped when a source is forgotten: graphs of it are stale
 
     def _sources(self, endpoint: str, deadline: float) -> tuple[GroupStorage, ...]:
         with self._map_lock:
@@ -193,7 +212,10 @@ class CudaIpcTransport(ZmqClient):
         sides = self._side.__dict__.setdefault("sides", {})
         side = sides.get((src, dst))
         if side is None:
-            side = sides[(src, dst)] = _SideStream(src)
+            side = sides[(src, dst)] = _SideStream(src, dst)
+        if side.graphs is not None and side.generation != self._generation:
+            side.graphs.clear()  # they hold a forgotten source's addresses
+            side.generation = self._generation
         return side
 
     def enqueue_pull(
@@ -220,7 +242,7 @@ class CudaIpcTransport(ZmqClient):
         device = dst[0].device
         self._ensure_peer(sources[0].device, device)
         side = self._side_stream(sources[0].device, device)
-        side.ready.record(torch.cuda.current_stream(device))
+        side.ready.record(side.caller)
         side.stream.wait_event(side.ready)
         copies = []
         moved = 0
@@ -230,10 +252,34 @@ class CudaIpcTransport(ZmqClient):
             peer = src.device != d.device  # _ensure_peer enabled it
             copies.append(UnitCopy(src, src_ids, d, spec.dst_unit_ids[g][first:], peer))
             moved += len(src_ids) * src.group.unit_bytes()
+        if self._replay(side, copies):
+            side.done.record(side.stream)
+            return QueuedPull(moved, side.done, tuple(copies))
         with torch.cuda.stream(side.stream):
             copy_groups(copies, self._stagings.for_stream(side.stream), self._pairs)
             side.done.record(side.stream)
         return QueuedPull(moved, side.done)
+
+    def _replay(self, side: _SideStream, copies: list[UnitCopy]) -> bool:
+        """Queue `copies` as a replay of this thread's captured graph for their tables and
+        id capacities (capturing it on first use); False when the eager path must run: a
+        pull between two GPUs, more ids than any graph holds, the graph's id buffer still
+        read by an unfinished replay, or ids numpy cannot take as int64."""
+        if side.graphs is None:
+            return False
+        tables = [list(zip(c.src.flat(), c.dst.flat(), strict=True)) for c in copies]
+        graph = side.graphs.get(tables, [len(c.src_ids) for c in copies], self._pairs)
+        try:
+            if graph is None or not graph.try_fill([(c.src_ids, c.dst_ids) for c in copies]):
+                return False
+        except (OverflowError, TypeError, ValueError):
+            return False  # the eager path's checks name the bad id
+        torch.cuda.set_stream(side.stream)
+        try:
+            graph.replay(side.stream)
+        finally:
+            torch.cuda.set_stream(side.caller)
+        return True
 
     def pull(
         self,
@@ -244,6 +290,12 @@ class CudaIpcTransport(ZmqClient):
     ) -> int:
         deadline = time.monotonic() + timeout_s
         queued = self.enqueue_pull(spec, dst, deadline, cancel)
+        bad_ids = None
+        if queued.unchecked:  # checked now, while the device copies
+            try:
+                check_copies(queued.unchecked)
+            except ValueError as e:
+                bad_ids = e
         spins = 0
         while not queued.done.query():
             if time.monotonic() > deadline:
@@ -251,6 +303,10 @@ class CudaIpcTransport(ZmqClient):
             spins += 1
             if spins > 1000:  # past ~1 ms of spinning, stop burning the core
                 time.sleep(50e-6)
+        if bad_ids is not None:
+            # Raised once the copy is done, so the caller may free the destination units:
+            # the kernel skipped out-of-range ids, the rest landed as garbage.
+            raise bad_ids
         return queued.moved
 
     def recv(self, endpoint: str, deadline: float) -> list:
@@ -270,10 +326,12 @@ class CudaIpcTransport(ZmqClient):
             if self._mapped.pop(endpoint, None) is None:
                 return False
             self._pairs = PairCache()
+            self._generation += 1
             return True
 
     def close(self) -> None:
         with self._map_lock:
             self._mapped.clear()
             self._pairs = PairCache()
+            self._generation += 1
         super().close()

@@ -155,3 +155,112 @@ def test_a_dead_source_fails_the_release_not_the_process():
     assert report["third_pull"][0].startswith("TransferError:"), report
     assert report["third_pull"][1] < 10, report
     assert report["context_ok"] is True, report
+
+
+def _gqa_pull_setup(endpoint: str):
+    layout, sizes = LAYOUTS["paged_gqa"]
+    (src_units,), _ = UNITS["paged_gqa"]
+    expect = tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes))
+    fill(expect, seed=7)
+    ticket = Ticket(
+        "r", "P", endpoint, [list(src_units)], 100, layout.compat_hash(),
+        time.time() + 60, 1, None, None,
+    )  # fmt: skip
+    return layout, sizes, src_units, expect, ticket
+
+
+def _side(transport: CudaIpcTransport):
+    ((_, side),) = transport._side.__dict__["sides"].items()
+    return side
+
+
+def test_graph_path_captures_once_per_capacity_and_lands_every_count():
+    """Guards the replayed pull (kvtransfer/copy_graph.py): the captured kernel reads the
+    id count from the uploaded buffer, so pulls of 7, 6, ..., 1 units replay the one graph
+    of capacity 8 (no second capture), each landing exactly its units; slots left from a
+    longer earlier pull must not be copied again (every other destination unit is zeroed
+    and checked before each pull)."""
+    with source_process("paged_gqa") as endpoint:
+        layout, sizes, src_units, expect, ticket = _gqa_pull_setup(endpoint)
+        _, (dst_units,) = UNITS["paged_gqa"]
+        dst = tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes))
+        transport = CudaIpcTransport("D", layout)
+        (want,) = expect[0].flat()
+        (got,) = dst[0].flat()
+        for first in range(len(src_units)):
+            got.zero_()
+            queued = transport.enqueue_pull(
+                PullSpec(ticket, (tuple(dst_units),), (first,)), dst, time.monotonic() + 30
+            )
+            assert queued.unchecked, "same-device pulls take the graph path"
+            queued.done.synchronize()
+            for u in range(got.shape[1]):
+                pairs = dict(zip(dst_units[first:], src_units[first:]))
+                expected = want[:, pairs[u]] if u in pairs else torch.zeros_like(got[:, u])
+                assert torch.equal(bitwise_view(got[:, u]), bitwise_view(expected)), (first, u)
+        assert len(_side(transport).graphs._graphs) == 1
+        transport.release(ticket, 5.0)
+        transport.close()
+
+
+def test_graph_path_checks_ids_while_copying_and_fails_after():
+    """Guards the late id check: the graph path queues the copy before checking the ids
+    on the host, so a bad destination id (out of range, or a repeat) must still fail the
+    pull with the eager path's ValueError, only once the copy is done (the caller frees
+    the units next); the kernel skips the out-of-range pair, and the transport keeps
+    working for the next, good pull."""
+    with source_process("paged_gqa") as endpoint:
+        layout, sizes, src_units, expect, ticket = _gqa_pull_setup(endpoint)
+        _, (dst_units,) = UNITS["paged_gqa"]
+        dst = tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes))
+        transport = CudaIpcTransport("D", layout)
+        bad = list(dst_units)
+        bad[2] = 10**6
+        with pytest.raises(ValueError, match="destination unit id 1000000"):
+            transport.pull(PullSpec(ticket, (tuple(bad),), (0,)), dst, timeout_s=30)
+        assert _side(transport).done.query(), "the error came before the copy ended"
+        repeat = list(dst_units)
+        repeat[1] = repeat[0]
+        with pytest.raises(ValueError, match="distinct"):
+            transport.pull(PullSpec(ticket, (tuple(repeat),), (0,)), dst, timeout_s=30)
+        (got,) = dst[0].flat()
+        got.zero_()
+        transport.pull(PullSpec(ticket, (tuple(dst_units),), (0,)), dst, timeout_s=30)
+        (want,) = expect[0].flat()
+        for s, u in zip(src_units, dst_units):
+            assert torch.equal(bitwise_view(got[:, u]), bitwise_view(want[:, s]))
+        transport.release(ticket, 5.0)
+        transport.close()
+
+
+def test_a_replay_still_queued_sends_the_next_pull_down_the_eager_path():
+    """Guards the pinned id buffer of a graph: while its last replay has not run (the
+    compute stream is busy, or a pull timed out), refilling it would change the ids that
+    replay copies. The second pull must take the eager path, and both must land their
+    own units."""
+    with source_process("paged_gqa") as endpoint:
+        layout, sizes, src_units, expect, ticket = _gqa_pull_setup(endpoint)
+        _, (dst_units,) = UNITS["paged_gqa"]
+        other = (20, 21, 22, 23, 24, 25, 26)  # disjoint from dst_units, same table
+        dst = tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes))
+        transport = CudaIpcTransport("D", layout)
+        warm = transport.enqueue_pull(
+            PullSpec(ticket, (tuple(dst_units),), (0,)), dst, time.monotonic() + 30
+        )
+        warm.done.synchronize()  # captured; the graph's replayed event has completed
+        torch.cuda._sleep(100_000_000)  # the caller stream busy for ~50 ms
+        first = transport.enqueue_pull(
+            PullSpec(ticket, (tuple(dst_units),), (0,)), dst, time.monotonic() + 30
+        )
+        second = transport.enqueue_pull(
+            PullSpec(ticket, (other,), (0,)), dst, time.monotonic() + 30
+        )
+        assert first.unchecked and not second.unchecked
+        torch.cuda.synchronize()
+        (want,) = expect[0].flat()
+        (got,) = dst[0].flat()
+        for units in (dst_units, other):
+            for s, u in zip(src_units, units):
+                assert torch.equal(bitwise_view(got[:, u]), bitwise_view(want[:, s]))
+        transport.release(ticket, 5.0)
+        transport.close()

@@ -176,3 +176,33 @@ def test_joined_ids_at_an_offset_and_one_pair_reused():
     for s, d in ((8, 6), (0, 2), (5, 4), (7, 3)):
         want[:, d] = src[:, s]
     assert torch.equal(bitwise_view(dst), bitwise_view(want))
+
+
+@pytest.mark.parametrize(
+    "dtype, L, E", [(torch.bfloat16, 3, 32768), (torch.float32, 2, 5001), (torch.float16, 4, 7)]
+)
+@pytest.mark.parametrize("count", [0, 1, 4])
+def test_counted_copy_reads_its_count_on_the_device_and_skips_bad_ids(dtype, L, E, count):
+    """Guards the graph path (kvtransfer/copy_graph.py): one captured launch serves every
+    count up to its capacity, so the kernel must read the count from the buffer, copy
+    exactly that many pairs (slots past it hold valid-looking ids that must not be
+    copied), and skip a pair with an id outside its table (the host checks ids only while
+    the copy runs), writing nothing else."""
+    from pdserve.kernels.kv_copy import copy_units_counted, copy_units_counted_ref
+
+    capacity = 6
+    src = _random((L, 9, E), dtype, 21)
+    got = _random((L, 8, E), dtype, 22)
+    want = got.clone()
+    src_slots = [8, 99, 3, 0, 5, 6]  # 99: past the source table
+    dst_slots = [1, 4, -1, 6, 7, 2]  # -1: before the destination table
+    ids = torch.tensor([count, *src_slots, *dst_slots], dtype=torch.int64, device=DEVICE)
+    padded = torch.cat([torch.tensor([7, 7], dtype=torch.int64, device=DEVICE), ids])
+    copy_units_counted(src, got, padded, 2, capacity)
+    copy_units_counted_ref(src, want, padded, 2, capacity)
+    assert torch.equal(bitwise_view(got), bitwise_view(want))
+    before = _random((L, 8, E), dtype, 22)  # the destination as it started
+    landed = {1: 8, 6: 0} if count == 4 else {1: 8} if count == 1 else {}
+    for d in range(8):
+        expect = src[:, landed[d]] if d in landed else before[:, d]
+        assert torch.equal(bitwise_view(got[:, d]), bitwise_view(expect)), d
