@@ -8,7 +8,13 @@ contiguous device-to-device copy of the same bytes. Candidates:
 - `grid`: kernels/kv_copy.py's kernel (one program per chunk of a row) at several tile,
   chunk and warp counts;
 - `persistent`: kernels/kv_copy.py's persistent kernel (a fixed grid of programs per SM
-  looping over the chunks, the id count read on the device) at several shapes.
+  looping over the chunks, the id count read on the device) at several shapes, and once
+  over ids 0..n-1 on both sides (the same bytes, contiguous per layer: is it the scatter?);
+- `hint`: the grid kernel with other cache hints.
+
+A first version also tried the copy engines, all rows in one cuMemcpyBatchAsync call
+(ctypes): its host call outlasted a 2 ms GPU sleep at 3,584 rows, far past a kernel
+launch, so it was dropped.
 
 Each is timed as the mean of 50 back-to-back launches between two CUDA events (the host
 queues a launch in far less than the 0.1 ms a launch runs, so the GPU never waits), then
@@ -29,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 from run_meta import device_kind, git_commit
 from transfer_setup import LAYOUTS, plan
 
@@ -36,6 +44,51 @@ from pdserve.kernels import kv_copy
 from pdserve.kernels.kv_pack import bitwise_view
 
 _REPS = 50
+
+
+@triton.jit
+def _hinted_copy_kernel(
+    src_ptr, dst_ptr, ids_ptr, n, src_ls, src_us, dst_ls, dst_us, num_layers, chunks_per_row,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, HINT: tl.constexpr,
+):  # fmt: skip
+    """kv_copy's grid kernel with other cache hints (HINT 0: none, 1: evict_first both
+    ways, as shipped, 2: streaming `.cs` stores, 3: `.cg` loads and `.cs` stores); rows
+    are whole multiples of CHUNK here."""
+    pid = tl.program_id(0)
+    row = pid // chunks_per_row
+    chunk = pid - row * chunks_per_row
+    i = row // num_layers
+    layer = (row - i * num_layers).to(tl.int64)
+    s = tl.load(ids_ptr + i)
+    d = tl.load(ids_ptr + n + i)
+    src = src_ptr + layer * src_ls + s * src_us
+    dst = dst_ptr + layer * dst_ls + d * dst_us
+    start = chunk.to(tl.int64) * CHUNK
+    for k in tl.static_range(0, CHUNK, BLOCK):
+        offs = start + k + tl.arange(0, BLOCK)
+        if HINT == 0:
+            tl.store(dst + offs, tl.load(src + offs))
+        elif HINT == 1:
+            w = tl.load(src + offs, eviction_policy="evict_first")
+            tl.store(dst + offs, w, eviction_policy="evict_first")
+        elif HINT == 2:
+            w = tl.load(src + offs, eviction_policy="evict_first")
+            tl.store(dst + offs, w, cache_modifier=".cs")
+        else:
+            w = tl.load(src + offs, cache_modifier=".cg")
+            tl.store(dst + offs, w, cache_modifier=".cs")
+
+
+def _hinted_case(pair, ids, n, block, chunk, warps, hint):
+    chunks_per_row = pair.num_words // chunk
+
+    def launch():
+        _hinted_copy_kernel[(n * pair.num_layers * chunks_per_row,)](
+            pair.src_words, pair.dst_words, ids, n, *pair.strides, pair.num_layers,
+            chunks_per_row, CHUNK=chunk, BLOCK=block, HINT=hint, num_warps=warps,
+        )  # fmt: skip
+
+    return launch
 
 
 def _events_ms(fn, reps: int = _REPS) -> float:
@@ -90,65 +143,6 @@ def _persistent_case(pair, ids, n, block, chunk, warps, per_sm):
     return launch
 
 
-class _CopyEngineBatch:
-    """cuMemcpyBatchAsync (CUDA >= 12.8) through ctypes: one call queues every row copy
-    on the copy engines; the candidate with no kernel at all."""
-
-    def __init__(self, device: int) -> None:
-        import ctypes
-
-        class Loc(ctypes.Structure):
-            _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-        class Attrs(ctypes.Structure):
-            _fields_ = [
-                ("srcAccessOrder", ctypes.c_int), ("srcLocHint", Loc), ("dstLocHint", Loc),
-                ("flags", ctypes.c_uint),
-            ]  # fmt: skip
-
-        lib = ctypes.CDLL("libcuda.so.1")
-        self.v2 = hasattr(lib, "cuMemcpyBatchAsync_v2")
-        self.fn = lib.cuMemcpyBatchAsync_v2 if self.v2 else lib.cuMemcpyBatchAsync
-        self.fn.restype = ctypes.c_int
-        self.attrs = Attrs(1, Loc(1, device), Loc(1, device), 0)  # order STREAM, on device
-        self.idx = (ctypes.c_size_t * 1)(0)
-        self.fail = ctypes.c_size_t(0)
-        self.ctypes = ctypes
-
-    def __call__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream) -> None:
-        c = self.ctypes
-        args = [
-            c.c_void_p(dsts.ctypes.data), c.c_void_p(srcs.ctypes.data),
-            c.c_void_p(sizes.ctypes.data), c.c_size_t(dsts.size), c.byref(self.attrs),
-            self.idx, c.c_size_t(1),
-        ]  # fmt: skip
-        if not self.v2:
-            args.append(c.byref(self.fail))
-        err = self.fn(*args, c.c_void_p(stream.cuda_stream))
-        if err != 0:
-            raise RuntimeError(f"cuMemcpyBatchAsync failed with CUresult {err}")
-
-
-def _ce_case(ce, pair, s_ids, d_ids):
-    src, dst = pair.src_words, pair.dst_words
-    row = pair.num_words * 8
-    layers = np.arange(pair.num_layers, dtype=np.uint64)
-
-    def launch():
-        s = np.asarray(s_ids, dtype=np.uint64)
-        d = np.asarray(d_ids, dtype=np.uint64)
-        srcs = (src.data_ptr() + layers[None, :] * (src.stride(0) * 8)) + s[:, None] * (
-            src.stride(1) * 8
-        )
-        dsts = (dst.data_ptr() + layers[None, :] * (dst.stride(0) * 8)) + d[:, None] * (
-            dst.stride(1) * 8
-        )
-        sizes = np.full(srcs.size, row, dtype=np.uint64)
-        ce(dsts.reshape(-1), srcs.reshape(-1), sizes, torch.cuda.current_stream())
-
-    return launch
-
-
 def _held_ms(fn, reps: int = 20) -> float:
     """GPU time of the work `fn` queues, a GPU sleep holding it back until it is queued."""
     fn()
@@ -198,26 +192,25 @@ def sweep(device: str) -> list[dict]:
             src, torch.tensor(s_ids, device=device), want, torch.tensor(d_ids, device=device)
         )
         cases = []
-        for warps in (4, 8):
-            for block in (1024, 2048, 4096):
-                for tiles in (1, 2, 4, 8):
-                    chunk = block * tiles
-                    if chunk > 4 * pair.num_words:
-                        continue
-                    cases.append(
-                        (f"grid b{block} t{tiles} w{warps}",
-                         _grid_case(pair, joined, n, block, chunk, warps))
-                    )  # fmt: skip
-                    for per_sm in (2, 4, 8, 16):
-                        cases.append(
-                            (f"persistent b{block} t{tiles} w{warps} p{per_sm}",
-                             _persistent_case(pair, counted, n, block, chunk, warps, per_sm))
-                        )  # fmt: skip
-        try:
-            ce = _CopyEngineBatch(torch.device(device).index or 0)
-            cases.append(("copy engines (cuMemcpyBatchAsync)", _ce_case(ce, pair, s_ids, d_ids)))
-        except (OSError, AttributeError, RuntimeError) as e:
-            rows.append({"tokens": req.tokens, "case": "copy engines", "error": repr(e)[:200]})
+        for block, tiles in ((2048, 1), (2048, 4), (4096, 2)):
+            chunk = block * tiles
+            cases.append(
+                (f"grid b{block} t{tiles} w4", _grid_case(pair, joined, n, block, chunk, 4))
+            )
+            cases.append(
+                (f"persistent b{block} t{tiles} w4 p16",
+                 _persistent_case(pair, counted, n, block, chunk, 4, 16))
+            )  # fmt: skip
+            for hint in (0, 2, 3):
+                cases.append(
+                    (f"hint{hint} b{block} t{tiles} w4",
+                     _hinted_case(pair, joined, n, block, chunk, 4, hint))
+                )  # fmt: skip
+        ident = torch.tensor([n, *range(n), *range(n)], dtype=torch.int64, device=device)
+        cases.append(
+            ("persistent b2048 t4 w4 p16, ids 0..n-1 both sides (reference not checked)",
+             _persistent_case(pair, ident, n, 2048, 8192, 4, 16))
+        )  # fmt: skip
         for name, launch in cases:
             dst.zero_()
             try:
@@ -226,7 +219,7 @@ def sweep(device: str) -> list[dict]:
                 rows.append({"tokens": req.tokens, "case": name, "error": repr(e)[:200]})
                 continue
             ok = bool(torch.equal(bitwise_view(dst), bitwise_view(want)))
-            held = _held_ms(launch) if name.startswith(("copy", "grid b2048 t4 w4")) else None
+            held = _held_ms(launch) if name.startswith("grid b2048 t4 w4") else None
             rows.append(
                 {
                     "tokens": req.tokens, "case": name, "ms": round(ms, 5), "held_ms": held,
@@ -246,6 +239,66 @@ def _host_us(fn, reps: int = 2000) -> float:
     for _ in range(reps):
         fn()
     return (time.perf_counter() - start) / reps * 1e6
+
+
+def _poll(event: torch.cuda.Event) -> None:
+    while not event.query():
+        pass
+
+
+def replay_e2e(device: str) -> list[dict]:
+    """End to end (host call to completion seen by the host, median of 30, GPU idle
+    before each) of a filled `GraphedCopy` replayed through torch and through the driver's
+    cuGraphLaunch on its raw exec handle, next to one contiguous copy of the same bytes."""
+    import ctypes
+
+    from pdserve.kernels.kv_copy import PairCache
+    from pdserve.kvtransfer.copy_graph import GraphedCopy, capacity_for
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    src, dst, requests = _tables(device)
+    side, cur = torch.cuda.Stream(), torch.cuda.current_stream()
+    done = torch.cuda.Event()
+    rows = []
+    for req in requests:
+        s_ids, d_ids = list(req.src_ids[0]), list(req.dst_ids[0])
+        graph = GraphedCopy([[(src, dst)]], [capacity_for(len(s_ids))], side, PairCache())
+        assert graph.try_fill([(s_ids, d_ids)])
+        exec_handle = ctypes.c_void_p(graph.graph.raw_cuda_graph_exec())
+        stream_handle = ctypes.c_void_p(side.cuda_stream)
+
+        def torch_replay():
+            torch.cuda.set_stream(side)
+            graph.graph.replay()  # noqa: B023 (called in this iteration)
+            torch.cuda.set_stream(cur)
+            done.record(side)
+            _poll(done)
+
+        def raw_replay():
+            err = cuda.cuGraphLaunch(exec_handle, stream_handle)  # noqa: B023 (called in this iteration)
+            assert err == 0, f"cuGraphLaunch: CUresult {err}"
+            done.record(side)
+            _poll(done)
+
+        nbytes = len(s_ids) * src.shape[0] * src.shape[2] * src.element_size()
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        flat_dst = torch.empty_like(flat)
+
+        def copy():
+            flat_dst.copy_(flat)  # noqa: B023 (called in this iteration)
+            torch.cuda.current_stream().synchronize()
+
+        row = {"tokens": req.tokens}
+        for name, fn in (
+            ("torch_replay", torch_replay),
+            ("raw_replay", raw_replay),
+            ("copy", copy),
+        ):
+            row[f"{name}_us"] = _call_us(fn, 30)
+        row["fill_us"] = _host_us(lambda: graph.try_fill([(s_ids, d_ids)]), 200)  # noqa: B023
+        rows.append({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def host_costs(device: str) -> dict[str, float]:
@@ -323,6 +376,7 @@ def main() -> int:
     # and a pull's copies run on a side stream anyway.
     with torch.cuda.stream(torch.cuda.Stream()):
         result["rows"] = sweep("cuda:0")
+    result["replay_e2e"] = replay_e2e("cuda:0")
     if args.host:
         result["host_us"] = host_costs("cuda:0")
         print(json.dumps(result["host_us"], indent=1))
