@@ -147,7 +147,9 @@ def _held_ms(fn, reps: int = 20) -> float:
     """GPU time of the work `fn` queues, a GPU sleep holding it back until it is queued."""
     fn()
     times = []
-    while len(times) < reps:
+    for _ in range(10 * reps):  # bounded: a call that outlasts the sleep never counts
+        if len(times) == reps:
+            break
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(4_000_000)
@@ -158,6 +160,8 @@ def _held_ms(fn, reps: int = 20) -> float:
         end.synchronize()
         if held:
             times.append(start.elapsed_time(end))
+    if not times:
+        raise RuntimeError("queueing the work outlasted a 2 ms GPU sleep every time")
     return float(np.median(times))
 
 
