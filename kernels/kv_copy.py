@@ -88,17 +88,17 @@ def _copy_units_kernel(
     src = src_ptr + layer * src_layer_stride + s * src_unit_stride
     dst = dst_ptr + layer * dst_layer_stride + d * dst_unit_stride
     start = chunk.to(tl.int64) * CHUNK
-    # The bytes are read once and not needed again here: evict_first keeps the decode
-    # side's working set in L2 while hundreds of MB stream through.
+    # No cache hints: evict_first on both sides measured 0.131 ms for the 2,048-token
+    # request against 0.126 ms without (benchmarks/kv_copy_sweep.py, H200).
     for k in tl.static_range(0, CHUNK, BLOCK):
         offs = start + k + tl.arange(0, BLOCK)
         if EVEN:
-            words = tl.load(src + offs, eviction_policy="evict_first")
-            tl.store(dst + offs, words, eviction_policy="evict_first")
+            words = tl.load(src + offs)
+            tl.store(dst + offs, words)
         else:
             mask = offs < num_words
-            words = tl.load(src + offs, mask=mask, eviction_policy="evict_first")
-            tl.store(dst + offs, words, mask=mask, eviction_policy="evict_first")
+            words = tl.load(src + offs, mask=mask)
+            tl.store(dst + offs, words, mask=mask)
 
 
 @triton.jit(do_not_specialize=["count_offset", "src_offset", "dst_offset", "chunks_per_row"])
@@ -144,12 +144,12 @@ def _copy_units_loop_kernel(
             for k in tl.static_range(0, CHUNK, BLOCK):
                 offs = start + k + tl.arange(0, BLOCK)
                 if EVEN:
-                    words = tl.load(src + offs, eviction_policy="evict_first")
-                    tl.store(dst + offs, words, eviction_policy="evict_first")
+                    words = tl.load(src + offs)
+                    tl.store(dst + offs, words)
                 else:
                     mask = offs < num_words
-                    words = tl.load(src + offs, mask=mask, eviction_policy="evict_first")
-                    tl.store(dst + offs, words, mask=mask, eviction_policy="evict_first")
+                    words = tl.load(src + offs, mask=mask)
+                    tl.store(dst + offs, words, mask=mask)
 
 
 def word_bytes_for(src: torch.Tensor, dst: torch.Tensor) -> int:

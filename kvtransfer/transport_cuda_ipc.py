@@ -34,6 +34,7 @@ Endpoints read `cuda_ipc+tcp://host:port`: the control socket is the tcp part.
 from __future__ import annotations
 
 import os
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -181,10 +182,10 @@ class CudaIpcTransport(ZmqClient):
         self._pairs = PairCache()  # the copy kernel's set-up per (source, destination) table
         self._peers: set[tuple[torch.device, torch.device]] = set()  # peer access enabled
         self._generation = 0  # bumped when a source is forgotten: graphs of it are stale
+        self._unit_bytes = [g.unit_bytes() for g in layout.groups]  # per pull otherwise
 
     def _sources(self, endpoint: str, deadline: float) -> tuple[GroupStorage, ...]:
-        with self._map_lock:
-            mapped = self._mapped.get(endpoint)
+        mapped = self._mapped.get(endpoint)  # one dict read is atomic: no lock on the hit
         if mapped is not None:
             return mapped
         self.handshake(endpoint, deadline)
@@ -251,7 +252,7 @@ class CudaIpcTransport(ZmqClient):
             src_ids = ticket.group_unit_ids[g][first:]
             peer = src.device != d.device  # _ensure_peer enabled it
             copies.append(UnitCopy(src, src_ids, d, spec.dst_unit_ids[g][first:], peer))
-            moved += len(src_ids) * src.group.unit_bytes()
+            moved += len(src_ids) * self._unit_bytes[g]
         if self._replay(side, copies):
             side.done.record(side.stream)
             return QueuedPull(moved, side.done, tuple(copies))
@@ -264,21 +265,17 @@ class CudaIpcTransport(ZmqClient):
         """Queue `copies` as a replay of this thread's captured graph for their tables and
         id capacities (capturing it on first use); False when the eager path must run: a
         pull between two GPUs, more ids than any graph holds, the graph's id buffer still
-        read by an unfinished replay, or ids numpy cannot take as int64."""
+        read by an unfinished replay, or an id that is not an int64 (the eager path's
+        check names it)."""
         if side.graphs is None:
             return False
-        tables = [list(zip(c.src.flat(), c.dst.flat(), strict=True)) for c in copies]
-        graph = side.graphs.get(tables, [len(c.src_ids) for c in copies], self._pairs)
+        graph = side.graphs.get(copies, self._pairs)
         try:
             if graph is None or not graph.try_fill([(c.src_ids, c.dst_ids) for c in copies]):
                 return False
-        except (OverflowError, TypeError, ValueError):
-            return False  # the eager path's checks name the bad id
-        torch.cuda.set_stream(side.stream)
-        try:
-            graph.replay(side.stream)
-        finally:
-            torch.cuda.set_stream(side.caller)
+        except struct.error:
+            return False
+        graph.replay(side.stream, side.caller)
         return True
 
     def pull(

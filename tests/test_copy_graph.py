@@ -1,0 +1,40 @@
+"""The graph path's host-side rules (kvtransfer/copy_graph.py) that hold without a GPU:
+which capacity a pull of n ids replays, and what the id packing lets through. The
+captured graphs themselves are tested on the GPU (tests/test_gpu_cuda_ipc.py)."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from pdserve.kvtransfer.copy_graph import MAX_CAPACITY, _int64s, capacity_for
+
+
+def test_capacity_is_the_next_power_of_two_from_eight_and_none_past_the_max():
+    """Guards the graph count and the skipped-slot bound: n ids replay the graph of the
+    next power of two (never below 8, so tiny pulls share one), never one smaller than n
+    (its buffer would overflow), and past MAX_CAPACITY the eager path takes over."""
+    assert [capacity_for(n) for n in (0, 1, 8, 9, 16, 17, 128, 129)] == [
+        8, 8, 8, 16, 16, 32, 128, 256
+    ]  # fmt: skip
+    for n in range(1, MAX_CAPACITY + 1, 37):
+        cap = capacity_for(n)
+        assert n <= cap < 2 * max(n, 8)
+    assert capacity_for(MAX_CAPACITY) == MAX_CAPACITY
+    assert capacity_for(MAX_CAPACITY + 1) is None
+
+
+def test_id_packing_is_exact_and_refuses_what_cannot_be_an_int64():
+    """Guards `try_fill`: ids are packed straight into the pinned buffer as int64, so a
+    float or an int past int64 must raise (struct.error: the transport then takes the
+    eager path, whose check names the id) rather than be truncated or wrapped into
+    another unit's id."""
+    buf = np.zeros(6, dtype=np.int64)
+    _int64s(3).pack_into(buf, 8, 5, 2**40, 0)
+    assert buf.tolist() == [0, 5, 2**40, 0, 0, 0]
+    for bad in (2.5, 2**63, -(2**63) - 1, "3"):
+        with pytest.raises(struct.error):
+            _int64s(1).pack_into(buf, 0, bad)
+    assert buf.tolist() == [0, 5, 2**40, 0, 0, 0], "a refused pack wrote nothing"
