@@ -7,10 +7,14 @@ contiguous device-to-device copy of the same bytes. Candidates:
 
 - `grid`: kernels/kv_copy.py's kernel (one program per chunk of a row) at several tile,
   chunk and warp counts;
-- `persistent`: kernels/kv_copy.py's persistent kernel (a fixed grid of programs per SM
-  looping over the chunks, the id count read on the device) at several shapes, and once
-  over ids 0..n-1 on both sides (the same bytes, contiguous per layer: is it the scatter?);
+- `counted`: the graph path's kernel (the id count read on the device);
 - `hint`: the grid kernel with other cache hints.
+
+Measured with earlier versions and dropped (H200, 2,048-token request): a persistent
+kernel, a fixed grid of 2-16 programs per SM looping over the chunks, was 1-3% slower
+than one program per chunk at every shape (0.131-0.135 ms; the plain copy 0.114); ids
+0..n-1 on both sides (contiguous per layer) copied no faster than scattered ones (0.130
+ms), so the scatter is not what costs; evict_first hints cost 4% (0.131 vs 0.126 ms).
 
 A first version also tried the copy engines, all rows in one cuMemcpyBatchAsync call
 (ctypes): its host call outlasted a 2 ms GPU sleep at 3,584 rows, far past a kernel
@@ -128,19 +132,10 @@ def _grid_case(pair, ids, n, block, chunk, warps):
     return launch
 
 
-def _persistent_case(pair, ids, n, block, chunk, warps, per_sm):
-    programs = pair.num_sms * per_sm
-    chunks_per_row = -(-pair.num_words // chunk)
-
-    def launch():
-        kv_copy._copy_units_loop_kernel[(programs,)](
-            pair.src_words, pair.dst_words, ids, 0, 1, 1 + n, pair.src_words.shape[1],
-            pair.dst_words.shape[1], *pair.strides,
-            pair.num_layers, pair.num_words, chunks_per_row,
-            CHUNK=chunk, BLOCK=block, EVEN=pair.num_words % chunk == 0, num_warps=warps,
-        )  # fmt: skip
-
-    return launch
+def _counted_case(pair, ids, n):
+    """The graph path's kernel (count read on the device), capacity n: ids are
+    [n, n source ids, n destination ids]."""
+    return functools.partial(pair.launch_counted, ids, 0, n)
 
 
 def _held_ms(fn, reps: int = 20) -> float:
@@ -201,20 +196,12 @@ def sweep(device: str) -> list[dict]:
             cases.append(
                 (f"grid b{block} t{tiles} w4", _grid_case(pair, joined, n, block, chunk, 4))
             )
-            cases.append(
-                (f"persistent b{block} t{tiles} w4 p16",
-                 _persistent_case(pair, counted, n, block, chunk, 4, 16))
-            )  # fmt: skip
             for hint in (0, 2, 3):
                 cases.append(
                     (f"hint{hint} b{block} t{tiles} w4",
                      _hinted_case(pair, joined, n, block, chunk, 4, hint))
                 )  # fmt: skip
-        ident = torch.tensor([n, *range(n), *range(n)], dtype=torch.int64, device=device)
-        cases.append(
-            ("persistent b2048 t4 w4 p16, ids 0..n-1 both sides (reference not checked)",
-             _persistent_case(pair, ident, n, 2048, 8192, 4, 16))
-        )  # fmt: skip
+        cases.append(("counted (graph path's kernel, capacity n)", _counted_case(pair, counted, n)))
         for name, launch in cases:
             dst.zero_()
             try:

@@ -42,11 +42,6 @@ _NUM_WARPS = 4
 _MAX_TILES_PER_PROGRAM = 4
 _MIN_PROGRAMS_PER_SM = 4
 _MAX_GRID_X = 2**31 - 1
-# The loop kernel's grid: 16 programs of 4 warps per SM (2,048 threads, the SM's limit).
-# Swept on the H200 (benchmarks/kv_copy_sweep.py): 2, 4, 8 and 16 per SM, tiles of 1 to 8
-# and 4 or 8 warps all land within 3% for the 2,048-token request (0.131-0.135 ms, the
-# plain copy 0.114); 16 was at the top for most shapes.
-_LOOP_PROGRAMS_PER_SM = 16
 
 
 def copy_units_ref(
@@ -102,7 +97,7 @@ def _copy_units_kernel(
 
 
 @triton.jit(do_not_specialize=["count_offset", "src_offset", "dst_offset", "chunks_per_row"])
-def _copy_units_loop_kernel(
+def _copy_units_counted_kernel(
     src_ptr,  # [L, NU_src, W] words
     dst_ptr,  # [L, NU_dst, W] words
     ids_ptr,  # int64: the id count n at count_offset, n source ids at src_offset, n
@@ -119,37 +114,35 @@ def _copy_units_loop_kernel(
     num_layers,
     num_words,  # W
     chunks_per_row,
-    CHUNK: tl.constexpr,  # words per work item, a multiple of BLOCK
+    CHUNK: tl.constexpr,  # words per program, a multiple of BLOCK
     BLOCK: tl.constexpr,  # words per load
     EVEN: tl.constexpr,  # W is a multiple of CHUNK: no masks
 ):
-    """A fixed grid looping over the (unit, layer, chunk) work items, the count read on
-    the device: one launch shape serves every id count, so it is captured in a CUDA graph
-    once and replayed for any pull whose ids fit the captured buffer. The ids are checked
-    here (out of range: skipped) because the graph path checks them on the host while
-    the copy runs (kvtransfer/copy_graph.py), not before."""
+    """`_copy_units_kernel` over a grid sized for a capacity of ids, the count read on the
+    device: programs of slots past it return at once. One launch shape serves every count
+    up to the capacity, so it is captured in a CUDA graph once and replayed for any pull
+    whose ids fit (kvtransfer/copy_graph.py). The ids are checked here (out of range:
+    skipped) because the graph path checks them on the host while the copy runs."""
+    pid = tl.program_id(0)  # (unit slot, layer, chunk), chunk fastest
+    row = pid // chunks_per_row
+    chunk = pid - row * chunks_per_row
+    i = row // num_layers
     n = tl.load(ids_ptr + count_offset)
-    total = n * num_layers * chunks_per_row
-    for work in range(tl.program_id(0), total, tl.num_programs(0)):
-        row = work // chunks_per_row
-        chunk = work - row * chunks_per_row
-        i = row // num_layers
-        layer = row - i * num_layers
+    if i < n:
+        layer = (row - i * num_layers).to(tl.int64)
         s = tl.load(ids_ptr + src_offset + i)
         d = tl.load(ids_ptr + dst_offset + i)
         if (s >= 0) & (s < src_units) & (d >= 0) & (d < dst_units):
             src = src_ptr + layer * src_layer_stride + s * src_unit_stride
             dst = dst_ptr + layer * dst_layer_stride + d * dst_unit_stride
-            start = chunk * CHUNK
+            start = chunk.to(tl.int64) * CHUNK
             for k in tl.static_range(0, CHUNK, BLOCK):
                 offs = start + k + tl.arange(0, BLOCK)
                 if EVEN:
-                    words = tl.load(src + offs)
-                    tl.store(dst + offs, words)
+                    tl.store(dst + offs, tl.load(src + offs))
                 else:
                     mask = offs < num_words
-                    words = tl.load(src + offs, mask=mask)
-                    tl.store(dst + offs, words, mask=mask)
+                    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 def word_bytes_for(src: torch.Tensor, dst: torch.Tensor) -> int:
@@ -229,16 +222,18 @@ class _Pair:
         )  # fmt: skip
 
     def launch_counted(self, ids: torch.Tensor, count_offset: int, capacity: int) -> None:
-        """The loop kernel, sized for up to `capacity` ids: the count at
+        """The counted kernel, sized for up to `capacity` ids: the count at
         `ids[count_offset]`, then `capacity` slots of source ids, then `capacity` of
-        destination ids (out-of-range ids skipped on the device)."""
+        destination ids (out-of-range ids skipped on the device). One program per slot,
+        not a persistent loop: on the H200 a fixed grid of 2-16 programs per SM looping
+        over the work was 1-3% slower at every shape swept (benchmarks/kv_copy_sweep.py)."""
         if capacity == 0 or self.num_words == 0 or self.num_layers == 0:
             return
         block, chunk = launch_shape(capacity * self.num_layers, self.num_words, self.num_sms)
         chunks_per_row = triton.cdiv(self.num_words, chunk)
-        items = capacity * self.num_layers * chunks_per_row
-        programs = min(items, _LOOP_PROGRAMS_PER_SM * self.num_sms)
-        _copy_units_loop_kernel[(programs,)](
+        programs = capacity * self.num_layers * chunks_per_row
+        assert programs <= _MAX_GRID_X, f"{programs} programs pass CUDA's grid x limit"
+        _copy_units_counted_kernel[(programs,)](
             self.src_words, self.dst_words, ids, count_offset, count_offset + 1,
             count_offset + 1 + capacity, self.src_words.shape[1], self.dst_words.shape[1],
             *self.strides, self.num_layers, self.num_words, chunks_per_row,
@@ -282,8 +277,8 @@ def copy_units_counted_ref(
 def copy_units_counted(
     src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, count_offset: int, capacity: int
 ) -> None:
-    """`copy_units_counted_ref` as the loop kernel (one launch shape for every count up to
-    `capacity`, so it can be graph-captured). `ids` is int64 on the tables' device."""
+    """`copy_units_counted_ref` as the counted kernel (one launch shape for every count up
+    to `capacity`, so it can be graph-captured). `ids` is int64 on the tables' device."""
     _check_tables(src, dst)
     assert ids.dtype == torch.int64 and ids.dim() == 1, "ids are a flat int64 buffer"
     assert ids.numel() >= count_offset + 1 + 2 * capacity, "ids shorter than the capacity"

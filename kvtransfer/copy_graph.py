@@ -5,7 +5,7 @@ before its 0.13 ms copy ran. The calls it made, measured one by one on that host
 (benchmarks/kv_copy_sweep.py --host): Triton's launcher ~30 us, `with torch.cuda.stream`
 ~20 us, the id checks ~20 us a side, the pinned staging copy ~9 us. A replayed graph holds
 the id upload (a pinned host buffer into a device buffer) and one loop-kernel launch per
-table (kernels/kv_copy.py `launch_counted`). The kernel reads the id count from the
+tensor (kernels/kv_copy.py `launch_counted`). The kernel reads the id count from the
 buffer, so one graph serves every count up to its capacity. The host then packs the ids
 into the pinned buffer and launches the graph through the driver: ~10 us for 2 x 128 ids
 (kv_copy_sweep.py's replay_e2e: a filled replay of the 2,048-token request took 139 us
@@ -39,8 +39,8 @@ from pdserve.kernels.kv_copy import PairCache
 from pdserve.kvtransfer.pack import UnitCopy
 
 # Capacities are powers of two from 8 ids: a pull of n ids uses the graph of the next
-# power of two, whose kernel then skips at most half of its slots (each skipped slot
-# costs a program an id load, no copy). Past 8,192 units (a 131k-token request at block
+# power of two, whose kernel then skips at most half of its slots (a skipped slot's
+# programs load the count and return). Past 8,192 units (a 131k-token request at block
 # size 16), pulls take the eager path.
 MIN_CAPACITY = 8
 MAX_CAPACITY = 8192

@@ -219,11 +219,11 @@ def test_graph_path_checks_ids_while_copying_and_fails_after():
         with pytest.raises(ValueError, match="destination unit id 1000000"):
             transport.pull(PullSpec(ticket, (tuple(bad),), (0,)), dst, timeout_s=30)
         assert _side(transport).done.query(), "the error came before the copy ended"
-        boolean = list(src_units)
+        boolean = list(dst_units)
         boolean[0] = True  # packs as unit 1 into the graph's buffer; the check refuses it
-        bool_ticket = dataclasses.replace(ticket, group_unit_ids=[boolean])
-        with pytest.raises(ValueError, match="source unit id True"):
-            transport.pull(PullSpec(bool_ticket, (tuple(dst_units),), (0,)), dst, timeout_s=30)
+        # (a ticket's source ids cannot be bools: its schema refuses them on arrival)
+        with pytest.raises(ValueError, match="destination unit id True"):
+            transport.pull(PullSpec(ticket, (tuple(boolean),), (0,)), dst, timeout_s=30)
         repeat = list(dst_units)
         repeat[1] = repeat[0]
         with pytest.raises(ValueError, match="distinct"):
