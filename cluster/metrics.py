@@ -31,6 +31,11 @@ _WORKER_SERIES = {
     "recompute_fallbacks": ("kv_recompute_fallbacks", "counter", "Failed pulls recomputed"),
     "transfer_failures": ("kv_transfer_failures", "counter", "Failed pulls failed (policy fail)"),
     "lease_expiries": ("kv_lease_expiries", "counter", "Leases that expired unclaimed"),
+    "early_tickets": (
+        "kv_early_tickets",
+        "counter",
+        "Tickets sent before the prompt's forward (layer-wise)",
+    ),
 }
 
 

@@ -75,6 +75,7 @@ def start_worker(spec: PoolSpec, role: str, worker_id: str):
                 tier_actor=spec.tier,
                 kv_transport=spec.kv_transport,
                 dist_spec=dist_spec,
+                kv_layer_wise=spec.kv_layer_wise,
             )
         )
     else:
@@ -88,6 +89,7 @@ def start_worker(spec: PoolSpec, role: str, worker_id: str):
                 tier_actor=spec.tier,
                 cuda_ipc=spec.kv_transport == "cuda_ipc",
                 dist_spec=dist_spec,
+                early_tickets=spec.kv_layer_wise,
             )
         )
     return actor
@@ -105,6 +107,7 @@ class PoolSpec:
     stuck_after_s: float = 60.0
     tier: object | None = None  # the KV tier actor's handle, if there is one
     kv_transport: str = "tcp"  # "tcp" | "cuda_ipc" | "nccl"
+    kv_layer_wise: bool = False  # tcp: early tickets, KV streamed layer by layer
     dist_init_method: str | None = None  # nccl: where the KV transfer group meets
     actor_env: dict | None = None  # extra environment of worker actors (gpu_binding)
 

@@ -130,6 +130,7 @@ def run_serve(cfg: ServeConfig) -> int:
         gpus_per_worker=gpus_per_worker,
         tier=tier,
         kv_transport=cfg.kv_transport,
+        kv_layer_wise=cfg.kv_layer_wise,
         dist_init_method=(
             f"tcp://127.0.0.1:{_free_port('127.0.0.1')}" if cfg.kv_transport == "nccl" else None
         ),

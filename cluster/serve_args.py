@@ -35,6 +35,10 @@ class ServeConfig:
     # How decode workers pull KV: "tcp" | "cuda_ipc" (one node, GPU) | "nccl" (P2P in a
     # process group of all workers; gloo on CPU)
     kv_transport: str = "tcp"
+    # Layer-wise early tickets: a prompt's ticket goes out when its last chunk is
+    # scheduled, and its KV streams to the decode worker layer by layer as the prefill
+    # forward writes it (tcp only).
+    kv_layer_wise: bool = False
     gpu_memory_utilization: float = 0.9  # of one GPU, shared by all its workers
 
     def __post_init__(self) -> None:
@@ -47,6 +51,11 @@ class ServeConfig:
         if self.kv_transport not in ("tcp", "cuda_ipc", "nccl"):
             raise ValueError(
                 f"--kv-transport must be tcp, cuda_ipc or nccl, got {self.kv_transport!r}"
+            )
+        if self.kv_layer_wise and self.kv_transport != "tcp":
+            raise ValueError(
+                "--kv-layer-wise streams KV over tcp; it cannot be used with "
+                f"--kv-transport {self.kv_transport}"
             )
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
@@ -95,6 +104,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--kv-transport", choices=["tcp", "cuda_ipc", "nccl"], default=None,
                    help="how decode workers pull KV from prefill workers (default tcp)")  # fmt: skip
+    p.add_argument("--kv-layer-wise", action="store_true", default=None,
+                   help="pd mode, tcp: stream each layer's KV to the decode worker as the "
+                   "prefill forward writes it, with the ticket sent before the forward")  # fmt: skip
     p.add_argument("--pd-max-prefill-queue-tokens", type=int, default=None,
                    help="pd mode: when every prefill worker has this many prompt tokens in "
                    "flight, prefill on the decode worker instead (default 0: always remote)")  # fmt: skip

@@ -107,6 +107,7 @@ class DecodeService(_Service):
         tier_actor=None,
         kv_transport: str = "tcp",
         dist_spec: dict | None = None,
+        kv_layer_wise: bool = False,
     ) -> None:
         self.worker_id = worker_id
         bind_visible_gpus()  # before CUDA starts (a no-op outside whole-GPU actors)
@@ -115,7 +116,8 @@ class DecodeService(_Service):
         self.worker = DecodeWorker(engine_kwargs, worker_id, {}, policy, transfer_timeout_s, tier)
         layout = self.worker.layout
         if layout is not None:  # tickets name their transport by endpoint scheme
-            self.worker.loader.transports["tcp"] = TcpTransport(worker_id, layout)
+            tcp = TcpTransport(worker_id, layout, layer_wise=kv_layer_wise)
+            self.worker.loader.transports["tcp"] = tcp
             if kv_transport == "cuda_ipc":
                 self.worker.loader.transports["cuda_ipc"] = CudaIpcTransport(worker_id, layout)
             if in_group:
@@ -166,6 +168,7 @@ class PrefillService(_Service):
         tier_actor=None,
         cuda_ipc: bool = False,
         dist_spec: dict | None = None,
+        early_tickets: bool = False,
     ) -> None:
         self.worker_id = worker_id
         bind_visible_gpus()  # before CUDA starts (a no-op outside whole-GPU actors)
@@ -174,9 +177,11 @@ class PrefillService(_Service):
         tier = self.tier = TierClient(tier_actor) if tier_actor is not None else None
         self.worker = PrefillWorker(
             engine, worker_id, lease_s, bind=f"tcp://{host}:0", tier=tier, cuda_ipc=cuda_ipc,
-            nccl=in_group,
+            nccl=in_group, early_tickets=early_tickets,
         )  # fmt: skip
         self._waiters: dict[str, Future] = {}
+        # Early tickets are answered from inside the step, before its forward runs.
+        self.worker.on_early_ticket = lambda result: self._resolve([result])
         self.loop = WorkerLoop(self.worker, self._resolve, name=f"prefill-{worker_id}").start()
 
     def info(self) -> dict[str, Any]:
@@ -218,7 +223,11 @@ class PrefillService(_Service):
     def stats(self) -> dict[str, Any]:
         def read(w: PrefillWorker) -> dict[str, Any]:
             out = _engine_stats(w.engine)
-            out.update(lease_expiries=w.leases.counts["expired"], leases=len(w.leases))
+            out.update(
+                lease_expiries=w.leases.counts["expired"],
+                leases=len(w.leases),
+                early_tickets=w.num_early_tickets,
+            )
             return out
 
         return self._call(read)

@@ -5,6 +5,9 @@ For each load (runner/kv_hooks.py `KVLoadSpec`), on a background thread:
 2. the next full blocks found in the secondary tier (by chain hash) are copied from it;
 3. the rest comes from the prefill worker named in the ticket, over the transport its
    endpoint's scheme names (`local://`, `tcp://`, ...); then the lease is released.
+   An early ticket (no first token yet: layer-wise mode) is always pulled, even when
+   nothing is left to move, since the pull's end brings the first token; only a
+   transport that streams it (tcp) can take one.
 A failed pull is never silent: it is counted by error code and reported with the tokens
 that are valid (local + tier); policy `recompute` lets the engine compute the rest,
 `fail` ends the request with an error. Every transport call has a timeout, so a dead
@@ -31,10 +34,23 @@ from pdserve.kvtransfer.protocol import Ticket
 from pdserve.kvtransfer.tier import HostKVTier
 from pdserve.kvtransfer.transport import PullSpec, TransferError, Transport
 from pdserve.runner.kv_hooks import KVLoadResult, KVLoadSpec
+from pdserve.runner.runner_output import TopLogprobs
 
 logger = logging.getLogger(__name__)
 
 POLICIES = ("recompute", "fail")
+
+
+def logprobs_from_rows(rows: list[list[float]] | None) -> TopLogprobs | None:
+    """A ticket's (or PullDone's) first-token logprob rows [token_id, logprob, rank] as
+    the engine's TopLogprobs."""
+    if not rows:
+        return None
+    return TopLogprobs(
+        token_ids=[int(r[0]) for r in rows],
+        logprobs=[float(r[1]) for r in rows],
+        rank=int(rows[0][2]),
+    )
 
 
 def scheme_of(endpoint: str) -> str:
@@ -144,7 +160,8 @@ class TransferLoader:
         if transport is None or not transport.beats_tier:
             first += self._from_tier(spec, first)
         valid = first * block_size
-        if not has_ticket or valid >= spec.num_prompt_tokens:
+        early = has_ticket and ticket.first_token is None
+        if not has_ticket or (valid >= spec.num_prompt_tokens and not early):
             self.finish_ticket(ticket, release=True)
             return KVLoadResult(spec.request_id, max(valid, spec.num_local_tokens))
         if cancel.is_set():
@@ -160,9 +177,22 @@ class TransferLoader:
                     f"{spec.num_prompt_tokens}",
                 )
             n = len(ticket.group_unit_ids[0])
-            pull = PullSpec(ticket, (tuple(spec.block_ids[:n]),), (first,))
+            pull = PullSpec(ticket, (tuple(spec.block_ids[:n]),), (min(first, n),))
             start = time.perf_counter()
-            moved = transport.pull(pull, self._dst, self.timeout_s, cancel)
+            first_token = first_logprobs = None
+            if not early:
+                moved = transport.pull(pull, self._dst, self.timeout_s, cancel)
+            elif getattr(transport, "streams_first_token", False):
+                moved, first_token, rows = transport.pull_early(
+                    pull, self._dst, self.timeout_s, cancel
+                )
+                first_logprobs = logprobs_from_rows(rows)
+            else:
+                raise TransferError(
+                    "bad_ticket",
+                    f"an early ticket (no first token) over {transport.name}, which cannot "
+                    "stream one; layer-wise early tickets need the tcp transport",
+                )
             self.stats.seconds += time.perf_counter() - start
         except TransferError as e:
             self.finish_ticket(ticket, release=False)
@@ -176,7 +206,9 @@ class TransferLoader:
         self.stats.loads += 1
         self.stats.bytes_pulled += moved
         self.stats.pulls[transport.name] += 1
-        return KVLoadResult(spec.request_id, spec.num_prompt_tokens)
+        return KVLoadResult(
+            spec.request_id, spec.num_prompt_tokens, None, False, first_token, first_logprobs
+        )
 
     def _from_tier(self, spec: KVLoadSpec, first: int) -> int:
         """Copy the tier's run of blocks after the local hits; returns how many."""

@@ -4,34 +4,24 @@ Plain Python (a Ray actor wraps it in `cluster/`). `submit` takes a request with
 ticket its prefill produced: the first token is emitted on the next `step` (stop checks
 apply to it here), the KV is loaded in the background by a `TransferLoader` while other
 requests keep decoding, and decoding continues from the ticket's first token. A request
-whose first token already ends it releases the ticket without loading anything.
+whose first token already ends it releases the ticket without loading anything. An early
+ticket (layer-wise mode) has no first token yet: the load brings it.
 
 It knows nothing about routing or HTTP.
 """
 
 from __future__ import annotations
 
-from pdserve.decode.kv_loader import TransferLoader
+from pdserve.decode.kv_loader import TransferLoader, logprobs_from_rows
 from pdserve.kvtransfer.layout import paged_cache_storage
 from pdserve.kvtransfer.protocol import Ticket
 from pdserve.kvtransfer.tier import HostKVTier
 from pdserve.kvtransfer.transport import Transport
 from pdserve.runner.engine import Engine
 from pdserve.runner.outputs import RequestDelta
-from pdserve.runner.runner_output import TopLogprobs
 from pdserve.runner.sampling_params import SamplingParams
 
 TIER_ONLY = "tier-only"  # a load with no prefill worker behind it: the tier or nothing
-
-
-def logprobs_from_ticket(rows: list[list[float]] | None) -> TopLogprobs | None:
-    if not rows:
-        return None
-    return TopLogprobs(
-        token_ids=[int(r[0]) for r in rows],
-        logprobs=[float(r[1]) for r in rows],
-        rank=int(rows[0][2]),
-    )
 
 
 class DecodeWorker:
@@ -93,7 +83,7 @@ class DecodeWorker:
             prompt_token_ids,
             params,
             ticket.first_token,
-            logprobs_from_ticket(ticket.first_logprobs),
+            logprobs_from_rows(ticket.first_logprobs),
             ticket,
         )
         if not continues:

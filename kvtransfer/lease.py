@@ -7,6 +7,11 @@ Then its request id is queued for the owner of the blocks (the engine thread) to
 this table never touches blocks itself, so it can be used from the transfer server's
 thread. A transfer in progress pins its lease: a release or expiry during the copy is
 deferred until the copy ends, so freed blocks are never read.
+
+An early lease (layer-wise mode) is added when the prompt's last chunk is scheduled,
+before its forward runs: it carries the step's `marks` (per-layer completion of the KV
+writes, `kvtransfer.layer_marks`), and the first token arrives later (`complete`), or the
+prompt ends without one (`fail_pending`: its pullers get an error).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 
 class LeaseError(RuntimeError):
@@ -34,6 +40,15 @@ class Lease:
     expiry: float  # unix time (it travels in tickets to other processes)
     pins: int = 0
     ended: str | None = None  # "released" | "aborted" | "expired"
+    marks: Any = None  # early leases: the forward's per-layer marks (LayerMarks)
+    # Early leases: (first token, logprob rows) once sampled; None before, and always None
+    # for leases added after the forward (their ticket carries the token).
+    first: tuple[int, list[list[float]] | None] | None = None
+    pending_error: str | None = None  # early leases: why no first token will come
+
+    @property
+    def early(self) -> bool:
+        return self.marks is not None
 
 
 class LeaseTable:
@@ -48,8 +63,13 @@ class LeaseTable:
         self.counts = {"added": 0, "released": 0, "aborted": 0, "expired": 0}
 
     def add(
-        self, request_id: str, group_unit_ids: list[list[int]] | tuple, num_tokens: int
+        self,
+        request_id: str,
+        group_unit_ids: list[list[int]] | tuple,
+        num_tokens: int,
+        marks: Any = None,
     ) -> Lease:
+        """A lease from now; with `marks`, an early one (see the module docstring)."""
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
@@ -58,6 +78,7 @@ class LeaseTable:
                 tuple(tuple(ids) for ids in group_unit_ids),
                 num_tokens,
                 self._clock() + self.lease_s,
+                marks=marks,
             )
             self._leases[request_id] = lease
             self.counts["added"] += 1
@@ -92,6 +113,25 @@ class LeaseTable:
             lease = self._live(request_id)
             lease.expiry = max(lease.expiry, self._clock() + extend_s)
             return lease.expiry
+
+    def complete(
+        self, request_id: str, first_token: int, first_logprobs: list[list[float]] | None
+    ) -> bool:
+        """An early lease's first token is sampled; False if the lease is gone."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return False
+            lease.first = (first_token, first_logprobs)
+            return True
+
+    def fail_pending(self, request_id: str, why: str) -> None:
+        """An early lease's prompt ended without a first token (aborted before it was
+        sampled): pullers waiting for it get an error instead of waiting out the lease."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None and lease.first is None:
+                lease.pending_error = why
 
     def release(self, request_id: str, how: str = "released") -> bool:
         """End a lease ("released" or "aborted"); False if it was not live."""

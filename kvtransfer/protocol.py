@@ -29,7 +29,9 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+# 2: a Ticket's first token may be None (an early ticket, issued when the prompt's last
+# chunk is scheduled), and PullDone carries the first token and its logprobs.
+PROTOCOL_VERSION = 2
 # Control messages are small: the largest, a Ticket, carries one int per KV block
 # (~9 bytes each), so 1 MiB covers ~100k blocks — far beyond any prompt.
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
@@ -80,7 +82,11 @@ class HandshakeOk(Message):
 
 @dataclass(frozen=True)
 class Ticket(Message):
-    """What the prefill side returns after prefill: where the request's KV is, until when."""
+    """What the prefill side returns after prefill: where the request's KV is, until when.
+
+    An early ticket (layer-wise mode) is issued when the prompt's last chunk is scheduled,
+    before its forward has run: `first_token` is None, the source streams each layer as
+    the forward finishes it, and the pull's `PullDone` brings the first token."""
 
     TYPE: ClassVar[str] = "ticket"
     request_id: str
@@ -90,7 +96,7 @@ class Ticket(Message):
     num_tokens: int
     layout_hash: str
     lease_expiry: float  # unix time
-    first_token: int
+    first_token: int | None  # None: an early ticket
     first_logprobs: list[list[float]] | None  # rows of [token_id, logprob, rank]
     finish_reason: str | None
 
@@ -182,9 +188,14 @@ class IpcOpen(Message):
 
 @dataclass(frozen=True)
 class PullDone(Message):
+    """Ends a tcp pull's stream of `num_frames` frames. For an early ticket it carries the
+    prompt's first token and its logprobs (rows as in Ticket); otherwise both are None."""
+
     TYPE: ClassVar[str] = "pull_done"
     request_id: str
     num_frames: int
+    first_token: int | None = None
+    first_logprobs: list[list[float]] | None = None
 
 
 @dataclass(frozen=True)

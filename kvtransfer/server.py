@@ -7,20 +7,32 @@ One ROUTER socket on one thread. Each request is one control message (msgpack, c
 `copy=False` over the packed buffer). A bad message gets an `Error` reply and nothing else
 changes; the socket never stops serving because of what a peer sent.
 
+A pull of an early lease (layer-wise mode: the ticket went out before the prompt's
+forward ran) becomes a stream that the loop advances between messages, polling every
+millisecond while one is open: each layer is packed and sent once the forward has marked
+it done (`LayerMarks.ready`), then `PullDone` once the first token is known. The lease
+stays pinned meanwhile; a stream past the lease's expiry, or whose prompt ended without
+a first token, ends with an `Error`. On a GPU, early layers are packed on a side stream,
+so they never wait behind the rest of the forward on the engine's stream.
+
 It binds only the address it is given. It does not free blocks: releases, aborts and
 expiries go through the lease table, whose owner frees them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
+from dataclasses import dataclass, field
 
+import torch
 import zmq
 
 from pdserve.kvtransfer.layout import KVLayout, LayoutMismatch
-from pdserve.kvtransfer.lease import LeaseError
-from pdserve.kvtransfer.pack import as_byte_view
+from pdserve.kvtransfer.lease import Lease, LeaseError
+from pdserve.kvtransfer.pack import as_byte_view, pack
 from pdserve.kvtransfer.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Abort,
@@ -46,6 +58,21 @@ from pdserve.kvtransfer.source import KVSource
 logger = logging.getLogger(__name__)
 
 POLL_MS = 50  # how often the loop checks for close()
+STREAM_POLL_MS = 1  # how often it checks the forward's progress while a stream is open
+
+
+@dataclass
+class _Stream:
+    """A pull of an early lease, sent layer by layer as the forward completes them."""
+
+    identity: bytes
+    pull: Pull
+    lease: Lease
+    pin: contextlib.ExitStack  # holds the lease's pin until the stream ends
+    deadline: float  # time.monotonic(): the lease's expiry when the stream began
+    next_layer: int = 0
+    frames: int = 0
+    done: bool = field(default=False)
 
 
 class KVSourceServer:
@@ -68,6 +95,13 @@ class KVSourceServer:
         self._sock.bind(bind)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.counts = {"pulls": 0, "bytes": 0, "errors": 0}
+        self._streams: list[_Stream] = []
+        devices = {st.device for st in source.storages}
+        self._pack_stream = (
+            torch.cuda.Stream(next(iter(devices)))
+            if len(devices) == 1 and next(iter(devices)).type == "cuda"
+            else None
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kv-source-server", daemon=True)
         self._thread.start()
@@ -76,13 +110,18 @@ class KVSourceServer:
         self._stop.set()
         self._thread.join(timeout_s)
         assert not self._thread.is_alive(), "kv source server did not stop"
+        for stream in self._streams:  # unpin: the owner frees the blocks as leases end
+            stream.pin.close()
+        self._streams.clear()
         self._sock.close(linger=0)
 
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(POLL_MS):
+            if self._streams:
+                self._advance_streams()
+            if not poller.poll(STREAM_POLL_MS if self._streams else POLL_MS):
                 continue
             frames = self._sock.recv_multipart(copy=False)
             identity, body = frames[0].bytes, frames[-1].buffer
@@ -142,12 +181,22 @@ class KVSourceServer:
     def _pull(self, identity: bytes, msg: Pull) -> None:
         rid = msg.request_id
         try:
-            with self.source.leases.pinned(rid) as lease:
-                if len(msg.first_units) != len(lease.group_unit_ids):
-                    return self._error(identity, rid, "bad_pull", "first_units per group")
-                buffers = self.source.pack_request(lease.group_unit_ids, msg.first_units)
+            pin = contextlib.ExitStack()
+            lease = pin.enter_context(self.source.leases.pinned(rid))
         except LeaseError as e:
             return self._error(identity, rid, e.code, str(e))
+        if len(msg.first_units) != len(lease.group_unit_ids):
+            pin.close()
+            return self._error(identity, rid, "bad_pull", "first_units per group")
+        if lease.early:
+            left_s = max(lease.expiry - time.time(), 0.0)
+            stream = _Stream(identity, msg, lease, pin, time.monotonic() + left_s)
+            self._advance(stream)  # a stream whose forward is done ends right here
+            if not stream.done:
+                self._streams.append(stream)
+            return None
+        with pin:
+            buffers = self.source.pack_request(lease.group_unit_ids, msg.first_units)
         num_frames = 0
         for g, tensors in enumerate(buffers):
             for t, buf in enumerate(tensors):
@@ -166,3 +215,61 @@ class KVSourceServer:
                     self.counts["bytes"] += header.nbytes
         self.counts["pulls"] += 1
         self._send(identity, PullDone(rid, num_frames))
+
+    # ---- early leases: streams -------------------------------------------------------------
+
+    def _advance_streams(self) -> None:
+        for stream in self._streams:
+            self._advance(stream)
+        self._streams = [st for st in self._streams if not st.done]  # each ends once
+
+    def _advance(self, st: _Stream) -> None:
+        """Send what the forward has finished since the last call; end the stream with
+        `PullDone` (first token included) or an `Error`."""
+        lease, rid = st.lease, st.pull.request_id
+        marks = lease.marks
+        if lease.pending_error is not None:
+            return self._end(st, "prompt_ended", f"{rid}: {lease.pending_error}")
+        num_layers = marks.num_layers
+        if st.pull.layer_wise:
+            while st.next_layer < num_layers and marks.ready(st.next_layer):
+                self._send_layers(st, st.next_layer, st.next_layer + 1)
+                st.next_layer += 1
+        elif st.next_layer < num_layers and marks.ready(num_layers - 1):
+            self._send_layers(st, 0, num_layers)
+            st.next_layer = num_layers
+        if st.next_layer == num_layers and lease.first is not None:
+            token, logprobs = lease.first
+            self.counts["pulls"] += 1
+            self._send(st.identity, PullDone(rid, st.frames, token, logprobs))
+            st.done = True
+            st.pin.close()
+        elif time.monotonic() > st.deadline:
+            self._end(st, "timeout", f"{rid}: the prompt's forward did not finish in its lease")
+
+    def _end(self, st: _Stream, code: str, message: str) -> None:
+        st.done = True
+        st.pin.close()
+        self._error(st.identity, st.pull.request_id, code, message)
+
+    def _send_layers(self, st: _Stream, start: int, end: int) -> None:
+        """Layers [start, end) of the request's units after `first_units`: one frame per
+        tensor (one layer at a time when layer-wise, all of them otherwise)."""
+        rid = st.pull.request_id
+        for g, (storage, ids) in enumerate(zip(self.source.storages, st.lease.group_unit_ids)):
+            first = st.pull.first_units[g]
+            if first >= len(ids):
+                continue
+            side = self._pack_stream
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                buffers = [b.cpu() for b in pack(storage, list(ids[first:]), (start, end))]
+            for t, part in enumerate(buffers):
+                header = DataHeader(
+                    rid, g, t, start, end, list(part.shape),
+                    str(part.dtype).removeprefix("torch."), part.numel() * part.element_size(),
+                )  # fmt: skip
+                self._sock.send_multipart(
+                    [st.identity, encode(header), as_byte_view(part)], copy=False
+                )
+                st.frames += 1
+                self.counts["bytes"] += header.nbytes

@@ -164,6 +164,9 @@ class TcpTransport(ZmqClient):
         super().__init__(worker_id, layout, max_message_bytes)
         self.layer_wise = layer_wise
 
+    # An early ticket's first token comes with the stream's PullDone (`pull_early`).
+    streams_first_token = True
+
     def pull(
         self,
         spec: PullSpec,
@@ -171,6 +174,29 @@ class TcpTransport(ZmqClient):
         timeout_s: float,
         cancel: threading.Event | None = None,
     ) -> int:
+        return self._stream(spec, dst, timeout_s, cancel)[0]
+
+    def pull_early(
+        self,
+        spec: PullSpec,
+        dst: Sequence[GroupStorage],
+        timeout_s: float,
+        cancel: threading.Event | None = None,
+    ) -> tuple[int, int, list[list[float]] | None]:
+        """`pull` for an early ticket: (bytes moved, the first token, its logprob rows),
+        the token from `PullDone`, which the source sends once the forward sampled it."""
+        moved, done = self._stream(spec, dst, timeout_s, cancel)
+        if done.first_token is None:
+            raise TransferError("bad_reply", "the stream of an early ticket ended without a token")
+        return moved, done.first_token, done.first_logprobs
+
+    def _stream(
+        self,
+        spec: PullSpec,
+        dst: Sequence[GroupStorage],
+        timeout_s: float,
+        cancel: threading.Event | None,
+    ) -> tuple[int, PullDone]:
         ticket = spec.ticket
         endpoint, rid = ticket.endpoint, ticket.request_id
         deadline = time.monotonic() + timeout_s
@@ -193,7 +219,7 @@ class TcpTransport(ZmqClient):
                         f"stream ended without {len(missing)} (group, tensor, layer) "
                         f"part(s), e.g. group {g} tensor {t} layer {layer}",
                     )
-                return moved
+                return moved, msg
             if not isinstance(msg, DataHeader) or len(frames) != 2:
                 self._drop(endpoint)
                 raise TransferError(

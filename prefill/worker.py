@@ -8,16 +8,25 @@ table only queues those events, and `step` frees the blocks on this thread, the 
 one that touches the engine. With a tier, full prompt blocks are also written behind
 into it (keyed by chain hash), so later requests can skip the transfer entirely.
 
+Layer-wise early tickets (`early_tickets=True`, tcp): the engine tells the worker, before
+the forward of the step that finishes a prompt, which prompts finish there
+(`step_started`); the worker adds their leases with the step's `LayerMarks`, and the
+ticket goes out at once, with no first token (`on_early_ticket`, or the next `step`'s
+results). The source server streams each layer as the forward marks it done and ends
+the pull with the first token, which `step` records on the lease when it is sampled.
+
 It knows nothing about routing or HTTP.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from pdserve.kvtransfer.layer_marks import LayerMarks
 from pdserve.kvtransfer.layout import paged_cache_storage
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.pack import pack
@@ -28,6 +37,7 @@ from pdserve.kvtransfer.tier import HostKVTier
 from pdserve.kvtransfer.transport_cuda_ipc import export_storages
 from pdserve.kvtransfer.transport_local import LocalRegistry
 from pdserve.runner.engine import Engine
+from pdserve.runner.kv_hooks import KVPromptScheduled
 from pdserve.runner.outputs import RequestDelta
 from pdserve.runner.sampling_params import SamplingParams
 
@@ -78,12 +88,19 @@ class PrefillWorker:
         tier: HostKVTier | None = None,
         cuda_ipc: bool = False,
         nccl: bool = False,
+        early_tickets: bool = False,
     ) -> None:
         """Serve pulls over tcp at `bind` (or in-process through `registry`). `cuda_ipc`:
         also export the KV cache's CUDA IPC handles, and advertise `cuda_ipc+tcp://`.
         `nccl`: also send KV by torch.distributed P2P (the default process group, formed
-        by the caller), and advertise `nccl+tcp://`."""
+        by the caller), and advertise `nccl+tcp://`. `early_tickets`: layer-wise early
+        tickets (module docstring); tcp only, since only its stream carries the token."""
         engine.require_paged("a prefill worker")
+        if early_tickets and (cuda_ipc or nccl or registry is not None):
+            raise ValueError(
+                "early tickets (layer-wise) stream KV over tcp; they cannot be combined "
+                "with cuda_ipc, nccl or an in-process registry"
+            )
         self.engine = engine
         self.worker_id = worker_id
         self.tier = tier
@@ -107,6 +124,15 @@ class PrefillWorker:
                 self.server = KVSourceServer(self.source, bind, ipc_export=export)
                 self.endpoint = ("cuda_ipc+" if cuda_ipc else "") + self.server.endpoint
         self.num_tier_blocks = 0
+        # Early tickets: called with each one as it is issued (from inside the engine's
+        # step, before the forward); without it they come with the next `step` results.
+        self.on_early_ticket: Callable[[PrefillResult], None] | None = None
+        self._early_out: list[PrefillResult] = []
+        self._early: dict[str, tuple[int, ...]] = {}  # ticketed early, not yet held: blocks
+        self._free_when_held: set[str] = set()  # their leases ended before they were held
+        self.num_early_tickets = 0
+        if early_tickets:
+            engine.kv_publisher = self
 
     @property
     def layout(self):
@@ -132,38 +158,86 @@ class PrefillWorker:
         self.leases.expire()
         self._free_released()
 
+    def step_started(self, scheduled: list[KVPromptScheduled]) -> Callable[[int], None]:
+        """KVPublisher: these held prompts finish in the step about to run; lease their
+        blocks with the step's layer marks and issue their early tickets now."""
+        marks = LayerMarks(self.layout.groups[0].num_layers, self.engine.config.runner.torch_device)
+        for s in scheduled:
+            lease = self.leases.add(s.request_id, [list(s.block_ids)], s.num_tokens, marks)
+            self._early[s.request_id] = s.block_ids
+            self.num_early_tickets += 1
+            result = PrefillResult(
+                s.request_id,
+                self._ticket(s.request_id, s.block_ids, s.num_tokens, lease.expiry, None, None),
+            )
+            if self.on_early_ticket is not None:
+                self.on_early_ticket(result)
+            else:
+                self._early_out.append(result)
+        return marks.done
+
     def step(self) -> list[PrefillResult]:
         self.idle()
         if not self.engine.has_unfinished():
             return []
         out = []
         for delta in self.engine.step():
+            rid = delta.request_id
             if delta.kv_held is None:
                 if delta.finished:
-                    out.append(PrefillResult(delta.request_id, None, delta.finish_reason))
+                    if self._early.pop(rid, None) is not None:
+                        self.leases.fail_pending(rid, f"prompt ended: {delta.finish_reason}")
+                    out.append(PrefillResult(rid, None, delta.finish_reason))
                 continue
             held = delta.kv_held
             if self.tier is not None:
                 self._write_behind(held.block_ids, held.block_hashes)
+            early = self._early.pop(rid, None)
+            if early is not None:  # its ticket went out before the forward
+                assert early == held.block_ids, f"{rid}: held blocks differ from the ticket's"
+                self.leases.complete(rid, delta.new_token_ids[0], ticket_logprobs(delta))
+                if rid in self._free_when_held:
+                    self._free_when_held.discard(rid)
+                    self.engine.release_held(rid)
+                continue
             lease = self.leases.add(delta.request_id, [list(held.block_ids)], held.num_tokens)
-            ticket = Ticket(
-                request_id=delta.request_id,
-                worker_id=self.worker_id,
-                endpoint=self.endpoint,
-                group_unit_ids=[list(held.block_ids)],
-                num_tokens=held.num_tokens,
-                layout_hash=self.source.layout_hash,
-                lease_expiry=lease.expiry,
-                first_token=delta.new_token_ids[0],
-                first_logprobs=ticket_logprobs(delta),
-                finish_reason=None,
-            )
-            out.append(PrefillResult(delta.request_id, ticket))
+            ticket = self._ticket(
+                rid, held.block_ids, held.num_tokens, lease.expiry, delta.new_token_ids[0],
+                ticket_logprobs(delta),
+            )  # fmt: skip
+            out.append(PrefillResult(rid, ticket))
+        out += self._early_out  # issued inside this step, before its forward
+        self._early_out = []
         return out
+
+    def _ticket(
+        self,
+        request_id: str,
+        block_ids: tuple[int, ...],
+        num_tokens: int,
+        expiry: float,
+        first_token: int | None,
+        first_logprobs: list[list[float]] | None,
+    ) -> Ticket:
+        return Ticket(
+            request_id=request_id,
+            worker_id=self.worker_id,
+            endpoint=self.endpoint,
+            group_unit_ids=[list(block_ids)],
+            num_tokens=num_tokens,
+            layout_hash=self.source.layout_hash,
+            lease_expiry=expiry,
+            first_token=first_token,
+            first_logprobs=first_logprobs,
+            finish_reason=None,
+        )
 
     def _free_released(self) -> None:
         for request_id in self.leases.drain_freeable():
-            self.engine.release_held(request_id)
+            if not self.engine.release_held(request_id) and request_id in self._early:
+                # An early lease ended before its request was held (async scheduling:
+                # the step that samples it has not been processed yet): free on arrival.
+                self._free_when_held.add(request_id)
 
     def _write_behind(self, block_ids: tuple[int, ...], block_hashes: tuple[int, ...]) -> None:
         n = len(block_hashes)

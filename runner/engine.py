@@ -19,7 +19,13 @@ from pdserve.runner.config_resolve import resolve_engine_config
 from pdserve.runner.detokenizer import IncrementalDetokenizer, decode_token
 from pdserve.runner.engine_state import StepStats, Track
 from pdserve.runner.kv_cache_manager import KVCacheManager
-from pdserve.runner.kv_hooks import KVHeld, KVLoader, KVLoadResult
+from pdserve.runner.kv_hooks import (
+    KVHeld,
+    KVLoader,
+    KVLoadResult,
+    KVPromptScheduled,
+    KVPublisher,
+)
 from pdserve.runner.outputs import Logprob, LogprobDict, RequestDelta
 from pdserve.runner.request import Request, RequestStatus
 from pdserve.runner.runner_output import ModelRunnerOutput, TopLogprobs
@@ -37,6 +43,9 @@ class Engine:
     def __init__(self, config: EngineConfig, kv_loader: KVLoader | None = None):
         self.config = config
         self.kv_loader = kv_loader
+        # Prefill role, layer-wise early tickets: told which held prompts finish in a step
+        # before its forward (runner/kv_hooks.py); set by the prefill worker.
+        self.kv_publisher: KVPublisher | None = None
         self.tokenizer = load_tokenizer(config.model.path)
         self.eos_token_ids = eos_token_ids(
             config.model.path, config.model.hf_config, self.tokenizer
@@ -143,22 +152,26 @@ class Engine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        first_token: int,
+        first_token: int | None,
         first_logprobs: TopLogprobs | None,
         ticket: object,
     ) -> bool:
         """Decode role: a request whose prompt ran elsewhere. Its first token is emitted on
         the next step (stop checks applied here); if that token does not end it, the
         scheduler gives it blocks and the `KVLoader` fills them from `ticket`. Returns
-        False when the first token already finished it (nothing will be loaded)."""
+        False when the first token already finished it (nothing will be loaded).
+        `first_token=None` (an early ticket): the token comes with the load result and is
+        emitted then; a failed load leaves this engine to compute it."""
         self.validate(request_id, prompt_token_ids, params)
         self.require_paged("add_prefilled_request")
         if self.kv_loader is None:
             raise ValueError("add_prefilled_request needs an engine built with a kv_loader")
-        vocab = self.config.model.vocab_size
-        if not isinstance(first_token, int) or not 0 <= first_token < vocab:
+        if first_token is not None and not self._is_token(first_token):
+            vocab = self.config.model.vocab_size
             raise ValueError(f"first_token must be an integer in [0, {vocab}) (got {first_token})")
         req = self._new_request(request_id, prompt_token_ids, params, kv_ticket=ticket)
+        if first_token is None:
+            return True
         req.append_output_token(first_token)
         delta = self._process_token(req, first_logprobs)
         self._pending.append(delta)
@@ -243,7 +256,8 @@ class Engine:
             self.kv_loader.start_load(spec)
         handle = None
         if so.num_reqs or so.finished_req_ids:
-            handle = self.runner.execute(so)
+            hook = self._publish(so) if self.kv_publisher is not None else None
+            handle = self.runner.execute(so) if hook is None else self.runner.execute(so, hook)
         if not self.config.runner.async_scheduling:
             ready = (so, handle) if handle is not None else None
         else:
@@ -258,6 +272,23 @@ class Engine:
         self.stats.wait_s += wait
         self.stats.cpu_s += time.perf_counter() - start - wait
         return deltas
+
+    def _publish(self, so: SchedulerOutput):
+        """Tell the publisher which held prompts this step finishes (their blocks cover the
+        prompt now); returns its per-layer hook for the forward, or None. Those requests
+        are pinned: no preemption may free blocks a puller is about to read."""
+        scheduled = []
+        for rid in so.num_scheduled_tokens:
+            req = self.scheduler.requests[rid]
+            if (
+                req.hold_kv
+                and not req.kv_pinned
+                and req.num_computed_tokens >= req.num_prompt_tokens
+            ):
+                req.kv_pinned = True
+                block_ids = tuple(self.kv.get_block_ids(rid))
+                scheduled.append(KVPromptScheduled(rid, block_ids, req.num_prompt_tokens))
+        return self.kv_publisher.step_started(scheduled) if scheduled else None
 
     def _process(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestDelta]:
         deltas = []
@@ -312,6 +343,22 @@ class Engine:
         return delta
 
     def _finish_load(self, result: KVLoadResult) -> None:
+        loading = self.scheduler.loading.get(result.request_id)
+        first = result.first_token
+        if (
+            first is not None
+            and loading is not None
+            and not loading.is_finished
+            and loading.num_output_tokens == 0
+        ):
+            # An early ticket's first token, brought by the pull: emitted now (its stop
+            # checks may end the request, whose blocks `finish_load` then frees). One out
+            # of the vocabulary is not used: the request computes its own.
+            if self._is_token(first):
+                loading.append_output_token(first)
+                self._pending.append(self._process_token(loading, result.first_logprobs))
+            else:
+                logger.warning("first token %r of %s refused", first, result.request_id)
         req = self.scheduler.finish_load(result)
         if req is None:
             return
@@ -330,6 +377,13 @@ class Engine:
                     num_prompt_tokens=req.num_prompt_tokens,
                 )
             )
+
+    def _is_token(self, token: object) -> bool:
+        return (
+            isinstance(token, int)
+            and not isinstance(token, bool)
+            and 0 <= token < self.config.model.vocab_size
+        )
 
     def _next_text(self, req: Request, track: Track, token: int) -> tuple[StopDecision | None, str]:
         """Feed `token` to the detokenizer; the stop decision and the text to hand out now

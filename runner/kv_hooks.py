@@ -9,6 +9,11 @@ Two roles meet here (DESIGN §2):
   engine asks a `KVLoader` to fill them (`KVLoadSpec`). The scheduler runs other requests
   meanwhile; the loader reports how many prompt tokens it filled (`KVLoadResult`) and
   the request continues from there, computing whatever was not loaded.
+- layer-wise early tickets: with a `KVPublisher`, the prefill-role engine tells it, before
+  the forward of a step in which held requests finish their prompts, which ones
+  (`KVPromptScheduled`), and calls the hook it returns after each decoder layer; a
+  decode-role request may then arrive without its first token (it comes with the load:
+  `KVLoadResult.first_token`).
 
 This module knows nothing about layouts, sockets or leases: `kvtransfer/`, `prefill/`
 and `decode/` do, and plug in through these types.
@@ -16,8 +21,9 @@ and `decode/` do, and plug in through these types.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,30 @@ class KVLoadResult:
     num_tokens: int
     error: str | None = None
     fail: bool = False  # policy `fail`: end the request with an error instead of recomputing
+    # An early ticket's first token and its logprobs (a TopLogprobs), from the pull; None
+    # otherwise. A failed early load has none: the engine samples it after recomputing.
+    first_token: int | None = None
+    first_logprobs: Any = None
+
+
+@dataclass(frozen=True)
+class KVPromptScheduled:
+    """A held (prefill-role) request whose last prompt chunk runs in the coming step: its
+    blocks cover the whole prompt, and its KV is complete layer by layer as the forward
+    goes."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int  # prompt tokens
+
+
+class KVPublisher(Protocol):
+    def step_started(
+        self, scheduled: list[KVPromptScheduled], num_layers: int
+    ) -> Callable[[int], None] | None:
+        """Called before the forward of a step that finishes these prompts; returns the hook
+        the forward calls with each decoder layer's index once its KV writes are queued
+        (GPU) or done (CPU), in order, or None to get no calls."""
 
 
 class KVLoader(Protocol):

@@ -69,6 +69,9 @@ class Request:
     hold_kv: bool = False
     # Decode: the ticket to load the prompt's KV with; None once the load has ended.
     kv_ticket: object | None = None
+    # Prefill, layer-wise early tickets: its prompt's blocks are published to pullers
+    # before the request is held, so it is never a preemption victim (they read them).
+    kv_pinned: bool = False
     # Fixed at creation (the prompt never changes: a preempted request re-prefills prompt +
     # output). Plain attributes, not properties: the step loops read them for every
     # request every step, and a property call costs ~0.1 us on Python 3.11.

@@ -271,10 +271,16 @@ class Scheduler:
     ) -> list[int] | None:
         """Blocks ran out for `num_new` tokens of `req`: preempt until they fit. Returns the
         new block ids, or None if `req` itself had to go. Victims are the most recently
-        admitted running requests not already in this step."""
+        admitted running requests not already in this step, never one whose blocks are
+        published under an early ticket (`kv_pinned`; `req` itself never is)."""
         while True:
             victim = next(
-                (r for r in reversed(self.running) if r.request_id not in scheduled), None
+                (
+                    r
+                    for r in reversed(self.running)
+                    if r.request_id not in scheduled and not r.kv_pinned
+                ),
+                None,
             )
             assert victim is not None, "req itself is running and unscheduled"
             self._preempt(victim)

@@ -30,6 +30,7 @@ from pdserve.kernels.kv_pack import bitwise_view
 from pdserve.kvtransfer.layout import KVLayout, MambaStateGroup, PagedGQAGroup, paged_cache_storage
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.protocol import (
+    PROTOCOL_VERSION,
     Ack,
     Error,
     Handshake,
@@ -267,7 +268,7 @@ def test_server_answers_broken_requests_with_errors_and_keeps_serving():
         # (what, frames, code, words the message must contain, request id of the reply)
         ("garbage", [b"\xc1" + rng.randbytes(200)], "corrupt", ["cannot unpack"], ""),
         ("truncated", [encode(pull)[:-7]], "corrupt", ["cannot unpack"], ""),
-        ("version", [wrong_version], "bad_version", ["99", "expected 1"], ""),
+        ("version", [wrong_version], "bad_version", ["99", f"expected {PROTOCOL_VERSION}"], ""),
         (
             "pull layout",
             [encode(Pull("r", "f" * 64, False, [0, 0]))],
@@ -299,7 +300,7 @@ def test_server_answers_broken_requests_with_errors_and_keeps_serving():
         ("two frames", [encode(pull), encode(pull)], "corrupt", ["one message frame"], ""),
         (
             "unknown type",
-            [msgpack.packb({"v": 1, "t": "explode", "f": {}})],
+            [msgpack.packb({"v": PROTOCOL_VERSION, "t": "explode", "f": {}})],
             "unknown_type",
             ["explode"],
             "",

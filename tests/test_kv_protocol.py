@@ -68,6 +68,9 @@ ONE_OF_EACH = [
     Error("req-1", "lease_expired", "blocks were freed at 1700000005.0"),
     NcclPull("req-1", "a1b2c3", first_units=[2, 0], dst_rank=3),
     NcclSend("req-1", src_rank=0, num_frames=3),
+    # Version 2: an early ticket (no first token yet) and the PullDone that brings it.
+    Ticket("early", "w", "tcp://h:1", [[5, 6]], 20, "h", 1.0, None, None, None),
+    PullDone("early", num_frames=30, first_token=9906, first_logprobs=[[9906, -0.125, 1]]),
 ]  # fmt: skip
 
 
@@ -304,3 +307,19 @@ def test_well_formed_envelopes_with_random_fields_only_raise_protocol_error(type
         assert exc.code == "bad_schema", str(exc)
         return
     assert decode(encode(msg)) == msg
+
+
+def test_pull_done_first_token_is_checked_like_a_tickets():
+    """Guards version 2's PullDone: the first token of an early ticket travels in it, so a
+    peer's token of the wrong type (a float, a bool, a string) or a frame from a version 1
+    peer (no token fields at all) must be refused at decode, never reach the engine."""
+    obj = wire(PullDone("early", num_frames=2, first_token=5, first_logprobs=None))
+    for bad in (5.0, True, "5"):
+        obj["f"]["first_token"] = bad
+        assert "PullDone.first_token" in rejected(pack(obj), "bad_schema")
+    obj["f"]["first_token"] = 5
+    obj["f"]["first_logprobs"] = [[5, -0.5]]  # rows are [token, logprob, rank]
+    decoded = decode(pack(obj))  # the row length is the engine's to check (Ticket checks it)
+    assert decoded.first_logprobs == [[5, -0.5]]
+    del obj["f"]["first_token"], obj["f"]["first_logprobs"]
+    assert "missing field 'first_token'" in rejected(pack(obj), "bad_schema")

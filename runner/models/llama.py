@@ -12,7 +12,7 @@ nothing about requests, slots or sampling.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,12 +188,17 @@ class LlamaFamilyForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn: AttentionMetadata,
+        layer_hook: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """[T] token ids and positions -> [T, hidden] final hidden states (before the norm)."""
+        """[T] token ids and positions -> [T, hidden] final hidden states (before the norm).
+        `layer_hook(i)` runs once layer i is queued (its KV written, in stream order): the
+        prefill side of layer-wise transfer publishes each layer as it lands."""
         x, residual = self.embed_tokens(input_ids), None
         cos_sin = self.cos_sin_cache
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(x, residual, positions, cos_sin, kv_cache, attn)
+            if layer_hook is not None:
+                layer_hook(i)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:

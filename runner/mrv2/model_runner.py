@@ -10,6 +10,7 @@ kernels to `kernels/`, per-slot bookkeeping to RequestState, graphs to cuda_grap
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -137,7 +138,11 @@ class MRV2ModelRunner:
             self.graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> StepHandle:
+    def execute(
+        self, so: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
+    ) -> StepHandle:
+        """One step. `layer_hook(i)` is called once decoder layer i's KV writes are queued
+        (after a graph replay: for every layer at once); see runner/kv_hooks.py."""
         st = self.state
         for req_id in so.finished_req_ids:
             slot = st.req_to_slot.get(req_id)
@@ -177,9 +182,13 @@ class MRV2ModelRunner:
         self.model_state.prepare(batch)
         if graph_size is not None:
             hidden = self.graphs.replay(graph_size)
+            for layer in range(len(self.kv_caches)) if layer_hook is not None else ():
+                layer_hook(layer)
             logits = self.model.compute_logits(hidden[: batch.num_reqs], float32=False)
         else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+            hidden = self.model(
+                batch.input_ids, batch.positions, self.kv_caches, batch.attn, layer_hook
+            )
             logits = self.model.compute_logits(hidden[batch.logits_indices], float32=False)
         self.model_state.post_forward(batch, hidden)
 
