@@ -252,3 +252,7 @@ class PrefillWorker:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        # The engine points back at this worker (its publisher): break the cycle, so the
+        # engine and its CUDA graphs go when the last reference does, not at a GC pass.
+        self.engine.kv_publisher = None
+        self.on_early_ticket = None

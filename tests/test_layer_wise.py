@@ -193,6 +193,7 @@ def test_early_tickets_equal_colocated_tiny_qwen3(tiny_qwen3_dir, async_scheduli
         assert prefill.server.counts["errors"] == 0
     finally:
         prefill.close()
+        decode.close()
 
 
 def test_early_tickets_equal_colocated_smollm2(smollm_dir):
@@ -205,6 +206,7 @@ def test_early_tickets_equal_colocated_smollm2(smollm_dir):
         assert decode.loader.stats.recomputes == 0
     finally:
         prefill.close()
+        decode.close()
 
 
 def test_an_early_ticket_whose_source_dies_before_the_forward_recomputes(tiny_qwen3_dir):

@@ -12,6 +12,7 @@ which the prepare kernels already do. Mixed and prefill steps run eagerly.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -96,14 +97,25 @@ class CudaGraphs:
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for size in sorted(self.sizes, reverse=True):
-            self._forward(size)  # warm-up: compiles kernels, settles allocator state
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            self.graphs[size] = graph
-            if progress is not None:
-                progress(size)
+        # No cyclic GC while capturing: garbage holding CUDA objects (an old engine's
+        # graphs or events) freed mid-capture destroys them with CUDA calls a capture
+        # forbids, which invalidates the capture (cudaErrorStreamCaptureInvalidated, seen
+        # on the H200 after tests left engines in reference cycles). torch's graph context
+        # collects once before each capture; nothing is collected during it.
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            for size in sorted(self.sizes, reverse=True):
+                self._forward(size)  # warm-up: compiles kernels, settles allocator state
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = self._forward(size)
+                self.graphs[size] = graph
+                if progress is not None:
+                    progress(size)
+        finally:
+            if gc_was_on:
+                gc.enable()
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
