@@ -207,7 +207,10 @@ class TransferLoader:
         self.stats.bytes_pulled += moved
         self.stats.pulls[transport.name] += 1
         return KVLoadResult(
-            spec.request_id, spec.num_prompt_tokens, None, False, first_token, first_logprobs
+            spec.request_id,
+            spec.num_prompt_tokens,
+            first_token=first_token,
+            first_logprobs=first_logprobs,
         )
 
     def _from_tier(self, spec: KVLoadSpec, first: int) -> int:

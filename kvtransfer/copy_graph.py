@@ -4,8 +4,8 @@ Why: before this, a 2,048-token cuda_ipc pull on the H200 spent 0.15-0.35 ms of 
 before its 0.13 ms copy ran. The calls it made, measured one by one on that host
 (benchmarks/kv_copy_sweep.py --host): Triton's launcher ~30 us, `with torch.cuda.stream`
 ~20 us, the id checks ~20 us a side, the pinned staging copy ~9 us. A replayed graph holds
-the id upload (a pinned host buffer into a device buffer) and one loop-kernel launch per
-tensor (kernels/kv_copy.py `launch_counted`). The kernel reads the id count from the
+the id upload (a pinned host buffer into a device buffer) and one counted-kernel launch
+per tensor (kernels/kv_copy.py `launch_counted`). The kernel reads the id count from the
 buffer, so one graph serves every count up to its capacity. The host then packs the ids
 into the pinned buffer and launches the graph through the driver: ~10 us for 2 x 128 ids
 (kv_copy_sweep.py's replay_e2e: a filled replay of the 2,048-token request took 139 us
@@ -95,6 +95,7 @@ class GraphedCopy:
         self.slots = self.host.numpy()
         self.graph = torch.cuda.CUDAGraph()
         self.replayed = torch.cuda.Event()  # query() is True before the first record
+        self.keep: list = []  # what the owner's cache key names (kept alive with the graph)
         with torch.cuda.stream(stream):
             self.device = torch.zeros(total, dtype=torch.int64, device=stream.device)
             self._launches = launches = [

@@ -14,7 +14,7 @@ is not acknowledged), and a source that stops answering is forgotten, mapping an
 Per pull the host does little. On one GPU the copy is a replay of a CUDA graph captured
 once per (tables, id capacity) on the thread's side stream (kvtransfer/copy_graph.py):
 the host writes the ids into the graph's pinned buffer, replays it (id upload plus one
-loop-kernel launch per tensor), and checks the ids while the device copies; the pull fails
+counted-kernel launch per tensor), and checks the ids while the device copies; the pull fails
 after the copy if they were bad (the kernel skips out-of-range ids). Otherwise (two GPUs,
 a graph whose last replay is still queued, more ids than a graph holds) the eager path
 checks the ids first, stages them through a pinned buffer (`IdStaging`) and launches the

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pdserve.runner.config import EngineConfig
@@ -273,7 +274,7 @@ class Engine:
         self.stats.cpu_s += time.perf_counter() - start - wait
         return deltas
 
-    def _publish(self, so: SchedulerOutput):
+    def _publish(self, so: SchedulerOutput) -> Callable[[int], None] | None:
         """Tell the publisher which held prompts this step finishes (their blocks cover the
         prompt now); returns its per-layer hook for the forward, or None. Those requests
         are pinned: no preemption may free blocks a puller is about to read."""
