@@ -20,9 +20,11 @@ A first version also tried the copy engines, all rows in one cuMemcpyBatchAsync 
 (ctypes): its host call outlasted a 2 ms GPU sleep at 3,584 rows, far past a kernel
 launch, so it was dropped.
 
-Each is timed as the mean of 50 back-to-back launches between two CUDA events (the host
-queues a launch in far less than the 0.1 ms a launch runs, so the GPU never waits), then
-checked against the torch reference. `--host` adds the host time of each call a pull
+Each is timed as the mean of 50 back-to-back launches between two CUDA events, then
+checked against the torch reference. For the 2,048-token request the host queues a launch
+in less than the 0.13 ms it runs, so the GPU never waits; the 128-token rows are bound by
+the launches' host time instead, and `held_ms` (transfer.py's `device_ms`: the work held
+behind a GPU sleep until it is queued) gives the GPU time of one shape next to the copy's. `--host` adds the host time of each call a pull
 makes (streams, events, a graph replay, a Triton launch, the id checks), mean of 2,000.
 
     python benchmarks/kv_copy_sweep.py [--host] [--out DIR]
@@ -42,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 from run_meta import device_kind, git_commit
+from transfer import device_ms, host_ms, median_s
 from transfer_setup import LAYOUTS, plan
 
 from pdserve.kernels import kv_copy
@@ -138,39 +141,6 @@ def _counted_case(pair, ids, n):
     return functools.partial(pair.launch_counted, ids, 0, n)
 
 
-def _held_ms(fn, reps: int = 20) -> float:
-    """GPU time of the work `fn` queues, a GPU sleep holding it back until it is queued."""
-    fn()
-    times = []
-    for _ in range(10 * reps):  # bounded: a call that outlasts the sleep never counts
-        if len(times) == reps:
-            break
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(4_000_000)
-        start.record()
-        fn()
-        end.record()
-        held = not start.query()
-        end.synchronize()
-        if held:
-            times.append(start.elapsed_time(end))
-    if not times:
-        raise RuntimeError("queueing the work outlasted a 2 ms GPU sleep every time")
-    return float(np.median(times))
-
-
-def _call_us(fn, reps: int = 20) -> float:
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    torch.cuda.synchronize()
-    return float(np.median(times)) * 1e6
-
-
 def sweep(device: str) -> list[dict]:
     src, dst, requests = _tables(device)
     pair = kv_copy._Pair(src, dst)
@@ -184,7 +154,7 @@ def sweep(device: str) -> list[dict]:
         flat_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         flat_dst = torch.empty_like(flat_src)
         base = _events_ms(functools.partial(flat_dst.copy_, flat_src))
-        base_held = _held_ms(functools.partial(flat_dst.copy_, flat_src))
+        base_held = device_ms(functools.partial(flat_dst.copy_, flat_src), 20, device)
         dst.zero_()
         want = dst.clone()
         kv_copy.copy_units_ref(
@@ -210,11 +180,11 @@ def sweep(device: str) -> list[dict]:
                 rows.append({"tokens": req.tokens, "case": name, "error": repr(e)[:200]})
                 continue
             ok = bool(torch.equal(bitwise_view(dst), bitwise_view(want)))
-            held = _held_ms(launch) if name.startswith("grid b2048 t4 w4") else None
+            held = device_ms(launch, 20, device) if name.startswith("grid b2048 t4 w4") else None
             rows.append(
                 {
                     "tokens": req.tokens, "case": name, "ms": round(ms, 5), "held_ms": held,
-                    "call_us": _call_us(launch),
+                    "call_us": host_ms(launch, 20, torch.cuda.synchronize) * 1e3,
                     "GBps": round(nbytes / ms / 1e6, 1), "of_copy": round(base / ms, 4),
                     "copy_ms": round(base, 5), "copy_held_ms": base_held, "correct": ok,
                 }
@@ -285,7 +255,7 @@ def replay_e2e(device: str) -> list[dict]:
             ("raw_replay", raw_replay),
             ("copy", copy),
         ):
-            row[f"{name}_us"] = _call_us(fn, 30)
+            row[f"{name}_us"] = median_s(fn, 30, torch.cuda.synchronize) * 1e6
         row["fill_us"] = _host_us(lambda: graph.try_fill([(s_ids, d_ids)]), 200)  # noqa: B023
         rows.append({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
         print(json.dumps(rows[-1]), flush=True)
@@ -363,8 +333,8 @@ def main() -> int:
         "commit": git_commit(),
         "command": " ".join(["benchmarks/kv_copy_sweep.py", *sys.argv[1:]]),
     }
-    # Not the legacy default stream: cuMemcpyBatchAsync refuses it (CUDA_ERROR_INVALID_VALUE),
-    # and a pull's copies run on a side stream anyway.
+    # On a side stream, as a pull's copies run (the copy-engine candidate dropped since
+    # also refused the legacy default stream).
     with torch.cuda.stream(torch.cuda.Stream()):
         result["rows"] = sweep("cuda:0")
     result["replay_e2e"] = replay_e2e("cuda:0")

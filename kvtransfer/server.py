@@ -203,16 +203,8 @@ class KVSourceServer:
                 L = buf.shape[0]
                 spans = [(i, i + 1) for i in range(L)] if msg.layer_wise else [(0, L)]
                 for start, end in spans:
-                    part = buf[start:end]
-                    header = DataHeader(
-                        rid, g, t, start, end, list(part.shape),
-                        str(part.dtype).removeprefix("torch."), part.numel() * part.element_size(),
-                    )  # fmt: skip
-                    self._sock.send_multipart(
-                        [identity, encode(header), as_byte_view(part)], copy=False
-                    )
+                    self._send_frame(identity, rid, g, t, start, end, buf[start:end])
                     num_frames += 1
-                    self.counts["bytes"] += header.nbytes
         self.counts["pulls"] += 1
         self._send(identity, PullDone(rid, num_frames))
 
@@ -264,12 +256,17 @@ class KVSourceServer:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 buffers = [b.cpu() for b in pack(storage, list(ids[first:]), (start, end))]
             for t, part in enumerate(buffers):
-                header = DataHeader(
-                    rid, g, t, start, end, list(part.shape),
-                    str(part.dtype).removeprefix("torch."), part.numel() * part.element_size(),
-                )  # fmt: skip
-                self._sock.send_multipart(
-                    [st.identity, encode(header), as_byte_view(part)], copy=False
-                )
+                self._send_frame(st.identity, rid, g, t, start, end, part)
                 st.frames += 1
-                self.counts["bytes"] += header.nbytes
+
+    def _send_frame(
+        self, identity: bytes, rid: str, g: int, t: int, start: int, end: int, part
+    ) -> None:
+        """One `[DataHeader, raw frame]` message: layers [start, end) of group g's tensor t,
+        `part` a contiguous CPU tensor sent without a copy."""
+        header = DataHeader(
+            rid, g, t, start, end, list(part.shape), str(part.dtype).removeprefix("torch."),
+            part.numel() * part.element_size(),
+        )  # fmt: skip
+        self._sock.send_multipart([identity, encode(header), as_byte_view(part)], copy=False)
+        self.counts["bytes"] += header.nbytes
