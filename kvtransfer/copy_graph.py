@@ -11,10 +11,17 @@ into the pinned buffer (10 us for 2 x 128 ids, kv_copy_sweep.py's replay_e2e) an
 the graph through the driver; a filled replay of the 2,048-token request took 139 us end
 to end there, one plain copy of its bytes 126 us.
 
+The graph also holds the pull's two stream events, as an event wait node (for `ready`,
+which the caller records on its own stream: the destination units were just allocated
+there) and an event record node (`done`); so a replay costs the host one event record,
+the fill and one driver launch, where recording, waiting and recording again as three
+calls of their own cost it ~5.4 us more (1.8 us each, kv_copy_sweep.py --host).
+
 Rules that keep it correct:
-- The pinned buffer is refilled only once the replay that last read it has completed (an
-  event). If it has not (a pull that timed out and left work queued), `try_fill` says no
-  and the caller takes the eager path.
+- The pinned buffer is refilled only once the replay that last read it has completed
+  (`done`; or `idle`, which the owner sets once it has seen `done` complete, saving a
+  2 us query). If it has not (a pull that timed out and left work queued), `try_fill`
+  says no and the caller takes the eager path.
 - The graph holds the tables' addresses, a source's CUDA IPC mapping among them. Its owner
   drops it when it forgets that source.
 - The capture uses thread-local error mode and allocates nothing, so it does not disturb
@@ -95,7 +102,11 @@ class GraphedCopy:
         self.host = torch.zeros(total, dtype=torch.int64, pin_memory=True)
         self.slots = self.host.numpy()
         self.graph = torch.cuda.CUDAGraph()
-        self.replayed = torch.cuda.Event()  # query() is True before the first record
+        # External: captured as a wait node and a record node, not as the capture's own
+        # cross-stream dependencies (torch.cuda.Event's `external`).
+        self.ready = torch.cuda.Event(external=True)  # recorded by `replay` on the caller
+        self.done = torch.cuda.Event(external=True)  # recorded by each replay, at its end
+        self.idle = True  # no replay, or the owner has seen the last one's `done` complete
         self.keep: list = []  # what the owner's cache key names (kept alive with the graph)
         with torch.cuda.stream(stream):
             self.device = torch.zeros(total, dtype=torch.int64, device=stream.device)
@@ -108,11 +119,16 @@ class GraphedCopy:
             # happen inside a capture) and copies nothing.
             for pair, off, cap in launches:
                 pair.launch_counted(self.device, off, cap)
+            # Events are created on first record, which a capture must not be.
+            self.ready.record(stream)
+            self.done.record(stream)
             self.graph.capture_begin(capture_error_mode="thread_local")
             try:
+                stream.wait_event(self.ready)
                 self.device.copy_(self.host, non_blocking=True)
                 for pair, off, cap in launches:
                     pair.launch_counted(self.device, off, cap)
+                self.done.record(stream)
             finally:
                 self.graph.capture_end()
         raw = getattr(self.graph, "raw_cuda_graph_exec", None)  # torch >= 2.7
@@ -123,7 +139,7 @@ class GraphedCopy:
         writing nothing, while the last replay may still be reading them. Raises
         struct.error for an id that is not an int64 (the caller's eager path names it);
         bools pass as 0/1, and the caller's check refuses them later."""
-        if not self.replayed.query():
+        if not (self.idle or self.done.query()):
             return False
         host = self.slots
         for (src, dst), off, cap in zip(ids, self.offsets, self.capacities, strict=True):
@@ -136,9 +152,11 @@ class GraphedCopy:
         return True
 
     def replay(self, stream: torch.cuda.Stream, caller: torch.cuda.Stream) -> None:
-        """Queue the upload and the copies on `stream`; `caller` is the stream current on
-        this thread, restored if torch's replay (which launches on the current stream)
-        has to run."""
+        """Queue the upload and the copies on `stream`, after the work queued so far on
+        `caller` (the stream current on this thread, restored if torch's replay, which
+        launches on the current stream, has to run); `done` completes after them."""
+        self.ready.record(caller)
+        self.idle = False
         launch = _driver_graph_launch()
         if launch is not None and self._exec:
             err = launch(self._exec, stream.cuda_stream)
@@ -150,7 +168,6 @@ class GraphedCopy:
                 self.graph.replay()
             finally:
                 torch.cuda.set_stream(caller)
-        self.replayed.record(stream)
 
 
 class CopyGraphs:

@@ -13,8 +13,9 @@ is not acknowledged), and a source that stops answering is forgotten, mapping an
 
 Per pull the host does little. On one GPU the copy is a replay of a CUDA graph captured
 once per (tables, id capacity) on the thread's side stream (kvtransfer/copy_graph.py):
-the host writes the ids into the graph's pinned buffer, replays it (id upload plus one
-counted-kernel launch per tensor), and checks the ids while the device copies; the pull fails
+the host records where the caller's stream is, writes the ids into the graph's pinned
+buffer and replays it (a wait for that record, the id upload, one counted-kernel launch per
+tensor, the record of its `done`), and checks the ids while the device copies; the pull fails
 after the copy if they were bad (the kernel skips out-of-range ids). Otherwise (two GPUs,
 a graph whose last replay is still queued, more ids than a graph holds) the eager path
 checks the ids first, stages them through a pinned buffer (`IdStaging`) and launches the
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.kv_copy import PairCache
-from pdserve.kvtransfer.copy_graph import CopyGraphs
+from pdserve.kvtransfer.copy_graph import CopyGraphs, GraphedCopy
 from pdserve.kvtransfer.id_staging import IdStagingPool
 from pdserve.kvtransfer.layout import DTYPES, GroupStorage, KVLayout
 from pdserve.kvtransfer.pack import UnitCopy, check_copies, copy_groups
@@ -143,6 +144,7 @@ class QueuedPull:
     # Copies queued before their ids were checked (the graph path): `pull` checks them
     # while the device copies, and fails the pull if they are bad.
     unchecked: tuple[UnitCopy, ...] = ()
+    graph: GraphedCopy | None = None  # the graph replayed (its `done` is `done`)
 
 
 class _SideStream:
@@ -243,8 +245,6 @@ class CudaIpcTransport(ZmqClient):
         device = dst[0].device
         self._ensure_peer(sources[0].device, device)
         side = self._side_stream(sources[0].device, device)
-        side.ready.record(side.caller)
-        side.stream.wait_event(side.ready)
         copies = []
         moved = 0
         for g, (src, d) in enumerate(zip(sources, dst, strict=True)):
@@ -253,30 +253,32 @@ class CudaIpcTransport(ZmqClient):
             peer = src.device != d.device  # _ensure_peer enabled it
             copies.append(UnitCopy(src, src_ids, d, spec.dst_unit_ids[g][first:], peer))
             moved += len(src_ids) * self._unit_bytes[g]
-        if self._replay(side, copies):
-            side.done.record(side.stream)
-            return QueuedPull(moved, side.done, tuple(copies))
+        graph = self._replay(side, copies)
+        if graph is not None:  # it waits for the caller stream and records its own `done`
+            return QueuedPull(moved, graph.done, tuple(copies), graph)
+        side.ready.record(side.caller)
+        side.stream.wait_event(side.ready)
         with torch.cuda.stream(side.stream):
             copy_groups(copies, self._stagings.for_stream(side.stream), self._pairs)
             side.done.record(side.stream)
         return QueuedPull(moved, side.done)
 
-    def _replay(self, side: _SideStream, copies: list[UnitCopy]) -> bool:
+    def _replay(self, side: _SideStream, copies: list[UnitCopy]) -> GraphedCopy | None:
         """Queue `copies` as a replay of this thread's captured graph for their tables and
-        id capacities (capturing it on first use); False when the eager path must run: a
-        pull between two GPUs, more ids than any graph holds, the graph's id buffer still
-        read by an unfinished replay, or an id that is not an int64 (the eager path's
-        check names it)."""
+        id capacities (capturing it on first use) and return the graph; None when the
+        eager path must run: a pull between two GPUs, more ids than any graph holds, the
+        graph's id buffer still read by an unfinished replay, or an id that is not an
+        int64 (the eager path's check names it)."""
         if side.graphs is None:
-            return False
+            return None
         graph = side.graphs.get(copies, self._pairs)
         try:
             if graph is None or not graph.try_fill([(c.src_ids, c.dst_ids) for c in copies]):
-                return False
+                return None
         except struct.error:
-            return False
+            return None
         graph.replay(side.stream, side.caller)
-        return True
+        return graph
 
     def pull(
         self,
@@ -300,6 +302,8 @@ class CudaIpcTransport(ZmqClient):
             spins += 1
             if spins > 1000:  # past ~1 ms of spinning, stop burning the core
                 time.sleep(50e-6)
+        if queued.graph is not None:
+            queued.graph.idle = True  # its next fill needs no query
         if bad_ids is not None:
             # Raised once the copy is done, so the caller may free the destination units:
             # the kernel skipped out-of-range ids, the rest landed as garbage.

@@ -218,7 +218,8 @@ def test_graph_path_checks_ids_while_copying_and_fails_after():
         bad[2] = 10**6
         with pytest.raises(ValueError, match="destination unit id 1000000"):
             transport.pull(PullSpec(ticket, (tuple(bad),), (0,)), dst, timeout_s=30)
-        assert _side(transport).done.query(), "the error came before the copy ended"
+        graphs = _side(transport).graphs._graphs.values()
+        assert all(g.done.query() for g in graphs), "the error came before the copy ended"
         boolean = list(dst_units)
         boolean[0] = True  # packs as unit 1 into the graph's buffer; the check refuses it
         # (a ticket's source ids cannot be bools: its schema refuses them on arrival)
@@ -234,6 +235,32 @@ def test_graph_path_checks_ids_while_copying_and_fails_after():
         (want,) = expect[0].flat()
         for s, u in zip(src_units, dst_units):
             assert torch.equal(bitwise_view(got[:, u]), bitwise_view(want[:, s]))
+        transport.release(ticket, 5.0)
+        transport.close()
+
+
+def test_a_replayed_copy_waits_for_the_work_the_caller_queued_before_the_pull():
+    """Guards the graph's event wait node: the destination units were just allocated on
+    the caller's stream, and what it queued on them before the pull (here a fill behind a
+    ~50 ms sleep) must land before the copy, not after it, or the pulled units end up
+    holding the fill."""
+    with source_process("paged_gqa") as endpoint:
+        layout, sizes, src_units, expect, ticket = _gqa_pull_setup(endpoint)
+        _, (dst_units,) = UNITS["paged_gqa"]
+        dst = tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes))
+        transport = CudaIpcTransport("D", layout)
+        spec = PullSpec(ticket, (tuple(dst_units),), (0,))
+        transport.pull(spec, dst, timeout_s=30)  # captures the graph
+        (got,) = dst[0].flat()
+        (want,) = expect[0].flat()
+        for _ in range(3):
+            torch.cuda._sleep(100_000_000)
+            got.fill_(7)
+            transport.pull(spec, dst, timeout_s=30)
+            torch.cuda.synchronize()
+            for s, u in zip(src_units, dst_units):
+                assert torch.equal(bitwise_view(got[:, u]), bitwise_view(want[:, s]))
+        assert len(_side(transport).graphs._graphs) == 1, "the pulls replayed the graph"
         transport.release(ticket, 5.0)
         transport.close()
 
