@@ -105,6 +105,7 @@ def _skinny_linear_kernel(
     IEEE_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr,  # launched with PDL and the weight rows 16-byte aligned
+    W_BYTES: tl.constexpr,  # bytes per weight element
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -118,7 +119,7 @@ def _skinny_linear_kernel(
         # This program's weight slice, one bulk prefetch per row (rows past N ask for row
         # 0 again), while the previous kernel still runs: the weights are never written.
         rows = tl.where(n_mask, offs_n, 0).to(tl.int64)
-        span = (tl.minimum(k_per_split, k - k_start) * w_ptr.dtype.element_ty.primitive_bitwidth // 8) // 16 * 16
+        span = tl.minimum(k_per_split, k - k_start) * W_BYTES // 16 * 16
         sizes = tl.full([BLOCK_N], 0, tl.int32) + span
         prefetch_l2(w_ptr + rows * stride_wn + k_start, sizes)
         if SILU_MUL:
@@ -241,7 +242,7 @@ def skinny_linear_triton(
         SILU_MUL=silu_mul_output,
         SPLIT_K=split, EVEN_K=k % k_per_split == 0, M_PAD=m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         IEEE_DOT=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PREFETCH=pdl["USE_PDL"] and _rows_aligned(weight), **pdl,
+        PREFETCH=pdl["USE_PDL"] and _rows_aligned(weight), W_BYTES=weight.element_size(), **pdl,
     )  # fmt: skip
     return out
 
