@@ -14,8 +14,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pdserve.kernels.pdl import pdl_launch_args, wait_for_producer
-
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -29,9 +27,7 @@ def _silu_and_mul_kernel(
     x_row_stride,
     inter,
     BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_producer(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -58,9 +54,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(inter))
     grid = (x2.shape[0], triton.cdiv(inter, block))
     # 4 warps x 32 lanes x 8 = 1024: 16 B bf16 vectors per thread.
-    _silu_and_mul_kernel[grid](
-        x2, out, x2.stride(0), inter, BLOCK=block, num_warps=4, **pdl_launch_args(x2)
-    )
+    _silu_and_mul_kernel[grid](x2, out, x2.stride(0), inter, BLOCK=block, num_warps=4)
     return out
 
 

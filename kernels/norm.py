@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.pdl import pdl_launch_args, wait_for_producer
-
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
@@ -57,9 +55,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_producer(USE_PDL)
     # Row i of the [outer, inner, D] input lives at (i // inner, i % inner).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
@@ -127,7 +123,6 @@ def _launch_rms_norm(x, residual, weight, eps, out, residual_out) -> None:
         BLOCK_ROWS=block_rows,
         BLOCK_D=block_d,
         num_warps=num_warps,
-        **pdl_launch_args(x3),
     )
 
 

@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.pdl import pdl_launch_args, wait_for_producer
 from pdserve.kernels.workspace import KernelWorkspace
 
 LOG2E = 1.4426950408889634
@@ -206,9 +205,7 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_producer(USE_PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -350,9 +347,7 @@ def _prefill_kernel(
     BLOCK_R: tl.constexpr,  # rows scanned per step of the slot -> row search
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_producer(USE_PDL)
     head = tl.program_id(0)  # fastest: the heads of one tile run together and share K/V in L2
     # Row r owns tile slots [qsl[r] // BLOCK_M + r, qsl[r + 1] // BLOCK_M + r + 1): at least
     # cdiv(q_len, BLOCK_M) of them, and T // BLOCK_M + R slots in all, so the grid follows
@@ -475,7 +470,7 @@ def paged_attention_triton(
             num_slots, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             block_tables.stride(0),
             *cache_strides, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=128,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **pdl_launch_args(q),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )  # fmt: skip
 
     # Decode rows (and one-query pad rows), also inside a mixed step.
@@ -509,5 +504,4 @@ def paged_attention_triton(
         out.stride(1), block_tables.stride(0), *cache_strides, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
         SINGLE_SPLIT=single, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-        **pdl_launch_args(q),
     )  # fmt: skip

@@ -26,7 +26,6 @@ import triton.language as tl
 
 from pdserve.kernels.attention import write_kv_ref
 from pdserve.kernels.norm import rms_norm_ref
-from pdserve.kernels.pdl import pdl_launch_args, wait_for_producer
 from pdserve.kernels.rope import apply_rope_ref
 
 
@@ -113,9 +112,7 @@ def _prepare_qkv_kernel(
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_producer(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     dtype = q_out_ptr.dtype.element_ty
@@ -187,7 +184,7 @@ def prepare_qkv_triton(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HQ=block_hq,
         BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=half, HAS_NORM=has_norm,
         # 16 q heads x 64 = 1024 values per half: 4 warps, 8 per thread.
-        num_warps=4 if block_hq * half <= 2048 else 8, **pdl_launch_args(qkv),
+        num_warps=4 if block_hq * half <= 2048 else 8,
         # See rope.py: fusion would contract a rope product into an fma and skip its
         # rounding, one ulp off the reference on ~2% of bf16 outputs.
         enable_fp_fusion=False,

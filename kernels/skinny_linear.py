@@ -40,7 +40,6 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.activation import silu_and_mul, silu_and_mul_ref
-from pdserve.kernels.pdl import pdl_launch_args, prefetch_l2, wait_for_producer
 from pdserve.kernels.workspace import KernelWorkspace
 
 MAX_ROWS = 64  # the largest M this path takes; larger batches go to cuBLAS
@@ -103,9 +102,6 @@ def _skinny_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,  # launched with PDL and the weight rows 16-byte aligned
-    W_BYTES: tl.constexpr,  # bytes per weight element
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -115,16 +111,6 @@ def _skinny_linear_kernel(
     n_mask = offs_n < n
     m_mask = offs_m < num_rows
     k_start = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
-    if PREFETCH:
-        # This program's weight slice, one bulk prefetch per row (rows past N ask for row
-        # 0 again), while the previous kernel still runs: the weights are never written.
-        rows = tl.where(n_mask, offs_n, 0).to(tl.int64)
-        span = tl.minimum(k_per_split, k - k_start) * W_BYTES // 16 * 16
-        sizes = tl.full([BLOCK_N], 0, tl.int32) + span
-        prefetch_l2(w_ptr + rows * stride_wn + k_start, sizes)
-        if SILU_MUL:
-            prefetch_l2(w_ptr + (rows + n) * stride_wn + k_start, sizes)
-    wait_for_producer(USE_PDL)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
@@ -235,23 +221,14 @@ def skinny_linear_triton(
     else:
         part = counters = out  # unused
     ieee = x.dtype == torch.float32 or x.device.type == "cpu"
-    pdl = pdl_launch_args(x)
     _skinny_linear_kernel[(tiles, split)](
         x, weight, bias if bias is not None else out, out, part, counters, num_rows, n, k,
         k_per_split, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul_output,
         SPLIT_K=split, EVEN_K=k % k_per_split == 0, M_PAD=m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         IEEE_DOT=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PREFETCH=pdl["USE_PDL"] and _rows_aligned(weight), W_BYTES=weight.element_size(), **pdl,
     )  # fmt: skip
     return out
-
-
-def _rows_aligned(weight: torch.Tensor) -> bool:
-    """Every weight row starts 16-byte aligned (what a bulk prefetch needs); slices start
-    at multiples of BLOCK_K elements, so they do too."""
-    elem = weight.element_size()
-    return weight.data_ptr() % 16 == 0 and (weight.stride(0) * elem) % 16 == 0
 
 
 def linear(

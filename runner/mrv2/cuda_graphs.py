@@ -19,7 +19,6 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.kernels.pdl import use_pdl
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.mrv2.input_batch import InputBuffers
 
@@ -121,14 +120,12 @@ class CudaGraphs:
         self.capture_seconds = time.perf_counter() - start
         self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         logger.info(
-            "captured %d CUDA graphs (sizes %d..%d) in %.1f s using %.0f MiB; "
-            "programmatic dependent launch: %s",
+            "captured %d CUDA graphs (sizes %d..%d) in %.1f s using %.0f MiB",
             len(self.graphs),
             self.sizes[0],
             self.sizes[-1],
             self.capture_seconds,
             self.memory_bytes / 2**20,
-            "on" if use_pdl(b.input_ids) else "off",
         )
 
     def replay(self, size: int) -> torch.Tensor:
