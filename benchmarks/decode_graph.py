@@ -1,0 +1,81 @@
+"""Device time of one decode step's forward, the host out of the loop.
+
+    python benchmarks/decode_graph.py [--rows 32] [--context 384] [--replays 200]
+
+Builds throughput.py's engine (random bf16 Qwen3-0.6B shape, CUDA graphs), runs `--rows`
+requests of 256 prompt tokens until their contexts reach `--context`, then replays the
+decode graph of that batch size back to back over the last step's inputs and times the
+replays with CUDA events. What throughput.py's TPOT cannot show on a host too slow to keep
+the GPU fed (a host-bound step hides a faster forward): the GPU side alone. The replays
+rewrite the same KV slots with the same values, so nothing changes between them. Prints
+one JSON line (and writes it to `--out`/decode_graph_<rows>.json). A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run_meta import git_commit  # noqa: E402
+from throughput import random_model_engine  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--context", type=int, default=384, help="tokens per row when timed")
+    ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    if args.context <= args.prompt_len:
+        ap.error("--context must exceed --prompt-len (decode steps reach it)")
+
+    from pdserve.runner.sampling_params import SamplingParams
+
+    engine = random_model_engine()
+    graphs = engine.runner.graphs
+    if graphs is None or args.rows not in graphs.graphs:
+        raise SystemExit(f"no decode graph of {args.rows} rows (captured: {graphs and graphs.sizes})")
+    params = SamplingParams(temperature=0.0, max_tokens=args.context, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    for r in range(args.rows):
+        prompt = torch.randint(0, 150_000, (args.prompt_len,), generator=g).tolist()
+        engine.add_request(f"r{r}", prompt, params)
+    for _ in range(args.context - args.prompt_len + 1):
+        engine.step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(args.replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs.replay(args.rows)
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    ms = [s.elapsed_time(e) for s, e in times[10:]]  # the first replays warm the clocks
+    row = {
+        "rows": args.rows,
+        "context": args.context,
+        "replays": len(ms),
+        "forward_ms_p50": statistics.median(ms),
+        "forward_ms_min": min(ms),
+        "device": torch.cuda.get_device_name(),
+        "commit": git_commit(),
+        "command": "benchmarks/decode_graph.py " + " ".join(sys.argv[1:]),
+    }
+    print(json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"decode_graph_{args.rows}.json").write_text(json.dumps(row, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
