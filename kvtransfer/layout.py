@@ -252,6 +252,8 @@ class GroupStorage:
             for t, e in zip(self.tensors, g.unit_elems(), strict=True)
         )
         object.__setattr__(self, "_flat", flat)
+        # Read several times a pull; a tensor's `.device` builds a new object per call.
+        object.__setattr__(self, "_device", first.device)
 
     @property
     def num_units(self) -> int:
@@ -259,7 +261,7 @@ class GroupStorage:
 
     @property
     def device(self) -> torch.device:
-        return self.tensors[0].device
+        return self._device  # type: ignore[attr-defined]
 
     def flat(self) -> tuple[torch.Tensor, ...]:
         """Each tensor as a `[num_layers, num_units, E]` view (same memory, no copy)."""

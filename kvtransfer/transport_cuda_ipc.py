@@ -242,9 +242,9 @@ class CudaIpcTransport(ZmqClient):
             self.heartbeat(ticket, timeout_s, max(deadline - time.monotonic(), 0.001))
         if cancel is not None and cancel.is_set():
             raise TransferError("cancelled", f"pull of {ticket.request_id} cancelled")
-        device = dst[0].device
-        self._ensure_peer(sources[0].device, device)
-        side = self._side_stream(sources[0].device, device)
+        src_device, device = sources[0].device, dst[0].device
+        self._ensure_peer(src_device, device)
+        side = self._side_stream(src_device, device)
         copies = []
         moved = 0
         for g, (src, d) in enumerate(zip(sources, dst, strict=True)):
