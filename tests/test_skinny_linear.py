@@ -148,3 +148,89 @@ def test_workspace_keeps_outgrown_buffers_alive():
     gc.collect()
     assert gone() is not None, "an outgrown buffer was freed"
     assert ws.counters("decode_attention", 10, torch.device("cpu")) is big  # fits: no growth
+
+
+# bf16 on CUDA only, as for SILU_DTYPES: the interpreter truncates the kernel's bf16 casts
+# where torch's CPU ops round.
+FUSED_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", FUSED_DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k,split,bias", CASES)
+def test_add_residual_is_the_separate_add_bitwise(m, n, k, split, bias, dtype):
+    """Guards the o projection's epilogue (`linear_add_residual`): the sum must be the
+    unfused kernel's output plus the residual, bitwise (same tiles and merge, then torch's
+    one rounding of the add), and each tile's per-row sum of squares must add up to the
+    rows' sums of squares, which the next norm divides into its variance (a tile left out
+    or counted twice errs by a whole tile's share)."""
+    x, w, b = make(m, n, k, dtype, bias, seed=7)
+    res = torch.randn(m, n, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
+    cfg = sl.SkinnyConfig(block_n=32, block_k=64, split_k=split, num_warps=4, num_stages=2)
+    ws = KernelWorkspace()
+    s, squares = sl.linear_add_residual(x, w, b, res, ws, config=cfg)
+    assert torch.equal(s, sl.skinny_linear_triton(x, w, b, ws, config=cfg) + res)
+    assert squares.tiles == -(-n // 32) and squares.m_pad == max(16, 1 << (m - 1).bit_length())
+    parts = squares.partials[: squares.tiles * squares.m_pad].view(squares.tiles, -1)
+    want = s.double().pow(2).sum(1).cpu()
+    # fp32 sums of n squares: at most n * 2^-24 of the sum each way.
+    torch.testing.assert_close(parts[:, :m].sum(0).double().cpu(), want, rtol=n * 2.0**-23, atol=0)
+
+
+@pytest.mark.parametrize("dtype", FUSED_DTYPES, ids=str)
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("m,k,split", [(1, 260, 2), (5, 300, 1), (32, 512, 4)])
+def test_input_norm_matches_rms_norm_then_linear(m, k, split, silu, dtype):
+    """Guards the norm applied on load (`InputNorm`): y must be the linear (and SiLU-and-mul)
+    of rms_norm(x) with kernels/norm.py's rounding points, the variance from the producer's
+    per-tile sums (made here by torch over 32-column tiles, the last one short). The bound
+    is `check`'s plus the normalised input's own rounding, twice (the kernel's variance is
+    summed in another order, so a value may round the other way); a missing or misplaced
+    norm (wrong row, wrong weight slice, variance over the padded width) errs by O(|ref|)."""
+    from pdserve.kernels.norm import rms_norm_ref
+
+    n, eps = 48, 1e-6
+    split = 1 if silu else split  # SiLU-and-mul outputs are not split
+    x, w, b = make(m, 2 * n if silu else n, k, dtype, False, seed=9)
+    nw = (torch.rand(k, generator=torch.Generator().manual_seed(10)) + 0.5).to(dtype).to(DEVICE)
+    tiles, m_pad = -(-k // 32), max(16, 1 << (m - 1).bit_length())
+    parts = torch.zeros(tiles, m_pad)
+    xf = x.float().cpu()
+    for t in range(tiles):
+        parts[t, :m] = xf[:, 32 * t : 32 * t + 32].pow(2).sum(1)
+    norm = sl.InputNorm(nw, eps, sl.RowSquares(parts.flatten().to(DEVICE), tiles, m_pad))
+    cfg = sl.SkinnyConfig(block_n=16, block_k=64, split_k=split, num_warps=4, num_stages=2)
+    ws = KernelWorkspace()
+    y = sl.skinny_linear_triton(x, w, b, ws, silu_mul_output=silu, config=cfg, norm=norm)
+    h = rms_norm_ref(x, nw, eps)
+    if not silu:
+        hd, wd = h.double().cpu(), w.double().cpu()
+        ref = hd @ wd.T
+        scale = hd.abs() @ wd.abs().T
+        slack = (2 * ROUNDING[dtype] + 2.0**-12) * scale
+        bound = ROUNDING[dtype] * ref.abs() + slack + 1e-30
+        assert ((y.double().cpu() - ref).abs() <= bound).all()
+    else:
+        # Against the unfused kernels: the projections may differ by the input's rounding.
+        want = sl.skinny_linear_triton(h, w, b, ws, silu_mul_output=True, config=cfg)
+        scale = (h.double().abs() @ w.double().abs().T).cpu()
+        gate_scale = torch.maximum(scale[:, :n], scale[:, n:])
+        tol = 4 * (2 * ROUNDING[dtype] + 2.0**-12) * gate_scale * (1 + want.double().abs().cpu())
+        assert ((y.double() - want.double()).abs().cpu() <= tol + 1e-6).all()
+
+
+def test_fused_paths_refuse_what_they_cannot_take():
+    """Bad input to the fused paths fails with a message: a residual of the wrong shape,
+    a residual on a SiLU-and-mul output, squares of another batch's rows."""
+    x, w, b = make(8, 40, 64, torch.float32, False)
+    ws = KernelWorkspace()
+    with pytest.raises(AssertionError, match="residual is"):
+        sl.linear_add_residual(x, w, b, torch.zeros(8, 41, device=DEVICE), ws)
+    with pytest.raises(AssertionError, match="plain outputs"):
+        sl._launch(
+            x, torch.cat([w, w]), None, ws, True, None, None, torch.zeros(8, 40, device=DEVICE)
+        )
+    squares = sl.RowSquares(torch.zeros(64, device=DEVICE), 2, 32)
+    with pytest.raises(AssertionError, match="these rows"):
+        sl.skinny_linear_triton(
+            x, w, None, ws, norm=sl.InputNorm(torch.ones(64, device=DEVICE), 1e-6, squares)
+        )

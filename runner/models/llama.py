@@ -22,7 +22,7 @@ from torch import nn
 from pdserve.kernels.attention import paged_attention
 from pdserve.kernels.norm import fused_add_rms_norm, rms_norm
 from pdserve.kernels.qkv_prep import prepare_qkv
-from pdserve.kernels.skinny_linear import linear
+from pdserve.kernels.skinny_linear import InputNorm, linear, linear_add_residual, takes_skinny
 from pdserve.kernels.workspace import KernelWorkspace
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.models.rope import build_cos_sin_cache
@@ -87,6 +87,8 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
     ) -> torch.Tensor:
+        """[T, hidden] -> [T, q_size]: attention's output before the o projection (the
+        decoder layer applies it, fused with what follows when it can)."""
         t = x.shape[0]
         qn, kn = self.q_norm, self.k_norm
         # Split, q/k norm, rope and the KV write in one kernel (kernels/qkv_prep.py).
@@ -108,8 +110,7 @@ class Attention(nn.Module):
             attn.max_seq_len,
             workspace=self.workspace,
         )
-        o = self.o_proj
-        return linear(out.reshape(t, self.q_size), o.weight, o.bias, self.workspace)
+        return out.reshape(t, self.q_size)
 
 
 class MLP(nn.Module):
@@ -120,10 +121,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # On the skinny path SiLU-and-mul is the gate/up projection's epilogue.
+    def forward(self, x: torch.Tensor, norm: InputNorm | None = None) -> torch.Tensor:
+        # On the skinny path SiLU-and-mul is the gate/up projection's epilogue, and `norm`
+        # (the post-attention RMSNorm of x) is applied as it loads x.
         gate_up, down = self.gate_up_proj, self.down_proj
-        h = linear(x, gate_up.weight, gate_up.bias, self.workspace, silu_mul_output=True)
+        h = linear(x, gate_up.weight, gate_up.bias, self.workspace, True, norm)
         return linear(h, down.weight, down.bias, self.workspace)
 
 
@@ -140,8 +142,17 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, cos_sin, kv_cache, attn)
-        x, residual = self.post_attention_layernorm(x, residual)
+        a = self.self_attn(x, positions, cos_sin, kv_cache, attn)
+        o, gate_up = self.self_attn.o_proj, self.mlp.gate_up_proj
+        ws = self.self_attn.workspace
+        post = self.post_attention_layernorm
+        fuse = post.weight.dtype == residual.dtype and takes_skinny(a, o.weight)
+        if fuse and takes_skinny(residual, gate_up.weight, True):
+            # Decode batches: the o projection adds the residual and sums the squares the
+            # post-attention norm needs; the gate/up projection normalises as it loads.
+            residual, squares = linear_add_residual(a, o.weight, o.bias, residual, ws)
+            return self.mlp(residual, InputNorm(post.weight, post.eps, squares)), residual
+        x, residual = post(linear(a, o.weight, o.bias, ws), residual)
         return self.mlp(x), residual
 
 
