@@ -349,9 +349,12 @@ def _launch(x, weight, bias, workspace, silu_mul_output, config, norm, residual)
     return out, squares
 
 
-def takes_skinny(x: torch.Tensor, weight: torch.Tensor, silu_mul_output: bool = False) -> bool:
+def takes_skinny(
+    x: torch.Tensor, weight: torch.Tensor, silu_mul_output: bool = False, any_width: bool = False
+) -> bool:
     """Whether `linear` sends this product to the skinny kernel: a 16-bit decode batch on
-    the GPU into a narrow output or a fused SiLU-and-mul."""
+    the GPU into a narrow output or a fused SiLU-and-mul (`any_width`: or any output, as
+    `linear` does for an input norm, which only this kernel applies)."""
     return (
         x.is_cuda
         and x.dim() == 2
@@ -359,7 +362,7 @@ def takes_skinny(x: torch.Tensor, weight: torch.Tensor, silu_mul_output: bool = 
         and 0 < x.shape[0] <= MAX_ROWS
         and x.stride(1) == 1
         and weight.stride(1) == 1
-        and (silu_mul_output or weight.shape[0] <= NARROW_N)
+        and (silu_mul_output or any_width or weight.shape[0] <= NARROW_N)
     )
 
 
@@ -372,9 +375,9 @@ def linear(
     norm: InputNorm | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` (then `silu_and_mul` with `silu_mul_output`): the skinny
-    kernel where `takes_skinny`, cuBLAS otherwise. `norm` (skinny path only: the caller
-    checked `takes_skinny`) normalises x on load."""
-    if takes_skinny(x, weight, silu_mul_output):
+    kernel where `takes_skinny`, cuBLAS otherwise. `norm` normalises x on load: skinny
+    path only, at any output width (the caller checked `takes_skinny(..., any_width=True)`)."""
+    if takes_skinny(x, weight, silu_mul_output, any_width=norm is not None):
         return skinny_linear_triton(x, weight, bias, workspace, silu_mul_output, norm=norm)
     assert norm is None, "an input norm rides on the skinny kernel only"
     y = F.linear(x, weight, bias)

@@ -86,14 +86,21 @@ class Attention(nn.Module):
         cos_sin: torch.Tensor,
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
+        norm: InputNorm | None = None,
     ) -> torch.Tensor:
         """[T, hidden] -> [T, q_size]: attention's output before the o projection (the
-        decoder layer applies it, fused with what follows when it can)."""
+        decoder layer applies it, fused with what follows when it can). `norm`: x is the
+        un-normalised residual stream, and the qkv projection applies the input norm."""
         t = x.shape[0]
         qn, kn = self.q_norm, self.k_norm
+        qkv_proj = self.qkv_proj
+        if norm is None:
+            qkv = qkv_proj(x)
+        else:
+            qkv = linear(x, qkv_proj.weight, qkv_proj.bias, self.workspace, norm=norm)
         # Split, q/k norm, rope and the KV write in one kernel (kernels/qkv_prep.py).
         q = prepare_qkv(
-            self.qkv_proj(x), self.num_heads, self.num_kv_heads,
+            qkv, self.num_heads, self.num_kv_heads,
             None if qn is None else qn.weight, None if kn is None else kn.weight,
             0.0 if qn is None else qn.eps, positions, cos_sin, kv_cache, attn.slot_mapping,
         )  # fmt: skip
@@ -121,11 +128,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, norm: InputNorm | None = None) -> torch.Tensor:
-        # On the skinny path SiLU-and-mul is the gate/up projection's epilogue, and `norm`
-        # (the post-attention RMSNorm of x) is applied as it loads x.
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # On the skinny path SiLU-and-mul is the gate/up projection's epilogue (the fused
+        # decode path of `DecoderLayer.forward` calls the projections itself).
         gate_up, down = self.gate_up_proj, self.down_proj
-        h = linear(x, gate_up.weight, gate_up.bias, self.workspace, True, norm)
+        h = linear(x, gate_up.weight, gate_up.bias, self.workspace, silu_mul_output=True)
         return linear(h, down.weight, down.bias, self.workspace)
 
 
@@ -137,23 +144,52 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, positions, cos_sin, kv_cache, attn):
-        if residual is None:
+    def forward(self, x, residual, positions, cos_sin, kv_cache, attn, squares=None, fuse=False):
+        """-> (x, residual, squares). Unfused: the residual stream is x + residual. `fuse`
+        (decode batches on the skinny kernels, `fused_decode`): each norm rides on the
+        projections around it; the o and down projections add the residual and sum its
+        squares, gate/up and the next layer's qkv normalise on load. The stream then comes
+        back summed in `residual` (x None) with its `squares`, and goes in that way."""
+        post = self.post_attention_layernorm
+        norm = None
+        if squares is not None:  # the layer before summed the stream
+            norm = InputNorm(self.input_layernorm.weight, self.input_layernorm.eps, squares)
+            x = residual
+        elif residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        a = self.self_attn(x, positions, cos_sin, kv_cache, attn)
-        o, gate_up = self.self_attn.o_proj, self.mlp.gate_up_proj
-        ws = self.self_attn.workspace
-        post = self.post_attention_layernorm
-        fuse = post.weight.dtype == residual.dtype and takes_skinny(a, o.weight)
-        if fuse and takes_skinny(residual, gate_up.weight, True):
-            # Decode batches: the o projection adds the residual and sums the squares the
-            # post-attention norm needs; the gate/up projection normalises as it loads.
-            residual, squares = linear_add_residual(a, o.weight, o.bias, residual, ws)
-            return self.mlp(residual, InputNorm(post.weight, post.eps, squares)), residual
-        x, residual = post(linear(a, o.weight, o.bias, ws), residual)
-        return self.mlp(x), residual
+        a = self.self_attn(x, positions, cos_sin, kv_cache, attn, norm)
+        o, ws = self.self_attn.o_proj, self.self_attn.workspace
+        if not fuse:
+            x, residual = post(linear(a, o.weight, o.bias, ws), residual)
+            return self.mlp(x), residual, None
+        gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
+        residual, squares = linear_add_residual(a, o.weight, o.bias, residual, ws)
+        h = linear(
+            residual,
+            gate_up.weight,
+            gate_up.bias,
+            ws,
+            True,
+            InputNorm(post.weight, post.eps, squares),
+        )
+        residual, squares = linear_add_residual(h, down.weight, down.bias, residual, ws)
+        return None, residual, squares
+
+
+def fused_decode(x: torch.Tensor, layer: DecoderLayer) -> bool:
+    """Whether a forward over x ([T, hidden], the embeddings) runs every layer fused
+    (`DecoderLayer.forward`): every projection on the skinny kernel and 16-bit norms."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (
+        takes_skinny(x, attn.qkv_proj.weight, any_width=True)
+        and takes_skinny(x, attn.o_proj.weight)
+        and takes_skinny(x, mlp.gate_up_proj.weight, True)
+        and takes_skinny(x, mlp.down_proj.weight)
+        and layer.input_layernorm.weight.dtype == x.dtype
+        and layer.post_attention_layernorm.weight.dtype == x.dtype
+    )
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -204,13 +240,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         """[T] token ids and positions -> [T, hidden] final hidden states (before the norm).
         `layer_hook(i)` runs once layer i is queued (its KV written, in stream order): the
         prefill side of layer-wise transfer publishes each layer as it lands."""
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual, squares = self.embed_tokens(input_ids), None, None
         cos_sin = self.cos_sin_cache
+        fuse = fused_decode(x, self.layers[0])
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual = layer(x, residual, positions, cos_sin, kv_cache, attn)
+            x, residual, squares = layer(
+                x, residual, positions, cos_sin, kv_cache, attn, squares, fuse
+            )
             if layer_hook is not None:
                 layer_hook(i)
-        return x + residual
+        return residual if squares is not None else x + residual
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """[N, hidden] pre-norm hidden states of the rows to sample -> [N, vocab] float32
