@@ -27,14 +27,6 @@ H200, results/skinny_bench_*.json): o_proj 5.2 vs cuBLAS 5.6-5.9 us, down_proj 5
 cuBLAS (5.2 vs 4.9-5.3), so `linear` sends narrow outputs (N <= 2048) and fused
 activations here, the rest to cuBLAS.
 
-Two fusions take the post-attention RMSNorm out of a launch of its own (1.8 us a layer at
-32 rows, 57 norm launches a step): `linear_add_residual` (the o projection) stores
-`y + residual` with the add's own rounding and, per output tile, each row's sum of squares;
-an `InputNorm` on the next linear (gate/up) turns those sums into the rows' inverse RMS
-before its K loop and applies kernels/norm.py's rounding points to every x tile it loads.
-The variance is summed tile by tile instead of over the row at once, so a normalised value
-may round the other way (tests/test_skinny_linear.py bounds it; the residual is bitwise).
-
 The partials and counters live in the model's `KernelWorkspace` (kernels/workspace.py).
 """
 
@@ -95,12 +87,6 @@ def _skinny_linear_kernel(
     out_ptr,  # [M, N]
     part_ptr,  # [SPLIT_K, M_PAD, N] fp32 workspace (unused when SPLIT_K == 1)
     count_ptr,  # [cdiv(N, BLOCK_N)] int32 arrival counters, zero between launches
-    res_ptr,  # ADD_RESIDUAL: [M, N] residual, unit stride on N
-    sq_out_ptr,  # ADD_RESIDUAL: [cdiv(N, BLOCK_N), M_PAD] fp32 per-tile sums of squares
-    norm_w_ptr,  # NORM_INPUT: [K] RMSNorm weight
-    sq_in_ptr,  # NORM_INPUT: [sq_tiles, M_PAD] fp32 per-tile sums of squares of x's rows
-    sq_tiles,
-    eps,
     num_rows,
     n,
     k,
@@ -108,12 +94,8 @@ def _skinny_linear_kernel(
     stride_xm,
     stride_wn,
     stride_om,
-    stride_rm,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr,  # out = y + residual, and its rows' sums of squares
-    NORM_INPUT: tl.constexpr,  # x is RMSNorm'ed on load (its squares from sq_in_ptr)
-    SQ_TILES_PAD: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # k_per_split divides K: no slice is short, no K mask
     M_PAD: tl.constexpr,
@@ -133,18 +115,6 @@ def _skinny_linear_kernel(
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)  # SILU_MUL only
-    if NORM_INPUT:
-        # kernels/norm.py's RMSNorm applied to x's tiles as they load: the rows' variance
-        # from the producer's per-tile sums (tile order: deterministic), then its rounding
-        # points, normalised value and product with the weight each rounded to the dtype.
-        tiles_in = tl.arange(0, SQ_TILES_PAD)
-        sq = tl.load(
-            sq_in_ptr + tiles_in[:, None] * M_PAD + offs_m[None, :],
-            mask=(tiles_in < sq_tiles)[:, None],
-            other=0.0,
-        )
-        inv_rms = tl.rsqrt(tl.sum(sq, axis=0) / k + eps)  # [M_PAD]
-        nw_ptrs = norm_w_ptr + k_start + offs_k
     for step in range(tl.cdiv(tl.minimum(k_per_split, k - k_start), BLOCK_K)):
         if EVEN_K:
             w_mask = n_mask[:, None]
@@ -155,14 +125,6 @@ def _skinny_linear_kernel(
             x_mask = m_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         xs = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if NORM_INPUT:
-            if EVEN_K:
-                nw = tl.load(nw_ptrs)
-            else:
-                nw = tl.load(nw_ptrs, mask=k_mask, other=0.0)
-            normed = (xs.to(tl.float32) * inv_rms[:, None]).to(xs.dtype)
-            xs = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(xs.dtype)
-            nw_ptrs += BLOCK_K
         acc = _dot(w, xs, acc, IEEE_DOT)
         if SILU_MUL:  # the up rows sit N rows below the gate rows
             w_up = tl.load(w_ptrs + n * stride_wn, mask=w_mask, other=0.0)
@@ -198,18 +160,8 @@ def _skinny_linear_kernel(
         gate = acc.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = silu * acc_up.to(dtype).to(tl.float32)
-    out_mask = n_mask[:, None] & m_mask[None, :]
-    if ADD_RESIDUAL:
-        # The projection rounded to the dtype as it would be stored, plus the residual:
-        # one rounding of an exact fp32 sum, as torch's add (and kernels/norm.py) round.
-        res_ptrs = res_ptr + offs_m[None, :].to(tl.int64) * stride_rm + offs_n[:, None]
-        res = tl.load(res_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-        acc = (acc.to(dtype).to(tl.float32) + res).to(dtype).to(tl.float32)
-        # Masked features hold 0; rows past num_rows hold at most the bias, and the
-        # consumer's loads zero those rows whatever their scale.
-        tl.store(sq_out_ptr + pid_n * M_PAD + offs_m, tl.sum(acc * acc, axis=0))
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(dtype), mask=out_mask)
+    tl.store(out_ptrs, acc.to(dtype), mask=n_mask[:, None] & m_mask[None, :])
 
 
 def choose_config(n: int, k: int, silu_mul: bool = False) -> SkinnyConfig:
@@ -231,26 +183,6 @@ def choose_config(n: int, k: int, silu_mul: bool = False) -> SkinnyConfig:
     return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4)
 
 
-@dataclass(frozen=True)
-class RowSquares:
-    """Per-row sums of squares of a skinny linear's output, one partial per output tile
-    (`linear_add_residual`): what the next RMSNorm needs of its input, so that the linear
-    after it can normalise on load (`InputNorm`) with no norm launch between them."""
-
-    partials: torch.Tensor  # fp32, [tiles, m_pad] flattened (a workspace buffer)
-    tiles: int
-    m_pad: int
-
-
-@dataclass(frozen=True)
-class InputNorm:
-    """RMSNorm of a linear's input rows, applied as the kernel loads them."""
-
-    weight: torch.Tensor  # [K], the input's dtype
-    eps: float
-    squares: RowSquares  # of the (un-normalised) input rows
-
-
 def skinny_linear_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -258,31 +190,8 @@ def skinny_linear_triton(
     workspace: KernelWorkspace,
     silu_mul_output: bool = False,
     config: SkinnyConfig | None = None,
-    norm: InputNorm | None = None,
 ) -> torch.Tensor:
-    """`skinny_linear_ref` for M <= 64 rows on the GPU (or Triton's interpreter); with
-    `norm`, of `rms_norm(x)` (kernels/norm.py's rounding; the variance summed per tile)."""
-    return _launch(x, weight, bias, workspace, silu_mul_output, config, norm, None)[0]
-
-
-def linear_add_residual(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor,
-    workspace: KernelWorkspace,
-    config: SkinnyConfig | None = None,
-) -> tuple[torch.Tensor, RowSquares]:
-    """`(s, squares)`: s = linear(x) + residual rounded as a separate add rounds it (bitwise
-    `skinny_linear_triton(x, ...) + residual`), and its rows' sums of squares for an
-    `InputNorm` of the next linear. The o projection's epilogue: it takes the
-    post-attention norm's residual add and its reduction out of a launch of their own."""
-    out, squares = _launch(x, weight, bias, workspace, False, config, None, residual)
-    assert squares is not None
-    return out, squares
-
-
-def _launch(x, weight, bias, workspace, silu_mul_output, config, norm, residual):
+    """`skinny_linear_ref` for M <= 64 rows on the GPU (or Triton's interpreter)."""
     assert x.dim() == 2 and weight.dim() == 2, "x is [M, K] and weight is [N, K]"
     num_rows, k = x.shape
     assert weight.shape[1] == k, f"x has {k} features, weight expects {weight.shape[1]}"
@@ -299,7 +208,6 @@ def _launch(x, weight, bias, workspace, silu_mul_output, config, norm, residual)
     )
     cfg = config or choose_config(n, k, silu_mul_output)
     assert not (silu_mul_output and cfg.split_k > 1), "SiLU-and-mul outputs are not split"
-    assert not (silu_mul_output and residual is not None), "a residual adds to plain outputs"
     m_pad = max(16, triton.next_power_of_2(num_rows))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # no empty slice: each program counts itself in
@@ -312,58 +220,15 @@ def _launch(x, weight, bias, workspace, silu_mul_output, config, norm, residual)
         counters = workspace.counters("skinny_linear", tiles, x.device)
     else:
         part = counters = out  # unused
-    squares = None
-    res = sq_out = norm_w = sq_in = out  # unused unless a residual or a norm is given
-    stride_rm, sq_tiles, eps = 0, 1, 0.0
-    if residual is not None:
-        assert residual.shape == (num_rows, n) and residual.dtype == x.dtype, (
-            f"residual is [{num_rows}, {n}] {x.dtype}, got {tuple(residual.shape)} {residual.dtype}"
-        )
-        assert residual.stride(1) == 1, "residual has unit stride on N"
-        res, stride_rm = residual, residual.stride(0)
-        # One buffer for every layer: its consumer runs before the next producer.
-        sq_out = workspace.scratch("row_squares", tiles * max(m_pad, MAX_ROWS), x.device)
-        squares = RowSquares(sq_out, tiles, m_pad)
-    if norm is not None:
-        assert norm.weight.shape == (k,) and norm.weight.is_contiguous(), "norm weight is [K]"
-        assert norm.weight.dtype == x.dtype, (
-            f"norm weight ({norm.weight.dtype}) and x ({x.dtype}) share a dtype"
-        )
-        assert norm.squares.m_pad == m_pad, "the squares are of these rows"
-        norm_w, sq_in, sq_tiles, eps = (
-            norm.weight,
-            norm.squares.partials,
-            norm.squares.tiles,
-            norm.eps,
-        )
     ieee = x.dtype == torch.float32 or x.device.type == "cpu"
     _skinny_linear_kernel[(tiles, split)](
-        x, weight, bias if bias is not None else out, out, part, counters, res, sq_out, norm_w,
-        sq_in, sq_tiles, eps, num_rows, n, k, k_per_split, x.stride(0), weight.stride(0),
-        out.stride(0), stride_rm, HAS_BIAS=bias is not None, SILU_MUL=silu_mul_output,
-        ADD_RESIDUAL=residual is not None, NORM_INPUT=norm is not None,
-        SQ_TILES_PAD=triton.next_power_of_2(sq_tiles),
+        x, weight, bias if bias is not None else out, out, part, counters, num_rows, n, k,
+        k_per_split, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul_output,
         SPLIT_K=split, EVEN_K=k % k_per_split == 0, M_PAD=m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         IEEE_DOT=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out, squares
-
-
-def takes_skinny(
-    x: torch.Tensor, weight: torch.Tensor, silu_mul_output: bool = False, any_width: bool = False
-) -> bool:
-    """Whether `linear` sends this product to the skinny kernel: a 16-bit decode batch on
-    the GPU into a narrow output or a fused SiLU-and-mul (`any_width`: or any output, as
-    `linear` does for an input norm, which only this kernel applies)."""
-    return (
-        x.is_cuda
-        and x.dim() == 2
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and 0 < x.shape[0] <= MAX_ROWS
-        and x.stride(1) == 1
-        and weight.stride(1) == 1
-        and (silu_mul_output or any_width or weight.shape[0] <= NARROW_N)
-    )
+    return out
 
 
 def linear(
@@ -372,13 +237,19 @@ def linear(
     bias: torch.Tensor | None,
     workspace: KernelWorkspace,
     silu_mul_output: bool = False,
-    norm: InputNorm | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` (then `silu_and_mul` with `silu_mul_output`): the skinny
-    kernel where `takes_skinny`, cuBLAS otherwise. `norm` normalises x on load: skinny
-    path only, at any output width (the caller checked `takes_skinny(..., any_width=True)`)."""
-    if takes_skinny(x, weight, silu_mul_output, any_width=norm is not None):
-        return skinny_linear_triton(x, weight, bias, workspace, silu_mul_output, norm=norm)
-    assert norm is None, "an input norm rides on the skinny kernel only"
+    kernel for a 16-bit decode batch into a narrow output or a fused SiLU-and-mul, cuBLAS
+    otherwise."""
+    if (
+        x.is_cuda
+        and x.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and (silu_mul_output or weight.shape[0] <= NARROW_N)
+    ):
+        return skinny_linear_triton(x, weight, bias, workspace, silu_mul_output)
     y = F.linear(x, weight, bias)
     return silu_and_mul(y) if silu_mul_output else y

@@ -22,7 +22,7 @@ from torch import nn
 from pdserve.kernels.attention import paged_attention
 from pdserve.kernels.norm import fused_add_rms_norm, rms_norm
 from pdserve.kernels.qkv_prep import prepare_qkv
-from pdserve.kernels.skinny_linear import InputNorm, linear, linear_add_residual, takes_skinny
+from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.models.rope import build_cos_sin_cache
@@ -86,21 +86,12 @@ class Attention(nn.Module):
         cos_sin: torch.Tensor,
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
-        norm: InputNorm | None = None,
     ) -> torch.Tensor:
-        """[T, hidden] -> [T, q_size]: attention's output before the o projection (the
-        decoder layer applies it, fused with what follows when it can). `norm`: x is the
-        un-normalised residual stream, and the qkv projection applies the input norm."""
         t = x.shape[0]
         qn, kn = self.q_norm, self.k_norm
-        qkv_proj = self.qkv_proj
-        if norm is None:
-            qkv = qkv_proj(x)
-        else:
-            qkv = linear(x, qkv_proj.weight, qkv_proj.bias, self.workspace, norm=norm)
         # Split, q/k norm, rope and the KV write in one kernel (kernels/qkv_prep.py).
         q = prepare_qkv(
-            qkv, self.num_heads, self.num_kv_heads,
+            self.qkv_proj(x), self.num_heads, self.num_kv_heads,
             None if qn is None else qn.weight, None if kn is None else kn.weight,
             0.0 if qn is None else qn.eps, positions, cos_sin, kv_cache, attn.slot_mapping,
         )  # fmt: skip
@@ -117,7 +108,8 @@ class Attention(nn.Module):
             attn.max_seq_len,
             workspace=self.workspace,
         )
-        return out.reshape(t, self.q_size)
+        o = self.o_proj
+        return linear(out.reshape(t, self.q_size), o.weight, o.bias, self.workspace)
 
 
 class MLP(nn.Module):
@@ -129,8 +121,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # On the skinny path SiLU-and-mul is the gate/up projection's epilogue (the fused
-        # decode path of `DecoderLayer.forward` calls the projections itself).
+        # On the skinny path SiLU-and-mul is the gate/up projection's epilogue.
         gate_up, down = self.gate_up_proj, self.down_proj
         h = linear(x, gate_up.weight, gate_up.bias, self.workspace, silu_mul_output=True)
         return linear(h, down.weight, down.bias, self.workspace)
@@ -144,52 +135,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, positions, cos_sin, kv_cache, attn, squares=None, fuse=False):
-        """-> (x, residual, squares). Unfused: the residual stream is x + residual. `fuse`
-        (decode batches on the skinny kernels, `fused_decode`): each norm rides on the
-        projections around it; the o and down projections add the residual and sum its
-        squares, gate/up and the next layer's qkv normalise on load. The stream then comes
-        back summed in `residual` (x None) with its `squares`, and goes in that way."""
-        post = self.post_attention_layernorm
-        norm = None
-        if squares is not None:  # the layer before summed the stream
-            norm = InputNorm(self.input_layernorm.weight, self.input_layernorm.eps, squares)
-            x = residual
-        elif residual is None:
+    def forward(self, x, residual, positions, cos_sin, kv_cache, attn):
+        if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        a = self.self_attn(x, positions, cos_sin, kv_cache, attn, norm)
-        o, ws = self.self_attn.o_proj, self.self_attn.workspace
-        if not fuse:
-            x, residual = post(linear(a, o.weight, o.bias, ws), residual)
-            return self.mlp(x), residual, None
-        gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
-        residual, squares = linear_add_residual(a, o.weight, o.bias, residual, ws)
-        h = linear(
-            residual,
-            gate_up.weight,
-            gate_up.bias,
-            ws,
-            True,
-            InputNorm(post.weight, post.eps, squares),
-        )
-        residual, squares = linear_add_residual(h, down.weight, down.bias, residual, ws)
-        return None, residual, squares
-
-
-def fused_decode(x: torch.Tensor, layer: DecoderLayer) -> bool:
-    """Whether a forward over x ([T, hidden], the embeddings) runs every layer fused
-    (`DecoderLayer.forward`): every projection on the skinny kernel and 16-bit norms."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return (
-        takes_skinny(x, attn.qkv_proj.weight, any_width=True)
-        and takes_skinny(x, attn.o_proj.weight)
-        and takes_skinny(x, mlp.gate_up_proj.weight, True)
-        and takes_skinny(x, mlp.down_proj.weight)
-        and layer.input_layernorm.weight.dtype == x.dtype
-        and layer.post_attention_layernorm.weight.dtype == x.dtype
-    )
+        x = self.self_attn(x, positions, cos_sin, kv_cache, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -240,16 +193,13 @@ class LlamaFamilyForCausalLM(nn.Module):
         """[T] token ids and positions -> [T, hidden] final hidden states (before the norm).
         `layer_hook(i)` runs once layer i is queued (its KV written, in stream order): the
         prefill side of layer-wise transfer publishes each layer as it lands."""
-        x, residual, squares = self.embed_tokens(input_ids), None, None
+        x, residual = self.embed_tokens(input_ids), None
         cos_sin = self.cos_sin_cache
-        fuse = fused_decode(x, self.layers[0])
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual, squares = layer(
-                x, residual, positions, cos_sin, kv_cache, attn, squares, fuse
-            )
+            x, residual = layer(x, residual, positions, cos_sin, kv_cache, attn)
             if layer_hook is not None:
                 layer_hook(i)
-        return residual if squares is not None else x + residual
+        return x + residual
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """[N, hidden] pre-norm hidden states of the rows to sample -> [N, vocab] float32
