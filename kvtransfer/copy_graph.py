@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import struct
 from collections.abc import Callable, Sequence
 
@@ -44,6 +45,8 @@ import torch
 
 from pdserve.kernels.kv_copy import PairCache
 from pdserve.kvtransfer.pack import UnitCopy
+
+logger = logging.getLogger(__name__)
 
 # Capacities are powers of two from 8 ids: a pull of n ids uses the graph of the next
 # power of two, whose kernel then skips at most half of its slots (a skipped slot's
@@ -172,16 +175,26 @@ class GraphedCopy:
 
 class CopyGraphs:
     """`GraphedCopy`s of one thread's stream by (table identities, capacities), at most
-    `limit` (a full cache starts over). Not thread-safe: one per side stream."""
+    `limit` (a full cache starts over). Not thread-safe: one per side stream. A capture
+    that fails (a CUDA error) is logged once and not tried again for those tables and
+    capacities until `clear`: their pulls take the eager path, which reports its own
+    errors, instead of failing in a capture every time."""
 
-    def __init__(self, stream: torch.cuda.Stream, limit: int = 32) -> None:
+    def __init__(
+        self,
+        stream: torch.cuda.Stream,
+        limit: int = 32,
+        capture: Callable[..., GraphedCopy] = GraphedCopy,
+    ) -> None:
         self.stream = stream
         self.limit = limit
+        self._capture = capture
         self._graphs: dict[tuple, GraphedCopy] = {}
+        self._failed: set[tuple] = set()
 
     def get(self, copies: Sequence[UnitCopy], pairs: PairCache) -> GraphedCopy | None:
         """The graph for `copies` (one per group, same device), captured on first use;
-        None when a group has more ids than any graph holds."""
+        None when a group has more ids than any graph holds, or its capture failed."""
         key = []
         for c in copies:
             cap = capacity_for(len(c.src_ids))
@@ -193,13 +206,21 @@ class CopyGraphs:
         key = tuple(key)
         graph = self._graphs.get(key)
         if graph is None:
+            if key in self._failed:
+                return None
             if len(self._graphs) >= self.limit:
                 self._graphs.clear()
             tables = [list(zip(c.src.flat(), c.dst.flat(), strict=True)) for c in copies]
-            graph = GraphedCopy(tables, [cap for _, _, cap in key], self.stream, pairs)
+            try:
+                graph = self._capture(tables, [cap for _, _, cap in key], self.stream, pairs)
+            except RuntimeError as e:
+                self._failed.add(key)
+                logger.warning("copy graph capture failed, pulls of these tables go eager: %s", e)
+                return None
             graph.keep = [(c.src.flat(), c.dst.flat()) for c in copies]
             self._graphs[key] = graph
         return graph
 
     def clear(self) -> None:
         self._graphs.clear()
+        self._failed.clear()

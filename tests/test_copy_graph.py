@@ -1,6 +1,7 @@
 """The graph path's host-side rules (kvtransfer/copy_graph.py) that hold without a GPU:
-which capacity a pull of n ids replays, and what the id packing lets through. The
-captured graphs themselves are tested on the GPU (tests/test_gpu_cuda_ipc.py)."""
+which capacity a pull of n ids replays, what the id packing lets through, and what the
+graph cache does when a capture fails. The captured graphs themselves are tested on the
+GPU (tests/test_gpu_cuda_ipc.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import struct
 import numpy as np
 import pytest
 
-from pdserve.kvtransfer.copy_graph import MAX_CAPACITY, _int64s, capacity_for
+from pdserve.kernels.kv_copy import PairCache
+from pdserve.kvtransfer.copy_graph import MAX_CAPACITY, CopyGraphs, _int64s, capacity_for
+from pdserve.kvtransfer.layout import PagedGQAGroup
+from pdserve.kvtransfer.pack import UnitCopy
 
 
 def test_capacity_is_the_next_power_of_two_from_eight_and_none_past_the_max():
@@ -38,3 +42,38 @@ def test_id_packing_is_exact_and_refuses_what_cannot_be_an_int64():
         with pytest.raises(struct.error):
             _int64s(1).pack_into(buf, 0, bad)
     assert buf.tolist() == [0, 5, 2**40, 0, 0, 0], "a refused pack wrote nothing"
+
+
+def test_a_failed_capture_is_not_retried_until_the_cache_is_cleared(caplog):
+    """Guards the fallback: a capture that raises a CUDA error (RuntimeError) must not fail
+    the pull, nor be tried again on every pull of the same tables and capacity (each try
+    costs a capture and a warning): `get` answers None (the caller goes eager), the
+    failure is logged once, other capacities still capture, and `clear` (a source
+    forgotten) gives the tables another try. The capture itself is the CUDA graph
+    (GPU-tested); here a stand-in that fails or succeeds is passed in its place."""
+    group = PagedGQAGroup("kv", 2, 4, 1, 8, "bfloat16")
+    src, dst = group.allocate(40), group.allocate(40)
+    tries = []
+
+    class Captured:
+        keep: list = []
+
+    def capture(tables, capacities, stream, pairs):
+        tries.append(tuple(capacities))
+        if capacities == [8]:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return Captured()
+
+    graphs = CopyGraphs(stream=None, capture=capture)
+    small = [UnitCopy(src, [1, 2, 3], dst, [4, 5, 6])]
+    with caplog.at_level("WARNING", logger="pdserve.kvtransfer.copy_graph"):
+        assert graphs.get(small, PairCache()) is None
+        assert graphs.get(small, PairCache()) is None
+    assert tries == [(8,)]
+    assert sum("capture failed" in r.getMessage() for r in caplog.records) == 1
+    big = [UnitCopy(src, list(range(9)), dst, list(range(10, 19)))]
+    assert isinstance(graphs.get(big, PairCache()), Captured)
+    assert tries == [(8,), (16,)]
+    graphs.clear()
+    assert graphs.get(small, PairCache()) is None
+    assert tries == [(8,), (16,), (8,)]
