@@ -263,7 +263,7 @@ def _pull_stages() -> list[tuple[object, str]]:
     return [
         (ipc, "_sources"), (ipc, "_ensure_peer"), (ipc, "_side_stream"), (ipc, "_replay"),
         (copy_graph.CopyGraphs, "get"), (copy_graph.GraphedCopy, "try_fill"),
-        (copy_graph.GraphedCopy, "replay"), (transport_cuda_ipc, "check_copies"),
+        (copy_graph.GraphedCopy, "replay"), (transport_cuda_ipc, "verify_copies"),
         (transport_cuda_ipc, "copy_groups"), (transport_local, "copy_groups"),
         (pack, "_check_ids"), (pack, "_device_ids"),
         (id_staging.IdStaging, "stage"), (kv_copy.PairCache, "get"),

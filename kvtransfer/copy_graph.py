@@ -28,7 +28,7 @@ Rules that keep it correct:
   CUDA work other threads are queueing (the decode engine's step loop). It runs on the
   stream the graph will be replayed on.
 - Ids are not checked before the replay: the kernel skips an out-of-range id, and the
-  caller checks them on the host while the copy runs (`kvtransfer.pack.check_copies`).
+  caller checks them on the host while the copy runs (`kvtransfer.pack.verify_copies`).
 
 What this module does not know: transports, leases, which units a request owns.
 """

@@ -183,6 +183,29 @@ def check_copies(copies: Sequence[UnitCopy]) -> list[tuple[np.ndarray, np.ndarra
     return checked
 
 
+def verify_copies(copies: Sequence[UnitCopy]) -> None:
+    """`check_copies`' verdict and errors without its arrays: what the graph path needs, on
+    the host while the device copies. Builtins over the id lists instead of numpy, which
+    costs a few microseconds a call whatever the length (a 128-token pull's 8 ids a side:
+    the check then outlasted the 10 us copy)."""
+    for c in copies:
+        if c.src.group != c.dst.group:
+            raise ValueError(f"storages of different groups: {c.src.group} vs {c.dst.group}")
+        if len(c.src_ids) != len(c.dst_ids):
+            raise ValueError(f"{len(c.src_ids)} source ids but {len(c.dst_ids)} destination ids")
+        _verify_ids(c.src, c.src_ids, "source", distinct=False)
+        _verify_ids(c.dst, c.dst_ids, "destination", distinct=True)
+
+
+def _verify_ids(storage: GroupStorage, unit_ids: Sequence[int], side: str, distinct: bool) -> None:
+    num_units = storage.num_units
+    plain = set(map(type, unit_ids)) <= {int}
+    if not plain or (unit_ids and (min(unit_ids) < 0 or max(unit_ids) >= num_units)):
+        _int64_or_raise(unit_ids, num_units, side)  # names the first bad id
+    if distinct and len(set(unit_ids)) != len(unit_ids):
+        raise ValueError(f"{side} unit ids must be distinct, got {list(unit_ids)}")
+
+
 def copy_groups(
     copies: Sequence[UnitCopy],
     staging: IdStaging | None = None,

@@ -47,7 +47,7 @@ from pdserve.kernels.kv_copy import PairCache
 from pdserve.kvtransfer.copy_graph import CopyGraphs, GraphedCopy
 from pdserve.kvtransfer.id_staging import IdStagingPool
 from pdserve.kvtransfer.layout import DTYPES, GroupStorage, KVLayout
-from pdserve.kvtransfer.pack import UnitCopy, check_copies, copy_groups
+from pdserve.kvtransfer.pack import UnitCopy, copy_groups, verify_copies
 from pdserve.kvtransfer.protocol import DEFAULT_MAX_MESSAGE_BYTES, IpcExport, IpcOpen
 from pdserve.kvtransfer.transport import PullSpec, TransferError
 from pdserve.kvtransfer.transport_tcp import ZmqClient
@@ -292,7 +292,7 @@ class CudaIpcTransport(ZmqClient):
         bad_ids = None
         if queued.unchecked:  # checked now, while the device copies
             try:
-                check_copies(queued.unchecked)
+                verify_copies(queued.unchecked)
             except ValueError as e:
                 bad_ids = e
         spins = 0

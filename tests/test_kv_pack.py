@@ -18,6 +18,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.kernels.kv_pack import (
     bitwise_view,
@@ -34,7 +36,17 @@ from pdserve.kvtransfer.layout import (
     PagedGQAGroup,
     PagedMLAGroup,
 )
-from pdserve.kvtransfer.pack import as_byte_view, copy_units, from_bytes, pack, unit_runs, unpack
+from pdserve.kvtransfer.pack import (
+    UnitCopy,
+    as_byte_view,
+    check_copies,
+    copy_units,
+    from_bytes,
+    pack,
+    unit_runs,
+    unpack,
+    verify_copies,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_UNITS = 13
@@ -360,3 +372,32 @@ def test_dispatcher_refuses_mismatched_buffers():
         pack_units(table, ids, torch.empty(2, 1, 16)[..., ::2])
     with pytest.raises(AssertionError, match="buffer must be"):
         pack_units(table, ids, torch.empty(2, 2, 8))
+
+
+_ID = st.one_of(
+    st.integers(-3, 12),
+    st.just(True),
+    st.just(2.0),
+    st.just(np.int64(1)),
+    st.just(2**70),
+    st.builds(enum.IntEnum("Unit", "A B").__getitem__, st.sampled_from(["A", "B"])),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(src_ids=st.lists(_ID, max_size=6), dst_ids=st.lists(_ID, max_size=6))
+def test_verify_copies_agrees_with_check_copies(src_ids, dst_ids):
+    """Guards the graph path's host check (`verify_copies`, builtins instead of numpy): on
+    any ids, good or bad (out of range, negative, bools, floats, numpy ints, ints past
+    int64, int subclasses, repeats, mismatched lengths), it must accept exactly what
+    `check_copies` accepts and fail with the same message, since the pull's error is the
+    only thing that stops a bad copy's units from being used."""
+    src, dst = GQA.allocate(10), GQA.allocate(10)
+    copies = [UnitCopy(src, src_ids, dst, dst_ids)]
+    try:
+        check_copies(copies)
+    except (ValueError, OverflowError) as e:
+        with pytest.raises(type(e), match=re.escape(str(e))):
+            verify_copies(copies)
+    else:
+        verify_copies(copies)
