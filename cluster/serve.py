@@ -55,6 +55,21 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before Ray starts: a port another process holds fails at
+    once with a clear error instead of after the workers' start-up, and while Ray starts
+    its own processes (which take ports at random) cannot take this one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    return sock
+
+
 def run_serve(cfg: ServeConfig) -> int:
     import ray
     import torch
@@ -108,6 +123,7 @@ def run_serve(cfg: ServeConfig) -> int:
             Path(ecfg.model.path), workers_per_gpu, cfg.gpu_memory_utilization
         )
     stream_bind = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+    http_sock = listen_socket(cfg.host, cfg.port)
     ray.init(
         include_dashboard=False,
         logging_level=logging.WARNING,
@@ -189,10 +205,18 @@ def run_serve(cfg: ServeConfig) -> int:
             f"runner {ecfg.runner.runner}, device {ecfg.runner.device}",
             flush=True,
         )
-        uvicorn.run(
-            app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10
-        )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app, host=cfg.host, port=cfg.port, log_level="warning",
+                timeout_graceful_shutdown=10,
+            )
+        )  # fmt: skip
+        # As uvicorn.run does: Ctrl-C ends the server (it re-raises the signal once its
+        # graceful shutdown is done) and the workers and Ray stop below.
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run(sockets=[http_sock])
     finally:
+        http_sock.close()
         with contextlib.suppress(Exception):
             ray.get(controller.stop.remote(), timeout=30)
         if tier is not None:

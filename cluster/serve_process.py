@@ -24,12 +24,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What `pdserve serve` prints when its port was taken between `free_port` and its bind
+# (another process can take a free port first); the start is retried on a new port.
+PORT_TAKEN = "cannot listen on"
+PORT_ATTEMPTS = 3
+
+
 class ServeProcess:
     """One `pdserve serve --port P *args` child, up and healthy once constructed."""
 
     def __init__(self, log_dir: Path, *args: str, start_timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + start_timeout_s
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                self._start(Path(log_dir), args, deadline)
+                return
+            except _PortTaken:
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise RuntimeError(
+                        f"server found its port taken {PORT_ATTEMPTS} times:\n{self.log.read_text()}"
+                    ) from None
+
+    def _start(self, log_dir: Path, args: tuple[str, ...], deadline: float) -> None:
         self.port = free_port()
-        self.log = Path(log_dir) / f"serve-{self.port}.log"
+        self.log = log_dir / f"serve-{self.port}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *args],
@@ -39,10 +57,13 @@ class ServeProcess:
             start_new_session=True,
         )
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + start_timeout_s
+        start_timeout_s = max(deadline - time.monotonic(), 0.0)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited:\n{self.log.read_text()}")
+                log = self.log.read_text()
+                if PORT_TAKEN in log:
+                    raise _PortTaken
+                raise RuntimeError(f"server exited:\n{log}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -66,3 +87,7 @@ class ServeProcess:
     def kill(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
+
+
+class _PortTaken(Exception):
+    """The child exited because its port was taken before it could bind it."""
