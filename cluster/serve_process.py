@@ -49,13 +49,14 @@ class ServeProcess:
         self.port = free_port()
         self.log = log_dir / f"serve-{self.port}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *args],
-            stdout=self.log.open("w"),
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        with self.log.open("w") as out:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         self.url = f"http://127.0.0.1:{self.port}"
         start_timeout_s = max(deadline - time.monotonic(), 0.0)
         while time.monotonic() < deadline:
