@@ -7,12 +7,12 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 WORKLOADS=${WORKLOADS:-small_batch,decode_heavy}
+source benchmarks/pdserve_tree.sh
 [ -d /tmp/site/zmq ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
 for side in new old new2; do
   root=$PWD; commit=${NEW:-new}
   if [ $side = old ]; then root=$PWD/ab_old; commit=${OLD:-old}; fi
-  rm -rf /tmp/pk_$side; mkdir -p /tmp/pk_$side/pdserve && cp "$root"/pdserve/*.py /tmp/pk_$side/pdserve/
-  for d in runner kernels kvtransfer prefill decode cluster; do ln -sfn "$root/$d" "/tmp/pk_$side/pdserve/$d"; done
+  pdserve_tree "$root" /tmp/pk_$side
   mkdir -p "$OUT/$side"
   (cd "$root" && PDSERVE_COMMIT=$commit PYTHONPATH=/tmp/pk_$side:/tmp/site timeout 170 \
     python3 benchmarks/throughput.py --no-hf --workloads "$WORKLOADS" --out "$OUT/$side" 2>&1 \

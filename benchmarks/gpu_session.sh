@@ -17,8 +17,8 @@ chmod +x /tmp/site/ray/core/src/ray/gcs/gcs_server /tmp/site/ray/core/src/ray/ra
 export RAY_USAGE_STATS_ENABLED=0
 # The image's setuptools editable install does not always map package-dir; a symlink
 # tree gives the same import names without touching the image.
-mkdir -p /tmp/pdpkg/pdserve && cp pdserve/*.py /tmp/pdpkg/pdserve/
-for d in runner kernels kvtransfer prefill decode cluster; do ln -sfn "$PWD/$d" "/tmp/pdpkg/pdserve/$d"; done
+source benchmarks/pdserve_tree.sh
+pdserve_tree "$PWD" /tmp/pdpkg
 export PYTHONPATH=/tmp/pdpkg:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 # A device copy's .git may lag the working tree: the caller names the commit.
 export PDSERVE_COMMIT=${PDSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}

@@ -7,13 +7,13 @@
 # Runs NEW then OLD, ROUNDS times; one line per case; JSON under $OUT/<side><round>/.
 set -o pipefail
 export PYTHONUNBUFFERED=1
+source benchmarks/pdserve_tree.sh
 [ -d /tmp/site/zmq ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
 for round in $(seq "${ROUNDS:-2}"); do
   for side in new old; do
     root=$PWD; commit=${NEW:-new}
     if [ $side = old ]; then root=$PWD/ab_old; commit=${OLD:-old}; fi
-    rm -rf /tmp/pk_$side; mkdir -p /tmp/pk_$side/pdserve && cp "$root"/pdserve/*.py /tmp/pk_$side/pdserve/
-    for d in runner kernels kvtransfer prefill decode cluster; do ln -sfn "$root/$d" "/tmp/pk_$side/pdserve/$d"; done
+    pdserve_tree "$root" /tmp/pk_$side
     out="$OUT/$side$round"; mkdir -p "$out"
     (cd "$root" && PDSERVE_COMMIT=$commit PYTHONPATH=/tmp/pk_$side:/tmp/site timeout 150 \
       python3 benchmarks/transfer.py --transports "${TRANSPORTS:-cuda_ipc}" --reps "${REPS:-50}" \

@@ -50,8 +50,7 @@ def test_cuda_ipc_round_trip_two_processes(name):
         for g, (e, d) in enumerate(zip(expect, dst)):
             written = set(dst_units[g][first[g] :])
             for te, td in zip(e.flat(), d.flat()):
-                for s, u in zip(src_units[g][first[g] :], dst_units[g][first[g] :]):
-                    assert torch.equal(bitwise_view(td[:, u]), bitwise_view(te[:, s]))
+                _assert_landed(td, te, src_units[g][first[g] :], dst_units[g][first[g] :])
                 for u in set(range(td.shape[1])) - written:
                     assert not bitwise_view(td[:, u]).any(), f"unit {u} was written"
         transport.release(ticket, 5.0)
@@ -101,8 +100,7 @@ def test_cuda_ipc_pulls_from_two_threads_at_once():
         (want,) = expect[0].flat()
         for dst, units in zip(dsts, maps):
             (got,) = dst[0].flat()
-            for s, u in zip(src_units, units):
-                assert torch.equal(bitwise_view(got[:, u]), bitwise_view(want[:, s]))
+            _assert_landed(got, want, src_units, units)
         transport.release(ticket, 5.0)
         transport.close()
 
@@ -169,6 +167,12 @@ def _gqa_pull_setup(endpoint: str):
     return layout, sizes, src_units, expect, ticket
 
 
+def _assert_landed(got: torch.Tensor, want: torch.Tensor, src_units, dst_units) -> None:
+    """Unit dst_units[i] of `got` holds unit src_units[i] of `want`, bit for bit."""
+    for s, u in zip(src_units, dst_units):
+        assert torch.equal(bitwise_view(got[:, u]), bitwise_view(want[:, s])), (s, u)
+
+
 def _side(transport: CudaIpcTransport):
     ((_, side),) = transport._side.__dict__["sides"].items()
     return side
@@ -233,8 +237,7 @@ def test_graph_path_checks_ids_while_copying_and_fails_after():
         got.zero_()
         transport.pull(PullSpec(ticket, (tuple(dst_units),), (0,)), dst, timeout_s=30)
         (want,) = expect[0].flat()
-        for s, u in zip(src_units, dst_units):
-            assert torch.equal(bitwise_view(got[:, u]), bitwise_view(want[:, s]))
+        _assert_landed(got, want, src_units, dst_units)
         transport.release(ticket, 5.0)
         transport.close()
 
@@ -258,8 +261,7 @@ def test_a_replayed_copy_waits_for_the_work_the_caller_queued_before_the_pull():
             got.fill_(7)
             transport.pull(spec, dst, timeout_s=30)
             torch.cuda.synchronize()
-            for s, u in zip(src_units, dst_units):
-                assert torch.equal(bitwise_view(got[:, u]), bitwise_view(want[:, s]))
+            _assert_landed(got, want, src_units, dst_units)
         assert len(_side(transport).graphs._graphs) == 1, "the pulls replayed the graph"
         transport.release(ticket, 5.0)
         transport.close()
@@ -292,7 +294,6 @@ def test_a_replay_still_queued_sends_the_next_pull_down_the_eager_path():
         (want,) = expect[0].flat()
         (got,) = dst[0].flat()
         for units in (dst_units, other):
-            for s, u in zip(src_units, units):
-                assert torch.equal(bitwise_view(got[:, u]), bitwise_view(want[:, s]))
+            _assert_landed(got, want, src_units, units)
         transport.release(ticket, 5.0)
         transport.close()

@@ -384,20 +384,37 @@ _ID = st.one_of(
 )
 
 
+def _expected_error(src_ids, dst_ids, num_units: int) -> str | None:
+    """The id rules, written out plainly: the message of the first rule broken, or None."""
+    if len(src_ids) != len(dst_ids):
+        return f"{len(src_ids)} source ids but {len(dst_ids)} destination ids"
+    for side, ids, distinct in (("source", src_ids, False), ("destination", dst_ids, True)):
+        for uid in ids:
+            if isinstance(uid, bool) or not isinstance(uid, int) or not 0 <= uid < num_units:
+                return f"{side} unit id {uid!r} is not an int in [0, {num_units})"
+        if distinct and len(set(ids)) != len(ids):
+            return f"{side} unit ids must be distinct"
+    return None
+
+
 @settings(max_examples=400, deadline=None)
 @given(src_ids=st.lists(_ID, max_size=6), dst_ids=st.lists(_ID, max_size=6))
-def test_verify_copies_agrees_with_check_copies(src_ids, dst_ids):
-    """Guards the graph path's host check (`verify_copies`, builtins instead of numpy): on
-    any ids, good or bad (out of range, negative, bools, floats, numpy ints, ints past
-    int64, int subclasses, repeats, mismatched lengths), it must accept exactly what
-    `check_copies` accepts and fail with the same message, since the pull's error is the
-    only thing that stops a bad copy's units from being used."""
+def test_id_checks_follow_the_rules(src_ids, dst_ids):
+    """Guards the id checks (`verify_copies`, which the graph path runs alone while the
+    device copies, and `check_copies`, which also returns the arrays): on any ids, good or
+    bad (out of range, negative, bools, floats, numpy ints, ints past int64, int
+    subclasses, repeats, mismatched lengths), each must accept exactly what the rules
+    accept and name the first rule broken, since the pull's error is the only thing that
+    stops a bad copy's units from being used."""
     src, dst = GQA.allocate(10), GQA.allocate(10)
     copies = [UnitCopy(src, src_ids, dst, dst_ids)]
-    try:
-        check_copies(copies)
-    except (ValueError, OverflowError) as e:
-        with pytest.raises(type(e), match=re.escape(str(e))):
-            verify_copies(copies)
-    else:
+    want = _expected_error(src_ids, dst_ids, 10)
+    if want is None:
         verify_copies(copies)
+        ((s, d),) = check_copies(copies)
+        assert s.dtype == d.dtype == np.int64
+        assert s.tolist() == [int(u) for u in src_ids] and d.tolist() == [int(u) for u in dst_ids]
+    else:
+        for check in (verify_copies, check_copies):
+            with pytest.raises(ValueError, match=re.escape(want)):
+                check(copies)
