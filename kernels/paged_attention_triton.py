@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.paged_decode_packed import DEFAULT_CONFIG as PACKED_16BIT
+from pdserve.kernels.paged_decode_packed import PackedConfig, decode_packed
 from pdserve.kernels.workspace import KernelWorkspace
 
 LOG2E = 1.4426950408889634
@@ -73,6 +75,20 @@ _DECODE_WIDE = TileConfig(block_m=0, block_n=32, num_warps=4, num_stages=2)
 _TARGET_DECODE_PROGRAMS = 132 * 4
 _MIN_SPLIT_KEYS = 256
 _MAX_SPLITS = 64
+
+
+# The packed decode kernel (kernels/paged_decode_packed.py) for fp32 or head dim 256: half
+# the keys per tile, two stages.
+PACKED_WIDE = PackedConfig(
+    keys=32, min_split_tokens=32, target_programs=264, num_warps=4, num_stages=2
+)
+# Batches with fewer (row, kv head) pairs than this take the packed kernel.
+PACKED_BELOW_PAIRS = _TARGET_DECODE_PROGRAMS
+
+
+def choose_decode_kernel(num_rows: int, num_kv_heads: int) -> str:
+    """The packed kernel while the per-head grid would need splits to fill the GPU."""
+    return "packed" if num_rows * num_kv_heads < PACKED_BELOW_PAIRS else "per_head"
 
 
 def _tiles(dtype: torch.dtype, d_pad: int, narrow: TileConfig, wide: TileConfig) -> TileConfig:
@@ -422,6 +438,7 @@ def paged_attention_triton(
     *,
     num_splits: int | None = None,  # decode splits per (row, kv head); None = heuristic
     workspace: KernelWorkspace | None = None,  # the model's; None: counters for this call
+    decode_kernel: str | None = None,  # "per_head" | "packed"; None = `choose_decode_kernel`
 ) -> None:
     """`paged_attention_ref` on the GPU (or Triton's interpreter); see the module docstring."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -474,6 +491,15 @@ def paged_attention_triton(
         )  # fmt: skip
 
     # Decode rows (and one-query pad rows), also inside a mixed step.
+    kernel = decode_kernel or choose_decode_kernel(num_rows, num_kv_heads)
+    if kernel == "packed":
+        packed_cfg = _tiles(q.dtype, d_pad, PACKED_16BIT, PACKED_WIDE)
+        decode_packed(
+            q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, max_seq_len,
+            num_splits, workspace, dot_precision, upcast, packed_cfg,
+        )  # fmt: skip
+        return
+    assert kernel == "per_head", f"unknown decode kernel {kernel!r}"
     cfg = _tiles(q.dtype, d_pad, _DECODE_16BIT, _DECODE_WIDE)
     # Each row sizes its own slices in-kernel; an explicit num_splits (tests, sweeps) may cut
     # contexts down to one tile per slice, the heuristic never under _MIN_SPLIT_KEYS.

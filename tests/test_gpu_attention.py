@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
-from test_paged_attention_triton import DEVICE, MIXED, PAD, check, make_batch
+from test_paged_attention_triton import DECODE_KERNELS, DEVICE, MIXED, PAD, check, make_batch
 
 from pdserve.kernels.attention import paged_attention
 from pdserve.kernels.paged_attention_triton import paged_attention_triton
@@ -26,7 +27,8 @@ def test_dispatch_cuda_runs_triton():
     assert torch.equal(out, batch.run_triton())
 
 
-def test_no_host_sync_and_cuda_graph_replay():
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+def test_no_host_sync_and_cuda_graph_replay(kernel):
     """Guards capturability: the launcher never syncs (no .item()/.tolist() on the device),
     and a captured graph replayed on new seq_lens and block tables (same host bounds) gives
     the new answer, i.e. no grid size or split count was baked in from device data."""
@@ -36,12 +38,12 @@ def test_no_host_sync_and_cuda_graph_replay():
     args = (batch.q, batch.cache, batch.tables, batch.qsl, batch.seq_lens, batch.scale, out)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        paged_attention_triton(*args, 1, 2048)  # also warms up (compiles) before capture
+        paged_attention_triton(*args, 1, 2048, decode_kernel=kernel)  # warms up (compiles)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_attention_triton(*args, 1, 2048)
+        paged_attention_triton(*args, 1, 2048, decode_kernel=kernel)
     new_lens = torch.tensor([2000, 1, 700, 1999, 256, 257, 0, 1500] + [0] * 9, dtype=torch.int32)
     batch.seq_lens.copy_(new_lens)
     batch.tables[:8] = batch.tables[:8].flip(0).clone()

@@ -22,6 +22,8 @@ from pdserve.kernels.activation import silu_and_mul
 from pdserve.kernels.paged_attention_triton import paged_attention_triton
 from pdserve.kernels.workspace import KernelWorkspace
 
+DECODE_COUNTERS = [("per_head", "decode_attention"), ("packed", "decode_packed")]
+
 
 def test_write_kv_offsets_past_int32():
     """Guards 32-bit cache offsets: slots in a cache of more than 2^31 elements (4.3 GB of
@@ -201,23 +203,24 @@ def test_skinny_linear_and_split_attention_replay_in_a_cuda_graph():
         assert torch.equal(y, sl.linear(x, w, b, ws))
         assert int(ws.counters("skinny_linear", 1, x.device).abs().sum()) == 0
 
-    # Split decode attention on the same workspace: 32 rows, several splits each.
+    # Split decode attention on the same workspace: 32 rows, several splits each, with
+    # either decode kernel (each has its own counters).
     batch = make_batch([(700, 1)] * 30 + [(3, 1), (0, 1)], 16, 8, 128, 16, torch.bfloat16)
-    eager = batch.run_triton(num_splits=4, workspace=ws)
-    out = torch.empty_like(eager)
-    run = lambda: paged_attention_triton(  # noqa: E731
-        batch.q, batch.cache, batch.tables, batch.qsl, batch.seq_lens, batch.scale, out, 1,
-        batch.max_seq_len, num_splits=4, workspace=ws,
-    )  # fmt: skip
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-        assert int(ws.counters("decode_attention", 1, x.device).abs().sum()) == 0
+    for kernel, counter in DECODE_COUNTERS:
+        eager = batch.run_triton(num_splits=4, workspace=ws, decode_kernel=kernel)
+        out = torch.empty_like(eager)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            paged_attention_triton(
+                batch.q, batch.cache, batch.tables, batch.qsl, batch.seq_lens, batch.scale, out,
+                1, batch.max_seq_len, num_splits=4, workspace=ws, decode_kernel=kernel,
+            )  # fmt: skip
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager), kernel
+            assert int(ws.counters(counter, 1, x.device).abs().sum()) == 0, kernel
 
 
 def test_last_arriver_merges_never_read_a_stale_partial():
@@ -241,7 +244,10 @@ def test_last_arriver_merges_never_read_a_stale_partial():
         assert ((y.float() - ref).abs() <= bound).all()
     assert int(ws.counters("skinny_linear", 1, w.device).abs().sum()) == 0
     batches = [make_batch([(600, 1)] * 24 + [(0, 1)], 16, 8, 128, 16, seed=s) for s in range(8)]
-    outs = [batch.run_triton(num_splits=4, workspace=ws) for batch in batches]
-    for batch, out in zip(batches, outs):
-        check_attention(batch, out)  # fp32 against the float64 spec, 1e-5
-    assert int(ws.counters("decode_attention", 1, w.device).abs().sum()) == 0
+    for kernel, counter in DECODE_COUNTERS:
+        outs = [
+            batch.run_triton(num_splits=4, workspace=ws, decode_kernel=kernel) for batch in batches
+        ]
+        for batch, out in zip(batches, outs):
+            check_attention(batch, out)  # fp32 against the float64 spec, 1e-5
+        assert int(ws.counters(counter, 1, w.device).abs().sum()) == 0, kernel

@@ -33,7 +33,12 @@ import pytest
 import torch
 
 from pdserve.kernels.attention import paged_attention, paged_attention_ref
-from pdserve.kernels.paged_attention_triton import decode_num_splits, paged_attention_triton
+from pdserve.kernels.paged_attention_triton import (
+    choose_decode_kernel,
+    decode_num_splits,
+    paged_attention_triton,
+)
+from pdserve.kernels.paged_decode_packed import packed_num_splits
 from pdserve.kernels.workspace import KernelWorkspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,6 +54,9 @@ LONG_PROMPT = (150 * X, 150 * X)  # > BLOCK_M (64): several query tiles
 TWO_QUERIES = (5, 2)
 LONG_DECODE = (300 * X, 1)  # several decode splits
 MIXED = [DECODE, CHUNK_ON_PREFIX, FRESH_PROMPT, DECODE_AT_1, PAD, LONG_DECODE, TWO_QUERIES]
+# The two decode kernels: a program per (row, kv head, split), or per (row, split) over
+# every head (kernels/paged_decode_packed.py). Both must meet the spec on any batch.
+DECODE_KERNELS = ["per_head", "packed"]
 
 
 @dataclasses.dataclass
@@ -180,12 +188,13 @@ def test_ref_matches_dense_matmul(hq, hk, d, bs):
         (4, 1, 36, 32),
     ],
 )
-def test_mixed_batch_fp32(hq, hk, d, bs):
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+def test_mixed_batch_fp32(hq, hk, d, bs, kernel):
     """Guards both kernels in one step: decode rows (split-K) beside prefill chunks with and
     without a cached prefix, a pad row, block sizes 1..32 over shuffled blocks, head dims
     that need a padded, masked D tile, and GQA groups of 1, 2 and 4."""
     batch = make_batch(MIXED, hq, hk, d, bs)
-    check(batch, batch.run_triton())
+    check(batch, batch.run_triton(decode_kernel=kernel))
 
 
 @pytest.mark.parametrize(
@@ -197,16 +206,18 @@ def test_mixed_batch_fp32(hq, hk, d, bs):
         (16, 8, 128, 16, torch.float16),
     ],
 )
-def test_mixed_batch_16bit(hq, hk, d, bs, dtype):
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+def test_mixed_batch_16bit(hq, hk, d, bs, dtype, kernel):
     """Guards the tensor-core path: P rounded to 16 bits before P.V, fp32 softmax state
     (an fp16 running sum overflows, a bf16 one drifts), output cast to the q dtype, and the
     16-bit tile config (BLOCK_M 64, BLOCK_N 64) with a prompt longer than one query tile."""
     batch = make_batch([*MIXED, LONG_PROMPT], hq, hk, d, bs, dtype=dtype)
-    check(batch, batch.run_triton())
+    check(batch, batch.run_triton(decode_kernel=kernel))
 
 
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("num_splits", [None, 1, 2, 3, 7])
-def test_decode_splits(num_splits):
+def test_decode_splits(num_splits, kernel):
     """Guards the split-K decode: every split count gives the same answer (partials merged by
     lse; splits past a short row's context write nothing and are not merged, not read as
     garbage), pad rows of a CUDA-graph-padded batch (q_len 1, seq_len 0) get zeros."""
@@ -215,10 +226,11 @@ def test_decode_splits(num_splits):
     if num_splits not in (None, 1):
         split_len = -(-batch.max_seq_len // num_splits)
         assert batch.max_seq_len > split_len, "test must put contexts across several splits"
-    check(batch, batch.run_triton(num_splits=num_splits))
+    check(batch, batch.run_triton(num_splits=num_splits, decode_kernel=kernel))
 
 
-def test_decode_splits_per_row_in_a_long_limit():
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+def test_decode_splits_per_row_in_a_long_limit(kernel):
     """Guards the per-row split partition: a CUDA graph captures max_seq_len as the model's
     limit, far above the live contexts, and each row must still cut its own context into
     its slices (short rows, a row shorter than one tile, pad rows) and the merge must
@@ -227,10 +239,13 @@ def test_decode_splits_per_row_in_a_long_limit():
     batch = make_batch(rows, 4, 2, 24, 16, seed=7)
     batch.seq_len_limit = 8 * LONG_DECODE[0]
     for num_splits in (None, 2, 5):
-        check(batch, batch.run_triton(num_splits=num_splits))
+        check(batch, batch.run_triton(num_splits=num_splits, decode_kernel=kernel))
 
 
-def test_split_merge_counters_return_to_zero_across_calls():
+@pytest.mark.parametrize(
+    "kernel,counter", [("per_head", "decode_attention"), ("packed", "decode_packed")]
+)
+def test_split_merge_counters_return_to_zero_across_calls(kernel, counter):
     """Guards the in-kernel merge: the last split of a (row, kv head) to finish merges all
     of them and resets its arrival counter. A counter left at any other value (a split that
     skips without counting in, a pad row's lone split) would make a later call on the same
@@ -239,18 +254,19 @@ def test_split_merge_counters_return_to_zero_across_calls():
     rows = [LONG_DECODE, DECODE, (3, 1), PAD, DECODE_AT_1]
     for seed, num_splits in ((1, 5), (2, 3), (3, 5)):
         batch = make_batch(rows, 4, 2, 24, 16, seed=seed)
-        check(batch, batch.run_triton(num_splits=num_splits, workspace=ws))
-        counters = ws.counters("decode_attention", 1, batch.q.device)
-        assert counters.numel() >= len(rows) * 2
+        check(batch, batch.run_triton(num_splits=num_splits, workspace=ws, decode_kernel=kernel))
+        counters = ws.counters(counter, 1, batch.q.device)
+        assert counters.numel() >= len(rows)
         assert int(counters.abs().sum()) == 0, counters
 
 
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("rows", [[LONG_DECODE], [CHUNK_ON_PREFIX], [PAD]], ids=str)
-def test_single_row(rows):
+def test_single_row(rows, kernel):
     """Guards batch size 1: the split heuristic gives a lone decode row its most splits, a
     lone prefill chunk runs without decode rows, and a lone pad row writes zeros."""
     batch = make_batch(rows, 6, 3, 24, 16)
-    check(batch, batch.run_triton())
+    check(batch, batch.run_triton(decode_kernel=kernel))
 
 
 def test_many_rows_and_tile_edges():
@@ -290,6 +306,14 @@ def test_num_splits_heuristic():
     assert decode_num_splits(1, 1, 100_000) == 64  # capped
     assert decode_num_splits(32, 8, 4096) == 3  # ceil(528 / 256)
     assert decode_num_splits(4, 2, 0) == 1
+    # The packed kernel: a program per (row, slice) over every head, ~264 programs.
+    assert packed_num_splits(32, 8, 4096) == 9  # ceil(264 / 32)
+    assert packed_num_splits(1, 8, 100_000) == 16  # capped: the merge loads all at once
+    assert packed_num_splits(32, 8, 40) == 2  # no slice under 32 tokens
+    assert packed_num_splits(300, 8, 4096) == 1
+    # Packed while the per-head grid would need splits to fill the GPU.
+    assert choose_decode_kernel(32, 8) == "packed"
+    assert choose_decode_kernel(512, 8) == "per_head"
 
 
 def test_dispatch_cpu_runs_reference(monkeypatch):

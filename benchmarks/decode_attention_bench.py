@@ -1,0 +1,143 @@
+"""Decode attention as a decode step runs it: one call per layer over that layer's own cache.
+
+    python benchmarks/decode_attention_bench.py [--layers 28] [--sweep] [--out DIR]
+
+Not a test. attention_bench.py replays one call over one cache, so a cache under the L2's
+50 MB (32 rows x 256 tokens is 34 MB) is read from L2 and looks fast. Here each of
+`--layers` calls reads its own cache (Qwen3-0.6B shape: 16 q / 8 kv heads, head dim 128,
+bf16, block size 16, blocks shuffled), captured as one CUDA graph with max_seq_len at the
+model's 4,096 limit, as the engine's decode graph runs it; the time per call is the
+replay's over the layers. Both decode kernels (`per_head`, `packed`) at batch sizes 32 to
+512; `--sweep` also times the packed kernel's tile and split settings at 32 rows. Prints
+one JSON object per line, and writes them to `<out>/decode_attention_<commit>.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run_meta import git_commit  # noqa: E402
+
+from pdserve.kernels import paged_attention_triton as pat  # noqa: E402
+from pdserve.kernels.paged_decode_packed import PackedConfig  # noqa: E402
+from pdserve.kernels.workspace import KernelWorkspace  # noqa: E402
+
+HQ, HKV, D, BS, LIMIT = 16, 8, 128, 16, 4096
+KV_BYTES_PER_TOKEN = 2 * HKV * D * 2  # one layer's K and V
+
+
+def layer_inputs(batch: int, ctx: int, layers: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nb = math.ceil(ctx / BS)
+    out = []
+    for _ in range(layers):
+        cache = torch.randn(1 + batch * nb, 2, BS, HKV, D, device="cuda", generator=g)
+        cache = cache.to(torch.bfloat16)
+        perm = (torch.randperm(batch * nb, device="cuda", generator=g) + 1).int()
+        q = torch.randn(batch, HQ, D, device="cuda", generator=g).to(torch.bfloat16)
+        out.append(
+            dict(
+                q=q,
+                kv_cache=cache,
+                block_tables=perm.view(batch, nb).contiguous(),
+                query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+                seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
+                scale=D**-0.5,
+                out=torch.empty_like(q),
+                max_query_len=1,
+                max_seq_len=LIMIT,
+            )  # fmt: skip
+        )
+    return out
+
+
+def time_per_layer_us(inputs: list[dict], replays: int = 30, **kw) -> float:
+    ws = KernelWorkspace()
+
+    def step() -> None:
+        for inp in inputs:
+            pat.paged_attention_triton(**inp, workspace=ws, **kw)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times) * 1e3 / len(inputs)
+
+
+def row(batch: int, ctx: int, kernel: str, us: float, **extra) -> dict:
+    gbps = batch * ctx * KV_BYTES_PER_TOKEN / us / 1e3
+    return {
+        "batch": batch, "ctx": ctx, "kernel": kernel, "us_per_layer": round(us, 2),
+        "kv_GBps": round(gbps, 1), **extra,
+    }  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    commit = git_commit()
+    rows = []
+
+    def emit(r: dict) -> None:
+        r["commit"] = commit
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+    cases = [(32, 256), (32, 384), (32, 512), (64, 384), (128, 384), (256, 384), (512, 256)]
+    for batch, ctx in cases:
+        inputs = layer_inputs(batch, ctx, args.layers)
+        for kernel in ("per_head", "packed"):
+            emit(row(batch, ctx, kernel, time_per_layer_us(inputs, decode_kernel=kernel)))
+        del inputs
+    if args.sweep:
+        base = pat.PACKED_16BIT
+        import pdserve.kernels.paged_decode_packed as pdp
+
+        for ctx in (256, 384, 512):
+            inputs = layer_inputs(32, ctx, args.layers)
+            for keys, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+                for min_tokens, target in itertools.product((16, 32, 64), (132, 264, 528)):
+                    cfg = PackedConfig(keys, min_tokens, target, warps, stages)
+                    pat.PACKED_16BIT = cfg
+                    pdp.DEFAULT_CONFIG = cfg
+                    try:
+                        us = time_per_layer_us(inputs, decode_kernel="packed")
+                        emit(row(32, ctx, "packed", us, cfg=list(cfg)))
+                    except Exception as e:  # out of shared memory etc.: report, go on
+                        emit({"batch": 32, "ctx": ctx, "cfg": list(cfg), "error": str(e)[:200]})
+            del inputs
+        pat.PACKED_16BIT = pdp.DEFAULT_CONFIG = base
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"decode_attention_{commit[:7]}.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,298 @@
+"""Decode attention with every head of a row in one program: keys are (token, kv head) pairs.
+
+`paged_attention_triton`'s other decode kernel gives each (row, kv head, split) a program,
+which reads its head's 256 B of each token (a 16-token block holds a token's heads side by
+side: K of one block is [16, Hkv, D] contiguous), so the eight programs of a row read
+interleaved slivers of the same pages. At 32 rows that kernel read K/V at ~2.1-2.8 TB/s of
+the H200's 4.28 (profile_step_32_cdd5afb: 16.2 us a layer at ~260 tokens of context).
+
+Here a program owns one row and one slice of its context, for all heads. Its key tile is
+TOKENS consecutive tokens times all Hkv heads, `[TOKENS * Hkv, D]`, which in the cache's
+layout is one contiguous run (a token's heads, then the next token's) whenever the tile
+stays inside a block. The score tile is all query heads against all of those keys,
+`[Hq, TOKENS * Hkv]`, and a query head sees only the keys of its own kv head (a
+block-diagonal mask, `q_head // group == key's kv head`): masked scores are -inf, so
+P . V with the full key tile sums exactly the keys of each query's head. The dots do Hkv
+times the useful multiply-adds; decode at these sizes is bound by the K/V bytes, not by
+the tensor cores, and the per-head kernel pads its 2-head group to a 16-row tile anyway.
+
+Split-K over the context, as the other kernel: each row cuts its own context into up to
+`num_splits` slices of whole tiles (host ints fix the grid; a CUDA graph replays it at any
+context), writes a normalised partial `[Hq, D]` and its log2-sum-exp per slice, and the
+last slice of the row to finish (an arrival counter per row, zero between launches) merges
+them in split order. The merge loads all slices at once (`[SPLITS_PAD, Hq, D_CHUNK]`
+chunks), so its L2 round trips do not grow with the split count.
+
+What this module does not know: which rows are real (pad rows, seq_len 0, get zeros; rows
+with more than one query are the prefill kernel's and are skipped).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.workspace import KernelWorkspace
+
+
+class PackedConfig(NamedTuple):
+    keys: int  # keys per tile: max(1, keys // Hkv) tokens of all Hkv heads
+    min_split_tokens: int  # no slice shorter than this
+    target_programs: int  # splits aim for this many programs
+    num_warps: int
+    num_stages: int
+
+
+# Chosen on the H200 at 32 rows (benchmarks/decode_attention_bench.py).
+DEFAULT_CONFIG = PackedConfig(
+    keys=64, min_split_tokens=32, target_programs=264, num_warps=4, num_stages=3
+)
+MAX_SPLITS = 16  # the merge loads every slice at once: SPLITS_PAD is fixed, no recompiles
+
+
+def tile_tokens(num_kv_heads: int, cfg: PackedConfig = DEFAULT_CONFIG) -> int:
+    return max(1, cfg.keys // num_kv_heads)
+
+
+def packed_num_splits(
+    num_rows: int, num_kv_heads: int, max_seq_len: int, cfg: PackedConfig = DEFAULT_CONFIG
+) -> int:
+    """Slices per row: enough programs to fill the GPU, no slice under min_split_tokens."""
+    wanted = triton.cdiv(cfg.target_programs, max(1, num_rows))
+    min_tokens = max(cfg.min_split_tokens, tile_tokens(num_kv_heads, cfg))
+    useful = triton.cdiv(max(1, max_seq_len), min_tokens)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    # UPCAST_DOT: Triton's interpreter multiplies bf16 tiles as raw bits; fp32 operands give
+    # what the tensor cores give (bf16 products are exact in fp32).
+    if UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit(do_not_specialize=["min_split_tokens", "num_splits"])
+def _decode_packed_kernel(
+    q_ptr,  # [T, Hq, D]
+    kv_ptr,  # [num_blocks, 2, block_size, Hkv, D]
+    bt_ptr,  # [R_pad, max_blocks] int32
+    qsl_ptr,  # [R + 1] int32
+    seq_lens_ptr,  # [R_pad] int32
+    out_ptr,  # [T, Hq, D]
+    part_o_ptr,  # [R, num_splits, Hq, D] fp32 workspace
+    part_lse_ptr,  # [R, num_splits, Hq] fp32 workspace, log2 domain
+    count_ptr,  # [R] int32 arrival counters, zero between launches
+    qk_scale,
+    min_split_tokens,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cb,
+    stride_ckv,
+    stride_ct,
+    stride_ch,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HQ_PAD: tl.constexpr,  # >= 16: tl.dot's smallest M
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    D_CHUNK: tl.constexpr,  # merge: D columns per load of all slices
+    BLOCK_SIZE: tl.constexpr,
+    TOKENS: tl.constexpr,  # tokens per key tile
+    KEYS_PAD: tl.constexpr,  # next power of two >= max(16, TOKENS * NUM_KV_HEADS)
+    SPLITS_PAD: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + row)
+    q_len = tl.load(qsl_ptr + row + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + row)
+    # This row's slices: up to num_splits of whole tiles, none under min_split_tokens.
+    row_splits = tl.maximum(
+        tl.minimum(num_splits, (seq_len + min_split_tokens - 1) // min_split_tokens), 1
+    )
+    split_len = tl.maximum(((seq_len + row_splits - 1) // row_splits + TOKENS - 1) // TOKENS, 1)
+    split_len = split_len * TOKENS
+    key_start = split * split_len
+    skip = q_len != 1
+    if not SINGLE_SPLIT:
+        skip = skip | ((key_start >= seq_len) & (split > 0))
+    if skip:
+        return
+    key_end = tl.minimum(key_start + split_len, seq_len)
+
+    GROUP: tl.constexpr = NUM_Q_HEADS // NUM_KV_HEADS
+    offs_h = tl.arange(0, HQ_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_j = tl.arange(0, KEYS_PAD)
+    h_mask = offs_h < NUM_Q_HEADS
+    d_mask = offs_d < HEAD_DIM
+    j_tok = offs_j // NUM_KV_HEADS
+    j_head = offs_j % NUM_KV_HEADS
+    # Loop invariants: which keys each query head sees, and the keys' offsets in a block.
+    own_head = (offs_h // GROUP)[:, None] == j_head[None, :]  # [HQ_PAD, KEYS_PAD]
+    j_real = offs_j < TOKENS * NUM_KV_HEADS
+    head_off = j_head.to(tl.int64) * stride_ch
+
+    q_ptrs = (
+        q_ptr + q_start.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    )
+    q = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([HQ_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([HQ_PAD], tl.float32)
+    acc = tl.zeros([HQ_PAD, D_PAD], tl.float32)
+    bt_row_ptr = bt_ptr + row.to(tl.int64) * stride_bt
+    for n0 in range(key_start, key_end, TOKENS):
+        toks = n0 + j_tok
+        valid = j_real & (toks < key_end)
+        blk = tl.load(bt_row_ptr + toks // BLOCK_SIZE, mask=valid, other=0)
+        off = blk.to(tl.int64) * stride_cb + (toks % BLOCK_SIZE) * stride_ct + head_off
+        k_ptrs = kv_ptr + off[:, None] + offs_d[None, :]
+        kv_mask = valid[:, None] & d_mask[None, :]
+        # other=0: the null block may hold NaN, and 0 * NaN would leak into P . V.
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+        s = _dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOT)  # [HQ_PAD, KEYS_PAD]
+        s = tl.where(own_head & valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: no NaN
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s * qk_scale - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(q.dtype)
+        acc = _dot(p.to(q.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
+        m_i = m_new
+
+    # l_i == 0 only for an empty context (pad row, single split) and pad heads: zeros.
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    mask = h_mask[:, None] & d_mask[None, :]
+    if SINGLE_SPLIT:
+        o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+        tl.store(o_ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        base = (row.to(tl.int64) * num_splits + split) * NUM_Q_HEADS
+        tl.store(part_o_ptr + (base + offs_h)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
+        tl.store(part_lse_ptr + base + offs_h, m_i + tl.log2(l_i), mask=h_mask)
+        # Every thread's partial is stored before one thread counts the program in; the
+        # acq_rel atomic publishes them to the last arriver, which reads them from L2.
+        tl.debug_barrier()
+        num_valid = tl.minimum((seq_len + split_len - 1) // split_len, num_splits)
+        num_valid = tl.maximum(num_valid, 1)
+        if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == num_valid - 1:
+            _merge(
+                part_o_ptr, part_lse_ptr, row.to(tl.int64) * num_splits, num_valid, out_ptr,
+                q_start, stride_ot, stride_oh, NUM_Q_HEADS, HQ_PAD, HEAD_DIM, D_CHUNK,
+                SPLITS_PAD,
+            )  # fmt: skip
+            tl.store(count_ptr + row, 0)
+
+
+@triton.jit
+def _merge(
+    part_o_ptr,
+    part_lse_ptr,
+    first,  # row * num_splits: the row's first slice
+    num_valid,
+    out_ptr,
+    q_start,
+    stride_ot,
+    stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    HQ_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_CHUNK: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    # Log2-sum-exp weights of every slice at once. An empty row's single slice has
+    # lse = -inf: subtract 0 instead so its weight is 0, not NaN, and it writes zeros.
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_h = tl.arange(0, HQ_PAD)
+    sh_mask = (offs_s < num_valid)[:, None] & (offs_h < NUM_Q_HEADS)[None, :]
+    sh = (first + offs_s)[:, None] * NUM_Q_HEADS + offs_h[None, :]  # [SPLITS_PAD, HQ_PAD]
+    lse = tl.load(part_lse_ptr + sh, mask=sh_mask, other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m[None, :])  # [SPLITS_PAD, HQ_PAD], 0 for missing slices
+    den = tl.sum(w, 0)
+    den = tl.where(den > 0, den, 1.0)
+    w = w / den[None, :]
+    o_base = out_ptr + q_start.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+    for d0 in tl.static_range(0, HEAD_DIM, D_CHUNK):
+        offs_d = d0 + tl.arange(0, D_CHUNK)
+        d_mask = offs_d < HEAD_DIM
+        parts = tl.load(
+            part_o_ptr + sh[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+            mask=sh_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg",
+        )  # fmt: skip
+        res = tl.sum(parts * w[:, :, None], 0)  # [HQ_PAD, D_CHUNK], slices summed in order
+        tl.store(
+            o_base + offs_d[None, :], res.to(out_ptr.dtype.element_ty),
+            mask=(offs_h < NUM_Q_HEADS)[:, None] & d_mask[None, :],
+        )  # fmt: skip
+
+
+def decode_packed(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qk_scale: float,  # softmax scale * log2(e)
+    out: torch.Tensor,
+    max_seq_len: int,
+    num_splits: int | None,
+    workspace: KernelWorkspace | None,
+    dot_precision: str,
+    upcast: bool,
+    cfg: PackedConfig = DEFAULT_CONFIG,
+) -> None:
+    """Launch the packed decode kernel over every row (argument checks: the caller's)."""
+    num_rows = query_start_loc.numel() - 1
+    _, num_q_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    tokens = tile_tokens(num_kv_heads, cfg)
+    # An explicit num_splits (tests, sweeps) may cut contexts down to one tile per slice.
+    min_tokens = tokens if num_splits is not None else max(cfg.min_split_tokens, tokens)
+    if num_splits is None:
+        num_splits = packed_num_splits(num_rows, num_kv_heads, max_seq_len, cfg)
+    num_splits = max(1, min(num_splits, MAX_SPLITS, triton.cdiv(max(1, max_seq_len), min_tokens)))
+    single = num_splits == 1
+    hq_pad = max(16, triton.next_power_of_2(num_q_heads))
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    splits_pad = triton.next_power_of_2(MAX_SPLITS)
+    # The merge's [SPLITS_PAD, HQ_PAD, D_CHUNK] fp32 loads stay at 4,096 values (32 a thread).
+    d_chunk = max(1, min(d_pad, 4096 // (splits_pad * hq_pad)))
+    if single:
+        part_o = part_lse = counters = out  # unused
+    else:
+        if workspace is not None:
+            counters = workspace.counters("decode_packed", num_rows, q.device)
+        else:
+            counters = torch.zeros(num_rows, dtype=torch.int32, device=q.device)
+        part_o = torch.empty(
+            (num_rows, num_splits, num_q_heads, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            (num_rows, num_splits, num_q_heads), dtype=torch.float32, device=q.device
+        )
+    _decode_packed_kernel[(num_rows, num_splits)](
+        q, kv_cache, block_tables, query_start_loc, seq_lens, out, part_o, part_lse, counters,
+        qk_scale, min_tokens, num_splits, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), block_tables.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        kv_cache.stride(2), kv_cache.stride(3), NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads, HQ_PAD=hq_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
+        D_CHUNK=d_chunk, BLOCK_SIZE=block_size, TOKENS=tokens,
+        KEYS_PAD=max(16, triton.next_power_of_2(tokens * num_kv_heads)), SPLITS_PAD=splits_pad,
+        SINGLE_SPLIT=single, DOT_PRECISION=dot_precision, UPCAST_DOT=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
