@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from run_meta import git_commit  # noqa: E402
 from throughput import random_model_engine  # noqa: E402
 
+from pdserve.runner.config import DECODE_ATTENTION_KERNELS  # noqa: E402
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -33,16 +35,19 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=384, help="tokens per row when timed")
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--decode-attention", choices=DECODE_ATTENTION_KERNELS, default="auto")
     args = ap.parse_args()
     if args.context <= args.prompt_len:
         ap.error("--context must exceed --prompt-len (decode steps reach it)")
 
     from pdserve.runner.sampling_params import SamplingParams
 
-    engine = random_model_engine()
+    engine = random_model_engine(decode_attention=args.decode_attention)
     graphs = engine.runner.graphs
     if graphs is None or args.rows not in graphs.graphs:
-        raise SystemExit(f"no decode graph of {args.rows} rows (captured: {graphs and graphs.sizes})")
+        raise SystemExit(
+            f"no decode graph of {args.rows} rows (captured: {graphs and graphs.sizes})"
+        )
     params = SamplingParams(temperature=0.0, max_tokens=args.context, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for r in range(args.rows):
@@ -63,6 +68,7 @@ def main() -> int:
     row = {
         "rows": args.rows,
         "context": args.context,
+        "decode_attention": args.decode_attention,
         "replays": len(ms),
         "forward_ms_p50": statistics.median(ms),
         "forward_ms_min": min(ms),
@@ -73,7 +79,9 @@ def main() -> int:
     print(json.dumps(row), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"decode_graph_{args.rows}.json").write_text(json.dumps(row, indent=2) + "\n")
+    (out / f"decode_graph_{args.rows}_{args.decode_attention}.json").write_text(
+        json.dumps(row, indent=2) + "\n"
+    )
     return 0
 
 

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from run_meta import git_commit
 
+from pdserve.runner.config import DECODE_ATTENTION_KERNELS
+
 PEAK_FLOPS = 789e12  # bf16 dense GEMM measured on this H200
 PEAK_BYTES = 4.28e12  # device-to-device read+write bandwidth measured on this H200
 WEIGHT_BYTES = 1.19e9
@@ -91,7 +93,7 @@ def build_model_dir(path: Path):
     return model
 
 
-def random_model_engine(max_num_batched_tokens: int = 16384):
+def random_model_engine(max_num_batched_tokens: int = 16384, decode_attention: str = "auto"):
     """The profiling scripts' engine: a fresh random Qwen3-0.6B-shaped model directory and
     the throughput runs' settings (512 sequences, 80% of the GPU)."""
     from pdserve.runner.engine import Engine
@@ -102,6 +104,7 @@ def random_model_engine(max_num_batched_tokens: int = 16384):
     return Engine.from_args(
         model=str(model_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=512,
         max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=0.8,
+        decode_attention=decode_attention,
     )  # fmt: skip
 
 
@@ -204,6 +207,12 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument(
+        "--decode-attention",
+        choices=DECODE_ATTENTION_KERNELS,
+        default="auto",
+        help="the Triton decode attention kernel (kernels/paged_attention_triton.py)",
+    )
+    ap.add_argument(
         "--peer",
         choices=["vllm"],
         default=None,
@@ -228,6 +237,7 @@ def main() -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=0.8,
+        decode_attention=args.decode_attention,
     )
     startup = time.perf_counter() - t
     graphs = getattr(engine.runner, "graphs", None)

@@ -135,11 +135,14 @@ def paged_attention(
     max_query_len,
     max_seq_len,
     workspace: KernelWorkspace | None = None,
+    decode_kernel: str | None = None,  # the Triton path's decode kernel; None = by shape
 ) -> None:
     assert q.dim() == 3 and kv_cache.dim() == 5, "q is [T, Hq, D]; a layer's cache is 5-D"
     assert q.shape[1] % kv_cache.shape[3] == 0, "query heads must be a multiple of kv heads"
     args = (q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out)
     if q.is_cuda:
-        paged_attention_triton(*args, max_query_len, max_seq_len, workspace=workspace)
+        paged_attention_triton(
+            *args, max_query_len, max_seq_len, workspace=workspace, decode_kernel=decode_kernel
+        )
     else:
         paged_attention_ref(*args, max_query_len, max_seq_len)

@@ -82,12 +82,16 @@ _MAX_SPLITS = 64
 PACKED_WIDE = PackedConfig(
     keys=32, min_split_tokens=32, target_programs=264, num_warps=4, num_stages=2
 )
-# Batches with fewer (row, kv head) pairs than this take the packed kernel.
-PACKED_BELOW_PAIRS = _TARGET_DECODE_PROGRAMS
+# Batches with fewer (row, kv head) pairs than this take the packed kernel: meant to be
+# those where the per-head grid needs splits to fill the GPU (_TARGET_DECODE_PROGRAMS).
+# 0 until the packed kernel is measured on the H200 (benchmarks/decode_attention_bench.py,
+# decode_graph.py --decode-attention packed): it passes the parity tests on Triton's
+# interpreter, but no GPU has run it yet, so "auto" keeps the measured per-head kernel.
+PACKED_BELOW_PAIRS = 0
 
 
 def choose_decode_kernel(num_rows: int, num_kv_heads: int) -> str:
-    """The packed kernel while the per-head grid would need splits to fill the GPU."""
+    """"packed" for batches of fewer (row, kv head) pairs than PACKED_BELOW_PAIRS."""
     return "packed" if num_rows * num_kv_heads < PACKED_BELOW_PAIRS else "per_head"
 
 

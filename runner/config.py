@@ -119,6 +119,9 @@ class SchedulerConfig:
         )
 
 
+DECODE_ATTENTION_KERNELS = ("auto", "per_head", "packed")
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     """Which runner executes the model, on which device. `runner` is never "auto" here."""
@@ -130,11 +133,19 @@ class RunnerConfig:
     async_scheduling: bool = False
     # Uniform-decode batch sizes captured as FULL CUDA graphs; () = always eager.
     cuda_graph_sizes: tuple[int, ...] = ()
+    # The Triton decode attention kernel: "auto" (by batch shape), "per_head" or "packed"
+    # (kernels/paged_attention_triton.py, kernels/paged_decode_packed.py).
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         _require(
             self.runner in ("mrv2", "reference"),
             f"resolved runner must be 'mrv2' or 'reference' (got {self.runner!r})",
+        )
+        _require(
+            self.decode_attention in DECODE_ATTENTION_KERNELS,
+            f"decode_attention must be one of {DECODE_ATTENTION_KERNELS} "
+            f"(got {self.decode_attention!r})",
         )
         _require(
             all(s >= 1 for s in self.cuda_graph_sizes),
@@ -148,6 +159,11 @@ class RunnerConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def decode_kernel(self) -> str | None:
+        """`AttentionMetadata.decode_kernel`: None lets the kernels choose by shape."""
+        return None if self.decode_attention == "auto" else self.decode_attention
 
 
 @dataclass(frozen=True)

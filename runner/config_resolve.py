@@ -75,6 +75,7 @@ def resolve_engine_config(
     async_scheduling: bool | None = None,
     enforce_eager: bool = False,
     cuda_graph_sizes: list[int] | None = None,
+    decode_attention: str = "auto",
 ) -> EngineConfig:
     from transformers import AutoConfig
 
@@ -128,5 +129,6 @@ def resolve_engine_config(
             seed=seed,
             async_scheduling=async_scheduling,
             cuda_graph_sizes=graphs,
+            decode_attention=decode_attention,
         ),
     )

@@ -112,6 +112,7 @@ def _drain(engine: Engine) -> dict[str, list[int]]:
         ({"max_model_len": 4096}, r"max_model_len \(4096\) must be <= the model's"),
         ({"dtype": "int8"}, "dtype must be 'auto' or one of"),
         ({"num_gpu_blocks": 3}, "cannot hold one request of max_model_len=64"),
+        ({"decode_attention": "flash"}, "decode_attention must be one of"),
     ],
 )
 def test_bad_engine_config(tiny_qwen3_dir, kwargs, rule):

@@ -22,6 +22,9 @@ PROMPTS = [
     "Hi",
 ]
 NEW_TOKENS = 32
+# On a GPU both Triton decode attention kernels must match transformers; the CPU path has
+# one (the torch reference), whatever the setting.
+DECODE_ATTENTION = ["per_head", "packed"] if DEVICE == "cuda" else ["auto"]
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -59,18 +62,20 @@ def test_bundled_model_chat_answers_paris():
     assert out.outputs[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("decode_attention", DECODE_ATTENTION)
 @pytest.mark.parametrize(
     "fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_qwen2_dir", "tiny_mistral_dir"]
 )
-def test_tiny_random_models_match_transformers(fixture, request):
+def test_tiny_random_models_match_transformers(fixture, request, decode_attention):
     """Awkward shapes (head_dim 20/36, 1-3 kv heads, MHA, tied/untied, llama3/yarn/linear
     RoPE, q/k norm, qkv bias) through the paged path equal transformers token for token."""
     model_dir = request.getfixturevalue(fixture)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100)]
     llm = LLM(
-        model=model_dir, device=DEVICE, dtype="float32", block_size=16, max_num_batched_tokens=64
-    )
+        model=model_dir, device=DEVICE, dtype="float32", block_size=16, max_num_batched_tokens=64,
+        decode_attention=decode_attention,
+    )  # fmt: skip
     assert llm.runner_name == "mrv2"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(24), use_tqdm=False)
     expected = hf_greedy(model_dir, prompts, 24)
@@ -78,7 +83,8 @@ def test_tiny_random_models_match_transformers(fixture, request):
         assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
 
 
-def test_qwen3_shaped_model_matches_transformers(qwen3_shaped_dir):
+@pytest.mark.parametrize("decode_attention", DECODE_ATTENTION)
+def test_qwen3_shaped_model_matches_transformers(qwen3_shaped_dir, decode_attention):
     """The benchmark model's real shapes (head_dim 128, GQA 16/8, 151,936-entry vocab,
     tied head) in float32: guards tile/mask edges that tiny shapes never reach."""
     rng = random.Random(11)
@@ -89,6 +95,7 @@ def test_qwen3_shaped_model_matches_transformers(qwen3_shaped_dir):
         dtype="float32",
         max_model_len=512,
         max_num_batched_tokens=128,
+        decode_attention=decode_attention,
     )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(10), use_tqdm=False)
     expected = hf_greedy(qwen3_shaped_dir, prompts, 10)

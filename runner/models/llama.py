@@ -107,6 +107,7 @@ class Attention(nn.Module):
             attn.max_query_len,
             attn.max_seq_len,
             workspace=self.workspace,
+            decode_kernel=attn.decode_kernel,
         )
         o = self.o_proj
         return linear(out.reshape(t, self.q_size), o.weight, o.bias, self.workspace)

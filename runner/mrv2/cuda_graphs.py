@@ -50,12 +50,14 @@ class CudaGraphs:
         kv_caches: list[torch.Tensor],
         sizes: list[int],
         max_seq_len: int,
+        decode_kernel: str | None = None,  # AttentionMetadata.decode_kernel
     ):
         self.model = model
         self.buffers = buffers
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes)
         self.max_seq_len = max_seq_len  # fixed at capture: decode grids depend on it
+        self.decode_kernel = decode_kernel
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -79,6 +81,7 @@ class CudaGraphs:
             b.slot_mapping[:size],
             max_query_len=1,
             max_seq_len=self.max_seq_len,
+            decode_kernel=self.decode_kernel,
         )
         return self.model(b.input_ids[:size], b.positions[:size], self.kv_caches, attn)
 

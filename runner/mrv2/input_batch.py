@@ -45,8 +45,7 @@ class InputBatch:
     def is_uniform_decode(self) -> bool:
         return self.max_query_len == 1
 
-    @property
-    def attn(self) -> AttentionMetadata:
+    def attn(self, decode_kernel: str | None = None) -> AttentionMetadata:
         return AttentionMetadata(
             self.query_start_loc,
             self.seq_lens,
@@ -54,6 +53,7 @@ class InputBatch:
             self.slot_mapping,
             max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len,
+            decode_kernel=decode_kernel,
         )
 
 

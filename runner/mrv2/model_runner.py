@@ -125,6 +125,7 @@ class MRV2ModelRunner:
         )
         self.model_state = model_state or GQAModelState()
         self.sampler = Sampler()
+        self.decode_kernel = config.runner.decode_kernel
         self.graphs: CudaGraphs | None = None
         sizes = config.runner.cuda_graph_sizes
         if self.device.type == "cuda" and sizes:
@@ -134,6 +135,7 @@ class MRV2ModelRunner:
                 self.kv_caches,
                 list(sizes),
                 config.model.max_model_len + 1,
+                self.decode_kernel,
             )
             self.graphs.capture()
 
@@ -187,7 +189,11 @@ class MRV2ModelRunner:
             logits = self.model.compute_logits(hidden[: batch.num_reqs], float32=False)
         else:
             hidden = self.model(
-                batch.input_ids, batch.positions, self.kv_caches, batch.attn, layer_hook
+                batch.input_ids,
+                batch.positions,
+                self.kv_caches,
+                batch.attn(self.decode_kernel),
+                layer_hook,
             )
             logits = self.model.compute_logits(hidden[batch.logits_indices], float32=False)
         self.model_state.post_forward(batch, hidden)
