@@ -132,11 +132,13 @@ def _copy_units_counted_kernel(
     row = pid // chunks_per_row
     chunk = pid - row * chunks_per_row
     i = row // num_layers
+    # The count and this slot's ids in one round trip: a slot past the count holds a stale
+    # (or zero) id pair, loaded in bounds and then not used.
     n = tl.load(ids_ptr + count_offset)
+    s = tl.load(ids_ptr + src_offset + i)
+    d = tl.load(ids_ptr + dst_offset + i)
     if i < n:
         layer = (row - i * num_layers).to(tl.int64)
-        s = tl.load(ids_ptr + src_offset + i)
-        d = tl.load(ids_ptr + dst_offset + i)
         if (s >= 0) & (s < src_units) & (d >= 0) & (d < dst_units):
             src = src_ptr + layer * src_layer_stride + s * src_unit_stride
             dst = dst_ptr + layer * dst_layer_stride + d * dst_unit_stride
