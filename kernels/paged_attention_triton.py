@@ -91,7 +91,7 @@ PACKED_BELOW_PAIRS = 0
 
 
 def choose_decode_kernel(num_rows: int, num_kv_heads: int) -> str:
-    """"packed" for batches of fewer (row, kv head) pairs than PACKED_BELOW_PAIRS."""
+    """The packed kernel for batches of fewer (row, kv head) pairs than PACKED_BELOW_PAIRS."""
     return "packed" if num_rows * num_kv_heads < PACKED_BELOW_PAIRS else "per_head"
 
 
