@@ -74,12 +74,14 @@ class Engine:
         self._num_arrivals = 0
         self._max_model_len = config.model.max_model_len
         logger.info(
-            "engine ready: model=%s runner=%s device=%s dtype=%s max_model_len=%d",
+            "engine ready: model=%s runner=%s device=%s dtype=%s max_model_len=%d "
+            "decode_attention=%s",
             config.model.source,
             self.runner_name,
             config.runner.device,
             config.model.dtype,
             config.model.max_model_len,
+            config.runner.decode_attention,
         )
 
     @classmethod
