@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.attention_dot import attention_dot
 from pdserve.kernels.paged_decode_packed import DEFAULT_CONFIG as PACKED_16BIT
 from pdserve.kernels.paged_decode_packed import PackedConfig, decode_packed
 from pdserve.kernels.workspace import KernelWorkspace
@@ -107,16 +108,6 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int) -> int
 
 
 @triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    # acc + a @ b, accumulated inside the MMA (no separate add over the [M, D] tile).
-    # UPCAST_DOT: Triton's interpreter multiplies bf16 tiles as their raw uint16 bits; fp32
-    # operands give what the tensor cores give (bf16 products are exact in fp32).
-    if UPCAST_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
 def _attend_tile(
     acc,  # [M, D_PAD] fp32 running numerator
     m_i,  # [M] fp32 running max (log2 domain), -inf before any visible key
@@ -157,7 +148,7 @@ def _attend_tile(
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
     # Raw scores; the scale is applied inside max() and fused into exp2's argument (one FMA
     # per score, as qk_scale > 0 keeps the argmax).
-    s = _dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOT)
+    s = attention_dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOT)
     if MASKED:
         visible = k_valid[None, :]
         if CAUSAL:
@@ -174,7 +165,7 @@ def _attend_tile(
     p = tl.exp2(s * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(q.dtype)
-    acc = _dot(p.to(q.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
+    acc = attention_dot(p.to(q.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
     return acc, m_new, l_i
 
 
@@ -472,7 +463,7 @@ def paged_attention_triton(
     qk_scale = scale * LOG2E
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit
     cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
-    # CPU tensors only reach here under TRITON_INTERPRET=1 (see _dot).
+    # CPU tensors only reach here under TRITON_INTERPRET=1 (see attention_dot).
     upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
     common = dict(
         HEAD_DIM=head_dim,

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.attention_dot import attention_dot
 from pdserve.kernels.workspace import KernelWorkspace
 
 
@@ -65,15 +66,6 @@ def packed_num_splits(
     min_tokens = max(cfg.min_split_tokens, tile_tokens(num_kv_heads, cfg))
     useful = triton.cdiv(max(1, max_seq_len), min_tokens)
     return max(1, min(wanted, useful, MAX_SPLITS))
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    # UPCAST_DOT: Triton's interpreter multiplies bf16 tiles as raw bits; fp32 operands give
-    # what the tensor cores give (bf16 products are exact in fp32).
-    if UPCAST_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=["min_split_tokens", "num_splits"])
@@ -162,7 +154,7 @@ def _decode_packed_kernel(
         kv_mask = valid[:, None] & d_mask[None, :]
         # other=0: the null block may hold NaN, and 0 * NaN would leak into P . V.
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
-        s = _dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOT)  # [HQ_PAD, KEYS_PAD]
+        s = attention_dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOT)  # [HQ_PAD, KEYS_PAD]
         s = tl.where(own_head & valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: no NaN
@@ -170,7 +162,7 @@ def _decode_packed_kernel(
         p = tl.exp2(s * qk_scale - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = _dot(p.to(q.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
+        acc = attention_dot(p.to(q.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
 
     # l_i == 0 only for an empty context (pad row, single split) and pad heads: zeros.
