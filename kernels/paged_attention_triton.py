@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.attention_dot import attention_dot
+from pdserve.kernels.attention_parts import attention_dot, row_split_len
 from pdserve.kernels.paged_decode_packed import DEFAULT_CONFIG as PACKED_16BIT
 from pdserve.kernels.paged_decode_packed import PackedConfig, decode_packed
 from pdserve.kernels.workspace import KernelWorkspace
@@ -169,18 +169,6 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
-def _row_split_len(seq_len, min_split_keys, num_splits, BLOCK_N: tl.constexpr):
-    # Each row cuts its own context (not the batch's longest) into up to num_splits slices
-    # of whole BLOCK_N tiles, none under min_split_keys: the grid is fixed by host ints
-    # (a CUDA graph replays it at any context length) while the work spreads evenly.
-    row_splits = tl.maximum(
-        tl.minimum(num_splits, (seq_len + min_split_keys - 1) // min_split_keys), 1
-    )
-    per_split = (seq_len + row_splits - 1) // row_splits
-    return tl.maximum((per_split + BLOCK_N - 1) // BLOCK_N, 1) * BLOCK_N
-
-
 # Counts that vary from step to step (eager mixed steps) are not specialised on: each new
 # value class (== 1, % 16) would compile a variant mid-serving, ~1 s each on a cold cache.
 @triton.jit(do_not_specialize=["min_split_keys", "num_splits"])
@@ -223,7 +211,7 @@ def _decode_split_kernel(
     q_start = tl.load(qsl_ptr + row)
     q_len = tl.load(qsl_ptr + row + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + row)
-    split_len = _row_split_len(seq_len, min_split_keys, num_splits, BLOCK_N)
+    split_len = row_split_len(seq_len, min_split_keys, num_splits, BLOCK_N)
     key_start = split * split_len
     # Rows with several queries belong to the prefill kernel. Splits past the context
     # write nothing and do not count in: the merging program derives the number of valid

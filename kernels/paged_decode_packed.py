@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.attention_dot import attention_dot
+from pdserve.kernels.attention_parts import attention_dot, row_split_len
 from pdserve.kernels.workspace import KernelWorkspace
 
 
@@ -110,12 +110,7 @@ def _decode_packed_kernel(
     q_start = tl.load(qsl_ptr + row)
     q_len = tl.load(qsl_ptr + row + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + row)
-    # This row's slices: up to num_splits of whole tiles, none under min_split_tokens.
-    row_splits = tl.maximum(
-        tl.minimum(num_splits, (seq_len + min_split_tokens - 1) // min_split_tokens), 1
-    )
-    split_len = tl.maximum(((seq_len + row_splits - 1) // row_splits + TOKENS - 1) // TOKENS, 1)
-    split_len = split_len * TOKENS
+    split_len = row_split_len(seq_len, min_split_tokens, num_splits, TOKENS)
     key_start = split * split_len
     skip = q_len != 1
     if not SINGLE_SPLIT:
