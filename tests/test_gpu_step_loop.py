@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from pdserve.runner.engine import Engine
 from pdserve.runner.sampling_params import SamplingParams
 
 
-def _engine(model_dir: str) -> Engine:
+def _engine(model_dir: str, decode_attention: str = "auto") -> Engine:
     return Engine.from_args(
         model=model_dir,
         device="cuda",
@@ -20,11 +21,13 @@ def _engine(model_dir: str) -> Engine:
         max_model_len=256,
         max_num_seqs=64,
         max_num_batched_tokens=256,
+        decode_attention=decode_attention,
     )
 
 
-def test_step_loop_never_syncs_and_graphs_keep_their_buffers(qwen3_shaped_dir):
-    eng = _engine(qwen3_shaped_dir)
+@pytest.mark.parametrize("decode_attention", ["per_head", "packed"])
+def test_step_loop_never_syncs_and_graphs_keep_their_buffers(qwen3_shaped_dir, decode_attention):
+    eng = _engine(qwen3_shaped_dir, decode_attention)
     assert eng.config.runner.async_scheduling and eng.runner.graphs is not None
     buf = eng.runner.buffers
     ptrs = {
