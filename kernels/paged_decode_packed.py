@@ -47,7 +47,9 @@ class PackedConfig(NamedTuple):
     num_stages: int
 
 
-# Chosen on the H200 at 32 rows (benchmarks/decode_attention_bench.py).
+# A first guess, not yet tuned: benchmarks/decode_attention_bench.py --sweep times the
+# alternatives at 32 rows on the H200 (64 keys x 128 dims x 2 B = 16 KiB of K and as much V
+# a stage, 3 stages: two programs per SM).
 DEFAULT_CONFIG = PackedConfig(
     keys=64, min_split_tokens=32, target_programs=264, num_warps=4, num_stages=3
 )
