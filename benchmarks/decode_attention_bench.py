@@ -114,23 +114,20 @@ def main() -> int:
             emit(row(batch, ctx, kernel, time_per_layer_us(inputs, decode_kernel=kernel)))
         del inputs
     if args.sweep:
-        base = pat.PACKED_16BIT
-        import pdserve.kernels.paged_decode_packed as pdp
-
+        base = pat.PACKED_16BIT  # what paged_attention_triton reads for 16-bit inputs
         for ctx in (256, 384, 512):
             inputs = layer_inputs(32, ctx, args.layers)
             for keys, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
                 for min_tokens, target in itertools.product((16, 32, 64), (132, 264, 528)):
                     cfg = PackedConfig(keys, min_tokens, target, warps, stages)
                     pat.PACKED_16BIT = cfg
-                    pdp.DEFAULT_CONFIG = cfg
                     try:
                         us = time_per_layer_us(inputs, decode_kernel="packed")
                         emit(row(32, ctx, "packed", us, cfg=list(cfg)))
                     except Exception as e:  # out of shared memory etc.: report, go on
                         emit({"batch": 32, "ctx": ctx, "cfg": list(cfg), "error": str(e)[:200]})
             del inputs
-        pat.PACKED_16BIT = pdp.DEFAULT_CONFIG = base
+        pat.PACKED_16BIT = base
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / f"decode_attention_{commit[:7]}.jsonl", "w") as f:

@@ -1,5 +1,5 @@
-"""What the Triton decode/prefill attention kernels share (paged_attention_triton,
-paged_decode_packed): their dot and the per-row cut of a context into split-K slices."""
+"""What the Triton attention kernels share (paged_attention_triton, paged_decode_packed):
+their dot, and the decode kernels' cut of a row's context into split-K slices."""
 
 from __future__ import annotations
 
@@ -27,3 +27,31 @@ def row_split_len(seq_len, min_split_keys, num_splits, BLOCK_N: tl.constexpr):
     )
     per_split = (seq_len + row_splits - 1) // row_splits
     return tl.maximum((per_split + BLOCK_N - 1) // BLOCK_N, 1) * BLOCK_N
+
+
+@triton.jit
+def decode_slice(
+    qsl_ptr, seq_lens_ptr, row, split, min_split_keys, num_splits, BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+):  # fmt: skip
+    """A decode program's row and slice: (q_start, seq_len, split_len, key_start, key_end,
+    skip). Rows with several queries belong to the prefill kernel. Splits past the context
+    write nothing and do not count in: the merging program derives the number of valid
+    splits from seq_len (`valid_splits`). Split 0 always runs, so an empty pad row still
+    gets its zeros."""
+    q_start = tl.load(qsl_ptr + row)
+    q_len = tl.load(qsl_ptr + row + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + row)
+    split_len = row_split_len(seq_len, min_split_keys, num_splits, BLOCK_N)
+    key_start = split * split_len
+    skip = q_len != 1
+    if not SINGLE_SPLIT:
+        skip = skip | ((key_start >= seq_len) & (split > 0))
+    key_end = tl.minimum(key_start + split_len, seq_len)
+    return q_start, seq_len, split_len, key_start, key_end, skip
+
+
+@triton.jit
+def valid_splits(seq_len, split_len, num_splits):
+    """How many of a row's slices run (and count in before the merge): at least one."""
+    return tl.maximum(tl.minimum((seq_len + split_len - 1) // split_len, num_splits), 1)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.attention_parts import attention_dot, row_split_len
+from pdserve.kernels.attention_parts import attention_dot, decode_slice, valid_splits
 from pdserve.kernels.paged_decode_packed import DEFAULT_CONFIG as PACKED_16BIT
 from pdserve.kernels.paged_decode_packed import PackedConfig, decode_packed
 from pdserve.kernels.workspace import KernelWorkspace
@@ -208,20 +208,11 @@ def _decode_split_kernel(
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + row)
-    q_len = tl.load(qsl_ptr + row + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + row)
-    split_len = row_split_len(seq_len, min_split_keys, num_splits, BLOCK_N)
-    key_start = split * split_len
-    # Rows with several queries belong to the prefill kernel. Splits past the context
-    # write nothing and do not count in: the merging program derives the number of valid
-    # splits from seq_len. Split 0 always runs, so an empty pad row still gets its zeros.
-    skip = q_len != 1
-    if not SINGLE_SPLIT:
-        skip = skip | ((key_start >= seq_len) & (split > 0))
+    q_start, seq_len, split_len, key_start, key_end, skip = decode_slice(
+        qsl_ptr, seq_lens_ptr, row, split, min_split_keys, num_splits, BLOCK_N, SINGLE_SPLIT
+    )
     if skip:
         return
-    key_end = tl.minimum(key_start + split_len, seq_len)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -263,7 +254,7 @@ def _decode_split_kernel(
         # reads them from L2 (.cg), in split order whoever came last.
         tl.debug_barrier()
         counter = count_ptr + row * tl.num_programs(1) + kv_head
-        num_valid = tl.maximum(tl.minimum((seq_len + split_len - 1) // split_len, num_splits), 1)
+        num_valid = valid_splits(seq_len, split_len, num_splits)
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_valid - 1:
             _merge_splits(
                 part_o_ptr, part_lse_ptr, base, num_valid, out_ptr, q_start, heads, offs_d,

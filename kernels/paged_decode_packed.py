@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.attention_parts import attention_dot, row_split_len
+from pdserve.kernels.attention_parts import attention_dot, decode_slice, valid_splits
 from pdserve.kernels.workspace import KernelWorkspace
 
 
@@ -109,17 +109,11 @@ def _decode_packed_kernel(
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
-    q_start = tl.load(qsl_ptr + row)
-    q_len = tl.load(qsl_ptr + row + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + row)
-    split_len = row_split_len(seq_len, min_split_tokens, num_splits, TOKENS)
-    key_start = split * split_len
-    skip = q_len != 1
-    if not SINGLE_SPLIT:
-        skip = skip | ((key_start >= seq_len) & (split > 0))
+    q_start, seq_len, split_len, key_start, key_end, skip = decode_slice(
+        qsl_ptr, seq_lens_ptr, row, split, min_split_tokens, num_splits, TOKENS, SINGLE_SPLIT
+    )
     if skip:
         return
-    key_end = tl.minimum(key_start + split_len, seq_len)
 
     GROUP: tl.constexpr = NUM_Q_HEADS // NUM_KV_HEADS
     offs_h = tl.arange(0, HQ_PAD)
@@ -175,8 +169,7 @@ def _decode_packed_kernel(
         # Every thread's partial is stored before one thread counts the program in; the
         # acq_rel atomic publishes them to the last arriver, which reads them from L2.
         tl.debug_barrier()
-        num_valid = tl.minimum((seq_len + split_len - 1) // split_len, num_splits)
-        num_valid = tl.maximum(num_valid, 1)
+        num_valid = valid_splits(seq_len, split_len, num_splits)
         if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == num_valid - 1:
             _merge(
                 part_o_ptr, part_lse_ptr, row.to(tl.int64) * num_splits, num_valid, out_ptr,
