@@ -1,6 +1,7 @@
 """Decode attention as a decode step runs it: one call per layer over that layer's own cache.
 
-    python benchmarks/decode_attention_bench.py [--layers 28] [--sweep] [--out DIR]
+    python benchmarks/decode_attention_bench.py [--layers 28] [--sweep] [--sweep-per-head]
+        [--sweep-long] [--no-cases] [--kernels per_head,packed] [--out DIR]
 
 Not a test. attention_bench.py replays one call over one cache, so a cache under the L2's
 50 MB (32 rows x 256 tokens is 34 MB) is read from L2 and looks fast. Here each of
@@ -8,7 +9,11 @@ Not a test. attention_bench.py replays one call over one cache, so a cache under
 bf16, block size 16, blocks shuffled), captured as one CUDA graph with max_seq_len at the
 model's 4,096 limit, as the engine's decode graph runs it; the time per call is the
 replay's over the layers. Both decode kernels (`per_head`, `packed`) at batch sizes 32 to
-512; `--sweep` also times the packed kernel's tile and split settings at 32 rows. Prints
+512; `--sweep` also times the packed kernel's tile and split settings at 32 rows, and
+`--sweep-per-head` the per-head kernel's tiles (keys, warps, stages) at 1-8 slices per
+context for 32 and 64 rows, `--sweep-long` a few of them at long contexts and big batches
+with up to 16 slices (`--no-cases`: the sweeps alone; `--kernels per_head`: one kernel in
+the cases). Prints
 one JSON object per line, and writes them to `<out>/decode_attention_<commit>.jsonl`.
 """
 
@@ -93,10 +98,51 @@ def row(batch: int, ctx: int, kernel: str, us: float, **extra) -> dict:
     }  # fmt: skip
 
 
+# --sweep-per-head: short contexts, every tile; --sweep-long: long contexts and big batches,
+# the few tiles that won the short sweep, more slices.
+SHORT_SWEEP = (
+    ((32, 256), (32, 384), (32, 512), (64, 384)),
+    list(itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4, 5))),
+    (1, 2, 3, 4, 6, 8),
+)
+LONG_SWEEP = (
+    ((8, 1024), (8, 4096), (32, 1024), (32, 2048), (32, 4096), (128, 384), (256, 384), (512, 256)),
+    [(64, 2, 5), (64, 2, 4), (64, 2, 3), (64, 4, 3), (32, 4, 5), (64, 2, 6)],
+    (1, 2, 4, 8, 16),
+)
+
+
+def sweep_per_head(layers: int, emit, cases, tiles, splits_list) -> None:
+    """The per-head kernel's tile (keys a loop step, warps, pipeline stages) against the
+    number of slices each row's context is cut into (explicit num_splits: every row takes
+    them all), where the engine's heuristic only sets how many."""
+    base = pat._DECODE_16BIT, pat._DECODE_16BIT_FEW
+    for batch, ctx in cases:
+        inputs = layer_inputs(batch, ctx, layers)
+        for block_n, warps, stages in tiles:
+            tile = pat.TileConfig(0, block_n, warps, stages)
+            pat._DECODE_16BIT = pat._DECODE_16BIT_FEW = tile
+            for splits in splits_list:
+                if splits * block_n > ctx:
+                    continue
+                cfg = [block_n, warps, stages, splits]
+                try:
+                    us = time_per_layer_us(inputs, 20, decode_kernel="per_head", num_splits=splits)
+                    emit(row(batch, ctx, "per_head", us, cfg=cfg))
+                except Exception as e:  # out of shared memory etc.: report, go on
+                    emit({"batch": batch, "ctx": ctx, "cfg": cfg, "error": str(e)[:200]})
+        del inputs
+    pat._DECODE_16BIT, pat._DECODE_16BIT_FEW = base
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-per-head", action="store_true")
+    ap.add_argument("--sweep-long", action="store_true")
+    ap.add_argument("--kernels", default="per_head,packed")
+    ap.add_argument("--no-cases", action="store_true", help="only the sweeps")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     commit = git_commit()
@@ -108,9 +154,9 @@ def main() -> int:
         print(json.dumps(r), flush=True)
 
     cases = [(32, 256), (32, 384), (32, 512), (64, 384), (128, 384), (256, 384), (512, 256)]
-    for batch, ctx in cases:
+    for batch, ctx in [] if args.no_cases else cases:
         inputs = layer_inputs(batch, ctx, args.layers)
-        for kernel in ("per_head", "packed"):
+        for kernel in args.kernels.split(","):
             emit(row(batch, ctx, kernel, time_per_layer_us(inputs, decode_kernel=kernel)))
         del inputs
     if args.sweep:
@@ -128,6 +174,10 @@ def main() -> int:
                         emit({"batch": 32, "ctx": ctx, "cfg": list(cfg), "error": str(e)[:200]})
             del inputs
         pat.PACKED_16BIT = base
+    if args.sweep_per_head:
+        sweep_per_head(args.layers, emit, *SHORT_SWEEP)
+    if args.sweep_long:
+        sweep_per_head(args.layers, emit, *LONG_SWEEP)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / f"decode_attention_{commit[:7]}.jsonl", "w") as f:

@@ -64,16 +64,28 @@ _PREFILL_16BIT = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
 # cores): halve the key tile to stay inside registers and shared memory.
 _PREFILL_WIDE = TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 # Decode: one program per (row, kv head, split) streams 64 keys x 128 dims x 2 B = 16 KiB of
-# K and as much V per iteration through cp.async, pipelined 3 deep; at batch 256-512 this
-# reads K/V at 4.4-4.5 TB/s on the H200 (its read+write copy rate is 4.28), so the decode
-# tiles were not swept further.
+# K and as much V per loop step through cp.async. Measured on the H200 over 28 distinct
+# caches as a decode graph replays them (benchmarks/decode_attention_bench.py --sweep-per-head
+# and --sweep-long, results/decode_attention_sweep_*.jsonl):
+# - Splits lose once the batch has ~256 (row, kv head) programs: at 32 rows one slice per
+#   row beat 2-16 slices at every context from 256 to 4,096 tokens, at 64-512 rows too.
+#   Split programs past a short row's context still cost a launch slot each: a 32-row
+#   graph bounded at 4,096 tokens with 3 splits ran 21.4 us a layer at 384 tokens where
+#   the unsplit kernel took 16.7.
+# - The unsplit kernel at <= 256 programs (two waves of one program per SM) keeps more of
+#   each context in flight with 2 warps and 5 stages: 12.7 / 16.7 / 20.6 / 125 us a layer at
+#   32 rows of 256 / 384 / 512 / 4,096 tokens (4.3 TB/s at 4,096), against 16.5 / 19.2 /
+#   23.1 / 128 with 4 warps, 3 stages and splits. With more programs (64-512 rows), or with
+#   splits, 3 stages win (two programs per SM); at 256-512 rows K/V stream at ~3.9 TB/s.
 _DECODE_16BIT = TileConfig(block_m=0, block_n=64, num_warps=4, num_stages=3)
-_DECODE_WIDE = TileConfig(block_m=0, block_n=32, num_warps=4, num_stages=2)
+_DECODE_16BIT_FEW = TileConfig(block_m=0, block_n=64, num_warps=2, num_stages=5)
+_DECODE_WIDE = TileConfig(block_m=0, block_n=32, num_warps=4, num_stages=2)  # fp32, D 256
+_FEW_PROGRAMS = 256
 
-# Split-K: aim for ~4 programs per SM of an H200 (132 SMs) so short and long rows balance;
-# never split a context into slices under 256 keys (4 iterations), where the workspace
-# round trip and the reduce launch would cost more than the parallelism wins.
-_TARGET_DECODE_PROGRAMS = 132 * 4
+# Split-K only for batches of fewer (row, kv head) pairs than _TARGET_DECODE_PROGRAMS: 8 rows
+# of 1,024 / 4,096 tokens ran best at 4 / 8 slices (256 / 512 programs), 2x faster than
+# unsplit. No slice under 256 keys.
+_TARGET_DECODE_PROGRAMS = 256
 _MIN_SPLIT_KEYS = 256
 _MAX_SPLITS = 64
 
@@ -100,8 +112,16 @@ def _tiles(dtype: torch.dtype, d_pad: int, narrow: TileConfig, wide: TileConfig)
     return narrow if dtype in (torch.bfloat16, torch.float16) and d_pad <= 128 else wide
 
 
+def decode_tiles(dtype: torch.dtype, d_pad: int, num_pairs: int, num_splits: int) -> TileConfig:
+    """The decode tile for `num_pairs` (row, kv head) pairs cut into `num_splits` slices:
+    the 5-stage tile only for an unsplit grid of few programs (with splits it lost)."""
+    few = num_splits == 1 and num_pairs <= _FEW_PROGRAMS
+    return _tiles(dtype, d_pad, _DECODE_16BIT_FEW if few else _DECODE_16BIT, _DECODE_WIDE)
+
+
 def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int) -> int:
-    """Splits per (row, kv head): enough programs to fill the GPU, no slice under 256 keys."""
+    """Splits per (row, kv head): enough programs to fill the GPU, no slice under
+    _MIN_SPLIT_KEYS keys."""
     wanted = triton.cdiv(_TARGET_DECODE_PROGRAMS, max(1, num_rows * num_kv_heads))
     useful = triton.cdiv(max(1, max_seq_len), _MIN_SPLIT_KEYS)
     return max(1, min(wanted, useful, _MAX_SPLITS))
@@ -237,7 +257,14 @@ def _decode_split_kernel(
     # l_i == 0 only for an empty context (pad row, single split): write zeros.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
+    # A row whose context fits one slice (most rows when num_splits is the graph's bound for
+    # the model's longest context) writes its output as with one split: no partial, no
+    # counter, no merge.
     if SINGLE_SPLIT:
+        num_valid = 1
+    else:
+        num_valid = valid_splits(seq_len, split_len, num_splits)
+    if num_valid == 1:
         o_ptrs = (
             out_ptr
             + q_start.to(tl.int64) * stride_ot
@@ -254,7 +281,6 @@ def _decode_split_kernel(
         # reads them from L2 (.cg), in split order whoever came last.
         tl.debug_barrier()
         counter = count_ptr + row * tl.num_programs(1) + kv_head
-        num_valid = valid_splits(seq_len, split_len, num_splits)
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_valid - 1:
             _merge_splits(
                 part_o_ptr, part_lse_ptr, base, num_valid, out_ptr, q_start, heads, offs_d,
@@ -474,12 +500,13 @@ def paged_attention_triton(
         )  # fmt: skip
         return
     assert kernel == "per_head", f"unknown decode kernel {kernel!r}"
-    cfg = _tiles(q.dtype, d_pad, _DECODE_16BIT, _DECODE_WIDE)
     # Each row sizes its own slices in-kernel; an explicit num_splits (tests, sweeps) may cut
     # contexts down to one tile per slice, the heuristic never under _MIN_SPLIT_KEYS.
-    min_keys = cfg.block_n if num_splits is not None else max(_MIN_SPLIT_KEYS, cfg.block_n)
+    explicit = num_splits is not None
     if num_splits is None:
         num_splits = decode_num_splits(num_rows, num_kv_heads, max_seq_len)
+    cfg = decode_tiles(q.dtype, d_pad, num_rows * num_kv_heads, num_splits)
+    min_keys = cfg.block_n if explicit else max(_MIN_SPLIT_KEYS, cfg.block_n)
     num_splits = max(1, min(num_splits, triton.cdiv(max(1, max_seq_len), min_keys)))
     single = num_splits == 1
     if single:

@@ -36,6 +36,7 @@ from pdserve.kernels.attention import paged_attention, paged_attention_ref
 from pdserve.kernels.paged_attention_triton import (
     choose_decode_kernel,
     decode_num_splits,
+    decode_tiles,
     paged_attention_triton,
 )
 from pdserve.kernels.paged_decode_packed import packed_num_splits
@@ -297,15 +298,21 @@ def test_many_rows_and_padded_tokens():
 
 
 def test_num_splits_heuristic():
-    """Guards the split choice: one split once the batch alone fills the GPU (no workspace
-    round trip at batch 256 x 8 kv heads), many for a lone long row, never a slice under 256
-    keys, and a result that depends on host ints only (graph-capturable)."""
-    assert decode_num_splits(256, 8, 2048) == 1
+    """Guards the split choice: none once the batch has ~256 (row, kv head) programs (32 rows
+    of 8 kv heads ran fastest unsplit on the H200 at every context up to 4,096 tokens, and a
+    graph's split programs past short contexts cost launch slots), many for a lone long row,
+    never a slice under 256 keys, and a result that depends on host ints only
+    (graph-capturable); the 5-stage tile only for an unsplit grid of few programs."""
+    assert decode_num_splits(32, 8, 4096) == 1
     assert decode_num_splits(512, 8, 256) == 1
+    assert decode_num_splits(8, 8, 4096) == 4  # 256 programs
     assert decode_num_splits(1, 8, 2048) == 8  # 2048 / 256
     assert decode_num_splits(1, 1, 100_000) == 64  # capped
-    assert decode_num_splits(32, 8, 4096) == 3  # ceil(528 / 256)
     assert decode_num_splits(4, 2, 0) == 1
+    assert decode_tiles(torch.bfloat16, 128, 256, 1).num_stages == 5
+    assert decode_tiles(torch.bfloat16, 128, 257, 1).num_stages == 3
+    assert decode_tiles(torch.bfloat16, 128, 64, 4).num_stages == 3
+    assert decode_tiles(torch.float32, 128, 8, 1).block_n == 32  # fp32: the wide tile
     # The packed kernel: a program per (row, slice) over every head, ~264 programs.
     assert packed_num_splits(32, 8, 4096) == 9  # ceil(264 / 32)
     assert packed_num_splits(1, 8, 100_000) == 16  # capped: the merge loads all at once
