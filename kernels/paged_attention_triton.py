@@ -95,11 +95,11 @@ _MAX_SPLITS = 64
 PACKED_WIDE = PackedConfig(
     keys=32, min_split_tokens=32, target_programs=264, num_warps=4, num_stages=2
 )
-# Batches with fewer (row, kv head) pairs than this take the packed kernel: meant to be
-# those where the per-head grid needs splits to fill the GPU (_TARGET_DECODE_PROGRAMS).
-# 0 until the packed kernel is measured on the H200 (benchmarks/decode_attention_bench.py,
-# decode_graph.py --decode-attention packed): it passes the parity tests on Triton's
-# interpreter, but no GPU has run it yet, so "auto" keeps the measured per-head kernel.
+# Batches with fewer (row, kv head) pairs than this take the packed kernel. 0: measured on
+# the H200 (decode_attention_bench.py, results/decode_attention_56e7efb.jsonl) it is slower
+# than the per-head kernel at 32-256 rows (27.0 against 16.5 us a layer at 32 rows of 256
+# tokens, 148.5 against 103.9 at 256 rows of 384), ahead only at 512 rows of 256 (129.7
+# against 138.4), with its tile config still the unswept first guess.
 PACKED_BELOW_PAIRS = 0
 
 
