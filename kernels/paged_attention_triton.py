@@ -75,7 +75,8 @@ _PREFILL_WIDE = TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 # - The unsplit kernel at <= 256 programs (two waves of one program per SM) keeps more of
 #   each context in flight with 2 warps and 5 stages: 12.7 / 16.7 / 20.6 / 125 us a layer at
 #   32 rows of 256 / 384 / 512 / 4,096 tokens (4.3 TB/s at 4,096), against 16.5 / 19.2 /
-#   23.1 / 128 with 4 warps, 3 stages and splits. With more programs (64-512 rows), or with
+#   23.1 us with the earlier 4-warp, 3-stage tile and 256-key slices (128 at 4,096 tokens
+#   with that tile's best split). With more programs (64-512 rows), or with
 #   splits, 3 stages win (two programs per SM); at 256-512 rows K/V stream at ~3.9 TB/s.
 _DECODE_16BIT = TileConfig(block_m=0, block_n=64, num_warps=4, num_stages=3)
 _DECODE_16BIT_FEW = TileConfig(block_m=0, block_n=64, num_warps=2, num_stages=5)
