@@ -84,8 +84,8 @@ _DECODE_WIDE = TileConfig(block_m=0, block_n=32, num_warps=4, num_stages=2)  # f
 _FEW_PROGRAMS = 256
 
 # Split-K only for batches of fewer (row, kv head) pairs than _TARGET_DECODE_PROGRAMS: 8 rows
-# of 1,024 / 4,096 tokens ran best at 4 / 8 slices (256 / 512 programs), 2x faster than
-# unsplit. No slice under 256 keys.
+# of 1,024 / 4,096 tokens ran best at 4 / 8 slices (256 / 512 programs): 15.2 / 39.8 us a
+# layer against 23.1 / 78.7 unsplit. No slice under 256 keys.
 _TARGET_DECODE_PROGRAMS = 256
 _MIN_SPLIT_KEYS = 256
 _MAX_SPLITS = 64
