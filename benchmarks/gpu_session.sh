@@ -37,5 +37,6 @@ PDSERVE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-360}" python3 -P -m pytest -q 
     tests/test_gpu_cuda_ipc.py tests/test_pd_engine.py tests/test_qkv_prep.py \
     tests/test_kv_copy_kernel.py tests/test_paged_attention_triton.py tests/test_skinny_linear.py \
     tests/test_parity_hf.py tests/test_self_consistency.py tests/test_async_scheduling.py \
-    tests/test_layer_wise.py tests/test_copy_graph.py \
+    tests/test_layer_wise.py tests/test_copy_graph.py tests/test_norm_fold.py \
+    tests/test_gpu_norm_fold.py \
     -k "not smollm2 and not bundled and not stop_strings" 2>&1 | tee "$OUT/gpu_tests.log"

@@ -14,6 +14,11 @@ Rounding follows the references point by point (float32 math; the normed value, 
 product with the weight, each rope product and sum rounded to the input dtype) with FP
 fusion off, so outputs are bit-identical to the spec's.
 
+With `scale_rows` (the folded-norm decode chain, runner/models/norm_fold.py) the
+projection was computed from the un-normalised residual stream: each token's q, k and v
+are first multiplied by its RMSNorm factor and rounded to the dtype, as if a norm had run
+before the projection (the spec scales the rows, then runs the sequence above).
+
 What this module does not know: the cache's block structure beyond `slot // block_size`,
 or which tokens are real (slot -1 writes nothing; its q is computed and ignored).
 """
@@ -27,6 +32,7 @@ import triton.language as tl
 from pdserve.kernels.attention import write_kv_ref
 from pdserve.kernels.norm import rms_norm_ref
 from pdserve.kernels.rope import apply_rope_ref
+from pdserve.kernels.row_squares import SQ_ROWS, ScaleRows, row_scale, row_scale_ref
 
 
 def prepare_qkv_ref(
@@ -40,9 +46,15 @@ def prepare_qkv_ref(
     cos_sin_cache: torch.Tensor,  # [max_positions, D] float32: cos half | sin half
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D], updated in place
     slot_mapping: torch.Tensor,  # [T'] int64, T' <= T, -1 = skip
+    scale_rows: ScaleRows | None = None,  # qkv is the projection of un-normalised rows
+    bias: torch.Tensor | None = None,  # [(Hq + 2 Hkv) * D], with scale_rows: not yet added
 ) -> torch.Tensor:
     """-> q [T, Hq, D], normed and rotated; k (normed, rotated) and v land in the cache."""
     t = qkv.shape[0]
+    assert bias is None or scale_rows is not None, "an unadded bias comes with scale_rows"
+    if scale_rows is not None:
+        scaled = qkv.float() * row_scale_ref(scale_rows, t)[:, None]
+        qkv = (scaled if bias is None else scaled + bias.float()).to(qkv.dtype)
     d = kv_cache.shape[-1]
     q, k, v = qkv.split([num_q_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
     q = q.reshape(t, num_q_heads, d)
@@ -85,6 +97,21 @@ def _norm_rope_halves(
     return out1.to(dtype), out2.to(dtype)
 
 
+@triton.jit
+def _load_part(row_ptr, offs, mask, bias_ptr, scale, SCALE_ROWS: tl.constexpr,
+               HAS_BIAS: tl.constexpr):  # fmt: skip
+    """Values `offs` of a token's qkv row in float32. With SCALE_ROWS (the projection of an
+    un-normalised row) times the row's RMSNorm factor, plus the bias at the same offsets
+    (HAS_BIAS: the projection ran without it), rounded once through the dtype."""
+    x = tl.load(row_ptr + offs, mask=mask, other=0.0)
+    if SCALE_ROWS:
+        y = x.to(tl.float32) * scale
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        return y.to(x.dtype).to(tl.float32)
+    return x.to(tl.float32)
+
+
 # num_slots follows the step's token count: not specialised on (no variant per value class).
 @triton.jit(do_not_specialize=["num_slots"])
 def _prepare_qkv_kernel(
@@ -96,7 +123,12 @@ def _prepare_qkv_kernel(
     cos_sin_ptr,
     kv_cache_ptr,
     slot_mapping_ptr,
+    sq_ptr,  # [num_sq_parts, SQ_STRIDE] fp32 row sums of squares (SCALE_ROWS)
+    bias_ptr,  # [(Hq + 2 Hkv) * D] the projection's bias, not yet added (SCALE_ROWS only)
     num_slots,
+    num_sq_parts,
+    sq_dim,
+    sq_eps,
     qkv_token_stride,
     cos_sin_stride,
     cache_block_stride,
@@ -112,6 +144,10 @@ def _prepare_qkv_kernel(
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SQ_PARTS_PAD: tl.constexpr,
+    SQ_STRIDE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -123,13 +159,18 @@ def _prepare_qkv_kernel(
     cos = tl.load(cs_row + cols, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(cs_row + half + cols, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
     row = qkv_ptr + t * qkv_token_stride
+    scale = 1.0
+    if SCALE_ROWS:  # this token's RMSNorm factor (one row of the squares: [1] -> scalar)
+        only = tl.arange(0, 1)
+        scale = tl.sum(row_scale(sq_ptr, t + only, only < 1, num_sq_parts, sq_dim, sq_eps,
+                                 SQ_PARTS_PAD, SQ_STRIDE), 0)  # fmt: skip
 
     # q: [Hq, D] at the start of the row -> q_out[t]
     qh = tl.arange(0, BLOCK_HQ)
     q_mask = (qh < NUM_Q_HEADS)[:, None] & col_mask[None, :]
-    q_src = row + qh[:, None] * HEAD_DIM + cols[None, :]
-    q1 = tl.load(q_src, mask=q_mask, other=0.0).to(tl.float32)
-    q2 = tl.load(q_src + half, mask=q_mask, other=0.0).to(tl.float32)
+    q_offs = qh[:, None] * HEAD_DIM + cols[None, :]
+    q1 = _load_part(row, q_offs, q_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
+    q2 = _load_part(row, q_offs + half, q_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
     q1, q2 = _norm_rope_halves(
         q1, q2, q_norm_ptr, cols, col_mask, cos, sin, HEAD_DIM, eps, dtype, HAS_NORM
     )
@@ -143,15 +184,15 @@ def _prepare_qkv_kernel(
     kh = tl.arange(0, BLOCK_HK)
     live = tl.where(slot >= 0, NUM_KV_HEADS, 0)
     k_mask = (kh < live)[:, None] & col_mask[None, :]
-    k_src = row + (NUM_Q_HEADS + kh[:, None]) * HEAD_DIM + cols[None, :]
-    k1 = tl.load(k_src, mask=k_mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k_src + half, mask=k_mask, other=0.0).to(tl.float32)
+    k_offs = (NUM_Q_HEADS + kh[:, None]) * HEAD_DIM + cols[None, :]
+    k1 = _load_part(row, k_offs, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
+    k2 = _load_part(row, k_offs + half, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
     k1, k2 = _norm_rope_halves(
         k1, k2, k_norm_ptr, cols, col_mask, cos, sin, HEAD_DIM, eps, dtype, HAS_NORM
     )
-    v_src = k_src + NUM_KV_HEADS * HEAD_DIM
-    v1 = tl.load(v_src, mask=k_mask, other=0.0)
-    v2 = tl.load(v_src + half, mask=k_mask, other=0.0)
+    v_offs = k_offs + NUM_KV_HEADS * HEAD_DIM
+    v1 = _load_part(row, v_offs, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
+    v2 = _load_part(row, v_offs + half, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
     # int64: num_blocks * block_size * Hkv * D passes 2^31 on a large cache.
     base = (slot // block_size) * cache_block_stride + (slot % block_size) * cache_offset_stride
     dst = kv_cache_ptr + base + kh[:, None] * cache_head_stride + cols[None, :]
@@ -164,10 +205,17 @@ def _prepare_qkv_kernel(
 
 def prepare_qkv_triton(
     qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, positions,
-    cos_sin_cache, kv_cache, slot_mapping,
+    cos_sin_cache, kv_cache, slot_mapping, scale_rows: ScaleRows | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     _check(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, positions,
            cos_sin_cache, kv_cache, slot_mapping)  # fmt: skip
+    assert scale_rows is None or qkv.shape[0] <= SQ_ROWS, (
+        f"scaled rows come from a decode batch of <= {SQ_ROWS} tokens, got {qkv.shape[0]}"
+    )
+    assert bias is None or (scale_rows is not None and bias.shape == qkv.shape[1:]
+                            and bias.is_contiguous()), "a bias comes with scale_rows, one per column"  # fmt: skip
+    sq = None if scale_rows is None else scale_rows.squares
     num_tokens = qkv.shape[0]
     head_dim = kv_cache.shape[-1]
     q = torch.empty((num_tokens, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -178,11 +226,16 @@ def prepare_qkv_triton(
     half = triton.next_power_of_2(head_dim // 2)
     _prepare_qkv_kernel[(num_tokens,)](
         qkv, q, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
-        positions, cos_sin_cache, kv_cache, slot_mapping, slot_mapping.numel(), qkv.stride(0),
+        positions, cos_sin_cache, kv_cache, slot_mapping, qkv if sq is None else sq.buf,
+        qkv if bias is None else bias,
+        slot_mapping.numel(), 1 if sq is None else sq.parts, 1 if sq is None else sq.dim,
+        0.0 if sq is None else scale_rows.eps, qkv.stride(0),
         cos_sin_cache.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), kv_cache.shape[2], eps, NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HQ=block_hq,
         BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=half, HAS_NORM=has_norm,
+        SCALE_ROWS=sq is not None, HAS_BIAS=bias is not None, SQ_PARTS_PAD=1 if sq is None else sq.parts_pad,
+        SQ_STRIDE=SQ_ROWS,
         # 16 q heads x 64 = 1024 values per half: 4 warps, 8 per thread.
         num_warps=4 if block_hq * half <= 2048 else 8,
         # See rope.py: fusion would contract a rope product into an fma and skip its
@@ -216,10 +269,9 @@ def _check(qkv, hq, hkv, qw, kw, positions, cos_sin_cache, kv_cache, slot_mappin
 
 def prepare_qkv(
     qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, positions,
-    cos_sin_cache, kv_cache, slot_mapping,
+    cos_sin_cache, kv_cache, slot_mapping, scale_rows: ScaleRows | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    if qkv.is_cuda:
-        return prepare_qkv_triton(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight,
-                                  eps, positions, cos_sin_cache, kv_cache, slot_mapping)  # fmt: skip
-    return prepare_qkv_ref(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, positions,
-              cos_sin_cache, kv_cache, slot_mapping)  # fmt: skip
+    fn = prepare_qkv_triton if qkv.is_cuda else prepare_qkv_ref
+    return fn(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, positions,
+              cos_sin_cache, kv_cache, slot_mapping, scale_rows, bias)  # fmt: skip

@@ -27,6 +27,12 @@ H200, results/skinny_bench_*.json): o_proj 5.2 vs cuBLAS 5.6-5.9 us, down_proj 5
 cuBLAS (5.2 vs 4.9-5.3), so `linear` sends narrow outputs (N <= 2048) and fused
 activations here, the rest to cuBLAS.
 
+Two epilogues serve the folded-norm decode chain (runner/models/norm_fold.py): with a
+`residual` the rounded output has the residual added (one more rounding, as the fused add
++ RMSNorm kernel does it) and each output tile writes its rows' sums of squares of the new
+residual stream (kernels/row_squares.py); with `scale_rows` each output row is multiplied
+by its RMSNorm factor before the bias, computed from such sums.
+
 The partials and counters live in the model's `KernelWorkspace` (kernels/workspace.py).
 """
 
@@ -40,9 +46,18 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+from pdserve.kernels.row_squares import (
+    MAX_PARTS,
+    SQ_ROWS,
+    RowSquares,
+    ScaleRows,
+    row_scale,
+    row_scale_ref,
+    squares_buffer,
+)
 from pdserve.kernels.workspace import KernelWorkspace
 
-MAX_ROWS = 64  # the largest M this path takes; larger batches go to cuBLAS
+MAX_ROWS = SQ_ROWS  # the largest M this path takes (64); larger batches go to cuBLAS
 NARROW_N = 2048  # outputs this narrow need split-K, where cuBLAS adds a reduce launch
 
 
@@ -54,6 +69,29 @@ def skinny_linear_ref(
 ) -> torch.Tensor:
     y = F.linear(x, weight, bias)
     return silu_and_mul_ref(y) if silu_mul_output else y
+
+
+def scaled_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: ScaleRows,
+    silu_mul_output: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """The `scale_rows` epilogue's spec: the product in fp32, scaled, the bias added, then
+    rounded (and SiLU-and-mul of the rounded projections)."""
+    s = row_scale_ref(scale, x.shape[0])
+    y = F.linear(x.float(), weight.float()) * s[:, None]
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(x.dtype)
+    return silu_and_mul_ref(y) if silu_mul_output else y
+
+
+def residual_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `residual` epilogue's spec: (F.linear + residual, its rows' sums of squares)."""
+    out = F.linear(x, weight, bias) + residual
+    outf = out.float()
+    return out, (outf * outf).sum(-1)
 
 
 @dataclass(frozen=True)
@@ -87,6 +125,9 @@ def _skinny_linear_kernel(
     out_ptr,  # [M, N]
     part_ptr,  # [SPLIT_K, M_PAD, N] fp32 workspace (unused when SPLIT_K == 1)
     count_ptr,  # [cdiv(N, BLOCK_N)] int32 arrival counters, zero between launches
+    res_ptr,  # [M, N] residual (ADD_RESIDUAL)
+    sq_out_ptr,  # [cdiv(N, BLOCK_N), SQ_STRIDE] fp32 row sums of squares (ADD_RESIDUAL)
+    sq_in_ptr,  # [num_sq_parts, SQ_STRIDE] fp32 row sums of squares (SCALE_ROWS)
     num_rows,
     n,
     k,
@@ -94,8 +135,16 @@ def _skinny_linear_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    stride_rm,
+    num_sq_parts,
+    sq_dim,
+    eps,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SQ_PARTS_PAD: tl.constexpr,
+    SQ_STRIDE: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # k_per_split divides K: no slice is short, no K mask
     M_PAD: tl.constexpr,
@@ -149,6 +198,12 @@ def _skinny_linear_kernel(
             )
         tl.store(count_ptr + pid_n, 0)
     dtype = out_ptr.dtype.element_ty
+    if SCALE_ROWS:  # the folded RMSNorm's factor, applied to the product before the bias
+        inv = row_scale(sq_in_ptr, offs_m, m_mask, num_sq_parts, sq_dim, eps, SQ_PARTS_PAD,
+                        SQ_STRIDE)  # fmt: skip
+        acc = acc * inv[None, :]
+        if SILU_MUL:
+            acc_up = acc_up * inv[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         if SILU_MUL:
@@ -160,8 +215,19 @@ def _skinny_linear_kernel(
         gate = acc.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = silu * acc_up.to(dtype).to(tl.float32)
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    y = acc.to(dtype)
+    if ADD_RESIDUAL:
+        # The rounded projection plus the residual, rounded once more (exact in fp32 before
+        # that rounding, as in kernels/norm.py); then this tile's share of each row's sum
+        # of squares of the new residual stream (masked lanes are 0).
+        res_ptrs = res_ptr + offs_m[None, :].to(tl.int64) * stride_rm + offs_n[:, None]
+        res = tl.load(res_ptrs, mask=out_mask, other=0.0)
+        y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
+        yf = tl.where(out_mask, y.to(tl.float32), 0.0)
+        tl.store(sq_out_ptr + pid_n * SQ_STRIDE + offs_m, tl.sum(yf * yf, 0), mask=m_mask)
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(dtype), mask=n_mask[:, None] & m_mask[None, :])
+    tl.store(out_ptrs, y, mask=out_mask)
 
 
 def choose_config(n: int, k: int, silu_mul: bool = False) -> SkinnyConfig:
@@ -190,8 +256,36 @@ def skinny_linear_triton(
     workspace: KernelWorkspace,
     silu_mul_output: bool = False,
     config: SkinnyConfig | None = None,
+    scale_rows: ScaleRows | None = None,
 ) -> torch.Tensor:
-    """`skinny_linear_ref` for M <= 64 rows on the GPU (or Triton's interpreter)."""
+    """`skinny_linear_ref` for M <= 64 rows on the GPU (or Triton's interpreter); with
+    `scale_rows`, `scaled_linear_ref`."""
+    return _launch(x, weight, bias, workspace, silu_mul_output, config, scale_rows, None)
+
+
+def skinny_linear_add_residual(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    workspace: KernelWorkspace,
+    config: SkinnyConfig | None = None,
+) -> tuple[torch.Tensor, RowSquares]:
+    """`residual_linear_ref`: the new residual stream and its rows' sums of squares (one part
+    per output tile, in the workspace's squares buffer)."""
+    assert residual.shape == (x.shape[0], weight.shape[0]) and residual.dtype == x.dtype, (
+        f"residual is [{x.shape[0]}, {weight.shape[0]}] {x.dtype}, got "
+        f"{tuple(residual.shape)} {residual.dtype}"
+    )
+    assert residual.stride(1) == 1, "the residual's features are contiguous"
+    out = _launch(x, weight, bias, workspace, False, config, None, residual)
+    cfg = config or choose_config(weight.shape[0], x.shape[1])
+    return out, RowSquares(
+        squares_buffer(workspace, x.device), triton.cdiv(out.shape[1], cfg.block_n), out.shape[1]
+    )
+
+
+def _launch(x, weight, bias, workspace, silu_mul_output, config, scale_rows, residual):
     assert x.dim() == 2 and weight.dim() == 2, "x is [M, K] and weight is [N, K]"
     num_rows, k = x.shape
     assert weight.shape[1] == k, f"x has {k} features, weight expects {weight.shape[1]}"
@@ -220,11 +314,24 @@ def skinny_linear_triton(
         counters = workspace.counters("skinny_linear", tiles, x.device)
     else:
         part = counters = out  # unused
+    sq_out = sq_in = out  # unused unless an epilogue reads or writes squares
+    sq_parts, sq_dim, eps = 1, 1, 0.0
+    if residual is not None:
+        assert tiles <= MAX_PARTS, f"{tiles} output tiles exceed the {MAX_PARTS} square parts"
+        sq_out = squares_buffer(workspace, x.device)
+    if scale_rows is not None:
+        sq = scale_rows.squares
+        sq_in, sq_parts, sq_dim, eps = sq.buf, sq.parts, sq.dim, scale_rows.eps
     ieee = x.dtype == torch.float32 or x.device.type == "cpu"
     _skinny_linear_kernel[(tiles, split)](
-        x, weight, bias if bias is not None else out, out, part, counters, num_rows, n, k,
-        k_per_split, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul_output,
+        x, weight, bias if bias is not None else out, out, part, counters,
+        residual if residual is not None else out, sq_out, sq_in, num_rows, n, k,
+        k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0, sq_parts, sq_dim, eps,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul_output, ADD_RESIDUAL=residual is not None,
+        SCALE_ROWS=scale_rows is not None,
+        SQ_PARTS_PAD=scale_rows.squares.parts_pad if scale_rows is not None else 1,
+        SQ_STRIDE=SQ_ROWS,
         SPLIT_K=split, EVEN_K=k % k_per_split == 0, M_PAD=m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         IEEE_DOT=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -25,6 +25,7 @@ from pdserve.kernels.qkv_prep import prepare_qkv
 from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
 from pdserve.runner.models.attention_metadata import AttentionMetadata
+from pdserve.runner.models.norm_fold import chain_applies, folded_forward
 from pdserve.runner.models.rope import build_cos_sin_cache
 
 
@@ -158,6 +159,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         layers = (DecoderLayer(cfg, spec, self.workspace) for _ in range(cfg.num_hidden_layers))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Set by runner/models/norm_fold.fold_norms: decode batches take the folded chain.
+        self.norms_folded = False
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = (
             None
@@ -194,6 +197,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         """[T] token ids and positions -> [T, hidden] final hidden states (before the norm).
         `layer_hook(i)` runs once layer i is queued (its KV written, in stream order): the
         prefill side of layer-wise transfer publishes each layer as it lands."""
+        if chain_applies(self, input_ids.shape[0]):
+            return folded_forward(self, input_ids, positions, kv_caches, attn, layer_hook)
         x, residual = self.embed_tokens(input_ids), None
         cos_sin = self.cos_sin_cache
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):

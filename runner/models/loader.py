@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from pdserve.runner.config import ModelConfig
 from pdserve.runner.models import MODEL_REGISTRY
+from pdserve.runner.models.norm_fold import fold_norms
 
 
 def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -37,4 +38,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> torch.nn.Modu
     model.init_rope()
     with torch.no_grad():
         model.load_weights(iter_safetensors(model_config.path))
+    if device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
+        # 16-bit decode batches on the GPU run without norm launches (norm_fold.py); fp32
+        # (the parity runs against transformers) and CPU keep the weights as loaded.
+        fold_norms(model)
     return model.eval()

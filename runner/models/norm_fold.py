@@ -1,0 +1,114 @@
+"""Decode batches without RMSNorm launches: the norm weights folded into the linears.
+
+A decoder layer normalises its residual stream twice, each time right before a linear:
+`rms_norm(r, g) @ W.T = s * (r @ (W * g).T)` per row, with `s = rsqrt(mean(r^2) + eps)`.
+`fold_norms` moves each weight `g` into the next linear's input columns once at load and
+sets the norm's weight to 1, so every path still computes the model's function (the
+folded weights are rounded once to the dtype, as a checkpoint stored that way would be).
+
+A decode batch (<= 64 rows) then runs the folded chain: no norm kernel at all. The o and
+down projections add the residual in their epilogue and write the new stream's row sums of
+squares (kernels/skinny_linear.py); the q/k/v preparation and the gate/up projection
+scale their rows by the factor those sums give. Layer 0 takes its sums from a small kernel
+over the embeddings. Per layer that is 5 launches (qkv, prepare, attention, o, gate/up +
+down) instead of 8 with two norms; larger batches keep the norm kernels (with unit
+weights), where a launch is not what the time goes to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.attention import paged_attention
+from pdserve.kernels.qkv_prep import prepare_qkv
+from pdserve.kernels.row_squares import (
+    MAX_PARTS,
+    SQ_ROWS,
+    ScaleRows,
+    row_squares_triton,
+    squares_buffer,
+)
+from pdserve.kernels.skinny_linear import (
+    choose_config,
+    skinny_linear_add_residual,
+    skinny_linear_triton,
+)
+from pdserve.runner.models.attention_metadata import AttentionMetadata
+
+
+@torch.no_grad()
+def fold_norms(model: torch.nn.Module) -> None:
+    """Folds every decoder layer's two RMSNorm weights into the qkv and gate/up weights
+    (in place) and marks the model for the folded decode chain."""
+    for layer in model.layers:
+        _fold(layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight)
+        _fold(layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight)
+    model.norms_folded = True
+
+
+def _fold(norm_weight: torch.Tensor, weight: torch.Tensor) -> None:
+    weight.copy_((weight.float() * norm_weight.float()[None, :]).to(weight.dtype))
+    norm_weight.fill_(1.0)
+
+
+def chain_applies(model: torch.nn.Module, num_tokens: int) -> bool:
+    """A batch the folded chain takes: the norms are folded, the batch fits the skinny
+    kernels and the squares buffer, and the hidden size fits its parts."""
+    if not getattr(model, "norms_folded", False) or not 0 < num_tokens <= SQ_ROWS:
+        return False
+    hidden = model.config.hidden_size
+    mlp = model.layers[0].mlp.down_proj
+    tiles = max(
+        _tiles(hidden, model.layers[0].self_attn.o_proj.weight.shape[1]),
+        _tiles(hidden, mlp.weight.shape[1]),
+    )
+    return tiles <= MAX_PARTS
+
+
+def _tiles(n: int, k: int) -> int:
+    return -(-n // choose_config(n, k).block_n)
+
+
+def folded_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    attn: AttentionMetadata,
+    layer_hook: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """The model's forward for a decode-sized batch with folded norms: [T] ids ->
+    [T, hidden] final hidden states before the final norm (the residual stream)."""
+    ws = model.workspace
+    r = model.embed_tokens(input_ids)
+    t = r.shape[0]
+    squares = row_squares_triton(r, squares_buffer(ws, r.device))
+    for i, (layer, kv_cache) in enumerate(zip(model.layers, kv_caches, strict=True)):
+        a, mlp = layer.self_attn, layer.mlp
+        qkv = F.linear(r, a.qkv_proj.weight)  # the bias goes in after the row scale
+        qn, kn = a.q_norm, a.k_norm
+        q = prepare_qkv(
+            qkv, a.num_heads, a.num_kv_heads,
+            None if qn is None else qn.weight, None if kn is None else kn.weight,
+            0.0 if qn is None else qn.eps, positions, model.cos_sin_cache, kv_cache,
+            attn.slot_mapping, ScaleRows(squares, layer.input_layernorm.eps), a.qkv_proj.bias,
+        )  # fmt: skip
+        out = torch.empty_like(q)
+        paged_attention(
+            q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, a.scale, out,
+            attn.max_query_len, attn.max_seq_len, workspace=ws, decode_kernel=attn.decode_kernel,
+        )  # fmt: skip
+        o = a.o_proj
+        r, squares = skinny_linear_add_residual(out.reshape(t, a.q_size), o.weight, o.bias, r, ws)
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        h = skinny_linear_triton(
+            r, gate_up.weight, gate_up.bias, ws, silu_mul_output=True,
+            scale_rows=ScaleRows(squares, layer.post_attention_layernorm.eps),
+        )  # fmt: skip
+        r, squares = skinny_linear_add_residual(h, down.weight, down.bias, r, ws)
+        if layer_hook is not None:
+            layer_hook(i)
+    return r
