@@ -230,7 +230,7 @@ def _skinny_linear_kernel(
     tl.store(out_ptrs, y, mask=out_mask)
 
 
-def choose_config(n: int, k: int, silu_mul: bool = False) -> SkinnyConfig:
+def choose_config(n: int, k: int, silu_mul: bool = False, elem_bytes: int = 2) -> SkinnyConfig:
     """Tiles for an [M <= 64] x [N, K] product on the H200's 132 SMs (skinny_bench sweep).
 
     Output tiles of 32 features; K is split while the grid stays under ~2 programs per SM
@@ -238,15 +238,18 @@ def choose_config(n: int, k: int, silu_mul: bool = False) -> SkinnyConfig:
     for the 1024-wide o/down projections. SiLU-and-mul outputs are not split (the gate and
     up halves would both need merging); 64-feature tiles (gate and up: 128 weight rows a
     program) measured best there, 6.8 us against 7.7 for 16 and 7.6 for cuBLAS + silu.
+    float32 (the folded chain's parity runs) takes 2-stage pipelines: 4 stages of fp32
+    tiles need more than an SM's 227 KB of shared memory.
     """
+    stages = 4 if elem_bytes <= 2 else 2
     if silu_mul:
-        return SkinnyConfig(64, 128, 1, num_warps=4, num_stages=4)
+        return SkinnyConfig(64, 128, 1, num_warps=4, num_stages=stages)
     block_n, block_k, num_sms = 32, 128, 132
     tiles = triton.cdiv(n, block_n)
     split = 1
     while tiles * split * 2 <= 2 * num_sms and k // (split * 2) >= 4 * block_k:
         split *= 2
-    return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4)
+    return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=stages)
 
 
 def skinny_linear_triton(
@@ -279,7 +282,7 @@ def skinny_linear_add_residual(
     )
     assert residual.stride(1) == 1, "the residual's features are contiguous"
     out = _launch(x, weight, bias, workspace, False, config, None, residual)
-    cfg = config or choose_config(weight.shape[0], x.shape[1])
+    cfg = config or choose_config(weight.shape[0], x.shape[1], elem_bytes=x.element_size())
     return out, RowSquares(
         squares_buffer(workspace, x.device), triton.cdiv(out.shape[1], cfg.block_n), out.shape[1]
     )
@@ -300,7 +303,7 @@ def _launch(x, weight, bias, workspace, silu_mul_output, config, scale_rows, res
     assert bias is None or (bias.shape == (rows_w,) and bias.is_contiguous()), (
         "bias has one value per weight row"
     )
-    cfg = config or choose_config(n, k, silu_mul_output)
+    cfg = config or choose_config(n, k, silu_mul_output, x.element_size())
     assert not (silu_mul_output and cfg.split_k > 1), "SiLU-and-mul outputs are not split"
     m_pad = max(16, triton.next_power_of_2(num_rows))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k

@@ -114,6 +114,9 @@ def test_choose_config_splits_narrow_outputs_only():
     assert sl.choose_config(1024, 3072).split_k == 4
     assert sl.choose_config(6144, 1024).split_k == 1
     assert sl.choose_config(1024, 256).split_k == 1  # slices keep >= 4 steps of 128
+    # fp32 tiles: 2 stages (4 of the gate/up tile passed the H200's shared memory)
+    assert sl.choose_config(3072, 1024, True, elem_bytes=4).num_stages == 2
+    assert sl.choose_config(3072, 1024, True).num_stages == 4
 
 
 def test_linear_dispatch_and_errors():
