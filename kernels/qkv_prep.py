@@ -148,8 +148,17 @@ def _prepare_qkv_kernel(
     HAS_BIAS: tl.constexpr,
     SQ_PARTS_PAD: tl.constexpr,
     SQ_STRIDE: tl.constexpr,
+    SPLIT_HEADS: tl.constexpr,  # grid (T, Hq + Hkv): one q head, or one k and v head, each
 ):
     t = tl.program_id(0).to(tl.int64)
+    if SPLIT_HEADS:
+        j = tl.program_id(1)
+        is_q = j < NUM_Q_HEADS
+        q_first, q_count = j, tl.where(is_q, 1, 0)
+        kv_first, kv_count = j - NUM_Q_HEADS, tl.where(is_q, 0, 1)
+    else:
+        q_first, q_count = 0, NUM_Q_HEADS
+        kv_first, kv_count = 0, NUM_KV_HEADS
     half: tl.constexpr = HEAD_DIM // 2
     dtype = q_out_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_HALF)
@@ -166,8 +175,8 @@ def _prepare_qkv_kernel(
                                  SQ_PARTS_PAD, SQ_STRIDE), 0)  # fmt: skip
 
     # q: [Hq, D] at the start of the row -> q_out[t]
-    qh = tl.arange(0, BLOCK_HQ)
-    q_mask = (qh < NUM_Q_HEADS)[:, None] & col_mask[None, :]
+    qh = q_first + tl.arange(0, BLOCK_HQ)
+    q_mask = (tl.arange(0, BLOCK_HQ) < q_count)[:, None] & col_mask[None, :]
     q_offs = qh[:, None] * HEAD_DIM + cols[None, :]
     q1 = _load_part(row, q_offs, q_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
     q2 = _load_part(row, q_offs + half, q_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
@@ -179,11 +188,10 @@ def _prepare_qkv_kernel(
     tl.store(q_dst + half, q2, mask=q_mask)
 
     # k, v: [Hkv, D] each, after q -> the cache slot (pads and tokens past the slot
-    # mapping see no heads: nothing loaded, nothing stored)
+    # mapping store nothing). The loads do not wait for the slot: only the stores need it.
     slot = tl.load(slot_mapping_ptr + t, mask=t < num_slots, other=-1).to(tl.int64)
-    kh = tl.arange(0, BLOCK_HK)
-    live = tl.where(slot >= 0, NUM_KV_HEADS, 0)
-    k_mask = (kh < live)[:, None] & col_mask[None, :]
+    kh = kv_first + tl.arange(0, BLOCK_HK)
+    k_mask = (tl.arange(0, BLOCK_HK) < kv_count)[:, None] & col_mask[None, :]
     k_offs = (NUM_Q_HEADS + kh[:, None]) * HEAD_DIM + cols[None, :]
     k1 = _load_part(row, k_offs, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
     k2 = _load_part(row, k_offs + half, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
@@ -197,10 +205,15 @@ def _prepare_qkv_kernel(
     base = (slot // block_size) * cache_block_stride + (slot % block_size) * cache_offset_stride
     dst = kv_cache_ptr + base + kh[:, None] * cache_head_stride + cols[None, :]
     cache_dtype = kv_cache_ptr.dtype.element_ty
-    tl.store(dst, k1.to(cache_dtype), mask=k_mask)
-    tl.store(dst + half, k2.to(cache_dtype), mask=k_mask)
-    tl.store(dst + cache_kv_stride, v1.to(cache_dtype), mask=k_mask)
-    tl.store(dst + cache_kv_stride + half, v2.to(cache_dtype), mask=k_mask)
+    live = tl.where(slot >= 0, kv_count, 0)
+    w_mask = (tl.arange(0, BLOCK_HK) < live)[:, None] & col_mask[None, :]
+    tl.store(dst, k1.to(cache_dtype), mask=w_mask)
+    tl.store(dst + half, k2.to(cache_dtype), mask=w_mask)
+    tl.store(dst + cache_kv_stride, v1.to(cache_dtype), mask=w_mask)
+    tl.store(dst + cache_kv_stride + half, v2.to(cache_dtype), mask=w_mask)
+
+
+SPLIT_HEADS_MAX_TOKENS = 64  # up to this many tokens a program takes one head, not a token
 
 
 def prepare_qkv_triton(
@@ -222,9 +235,14 @@ def prepare_qkv_triton(
     if num_tokens == 0:
         return q
     has_norm = q_norm_weight is not None
-    block_hq = triton.next_power_of_2(num_q_heads)
     half = triton.next_power_of_2(head_dim // 2)
-    _prepare_qkv_kernel[(num_tokens,)](
+    # A decode batch has too few tokens to fill the GPU with one program each (32 programs
+    # ran ~3 us a layer at 32 rows, its loads in a chain): one program per head there.
+    split = num_tokens <= SPLIT_HEADS_MAX_TOKENS
+    block_hq = 1 if split else triton.next_power_of_2(num_q_heads)
+    block_hk = 1 if split else triton.next_power_of_2(num_kv_heads)
+    grid = (num_tokens, num_q_heads + num_kv_heads if split else 1)
+    _prepare_qkv_kernel[grid](
         qkv, q, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
         positions, cos_sin_cache, kv_cache, slot_mapping, qkv if sq is None else sq.buf,
         qkv if bias is None else bias,
@@ -233,11 +251,11 @@ def prepare_qkv_triton(
         cos_sin_cache.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), kv_cache.shape[2], eps, NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HQ=block_hq,
-        BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=half, HAS_NORM=has_norm,
+        BLOCK_HK=block_hk, BLOCK_HALF=half, HAS_NORM=has_norm,
         SCALE_ROWS=sq is not None, HAS_BIAS=bias is not None, SQ_PARTS_PAD=1 if sq is None else sq.parts_pad,
-        SQ_STRIDE=SQ_ROWS,
-        # 16 q heads x 64 = 1024 values per half: 4 warps, 8 per thread.
-        num_warps=4 if block_hq * half <= 2048 else 8,
+        SQ_STRIDE=SQ_ROWS, SPLIT_HEADS=split,
+        # 16 q heads x 64 = 1024 values per half: 4 warps, 8 per thread; one head: 1 warp.
+        num_warps=1 if split else 4 if block_hq * half <= 2048 else 8,
         # See rope.py: fusion would contract a rope product into an fma and skip its
         # rounding, one ulp off the reference on ~2% of bf16 outputs.
         enable_fp_fusion=False,

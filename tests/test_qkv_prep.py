@@ -122,3 +122,22 @@ def test_bad_shapes_are_refused():
         prepare_qkv_triton(**dict(inp, num_q_heads=3))
     with pytest.raises(AssertionError, match="come together"):
         prepare_qkv_triton(**dict(inp, k_norm_weight=None))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled_rows"])
+def test_head_split_grid_equals_token_grid(monkeypatch, dtype, scaled):
+    """Guards the decode grid (one program per head, tokens <= SPLIT_HEADS_MAX_TOKENS): the
+    same math as one program per token, so bitwise the same q and cache, pads included."""
+    import pdserve.kernels.qkv_prep as qkv_prep
+    from pdserve.kernels.row_squares import SQ_ROWS, RowSquares, ScaleRows
+
+    inp = _inputs(9, 4, 2, 24, dtype, seed=31)
+    if scaled:
+        sq = torch.rand(3 * SQ_ROWS, generator=_gen(2)).to(DEVICE) * 100
+        inp = dict(inp, scale_rows=ScaleRows(RowSquares(sq, 3, 96), 1e-6))
+    split_q, split_cache = _run(prepare_qkv_triton, inp)
+    monkeypatch.setattr(qkv_prep, "SPLIT_HEADS_MAX_TOKENS", 0)
+    token_q, token_cache = _run(prepare_qkv_triton, inp)
+    assert torch.equal(split_q, token_q) and torch.equal(split_cache, token_cache)
+    assert not torch.equal(split_cache, inp["kv_cache"]), "nothing written"
