@@ -22,6 +22,7 @@ from torch import nn
 from pdserve.kernels.attention import paged_attention
 from pdserve.kernels.norm import fused_add_rms_norm, rms_norm
 from pdserve.kernels.qkv_prep import prepare_qkv
+from pdserve.kernels.row_squares import ScaleRows
 from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
 from pdserve.runner.models.attention_metadata import AttentionMetadata
@@ -88,30 +89,39 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
     ) -> torch.Tensor:
-        t = x.shape[0]
+        q = self.prepare(self.qkv_proj(x), positions, cos_sin, kv_cache, attn)
+        o = self.o_proj
+        return linear(self.attend(q, kv_cache, attn), o.weight, o.bias, self.workspace)
+
+    def prepare(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        scale_rows: ScaleRows | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Split, q/k norm, rope and the KV write in one kernel (kernels/qkv_prep.py) ->
+        q [T, Hq, D]. `scale_rows` / `bias`: the folded-norm chain's projection."""
         qn, kn = self.q_norm, self.k_norm
-        # Split, q/k norm, rope and the KV write in one kernel (kernels/qkv_prep.py).
-        q = prepare_qkv(
-            self.qkv_proj(x), self.num_heads, self.num_kv_heads,
+        return prepare_qkv(
+            qkv, self.num_heads, self.num_kv_heads,
             None if qn is None else qn.weight, None if kn is None else kn.weight,
             0.0 if qn is None else qn.eps, positions, cos_sin, kv_cache, attn.slot_mapping,
+            scale_rows, bias,
         )  # fmt: skip
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata):
+        """Paged attention of q [T, Hq, D] -> [T, Hq * D], the o projection's input."""
         out = torch.empty_like(q)
         paged_attention(
-            q,
-            kv_cache,
-            attn.block_tables,
-            attn.query_start_loc,
-            attn.seq_lens,
-            self.scale,
-            out,
-            attn.max_query_len,
-            attn.max_seq_len,
-            workspace=self.workspace,
+            q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, self.scale,
+            out, attn.max_query_len, attn.max_seq_len, workspace=self.workspace,
             decode_kernel=attn.decode_kernel,
-        )
-        o = self.o_proj
-        return linear(out.reshape(t, self.q_size), o.weight, o.bias, self.workspace)
+        )  # fmt: skip
+        return out.reshape(q.shape[0], self.q_size)
 
 
 class MLP(nn.Module):

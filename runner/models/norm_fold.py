@@ -22,8 +22,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.attention import paged_attention
-from pdserve.kernels.qkv_prep import prepare_qkv
 from pdserve.kernels.row_squares import (
     MAX_PARTS,
     SQ_ROWS,
@@ -84,25 +82,15 @@ def folded_forward(
     [T, hidden] final hidden states before the final norm (the residual stream)."""
     ws = model.workspace
     r = model.embed_tokens(input_ids)
-    t = r.shape[0]
     squares = row_squares_triton(r, squares_buffer(ws, r.device))
     for i, (layer, kv_cache) in enumerate(zip(model.layers, kv_caches, strict=True)):
         a, mlp = layer.self_attn, layer.mlp
         qkv = F.linear(r, a.qkv_proj.weight)  # the bias goes in after the row scale
-        qn, kn = a.q_norm, a.k_norm
-        q = prepare_qkv(
-            qkv, a.num_heads, a.num_kv_heads,
-            None if qn is None else qn.weight, None if kn is None else kn.weight,
-            0.0 if qn is None else qn.eps, positions, model.cos_sin_cache, kv_cache,
-            attn.slot_mapping, ScaleRows(squares, layer.input_layernorm.eps), a.qkv_proj.bias,
-        )  # fmt: skip
-        out = torch.empty_like(q)
-        paged_attention(
-            q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, a.scale, out,
-            attn.max_query_len, attn.max_seq_len, workspace=ws, decode_kernel=attn.decode_kernel,
-        )  # fmt: skip
+        scale = ScaleRows(squares, layer.input_layernorm.eps)
+        q = a.prepare(qkv, positions, model.cos_sin_cache, kv_cache, attn, scale, a.qkv_proj.bias)
+        out = a.attend(q, kv_cache, attn)
         o = a.o_proj
-        r, squares = skinny_linear_add_residual(out.reshape(t, a.q_size), o.weight, o.bias, r, ws)
+        r, squares = skinny_linear_add_residual(out, o.weight, o.bias, r, ws)
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
         h = skinny_linear_triton(
             r, gate_up.weight, gate_up.bias, ws, silu_mul_output=True,
