@@ -4,9 +4,9 @@ Why: before this, a 2,048-token cuda_ipc pull on the H200 spent 0.15-0.35 ms of 
 before its 0.13 ms copy ran. The calls it made, measured one by one on that host
 (benchmarks/kv_copy_sweep.py --host): Triton's launcher ~30 us, `with torch.cuda.stream`
 ~20 us, the id checks ~20 us a side, the pinned staging copy ~9 us. A replayed graph holds
-one counted-kernel launch per tensor (kernels/kv_copy.py `launch_counted`), which reads
-the id count and the ids from a pinned host buffer through unified addressing (no upload
-node), so one graph serves every count up to its capacity. The host then packs the ids
+the id upload (a pinned host buffer into a device buffer) and one counted-kernel launch
+per tensor (kernels/kv_copy.py `launch_counted`). The kernel reads the id count from the
+buffer, so one graph serves every count up to its capacity. The host then packs the ids
 into the pinned buffer (10 us for 2 x 128 ids, kv_copy_sweep.py's replay_e2e) and launches
 the graph through the driver; a filled replay of the 2,048-token request took 139 us end
 to end there, one plain copy of its bytes 126 us.
@@ -112,26 +112,25 @@ class GraphedCopy:
         self.idle = True  # no replay, or the owner has seen the last one's `done` complete
         self.keep: list = []  # what the owner's cache key names (kept alive with the graph)
         with torch.cuda.stream(stream):
+            self.device = torch.zeros(total, dtype=torch.int64, device=stream.device)
             self._launches = launches = [
                 (pairs.get(src, dst), off, cap)
                 for group, off, cap in zip(tables, self.offsets, self.capacities, strict=True)
                 for src, dst in group
             ]
-            # The kernels read the count and ids from the pinned buffer itself (pinned host
-            # memory is mapped into the GPU's address space under unified addressing): no
-            # upload node, whose copy and dependency cost ~5 us of a 2,048-token pull's
-            # 133 us on the H200. Eager first with every count 0: compiles and loads the
-            # kernel (neither may happen inside a capture) and copies nothing.
+            # Eager first with every count 0: compiles and loads the kernel (neither may
+            # happen inside a capture) and copies nothing.
             for pair, off, cap in launches:
-                pair.launch_counted(self.host, off, cap)
+                pair.launch_counted(self.device, off, cap)
             # Events are created on first record, which a capture must not be.
             self.ready.record(stream)
             self.done.record(stream)
             self.graph.capture_begin(capture_error_mode="thread_local")
             try:
                 stream.wait_event(self.ready)
+                self.device.copy_(self.host, non_blocking=True)
                 for pair, off, cap in launches:
-                    pair.launch_counted(self.host, off, cap)
+                    pair.launch_counted(self.device, off, cap)
                 self.done.record(stream)
             finally:
                 self.graph.capture_end()
@@ -156,9 +155,9 @@ class GraphedCopy:
         return True
 
     def replay(self, stream: torch.cuda.Stream, caller: torch.cuda.Stream) -> None:
-        """Queue the copies (they read the pinned ids) on `stream`, after the work queued so
-        far on `caller` (the stream current on this thread, restored if torch's replay,
-        which launches on the current stream, has to run); `done` completes after them."""
+        """Queue the upload and the copies on `stream`, after the work queued so far on
+        `caller` (the stream current on this thread, restored if torch's replay, which
+        launches on the current stream, has to run); `done` completes after them."""
         self.ready.record(caller)
         self.idle = False
         launch = _driver_graph_launch()

@@ -14,8 +14,8 @@ is not acknowledged), and a source that stops answering is forgotten, mapping an
 Per pull the host does little. On one GPU the copy is a replay of a CUDA graph captured
 once per (tables, id capacity) on the thread's side stream (kvtransfer/copy_graph.py):
 the host records where the caller's stream is, writes the ids into the graph's pinned
-buffer and replays it (a wait for that record, one counted-kernel launch per tensor, which
-reads the pinned ids itself, the record of its `done`), and checks the ids while the device copies; the pull fails
+buffer and replays it (a wait for that record, the id upload, one counted-kernel launch per
+tensor, the record of its `done`), and checks the ids while the device copies; the pull fails
 after the copy if they were bad (the kernel skips out-of-range ids). Otherwise (two GPUs,
 a graph whose last replay is still queued, more ids than a graph holds) the eager path
 checks the ids first, stages them through a pinned buffer (`IdStaging`) and launches the
