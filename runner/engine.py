@@ -75,13 +75,18 @@ class Engine:
         self._max_model_len = config.model.max_model_len
         logger.info(
             "engine ready: model=%s runner=%s device=%s dtype=%s max_model_len=%d "
-            "decode_attention=%s",
+            "decode_attention=%s norms=%s",
             config.model.source,
             self.runner_name,
             config.runner.device,
             config.model.dtype,
             config.model.max_model_len,
             config.runner.decode_attention,
+            # runner/models/norm_fold.py: folded on CUDA in 16 bits, where batches of <= 64
+            # tokens then run without RMSNorm launches
+            "folded"
+            if getattr(getattr(self.runner, "model", None), "norms_folded", False)
+            else "kernels",
         )
 
     @classmethod
