@@ -35,6 +35,7 @@ from pdserve.kernels.row_squares import (
 )
 from pdserve.kernels.skinny_linear import (
     SkinnyConfig,
+    residual_linear_ref,
     scaled_linear_ref,
     skinny_linear_add_residual,
     skinny_linear_triton,
@@ -83,6 +84,12 @@ def test_residual_epilogue_adds_and_writes_squares(dtype, split):
     of = out.float()
     expected = torch.stack([(of[:, j * 32 : (j + 1) * 32] ** 2).sum(-1) for j in range(3)])
     torch.testing.assert_close(parts[:, :m], expected, rtol=2**-20, atol=0.0)
+    # Against the spec: the output and the full row sums, within the output's rounding
+    # (twice: the projection and the sum; 2^-6 covers bf16 and the interpreter's truncation).
+    ref_out, ref_sq = residual_linear_ref(x, w, b, res)
+    rtol = 0.0 if dtype == torch.float32 else 2.0**-6
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=max(rtol, 1e-5), atol=1e-5)
+    torch.testing.assert_close(parts[:, :m].sum(0), ref_sq, rtol=max(2 * rtol, 1e-5), atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
