@@ -79,8 +79,8 @@ def row_scale(sq_ptr, offs_m, m_mask, num_parts, dim, eps, PARTS_PAD: tl.constex
     return tl.rsqrt(tl.sum(sq, 0) / dim + eps)
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _row_squares_kernel(x_ptr, sq_ptr, num_rows, dim, stride_x, BLOCK_D: tl.constexpr):
+@triton.jit
+def _row_squares_kernel(x_ptr, sq_ptr, dim, stride_x, BLOCK_D: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < dim, other=0.0)
@@ -95,6 +95,6 @@ def row_squares_triton(x: torch.Tensor, buf: torch.Tensor) -> RowSquares:
     assert x.stride(1) == 1 and buf.dtype == torch.float32 and buf.numel() >= SQ_ROWS
     block_d = triton.next_power_of_2(dim)
     _row_squares_kernel[(num_rows,)](
-        x, buf, num_rows, dim, x.stride(0), BLOCK_D=block_d, num_warps=4 if block_d <= 4096 else 8
+        x, buf, dim, x.stride(0), BLOCK_D=block_d, num_warps=4 if block_d <= 4096 else 8
     )
     return RowSquares(buf, 1, dim)
