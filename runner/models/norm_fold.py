@@ -10,7 +10,7 @@ A decode batch (<= 64 rows) then runs the folded chain: no norm kernel at all. T
 down projections add the residual in their epilogue and write the new stream's row sums of
 squares (kernels/skinny_linear.py); the q/k/v preparation and the gate/up projection
 scale their rows by the factor those sums give. Layer 0 takes its sums from a small kernel
-over the embeddings. Per layer that is 5 launches (qkv, prepare, attention, o, gate/up +
+over the embeddings. Per layer that is 6 launches (qkv, prepare, attention, o, gate/up,
 down) instead of 8 with two norms; larger batches keep the norm kernels (with unit
 weights), where a launch is not what the time goes to.
 """
