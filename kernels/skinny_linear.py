@@ -263,7 +263,7 @@ def skinny_linear_triton(
 ) -> torch.Tensor:
     """`skinny_linear_ref` for M <= 64 rows on the GPU (or Triton's interpreter); with
     `scale_rows`, `scaled_linear_ref`."""
-    return _launch(x, weight, bias, workspace, silu_mul_output, config, scale_rows, None)
+    return _launch(x, weight, bias, workspace, silu_mul_output, config, scale_rows, None)[0]
 
 
 def skinny_linear_add_residual(
@@ -281,14 +281,12 @@ def skinny_linear_add_residual(
         f"{tuple(residual.shape)} {residual.dtype}"
     )
     assert residual.stride(1) == 1, "the residual's features are contiguous"
-    out = _launch(x, weight, bias, workspace, False, config, None, residual)
-    cfg = config or choose_config(weight.shape[0], x.shape[1], elem_bytes=x.element_size())
-    return out, RowSquares(
-        squares_buffer(workspace, x.device), triton.cdiv(out.shape[1], cfg.block_n), out.shape[1]
-    )
+    out, tiles = _launch(x, weight, bias, workspace, False, config, None, residual)
+    return out, RowSquares(squares_buffer(workspace, x.device), tiles, out.shape[1])
 
 
 def _launch(x, weight, bias, workspace, silu_mul_output, config, scale_rows, residual):
+    """-> (the output, its number of output tiles)."""
     assert x.dim() == 2 and weight.dim() == 2, "x is [M, K] and weight is [N, K]"
     num_rows, k = x.shape
     assert weight.shape[1] == k, f"x has {k} features, weight expects {weight.shape[1]}"
@@ -338,7 +336,7 @@ def _launch(x, weight, bias, workspace, silu_mul_output, config, scale_rows, res
         SPLIT_K=split, EVEN_K=k % k_per_split == 0, M_PAD=m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         IEEE_DOT=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out
+    return out, tiles
 
 
 def linear(

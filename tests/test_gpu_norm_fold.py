@@ -23,7 +23,7 @@ def test_bf16_chain_close_to_norm_path(qwen3_shaped_dir):
     chain = _load(qwen3_shaped_dir, torch.bfloat16)
     assert chain.norms_folded and chain_applies(chain, 32)
     norm_path = copy.deepcopy(chain)
-    norm_path.norms_folded = False  # same weights, norm kernels with unit weights
+    norm_path.folded_chain_max_tokens = 0  # same weights, norm kernels with unit weights
     h_chain, c_chain, l_chain = _run_steps(chain)
     h_norm, c_norm, l_norm = _run_steps(norm_path)
     for step, (a, b) in enumerate(zip(h_chain, h_norm, strict=True)):

@@ -169,8 +169,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         layers = (DecoderLayer(cfg, spec, self.workspace) for _ in range(cfg.num_hidden_layers))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # Set by runner/models/norm_fold.fold_norms: decode batches take the folded chain.
+        # Set by runner/models/norm_fold.fold_norms: decode batches of up to this many
+        # tokens take the folded chain.
         self.norms_folded = False
+        self.folded_chain_max_tokens = 0
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = (
             None

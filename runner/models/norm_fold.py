@@ -40,11 +40,20 @@ from pdserve.runner.models.attention_metadata import AttentionMetadata
 @torch.no_grad()
 def fold_norms(model: torch.nn.Module) -> None:
     """Folds every decoder layer's two RMSNorm weights into the qkv and gate/up weights
-    (in place) and marks the model for the folded decode chain."""
+    (in place) and marks the model for the folded decode chain: batches of up to
+    `model.folded_chain_max_tokens` tokens (0 when the hidden size has more output tiles
+    than the squares buffer holds parts)."""
     for layer in model.layers:
         _fold(layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight)
         _fold(layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight)
     model.norms_folded = True
+    first = model.layers[0]
+    hidden = model.config.hidden_size
+    tiles = max(
+        _tiles(hidden, first.self_attn.o_proj.weight.shape[1]),
+        _tiles(hidden, first.mlp.down_proj.weight.shape[1]),
+    )
+    model.folded_chain_max_tokens = SQ_ROWS if tiles <= MAX_PARTS else 0
 
 
 def _fold(norm_weight: torch.Tensor, weight: torch.Tensor) -> None:
@@ -52,22 +61,13 @@ def _fold(norm_weight: torch.Tensor, weight: torch.Tensor) -> None:
     norm_weight.fill_(1.0)
 
 
-def chain_applies(model: torch.nn.Module, num_tokens: int) -> bool:
-    """A batch the folded chain takes: the norms are folded, the batch fits the skinny
-    kernels and the squares buffer, and the hidden size fits its parts."""
-    if not getattr(model, "norms_folded", False) or not 0 < num_tokens <= SQ_ROWS:
-        return False
-    hidden = model.config.hidden_size
-    mlp = model.layers[0].mlp.down_proj
-    tiles = max(
-        _tiles(hidden, model.layers[0].self_attn.o_proj.weight.shape[1]),
-        _tiles(hidden, mlp.weight.shape[1]),
-    )
-    return tiles <= MAX_PARTS
-
-
 def _tiles(n: int, k: int) -> int:
     return -(-n // choose_config(n, k).block_n)
+
+
+def chain_applies(model: torch.nn.Module, num_tokens: int) -> bool:
+    """A batch the folded chain takes (worked out by `fold_norms`, nothing per call)."""
+    return 0 < num_tokens <= model.folded_chain_max_tokens
 
 
 def folded_forward(
