@@ -86,6 +86,91 @@ def _hinted_copy_kernel(
             tl.store(dst + offs, w, cache_modifier=".cs")
 
 
+@triton.jit
+def _counted_spec_kernel(
+    src_ptr, dst_ptr, ids_ptr, src_units, dst_units, src_ls, src_us, dst_ls, dst_us,
+    num_layers, chunks_per_row: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """kv_copy's counted kernel with the chunks per row and the capacity as constants
+    (the ids at offset 0: count, CAP source slots, CAP destination slots)."""
+    pid = tl.program_id(0)
+    row = pid // chunks_per_row
+    chunk = pid - row * chunks_per_row
+    i = row // num_layers
+    n = tl.load(ids_ptr)
+    s = tl.load(ids_ptr + 1 + i)
+    d = tl.load(ids_ptr + 1 + CAP + i)
+    if i < n:
+        layer = (row - i * num_layers).to(tl.int64)
+        if (s >= 0) & (s < src_units) & (d >= 0) & (d < dst_units):
+            src = src_ptr + layer * src_ls + s * src_us
+            dst = dst_ptr + layer * dst_ls + d * dst_us
+            start = chunk.to(tl.int64) * CHUNK
+            for k in tl.static_range(0, CHUNK, BLOCK):
+                offs = start + k + tl.arange(0, BLOCK)
+                tl.store(dst + offs, tl.load(src + offs))
+
+
+@triton.jit
+def _tma_copy_kernel(
+    src_desc, dst_desc, ids_ptr, n, num_layers, chunks_per_row,
+    ROWS: tl.constexpr, BR: tl.constexpr,
+):  # fmt: skip
+    """One program copies ROWS sub-rows of a (unit, layer) row, BR at a time, through
+    Hopper's tensor memory accelerator (host descriptors over [L, NU, R, C] words)."""
+    pid = tl.program_id(0)
+    row = pid // chunks_per_row
+    chunk = pid - row * chunks_per_row
+    i = row // num_layers
+    layer = row - i * num_layers
+    s = tl.load(ids_ptr + i).to(tl.int32)
+    d = tl.load(ids_ptr + n + i).to(tl.int32)
+    for k in tl.static_range(0, ROWS, BR):
+        r = chunk * ROWS + k
+        x = src_desc.load([layer, s, r, 0])
+        dst_desc.store([layer, d, r, 0], x)
+
+
+def _spec_case(pair, counted, n, block, chunk, warps):
+    chunks_per_row = pair.num_words // chunk
+
+    def launch():
+        _counted_spec_kernel[(n * pair.num_layers * chunks_per_row,)](
+            pair.src_words, pair.dst_words, counted, pair.src_words.shape[1],
+            pair.dst_words.shape[1], *pair.strides, pair.num_layers,
+            chunks_per_row=chunks_per_row, CAP=n, CHUNK=chunk, BLOCK=block, num_warps=warps,
+        )  # fmt: skip
+
+    return launch
+
+
+def _tma_case(pair, ids, n, cols, br, rows_per_program, warps, stages):
+    """The TMA kernel over int32 words: a row of W int32 words is R sub-rows of `cols`."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    src, dst = bitwise_view(pair.src, 4), bitwise_view(pair.dst, 4)
+    num_layers, _, words = src.shape
+    sub_rows = words // cols
+
+    def desc(t):
+        return TensorDescriptor(
+            t, [t.shape[0], t.shape[1], sub_rows, cols],
+            [t.stride(0), t.stride(1), cols, 1], [1, 1, br, cols],
+        )  # fmt: skip
+
+    sd, dd = desc(src), desc(dst)
+    chunks_per_row = sub_rows // rows_per_program
+
+    def launch():
+        _tma_copy_kernel[(n * num_layers * chunks_per_row,)](
+            sd, dd, ids, n, num_layers, chunks_per_row, ROWS=rows_per_program, BR=br,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+
+    return launch
+
+
 def _hinted_case(pair, ids, n, block, chunk, warps, hint):
     chunks_per_row = pair.num_words // chunk
 
@@ -141,7 +226,7 @@ def _counted_case(pair, ids, n):
     return functools.partial(pair.launch_counted, ids, 0, n)
 
 
-def sweep(device: str) -> list[dict]:
+def sweep(device: str, only: list[str] | None = None) -> list[dict]:
     src, dst, requests = _tables(device)
     pair = kv_copy._Pair(src, dst)
     rows = []
@@ -172,6 +257,28 @@ def sweep(device: str) -> list[dict]:
                      _hinted_case(pair, joined, n, block, chunk, 4, hint))
                 )  # fmt: skip
         cases.append(("counted (graph path's kernel, capacity n)", _counted_case(pair, counted, n)))
+        for block, tiles in ((2048, 1), (2048, 4), (4096, 2)):
+            chunk = block * tiles
+            cases.append(
+                (f"counted-const b{block} t{tiles} w4",
+                 _spec_case(pair, counted, n, block, chunk, 4))
+            )  # fmt: skip
+        for cols, br, rpp, warps, stages in (
+            (256, 8, 8, 4, 1),
+            (256, 8, 32, 4, 1),
+            (256, 16, 16, 4, 1),
+            (256, 16, 64, 4, 1),
+            (256, 32, 32, 4, 1),
+            (256, 32, 64, 8, 1),
+            (128, 32, 32, 4, 1),
+            (256, 8, 64, 4, 1),
+        ):
+            cases.append(
+                (f"tma c{cols} br{br} rows{rpp} w{warps}",
+                 _tma_case(pair, joined, n, cols, br, rpp, warps, stages))
+            )  # fmt: skip
+        if only:
+            cases = [c for c in cases if any(c[0].startswith(o) for o in only)]
         for name, launch in cases:
             dst.zero_()
             try:
@@ -324,6 +431,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--host", action="store_true", help="also time the host calls of a pull")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--only", default="", help="comma-separated case-name prefixes to run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("kv_copy_sweep needs a GPU", file=sys.stderr)
@@ -336,7 +444,7 @@ def main() -> int:
     # On a side stream, as a pull's copies run (the copy-engine candidate dropped since
     # also refused the legacy default stream).
     with torch.cuda.stream(torch.cuda.Stream()):
-        result["rows"] = sweep("cuda:0")
+        result["rows"] = sweep("cuda:0", [o for o in args.only.split(",") if o])
     result["replay_e2e"] = replay_e2e("cuda:0")
     if args.host:
         result["host_us"] = host_costs("cuda:0")
