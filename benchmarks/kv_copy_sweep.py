@@ -183,6 +183,15 @@ def _hinted_case(pair, ids, n, block, chunk, warps, hint):
     return launch
 
 
+def _queued(fn):
+    """`fn` as transfer.device_ms's enqueue: its work goes on the current stream."""
+
+    def enqueue() -> None:
+        fn()
+
+    return enqueue
+
+
 def _events_ms(fn, reps: int = _REPS) -> float:
     fn()
     torch.cuda.synchronize()
@@ -226,6 +235,27 @@ def _counted_case(pair, ids, n):
     return functools.partial(pair.launch_counted, ids, 0, n)
 
 
+def _graph_cases(src, dst, s_ids, d_ids) -> list:
+    """The shipped GraphedCopy (id upload, event nodes, counted kernel) replayed on the
+    measuring stream and on a side stream, as a pull replays it (the measuring stream then
+    waits for its `done`)."""
+    from pdserve.kvtransfer.copy_graph import GraphedCopy, capacity_for
+
+    cur = torch.cuda.current_stream()
+    cases = []
+    for name, stream in (("graph same stream", cur), ("graph side stream", torch.cuda.Stream())):
+        graph = GraphedCopy([[(src, dst)]], [capacity_for(len(s_ids))], stream, kv_copy.PairCache())
+        assert graph.try_fill([(list(s_ids), list(d_ids))])
+
+        def launch(graph=graph, stream=stream) -> None:
+            graph.replay(stream, cur)
+            if stream is not cur:
+                cur.wait_event(graph.done)
+
+        cases.append((name, launch))
+    return cases
+
+
 def sweep(device: str, only: list[str] | None = None) -> list[dict]:
     src, dst, requests = _tables(device)
     pair = kv_copy._Pair(src, dst)
@@ -239,7 +269,7 @@ def sweep(device: str, only: list[str] | None = None) -> list[dict]:
         flat_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         flat_dst = torch.empty_like(flat_src)
         base = _events_ms(functools.partial(flat_dst.copy_, flat_src))
-        base_held = device_ms(functools.partial(flat_dst.copy_, flat_src), 20, device)
+        base_held = device_ms(_queued(functools.partial(flat_dst.copy_, flat_src)), 20, device)
         dst.zero_()
         want = dst.clone()
         kv_copy.copy_units_ref(
@@ -277,6 +307,7 @@ def sweep(device: str, only: list[str] | None = None) -> list[dict]:
                 (f"tma c{cols} br{br} rows{rpp} w{warps}",
                  _tma_case(pair, joined, n, cols, br, rpp, warps, stages))
             )  # fmt: skip
+        cases += _graph_cases(src, dst, s_ids, d_ids)
         if only:
             cases = [c for c in cases if any(c[0].startswith(o) for o in only)]
         for name, launch in cases:
@@ -287,7 +318,7 @@ def sweep(device: str, only: list[str] | None = None) -> list[dict]:
                 rows.append({"tokens": req.tokens, "case": name, "error": repr(e)[:200]})
                 continue
             ok = bool(torch.equal(bitwise_view(dst), bitwise_view(want)))
-            held = device_ms(launch, 20, device) if name.startswith("grid b2048 t4 w4") else None
+            held = device_ms(_queued(launch), 20, device)
             rows.append(
                 {
                     "tokens": req.tokens, "case": name, "ms": round(ms, 5), "held_ms": held,
