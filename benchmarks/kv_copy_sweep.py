@@ -253,6 +253,66 @@ def _graph_cases(src, dst, s_ids, d_ids) -> list:
                 cur.wait_event(graph.done)
 
         cases.append((name, launch))
+    return cases + _part_graph_cases(src, dst, s_ids, d_ids)
+
+
+@triton.jit
+def _stage_ids(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def _part_graph_cases(src, dst, s_ids, d_ids) -> list:
+    """Graphs of parts of GraphedCopy, captured on the measuring stream: which node costs
+    the graph its time over the kernel alone. `kernel`: the counted kernel over ids already
+    on the device; `+upload`: the pinned-to-device id copy first; `+events`: an external
+    event wait before and record after; `+stage`: the ids copied by a one-program kernel
+    reading the pinned buffer through unified addressing instead of the upload."""
+    from pdserve.kvtransfer.copy_graph import capacity_for
+
+    cur = torch.cuda.current_stream()
+    cap = capacity_for(len(s_ids))
+    n = len(s_ids)
+    slots = [n, *s_ids, *([0] * (cap - n)), *d_ids, *([0] * (cap - n))]
+    host = torch.tensor(slots, dtype=torch.int64).pin_memory()
+    pair = kv_copy.PairCache().get(src, dst)
+    cases = []
+    for upload, events in (
+        ("", False), ("upload", False), ("stage", False), ("", True), ("upload", True),
+        ("stage", True),
+    ):  # fmt: skip
+        device = host.to(src.device)
+        ready, done = torch.cuda.Event(external=True), torch.cuda.Event(external=True)
+        pair.launch_counted(device, 0, cap)
+        _stage_ids[(1,)](host, device, host.numel(), BLOCK=triton.next_power_of_2(host.numel()))
+        ready.record(cur)
+        done.record(cur)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            if events:
+                cur.wait_event(ready)
+            if upload == "upload":
+                device.copy_(host, non_blocking=True)
+            elif upload == "stage":
+                _stage_ids[(1,)](
+                    host, device, host.numel(), BLOCK=triton.next_power_of_2(host.numel())
+                )
+            pair.launch_counted(device, 0, cap)
+            if events:
+                done.record(cur)
+        finally:
+            graph.capture_end()
+        name = "part kernel" + (f"+{upload}" if upload else "") + ("+events" if events else "")
+
+        def launch(graph=graph, ready=ready, events=events) -> None:
+            if events:
+                ready.record(cur)
+            graph.replay()
+
+        cases.append((name, launch))
     return cases
 
 
