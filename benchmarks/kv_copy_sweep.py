@@ -307,7 +307,8 @@ def _part_graph_cases(src, dst, s_ids, d_ids) -> list:
             graph.capture_end()
         name = "part kernel" + (f"+{upload}" if upload else "") + ("+events" if events else "")
 
-        def launch(graph=graph, ready=ready, events=events) -> None:
+        # The graph holds raw addresses and event handles, not references.
+        def launch(graph=graph, ready=ready, events=events, keep=(device, done, host)) -> None:
             if events:
                 ready.record(cur)
             graph.replay()

@@ -206,3 +206,21 @@ def test_counted_copy_reads_its_count_on_the_device_and_skips_bad_ids(dtype, L, 
     for d in range(8):
         expect = src[:, landed[d]] if d in landed else before[:, d]
         assert torch.equal(bitwise_view(got[:, d]), bitwise_view(expect)), d
+
+
+@pytest.mark.parametrize("n", [1, 257, 1024, 1025, 3001])
+def test_stage_ids_copies_the_pinned_buffer_whole(n):
+    """Guards the copy graph's id upload (kvtransfer/copy_graph.py): the staging kernel
+    reads the pinned host buffer (on a GPU through unified addressing) and must land every
+    int64 slot bit for bit, full 64-bit range, across program boundaries (1,024 ids a
+    program), with nothing written past the buffer."""
+    from pdserve.kernels.kv_copy import stage_ids
+
+    gen = torch.Generator().manual_seed(n)
+    host = torch.randint(-(2**63), 2**63 - 1, (n,), generator=gen, dtype=torch.int64)
+    if DEVICE == "cuda":
+        host = host.pin_memory()
+    backing = torch.full((n + 5,), -7, dtype=torch.int64, device=DEVICE)
+    stage_ids(host, backing[:n])
+    assert torch.equal(backing[:n].cpu(), host.cpu())
+    assert (backing[n:] == -7).all()
