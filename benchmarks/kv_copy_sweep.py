@@ -8,7 +8,20 @@ contiguous device-to-device copy of the same bytes. Candidates:
 - `grid`: kernels/kv_copy.py's kernel (one program per chunk of a row) at several tile,
   chunk and warp counts;
 - `counted`: the graph path's kernel (the id count read on the device);
-- `hint`: the grid kernel with other cache hints.
+- `hint`: the grid kernel with other cache hints;
+- `counted-const`: the counted kernel with the chunks per row and the capacity as
+  compile-time constants;
+- `tma`: a copy through Hopper's tensor memory accelerator (host tensor descriptors over
+  [L, NU, R, C] int32 words, a [1, 1, BR, C] box at a time);
+- `graph`: the shipped GraphedCopy replayed on the measuring stream and on a side stream;
+- `part`: graphs of its parts (the kernel alone, + the id upload as a memcpy node or as
+  a one-program staging kernel, + the event nodes), to see which node costs what.
+
+At `4d81a20` / `1c26a68` (H200, 2,048 tokens, held device time; results/
+kv_copy_sweep_graph_parts_1c26a68.json): every kernel variant is 0.1252-0.1259 ms against
+0.1136 for the copy, constants included; TMA is slower (0.129-0.133 ms); in a graph the
+memcpy upload node adds ~8 us (0.1341) and a staging kernel ~2.6 (0.1287), the event
+nodes nothing measurable. So GraphedCopy uploads with the staging kernel.
 
 Measured with earlier versions and dropped (H200, 2,048-token request): a persistent
 kernel, a fixed grid of 2-16 programs per SM looping over the chunks, was 1-3% slower
@@ -27,7 +40,7 @@ the launches' host time instead, and `held_ms` (transfer.py's `device_ms`: the w
 behind a GPU sleep until it is queued) gives the GPU time of one shape next to the copy's. `--host` adds the host time of each call a pull
 makes (streams, events, a graph replay, a Triton launch, the id checks), mean of 2,000.
 
-    python benchmarks/kv_copy_sweep.py [--host] [--out DIR]
+    python benchmarks/kv_copy_sweep.py [--host] [--only PREFIX,...] [--out DIR]
 """
 
 from __future__ import annotations
