@@ -16,7 +16,7 @@ synthetic work shaped like a decode linear's weight stream:
 - `barrier+prefetch`: the same, with each phase's weight slice loaded before the barrier
   that guards the previous phase's results (weights never depend on them).
 
-Each is timed over 50 graph replays between CUDA events and checked against a torch
+Each is timed over 50 graph replays between CUDA events (skinny_bench.graph_us) and checked against a torch
 reference of the same sums (a broken barrier reads a stale value and fails the check).
 
     python benchmarks/grid_barrier_probe.py [--phases 24] [--out DIR]
@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 from run_meta import device_kind, git_commit
+from skinny_bench import graph_us
 
 _WARPS = 8
 
@@ -89,23 +90,6 @@ def reference(w: torch.Tensor, phases: int, n_prog: int) -> torch.Tensor:
     return out
 
 
-def _graph_ms(fn, reps: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def run(phases: int, phase_mb: float) -> list[dict]:
     n_prog = torch.cuda.get_device_properties(0).multi_processor_count
     ch = triton.next_power_of_2(int(phase_mb * 2**20 / 2 / n_prog))
@@ -140,7 +124,7 @@ def run(phases: int, phase_mb: float) -> list[dict]:
         ("counter zero_ alone", zero_only),
     ):
         out.zero_()
-        ms = _graph_ms(fn)
+        ms = graph_us([fn], reps=50) / 1e3  # one replay: all phases
         ok = name.startswith("counter") or torch.allclose(
             out.view(phases, n_prog), want, rtol=1e-4, atol=1e-2
         )
