@@ -37,8 +37,9 @@ Each is timed as the mean of 50 back-to-back launches between two CUDA events, t
 checked against the torch reference. For the 2,048-token request the host queues a launch
 in less than the 0.13 ms it runs, so the GPU never waits; the 128-token rows are bound by
 the launches' host time instead, and `held_ms` (transfer.py's `device_ms`: the work held
-behind a GPU sleep until it is queued) gives the GPU time of one shape next to the copy's. `--host` adds the host time of each call a pull
-makes (streams, events, a graph replay, a Triton launch, the id checks), mean of 2,000.
+behind a GPU sleep until it is queued) gives every case's GPU time next to the copy's.
+`--host` adds the host time of each call a pull makes (streams, events, a graph replay,
+a Triton launch, the id checks), mean of 2,000.
 
     python benchmarks/kv_copy_sweep.py [--host] [--only PREFIX,...] [--out DIR]
 """
