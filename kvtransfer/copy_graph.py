@@ -216,7 +216,10 @@ class CopyGraphs:
             tables = [list(zip(c.src.flat(), c.dst.flat(), strict=True)) for c in copies]
             try:
                 graph = self._capture(tables, [cap for _, _, cap in key], self.stream, pairs)
-            except RuntimeError as e:
+            # RuntimeError: a CUDA error in the capture. ValueError: Triton refusing the
+            # pinned id buffer as a pointer the GPU cannot address (host memory registered
+            # without a device mapping), which the staging kernel reads.
+            except (RuntimeError, ValueError) as e:
                 self._failed.add(key)
                 logger.warning("copy graph capture failed, pulls of these tables go eager: %s", e)
                 return None
