@@ -8,10 +8,10 @@ the id upload (a pinned host buffer into a device buffer, by a small kernel read
 pinned memory: `kernels.kv_copy.stage_ids`, 6 us of device time less than a memcpy node)
 and one counted-kernel launch per tensor (kernels/kv_copy.py `launch_counted`). The
 kernel reads the id count from the buffer, so one graph serves every count up to its
-capacity. The host then packs the ids
-into the pinned buffer (10 us for 2 x 128 ids, kv_copy_sweep.py's replay_e2e) and launches
-the graph through the driver; a filled replay of the 2,048-token request took 139 us end
-to end there, one plain copy of its bytes 126 us.
+capacity. The host then packs the ids into the pinned buffer (10 us for 2 x 128 ids,
+kv_copy_sweep.py's replay_e2e) and launches the graph through the driver; a filled replay
+of the 2,048-token request took 139 us end to end there, one plain copy of its bytes
+126 us.
 
 The graph also holds the pull's two stream events, as an event wait node (for `ready`,
 which the caller records on its own stream: the destination units were just allocated
