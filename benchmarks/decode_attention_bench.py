@@ -1,15 +1,16 @@
 """Decode attention as a decode step runs it: one call per layer over that layer's own cache.
 
     python benchmarks/decode_attention_bench.py [--layers 28] [--sweep] [--sweep-per-head]
-        [--sweep-long] [--no-cases] [--kernels per_head,packed] [--out DIR]
+        [--sweep-long] [--no-cases] [--kernels per_head,packed,flat] [--out DIR]
 
 Not a test. attention_bench.py replays one call over one cache, so a cache under the L2's
 50 MB (32 rows x 256 tokens is 34 MB) is read from L2 and looks fast. Here each of
 `--layers` calls reads its own cache (Qwen3-0.6B shape: 16 q / 8 kv heads, head dim 128,
 bf16, block size 16, blocks shuffled), captured as one CUDA graph with max_seq_len at the
 model's 4,096 limit, as the engine's decode graph runs it; the time per call is the
-replay's over the layers. Both decode kernels (`per_head`, `packed`) at batch sizes 32 to
-512; `--sweep` also times the packed kernel's tile and split settings at 32 rows, and
+replay's over the layers. The decode kernels named in `--kernels` (`per_head`, `packed`;
+`flat`, the per-head kernel with one program per SM walking several pairs, is not in the
+default list) at batch sizes 32 to 512; `--sweep` also times the packed kernel's tile and split settings at 32 rows, and
 `--sweep-per-head` the per-head kernel's tiles (keys, warps, stages) at 1-8 slices per
 context for 32 and 64 rows, `--sweep-long` a few of them at long contexts and big batches
 with up to 16 slices (`--no-cases`: the sweeps alone; `--kernels per_head`: one kernel in

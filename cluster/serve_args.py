@@ -23,7 +23,7 @@ class ServeConfig:
     # on GPUs of >= 70 GiB, else 2,048 (serve.default_batched_tokens).
     max_num_batched_tokens: int | None = None
     runner: str = "auto"
-    # The Triton decode attention kernel: auto | per_head | packed (runner/config.py)
+    # The Triton decode attention kernel: auto | per_head | packed | flat (runner/config.py)
     decode_attention: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
@@ -102,9 +102,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help=f"share of each GPU for weights + KV cache (default {d.gpu_memory_utilization})",
     )
     p.add_argument("--runner", choices=["auto", "mrv2", "reference"], default=None)
-    p.add_argument("--decode-attention", choices=["auto", "per_head", "packed"], default=None,
-                   help="GPU decode attention kernel: a program per kv head, or all heads "
-                   "packed in one (default auto: chosen by batch shape)")  # fmt: skip
+    p.add_argument("--decode-attention", choices=["auto", "per_head", "packed", "flat"],
+                   default=None,
+                   help="GPU decode attention kernel: a program per kv head, all heads packed "
+                   "in one, or per kv head with one program per SM walking several (flat; "
+                   "not yet measured) (default auto: chosen by batch shape)")  # fmt: skip
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--kv-transport", choices=["tcp", "cuda_ipc", "nccl"], default=None,

@@ -1,5 +1,6 @@
-"""What the Triton attention kernels share (paged_attention_triton, paged_decode_packed):
-their dot, and the decode kernels' cut of a row's context into split-K slices."""
+"""What the Triton attention kernels share (paged_attention_triton, paged_decode_packed,
+paged_decode_flat): their dot, one key tile's online-softmax step over a paged cache, and
+the decode kernels' cut of a row's context into split-K slices."""
 
 from __future__ import annotations
 
@@ -15,6 +16,68 @@ def attention_dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constex
     if UPCAST_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def attend_tile(
+    acc,  # [M, D_PAD] fp32 running numerator
+    m_i,  # [M] fp32 running max (log2 domain), -inf before any visible key
+    l_i,  # [M] fp32 running denominator
+    q,  # [M, D_PAD] queries, pre-loaded
+    q_pos,  # [M] int32 context position of each query (causal limit, inclusive)
+    kv_ptr,
+    bt_row_ptr,  # this row's block-table row
+    kv_head_off,  # kv head * stride_ch
+    n0,  # first key of the tile
+    key_end,  # keys >= key_end are outside the context
+    offs_n,
+    offs_d,
+    d_mask,
+    stride_cb,
+    stride_ckv,
+    stride_ct,
+    qk_scale,  # softmax scale * log2(e)
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the tile is visible to every query
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    keys = n0 + offs_n
+    if MASKED:
+        k_valid = keys < key_end
+        blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE, mask=k_valid, other=0)
+        kv_mask = k_valid[:, None] & d_mask[None, :]
+    else:
+        blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE)
+        kv_mask = d_mask[None, :]
+    # int64: num_blocks * 2 * block_size * Hkv * D passes 2^31 on a large cache.
+    tok_off = blk.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_ct + kv_head_off
+    k_ptrs = kv_ptr + tok_off[:, None] + offs_d[None, :]
+    # other=0 for keys past the context: the null block may hold NaN, and 0 * NaN would
+    # leak into the P @ V dot even where P is 0.
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+    # Raw scores; the scale is applied inside max() and fused into exp2's argument (one FMA
+    # per score, as qk_scale > 0 keeps the argmax).
+    s = attention_dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOT)
+    if MASKED:
+        visible = k_valid[None, :]
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    if MASKED:
+        # A query that has seen no visible key keeps m = -inf; subtract 0 instead so its
+        # exp2 gives 0, not NaN (-inf - -inf).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s * qk_scale - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(q.dtype)
+    acc = attention_dot(p.to(q.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
+    return acc, m_new, l_i
 
 
 @triton.jit

@@ -19,6 +19,10 @@ kernels, each on a grid sized from host ints only (shapes, `max_query_len`,
   walking the row's key tiles through its block table up to the causal limit; tiles
   entirely below the diagonal skip all masking.
 
+Asked for the "flat" decode kernel, an unsplit decode grid runs kernels/paged_decode_flat.py
+instead of `_decode_split_kernel`: at most one program per SM, each walking the key tiles
+of several (row, kv head) pairs in one loop.
+
 A mixed step (`max_query_len > 1`) launches both paths; each kernel exits at once on the
 rows that belong to the other, so no host-side split of the batch is needed.
 
@@ -31,13 +35,15 @@ all its programs.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.attention_parts import attention_dot, decode_slice, valid_splits
+from pdserve.kernels.attention_parts import attend_tile, decode_slice, valid_splits
+from pdserve.kernels.paged_decode_flat import decode_flat, flat_programs
 from pdserve.kernels.paged_decode_packed import DEFAULT_CONFIG as PACKED_16BIT
 from pdserve.kernels.paged_decode_packed import PackedConfig, decode_packed
 from pdserve.kernels.workspace import KernelWorkspace
@@ -104,6 +110,14 @@ PACKED_WIDE = PackedConfig(
 PACKED_BELOW_PAIRS = 0
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    # The interpreter (CPU) counts one, so a few pairs already share a flat program.
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def choose_decode_kernel(num_rows: int, num_kv_heads: int) -> str:
     """The packed kernel for batches of fewer (row, kv head) pairs than PACKED_BELOW_PAIRS."""
     return "packed" if num_rows * num_kv_heads < PACKED_BELOW_PAIRS else "per_head"
@@ -126,68 +140,6 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int) -> int
     wanted = triton.cdiv(_TARGET_DECODE_PROGRAMS, max(1, num_rows * num_kv_heads))
     useful = triton.cdiv(max(1, max_seq_len), _MIN_SPLIT_KEYS)
     return max(1, min(wanted, useful, _MAX_SPLITS))
-
-
-@triton.jit
-def _attend_tile(
-    acc,  # [M, D_PAD] fp32 running numerator
-    m_i,  # [M] fp32 running max (log2 domain), -inf before any visible key
-    l_i,  # [M] fp32 running denominator
-    q,  # [M, D_PAD] queries, pre-loaded
-    q_pos,  # [M] int32 context position of each query (causal limit, inclusive)
-    kv_ptr,
-    bt_row_ptr,  # this row's block-table row
-    kv_head_off,  # kv head * stride_ch
-    n0,  # first key of the tile
-    key_end,  # keys >= key_end are outside the context
-    offs_n,
-    offs_d,
-    d_mask,
-    stride_cb,
-    stride_ckv,
-    stride_ct,
-    qk_scale,  # softmax scale * log2(e)
-    BLOCK_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,  # False: every key of the tile is visible to every query
-    CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-):
-    keys = n0 + offs_n
-    if MASKED:
-        k_valid = keys < key_end
-        blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE, mask=k_valid, other=0)
-        kv_mask = k_valid[:, None] & d_mask[None, :]
-    else:
-        blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE)
-        kv_mask = d_mask[None, :]
-    # int64: num_blocks * 2 * block_size * Hkv * D passes 2^31 on a large cache.
-    tok_off = blk.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_ct + kv_head_off
-    k_ptrs = kv_ptr + tok_off[:, None] + offs_d[None, :]
-    # other=0 for keys past the context: the null block may hold NaN, and 0 * NaN would
-    # leak into the P @ V dot even where P is 0.
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
-    # Raw scores; the scale is applied inside max() and fused into exp2's argument (one FMA
-    # per score, as qk_scale > 0 keeps the argmax).
-    s = attention_dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOT)
-    if MASKED:
-        visible = k_valid[None, :]
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    if MASKED:
-        # A query that has seen no visible key keeps m = -inf; subtract 0 instead so its
-        # exp2 gives 0, not NaN (-inf - -inf).
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_use = m_new
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s * qk_scale - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(q.dtype)
-    acc = attention_dot(p.to(q.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
-    return acc, m_new, l_i
 
 
 # Counts that vary from step to step (eager mixed steps) are not specialised on: each new
@@ -249,7 +201,7 @@ def _decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     bt_row_ptr = bt_ptr + row.to(tl.int64) * stride_bt
     for n0 in range(key_start, key_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, offs_g, kv_ptr, bt_row_ptr, kv_head * stride_ch, n0, key_end,
             offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
             BLOCK_SIZE, True, False, DOT_PRECISION, UPCAST_DOT,
@@ -408,13 +360,13 @@ def _prefill_kernel(
     full_end = tl.maximum(prefix + m_start + 1, 0) // BLOCK_N * BLOCK_N
     causal_end = tl.minimum(prefix + tl.minimum(m_start + BLOCK_M, q_len), seq_len)
     for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr, kv_head_off, n0, seq_len,
             offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
             BLOCK_SIZE, False, True, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
     for n0 in range(full_end, causal_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr, kv_head_off, n0, seq_len,
             offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
             BLOCK_SIZE, True, True, DOT_PRECISION, UPCAST_DOT,
@@ -439,7 +391,7 @@ def paged_attention_triton(
     *,
     num_splits: int | None = None,  # decode splits per (row, kv head); None = heuristic
     workspace: KernelWorkspace | None = None,  # the model's; None: counters for this call
-    decode_kernel: str | None = None,  # "per_head" | "packed"; None = `choose_decode_kernel`
+    decode_kernel: str | None = None,  # per_head | packed | flat; None: choose_decode_kernel
 ) -> None:
     """`paged_attention_ref` on the GPU (or Triton's interpreter); see the module docstring."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -500,7 +452,7 @@ def paged_attention_triton(
             num_splits, workspace, dot_precision, upcast, packed_cfg,
         )  # fmt: skip
         return
-    assert kernel == "per_head", f"unknown decode kernel {kernel!r}"
+    assert kernel in ("per_head", "flat"), f"unknown decode kernel {kernel!r}"
     # Each row sizes its own slices in-kernel; an explicit num_splits (tests, sweeps) may cut
     # contexts down to one tile per slice, the heuristic never under _MIN_SPLIT_KEYS.
     explicit = num_splits is not None
@@ -510,6 +462,13 @@ def paged_attention_triton(
     min_keys = cfg.block_n if explicit else max(_MIN_SPLIT_KEYS, cfg.block_n)
     num_splits = max(1, min(num_splits, triton.cdiv(max(1, max_seq_len), min_keys)))
     single = num_splits == 1
+    programs = flat_programs(num_rows * num_kv_heads, _num_sms(q.device))
+    if kernel == "flat" and single and programs is not None:
+        decode_flat(
+            q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, programs,
+            (cfg.block_n, cfg.num_warps, cfg.num_stages), dot_precision, upcast,
+        )  # fmt: skip
+        return
     if single:
         part_o = part_lse = counters = out  # unused
     else:

@@ -119,7 +119,7 @@ class SchedulerConfig:
         )
 
 
-DECODE_ATTENTION_KERNELS = ("auto", "per_head", "packed")
+DECODE_ATTENTION_KERNELS = ("auto", "per_head", "packed", "flat")
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,8 @@ class RunnerConfig:
     async_scheduling: bool = False
     # Uniform-decode batch sizes captured as FULL CUDA graphs; () = always eager.
     cuda_graph_sizes: tuple[int, ...] = ()
-    # The Triton decode attention kernel: "auto" (by batch shape), "per_head" or "packed"
-    # (kernels/paged_attention_triton.py, kernels/paged_decode_packed.py).
+    # The Triton decode attention kernel: "auto" (by batch shape), "per_head", "packed" or
+    # "flat" (kernels/paged_attention_triton.py, paged_decode_packed.py, paged_decode_flat.py).
     decode_attention: str = "auto"
 
     def __post_init__(self) -> None:

@@ -25,7 +25,7 @@ def _engine(model_dir: str, decode_attention: str = "auto") -> Engine:
     )
 
 
-@pytest.mark.parametrize("decode_attention", ["per_head", "packed"])
+@pytest.mark.parametrize("decode_attention", ["per_head", "packed", "flat"])
 def test_step_loop_never_syncs_and_graphs_keep_their_buffers(qwen3_shaped_dir, decode_attention):
     eng = _engine(qwen3_shaped_dir, decode_attention)
     assert eng.config.runner.async_scheduling and eng.runner.graphs is not None

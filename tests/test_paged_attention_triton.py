@@ -338,3 +338,61 @@ def test_dispatch_cpu_runs_reference(monkeypatch):
     q, cache = batch.q.double().cpu(), batch.cache.double().cpu().nan_to_num(0.0)
     paged_attention(q, cache, *args, batch.max_query_len, batch.max_seq_len)
     torch.testing.assert_close(out, batch.run_ref(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pairs_per_program", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "hq,hk,d,bs,dtype",
+    [
+        (4, 2, 24, 16, torch.float32),
+        (6, 3, 20, 8, torch.float32),
+        (4, 1, 36, 1, torch.float32),
+        (16, 8, 128, 16, torch.bfloat16),
+    ],
+)
+def test_flat_decode_walks_several_pairs_per_program(
+    monkeypatch, pairs_per_program, hq, hk, d, bs, dtype
+):
+    """Guards the flat decode kernel (kernels/paged_decode_flat.py): a program walks the key
+    tiles of 1-4 (row, kv head) pairs in one loop, so the running softmax must restart at
+    each pair's first tile and each pair's output land at its last one, whatever the mix
+    in a step: decode rows of 1 to 300 keys, a pad row (zeros), and prefill rows that get
+    no tiles (the prefill kernel writes them). The SM count is set so the grid gives each
+    program that many pairs; the spy checks the flat kernel ran with that grid."""
+    import pdserve.kernels.paged_attention_triton as pat
+
+    batch = make_batch(MIXED, hq, hk, d, bs, dtype=dtype, seed=pairs_per_program)
+    num_pairs = len(MIXED) * hk
+    grids = []
+    real = pat.decode_flat
+
+    def spy(*args):
+        grids.append(args[7])
+        return real(*args)
+
+    monkeypatch.setattr(pat, "decode_flat", spy)
+    monkeypatch.setattr(pat, "_num_sms", lambda device: -(-num_pairs // pairs_per_program))
+    # One split: the flat kernel serves unsplit grids (the heuristic would split this
+    # small batch's longest row).
+    check(batch, batch.run_triton(decode_kernel="flat", num_splits=1))
+    assert len(grids) == 1 and -(-num_pairs // grids[0]) == pairs_per_program
+
+
+def test_flat_programs_and_fallbacks():
+    """Guards the flat kernel's grid: at most one program per SM, the pairs spread evenly
+    (256 pairs on 132 SMs: 128 programs of 2, not 124 of 2 and 8 of 1), and no flat grid
+    when a program would need more than MAX_PAIRS pairs; then, as with splits, the
+    per-head kernel runs (its answer checked on the same batch)."""
+    import pdserve.kernels.paged_attention_triton as pat
+    from pdserve.kernels.paged_decode_flat import MAX_PAIRS, flat_programs
+
+    assert flat_programs(256, 132) == 128
+    assert flat_programs(133, 132) == 67
+    assert flat_programs(132, 132) == 132
+    assert flat_programs(1, 132) == 1
+    assert flat_programs(MAX_PAIRS * 132, 132) == 132
+    assert flat_programs(MAX_PAIRS * 132 + 1, 132) is None
+    batch = make_batch([DECODE, PAD, (3, 1), LONG_DECODE, DECODE_AT_1], 4, 2, 24, 16, seed=9)
+    for splits in (None, 3):  # 10 pairs on one "SM": too many for a flat program
+        check(batch, batch.run_triton(decode_kernel="flat", num_splits=splits))
+    assert not pat._num_sms.cache_info().currsize or pat._num_sms(batch.q.device) >= 1

@@ -22,9 +22,9 @@ PROMPTS = [
     "Hi",
 ]
 NEW_TOKENS = 32
-# On a GPU both Triton decode attention kernels must match transformers; the CPU path has
+# On a GPU every Triton decode attention kernel must match transformers; the CPU path has
 # one (the torch reference), whatever the setting.
-DECODE_ATTENTION = ["per_head", "packed"] if DEVICE == "cuda" else ["auto"]
+DECODE_ATTENTION = ["per_head", "packed", "flat"] if DEVICE == "cuda" else ["auto"]
 
 
 def _greedy(n: int) -> SamplingParams:

@@ -15,6 +15,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T_pad] int64: KV slot of each token, -1 for pads
     max_query_len: int  # host-known bounds, so kernels size grids without a device read
     max_seq_len: int
-    # The decode attention kernel ("per_head" | "packed", kernels/paged_attention_triton.py);
+    # The decode attention kernel ("per_head" | "packed" | "flat",
+    # kernels/paged_attention_triton.py);
     # None: the kernels' own choice by batch shape.
     decode_kernel: str | None = None
