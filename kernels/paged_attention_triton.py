@@ -462,8 +462,12 @@ def paged_attention_triton(
     min_keys = cfg.block_n if explicit else max(_MIN_SPLIT_KEYS, cfg.block_n)
     num_splits = max(1, min(num_splits, triton.cdiv(max(1, max_seq_len), min_keys)))
     single = num_splits == 1
-    programs = flat_programs(num_rows * num_kv_heads, _num_sms(q.device))
-    if kernel == "flat" and single and programs is not None:
+    # The flat kernel serves unsplit grids of at most MAX_PAIRS pairs a program; otherwise
+    # the per-head kernel runs, as asked for "per_head".
+    programs = None
+    if kernel == "flat" and single:
+        programs = flat_programs(num_rows * num_kv_heads, _num_sms(q.device))
+    if programs is not None:
         decode_flat(
             q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, programs,
             (cfg.block_n, cfg.num_warps, cfg.num_stages), dot_precision, upcast,

@@ -378,7 +378,7 @@ def test_flat_decode_walks_several_pairs_per_program(
     assert len(grids) == 1 and -(-num_pairs // grids[0]) == pairs_per_program
 
 
-def test_flat_programs_and_fallbacks():
+def test_flat_programs_and_fallbacks(monkeypatch):
     """Guards the flat kernel's grid: at most one program per SM, the pairs spread evenly
     (256 pairs on 132 SMs: 128 programs of 2, not 124 of 2 and 8 of 1), and no flat grid
     when a program would need more than MAX_PAIRS pairs; then, as with splits, the
@@ -392,7 +392,14 @@ def test_flat_programs_and_fallbacks():
     assert flat_programs(1, 132) == 1
     assert flat_programs(MAX_PAIRS * 132, 132) == 132
     assert flat_programs(MAX_PAIRS * 132 + 1, 132) is None
+    calls = []
+    real = pat.decode_flat
+    monkeypatch.setattr(pat, "decode_flat", lambda *a: (calls.append(a[7]), real(*a)))
     batch = make_batch([DECODE, PAD, (3, 1), LONG_DECODE, DECODE_AT_1], 4, 2, 24, 16, seed=9)
-    for splits in (None, 3):  # 10 pairs on one "SM": too many for a flat program
+    monkeypatch.setattr(pat, "_num_sms", lambda device: 2)
+    for splits in (1, 3):  # 10 pairs on 2 "SMs": too many pairs a program; then split
         check(batch, batch.run_triton(decode_kernel="flat", num_splits=splits))
-    assert not pat._num_sms.cache_info().currsize or pat._num_sms(batch.q.device) >= 1
+    assert calls == []
+    monkeypatch.setattr(pat, "_num_sms", lambda device: 3)  # 4 pairs a program: flat
+    check(batch, batch.run_triton(decode_kernel="flat", num_splits=1))
+    assert calls == [3]
