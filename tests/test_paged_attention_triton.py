@@ -396,10 +396,11 @@ def test_flat_programs_and_fallbacks(monkeypatch):
     real = pat.decode_flat
     monkeypatch.setattr(pat, "decode_flat", lambda *a: (calls.append(a[7]), real(*a)))
     batch = make_batch([DECODE, PAD, (3, 1), LONG_DECODE, DECODE_AT_1], 4, 2, 24, 16, seed=9)
-    monkeypatch.setattr(pat, "_num_sms", lambda device: 2)
-    for splits in (1, 3):  # 10 pairs on 2 "SMs": too many pairs a program; then split
-        check(batch, batch.run_triton(decode_kernel="flat", num_splits=splits))
+    monkeypatch.setattr(pat, "_num_sms", lambda device: 2)  # 10 pairs: 5 a program
+    check(batch, batch.run_triton(decode_kernel="flat", num_splits=1))
     assert calls == []
-    monkeypatch.setattr(pat, "_num_sms", lambda device: 3)  # 4 pairs a program: flat
+    monkeypatch.setattr(pat, "_num_sms", lambda device: 3)  # 4 pairs a program
+    check(batch, batch.run_triton(decode_kernel="flat", num_splits=3))  # split: per-head
+    assert calls == []
     check(batch, batch.run_triton(decode_kernel="flat", num_splits=1))
     assert calls == [3]
