@@ -270,19 +270,13 @@ def _graph_cases(src, dst, s_ids, d_ids) -> list:
     return cases + _part_graph_cases(src, dst, s_ids, d_ids)
 
 
-@triton.jit
-def _stage_ids(src, dst, n, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-
-
 def _part_graph_cases(src, dst, s_ids, d_ids) -> list:
     """Graphs of parts of GraphedCopy, captured on the measuring stream: which node costs
     the graph its time over the kernel alone. `kernel`: the counted kernel over ids already
     on the device; `+upload`: the pinned-to-device id copy first; `+events`: an external
     event wait before and record after; `+stage`: the ids copied by a one-program kernel
-    reading the pinned buffer through unified addressing instead of the upload."""
+    reading the pinned buffer through unified addressing (kernels/kv_copy.py `stage_ids`,
+    what GraphedCopy ships) instead of the upload."""
     from pdserve.kvtransfer.copy_graph import capacity_for
 
     cur = torch.cuda.current_stream()
@@ -299,7 +293,7 @@ def _part_graph_cases(src, dst, s_ids, d_ids) -> list:
         device = host.to(src.device)
         ready, done = torch.cuda.Event(external=True), torch.cuda.Event(external=True)
         pair.launch_counted(device, 0, cap)
-        _stage_ids[(1,)](host, device, host.numel(), BLOCK=triton.next_power_of_2(host.numel()))
+        kv_copy.stage_ids(host, device)
         ready.record(cur)
         done.record(cur)
         torch.cuda.synchronize()
@@ -311,9 +305,7 @@ def _part_graph_cases(src, dst, s_ids, d_ids) -> list:
             if upload == "upload":
                 device.copy_(host, non_blocking=True)
             elif upload == "stage":
-                _stage_ids[(1,)](
-                    host, device, host.numel(), BLOCK=triton.next_power_of_2(host.numel())
-                )
+                kv_copy.stage_ids(host, device)
             pair.launch_counted(device, 0, cap)
             if events:
                 done.record(cur)

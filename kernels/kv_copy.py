@@ -22,13 +22,12 @@ out once per pair of tables (`PairCache`).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from pdserve.kernels.kv_pack import bitwise_view
+from pdserve.kernels.sm_count import num_sms
 
 # Words one load moves: with 4 warps, 16 words a thread, i.e. eight independent 16 B
 # vectors in flight when words are int64 (a 16 KB tile). Narrower words (odd row sizes)
@@ -204,14 +203,6 @@ def launch_shape(num_rows: int, num_words: int, num_sms: int) -> tuple[int, int]
     return block, tiles * block
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    # Interpreted (CPU) runs keep the biggest chunks, so tests cover the multi-tile loop.
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 class _Pair:
     """What a launch between two tables needs that does not change from pull to pull: the
     word views, their strides, the device's SM count, and the launch shape per id count.
@@ -229,7 +220,7 @@ class _Pair:
             self.src_words.stride(0), self.src_words.stride(1),
             self.dst_words.stride(0), self.dst_words.stride(1),
         )  # fmt: skip
-        self.num_sms = _num_sms(src.device)
+        self.num_sms = num_sms(src.device)
         self.shapes: dict[int, tuple[int, int, int]] = {}
 
     def launch(self, ids: torch.Tensor, offset: int, n: int) -> None:

@@ -35,7 +35,6 @@ all its programs.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -46,6 +45,7 @@ from pdserve.kernels.attention_parts import attend_tile, decode_slice, valid_spl
 from pdserve.kernels.paged_decode_flat import decode_flat, flat_programs
 from pdserve.kernels.paged_decode_packed import DEFAULT_CONFIG as PACKED_16BIT
 from pdserve.kernels.paged_decode_packed import PackedConfig, decode_packed
+from pdserve.kernels.sm_count import num_sms as _num_sms  # tests set it to size a flat grid
 from pdserve.kernels.workspace import KernelWorkspace
 
 LOG2E = 1.4426950408889634
@@ -108,14 +108,6 @@ PACKED_WIDE = PackedConfig(
 # tokens, 148.5 against 103.9 at 256 rows of 384), ahead only at 512 rows of 256 (129.7
 # against 138.4), with its tile config still the unswept first guess.
 PACKED_BELOW_PAIRS = 0
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    # The interpreter (CPU) counts one, so a few pairs already share a flat program.
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def choose_decode_kernel(num_rows: int, num_kv_heads: int) -> str:
