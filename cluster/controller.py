@@ -11,7 +11,6 @@ prefill worker, its leases) to finish, then stops it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -73,10 +72,12 @@ class Controller:
             for m in list(self.members_.values()):
                 if m.draining or await self._healthy(m):
                     continue
+                if self.members_.get(m.worker_id) is not m or m.draining:
+                    continue  # drained while its check was in flight: do not bring it back
                 m.generation += 1  # seen by the router before the (slow) restart
                 kill_quietly(m.actor)
-                m.actor = start_worker(self.spec, m.role, m.worker_id)
                 try:
+                    m.actor = start_worker(self.spec, m.role, m.worker_id)
                     await asyncio.wait_for(m.actor.info.remote(), 600)
                 except Exception:
                     logger.exception("restart of %s failed; will retry", m.worker_id)
@@ -100,7 +101,11 @@ class Controller:
         m.draining = True
         start = time.monotonic()
         while time.monotonic() - start < timeout_s:
-            s = await m.actor.stats.remote()
+            try:
+                s = await asyncio.wait_for(m.actor.stats.remote(), 10.0)
+            except Exception as e:  # dead or hung: nothing left to wait for
+                logger.warning("drain of %s: stats failed (%r); stopping it", worker_id, e)
+                break
             busy = s["num_requests_running"] + s["num_requests_waiting"] + s.get("leases", 0)
             if busy == 0:
                 break
@@ -111,10 +116,15 @@ class Controller:
         del self.members_[worker_id]
         return {"worker_id": worker_id, "seconds": time.monotonic() - start}
 
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the health loop and every worker; the loop gets `timeout_s` to unwind."""
         if self._health is not None:
             self._health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health
         for m in self.members_.values():
             kill_quietly(m.actor)
+        if self._health is not None:
+            done, _ = await asyncio.wait({self._health}, timeout=timeout_s)
+            if not done:
+                logger.warning("health loop did not stop within %.0f s", timeout_s)
+            elif not self._health.cancelled() and self._health.exception() is not None:
+                logger.error("health loop had failed: %r", self._health.exception())

@@ -17,20 +17,24 @@ from pdserve.cluster.ray_pool import PoolSpec
 def controller(tiny_qwen3_dir):
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     sink = zmq.Context.instance().socket(zmq.PULL)  # where decode workers stream tokens
-    port = sink.bind_to_random_port("tcp://127.0.0.1")
-    spec = PoolSpec(
-        engine_kwargs=dict(model=tiny_qwen3_dir, dtype="float32", device="cpu", max_model_len=256),
-        num_prefill=1,
-        num_decode=2,
-        stream_endpoint=f"tcp://127.0.0.1:{port}",
-        stuck_after_s=60.0,
-    )
-    handle = ray.remote(Controller).options(num_cpus=0).remote(spec, 0.5)
-    ray.get(handle.start.remote(), timeout=300)
-    yield handle
-    ray.get(handle.stop.remote(), timeout=60)
-    sink.close(linger=0)
-    ray.shutdown()
+    try:
+        port = sink.bind_to_random_port("tcp://127.0.0.1")
+        spec = PoolSpec(
+            engine_kwargs=dict(
+                model=tiny_qwen3_dir, dtype="float32", device="cpu", max_model_len=256
+            ),
+            num_prefill=1,
+            num_decode=2,
+            stream_endpoint=f"tcp://127.0.0.1:{port}",
+            stuck_after_s=60.0,
+        )
+        handle = ray.remote(Controller).options(num_cpus=0).remote(spec, 0.5)
+        ray.get(handle.start.remote(), timeout=300)
+        yield handle
+        ray.get(handle.stop.remote(), timeout=120)
+    finally:  # a failed stop must not leave Ray up for the next module's ray.init
+        sink.close(linger=0)
+        ray.shutdown()
 
 
 def _members(controller) -> dict[str, dict]:
@@ -68,3 +72,17 @@ def test_drain_removes_an_idle_worker(controller):
         ray.get(actor.health.remote(), timeout=30)
     with pytest.raises(ValueError, match="no worker"):
         ray.get(controller.drain.remote("decode-9"), timeout=30)
+    time.sleep(1.5)  # three health intervals: a drained worker must stay gone
+    assert "pdserve-decode-1" not in ray.util.list_named_actors()
+
+
+def test_stop_kills_every_worker_and_returns(controller):
+    """Guards stop (the module's last test): it returns well within its own timeout and no
+    worker actor survives it, so a stopped pool holds no GPU."""
+    actors = [m["actor"] for m in _members(controller).values()]
+    start = time.monotonic()
+    ray.get(controller.stop.remote(5.0), timeout=60)
+    assert time.monotonic() - start < 30
+    for actor in actors:
+        with pytest.raises(RayActorError):
+            ray.get(actor.health.remote(), timeout=30)
