@@ -93,9 +93,12 @@ def build_model_dir(path: Path):
     return model
 
 
-def random_model_engine(max_num_batched_tokens: int = 16384, decode_attention: str = "auto"):
+def random_model_engine(
+    max_num_batched_tokens: int = 16384, decode_attention: str = "auto", **engine_args
+):
     """The profiling scripts' engine: a fresh random Qwen3-0.6B-shaped model directory and
-    the throughput runs' settings (512 sequences, 80% of the GPU)."""
+    the throughput runs' settings (512 sequences, 80% of the GPU); `engine_args` go to
+    `Engine.from_args` as well."""
     from pdserve.runner.engine import Engine
 
     model_dir = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
@@ -104,7 +107,7 @@ def random_model_engine(max_num_batched_tokens: int = 16384, decode_attention: s
     return Engine.from_args(
         model=str(model_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=512,
         max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=0.8,
-        decode_attention=decode_attention,
+        decode_attention=decode_attention, **engine_args,
     )  # fmt: skip
 
 
@@ -213,6 +216,11 @@ def main() -> int:
         help="the Triton decode attention kernel (kernels/paged_attention_triton.py)",
     )
     ap.add_argument(
+        "--cuda-graph-greedy-tail",
+        action="store_true",
+        help="all-greedy decode steps run norm, LM head, argmax and post-update in the graph",
+    )
+    ap.add_argument(
         "--peer",
         choices=["vllm"],
         default=None,
@@ -238,6 +246,7 @@ def main() -> int:
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=0.8,
         decode_attention=args.decode_attention,
+        cuda_graph_greedy_tail=args.cuda_graph_greedy_tail,
     )
     startup = time.perf_counter() - t
     graphs = getattr(engine.runner, "graphs", None)
@@ -278,6 +287,7 @@ def main() -> int:
                 "startup_s": startup,
                 "runner": engine.runner_name,
                 "cuda_graphs": len(graphs.graphs) if graphs else 0,
+                "greedy_tail_graphs": len(graphs.tail_graphs) if graphs else 0,
                 "graph_capture_s": graphs.capture_seconds if graphs else 0.0,
                 "graph_memory_mib": graphs.memory_bytes / 2**20 if graphs else 0.0,
             }

@@ -136,6 +136,9 @@ class RunnerConfig:
     # The Triton decode attention kernel: "auto" (by batch shape), "per_head", "packed" or
     # "flat" (kernels/paged_attention_triton.py, paged_decode_packed.py, paged_decode_flat.py).
     decode_attention: str = "auto"
+    # All-greedy decode steps (no logprobs, penalties or min_tokens bans) also replay the
+    # final norm, LM head, argmax and post-update inside the graph (runner/mrv2/cuda_graphs.py).
+    cuda_graph_greedy_tail: bool = False
 
     def __post_init__(self) -> None:
         _require(

@@ -13,15 +13,16 @@ from pdserve.runner.engine import Engine
 from pdserve.runner.sampling_params import SamplingParams
 
 
-def _engine(model_dir: str, decode_attention: str = "auto") -> Engine:
+def _engine(model_dir: str, decode_attention: str = "auto", **kwargs) -> Engine:
     return Engine.from_args(
         model=model_dir,
         device="cuda",
-        dtype="bfloat16",
+        dtype=kwargs.pop("dtype", "bfloat16"),
         max_model_len=256,
         max_num_seqs=64,
         max_num_batched_tokens=256,
         decode_attention=decode_attention,
+        **kwargs,
     )
 
 
@@ -66,3 +67,62 @@ def test_step_loop_never_syncs_and_graphs_keep_their_buffers(qwen3_shaped_dir, d
     assert {n: getattr(buf, n).data_ptr() for n in ptrs} == ptrs, "persistent buffers moved"
     # Pad rows (slot -1) wrote nothing: block 0 (the null block) is untouched by decoding.
     assert torch.equal(eng.runner.kv_cache[:, 0], kv_before[:, 0])
+
+
+def _greedy_run(model_dir: str, greedy_tail: bool) -> tuple[Engine, dict[str, list[int]]]:
+    """20 greedy requests of mixed lengths (the batch shrinks through padded graph sizes);
+    r3 wants logprobs and stops first, so the steps it is in take the eager tail. Checks on the way that
+    the loop never syncs and that pad rows (idx_mapping 0, seq_len 0) write neither the
+    KV cache's null block nor position 0 of any slot's token history."""
+    eng = _engine(model_dir, dtype="float32", cuda_graph_greedy_tail=greedy_tail)
+    rng = random.Random(5)
+    for i in range(20):
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=10 if i == 3 else rng.randint(16, 40),
+            ignore_eos=True,
+            logprobs=2 if i == 3 else None,
+        )
+        prompt = [rng.randrange(3, 150_000) for _ in range(rng.randint(5, 90))]
+        eng.add_request(f"r{i}", prompt, params)
+    out: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for delta in eng.step():
+            out.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+
+    for _ in range(3):  # prefill steps and the first decode (compiles what is left)
+        step()
+    mask_ptr = eng.runner.buffers.sample_mask.data_ptr()
+    kv_before = eng.runner.kv_cache[:, 0].clone()
+    first_tokens = eng.runner.state.token_ids[:, 0].clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while eng.scheduler.has_unfinished():
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    while eng.has_unfinished():
+        step()
+    assert eng.runner.buffers.sample_mask.data_ptr() == mask_ptr, "the mask buffer moved"
+    assert torch.equal(eng.runner.kv_cache[:, 0], kv_before), "a pad row wrote KV"
+    assert torch.equal(eng.runner.state.token_ids[:, 0], first_tokens), "a pad row wrote a token"
+    return eng, out
+
+
+def test_greedy_tail_graph_gives_the_eager_tail_tokens_without_syncing(qwen3_shaped_dir):
+    """Guards the greedy-tail graphs: the norm, LM head, argmax and post-update they replay
+    give the tokens of the eager tail (float32, so near-ties cannot flip), the loop never
+    syncs, the tail's mask buffer keeps its address, steps wanting logprobs fall back to
+    the eager tail, and pad rows write neither KV nor token history (`_greedy_run`)."""
+    eng, tail = _greedy_run(qwen3_shaped_dir, greedy_tail=True)
+    graphs = eng.runner.graphs
+    assert graphs.has_greedy_tail and len(graphs.tail_graphs) == len(graphs.graphs)
+    assert graphs.tail_replays > 10, "the greedy steps did not replay the tail graphs"
+    assert graphs.replays > 0, "the logprobs request's steps must take the eager tail"
+    del eng
+    _, eager = _greedy_run(qwen3_shaped_dir, greedy_tail=False)
+    assert tail.keys() == eager.keys() and all(len(v) >= 8 for v in tail.values())
+    for req_id, tokens in eager.items():
+        assert tail[req_id] == tokens, f"{req_id}: the greedy tail changed the tokens"

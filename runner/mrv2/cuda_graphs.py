@@ -7,6 +7,13 @@ real rows only: keeping [size, 151,936] logits alive per graph would pin ~3 GB o
 pool for 28 sizes, against one extra GEMM launch per step. Batches are padded
 explicitly to the next capture size (pad rows: zero block-table row, seq_len 0, slot -1),
 which the prepare kernels already do. Mixed and prefill steps run eagerly.
+
+Greedy tail (`tail` given, `--cuda-graph-greedy-tail`): each size also gets a second
+graph that runs the tail after the layers (final norm, LM head, argmax, post-update of
+the token history), for steps whose rows all take a plain argmax. That saves the host
+those launches (~5 a step, two of them Triton) and the device their gaps. Its logits are
+an intermediate of the capture, so the shared pool holds one [size, vocab] block for all
+sizes, not one per graph; only the [size] sampled ids stay pinned.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ class CudaGraphs:
         sizes: list[int],
         max_seq_len: int,
         decode_kernel: str | None = None,  # AttentionMetadata.decode_kernel
+        tail: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+        # ^ (hidden [size, H], size) -> sampled ids [size]: the greedy tail, captured too
     ):
         self.model = model
         self.buffers = buffers
@@ -60,6 +69,11 @@ class CudaGraphs:
         self.decode_kernel = decode_kernel
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.tail = tail
+        self.tail_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.tail_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.replays = 0  # plain replays (the LM head then runs eagerly)
+        self.tail_replays = 0
         self.capture_seconds = 0.0
         self.memory_bytes = 0
 
@@ -96,6 +110,7 @@ class CudaGraphs:
         b.slot_mapping.fill_(-1)
         b.input_ids.zero_()
         b.positions.zero_()
+        b.sample_mask.zero_()  # the tail's post-update writes no token while capturing
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
@@ -114,6 +129,13 @@ class CudaGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     self.outputs[size] = self._forward(size)
                 self.graphs[size] = graph
+                if self.tail is not None:
+                    self.tail(self._forward(size), size)  # warm-up of the tail's kernels
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        hidden = self._forward(size)
+                        self.tail_outputs[size] = (hidden, self.tail(hidden, size))
+                    self.tail_graphs[size] = graph
                 if progress is not None:
                     progress(size)
         finally:
@@ -123,10 +145,11 @@ class CudaGraphs:
         self.capture_seconds = time.perf_counter() - start
         self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         logger.info(
-            "captured %d CUDA graphs (sizes %d..%d) in %.1f s using %.0f MiB",
-            len(self.graphs),
+            "captured %d CUDA graphs (sizes %d..%d%s) in %.1f s using %.0f MiB",
+            len(self.graphs) + len(self.tail_graphs),
             self.sizes[0],
             self.sizes[-1],
+            ", each also with the greedy tail" if self.tail_graphs else "",
             self.capture_seconds,
             self.memory_bytes / 2**20,
         )
@@ -135,4 +158,17 @@ class CudaGraphs:
         """Run the graph of `size` over the current buffer contents -> [size, hidden]
         pre-norm hidden states (rows past the batch are padding)."""
         self.graphs[size].replay()
+        self.replays += 1
         return self.outputs[size]
+
+    @property
+    def has_greedy_tail(self) -> bool:
+        return bool(self.tail_graphs)
+
+    def replay_greedy(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the greedy-tail graph of `size` -> ([size, hidden] pre-norm hidden states,
+        [size] int64 argmax ids); the tail has already written each kept row's token
+        (`buffers.sample_mask`) into the token history."""
+        self.tail_graphs[size].replay()
+        self.tail_replays += 1
+        return self.tail_outputs[size]

@@ -34,12 +34,16 @@ class InputBatch:
     seq_lens: torch.Tensor  # [R_pad] int32
     slot_mapping: torch.Tensor  # [T_pad] int64, -1 for pads
     block_tables: torch.Tensor  # [R_pad, max_blocks] int32
-    logits_indices: torch.Tensor  # [R] int64: last token of each row
     # Host copies the CPU already had (no device->host sync needed to read them).
     seq_lens_np: np.ndarray  # [R]
     query_start_loc_np: np.ndarray  # [R + 1]
     max_query_len: int
     max_seq_len: int
+
+    @property
+    def logits_indices(self) -> torch.Tensor:
+        """[R] int64: the last token of each row (two device ops: only eager steps ask)."""
+        return (self.query_start_loc[1 : self.num_reqs + 1] - 1).long()
 
     @property
     def is_uniform_decode(self) -> bool:
@@ -78,6 +82,8 @@ class InputBuffers:
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32, device=device)
+        # [n] bool: rows whose sample is kept, read by a graph's greedy tail (pads False)
+        self.sample_mask = torch.zeros(max_num_reqs, dtype=torch.bool, device=device)
 
     def build(
         self,
@@ -137,7 +143,6 @@ class InputBuffers:
             seq_lens=seq_lens,
             slot_mapping=slot_mapping,
             block_tables=block_tables,
-            logits_indices=(query_start_loc[1 : r + 1] - 1).long(),
             seq_lens_np=seq_lens_np,
             query_start_loc_np=qsl,
             max_query_len=int(num_scheduled.max(initial=0)),

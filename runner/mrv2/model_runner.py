@@ -28,7 +28,7 @@ from pdserve.runner.mrv2.kv_cache import allocate_kv_cache, bytes_per_block, cho
 from pdserve.runner.mrv2.model_state import GQAModelState, ModelState
 from pdserve.runner.mrv2.request_state import RequestState
 from pdserve.runner.runner_output import ModelRunnerOutput
-from pdserve.runner.sampler import LogprobsTensors, Sampler
+from pdserve.runner.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from pdserve.runner.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -136,6 +136,7 @@ class MRV2ModelRunner:
                 list(sizes),
                 config.model.max_model_len + 1,
                 self.decode_kernel,
+                tail=self._greedy_tail if config.runner.cuda_graph_greedy_tail else None,
             )
             self.graphs.capture()
 
@@ -182,22 +183,6 @@ class MRV2ModelRunner:
             graph_size,
         )
         self.model_state.prepare(batch)
-        if graph_size is not None:
-            hidden = self.graphs.replay(graph_size)
-            for layer in range(len(self.kv_caches)) if layer_hook is not None else ():
-                layer_hook(layer)
-            logits = self.model.compute_logits(hidden[: batch.num_reqs], float32=False)
-        else:
-            hidden = self.model(
-                batch.input_ids,
-                batch.positions,
-                self.kv_caches,
-                batch.attn(self.decode_kernel),
-                layer_hook,
-            )
-            logits = self.model.compute_logits(hidden[batch.logits_indices], float32=False)
-        self.model_state.post_forward(batch, hidden)
-
         seq_lens = batch.seq_lens_np
         num_tokens = st.num_tokens[slots]
         sample_mask = seq_lens >= num_tokens
@@ -209,22 +194,46 @@ class MRV2ModelRunner:
             [st.token_history(int(slots[r])) for r in penalty_rows] or None,
             to_device=self.ring.to_device,
         )
-        out = self.sampler(logits, meta)
-        mask = self.ring.to_device(sample_mask)
-        post_update(
-            batch.idx_mapping,
-            out.sampled_token_ids,
-            batch.seq_lens[: batch.num_reqs],
-            mask,
-            st.token_ids,
-        )
+        logprobs = None
+        if graph_size is not None and self.graphs.has_greedy_tail and _plain_argmax(meta):
+            padded = np.zeros(graph_size, dtype=bool)
+            padded[: batch.num_reqs] = sample_mask
+            self.ring.to_device(padded, out=self.buffers.sample_mask)
+            hidden, sampled = self.graphs.replay_greedy(graph_size)
+            sampled = sampled[: batch.num_reqs]
+            self._layers_done(layer_hook)
+            self.model_state.post_forward(batch, hidden)
+        else:
+            if graph_size is not None:
+                hidden = self.graphs.replay(graph_size)
+                self._layers_done(layer_hook)
+                logits = self.model.compute_logits(hidden[: batch.num_reqs], float32=False)
+            else:
+                hidden = self.model(
+                    batch.input_ids,
+                    batch.positions,
+                    self.kv_caches,
+                    batch.attn(self.decode_kernel),
+                    layer_hook,
+                )
+                logits = self.model.compute_logits(hidden[batch.logits_indices], float32=False)
+            self.model_state.post_forward(batch, hidden)
+            out = self.sampler(logits, meta)
+            sampled, logprobs = out.sampled_token_ids, out.logprobs
+            post_update(
+                batch.idx_mapping,
+                sampled,
+                batch.seq_lens[: batch.num_reqs],
+                self.ring.to_device(sample_mask),
+                st.token_ids,
+            )
         st.num_computed_tokens[slots] = seq_lens
         st.num_tokens[slots] += sample_mask
 
-        handle = StepHandle(req_ids, sample_mask, self.to_host.copy(out.sampled_token_ids))
-        if out.logprobs is not None:
+        handle = StepHandle(req_ids, sample_mask, self.to_host.copy(sampled))
+        if logprobs is not None:
             handle.logprob_ks = st.sampling.num_logprobs[slots].tolist()
-            lp = out.logprobs
+            lp = logprobs
             handle.logprobs = (
                 self.to_host.copy(lp.token_ids),
                 self.to_host.copy(lp.logprobs),
@@ -233,6 +242,23 @@ class MRV2ModelRunner:
         if graph_size is None:  # a graph step is pure decode: no prompt positions in it
             handle.prompt = self._prompt_logprobs(req_ids, slots, batch, hidden, num_computed)
         return handle
+
+    def _layers_done(self, layer_hook: Callable[[int], None] | None) -> None:
+        """After a graph replay every layer's KV writes are queued at once."""
+        for layer in range(len(self.kv_caches)) if layer_hook is not None else ():
+            layer_hook(layer)
+
+    def _greedy_tail(self, hidden: torch.Tensor, size: int) -> torch.Tensor:
+        """The greedy tail a graph captures after the layers (CudaGraphs `tail`): every
+        operand is a persistent buffer, so the graph replays it over each step's values.
+        Pad rows compute a token that post-update drops (their sample_mask is False)."""
+        b = self.buffers
+        sampled = self.model.compute_logits(hidden, float32=False).argmax(dim=-1)
+        post_update(
+            b.step_inputs[:size], sampled, b.seq_lens[:size], b.sample_mask[:size],
+            self.state.token_ids,
+        )  # fmt: skip
+        return sampled
 
     def _prompt_logprobs(
         self,
@@ -260,3 +286,9 @@ class MRV2ModelRunner:
                 (req_ids[row], start + 1, k, tuple(self.to_host.copy(t) for t in tensors))
             )
         return result
+
+
+def _plain_argmax(meta: SamplingMetadata) -> bool:
+    """A step the greedy tail can take: every row greedy, nothing banned or penalised (the
+    sampler's metadata then carries no per-row tensor) and no logprobs wanted."""
+    return meta.temperature is None and meta.max_num_logprobs is None
