@@ -40,13 +40,13 @@ def main() -> int:
         action="store_true",
         help="also run --steps more steps under cProfile and print the top functions",
     )
-    ap.add_argument("--cuda-graph-greedy-tail", action="store_true")
+    ap.add_argument("--cuda-graph-scope", choices=("layers", "step"), default="layers")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
 
     from pdserve.runner.sampling_params import SamplingParams
 
-    engine = random_model_engine(cuda_graph_greedy_tail=args.cuda_graph_greedy_tail)
+    engine = random_model_engine(cuda_graph_scope=args.cuda_graph_scope)
     w = Workload("profile", args.num_requests, args.prompt_len, 10_000, "output_tok_s")
     params = SamplingParams(temperature=0.0, max_tokens=64 + args.steps, ignore_eos=True)
     if args.phase == "prefill":
@@ -86,7 +86,7 @@ def main() -> int:
     result = {
         "num_requests": args.num_requests,
         "prompt_len": args.prompt_len,
-        "cuda_graph_greedy_tail": args.cuda_graph_greedy_tail,
+        "cuda_graph_scope": args.cuda_graph_scope,
         "steps": steps,
         "wall_ms_per_step_profiled": 1e3 * wall / steps,
         "host_ms_per_step": 1e3 * (engine.stats.cpu_s - s0[1]) / steps,
@@ -117,7 +117,7 @@ def main() -> int:
                 engine.step()
         pstats.Stats(py_prof).sort_stats("tottime").print_stats(40)
     stem = f"profile_step_{args.num_requests}" + ("_prefill" if args.phase == "prefill" else "")
-    stem += "_greedy_tail" if args.cuda_graph_greedy_tail else ""
+    stem += "_step_graphs" if args.cuda_graph_scope == "step" else ""
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
     (out / f"{stem}.txt").write_text(table)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from run_meta import git_commit
 
-from pdserve.runner.config import DECODE_ATTENTION_KERNELS
+from pdserve.runner.config import CUDA_GRAPH_SCOPES, DECODE_ATTENTION_KERNELS
 
 PEAK_FLOPS = 789e12  # bf16 dense GEMM measured on this H200
 PEAK_BYTES = 4.28e12  # device-to-device read+write bandwidth measured on this H200
@@ -216,9 +216,10 @@ def main() -> int:
         help="the Triton decode attention kernel (kernels/paged_attention_triton.py)",
     )
     ap.add_argument(
-        "--cuda-graph-greedy-tail",
-        action="store_true",
-        help="all-greedy decode steps run norm, LM head, argmax and post-update in the graph",
+        "--cuda-graph-scope",
+        choices=CUDA_GRAPH_SCOPES,
+        default="layers",
+        help="what a decode graph holds: the layers, or the whole step (runner/config.py)",
     )
     ap.add_argument(
         "--peer",
@@ -246,7 +247,7 @@ def main() -> int:
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=0.8,
         decode_attention=args.decode_attention,
-        cuda_graph_greedy_tail=args.cuda_graph_greedy_tail,
+        cuda_graph_scope=args.cuda_graph_scope,
     )
     startup = time.perf_counter() - t
     graphs = getattr(engine.runner, "graphs", None)
@@ -287,6 +288,7 @@ def main() -> int:
                 "startup_s": startup,
                 "runner": engine.runner_name,
                 "cuda_graphs": len(graphs.graphs) if graphs else 0,
+                "cuda_graph_scope": args.cuda_graph_scope,
                 "greedy_tail_graphs": len(graphs.tail_graphs) if graphs else 0,
                 "graph_capture_s": graphs.capture_seconds if graphs else 0.0,
                 "graph_memory_mib": graphs.memory_bytes / 2**20 if graphs else 0.0,

@@ -105,7 +105,7 @@ def run_serve(cfg: ServeConfig) -> int:
         model=ecfg.model.path, dtype=cfg.dtype, device=cfg.device,
         max_model_len=ecfg.model.max_model_len, block_size=cfg.block_size,
         max_num_seqs=cfg.max_num_seqs, runner=cfg.runner, decode_attention=cfg.decode_attention,
-        cuda_graph_greedy_tail=cfg.cuda_graph_greedy_tail,
+        cuda_graph_scope=cfg.cuda_graph_scope,
         max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(ecfg),
     )  # fmt: skip
     gpu = torch.cuda.is_available() and cfg.device != "cpu"

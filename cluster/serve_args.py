@@ -25,8 +25,8 @@ class ServeConfig:
     runner: str = "auto"
     # The Triton decode attention kernel: auto | per_head | packed | flat (runner/config.py)
     decode_attention: str = "auto"
-    # All-greedy decode steps run the LM head, argmax and post-update inside the graph
-    cuda_graph_greedy_tail: bool = False
+    # What a decode CUDA graph holds: layers | step (runner/config.py)
+    cuda_graph_scope: str = "layers"
     dtype: str = "auto"
     device: str = "auto"
     policy: str = "recompute"
@@ -109,9 +109,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="GPU decode attention kernel: a program per kv head, all heads packed "
                    "in one, or per kv head with one program per SM walking several (flat; "
                    "not yet measured) (default auto: chosen by batch shape)")  # fmt: skip
-    p.add_argument("--cuda-graph-greedy-tail", action="store_true", default=None,
-                   help="GPU: all-greedy decode steps also run the final norm, LM head, argmax "
-                   "and token update inside the CUDA graph (not yet measured)")  # fmt: skip
+    p.add_argument("--cuda-graph-scope", choices=["layers", "step"], default=None,
+                   help="GPU: what a decode CUDA graph holds: the layers, or the whole step "
+                   "(input prep and, for greedy steps, LM head, argmax and token update; not "
+                   "yet measured) (default layers)")  # fmt: skip
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--kv-transport", choices=["tcp", "cuda_ipc", "nccl"], default=None,

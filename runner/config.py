@@ -120,6 +120,7 @@ class SchedulerConfig:
 
 
 DECODE_ATTENTION_KERNELS = ("auto", "per_head", "packed", "flat")
+CUDA_GRAPH_SCOPES = ("layers", "step")
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,10 @@ class RunnerConfig:
     # The Triton decode attention kernel: "auto" (by batch shape), "per_head", "packed" or
     # "flat" (kernels/paged_attention_triton.py, paged_decode_packed.py, paged_decode_flat.py).
     decode_attention: str = "auto"
-    # All-greedy decode steps (no logprobs, penalties or min_tokens bans) also replay the
-    # final norm, LM head, argmax and post-update inside the graph (runner/mrv2/cuda_graphs.py).
-    cuda_graph_greedy_tail: bool = False
+    # What a decode graph holds (runner/mrv2/cuda_graphs.py): "layers" (embedding ->
+    # layers) or "step" (also the input prep before them and, for steps where every row
+    # takes a plain argmax, the final norm, LM head, argmax and post-update after them).
+    cuda_graph_scope: str = "layers"
 
     def __post_init__(self) -> None:
         _require(
@@ -149,6 +151,10 @@ class RunnerConfig:
             self.decode_attention in DECODE_ATTENTION_KERNELS,
             f"decode_attention must be one of {DECODE_ATTENTION_KERNELS} "
             f"(got {self.decode_attention!r})",
+        )
+        _require(
+            self.cuda_graph_scope in CUDA_GRAPH_SCOPES,
+            f"cuda_graph_scope must be one of {CUDA_GRAPH_SCOPES} (got {self.cuda_graph_scope!r})",
         )
         _require(
             all(s >= 1 for s in self.cuda_graph_sizes),

@@ -76,7 +76,7 @@ def resolve_engine_config(
     enforce_eager: bool = False,
     cuda_graph_sizes: list[int] | None = None,
     decode_attention: str = "auto",
-    cuda_graph_greedy_tail: bool = False,
+    cuda_graph_scope: str = "layers",
 ) -> EngineConfig:
     from transformers import AutoConfig
 
@@ -131,6 +131,6 @@ def resolve_engine_config(
             async_scheduling=async_scheduling,
             cuda_graph_sizes=graphs,
             decode_attention=decode_attention,
-            cuda_graph_greedy_tail=cuda_graph_greedy_tail and bool(graphs),
+            cuda_graph_scope=cuda_graph_scope,
         ),
     )

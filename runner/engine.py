@@ -75,7 +75,7 @@ class Engine:
         self._max_model_len = config.model.max_model_len
         logger.info(
             "engine ready: model=%s runner=%s device=%s dtype=%s max_model_len=%d "
-            "decode_attention=%s norms=%s graph_tail=%s",
+            "decode_attention=%s norms=%s graph_scope=%s",
             config.model.source,
             self.runner_name,
             config.runner.device,
@@ -87,7 +87,7 @@ class Engine:
             "folded"
             if getattr(getattr(self.runner, "model", None), "norms_folded", False)
             else "kernels",
-            "greedy" if config.runner.cuda_graph_greedy_tail else "eager",
+            config.runner.cuda_graph_scope if config.runner.cuda_graph_sizes else "none",
         )
 
     @classmethod

@@ -26,9 +26,14 @@ def _engine(model_dir: str, decode_attention: str = "auto", **kwargs) -> Engine:
     )
 
 
-@pytest.mark.parametrize("decode_attention", ["per_head", "packed", "flat"])
-def test_step_loop_never_syncs_and_graphs_keep_their_buffers(qwen3_shaped_dir, decode_attention):
-    eng = _engine(qwen3_shaped_dir, decode_attention)
+@pytest.mark.parametrize(
+    "decode_attention,scope",
+    [("per_head", "layers"), ("packed", "layers"), ("flat", "layers"), ("per_head", "step")],
+)
+def test_step_loop_never_syncs_and_graphs_keep_their_buffers(
+    qwen3_shaped_dir, decode_attention, scope
+):
+    eng = _engine(qwen3_shaped_dir, decode_attention, cuda_graph_scope=scope)
     assert eng.config.runner.async_scheduling and eng.runner.graphs is not None
     buf = eng.runner.buffers
     ptrs = {
@@ -40,6 +45,7 @@ def test_step_loop_never_syncs_and_graphs_keep_their_buffers(qwen3_shaped_dir, d
             "slot_mapping",
             "seq_lens",
             "block_tables",
+            "sample_mask",
         )
     }
     rng = random.Random(0)
@@ -69,12 +75,12 @@ def test_step_loop_never_syncs_and_graphs_keep_their_buffers(qwen3_shaped_dir, d
     assert torch.equal(eng.runner.kv_cache[:, 0], kv_before[:, 0])
 
 
-def _greedy_run(model_dir: str, greedy_tail: bool) -> tuple[Engine, dict[str, list[int]]]:
+def _greedy_run(model_dir: str, scope: str) -> tuple[Engine, dict[str, list[int]]]:
     """20 greedy requests of mixed lengths (the batch shrinks through padded graph sizes);
     r3 wants logprobs and stops first, so the steps it is in take the eager tail. Checks on the way that
     the loop never syncs and that pad rows (idx_mapping 0, seq_len 0) write neither the
     KV cache's null block nor position 0 of any slot's token history."""
-    eng = _engine(model_dir, dtype="float32", cuda_graph_greedy_tail=greedy_tail)
+    eng = _engine(model_dir, dtype="float32", cuda_graph_scope=scope)
     rng = random.Random(5)
     for i in range(20):
         params = SamplingParams(
@@ -111,18 +117,20 @@ def _greedy_run(model_dir: str, greedy_tail: bool) -> tuple[Engine, dict[str, li
     return eng, out
 
 
-def test_greedy_tail_graph_gives_the_eager_tail_tokens_without_syncing(qwen3_shaped_dir):
-    """Guards the greedy-tail graphs: the norm, LM head, argmax and post-update they replay
-    give the tokens of the eager tail (float32, so near-ties cannot flip), the loop never
-    syncs, the tail's mask buffer keeps its address, steps wanting logprobs fall back to
-    the eager tail, and pad rows write neither KV nor token history (`_greedy_run`)."""
-    eng, tail = _greedy_run(qwen3_shaped_dir, greedy_tail=True)
+def test_step_graphs_give_the_layer_graphs_tokens_without_syncing(qwen3_shaped_dir):
+    """Guards step-scope graphs: the input prep and greedy tail (norm, LM head, argmax,
+    post-update) they replay give the tokens of layer graphs with the eager prep and tail
+    (float32, so near-ties cannot flip), the loop never syncs, the tail's mask buffer
+    keeps its address, steps wanting logprobs fall back to the eager tail, and pad rows
+    write neither KV nor token history (`_greedy_run`)."""
+    eng, tail = _greedy_run(qwen3_shaped_dir, "step")
     graphs = eng.runner.graphs
-    assert graphs.has_greedy_tail and len(graphs.tail_graphs) == len(graphs.graphs)
+    assert graphs.prep is not None and graphs.has_greedy_tail
+    assert len(graphs.tail_graphs) == len(graphs.graphs)
     assert graphs.tail_replays > 10, "the greedy steps did not replay the tail graphs"
     assert graphs.replays > 0, "the logprobs request's steps must take the eager tail"
     del eng
-    _, eager = _greedy_run(qwen3_shaped_dir, greedy_tail=False)
+    _, eager = _greedy_run(qwen3_shaped_dir, "layers")
     assert tail.keys() == eager.keys() and all(len(v) >= 8 for v in tail.values())
     for req_id, tokens in eager.items():
         assert tail[req_id] == tokens, f"{req_id}: the greedy tail changed the tokens"

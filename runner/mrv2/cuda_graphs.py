@@ -8,12 +8,15 @@ pool for 28 sizes, against one extra GEMM launch per step. Batches are padded
 explicitly to the next capture size (pad rows: zero block-table row, seq_len 0, slot -1),
 which the prepare kernels already do. Mixed and prefill steps run eagerly.
 
-Greedy tail (`tail` given, `--cuda-graph-greedy-tail`): each size also gets a second
-graph that runs the tail after the layers (final norm, LM head, argmax, post-update of
-the token history), for steps whose rows all take a plain argmax. That saves the host
-those launches (~5 a step, two of them Triton) and the device their gaps. Its logits are
-an intermediate of the capture, so the shared pool holds one [size, vocab] block for all
-sizes, not one per graph; only the [size] sampled ids stay pinned.
+Step scope (`--cuda-graph-scope step`: `prep` and `tail` given). Every graph first runs
+`prep(size)`, the step's input prep (kernels/decode_prep.py: it reads the number of real
+rows from the packed step buffer, so one launch serves every step of a size), and each
+size gets a second graph that also runs `tail` after the layers (final norm, LM head,
+argmax, post-update of the token history) for steps whose rows all take a plain argmax.
+That takes ~8 launches a step off the host (5 of them Triton, ~20-30 us each on a slow
+host) and their gaps off the device. The tail's logits are an intermediate of its
+capture, so the shared pool holds one [size, vocab] block for all sizes, not one per
+graph; only the [size] sampled ids stay pinned.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class CudaGraphs:
         sizes: list[int],
         max_seq_len: int,
         decode_kernel: str | None = None,  # AttentionMetadata.decode_kernel
+        prep: Callable[[int], None] | None = None,  # size -> launch the decode input prep
         tail: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
         # ^ (hidden [size, H], size) -> sampled ids [size]: the greedy tail, captured too
     ):
@@ -69,6 +73,7 @@ class CudaGraphs:
         self.decode_kernel = decode_kernel
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.prep = prep
         self.tail = tail
         self.tail_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.tail_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -97,6 +102,8 @@ class CudaGraphs:
             max_seq_len=self.max_seq_len,
             decode_kernel=self.decode_kernel,
         )
+        if self.prep is not None:
+            self.prep(size)
         return self.model(b.input_ids[:size], b.positions[:size], self.kv_caches, attn)
 
     @torch.inference_mode()
@@ -110,6 +117,7 @@ class CudaGraphs:
         b.slot_mapping.fill_(-1)
         b.input_ids.zero_()
         b.positions.zero_()
+        b.step_inputs[b.num_reqs_index] = 0  # prep: every row a pad
         b.sample_mask.zero_()  # the tail's post-update writes no token while capturing
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
@@ -149,7 +157,7 @@ class CudaGraphs:
             len(self.graphs) + len(self.tail_graphs),
             self.sizes[0],
             self.sizes[-1],
-            ", each also with the greedy tail" if self.tail_graphs else "",
+            ", whole steps, each also with the greedy tail" if self.tail_graphs else "",
             self.capture_seconds,
             self.memory_bytes / 2**20,
         )

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pdserve.kernels.block_table import compute_slot_mapping, gather_block_tables
+from pdserve.kernels.decode_prep import prepare_decode, step_buffer_size
 from pdserve.kernels.input_prep import prepare_inputs
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.mrv2.host_ring import HostRing
@@ -75,8 +76,10 @@ class InputBuffers:
         self.device = device
         self.max_num_reqs = n = max_num_reqs
         self.ring = ring or HostRing(device)
-        # [3n + 1] int32: idx_mapping [0, n) | query_start_loc [n, 2n + 1) | computed [2n + 1, 3n + 1)
-        self.step_inputs = torch.zeros(3 * n + 1, dtype=torch.int32, device=device)
+        # int32: idx_mapping [0, n) | query_start_loc [n, 2n + 1) | computed [2n + 1, 3n + 1)
+        # | num_reqs [3n + 1] (read by kernels/decode_prep.py inside a step-scope graph)
+        self.step_inputs = torch.zeros(step_buffer_size(n), dtype=torch.int32, device=device)
+        self.num_reqs_index = 3 * n + 1
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
@@ -94,7 +97,10 @@ class InputBuffers:
         block_table: torch.Tensor,
         block_size: int,
         num_reqs_padded: int | None = None,
+        prep_in_graph: bool = False,
     ) -> InputBatch:
+        """The step's inputs. With `prep_in_graph` (a uniform decode step whose graph runs
+        `prepare_decode` itself) only the packed host copy is enqueued here."""
         n = self.max_num_reqs
         r = len(slots)
         r_pad = num_reqs_padded or r
@@ -102,11 +108,12 @@ class InputBuffers:
         np.cumsum(num_scheduled, out=qsl[1:])
         t = int(qsl[-1])
         t_pad = t + (r_pad - r)  # one pad token per pad row
-        host = np.zeros(3 * n + 1, dtype=np.int32)
+        host = np.zeros(step_buffer_size(n), dtype=np.int32)
         host[:r] = slots
         host[n : n + r + 1] = qsl
         host[n + r + 1 : n + r_pad + 1] = t + np.arange(1, r_pad - r + 1)
         host[2 * n + 1 : 2 * n + 1 + r] = num_computed
+        host[self.num_reqs_index] = r
         # One host->device copy, through the pinned ring (never from persistent state).
         self.ring.to_device(host, out=self.step_inputs)
         buf = self.step_inputs
@@ -115,20 +122,23 @@ class InputBuffers:
         input_ids, positions = self.input_ids[:t_pad], self.positions[:t_pad]
         seq_lens, slot_mapping = self.seq_lens[:r_pad], self.slot_mapping[:t_pad]
         block_tables = self.block_tables[:r_pad]
-        prepare_inputs(
-            idx_mapping,
-            query_start_loc[: r + 1],
-            computed,
-            token_ids,
-            input_ids,
-            positions,
-            seq_lens,
-            t,
-        )
-        gather_block_tables(block_table, idx_mapping, block_tables)
-        compute_slot_mapping(
-            block_tables, query_start_loc[: r + 1], positions, block_size, slot_mapping, t
-        )
+        if prep_in_graph:
+            assert num_reqs_padded is not None and t == r, "prep_in_graph: a padded decode step"
+        else:
+            prepare_inputs(
+                idx_mapping,
+                query_start_loc[: r + 1],
+                computed,
+                token_ids,
+                input_ids,
+                positions,
+                seq_lens,
+                t,
+            )
+            gather_block_tables(block_table, idx_mapping, block_tables)
+            compute_slot_mapping(
+                block_tables, query_start_loc[: r + 1], positions, block_size, slot_mapping, t
+            )
         seq_lens_np = num_computed + num_scheduled
         return InputBatch(
             num_reqs=r,
@@ -147,4 +157,22 @@ class InputBuffers:
             query_start_loc_np=qsl,
             max_query_len=int(num_scheduled.max(initial=0)),
             max_seq_len=int(seq_lens_np.max(initial=0)),
+        )
+
+    def prepare_decode(
+        self, size: int, token_ids: torch.Tensor, block_table: torch.Tensor, block_size: int
+    ) -> None:
+        """A decode step's inputs for `size` rows from the packed step buffer the last
+        `build` copied (its real-row count included): what a step-scope graph replays."""
+        prepare_decode(
+            self.step_inputs,
+            token_ids,
+            block_table,
+            self.input_ids,
+            self.positions,
+            self.seq_lens,
+            self.block_tables,
+            self.slot_mapping,
+            size,
+            block_size,
         )

@@ -136,7 +136,7 @@ class MRV2ModelRunner:
                 list(sizes),
                 config.model.max_model_len + 1,
                 self.decode_kernel,
-                tail=self._greedy_tail if config.runner.cuda_graph_greedy_tail else None,
+                **(self._step_parts() if config.runner.cuda_graph_scope == "step" else {}),
             )
             self.graphs.capture()
 
@@ -181,6 +181,7 @@ class MRV2ModelRunner:
             st.block_table,
             self.block_size,
             graph_size,
+            prep_in_graph=graph_size is not None and self.graphs.prep is not None,
         )
         self.model_state.prepare(batch)
         seq_lens = batch.seq_lens_np
@@ -247,6 +248,15 @@ class MRV2ModelRunner:
         """After a graph replay every layer's KV writes are queued at once."""
         for layer in range(len(self.kv_caches)) if layer_hook is not None else ():
             layer_hook(layer)
+
+    def _step_parts(self) -> dict:
+        """What a step-scope graph holds beyond the layers (CudaGraphs `prep`, `tail`)."""
+        st, b = self.state, self.buffers
+
+        def prep(size: int) -> None:
+            b.prepare_decode(size, st.token_ids, st.block_table, self.block_size)
+
+        return {"prep": prep, "tail": self._greedy_tail}
 
     def _greedy_tail(self, hidden: torch.Tensor, size: int) -> torch.Tensor:
         """The greedy tail a graph captures after the layers (CudaGraphs `tail`): every

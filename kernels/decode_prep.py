@@ -1,0 +1,201 @@
+"""A uniform-decode step's inputs in one kernel whose grid and arguments never change, so a
+CUDA graph can hold it: the input prep a decode graph replays before its layers.
+
+For a step where every row computes one token it does what `prepare_inputs`,
+`gather_block_tables` and `compute_slot_mapping` do together (kernels/input_prep.py,
+block_table.py), but the number of real rows is read from the device, from the last
+entry of the packed step buffer the host copies each step, instead of being a launch
+argument. So the launch is the same for every step of a graph size, and the host launches
+nothing for it: the graph does.
+
+Packed step buffer (int32, runner/mrv2/input_batch.py), n = max_num_reqs:
+idx_mapping [0, n) | query_start_loc [n, 2n + 1) | num_computed [2n + 1, 3n + 1) |
+num_reqs [3n + 1]. A decode row's one token sits at position num_computed: its input id is
+the token history there, its seq_len num_computed + 1, its KV slot
+`block_table[slot, pos // block_size] * block_size + pos % block_size`. Rows past num_reqs
+are pads: input id 0, position 0, seq_len 0, a zero block-table row, slot -1.
+
+Device path: one Triton program per row of the graph size; the torch reference below is
+the spec and the CPU path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def step_buffer_size(max_num_reqs: int) -> int:
+    """int32 entries of the packed step buffer, the trailing num_reqs included."""
+    return 3 * max_num_reqs + 2
+
+
+def prepare_decode_ref(
+    step_inputs: torch.Tensor,  # [3n + 2] int32 packed (module docstring)
+    token_ids: torch.Tensor,  # [n, max_len] int32: per-slot token history
+    block_table: torch.Tensor,  # [n, max_blocks] int32: per-slot block table
+    input_ids: torch.Tensor,  # [>= size] int32 out
+    positions: torch.Tensor,  # [>= size] int64 out
+    seq_lens: torch.Tensor,  # [>= size] int32 out
+    block_tables: torch.Tensor,  # [>= size, max_blocks] int32 out
+    slot_mapping: torch.Tensor,  # [>= size] int64 out
+    size: int,  # rows written: the graph size
+    block_size: int,
+) -> None:
+    n = token_ids.shape[0]
+    r = min(int(step_inputs[3 * n + 1]), size)
+    slots = step_inputs[:r].long()
+    pos = step_inputs[2 * n + 1 : 2 * n + 1 + r].long()
+    input_ids[:r] = token_ids[slots, pos.clamp(max=token_ids.shape[1] - 1)] * (
+        pos < token_ids.shape[1]
+    ).to(input_ids.dtype)
+    positions[:r] = pos
+    seq_lens[:r] = (pos + 1).to(seq_lens.dtype)
+    block_tables[:r] = block_table[slots]
+    block_idx = pos // block_size
+    block = block_table[slots, block_idx.clamp(max=block_table.shape[1] - 1)].long()
+    block = block * (block_idx < block_table.shape[1])
+    slot_mapping[:r] = block * block_size + pos % block_size
+    input_ids[r:size] = 0
+    positions[r:size] = 0
+    seq_lens[r:size] = 0
+    block_tables[r:size] = 0
+    slot_mapping[r:size] = -1
+
+
+@triton.jit
+def _prepare_decode_kernel(
+    step_inputs_ptr,
+    token_ids_ptr,
+    block_table_ptr,
+    input_ids_ptr,
+    positions_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    slot_mapping_ptr,
+    max_num_reqs,
+    token_ids_row_stride,
+    max_len,
+    block_table_row_stride,
+    block_tables_row_stride,
+    max_blocks,
+    block_size,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    num_reqs = tl.load(step_inputs_ptr + 3 * max_num_reqs + 1)
+    dst_ptr = block_tables_ptr + row.to(tl.int64) * block_tables_row_stride
+    if row < num_reqs:
+        slot = tl.load(step_inputs_ptr + row).to(tl.int64)
+        pos = tl.load(step_inputs_ptr + 2 * max_num_reqs + 1 + row).to(tl.int64)
+        # int64: slots * max_len can pass 2^31 (256 slots x 8M tokens).
+        token = tl.load(token_ids_ptr + slot * token_ids_row_stride + pos, mask=pos < max_len)
+        tl.store(input_ids_ptr + row, tl.where(pos < max_len, token, 0))
+        tl.store(positions_ptr + row, pos)
+        tl.store(seq_lens_ptr + row, (pos + 1).to(seq_lens_ptr.dtype.element_ty))
+        src_ptr = block_table_ptr + slot * block_table_row_stride
+        for off in range(0, max_blocks, BLOCK):
+            col = off + tl.arange(0, BLOCK)
+            mask = col < max_blocks
+            tl.store(dst_ptr + col, tl.load(src_ptr + col, mask=mask), mask=mask)
+        block_idx = pos // block_size
+        block = tl.load(src_ptr + block_idx, mask=block_idx < max_blocks, other=0)
+        # int64: num_blocks * block_size can pass 2^31 on a large cache.
+        tl.store(slot_mapping_ptr + row, block.to(tl.int64) * block_size + pos % block_size)
+    else:
+        tl.store(input_ids_ptr + row, 0)
+        tl.store(positions_ptr + row, 0)
+        tl.store(seq_lens_ptr + row, 0)
+        tl.store(slot_mapping_ptr + row, -1)  # the KV write skips it
+        for off in range(0, max_blocks, BLOCK):
+            col = off + tl.arange(0, BLOCK)
+            zeros = tl.zeros([BLOCK], block_tables_ptr.dtype.element_ty)
+            tl.store(dst_ptr + col, zeros, mask=col < max_blocks)
+
+
+def prepare_decode_triton(
+    step_inputs: torch.Tensor,
+    token_ids: torch.Tensor,
+    block_table: torch.Tensor,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    size: int,
+    block_size: int,
+) -> None:
+    n = token_ids.shape[0]
+    assert step_inputs.dtype == torch.int32 and step_inputs.is_contiguous(), (
+        "step_inputs is the packed int32 step buffer"
+    )
+    assert step_inputs.numel() == step_buffer_size(n), (
+        f"step_inputs holds {step_inputs.numel()} entries, {step_buffer_size(n)} expected for "
+        f"{n} slots"
+    )
+    assert token_ids.dim() == 2 and token_ids.stride(1) == 1, "token_ids is [slots, max_len]"
+    assert block_table.dim() == 2 and block_table.stride(1) == 1, "block_table is [slots, B]"
+    assert block_table.shape[0] == n, "one block-table row per slot"
+    assert block_tables.dim() == 2 and block_tables.stride(1) == 1, "block_tables is [rows, B]"
+    assert block_tables.shape[1] == block_table.shape[1], "block-table widths differ"
+    assert block_tables.dtype == block_table.dtype, "block tables' dtypes differ"
+    assert positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64, (
+        "positions and slot_mapping are int64"
+    )
+    assert all(t.dtype in (torch.int32, torch.int64) for t in (token_ids, input_ids, seq_lens)), (
+        "token ids and seq_lens are int32/int64"
+    )
+    assert all(
+        t.dim() == 1 and t.is_contiguous() and t.numel() >= size
+        for t in (input_ids, positions, seq_lens, slot_mapping)
+    ), f"per-row outputs are contiguous 1-D tensors of >= {size} rows"
+    assert 1 <= size <= n and block_tables.shape[0] >= size, f"size {size} must be in 1..{n}"
+    assert block_size >= 1, f"block_size must be >= 1, got {block_size}"
+    max_blocks = block_table.shape[1]
+    _prepare_decode_kernel[(size,)](
+        step_inputs,
+        token_ids,
+        block_table,
+        input_ids,
+        positions,
+        seq_lens,
+        block_tables,
+        slot_mapping,
+        n,
+        token_ids.stride(0),
+        token_ids.shape[1],
+        block_table.stride(0),
+        block_tables.stride(0),
+        max_blocks,
+        block_size,
+        # <= 1024 int32 (4 KB) per iteration; 513 blocks (8k tokens / 16) take one.
+        BLOCK=min(1024, triton.next_power_of_2(max(1, max_blocks))),
+    )
+
+
+def prepare_decode(
+    step_inputs,
+    token_ids,
+    block_table,
+    input_ids,
+    positions,
+    seq_lens,
+    block_tables,
+    slot_mapping,
+    size: int,
+    block_size: int,
+) -> None:
+    impl = prepare_decode_triton if input_ids.is_cuda else prepare_decode_ref
+    impl(
+        step_inputs,
+        token_ids,
+        block_table,
+        input_ids,
+        positions,
+        seq_lens,
+        block_tables,
+        slot_mapping,
+        size,
+        block_size,
+    )

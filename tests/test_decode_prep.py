@@ -1,0 +1,113 @@
+"""The fused uniform-decode input prep (kernels/decode_prep.py) a graph replays before its
+layers: its torch spec equals the three per-step kernels' specs it replaces
+(prepare_inputs, gather_block_tables, compute_slot_mapping) at one token a row, and the
+Triton kernel equals the spec bit for bit. Outputs start as garbage, so a pad or a row
+the kernel forgets shows up.
+
+Without CUDA the kernel runs in Triton's interpreter at small sizes; with CUDA at the
+runner's (512 slots, 257-entry block tables, 4,097-token histories)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels import block_table, decode_prep, input_prep
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+# (slots, max_len, max_blocks): the interpreter gets small ones, and one table wider than
+# the gather's 1,024-entry loop block; the GPU the runner's.
+SHAPES = [(8, 40, 5), (6, 70, 1100)] + ([(512, 4097, 257)] if ON_CUDA else [])
+
+
+def _case(n: int, max_len: int, max_blocks: int, r: int, size: int, block_size: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    token_ids = torch.randint(0, 150_000, (n, max_len), generator=g, dtype=torch.int32)
+    table = torch.randint(1, 10_000, (n, max_blocks), generator=g, dtype=torch.int32)
+    slots = torch.randperm(n, generator=g)[:r].to(torch.int32)
+    # Positions at block edges and at the table's last usable block, as well as random.
+    top = min(max_len - 1, max_blocks * block_size - 1)
+    edges = torch.tensor([0, block_size - 1, block_size, top], dtype=torch.int32)
+    pos = torch.randint(0, top + 1, (r,), generator=g, dtype=torch.int32)
+    pos[: min(r, 4)] = edges[: min(r, 4)]
+    step = torch.zeros(decode_prep.step_buffer_size(n), dtype=torch.int32)
+    step[:r] = slots
+    step[n : n + size + 1] = torch.arange(size + 1, dtype=torch.int32)  # one token a row
+    step[2 * n + 1 : 2 * n + 1 + r] = pos
+    step[3 * n + 1] = r
+    return [t.to(DEVICE) for t in (step, token_ids, table)]
+
+
+def _outputs(n: int, max_blocks: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def garbage(shape, dtype):
+        return torch.randint(1000, 9000, shape, generator=g, dtype=dtype).to(DEVICE)
+
+    return [
+        garbage((n,), torch.int32),  # input_ids
+        garbage((n,), torch.int64),  # positions
+        garbage((n,), torch.int32),  # seq_lens
+        garbage((n, max_blocks), torch.int32),  # block_tables
+        garbage((n,), torch.int64),  # slot_mapping
+    ]
+
+
+def _rows(n: int) -> list[tuple[int, int]]:
+    """(real rows, graph size) pairs: none real, one, some padded, all real."""
+    return sorted({(0, 1), (1, 1), (1, min(4, n)), (3, min(5, n)), (n, n), (n - 2, n)})
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_prepare_decode_spec_is_the_three_prep_kernels_at_one_token_a_row(shape, block_size):
+    """Guards the fused spec drifting from what the eager path computes for a decode step:
+    the same input ids, positions, seq_lens, block tables and slots, pads included."""
+    n, max_len, max_blocks = shape
+    for r, size in _rows(n):
+        step, token_ids, table = _case(n, max_len, max_blocks, r, size, block_size, r + size)
+        fused = _outputs(n, max_blocks, 1)
+        decode_prep.prepare_decode_ref(step, token_ids, table, *fused, size, block_size)
+        ids, positions, seq_lens, tables, slot_mapping = _outputs(n, max_blocks, 1)
+        idx, qsl, computed = step[:r], step[n : n + r + 1], step[2 * n + 1 : 2 * n + 1 + r]
+        input_prep.prepare_inputs_ref(
+            idx, qsl, computed, token_ids, ids[:size], positions[:size], seq_lens[:size], r
+        )
+        block_table.gather_block_tables_ref(table, idx, tables[:size])
+        block_table.compute_slot_mapping_ref(
+            tables[:size], qsl, positions[:size], block_size, slot_mapping[:size], r
+        )
+        for name, a, b in zip(
+            ("input_ids", "positions", "seq_lens", "block_tables", "slot_mapping"),
+            fused,
+            (ids, positions, seq_lens, tables, slot_mapping),
+        ):
+            assert torch.equal(a[:size], b[:size]), f"{name} differs at r={r}, size={size}"
+            assert torch.equal(a[size:], b[size:]), f"{name} written past size={size}"
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_prepare_decode_kernel_matches_its_spec(shape, block_size):
+    """Guards the kernel reading num_reqs from the wrong entry, a pad row left unwritten, a
+    block-table row cut at the loop block, a slot from the wrong block, and writes past
+    the graph size."""
+    n, max_len, max_blocks = shape
+    for r, size in _rows(n):
+        step, token_ids, table = _case(n, max_len, max_blocks, r, size, block_size, 7 * r + size)
+        expected = _outputs(n, max_blocks, 2)
+        got = [t.clone() for t in expected]
+        decode_prep.prepare_decode_ref(step, token_ids, table, *expected, size, block_size)
+        decode_prep.prepare_decode_triton(step, token_ids, table, *got, size, block_size)
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b), f"r={r}, size={size}"
+
+
+def test_prepare_decode_refuses_a_step_buffer_without_the_count():
+    """The count is the last entry: a buffer of the old 3n + 1 layout would make the kernel
+    read past it."""
+    n = 4
+    step, token_ids, table = _case(n, 40, 5, 2, 4, 16, 0)
+    with pytest.raises(AssertionError, match="entries"):
+        decode_prep.prepare_decode_triton(step[:-1], token_ids, table, *_outputs(n, 5, 3), 4, 16)
