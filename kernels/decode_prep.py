@@ -10,7 +10,8 @@ nothing for it: the graph does.
 
 Packed step buffer (int32, runner/mrv2/input_batch.py), n = max_num_reqs:
 idx_mapping [0, n) | query_start_loc [n, 2n + 1) | num_computed [2n + 1, 3n + 1) |
-num_reqs [3n + 1]. A decode row's one token sits at position num_computed: its input id is
+num_reqs [3n + 1] | sample_mask [3n + 2, 4n + 2) (post-update's; not read here). A decode
+row's one token sits at position num_computed: its input id is
 the token history there, its seq_len num_computed + 1, its KV slot
 `block_table[slot, pos // block_size] * block_size + pos % block_size`. Rows past num_reqs
 are pads: input id 0, position 0, seq_len 0, a zero block-table row, slot -1.
@@ -27,12 +28,12 @@ import triton.language as tl
 
 
 def step_buffer_size(max_num_reqs: int) -> int:
-    """int32 entries of the packed step buffer, the trailing num_reqs included."""
-    return 3 * max_num_reqs + 2
+    """int32 entries of the packed step buffer (module docstring)."""
+    return 4 * max_num_reqs + 2
 
 
 def prepare_decode_ref(
-    step_inputs: torch.Tensor,  # [3n + 2] int32 packed (module docstring)
+    step_inputs: torch.Tensor,  # [4n + 2] int32 packed (module docstring)
     token_ids: torch.Tensor,  # [n, max_len] int32: per-slot token history
     block_table: torch.Tensor,  # [n, max_blocks] int32: per-slot block table
     input_ids: torch.Tensor,  # [>= size] int32 out

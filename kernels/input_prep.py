@@ -195,7 +195,7 @@ def post_update_ref(
     idx_mapping: torch.Tensor,  # [R] int32
     sampled: torch.Tensor,  # [R] int64: token sampled for each row
     seq_lens: torch.Tensor,  # [R] int32: tokens in context after this step
-    sample_mask: torch.Tensor,  # [R] bool: the row caught up, so its sample is kept
+    sample_mask: torch.Tensor,  # [R] bool or int32 (nonzero): the row caught up, keep its sample
     token_ids: torch.Tensor,  # [max_num_reqs, max_len] int32, updated in place
 ) -> None:
     rows = sample_mask.nonzero().squeeze(1)
@@ -237,13 +237,15 @@ def post_update_triton(
     idx_mapping: torch.Tensor,  # [R] int32
     sampled: torch.Tensor,  # [R] int64
     seq_lens: torch.Tensor,  # [R] int32
-    sample_mask: torch.Tensor,  # [R] bool
+    sample_mask: torch.Tensor,  # [R] bool or int32 (nonzero = keep)
     token_ids: torch.Tensor,  # [max_num_reqs, max_len] int32, updated in place
 ) -> None:
     num_reqs = idx_mapping.numel()
     assert sampled.numel() == num_reqs == sample_mask.numel(), "one value per row"
     assert seq_lens.numel() >= num_reqs, "seq_lens holds at least one value per row"
-    assert sample_mask.dtype == torch.bool, f"sample_mask must be bool, got {sample_mask.dtype}"
+    assert sample_mask.dtype in (torch.bool, torch.int32), (
+        f"sample_mask must be bool or int32, got {sample_mask.dtype}"
+    )
     assert all(_is_index(t) for t in (idx_mapping, sampled, seq_lens, token_ids)), (
         "idx_mapping, sampled, seq_lens and token_ids must be int32/int64"
     )
@@ -258,8 +260,8 @@ def post_update_triton(
         idx_mapping,
         sampled,
         seq_lens,
-        # Same bytes as uint8: a plain integer load, no reliance on i1 pointer support.
-        sample_mask.view(torch.uint8),
+        # A bool mask as uint8 (same bytes): a plain integer load, no i1 pointers.
+        sample_mask.view(torch.uint8) if sample_mask.dtype == torch.bool else sample_mask,
         token_ids,
         token_ids.stride(0),
         token_ids.shape[1],

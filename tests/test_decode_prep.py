@@ -105,8 +105,7 @@ def test_prepare_decode_kernel_matches_its_spec(shape, block_size):
 
 
 def test_prepare_decode_refuses_a_step_buffer_without_the_count():
-    """The count is the last entry: a buffer of the old 3n + 1 layout would make the kernel
-    read past it."""
+    """A buffer of another layout would put the count somewhere else: refused."""
     n = 4
     step, token_ids, table = _case(n, 40, 5, 2, 4, 16, 0)
     with pytest.raises(AssertionError, match="entries"):

@@ -45,7 +45,6 @@ def test_step_loop_never_syncs_and_graphs_keep_their_buffers(
             "slot_mapping",
             "seq_lens",
             "block_tables",
-            "sample_mask",
         )
     }
     rng = random.Random(0)
@@ -99,7 +98,7 @@ def _greedy_run(model_dir: str, scope: str) -> tuple[Engine, dict[str, list[int]
 
     for _ in range(3):  # prefill steps and the first decode (compiles what is left)
         step()
-    mask_ptr = eng.runner.buffers.sample_mask.data_ptr()
+    step_ptr = eng.runner.buffers.step_inputs.data_ptr()
     kv_before = eng.runner.kv_cache[:, 0].clone()
     first_tokens = eng.runner.state.token_ids[:, 0].clone()
     torch.cuda.synchronize()
@@ -111,7 +110,7 @@ def _greedy_run(model_dir: str, scope: str) -> tuple[Engine, dict[str, list[int]
         torch.cuda.set_sync_debug_mode(0)
     while eng.has_unfinished():
         step()
-    assert eng.runner.buffers.sample_mask.data_ptr() == mask_ptr, "the mask buffer moved"
+    assert eng.runner.buffers.step_inputs.data_ptr() == step_ptr, "the step buffer moved"
     assert torch.equal(eng.runner.kv_cache[:, 0], kv_before), "a pad row wrote KV"
     assert torch.equal(eng.runner.state.token_ids[:, 0], first_tokens), "a pad row wrote a token"
     return eng, out
@@ -120,8 +119,8 @@ def _greedy_run(model_dir: str, scope: str) -> tuple[Engine, dict[str, list[int]
 def test_step_graphs_give_the_layer_graphs_tokens_without_syncing(qwen3_shaped_dir):
     """Guards step-scope graphs: the input prep and greedy tail (norm, LM head, argmax,
     post-update) they replay give the tokens of layer graphs with the eager prep and tail
-    (float32, so near-ties cannot flip), the loop never syncs, the tail's mask buffer
-    keeps its address, steps wanting logprobs fall back to the eager tail, and pad rows
+    (float32, so near-ties cannot flip), the loop never syncs, the step buffer (with
+    the tail's mask) keeps its address, steps wanting logprobs fall back to the eager tail, and pad rows
     write neither KV nor token history (`_greedy_run`)."""
     eng, tail = _greedy_run(qwen3_shaped_dir, "step")
     graphs = eng.runner.graphs

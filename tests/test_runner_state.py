@@ -101,16 +101,18 @@ def test_input_buffers_keep_their_addresses():
     ]
     tokens = torch.arange(4 * 40, dtype=torch.int32).reshape(4, 40)
     table = torch.arange(1, 13, dtype=torch.int32).reshape(4, 3)
-    for slots, sched, comp in [
+    for slots, sched, comp in [  # the step buffer packs the sample mask too
         ([0, 3], [5, 1], [0, 9]),
         ([1], [20], [3]),
         ([2, 1, 0], [1, 1, 1], [4, 23, 30]),
     ]:
-        batch = buf.build(np.array(slots), np.array(sched), np.array(comp), tokens, table, 16)
+        keep = np.arange(len(slots)) % 2 == 0
+        batch = buf.build(np.array(slots), np.array(sched), np.array(comp), tokens, table, 16, keep)
         assert batch.input_ids.data_ptr() == ptrs[0]
         assert batch.slot_mapping.data_ptr() == ptrs[2]
         assert batch.block_tables.data_ptr() == ptrs[4]
         assert batch.logits_indices.tolist() == (np.cumsum(sched) - 1).tolist()
+        assert batch.sample_mask.tolist() == keep.astype(int).tolist()
     assert [
         t.data_ptr()
         for t in (buf.input_ids, buf.positions, buf.slot_mapping, buf.seq_lens, buf.block_tables)

@@ -28,8 +28,8 @@ def test_greedy_tail_samples_the_argmax_and_updates_kept_rows_only(tiny_qwen3_di
     b.step_inputs[:size] = slots
     positions = torch.randint(0, runner.state.token_ids.shape[1], (size,), generator=gen)
     b.seq_lens[:size] = positions.to(torch.int32)
-    mask = torch.tensor([True, False, True, True, True, False, False, False])  # 5..7: pads
-    b.sample_mask[:size] = mask
+    mask = torch.tensor([1, 0, 1, 1, 1, 0, 0, 0], dtype=torch.int32)  # 5..7: pads
+    b.step_inputs[b.mask_offset : b.mask_offset + size] = mask
     before = runner.state.token_ids.clone()
 
     sampled = runner._greedy_tail(hidden, size)
@@ -61,7 +61,7 @@ def test_graph_prep_gives_the_eager_prep_inputs(tiny_qwen3_dir):
         for t in (b.input_ids, b.positions, b.seq_lens, b.block_tables, b.slot_mapping):
             t.fill_(77)  # garbage a forgotten pad would leave
         b.build(slots, np.ones(3, dtype=np.int64), computed, st.token_ids, st.block_table,
-                bs, size, prep_in_graph=in_graph)  # fmt: skip
+                bs, np.ones(3, dtype=bool), size, prep_in_graph=in_graph)  # fmt: skip
         if in_graph:
             b.prepare_decode(size, st.token_ids, st.block_table, bs)
         outs.append(

@@ -123,8 +123,9 @@ def test_prepare_inputs_matches_ref(name):
     assert not outs[2][len(num_scheduled) :].any()
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int32])
 @pytest.mark.parametrize("num_reqs", [1, 7, 300])
-def test_post_update_matches_ref(num_reqs):
+def test_post_update_matches_ref(num_reqs, mask_dtype):
     """Guards a masked-out row (a partial prefill chunk) writing its sample into the token
     history, a sample landing at the wrong slot/position, and rows past the 256-row
     block being skipped."""
@@ -135,6 +136,8 @@ def test_post_update_matches_ref(num_reqs):
     seq_lens = torch.randint(1, max_len, (num_reqs,), generator=g, dtype=torch.int32)
     mask = torch.rand(num_reqs, generator=g) < 0.6
     mask[0] = True
+    if mask_dtype == torch.int32:  # the packed step buffer's mask: any nonzero keeps
+        mask = mask.to(torch.int32) * torch.randint(1, 9, (num_reqs,), generator=g).int()
     args = [t.to(DEVICE) for t in (idx, sampled, seq_lens, mask)]
     token_ids = _garbage((num_slots, max_len), torch.int32, 6)
     expected = token_ids.clone()

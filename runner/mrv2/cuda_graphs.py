@@ -118,7 +118,7 @@ class CudaGraphs:
         b.input_ids.zero_()
         b.positions.zero_()
         b.step_inputs[b.num_reqs_index] = 0  # prep: every row a pad
-        b.sample_mask.zero_()  # the tail's post-update writes no token while capturing
+        b.step_inputs[b.mask_offset :].zero_()  # the tail's post-update writes no token
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
@@ -176,7 +176,7 @@ class CudaGraphs:
     def replay_greedy(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the greedy-tail graph of `size` -> ([size, hidden] pre-norm hidden states,
         [size] int64 argmax ids); the tail has already written each kept row's token
-        (`buffers.sample_mask`) into the token history."""
+        (the step buffer's sample mask) into the token history."""
         self.tail_graphs[size].replay()
         self.tail_replays += 1
         return self.tail_outputs[size]

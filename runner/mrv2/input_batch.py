@@ -2,8 +2,8 @@
 
 Buffers are allocated once at their maximum size and sliced per step, so their device
 addresses never change (a CUDA graph captured over them stays valid). The CPU supplies
-only `idx_mapping`, `query_start_loc` and `num_computed_tokens`, in one packed copy into
-a persistent device buffer. A batch may be padded to a CUDA-graph size: pad rows get one
+only `idx_mapping`, `query_start_loc`, `num_computed_tokens`, the row count and the
+sample mask, in one packed copy into a persistent device buffer. A batch may be padded to a CUDA-graph size: pad rows get one
 pad token each (input id 0, position 0, slot -1), `seq_len` 0 and a zero block-table row.
 """
 
@@ -30,6 +30,7 @@ class InputBatch:
     idx_mapping: torch.Tensor  # [R] int32: batch row -> slot
     query_start_loc: torch.Tensor  # [R_pad + 1] int32 (pad rows: one token each)
     num_computed_tokens: torch.Tensor  # [R] int32
+    sample_mask: torch.Tensor  # [R] int32, nonzero: keep the row's sample (post-update)
     input_ids: torch.Tensor  # [T_pad] int32
     positions: torch.Tensor  # [T_pad] int64
     seq_lens: torch.Tensor  # [R_pad] int32
@@ -78,15 +79,15 @@ class InputBuffers:
         self.ring = ring or HostRing(device)
         # int32: idx_mapping [0, n) | query_start_loc [n, 2n + 1) | computed [2n + 1, 3n + 1)
         # | num_reqs [3n + 1] (read by kernels/decode_prep.py inside a step-scope graph)
+        # | sample_mask [3n + 2, 4n + 2) (post-update: keep the row's sample; pads 0)
         self.step_inputs = torch.zeros(step_buffer_size(n), dtype=torch.int32, device=device)
         self.num_reqs_index = 3 * n + 1
+        self.mask_offset = 3 * n + 2
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32, device=device)
-        # [n] bool: rows whose sample is kept, read by a graph's greedy tail (pads False)
-        self.sample_mask = torch.zeros(max_num_reqs, dtype=torch.bool, device=device)
 
     def build(
         self,
@@ -96,6 +97,7 @@ class InputBuffers:
         token_ids: torch.Tensor,
         block_table: torch.Tensor,
         block_size: int,
+        sample_mask: np.ndarray,  # [R] bool: rows whose sample is kept
         num_reqs_padded: int | None = None,
         prep_in_graph: bool = False,
     ) -> InputBatch:
@@ -114,10 +116,12 @@ class InputBuffers:
         host[n + r + 1 : n + r_pad + 1] = t + np.arange(1, r_pad - r + 1)
         host[2 * n + 1 : 2 * n + 1 + r] = num_computed
         host[self.num_reqs_index] = r
+        host[self.mask_offset : self.mask_offset + r] = sample_mask
         # One host->device copy, through the pinned ring (never from persistent state).
         self.ring.to_device(host, out=self.step_inputs)
         buf = self.step_inputs
         idx_mapping, computed = buf[:r], buf[2 * n + 1 : 2 * n + 1 + r]
+        mask = buf[self.mask_offset : self.mask_offset + r]
         query_start_loc = buf[n : n + r_pad + 1]
         input_ids, positions = self.input_ids[:t_pad], self.positions[:t_pad]
         seq_lens, slot_mapping = self.seq_lens[:r_pad], self.slot_mapping[:t_pad]
@@ -148,6 +152,7 @@ class InputBuffers:
             idx_mapping=idx_mapping,
             query_start_loc=query_start_loc,
             num_computed_tokens=computed,
+            sample_mask=mask,
             input_ids=input_ids,
             positions=positions,
             seq_lens=seq_lens,

@@ -167,6 +167,8 @@ class MRV2ModelRunner:
             so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids)
         )
         num_computed = st.num_computed_tokens[slots]
+        seq_lens = num_computed + num_scheduled
+        sample_mask = seq_lens >= st.num_tokens[slots]  # caught up: the sample is kept
         uniform_decode = int(num_scheduled.max()) == 1
         graph_size = (
             self.graphs.padded_size(len(req_ids))
@@ -180,13 +182,12 @@ class MRV2ModelRunner:
             st.token_ids,
             st.block_table,
             self.block_size,
+            sample_mask,
             graph_size,
             prep_in_graph=graph_size is not None and self.graphs.prep is not None,
         )
         self.model_state.prepare(batch)
-        seq_lens = batch.seq_lens_np
         num_tokens = st.num_tokens[slots]
-        sample_mask = seq_lens >= num_tokens
         penalty_rows = st.sampling.penalty_rows(slots)
         meta = st.sampling.metadata(
             slots,
@@ -197,9 +198,6 @@ class MRV2ModelRunner:
         )
         logprobs = None
         if graph_size is not None and self.graphs.has_greedy_tail and _plain_argmax(meta):
-            padded = np.zeros(graph_size, dtype=bool)
-            padded[: batch.num_reqs] = sample_mask
-            self.ring.to_device(padded, out=self.buffers.sample_mask)
             hidden, sampled = self.graphs.replay_greedy(graph_size)
             sampled = sampled[: batch.num_reqs]
             self._layers_done(layer_hook)
@@ -225,7 +223,7 @@ class MRV2ModelRunner:
                 batch.idx_mapping,
                 sampled,
                 batch.seq_lens[: batch.num_reqs],
-                self.ring.to_device(sample_mask),
+                batch.sample_mask,
                 st.token_ids,
             )
         st.num_computed_tokens[slots] = seq_lens
@@ -261,13 +259,11 @@ class MRV2ModelRunner:
     def _greedy_tail(self, hidden: torch.Tensor, size: int) -> torch.Tensor:
         """The greedy tail a graph captures after the layers (CudaGraphs `tail`): every
         operand is a persistent buffer, so the graph replays it over each step's values.
-        Pad rows compute a token that post-update drops (their sample_mask is False)."""
+        Pad rows compute a token that post-update drops (their mask entry is 0)."""
         b = self.buffers
         sampled = self.model.compute_logits(hidden, float32=False).argmax(dim=-1)
-        post_update(
-            b.step_inputs[:size], sampled, b.seq_lens[:size], b.sample_mask[:size],
-            self.state.token_ids,
-        )  # fmt: skip
+        mask = b.step_inputs[b.mask_offset : b.mask_offset + size]
+        post_update(b.step_inputs[:size], sampled, b.seq_lens[:size], mask, self.state.token_ids)
         return sampled
 
     def _prompt_logprobs(
