@@ -3,7 +3,7 @@
 Naming (the package rule, see `pdserve.kernels`): an op with a Triton kernel has its plain
 torch code as `name_ref`, the spec and the CPU path, and a public `name` with the same
 signature that dispatches on device: CUDA tensors go to `pdserve.kernels.sampling_triton`,
-anything else to `name_ref`. Those ops are `gumbel_noise`, `gumbel_argmax`,
+anything else to `name_ref`. Those ops are `gumbel_noise`, `gumbel_argmax`, `greedy_argmax`,
 `apply_top_k_top_p` (Triton only when some row uses top-p; see there) and
 `topk_logprobs`. `noise_hash`, `apply_penalties` and
 `apply_min_p` are element-wise or one reduction in torch already, so their torch code is
@@ -134,6 +134,17 @@ def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor, positions:
     if logits.is_cuda:
         return sampling_triton.gumbel_argmax(logits, temperature, seeds, positions)
     return gumbel_argmax_ref(logits, temperature, seeds, positions)
+
+
+def greedy_argmax_ref(logits: Tensor) -> Tensor:
+    """[R] int64: the plain argmax of each row, lowest index among equal maxima."""
+    return logits.argmax(dim=-1)
+
+
+def greedy_argmax(logits: Tensor) -> Tensor:
+    if logits.is_cuda:
+        return sampling_triton.greedy_argmax(logits)
+    return greedy_argmax_ref(logits)
 
 
 def apply_penalties(

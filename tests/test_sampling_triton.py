@@ -131,6 +131,28 @@ def test_gumbel_argmax_ties_and_degenerate_rows(chunking: str) -> None:
     assert torch.equal(got, gumbel_argmax_ref(half.float(), hot, seeds, positions))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("rows", [1, ROWS])
+def test_greedy_argmax_equals_torch_argmax(vocab: int, rows: int, dtype, chunking: str) -> None:
+    """Guards the greedy tail's argmax (a step graph's): a row's max in a later tile or
+    chunk lost, chunks combined out of order (a later equal max winning), bf16 read as
+    anything but its exact value, and -inf / all -inf rows. bf16 logits at scale 0.05 tie
+    often, so the lowest-index rule is exercised on every row."""
+    logits = _logits(rows, vocab, seed=6, scale=0.05).to(dtype)
+    logits[2::5, ::3] = float("-inf")
+    if rows > 3:
+        logits[3] = float("-inf")  # all masked: torch.argmax says 0
+        logits[1, [5, vocab // 2, vocab - 1]] = 9.0  # equal maxima in far chunks: 5 wins
+    got = sampling_triton.greedy_argmax(logits)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, logits.argmax(dim=-1))
+    if dtype == torch.bfloat16 and rows > 3:
+        assert (logits == logits.max(dim=-1, keepdim=True).values).sum(-1).max() > 1, (
+            "no row has tied maxima: the tie rule went untested"
+        )
+
+
 def test_gumbel_argmax_exact_ties_after_noise() -> None:
     """Guards against any rounding difference from the spec in `x / T + noise`: Triton's
     plain `/` on fp32 is an approximate division (up to 2 ulp), and an fma of the noise
@@ -295,6 +317,7 @@ def test_launchers_accept_an_empty_batch() -> None:
     empty_f32 = torch.empty(0, device=DEVICE)
     assert sampling_triton.gumbel_noise(empty_i64, empty_i64, V_AWKWARD).shape == (0, V_AWKWARD)
     assert sampling_triton.gumbel_argmax(logits, empty_f32, empty_i64, empty_i64).shape == (0,)
+    assert sampling_triton.greedy_argmax(logits).shape == (0,)
     masked = sampling_triton.apply_top_k_top_p(logits, empty_i64.int(), empty_f32, 5, True)
     assert masked.shape == (0, V_AWKWARD)
     ids, logprobs, ranks = sampling_triton.topk_logprobs(logits, 3, empty_i64)
