@@ -76,9 +76,9 @@ def test_step_loop_never_syncs_and_graphs_keep_their_buffers(
 
 def _greedy_run(model_dir: str, scope: str) -> tuple[Engine, dict[str, list[int]]]:
     """20 greedy requests of mixed lengths (the batch shrinks through padded graph sizes);
-    r3 wants logprobs and stops first, so the steps it is in take the eager tail. Checks on the way that
-    the loop never syncs and that pad rows (idx_mapping 0, seq_len 0) write neither the
-    KV cache's null block nor position 0 of any slot's token history."""
+    r3 wants logprobs and stops first, so the steps it is in take the eager tail. Checks on
+    the way that the decode loop never syncs and that pad rows (idx_mapping 0, seq_len 0)
+    write neither the KV cache's null block nor position 0 of any slot's token history."""
     eng = _engine(model_dir, dtype="float32", cuda_graph_scope=scope)
     rng = random.Random(5)
     for i in range(20):
@@ -96,8 +96,11 @@ def _greedy_run(model_dir: str, scope: str) -> tuple[Engine, dict[str, list[int]
         for delta in eng.step():
             out.setdefault(delta.request_id, []).extend(delta.new_token_ids)
 
-    for _ in range(3):  # prefill steps and the first decode (compiles what is left)
+    for _ in range(40):  # until every prompt is in its slot and has its first token
         step()
+        if len(out) == 20:
+            break
+    assert len(out) == 20, "the prompts did not all prefill in 40 steps"
     step_ptr = eng.runner.buffers.step_inputs.data_ptr()
     kv_before = eng.runner.kv_cache[:, 0].clone()
     first_tokens = eng.runner.state.token_ids[:, 0].clone()
