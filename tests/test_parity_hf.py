@@ -83,10 +83,15 @@ def test_tiny_random_models_match_transformers(fixture, request, decode_attentio
         assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
 
 
-@pytest.mark.parametrize("decode_attention", DECODE_ATTENTION)
-def test_qwen3_shaped_model_matches_transformers(qwen3_shaped_dir, decode_attention):
+@pytest.mark.parametrize(
+    "decode_attention,scope",
+    [(k, "layers") for k in DECODE_ATTENTION]
+    + ([("per_head", "step")] if DEVICE == "cuda" else []),
+)
+def test_qwen3_shaped_model_matches_transformers(qwen3_shaped_dir, decode_attention, scope):
     """The benchmark model's real shapes (head_dim 128, GQA 16/8, 151,936-entry vocab,
-    tied head) in float32: guards tile/mask edges that tiny shapes never reach."""
+    tied head) in float32: guards tile/mask edges that tiny shapes never reach. On a GPU
+    also with step-scope graphs, whose input prep runs inside the graph."""
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 151_000) for _ in range(n)] for n in (7, 60, 150)]
     llm = LLM(
@@ -96,6 +101,7 @@ def test_qwen3_shaped_model_matches_transformers(qwen3_shaped_dir, decode_attent
         max_model_len=512,
         max_num_batched_tokens=128,
         decode_attention=decode_attention,
+        cuda_graph_scope=scope,
     )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(10), use_tqdm=False)
     expected = hf_greedy(qwen3_shaped_dir, prompts, 10)
