@@ -171,23 +171,37 @@ def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor, positions:
     assert seeds.shape == (num_rows,), f"seeds {tuple(seeds.shape)} must be [R={num_rows}]"
     if num_rows == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
+    best_value, best_index = _chunk_bests(
+        logits, temperature.to(torch.float32).contiguous(), seeds.contiguous(),
+        positions.contiguous(), greedy=False,
+    )  # fmt: skip
+    chunk = best_value.argmax(dim=1, keepdim=True)
+    return best_index.gather(1, chunk).squeeze(1).to(torch.int64)
+
+
+def _chunk_bests(
+    logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor, greedy: bool
+) -> tuple[Tensor, Tensor]:
+    """[R, num_chunks] float32 best values and int32 their lowest vocab indices, one
+    program per (row, chunk) of `_gumbel_argmax_kernel`."""
+    num_rows, vocab_size = logits.shape
     block, tiles_per_chunk, num_chunks = _row_chunks(num_rows, vocab_size)
     best_value = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
     best_index = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
     _gumbel_argmax_kernel[(num_rows, num_chunks)](
         logits,
-        temperature.to(torch.float32).contiguous(),
-        seeds.contiguous(),
-        positions.contiguous(),
+        temperature,
+        seeds,
+        positions,
         best_value,
         best_index,
         vocab_size,
         logits.stride(0),
         tiles_per_chunk,
         BLOCK=block,
+        GREEDY=greedy,
     )
-    chunk = best_value.argmax(dim=1, keepdim=True)
-    return best_index.gather(1, chunk).squeeze(1).to(torch.int64)
+    return best_value, best_index
 
 
 @triton.jit
@@ -218,26 +232,13 @@ def greedy_argmax(logits: Tensor) -> Tensor:
     host nothing. NaN logits are not torch's NaN-is-max rule (as in `gumbel_argmax`)."""
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [R, V], unit stride"
     assert logits.is_floating_point(), f"logits must be float, got {logits.dtype}"
-    num_rows, vocab_size = logits.shape
+    num_rows = logits.shape[0]
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
-    block, tiles_per_chunk, num_chunks = _row_chunks(num_rows, vocab_size)
-    best_value = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
-    best_index = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
-    _gumbel_argmax_kernel[(num_rows, num_chunks)](
-        logits,
-        logits,  # temperature, seeds, positions: not read when GREEDY
-        logits,
-        logits,
-        best_value,
-        best_index,
-        vocab_size,
-        logits.stride(0),
-        tiles_per_chunk,
-        BLOCK=block,
-        GREEDY=True,
-    )
+    # temperature, seeds, positions: not read when greedy
+    best_value, best_index = _chunk_bests(logits, logits, logits, logits, greedy=True)
+    num_chunks = best_value.shape[1]
     _first_best_chunk_kernel[(num_rows,)](
         best_value, best_index, out, num_chunks, BLOCK=triton.next_power_of_2(num_chunks)
     )
