@@ -1,0 +1,101 @@
+"""The runner's CUDA-graph path on the CPU: `EagerReplayGraphs` "replays" a graph by
+running the function a capture would record, eagerly, over the same persistent buffers.
+So the path's host logic runs here with real weights and async scheduling, with both
+scopes: padding to a capture size, the packed step buffer (row count, sample mask), the
+build that leaves the input prep to the graph, the greedy tail and the fall-back to the
+eager tail. The capture itself (addresses, no syncs) is GPU-only: test_gpu_step_loop.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.runner.engine import Engine
+from pdserve.runner.mrv2.cuda_graphs import CudaGraphs
+from pdserve.runner.sampling_params import SamplingParams
+
+SIZES = [1, 2, 4, 8, 16]
+
+
+class EagerReplayGraphs(CudaGraphs):
+    """CudaGraphs without CUDA: each replay runs what the capture would have recorded."""
+
+    def capture(self, progress=None) -> None:
+        self.graphs = dict.fromkeys(self.sizes)
+        if self.tail is not None:
+            self.tail_graphs = dict.fromkeys(self.sizes)
+
+    def replay(self, size: int):
+        self.replays += 1
+        return self._forward(size)
+
+    def replay_greedy(self, size: int):
+        self.tail_replays += 1
+        hidden = self._forward(size)
+        return hidden, self.tail(hidden, size)
+
+
+def _run(model_dir: str, scope: str | None) -> tuple[dict[str, list[int]], Engine]:
+    """12 requests of mixed lengths (the batch shrinks through padded sizes): greedy ones,
+    one wanting logprobs and one seeded sampler, both finishing early, so later steps
+    take the greedy tail. `scope` None: no graphs (every step eager). Also checks each
+    request's token history on the device: its prompt then its outputs, so a pad row
+    (which points at slot 0, position 0) or a discarded sample wrote nothing."""
+    eng = Engine.from_args(
+        model=model_dir, device="cpu", dtype="float32", max_num_seqs=16,
+        max_num_batched_tokens=64, async_scheduling=True,
+    )  # fmt: skip
+    r = eng.runner
+    if scope is not None:
+        parts = r._step_parts() if scope == "step" else {}
+        r.graphs = EagerReplayGraphs(
+            r.model, r.buffers, r.kv_caches, SIZES, r.config.model.max_model_len + 1, **parts
+        )
+        r.graphs.capture()
+    rng = random.Random(3)
+    prompts: dict[str, list[int]] = {}
+    for i in range(12):
+        params = SamplingParams(
+            temperature=0.7 if i == 5 else 0.0,
+            seed=11 if i == 5 else None,
+            max_tokens=6 if i in (2, 5) else rng.randint(10, 24),
+            ignore_eos=True,
+            logprobs=1 if i == 2 else None,
+        )
+        prompts[f"r{i}"] = [rng.randrange(3, 990) for _ in range(rng.randint(3, 40))]
+        eng.add_request(f"r{i}", prompts[f"r{i}"], params)
+    out: dict[str, list[int]] = {}
+    slot_of: dict[str, int] = {}
+    for _ in range(200):
+        for delta in eng.step():
+            out.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        slot_of.update(r.state.req_to_slot)  # no slot is reused: 12 requests, 16 slots
+        if not eng.has_unfinished():
+            break
+    assert not eng.has_unfinished()
+    for req_id, prompt in prompts.items():
+        history = r.state.token_ids[slot_of[req_id], : len(prompt) + len(out[req_id])]
+        assert history.tolist() == prompt + out[req_id], f"{req_id}'s token history"
+    return out, eng
+
+
+@pytest.mark.parametrize("scope", ["layers", "step"])
+def test_graph_path_gives_the_eager_tokens(tiny_qwen3_dir, scope):
+    """Guards the graph path's host logic: a pad row or a wrong row count in the step
+    buffer, a sample mask at the wrong offset, a graph step built without its prep, or the
+    greedy tail writing the wrong token history would each change the tokens (and the
+    next step's inputs) against the eager path."""
+    eager, _ = _run(tiny_qwen3_dir, None)
+    got, eng = _run(tiny_qwen3_dir, scope)
+    graphs = eng.runner.graphs
+    assert graphs.replays + graphs.tail_replays > 10, "the decode steps did not take graphs"
+    if scope == "step":
+        assert graphs.tail_replays > 5, "all-greedy steps must take the greedy tail"
+        assert graphs.replays > 0, "steps with logprobs or sampling take the eager tail"
+    else:
+        assert graphs.tail_replays == 0
+    assert got.keys() == eager.keys()
+    for req_id, tokens in eager.items():
+        assert got[req_id] == tokens, f"{req_id} differs on the {scope} graph path"
