@@ -20,7 +20,10 @@ class ModelState:
         """The request in `slot` left."""
 
     def prepare(self, batch: InputBatch) -> None:
-        """Adjust per-step inputs before the forward pass (extra metadata, state indices)."""
+        """Adjust per-step inputs before the forward pass (extra metadata, state indices).
+        On a step-scope graph step (`--cuda-graph-scope step`) the batch's device inputs
+        are written by the graph's own prep, after this has run: read host fields here,
+        not the device tensors."""
 
     def post_forward(self, batch: InputBatch, hidden: torch.Tensor) -> None:
         """Runs after the forward pass (e.g. commit recurrent state of finished prompts)."""
