@@ -26,13 +26,14 @@ from throughput import WORKLOADS, Workload, make_prompts, random_model_engine, r
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="decode_heavy", choices=list(WORKLOADS))
+    ap.add_argument("--cuda-graph-scope", choices=("layers", "step"), default="layers")
     args = ap.parse_args()
 
     from pdserve.runner.engine import Engine
     from pdserve.runner.mrv2 import host_ring, model_runner
     from pdserve.runner.scheduler import Scheduler
 
-    engine = random_model_engine()
+    engine = random_model_engine(cuda_graph_scope=args.cuda_graph_scope)
     w = WORKLOADS[args.workload]
     prompts = make_prompts(w, 151_936)
     # Warm-up on the workload's own shapes with other prompts, as throughput.py does: an
@@ -54,6 +55,7 @@ def main() -> int:
         (torch.cuda.Event, "synchronize", "cuda.Event.synchronize"),
         (torch.cuda, "synchronize", "cuda.synchronize"),
         (cuda_graphs.CudaGraphs, "replay", "  execute: graph replay"),
+        (cuda_graphs.CudaGraphs, "replay_greedy", "  execute: greedy-tail graph replay"),
         (input_batch.InputBuffers, "build", "  execute: buffers.build"),
         (request_state.RequestState, "apply_staged_writes", "  execute: staged writes"),
         (sampler.Sampler, "__call__", "  execute: sampler"),
@@ -69,6 +71,7 @@ def main() -> int:
     steps = engine.stats.num_steps - s0
     out = {
         "workload": w.name,
+        "cuda_graph_scope": args.cuda_graph_scope,
         "steps": steps,
         "wall_ms_per_step": 1e3 * wall / steps,
         "output_tok_s": row["output_tok_s"],
