@@ -7,7 +7,8 @@
 #   BENCH=throughput|transfer|both|none (default both)   BENCH_ARGS=...   TESTS=0 to skip tests
 #   TESTS=1 / TESTS=2 runs the first / second half of the GPU test files (the whole set
 #   takes ~300 s of test time, more than a call can give it after the set-up and a
-#   benchmark: halves fit two calls, each with its own summary line)
+#   benchmark: halves fit two calls, each with its own summary line); TEST_FILES="a b"
+#   runs just those files
 set -o pipefail
 OUT=${OUT:-/tmp/pdserve-out}
 mkdir -p "$OUT"
@@ -37,14 +38,17 @@ fi
 # subpackages). SmolLM2 tests need the 98 MB wheel, which does not fit the carry limit.
 FIRST=(tests/test_gpu_step_loop.py tests/test_gpu_attention.py tests/test_gpu_kernels.py
     tests/test_gpu_cuda_ipc.py tests/test_pd_engine.py tests/test_qkv_prep.py
-    tests/test_kv_copy_kernel.py tests/test_copy_graph.py)
+    tests/test_kv_copy_kernel.py tests/test_copy_graph.py tests/test_decode_prep.py
+    tests/test_triton_index_kernels.py)
 SECOND=(tests/test_paged_attention_triton.py tests/test_skinny_linear.py
     tests/test_parity_hf.py tests/test_self_consistency.py tests/test_async_scheduling.py
-    tests/test_layer_wise.py tests/test_norm_fold.py tests/test_gpu_norm_fold.py)
+    tests/test_layer_wise.py tests/test_norm_fold.py tests/test_gpu_norm_fold.py
+    tests/test_sampling_triton.py)
 case "${TESTS:-all}" in
   1) FILES=("${FIRST[@]}") ;;
   2) FILES=("${SECOND[@]}") ;;
   *) FILES=("${FIRST[@]}" "${SECOND[@]}") ;;
 esac
+[ -n "${TEST_FILES:-}" ] && read -r -a FILES <<< "$TEST_FILES"
 PDSERVE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-360}" python3 -P -m pytest -q -p no:cacheprovider \
     "${FILES[@]}" -k "not smollm2 and not bundled and not stop_strings" 2>&1 | tee "$OUT/gpu_tests.log"
