@@ -128,10 +128,7 @@ def _gumbel_argmax_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
-    if GREEDY:
-        temperature = 0.0
-        row_key = 0
-    else:
+    if not GREEDY:  # a compile-time branch: the greedy variant has no noise code at all
         temperature = tl.load(temperature_ptr + row)
         row_key = _row_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
     first = chunk * tiles_per_chunk * BLOCK
@@ -142,9 +139,13 @@ def _gumbel_argmax_kernel(
         x = tl.load(
             logits_ptr + row * row_stride + offs, mask=offs < vocab_size, other=float("-inf")
         ).to(tl.float32)  # exact for bf16/fp16; a no-op on float32
-        if temperature != 0.0:
-            # div_rn: IEEE division like torch's `x / T`; Triton's `/` on fp32 is approximate.
-            x = tl.math.div_rn(x, temperature) + _gumbel(row_key, offs)
+        # Nested, not `and`: Triton may evaluate both operands, and `temperature` does not
+        # exist in the greedy variant.
+        if not GREEDY:  # noqa: SIM102
+            if temperature != 0.0:
+                # div_rn: IEEE division like torch's `x / T`; Triton's `/` on fp32 is
+                # approximate.
+                x = tl.math.div_rn(x, temperature) + _gumbel(row_key, offs)
         tile_value, tile_index = tl.max(x, axis=0, return_indices=True)
         # Strict `>`: an equal value in a later tile has a higher index (torch.argmax's tie).
         better = tile_value > best_value
