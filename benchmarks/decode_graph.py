@@ -8,7 +8,12 @@ decode graph of that batch size back to back over the last step's inputs and tim
 replays with CUDA events. What throughput.py's TPOT cannot show on a host too slow to keep
 the GPU fed (a host-bound step hides a faster forward): the GPU side alone. The replays
 rewrite the same KV slots with the same values, so nothing changes between them. Prints
-one JSON line (and writes it to `--out`/decode_graph_<rows>.json). A benchmark, not a test.
+one JSON line (and writes it to `--out`/decode_graph_<rows>_<kernel>[_step].json). A
+benchmark, not a test.
+
+With `--cuda-graph-scope step` the graph also holds the input prep, and `step_ms_p50` times
+the greedy-tail graph as well: prep, layers, final norm, LM head, argmax and post-update,
+i.e. the whole device side of a greedy step (its replays rewrite the same tokens too).
 """
 
 from __future__ import annotations
@@ -36,13 +41,16 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--decode-attention", choices=DECODE_ATTENTION_KERNELS, default="auto")
+    ap.add_argument("--cuda-graph-scope", choices=("layers", "step"), default="layers")
     args = ap.parse_args()
     if args.context <= args.prompt_len:
         ap.error("--context must exceed --prompt-len (decode steps reach it)")
 
     from pdserve.runner.sampling_params import SamplingParams
 
-    engine = random_model_engine(decode_attention=args.decode_attention)
+    engine = random_model_engine(
+        decode_attention=args.decode_attention, cuda_graph_scope=args.cuda_graph_scope
+    )
     graphs = engine.runner.graphs
     if graphs is None or args.rows not in graphs.graphs:
         raise SystemExit(
@@ -55,23 +63,21 @@ def main() -> int:
         engine.add_request(f"r{r}", prompt, params)
     for _ in range(args.context - args.prompt_len + 1):
         engine.step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(args.replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graphs.replay(args.rows)
-        end.record()
-        times.append((start, end))
-    torch.cuda.synchronize()
-    ms = [s.elapsed_time(e) for s, e in times[10:]]  # the first replays warm the clocks
+    ms = _replay_ms(lambda: graphs.replay(args.rows), args.replays)
+    step_ms = None
+    if graphs.has_greedy_tail:
+        step_ms = statistics.median(
+            _replay_ms(lambda: graphs.replay_greedy(args.rows), args.replays)
+        )
     row = {
         "rows": args.rows,
         "context": args.context,
         "decode_attention": args.decode_attention,
+        "cuda_graph_scope": args.cuda_graph_scope,
         "replays": len(ms),
         "forward_ms_p50": statistics.median(ms),
         "forward_ms_min": min(ms),
+        "step_ms_p50": step_ms,
         "device": torch.cuda.get_device_name(),
         "commit": git_commit(),
         "command": "benchmarks/decode_graph.py " + " ".join(sys.argv[1:]),
@@ -79,10 +85,26 @@ def main() -> int:
     print(json.dumps(row), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"decode_graph_{args.rows}_{args.decode_attention}.json").write_text(
+    suffix = "_step" if args.cuda_graph_scope == "step" else ""
+    (out / f"decode_graph_{args.rows}_{args.decode_attention}{suffix}.json").write_text(
         json.dumps(row, indent=2) + "\n"
     )
     return 0
+
+
+def _replay_ms(replay, n: int) -> list[float]:
+    """Device ms of each of `n` back-to-back replays (CUDA events), the first 10 dropped:
+    they warm the clocks."""
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in times[10:]]
 
 
 if __name__ == "__main__":
