@@ -4,8 +4,9 @@
 # round, interleaved. A variant is a list of throughput.py flags; variants are separated
 # by ';' and the empty variant is the defaults.
 # Device call (carry .gpu):
-#   VARIANTS=";--cuda-graph-scope step;--cuda-graph-scope step --decode-attention flat" \
+#   PDSERVE_COMMIT=<sha> VARIANTS=";--cuda-graph-scope step;--decode-attention flat" \
 #     ROUNDS=2 OUT=/tmp/o/ab bash benchmarks/flag_ab.sh
+# (PDSERVE_COMMIT labels the JSON: a device copy's .git may lag the tree.)
 # One line per run: variant, workload, output tok/s, TPOT p50 ms, host ms a step; the JSON
 # under $OUT/v<i>_r<round>/.
 set -o pipefail
