@@ -3,8 +3,9 @@
 Buffers are allocated once at their maximum size and sliced per step, so their device
 addresses never change (a CUDA graph captured over them stays valid). The CPU supplies
 only `idx_mapping`, `query_start_loc`, `num_computed_tokens`, the row count and the
-sample mask, in one packed copy into a persistent device buffer. A batch may be padded to a CUDA-graph size: pad rows get one
-pad token each (input id 0, position 0, slot -1), `seq_len` 0 and a zero block-table row.
+sample mask, in one packed copy into a persistent device buffer. A batch may be padded to
+a CUDA-graph size: pad rows get one pad token each (input id 0, position 0, slot -1),
+`seq_len` 0 and a zero block-table row.
 """
 
 from __future__ import annotations
