@@ -122,9 +122,9 @@ def _greedy_run(model_dir: str, scope: str) -> tuple[Engine, dict[str, list[int]
 def test_step_graphs_give_the_layer_graphs_tokens_without_syncing(qwen3_shaped_dir):
     """Guards step-scope graphs: the input prep and greedy tail (norm, LM head, argmax,
     post-update) they replay give the tokens of layer graphs with the eager prep and tail
-    (float32, so near-ties cannot flip), the loop never syncs, the step buffer (with
-    the tail's mask) keeps its address, steps wanting logprobs fall back to the eager tail, and pad rows
-    write neither KV nor token history (`_greedy_run`)."""
+    (float32, so near-ties cannot flip), the loop never syncs, the step buffer (with the
+    tail's mask) keeps its address, steps wanting logprobs fall back to the eager tail, and
+    pad rows write neither KV nor token history (`_greedy_run`)."""
     eng, tail = _greedy_run(qwen3_shaped_dir, "step")
     graphs = eng.runner.graphs
     assert graphs.prep is not None and graphs.has_greedy_tail
