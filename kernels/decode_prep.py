@@ -10,8 +10,14 @@ nothing for it: the graph does.
 
 Packed step buffer (int32, runner/mrv2/input_batch.py), n = max_num_reqs:
 idx_mapping [0, n) | query_start_loc [n, 2n + 1) | num_computed [2n + 1, 3n + 1) |
-num_reqs [3n + 1] | sample_mask [3n + 2, 4n + 2) (post-update's; not read here). A decode
-row's one token sits at position num_computed: its input id is
+num_reqs [3n + 1] | sample_mask [3n + 2, 4n + 2) (post-update's; not read here) |
+append_col [4n + 2, 5n + 2) | append_block [5n + 2, 6n + 2).
+
+Block appends: a decode row whose token starts a new block has the block's id appended to
+its slot's row of the block table (column append_col - 1; 0 = no append). The prep
+writes it into the per-slot table for later steps and uses it for this step's gathered
+row and slot, so such a step needs no staged-write launch and no copies of its own. A
+decode row's one token sits at position num_computed: its input id is
 the token history there, its seq_len num_computed + 1, its KV slot
 `block_table[slot, pos // block_size] * block_size + pos % block_size`. Rows past num_reqs
 are pads: input id 0, position 0, seq_len 0, a zero block-table row, slot -1.
@@ -29,13 +35,13 @@ import triton.language as tl
 
 def step_buffer_size(max_num_reqs: int) -> int:
     """int32 entries of the packed step buffer (module docstring)."""
-    return 4 * max_num_reqs + 2
+    return 6 * max_num_reqs + 2
 
 
 def prepare_decode_ref(
-    step_inputs: torch.Tensor,  # [4n + 2] int32 packed (module docstring)
+    step_inputs: torch.Tensor,  # [6n + 2] int32 packed (module docstring)
     token_ids: torch.Tensor,  # [n, max_len] int32: per-slot token history
-    block_table: torch.Tensor,  # [n, max_blocks] int32: per-slot block table
+    block_table: torch.Tensor,  # [n, max_blocks] int32: per-slot table, appends written
     input_ids: torch.Tensor,  # [>= size] int32 out
     positions: torch.Tensor,  # [>= size] int64 out
     seq_lens: torch.Tensor,  # [>= size] int32 out
@@ -47,6 +53,9 @@ def prepare_decode_ref(
     n = token_ids.shape[0]
     r = min(int(step_inputs[3 * n + 1]), size)
     slots = step_inputs[:r].long()
+    cols = step_inputs[4 * n + 2 : 4 * n + 2 + r].long() - 1
+    appends = cols >= 0
+    block_table[slots[appends], cols[appends]] = step_inputs[5 * n + 2 : 5 * n + 2 + r][appends]
     pos = step_inputs[2 * n + 1 : 2 * n + 1 + r].long()
     input_ids[:r] = token_ids[slots, pos.clamp(max=token_ids.shape[1] - 1)] * (
         pos < token_ids.shape[1]
@@ -90,18 +99,26 @@ def _prepare_decode_kernel(
     if row < num_reqs:
         slot = tl.load(step_inputs_ptr + row).to(tl.int64)
         pos = tl.load(step_inputs_ptr + 2 * max_num_reqs + 1 + row).to(tl.int64)
+        # The appended block (col -1: none) goes to the per-slot table for later steps and
+        # is used from registers below: the table's own loads may not see this store.
+        col = tl.load(step_inputs_ptr + 4 * max_num_reqs + 2 + row) - 1
+        new_block = tl.load(step_inputs_ptr + 5 * max_num_reqs + 2 + row)
+        src_ptr = block_table_ptr + slot * block_table_row_stride
+        tl.store(src_ptr + col, new_block.to(block_table_ptr.dtype.element_ty), mask=col >= 0)
         # int64: slots * max_len can pass 2^31 (256 slots x 8M tokens).
         token = tl.load(token_ids_ptr + slot * token_ids_row_stride + pos, mask=pos < max_len)
         tl.store(input_ids_ptr + row, tl.where(pos < max_len, token, 0))
         tl.store(positions_ptr + row, pos)
         tl.store(seq_lens_ptr + row, (pos + 1).to(seq_lens_ptr.dtype.element_ty))
-        src_ptr = block_table_ptr + slot * block_table_row_stride
         for off in range(0, max_blocks, BLOCK):
-            col = off + tl.arange(0, BLOCK)
-            mask = col < max_blocks
-            tl.store(dst_ptr + col, tl.load(src_ptr + col, mask=mask), mask=mask)
+            cols = off + tl.arange(0, BLOCK)
+            mask = cols < max_blocks
+            blocks = tl.load(src_ptr + cols, mask=mask)
+            blocks = tl.where(cols == col, new_block.to(blocks.dtype), blocks)
+            tl.store(dst_ptr + cols, blocks, mask=mask)
         block_idx = pos // block_size
         block = tl.load(src_ptr + block_idx, mask=block_idx < max_blocks, other=0)
+        block = tl.where(block_idx == col, new_block.to(block.dtype), block)
         # int64: num_blocks * block_size can pass 2^31 on a large cache.
         tl.store(slot_mapping_ptr + row, block.to(tl.int64) * block_size + pos % block_size)
     else:
@@ -110,9 +127,9 @@ def _prepare_decode_kernel(
         tl.store(seq_lens_ptr + row, 0)
         tl.store(slot_mapping_ptr + row, -1)  # the KV write skips it
         for off in range(0, max_blocks, BLOCK):
-            col = off + tl.arange(0, BLOCK)
+            cols = off + tl.arange(0, BLOCK)
             zeros = tl.zeros([BLOCK], block_tables_ptr.dtype.element_ty)
-            tl.store(dst_ptr + col, zeros, mask=col < max_blocks)
+            tl.store(dst_ptr + cols, zeros, mask=cols < max_blocks)
 
 
 def prepare_decode_triton(

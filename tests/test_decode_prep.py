@@ -36,7 +36,25 @@ def _case(n: int, max_len: int, max_blocks: int, r: int, size: int, block_size: 
     step[n : n + size + 1] = torch.arange(size + 1, dtype=torch.int32)  # one token a row
     step[2 * n + 1 : 2 * n + 1 + r] = pos
     step[3 * n + 1] = r
+    # Block appends on every other row: at the token's own block (the real case, which its
+    # slot must then use) or, every fourth row, at some other column.
+    for row in range(0, r, 2):
+        col = int(pos[row]) // block_size if row % 4 == 0 else (row * 7) % max_blocks
+        step[4 * n + 2 + row] = min(col, max_blocks - 1) + 1
+        step[5 * n + 2 + row] = 20_000 + row
     return [t.to(DEVICE) for t in (step, token_ids, table)]
+
+
+def _appended(step: torch.Tensor, table: torch.Tensor, r: int) -> torch.Tensor:
+    """The per-slot table after the step's block appends: what the eager path's staged
+    writes would have made it."""
+    n = table.shape[0]
+    out = table.clone()
+    for row in range(r):
+        col = int(step[4 * n + 2 + row]) - 1
+        if col >= 0:
+            out[int(step[row]), col] = step[5 * n + 2 + row]
+    return out
 
 
 def _outputs(n: int, max_blocks: int, seed: int) -> list[torch.Tensor]:
@@ -67,14 +85,16 @@ def test_prepare_decode_spec_is_the_three_prep_kernels_at_one_token_a_row(shape,
     n, max_len, max_blocks = shape
     for r, size in _rows(n):
         step, token_ids, table = _case(n, max_len, max_blocks, r, size, block_size, r + size)
+        eager_table = _appended(step, table, r)  # staged writes, then the three kernels
         fused = _outputs(n, max_blocks, 1)
         decode_prep.prepare_decode_ref(step, token_ids, table, *fused, size, block_size)
+        assert torch.equal(table, eager_table), f"block appends differ at r={r}"
         ids, positions, seq_lens, tables, slot_mapping = _outputs(n, max_blocks, 1)
         idx, qsl, computed = step[:r], step[n : n + r + 1], step[2 * n + 1 : 2 * n + 1 + r]
         input_prep.prepare_inputs_ref(
             idx, qsl, computed, token_ids, ids[:size], positions[:size], seq_lens[:size], r
         )
-        block_table.gather_block_tables_ref(table, idx, tables[:size])
+        block_table.gather_block_tables_ref(eager_table, idx, tables[:size])
         block_table.compute_slot_mapping_ref(
             tables[:size], qsl, positions[:size], block_size, slot_mapping[:size], r
         )
@@ -91,15 +111,18 @@ def test_prepare_decode_spec_is_the_three_prep_kernels_at_one_token_a_row(shape,
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_prepare_decode_kernel_matches_its_spec(shape, block_size):
     """Guards the kernel reading num_reqs from the wrong entry, a pad row left unwritten, a
-    block-table row cut at the loop block, a slot from the wrong block, and writes past
-    the graph size."""
+    block-table row cut at the loop block, a slot from the wrong block, a block append
+    lost (from the per-slot table, the gathered row or the slot) and writes past the
+    graph size."""
     n, max_len, max_blocks = shape
     for r, size in _rows(n):
         step, token_ids, table = _case(n, max_len, max_blocks, r, size, block_size, 7 * r + size)
         expected = _outputs(n, max_blocks, 2)
         got = [t.clone() for t in expected]
-        decode_prep.prepare_decode_ref(step, token_ids, table, *expected, size, block_size)
+        expected_table = table.clone()
+        decode_prep.prepare_decode_ref(step, token_ids, expected_table, *expected, size, block_size)
         decode_prep.prepare_decode_triton(step, token_ids, table, *got, size, block_size)
+        assert torch.equal(table, expected_table), f"r={r}, size={size}: per-slot table"
         for a, b in zip(got, expected):
             assert torch.equal(a, b), f"r={r}, size={size}"
 

@@ -1,9 +1,9 @@
 """The runner's CUDA-graph path on the CPU: `EagerReplayGraphs` "replays" a graph by
 running the function a capture would record, eagerly, over the same persistent buffers.
 So the path's host logic runs here with real weights and async scheduling, with both
-scopes: padding to a capture size, the packed step buffer (row count, sample mask), the
-build that leaves the input prep to the graph, the greedy tail and the fall-back to the
-eager tail. The capture itself (addresses, no syncs) is GPU-only: test_gpu_step_loop.py.
+scopes: padding to a capture size, the packed step buffer (row count, sample mask, new
+blocks), the build that leaves the input prep to the graph, the greedy tail and the
+fall-back to the eager tail. The capture itself (addresses, no syncs) is GPU-only: test_gpu_step_loop.py.
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ def test_graph_path_gives_the_eager_tokens(tiny_qwen3_dir, scope):
     if scope == "step":
         assert graphs.tail_replays > 5, "all-greedy steps must take the greedy tail"
         assert graphs.replays > 0, "steps with logprobs or sampling take the eager tail"
+        assert eng.runner.graph_block_appends > 3, "new blocks must ride in the step buffer"
     else:
-        assert graphs.tail_replays == 0
+        assert graphs.tail_replays == 0 and eng.runner.graph_block_appends == 0
     assert got.keys() == eager.keys()
     for req_id, tokens in eager.items():
         assert got[req_id] == tokens, f"{req_id} differs on the {scope} graph path"

@@ -129,3 +129,22 @@ def test_capture_sizes_never_exceed_the_token_buffers():
     assert capture_sizes([1, 8, 300, 512], 512, 8192) == (1, 8, 300, 512)
     assert capture_sizes([1, 8, 300, 512], 512, 256) == (1, 8)
     assert capture_sizes(None, 3, 8192) == (1, 2)  # 3 rows run eagerly
+
+
+def test_take_appends_hands_over_only_single_block_appends_of_the_batch():
+    """Guards the step-scope graph's block appends: only a step whose every pending write is
+    one value in a row of the batch hands them over (and then none is applied twice);
+    anything else (a new request's whole table, a row outside the batch) stays staged."""
+    table = torch.zeros(4, 6, dtype=torch.int32)
+    sw = StagedWrites(table)
+    sw.stage(1, 3, [70])
+    sw.stage(2, 0, [5, 6])  # a whole new row: not an append
+    assert sw.take_appends({1, 2}) is None and sw.num_pending == 2
+    sw.apply()
+    sw.stage(1, 4, [71])
+    sw.stage(3, 2, [72])
+    assert sw.take_appends({1, 2}) is None and sw.num_pending == 2  # row 3 not in the batch
+    assert sw.take_appends({1, 3}) == {1: (4, 71), 3: (2, 72)}
+    assert sw.num_pending == 0
+    sw.apply()  # nothing left: the taken values are the caller's to write
+    assert table[1].tolist() == [0, 0, 0, 70, 0, 0] and not table[3].any()

@@ -10,7 +10,8 @@ which the prepare kernels already do. Mixed and prefill steps run eagerly.
 
 Step scope (`--cuda-graph-scope step`: `prep` and `tail` given). Every graph first runs
 `prep(size)`, the step's input prep (kernels/decode_prep.py: it reads the number of real
-rows from the packed step buffer, so one launch serves every step of a size), and each
+rows and the new block ids from the packed step buffer, so one launch serves every step
+of a size and a block boundary needs no staged-write launch), and each
 size gets a second graph that also runs `tail` after the layers (final norm, LM head,
 argmax, post-update of the token history) for steps whose rows all take a plain argmax.
 That takes ~8 launches a step off the host (5 of them Triton, ~20-30 us each on a slow

@@ -81,9 +81,11 @@ class InputBuffers:
         # int32: idx_mapping [0, n) | query_start_loc [n, 2n + 1) | computed [2n + 1, 3n + 1)
         # | num_reqs [3n + 1] (read by kernels/decode_prep.py inside a step-scope graph)
         # | sample_mask [3n + 2, 4n + 2) (post-update: keep the row's sample; pads 0)
+        # | block appends: column + 1 [4n + 2, 5n + 2), block id [5n + 2, 6n + 2)
         self.step_inputs = torch.zeros(step_buffer_size(n), dtype=torch.int32, device=device)
         self.num_reqs_index = 3 * n + 1
         self.mask_offset = 3 * n + 2
+        self.append_offset = 4 * n + 2
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
@@ -101,9 +103,12 @@ class InputBuffers:
         sample_mask: np.ndarray,  # [R] bool: rows whose sample is kept
         num_reqs_padded: int | None = None,
         prep_in_graph: bool = False,
+        block_appends: dict[int, tuple[int, int]] | None = None,
     ) -> InputBatch:
         """The step's inputs. With `prep_in_graph` (a uniform decode step whose graph runs
-        `prepare_decode` itself) only the packed host copy is enqueued here."""
+        `prepare_decode` itself) only the packed host copy is enqueued here, and
+        `block_appends` ({slot: (column, block id)}, this step's new blocks) ride in it for
+        the graph's prep to write into the per-slot block table."""
         n = self.max_num_reqs
         r = len(slots)
         r_pad = num_reqs_padded or r
@@ -118,6 +123,13 @@ class InputBuffers:
         host[2 * n + 1 : 2 * n + 1 + r] = num_computed
         host[self.num_reqs_index] = r
         host[self.mask_offset : self.mask_offset + r] = sample_mask
+        if block_appends:
+            assert prep_in_graph, "block appends are written by the graph's prep"
+            for row, slot in enumerate(slots.tolist()):
+                append = block_appends.get(slot)
+                if append is not None:
+                    host[self.append_offset + row] = append[0] + 1  # 0: no append
+                    host[self.append_offset + n + row] = append[1]
         # One host->device copy, through the pinned ring (never from persistent state).
         self.ring.to_device(host, out=self.step_inputs)
         buf = self.step_inputs

@@ -127,6 +127,7 @@ class MRV2ModelRunner:
         self.sampler = Sampler()
         self.decode_kernel = config.runner.decode_kernel
         self.graphs: CudaGraphs | None = None
+        self.graph_block_appends = 0  # new blocks written by a graph's prep, not staged
         sizes = config.runner.cuda_graph_sizes
         if self.device.type == "cuda" and sizes:
             self.graphs = CudaGraphs(
@@ -156,9 +157,9 @@ class MRV2ModelRunner:
             self.model_state.on_add(st.add(new))
         for cached in so.cached_requests:
             st.update(cached)
-        st.apply_staged_writes()
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
+            st.apply_staged_writes()
             return StepHandle([], np.zeros(0, dtype=bool), None)
 
         # map() over the dict's __getitem__ runs the 512 lookups without a Python frame each.
@@ -175,6 +176,13 @@ class MRV2ModelRunner:
             if (self.graphs is not None and uniform_decode)
             else None
         )
+        prep_in_graph = graph_size is not None and self.graphs.prep is not None
+        appends = None
+        if prep_in_graph and st.block_writes.num_pending and not st.token_writes.num_pending:
+            # This step's new blocks ride in the step buffer: no staged-write launch.
+            appends = st.block_writes.take_appends(set(slots.tolist()))
+            self.graph_block_appends += len(appends or ())
+        st.apply_staged_writes()
         batch = self.buffers.build(
             slots,
             num_scheduled,
@@ -184,7 +192,8 @@ class MRV2ModelRunner:
             self.block_size,
             sample_mask,
             graph_size,
-            prep_in_graph=graph_size is not None and self.graphs.prep is not None,
+            prep_in_graph=prep_in_graph,
+            block_appends=appends,
         )
         self.model_state.prepare(batch)
         num_tokens = st.num_tokens[slots]

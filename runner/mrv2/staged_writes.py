@@ -55,6 +55,19 @@ class StagedWrites:
         else:
             segs.append((start, vals))
 
+    def take_appends(self, rows: set[int]) -> dict[int, tuple[int, int]] | None:
+        """If every pending write is one value in one of `rows` (a decode step's new
+        blocks), hand them over as {row: (column, value)} and forget them: the caller
+        writes them another way (kernels/decode_prep.py, inside a graph). Otherwise None,
+        and nothing changes."""
+        taken = {}
+        for row, segs in self._pending.items():
+            if row not in rows or len(segs) != 1 or segs[0][1].size != 1:
+                return None
+            taken[row] = (segs[0][0], int(segs[0][1][0]))
+        self._pending.clear()
+        return taken
+
     def discard_row(self, row: int) -> None:
         """Forget pending writes of a row whose request has gone (its slot is being reused)."""
         self._pending.pop(row, None)
