@@ -133,13 +133,15 @@ class CudaGraphs:
         gc.disable()
         try:
             for size in sorted(self.sizes, reverse=True):
-                self._forward(size)  # warm-up: compiles kernels, settles allocator state
+                # Warm-up: compiles kernels (the tail's too), settles allocator state.
+                hidden = self._forward(size)
+                if self.tail is not None:
+                    self.tail(hidden, size)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.outputs[size] = self._forward(size)
                 self.graphs[size] = graph
                 if self.tail is not None:
-                    self.tail(self._forward(size), size)  # warm-up of the tail's kernels
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
                         hidden = self._forward(size)

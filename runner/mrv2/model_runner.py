@@ -169,7 +169,8 @@ class MRV2ModelRunner:
         )
         num_computed = st.num_computed_tokens[slots]
         seq_lens = num_computed + num_scheduled
-        sample_mask = seq_lens >= st.num_tokens[slots]  # caught up: the sample is kept
+        num_tokens = st.num_tokens[slots]
+        sample_mask = seq_lens >= num_tokens  # caught up: the sample is kept
         uniform_decode = int(num_scheduled.max()) == 1
         graph_size = (
             self.graphs.padded_size(len(req_ids))
@@ -196,7 +197,6 @@ class MRV2ModelRunner:
             block_appends=appends,
         )
         self.model_state.prepare(batch)
-        num_tokens = st.num_tokens[slots]
         penalty_rows = st.sampling.penalty_rows(slots)
         meta = st.sampling.metadata(
             slots,
