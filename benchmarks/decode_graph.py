@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--decode-attention", choices=DECODE_ATTENTION_KERNELS, default="auto")
-    ap.add_argument("--cuda-graph-scope", choices=("layers", "step"), default="layers")
+    ap.add_argument("--cuda-graph-scope", choices=("layers", "step"), default="step")
     args = ap.parse_args()
     if args.context <= args.prompt_len:
         ap.error("--context must exceed --prompt-len (decode steps reach it)")

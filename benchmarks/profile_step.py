@@ -40,7 +40,7 @@ def main() -> int:
         action="store_true",
         help="also run --steps more steps under cProfile and print the top functions",
     )
-    ap.add_argument("--cuda-graph-scope", choices=("layers", "step"), default="layers")
+    ap.add_argument("--cuda-graph-scope", choices=("layers", "step"), default="step")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
 

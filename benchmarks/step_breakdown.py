@@ -26,7 +26,7 @@ from throughput import WORKLOADS, Workload, make_prompts, random_model_engine, r
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="decode_heavy", choices=list(WORKLOADS))
-    ap.add_argument("--cuda-graph-scope", choices=("layers", "step"), default="layers")
+    ap.add_argument("--cuda-graph-scope", choices=("layers", "step"), default="step")
     args = ap.parse_args()
 
     from pdserve.runner.engine import Engine

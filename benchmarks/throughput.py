@@ -218,7 +218,7 @@ def main() -> int:
     ap.add_argument(
         "--cuda-graph-scope",
         choices=CUDA_GRAPH_SCOPES,
-        default="layers",
+        default="step",
         help="what a decode graph holds: the layers, or the whole step (runner/config.py)",
     )
     ap.add_argument(

@@ -140,7 +140,7 @@ class RunnerConfig:
     # What a decode graph holds (runner/mrv2/cuda_graphs.py): "layers" (embedding ->
     # layers) or "step" (also the input prep before them and, for steps where every row
     # takes a plain argmax, the final norm, LM head, argmax and post-update after them).
-    cuda_graph_scope: str = "layers"
+    cuda_graph_scope: str = "step"
 
     def __post_init__(self) -> None:
         _require(

@@ -76,7 +76,7 @@ def resolve_engine_config(
     enforce_eager: bool = False,
     cuda_graph_sizes: list[int] | None = None,
     decode_attention: str = "auto",
-    cuda_graph_scope: str = "layers",
+    cuda_graph_scope: str = "step",
 ) -> EngineConfig:
     from transformers import AutoConfig
 
