@@ -1,7 +1,8 @@
 """Decode attention as a decode step runs it: one call per layer over that layer's own cache.
 
     python benchmarks/decode_attention_bench.py [--layers 28] [--sweep] [--sweep-per-head]
-        [--sweep-long] [--no-cases] [--kernels per_head,packed,flat] [--out DIR]
+        [--sweep-long] [--sweep-groups] [--no-cases] [--kernels per_head,packed,flat] \
+        [--out DIR]
 
 Not a test. attention_bench.py replays one call over one cache, so a cache under the L2's
 50 MB (32 rows x 256 tokens is 34 MB) is read from L2 and looks fast. Here each of
@@ -13,7 +14,8 @@ replay's over the layers. The decode kernels named in `--kernels` (`per_head`, `
 default list) at batch sizes 32 to 512; `--sweep` also times the packed kernel's tile and split settings at 32 rows, and
 `--sweep-per-head` the per-head kernel's tiles (keys, warps, stages) at 1-8 slices per
 context for 32 and 64 rows, `--sweep-long` a few of them at long contexts and big batches
-with up to 16 slices (`--no-cases`: the sweeps alone; `--kernels per_head`: one kernel in
+with up to 16 slices, `--sweep-groups` the packed kernel with a program per group of 1, 2
+or 4 kv heads at 32 rows (`--no-cases`: the sweeps alone; `--kernels per_head`: one kernel in
 the cases). Prints
 one JSON object per line, and writes them to `<out>/decode_attention_<commit>.jsonl`.
 """
@@ -136,12 +138,40 @@ def sweep_per_head(layers: int, emit, cases, tiles, splits_list) -> None:
     pat._DECODE_16BIT, pat._DECODE_16BIT_FEW = base
 
 
+def sweep_groups(layers: int, emit) -> None:
+    """The packed kernel with a program per (row, slice, group of kv heads) at 32 rows:
+    group size against its tile, stages and split target (whether one wave of programs
+    that each stream a head pair beats the per-head kernel's two waves)."""
+    base = pat.PACKED_16BIT
+    for ctx in (384, 256, 512):
+        inputs = layer_inputs(32, ctx, layers)
+        emit(row(32, ctx, "per_head", time_per_layer_us(inputs, 20, decode_kernel="per_head")))
+        grid = itertools.product((1, 2, 4), (32, 64, 128), (3, 4, 5), (128, 264))
+        if ctx != 384:  # the other contexts: group sizes at the short sweep's likely tiles
+            grid = itertools.product((1, 2, 4), (64,), (4, 5), (128,))
+        for heads, keys, stages, target in grid:
+            cfg = PackedConfig(keys, 32, target, 4, stages, heads)
+            pat.PACKED_16BIT = cfg
+            try:
+                us = time_per_layer_us(inputs, 20, decode_kernel="packed")
+                emit(row(32, ctx, "packed", us, cfg=list(cfg)))
+            except Exception as e:  # out of shared memory etc.: report, go on
+                emit({"batch": 32, "ctx": ctx, "cfg": list(cfg), "error": str(e)[:200]})
+        del inputs
+    pat.PACKED_16BIT = base
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-per-head", action="store_true")
     ap.add_argument("--sweep-long", action="store_true")
+    ap.add_argument(
+        "--sweep-groups",
+        action="store_true",
+        help="the packed kernel with a program per group of 1/2/4 kv heads at 32 rows",
+    )
     ap.add_argument("--kernels", default="per_head,packed")
     ap.add_argument("--no-cases", action="store_true", help="only the sweeps")
     ap.add_argument("--out", default="benchmarks/results")
@@ -175,6 +205,8 @@ def main() -> int:
                         emit({"batch": 32, "ctx": ctx, "cfg": list(cfg), "error": str(e)[:200]})
             del inputs
         pat.PACKED_16BIT = base
+    if args.sweep_groups:
+        sweep_groups(args.layers, emit)
     if args.sweep_per_head:
         sweep_per_head(args.layers, emit, *SHORT_SWEEP)
     if args.sweep_long:

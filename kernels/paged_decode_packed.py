@@ -6,15 +6,18 @@ side: K of one block is [16, Hkv, D] contiguous), so the eight programs of a row
 interleaved slivers of the same pages. At 32 rows that kernel read K/V at ~2.1-2.8 TB/s of
 the H200's 4.28 (profile_step_32_cdd5afb: 16.2 us a layer at ~260 tokens of context).
 
-Here a program owns one row and one slice of its context, for all heads. Its key tile is
-TOKENS consecutive tokens times all Hkv heads, `[TOKENS * Hkv, D]`, which in the cache's
-layout is one contiguous run (a token's heads, then the next token's) whenever the tile
-stays inside a block. The score tile is all query heads against all of those keys,
-`[Hq, TOKENS * Hkv]`, and a query head sees only the keys of its own kv head (a
-block-diagonal mask, `q_head // group == key's kv head`): masked scores are -inf, so
-P . V with the full key tile sums exactly the keys of each query's head. The dots do Hkv
-times the useful multiply-adds; decode at these sizes is bound by the K/V bytes, not by
-the tensor cores, and the per-head kernel pads its 2-head group to a 16-row tile anyway.
+Here a program owns one row, one slice of its context and a group of `heads` adjacent kv
+heads (all of them by default; `PackedConfig.heads`). Its key tile is TOKENS consecutive
+tokens times the group's H heads, `[TOKENS * H, D]`, which in the cache's layout is one
+contiguous run (a token's heads, then the next token's) whenever the tile stays inside a
+block and H is all heads, and runs of H * D elements otherwise. The score tile is the
+group's query heads against all of those keys, and a query head sees only the keys of its
+own kv head (a block-diagonal mask, `q_head // group == key's kv head`): masked scores
+are -inf, so P . V with the full key tile sums exactly the keys of each query's head. The
+dots do H times the useful multiply-adds; decode at these sizes is bound by the K/V bytes,
+not by the tensor cores, and the per-head kernel pads its 2-head group to a 16-row tile
+anyway. Fewer heads a program means more programs a row (`Hkv / H`), so fewer splits fill
+the GPU.
 
 Split-K over the context, as the other kernel: each row cuts its own context into up to
 `num_splits` slices of whole tiles (host ints fix the grid; a CUDA graph replays it at any
@@ -45,6 +48,7 @@ class PackedConfig(NamedTuple):
     target_programs: int  # splits aim for this many programs
     num_warps: int
     num_stages: int
+    heads: int = 0  # kv heads a program covers (a divisor of Hkv); 0: all of them
 
 
 # A first guess, not yet tuned: benchmarks/decode_attention_bench.py --sweep times the
@@ -56,15 +60,24 @@ DEFAULT_CONFIG = PackedConfig(
 MAX_SPLITS = 16  # the merge loads every slice at once: SPLITS_PAD is fixed, no recompiles
 
 
+def heads_per_program(num_kv_heads: int, cfg: PackedConfig = DEFAULT_CONFIG) -> int:
+    """The kv heads one program covers: `cfg.heads`, or all of them when it is 0."""
+    heads = cfg.heads or num_kv_heads
+    if num_kv_heads % heads:
+        raise ValueError(f"PackedConfig.heads={cfg.heads} does not divide {num_kv_heads} kv heads")
+    return heads
+
+
 def tile_tokens(num_kv_heads: int, cfg: PackedConfig = DEFAULT_CONFIG) -> int:
-    return max(1, cfg.keys // num_kv_heads)
+    return max(1, cfg.keys // heads_per_program(num_kv_heads, cfg))
 
 
 def packed_num_splits(
     num_rows: int, num_kv_heads: int, max_seq_len: int, cfg: PackedConfig = DEFAULT_CONFIG
 ) -> int:
     """Slices per row: enough programs to fill the GPU, no slice under min_split_tokens."""
-    wanted = triton.cdiv(cfg.target_programs, max(1, num_rows))
+    groups = num_kv_heads // heads_per_program(num_kv_heads, cfg)
+    wanted = triton.cdiv(cfg.target_programs, max(1, num_rows * groups))
     min_tokens = max(cfg.min_split_tokens, tile_tokens(num_kv_heads, cfg))
     useful = triton.cdiv(max(1, max_seq_len), min_tokens)
     return max(1, min(wanted, useful, MAX_SPLITS))
@@ -80,7 +93,7 @@ def _decode_packed_kernel(
     out_ptr,  # [T, Hq, D]
     part_o_ptr,  # [R, num_splits, Hq, D] fp32 workspace
     part_lse_ptr,  # [R, num_splits, Hq] fp32 workspace, log2 domain
-    count_ptr,  # [R] int32 arrival counters, zero between launches
+    count_ptr,  # [R, Hkv / HEADS] int32 arrival counters, zero between launches
     qk_scale,
     min_split_tokens,
     num_splits,
@@ -95,13 +108,14 @@ def _decode_packed_kernel(
     stride_ch,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
-    HQ_PAD: tl.constexpr,  # >= 16: tl.dot's smallest M
+    HEADS: tl.constexpr,  # kv heads a program covers: program_id(2) picks which
+    HQ_PAD: tl.constexpr,  # >= max(16, HEADS * group): tl.dot's smallest M
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     D_CHUNK: tl.constexpr,  # merge: D columns per load of all slices
     BLOCK_SIZE: tl.constexpr,
     TOKENS: tl.constexpr,  # tokens per key tile
-    KEYS_PAD: tl.constexpr,  # next power of two >= max(16, TOKENS * NUM_KV_HEADS)
+    KEYS_PAD: tl.constexpr,  # next power of two >= max(16, TOKENS * HEADS)
     SPLITS_PAD: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -109,6 +123,7 @@ def _decode_packed_kernel(
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
+    hg = tl.program_id(2)  # the head group
     q_start, seq_len, split_len, key_start, key_end, skip = decode_slice(
         qsl_ptr, seq_lens_ptr, row, split, min_split_tokens, num_splits, TOKENS, SINGLE_SPLIT
     )
@@ -116,20 +131,25 @@ def _decode_packed_kernel(
         return
 
     GROUP: tl.constexpr = NUM_Q_HEADS // NUM_KV_HEADS
-    offs_h = tl.arange(0, HQ_PAD)
+    QH: tl.constexpr = HEADS * GROUP  # query heads a program covers
+    q_head0 = hg * QH
+    offs_h = tl.arange(0, HQ_PAD)  # query heads of the group, from q_head0
     offs_d = tl.arange(0, D_PAD)
     offs_j = tl.arange(0, KEYS_PAD)
-    h_mask = offs_h < NUM_Q_HEADS
+    h_mask = offs_h < QH
     d_mask = offs_d < HEAD_DIM
-    j_tok = offs_j // NUM_KV_HEADS
-    j_head = offs_j % NUM_KV_HEADS
+    j_tok = offs_j // HEADS
+    j_head = offs_j % HEADS
     # Loop invariants: which keys each query head sees, and the keys' offsets in a block.
     own_head = (offs_h // GROUP)[:, None] == j_head[None, :]  # [HQ_PAD, KEYS_PAD]
-    j_real = offs_j < TOKENS * NUM_KV_HEADS
-    head_off = j_head.to(tl.int64) * stride_ch
+    j_real = offs_j < TOKENS * HEADS
+    head_off = (hg * HEADS + j_head).to(tl.int64) * stride_ch
 
     q_ptrs = (
-        q_ptr + q_start.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+        q_ptr
+        + q_start.to(tl.int64) * stride_qt
+        + (q_head0 + offs_h)[:, None] * stride_qh
+        + offs_d[None, :]
     )
     q = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     m_i = tl.full([HQ_PAD], float("-inf"), tl.float32)
@@ -160,23 +180,26 @@ def _decode_packed_kernel(
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     mask = h_mask[:, None] & d_mask[None, :]
     if SINGLE_SPLIT:
-        o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+        o_ptrs = (
+            out_ptr + q_start.to(tl.int64) * stride_ot + (q_head0 + offs_h)[:, None] * stride_oh
+        )
         tl.store(o_ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        base = (row.to(tl.int64) * num_splits + split) * NUM_Q_HEADS
+        base = (row.to(tl.int64) * num_splits + split) * NUM_Q_HEADS + q_head0
         tl.store(part_o_ptr + (base + offs_h)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
         tl.store(part_lse_ptr + base + offs_h, m_i + tl.log2(l_i), mask=h_mask)
         # Every thread's partial is stored before one thread counts the program in; the
         # acq_rel atomic publishes them to the last arriver, which reads them from L2.
         tl.debug_barrier()
         num_valid = valid_splits(seq_len, split_len, num_splits)
-        if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == num_valid - 1:
+        counter = count_ptr + row * (NUM_KV_HEADS // HEADS) + hg
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_valid - 1:
             _merge(
                 part_o_ptr, part_lse_ptr, row.to(tl.int64) * num_splits, num_valid, out_ptr,
-                q_start, stride_ot, stride_oh, NUM_Q_HEADS, HQ_PAD, HEAD_DIM, D_CHUNK,
-                SPLITS_PAD,
+                q_start, q_head0, stride_ot, stride_oh, NUM_Q_HEADS, QH, HQ_PAD, HEAD_DIM,
+                D_CHUNK, SPLITS_PAD,
             )  # fmt: skip
-            tl.store(count_ptr + row, 0)
+            tl.store(counter, 0)
 
 
 @triton.jit
@@ -187,9 +210,11 @@ def _merge(
     num_valid,
     out_ptr,
     q_start,
+    q_head0,  # the group's first query head
     stride_ot,
     stride_oh,
     NUM_Q_HEADS: tl.constexpr,
+    QH: tl.constexpr,  # query heads of the group
     HQ_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_CHUNK: tl.constexpr,
@@ -199,8 +224,8 @@ def _merge(
     # lse = -inf: subtract 0 instead so its weight is 0, not NaN, and it writes zeros.
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_h = tl.arange(0, HQ_PAD)
-    sh_mask = (offs_s < num_valid)[:, None] & (offs_h < NUM_Q_HEADS)[None, :]
-    sh = (first + offs_s)[:, None] * NUM_Q_HEADS + offs_h[None, :]  # [SPLITS_PAD, HQ_PAD]
+    sh_mask = (offs_s < num_valid)[:, None] & (offs_h < QH)[None, :]
+    sh = (first + offs_s)[:, None] * NUM_Q_HEADS + q_head0 + offs_h[None, :]  # [SPLITS, HQ]
     lse = tl.load(part_lse_ptr + sh, mask=sh_mask, other=float("-inf"), cache_modifier=".cg")
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
@@ -208,7 +233,7 @@ def _merge(
     den = tl.sum(w, 0)
     den = tl.where(den > 0, den, 1.0)
     w = w / den[None, :]
-    o_base = out_ptr + q_start.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+    o_base = out_ptr + q_start.to(tl.int64) * stride_ot + (q_head0 + offs_h)[:, None] * stride_oh
     for d0 in tl.static_range(0, HEAD_DIM, D_CHUNK):
         offs_d = d0 + tl.arange(0, D_CHUNK)
         d_mask = offs_d < HEAD_DIM
@@ -219,7 +244,7 @@ def _merge(
         res = tl.sum(parts * w[:, :, None], 0)  # [HQ_PAD, D_CHUNK], slices summed in order
         tl.store(
             o_base + offs_d[None, :], res.to(out_ptr.dtype.element_ty),
-            mask=(offs_h < NUM_Q_HEADS)[:, None] & d_mask[None, :],
+            mask=(offs_h < QH)[:, None] & d_mask[None, :],
         )  # fmt: skip
 
 
@@ -242,6 +267,8 @@ def decode_packed(
     num_rows = query_start_loc.numel() - 1
     _, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    heads = heads_per_program(num_kv_heads, cfg)
+    groups = num_kv_heads // heads
     tokens = tile_tokens(num_kv_heads, cfg)
     # An explicit num_splits (tests, sweeps) may cut contexts down to one tile per slice.
     min_tokens = tokens if num_splits is not None else max(cfg.min_split_tokens, tokens)
@@ -249,7 +276,7 @@ def decode_packed(
         num_splits = packed_num_splits(num_rows, num_kv_heads, max_seq_len, cfg)
     num_splits = max(1, min(num_splits, MAX_SPLITS, triton.cdiv(max(1, max_seq_len), min_tokens)))
     single = num_splits == 1
-    hq_pad = max(16, triton.next_power_of_2(num_q_heads))
+    hq_pad = max(16, triton.next_power_of_2(heads * (num_q_heads // num_kv_heads)))
     d_pad = max(16, triton.next_power_of_2(head_dim))
     splits_pad = triton.next_power_of_2(MAX_SPLITS)
     # The merge's [SPLITS_PAD, HQ_PAD, D_CHUNK] fp32 loads stay at 4,096 values (32 a thread).
@@ -258,23 +285,23 @@ def decode_packed(
         part_o = part_lse = counters = out  # unused
     else:
         if workspace is not None:
-            counters = workspace.counters("decode_packed", num_rows, q.device)
+            counters = workspace.counters("decode_packed", num_rows * groups, q.device)
         else:
-            counters = torch.zeros(num_rows, dtype=torch.int32, device=q.device)
+            counters = torch.zeros(num_rows * groups, dtype=torch.int32, device=q.device)
         part_o = torch.empty(
             (num_rows, num_splits, num_q_heads, head_dim), dtype=torch.float32, device=q.device
         )
         part_lse = torch.empty(
             (num_rows, num_splits, num_q_heads), dtype=torch.float32, device=q.device
         )
-    _decode_packed_kernel[(num_rows, num_splits)](
+    _decode_packed_kernel[(num_rows, num_splits, groups)](
         q, kv_cache, block_tables, query_start_loc, seq_lens, out, part_o, part_lse, counters,
         qk_scale, min_tokens, num_splits, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3), NUM_Q_HEADS=num_q_heads,
-        NUM_KV_HEADS=num_kv_heads, HQ_PAD=hq_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
+        NUM_KV_HEADS=num_kv_heads, HEADS=heads, HQ_PAD=hq_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         D_CHUNK=d_chunk, BLOCK_SIZE=block_size, TOKENS=tokens,
-        KEYS_PAD=max(16, triton.next_power_of_2(tokens * num_kv_heads)), SPLITS_PAD=splits_pad,
+        KEYS_PAD=max(16, triton.next_power_of_2(tokens * heads)), SPLITS_PAD=splits_pad,
         SINGLE_SPLIT=single, DOT_PRECISION=dot_precision, UPCAST_DOT=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -261,6 +261,40 @@ def test_split_merge_counters_return_to_zero_across_calls(kernel, counter):
         assert int(counters.abs().sum()) == 0, counters
 
 
+@pytest.mark.parametrize(
+    "hq,hk,heads,dtype",
+    [(8, 4, 1, torch.float32), (8, 4, 2, torch.bfloat16), (6, 3, 1, torch.bfloat16),
+     (16, 8, 2, torch.bfloat16)],
+)  # fmt: skip
+def test_packed_head_groups(monkeypatch, hq, hk, heads, dtype):
+    """Guards `PackedConfig.heads`: a program per (row, slice, group of kv heads), each
+    reading and writing only its group's query heads, partials and arrival counter. A
+    group that read another group's K/V or wrote another's output rows, or a merge that
+    mixed groups, fails the spec; counters must be back at zero for the next call."""
+    import pdserve.kernels.paged_attention_triton as pat
+
+    for name in ("PACKED_16BIT", "PACKED_WIDE"):
+        monkeypatch.setattr(pat, name, getattr(pat, name)._replace(heads=heads))
+    ws = KernelWorkspace()
+    rows = [LONG_DECODE, DECODE, (3, 1), PAD, DECODE_AT_1, (64 * X, 1)]
+    for seed, num_splits in ((1, None), (2, 1), (3, 3), (4, 5)):
+        batch = make_batch(rows, hq, hk, 24 if dtype == torch.float32 else 128, 16, dtype, seed)
+        out = batch.run_triton(num_splits=num_splits, workspace=ws, decode_kernel="packed")
+        check(batch, out)
+        assert int(ws.counters("decode_packed", 1, batch.q.device).abs().sum()) == 0
+
+
+def test_packed_head_groups_must_divide_the_kv_heads():
+    from pdserve.kernels.paged_decode_packed import DEFAULT_CONFIG, heads_per_program
+
+    assert heads_per_program(8, DEFAULT_CONFIG) == 8
+    assert heads_per_program(8, DEFAULT_CONFIG._replace(heads=2)) == 2
+    with pytest.raises(ValueError, match="does not divide 8 kv heads"):
+        heads_per_program(8, DEFAULT_CONFIG._replace(heads=3))
+    # A program per (row, group): fewer splits fill the same target.
+    assert packed_num_splits(32, 8, 4096, DEFAULT_CONFIG._replace(heads=2)) == 3  # 264/128
+
+
 @pytest.mark.parametrize("kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("rows", [[LONG_DECODE], [CHUNK_ON_PREFIX], [PAD]], ids=str)
 def test_single_row(rows, kernel):
