@@ -1,4 +1,5 @@
-"""Decode attention with every head of a row in one program: keys are (token, kv head) pairs.
+"""Decode attention with a row's heads (all, or a group) in one program: keys are
+(token, kv head) pairs.
 
 `paged_attention_triton`'s other decode kernel gives each (row, kv head, split) a program,
 which reads its head's 256 B of each token (a 16-token block holds a token's heads side by
