@@ -140,6 +140,7 @@ def run_engine(engine, w: Workload, prompts: list[list[int]]) -> dict:
     last: dict[str, float] = {}
     count: dict[str, int] = {}
     stats0 = (engine.stats.num_steps, engine.stats.cpu_s)
+    paths0 = engine.steps_by_path()
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"{w.name}-{i}", p, params)
@@ -165,6 +166,8 @@ def run_engine(engine, w: Workload, prompts: list[list[int]]) -> dict:
         "tpot_p99_ms": tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))],
         "steps": steps,
         "cpu_ms_per_step": 1e3 * cpu / max(steps, 1),
+        # What ran the workload's steps (eager / cuda_graph / cuda_graph_whole_step).
+        "steps_by_path": {k: n - paths0.get(k, 0) for k, n in engine.steps_by_path().items()},
     }
 
 

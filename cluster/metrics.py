@@ -103,6 +103,7 @@ class _RouterCollector:
             for transport, n in (stats.get("pulls_by_transport") or {}).items():
                 pulls.add_metric([roles.get(worker, "?"), worker, transport], n)
         yield pulls
+        yield from _path_families(router, roles)
         tier = GaugeMetricFamily(PREFIX + "kv_tier_blocks", "KV blocks held by the tier actor")
         tier_puts = CounterMetricFamily(
             PREFIX + "kv_tier_puts", "Blocks written behind to the tier"
@@ -129,3 +130,28 @@ class _RouterCollector:
         for reason, n in router.prefill_failures.items():
             failures.add_metric([reason], n)
         yield failures
+
+
+def _path_families(router: Any, roles: dict[str, str]):
+    """What each worker's engine runs (an info gauge, 1) and its steps by path: the
+    operator sees whether decode steps really take the CUDA graphs."""
+    info = GaugeMetricFamily(
+        PREFIX + "engine_info",
+        "The engine's execution path (runner, decode attention kernel, norms, graph scope)",
+        labels=["role", "worker", *_PATH_KEYS],
+    )
+    steps = CounterMetricFamily(
+        PREFIX + "engine_steps", "Engine steps by what ran them", labels=["role", "worker", "path"]
+    )
+    for worker, stats in router.worker_stats.items():
+        role = roles.get(worker, "?")
+        path = stats.get("execution_path")
+        if isinstance(path, dict):
+            info.add_metric([role, worker, *(str(path.get(k, "?")) for k in _PATH_KEYS)], 1.0)
+        for name, n in (stats.get("steps_by_path") or {}).items():
+            steps.add_metric([role, worker, name], n)
+    yield info
+    yield steps
+
+
+_PATH_KEYS = ("runner", "decode_attention", "norms", "graph_scope")

@@ -43,6 +43,8 @@ def _engine_stats(engine: Engine) -> dict[str, Any]:
         "prefix_cache_hits": engine.kv.prefix_cache_hits,
         "num_preemptions": s.num_preemptions,
         "runner": engine.runner_name,
+        "execution_path": engine.execution_path,
+        "steps_by_path": engine.steps_by_path(),
     }
 
 

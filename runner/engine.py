@@ -73,21 +73,18 @@ class Engine:
         self._held: dict[str, tuple[int, ...]] = {}  # prefill role: blocks under a lease
         self._num_arrivals = 0
         self._max_model_len = config.model.max_model_len
+        path = self.execution_path
         logger.info(
             "engine ready: model=%s runner=%s device=%s dtype=%s max_model_len=%d "
             "decode_attention=%s norms=%s graph_scope=%s",
             config.model.source,
-            self.runner_name,
+            path["runner"],
             config.runner.device,
             config.model.dtype,
             config.model.max_model_len,
-            config.runner.decode_attention,
-            # runner/models/norm_fold.py: folded on CUDA in 16 bits, where batches of <= 64
-            # tokens then run without RMSNorm launches
-            "folded"
-            if getattr(getattr(self.runner, "model", None), "norms_folded", False)
-            else "kernels",
-            config.runner.cuda_graph_scope if config.runner.cuda_graph_sizes else "none",
+            path["decode_attention"],
+            path["norms"],
+            path["graph_scope"],
         )
 
     @classmethod
@@ -97,6 +94,27 @@ class Engine:
     @property
     def runner_name(self) -> str:
         return self.runner.name
+
+    @property
+    def execution_path(self) -> dict[str, str]:
+        """What this engine runs, as its ready log and the workers' stats say it."""
+        cfg = self.config.runner
+        return {
+            "runner": self.runner_name,
+            "decode_attention": cfg.decode_attention,
+            # runner/models/norm_fold.py: folded on CUDA in 16 bits, where batches of <= 64
+            # tokens then run without RMSNorm launches
+            "norms": "folded"
+            if getattr(getattr(self.runner, "model", None), "norms_folded", False)
+            else "kernels",
+            "graph_scope": cfg.cuda_graph_scope if cfg.cuda_graph_sizes else "none",
+        }
+
+    def steps_by_path(self) -> dict[str, int]:
+        """Steps by what ran them (the MRV2 runner's `steps_by_path`; the reference runner
+        runs every step eagerly)."""
+        by_path = getattr(self.runner, "steps_by_path", None)
+        return by_path() if by_path is not None else {"eager": self.stats.num_steps}
 
     # ---- requests -------------------------------------------------------------------------
 

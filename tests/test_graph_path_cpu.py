@@ -54,6 +54,14 @@ def _run(model_dir: str, scope: str | None) -> tuple[dict[str, list[int]], Engin
             r.model, r.buffers, r.kv_caches, SIZES, r.config.model.max_model_len + 1, **parts
         )
         r.graphs.capture()
+    execute = r.execute
+
+    def counting_execute(so, *args, **kwargs):
+        eng.token_steps += bool(so.num_scheduled_tokens)
+        return execute(so, *args, **kwargs)
+
+    eng.token_steps = 0  # steps with tokens, whatever ran them
+    r.execute = counting_execute
     rng = random.Random(3)
     prompts: dict[str, list[int]] = {}
     for i in range(12):
@@ -87,9 +95,19 @@ def test_graph_path_gives_the_eager_tokens(tiny_qwen3_dir, scope):
     buffer, a sample mask at the wrong offset, a graph step built without its prep, or the
     greedy tail writing the wrong token history would each change the tokens (and the
     next step's inputs) against the eager path."""
-    eager, _ = _run(tiny_qwen3_dir, None)
+    eager, eager_eng = _run(tiny_qwen3_dir, None)
     got, eng = _run(tiny_qwen3_dir, scope)
     graphs = eng.runner.graphs
+    # What the workers' stats (and /metrics' engine_steps) report: every step with tokens
+    # under exactly one path.
+    assert eager_eng.steps_by_path() == {
+        "eager": eager_eng.token_steps, "cuda_graph": 0, "cuda_graph_whole_step": 0,
+    }  # fmt: skip
+    by_path = eng.steps_by_path()
+    assert sum(by_path.values()) == eng.token_steps
+    assert by_path["cuda_graph"] == graphs.replays
+    assert by_path["cuda_graph_whole_step"] == graphs.tail_replays
+    assert 0 < by_path["eager"] < eng.token_steps  # the prefills, and the mixed steps
     assert graphs.replays + graphs.tail_replays > 10, "the decode steps did not take graphs"
     if scope == "step":
         assert graphs.tail_replays > 5, "all-greedy steps must take the greedy tail"

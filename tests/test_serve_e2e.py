@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import time
 
 import httpx
 import openai
@@ -44,6 +45,16 @@ def test_chat_answers_and_counts_usage(pd):
     assert _metric(text, "pdserve:pd_decisions_total", reason="remote_prefill") >= 1
     # The prefill worker wrote the prompt's full blocks behind into the tier actor.
     assert _metric(text, "pdserve:kv_tier_blocks") >= 2
+    # Each worker says what it runs: on the CPU no CUDA graphs, every step eager.
+    deadline = time.monotonic() + 30
+    while _metric(text, "pdserve:engine_steps_total", role="decode", path="eager") < 1:
+        assert time.monotonic() < deadline, "the decode worker's steps never reached /metrics"
+        time.sleep(0.5)
+        text = pd.metrics()
+    assert _metric(text, "pdserve:engine_steps_total", path="cuda_graph") == 0
+    assert _metric(text, "pdserve:engine_steps_total", path="cuda_graph_whole_step") == 0
+    for role in ("prefill", "decode"):
+        assert _metric(text, "pdserve:engine_info", role=role, graph_scope="none") == 1, role
 
 
 def test_streamed_equals_unstreamed_with_usage(pd):

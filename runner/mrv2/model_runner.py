@@ -128,6 +128,7 @@ class MRV2ModelRunner:
         self.decode_kernel = config.runner.decode_kernel
         self.graphs: CudaGraphs | None = None
         self.graph_block_appends = 0  # new blocks written by a graph's prep, not staged
+        self.eager_steps = 0  # steps with tokens that ran no graph
         sizes = config.runner.cuda_graph_sizes
         if self.device.type == "cuda" and sizes:
             self.graphs = CudaGraphs(
@@ -217,6 +218,7 @@ class MRV2ModelRunner:
                 self._layers_done(layer_hook)
                 logits = self.model.compute_logits(hidden[: batch.num_reqs], float32=False)
             else:
+                self.eager_steps += 1
                 hidden = self.model(
                     batch.input_ids,
                     batch.positions,
@@ -250,6 +252,18 @@ class MRV2ModelRunner:
         if graph_size is None:  # a graph step is pure decode: no prompt positions in it
             handle.prompt = self._prompt_logprobs(req_ids, slots, batch, hidden, num_computed)
         return handle
+
+    def steps_by_path(self) -> dict[str, int]:
+        """Steps with tokens so far, by what ran them: `eager` (no graph), `cuda_graph` (a
+        decode graph, then the LM head and sampler eagerly) and `cuda_graph_whole_step`
+        (step scope, every row a plain argmax: one graph from the input prep to the token
+        history)."""
+        g = self.graphs
+        return {
+            "eager": self.eager_steps,
+            "cuda_graph": g.replays if g is not None else 0,
+            "cuda_graph_whole_step": g.tail_replays if g is not None else 0,
+        }
 
     def _layers_done(self, layer_hook: Callable[[int], None] | None) -> None:
         """After a graph replay every layer's KV writes are queued at once."""
