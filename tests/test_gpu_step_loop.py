@@ -131,6 +131,11 @@ def test_step_graphs_give_the_layer_graphs_tokens_without_syncing(qwen3_shaped_d
     assert len(graphs.tail_graphs) == len(graphs.graphs)
     assert graphs.tail_replays > 10, "the greedy steps did not replay the tail graphs"
     assert graphs.replays > 0, "the logprobs request's steps must take the eager tail"
+    # What /metrics reports for this engine (engine_info, engine_steps).
+    assert eng.execution_path["graph_scope"] == "step"
+    by_path = eng.steps_by_path()
+    assert by_path["cuda_graph_whole_step"] == graphs.tail_replays
+    assert by_path["cuda_graph"] == graphs.replays and by_path["eager"] > 0
     del eng
     _, eager = _greedy_run(qwen3_shaped_dir, "layers")
     assert tail.keys() == eager.keys() and all(len(v) >= 8 for v in tail.values())
