@@ -111,10 +111,9 @@ class Engine:
         }
 
     def steps_by_path(self) -> dict[str, int]:
-        """Steps by what ran them (the MRV2 runner's `steps_by_path`; the reference runner
-        runs every step eagerly)."""
-        by_path = getattr(self.runner, "steps_by_path", None)
-        return by_path() if by_path is not None else {"eager": self.stats.num_steps}
+        """Steps with tokens by what ran them (the runner's count: `eager`, and on the MRV2
+        runner `cuda_graph` and `cuda_graph_whole_step`)."""
+        return self.runner.steps_by_path()
 
     # ---- requests -------------------------------------------------------------------------
 

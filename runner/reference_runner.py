@@ -61,9 +61,15 @@ class ReferenceRunner:
         # transformers renamed `past_key_values` to `cache` in 5.2x; take whichever exists.
         params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._steps = 0  # steps with tokens: all eager
+
+    def steps_by_path(self) -> dict[str, int]:
+        """Steps with tokens by what ran them: transformers' forward, eagerly."""
+        return {"eager": self._steps}
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ReadyHandle:
+        self._steps += bool(so.num_scheduled_tokens)
         return ReadyHandle(self._execute(so))
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -125,6 +125,12 @@ def test_mrv2_and_reference_runner_agree(tiny_qwen2_dir):
     seeded samples: the runners share the sampler and its pure-function noise."""
     prompts = _prompts(4, seed=19)
     params = [GREEDY, SamplingParams(temperature=0.8, max_tokens=12, seed=77)] * 2
-    m = _llm(tiny_qwen2_dir, runner="mrv2").generate(prompts, params, use_tqdm=False)
-    r = _llm(tiny_qwen2_dir, runner="reference").generate(prompts, params, use_tqdm=False)
+    m_llm, r_llm = _llm(tiny_qwen2_dir, runner="mrv2"), _llm(tiny_qwen2_dir, runner="reference")
+    m = m_llm.generate(prompts, params, use_tqdm=False)
+    r = r_llm.generate(prompts, params, use_tqdm=False)
     assert _tokens(m) == _tokens(r)
+    # Same scheduler, same steps with tokens: the oracle runs each eagerly, mrv2 counts each
+    # under the path that ran it (what /metrics' engine_steps reports).
+    ref_paths, mrv2_paths = r_llm.engine.steps_by_path(), m_llm.engine.steps_by_path()
+    assert set(ref_paths) == {"eager"} and ref_paths["eager"] > 0
+    assert sum(mrv2_paths.values()) == ref_paths["eager"], (mrv2_paths, ref_paths)
