@@ -132,6 +132,9 @@ class _RouterCollector:
         yield failures
 
 
+_PATH_KEYS = ("runner", "decode_attention", "norms", "graph_scope")  # Engine.execution_path
+
+
 def _path_families(router: Any, roles: dict[str, str]):
     """What each worker's engine runs (an info gauge, 1) and its steps by path: the
     operator sees whether decode steps really take the CUDA graphs."""
@@ -152,6 +155,3 @@ def _path_families(router: Any, roles: dict[str, str]):
             steps.add_metric([role, worker, name], n)
     yield info
     yield steps
-
-
-_PATH_KEYS = ("runner", "decode_attention", "norms", "graph_scope")
