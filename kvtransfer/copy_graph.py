@@ -42,6 +42,7 @@ import functools
 import logging
 import struct
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -58,19 +59,27 @@ MIN_CAPACITY = 8
 MAX_CAPACITY = 8192
 
 
+class _Driver(NamedTuple):
+    graph_launch: Callable[[int, int], int]  # cuGraphLaunch(exec, stream)
+    event_record: Callable[[int, int], int]  # cuEventRecord(event, stream)
+
+
 @functools.cache
-def _driver_graph_launch() -> Callable[[int, int], int] | None:
-    """The driver's cuGraphLaunch, or None without libcuda. torch's `replay` launches on
-    the current stream, so the caller must switch streams around it; the driver call takes
-    the stream (end to end 139.0 vs 141.6 us for the 2,048-token replay, kv_copy_sweep.py's
-    replay_e2e on the H200)."""
+def _driver() -> _Driver | None:
+    """The driver's cuGraphLaunch and cuEventRecord, or None without libcuda. torch's
+    `replay` launches on the current stream, so the caller must switch streams around it;
+    the driver call takes the stream (end to end 139.0 vs 141.6 us for the 2,048-token
+    replay, kv_copy_sweep.py's replay_e2e on the H200). torch's `Event.record` costs the
+    host ~1 us more than the driver call it makes (a device guard and argument parsing)."""
     try:
-        fn = ctypes.CDLL("libcuda.so.1").cuGraphLaunch
+        lib = ctypes.CDLL("libcuda.so.1")
+        fns = (lib.cuGraphLaunch, lib.cuEventRecord)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
+    for fn in fns:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+    return _Driver(*fns)
 
 
 @functools.cache
@@ -139,16 +148,21 @@ class GraphedCopy:
                 self.graph.capture_end()
         raw = getattr(self.graph, "raw_cuda_graph_exec", None)  # torch >= 2.7
         self._exec = raw() if raw is not None else 0
+        self._stream_handle = stream.cuda_stream
+        self._ready_handle = self.ready.cuda_event  # created by the record above
+        self._caller: torch.cuda.Stream | None = None
+        self._caller_handle = 0
 
-    def try_fill(self, ids: Sequence[tuple[Sequence[int], Sequence[int]]]) -> bool:
-        """Write each group's (source ids, destination ids) into the pinned slots; False,
+    def try_fill(self, copies: Sequence[UnitCopy]) -> bool:
+        """Write each group's source and destination ids into the pinned slots; False,
         writing nothing, while the last replay may still be reading them. Raises
         struct.error for an id that is not an int64 (the caller's eager path names it);
         bools pass as 0/1, and the caller's check refuses them later."""
         if not (self.idle or self.done.query()):
             return False
         host = self.slots
-        for (src, dst), off, cap in zip(ids, self.offsets, self.capacities, strict=True):
+        for c, off, cap in zip(copies, self.offsets, self.capacities, strict=True):
+            src, dst = c.src_ids, c.dst_ids
             n = len(src)
             assert n == len(dst) and n <= cap, f"{n} ids for a capacity of {cap}"
             pack = _int64s(n).pack_into
@@ -158,22 +172,28 @@ class GraphedCopy:
         return True
 
     def replay(self, stream: torch.cuda.Stream, caller: torch.cuda.Stream) -> None:
-        """Queue the upload and the copies on `stream`, after the work queued so far on
-        `caller` (the stream current on this thread, restored if torch's replay, which
-        launches on the current stream, has to run); `done` completes after them."""
+        """Queue the upload and the copies on `stream` (the one captured on), after the work
+        queued so far on `caller` (the stream current on this thread, restored if torch's
+        replay, which launches on the current stream, has to run); `done` completes after
+        them."""
+        driver = _driver()
+        if driver is not None and self._exec:
+            if caller is not self._caller:  # raw handles: a property call into C per read
+                self._caller, self._caller_handle = caller, caller.cuda_stream
+            err = driver.event_record(self._ready_handle, self._caller_handle)
+            if err == 0:
+                self.idle = False
+                err = driver.graph_launch(self._exec, self._stream_handle)
+            if err != 0:
+                raise RuntimeError(f"copy graph replay failed with CUresult {err}")
+            return
         self.ready.record(caller)
         self.idle = False
-        launch = _driver_graph_launch()
-        if launch is not None and self._exec:
-            err = launch(self._exec, stream.cuda_stream)
-            if err != 0:
-                raise RuntimeError(f"cuGraphLaunch failed with CUresult {err}")
-        else:
-            torch.cuda.set_stream(stream)
-            try:
-                self.graph.replay()
-            finally:
-                torch.cuda.set_stream(caller)
+        torch.cuda.set_stream(stream)
+        try:
+            self.graph.replay()
+        finally:
+            torch.cuda.set_stream(caller)
 
 
 class CopyGraphs:

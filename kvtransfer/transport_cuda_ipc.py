@@ -39,7 +39,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -135,15 +135,15 @@ def import_tensor(d: dict) -> torch.Tensor:
         raise TransferError("ipc_unavailable", f"cannot map the exported tensor: {e}") from e
 
 
-@dataclass(frozen=True)
-class QueuedPull:
-    """A pull's device work, queued and not waited for."""
+class QueuedPull(NamedTuple):
+    """A pull's device work, queued and not waited for (a named tuple: it is built on the
+    pull's critical path, where a frozen dataclass costs ~1 us more)."""
 
     moved: int  # bytes the copies will move
     done: torch.cuda.Event  # completes after the last copy; reused by the thread's next pull
     # Copies queued before their ids were checked (the graph path): `pull` checks them
     # while the device copies, and fails the pull if they are bad.
-    unchecked: tuple[UnitCopy, ...] = ()
+    unchecked: Sequence[UnitCopy] = ()
     graph: GraphedCopy | None = None  # the graph replayed (its `done` is `done`)
 
 
@@ -233,8 +233,12 @@ class CudaIpcTransport(ZmqClient):
         `time.monotonic()` based). `dst` is not final until `done` has completed; benchmarks
         use this to time the device work alone."""
         ticket = spec.ticket
+        # The lines below are the pull's critical path before the GPU can start: every
+        # microsecond here is one the copy waits (benchmarks/transfer.py `host_ms`).
+        sources = self._mapped.get(ticket.endpoint)  # one dict read is atomic: no lock
+        if sources is None:
+            sources = self._sources(ticket.endpoint, deadline)
         timeout_s = max(deadline - time.monotonic(), 0.001)
-        sources = self._sources(ticket.endpoint, deadline)
         # The lease must outlast the copy (nothing pins it across processes). While the
         # ticket's own expiry leaves a margin of the whole timeout, no round trip is needed;
         # closer to it, a heartbeat extends it (and fails if it is gone).
@@ -243,19 +247,23 @@ class CudaIpcTransport(ZmqClient):
         if cancel is not None and cancel.is_set():
             raise TransferError("cancelled", f"pull of {ticket.request_id} cancelled")
         src_device, device = sources[0].device, dst[0].device
-        self._ensure_peer(src_device, device)
+        peer = src_device != device
+        if peer:
+            self._ensure_peer(src_device, device)
         side = self._side_stream(src_device, device)
         copies = []
         moved = 0
+        src_groups, dst_groups, firsts = ticket.group_unit_ids, spec.dst_unit_ids, spec.first_units
         for g, (src, d) in enumerate(zip(sources, dst, strict=True)):
-            first = spec.first_units[g]
-            src_ids = ticket.group_unit_ids[g][first:]
-            peer = src.device != d.device  # _ensure_peer enabled it
-            copies.append(UnitCopy(src, src_ids, d, spec.dst_unit_ids[g][first:], peer))
+            first = firsts[g]
+            # A tuple's [0:] is the tuple itself; a list's is a copy, so skip it.
+            src_ids = src_groups[g][first:] if first else src_groups[g]
+            dst_ids = dst_groups[g][first:] if first else dst_groups[g]
+            copies.append(UnitCopy(src, src_ids, d, dst_ids, src.device != d.device))
             moved += len(src_ids) * self._unit_bytes[g]
         graph = self._replay(side, copies)
         if graph is not None:  # it waits for the caller stream and records its own `done`
-            return QueuedPull(moved, graph.done, tuple(copies), graph)
+            return QueuedPull(moved, graph.done, copies, graph)
         side.ready.record(side.caller)
         side.stream.wait_event(side.ready)
         with torch.cuda.stream(side.stream):
@@ -273,7 +281,7 @@ class CudaIpcTransport(ZmqClient):
             return None
         graph = side.graphs.get(copies, self._pairs)
         try:
-            if graph is None or not graph.try_fill([(c.src_ids, c.dst_ids) for c in copies]):
+            if graph is None or not graph.try_fill(copies):
                 return None
         except struct.error:
             return None
