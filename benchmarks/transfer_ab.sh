@@ -3,7 +3,7 @@
 # between machines, so only same-call numbers compare). Set-up as for ab_run.sh:
 #   rm -rf ab_old && mkdir ab_old && git archive <old sha> | tar -x -C ab_old
 # Device call (carry .gpu and ab_old):
-#   OLD=<sha> NEW=<sha> ROUNDS=2 TRANSPORTS=cuda_ipc bash benchmarks/transfer_ab.sh
+#   OLD=<sha> NEW=<sha> ROUNDS=2 TRANSPORTS=cuda_ipc [LAYOUTS=paged_gqa] bash benchmarks/transfer_ab.sh
 # Runs NEW then OLD, ROUNDS times; one line per case; JSON under $OUT/<side><round>/.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -17,6 +17,7 @@ for round in $(seq "${ROUNDS:-2}"); do
     out="$OUT/$side$round"; mkdir -p "$out"
     (cd "$root" && PDSERVE_COMMIT=$commit PYTHONPATH=/tmp/pk_$side:/tmp/site timeout 150 \
       python3 benchmarks/transfer.py --transports "${TRANSPORTS:-cuda_ipc}" --reps "${REPS:-50}" \
+      --layouts "${LAYOUTS:-paged_gqa,hybrid}" \
       --out "$out" > "$out.log" 2>&1)
     python3 - "$out" "$side$round" <<'PY'
 import json, pathlib, sys
