@@ -178,9 +178,19 @@ def test_joined_ids_at_an_offset_and_one_pair_reused():
     assert torch.equal(bitwise_view(dst), bitwise_view(want))
 
 
-@pytest.mark.parametrize(
-    "dtype, L, E", [(torch.bfloat16, 3, 32768), (torch.float32, 2, 5001), (torch.float16, 4, 7)]
-)
+# On a GPU, 16 B-aligned rows take the CUDA C kernel (kernels/kv_copy_cuda.py): bf16 x 32,768
+# (one 64 KB row, one block), bf16 x 40,000 (80,000 B: a 16 KB chunk grid whose last chunk
+# is partial) and fp32 x 8,196 (three chunks, the last one vector); the others Triton.
+_COUNTED_SHAPES = [
+    (torch.bfloat16, 3, 32768),
+    (torch.bfloat16, 2, 40000),
+    (torch.float32, 1, 8196),
+    (torch.float32, 2, 5001),
+    (torch.float16, 4, 7),
+]
+
+
+@pytest.mark.parametrize("dtype, L, E", _COUNTED_SHAPES)
 @pytest.mark.parametrize("count", [0, 1, 4])
 def test_counted_copy_reads_its_count_on_the_device_and_skips_bad_ids(dtype, L, E, count):
     """Guards the graph path (kvtransfer/copy_graph.py): one captured launch serves every
@@ -206,6 +216,34 @@ def test_counted_copy_reads_its_count_on_the_device_and_skips_bad_ids(dtype, L, 
     for d in range(8):
         expect = src[:, landed[d]] if d in landed else before[:, d]
         assert torch.equal(bitwise_view(got[:, d]), bitwise_view(expect)), d
+
+
+@pytest.mark.parametrize("dtype, L, E", _COUNTED_SHAPES)
+def test_counted_copy_takes_the_cuda_kernel_exactly_where_it_applies(dtype, L, E):
+    """Guards the choice of kernels/kv_copy_cuda.py: on a GPU, tables whose rows and
+    strides are multiples of 16 B take it (the counted test above then checks its bits);
+    the rest, and every CPU table, take the Triton kernel."""
+    from pdserve.kernels import kv_copy_cuda
+    from pdserve.kernels.kv_copy import PairCache
+
+    src, dst = _random((L, 9, E), dtype, 21), _random((L, 8, E), dtype, 22)
+    pair = PairCache().get(src, dst)
+    ids = torch.zeros(1 + 2 * 4, dtype=torch.int64, device=DEVICE)  # count 0: no copy
+    pair.launch_counted(ids, 0, 4)
+    aligned = (E * dtype.itemsize) % 16 == 0
+    assert kv_copy_cuda.eligible(src, dst) == (DEVICE == "cuda" and aligned)
+    assert pair._cuda_counted == (DEVICE == "cuda" and aligned)
+
+
+def test_cuda_copy_chunks_shrink_only_when_the_grid_would_be_thin():
+    """The CUDA copy's block share: 64 KB of a row while that gives >= 4 blocks an SM,
+    else 16 KB; never more than the row."""
+    from pdserve.kernels.kv_copy_cuda import chunk_vecs
+
+    assert chunk_vecs(rows=3584, row_vecs=4096, num_sms=132) == 4096  # 2,048-token pull
+    assert chunk_vecs(rows=224, row_vecs=4096, num_sms=132) == 1024  # 128-token pull
+    assert chunk_vecs(rows=10_000, row_vecs=10_000, num_sms=132) == 4096
+    assert chunk_vecs(rows=1, row_vecs=3, num_sms=132) == 3
 
 
 @pytest.mark.parametrize("n", [1, 257, 1024, 1025, 3001])
