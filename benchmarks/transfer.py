@@ -256,21 +256,12 @@ def profile_host(transport, spec: PullSpec, dst: tuple, n: int, sync) -> None:
 
 def _pull_stages() -> list[tuple[object, str]]:
     """The functions a pull's host time is split over (`host_stages`)."""
-    from pdserve.kernels import kv_copy, kv_copy_cuda
-    from pdserve.kvtransfer import (
-        copy_graph,
-        direct_copy,
-        id_staging,
-        pack,
-        transport_cuda_ipc,
-        transport_local,
-    )  # fmt: skip
+    from pdserve.kernels import kv_copy
+    from pdserve.kvtransfer import copy_graph, id_staging, pack, transport_cuda_ipc, transport_local
 
     ipc = transport_cuda_ipc.CudaIpcTransport
     return [
         (ipc, "_sources"), (ipc, "_ensure_peer"), (ipc, "_side_stream"), (ipc, "_replay"),
-        (direct_copy.DirectCopies, "try_launch"), (kv_copy_cuda.ParamCopy, "fill"),
-        (kv_copy_cuda.ParamCopy, "launch"),
         (copy_graph.CopyGraphs, "get"), (copy_graph.GraphedCopy, "try_fill"),
         (copy_graph.GraphedCopy, "replay"), (transport_cuda_ipc, "verify_copies"),
         (transport_cuda_ipc, "copy_groups"), (transport_local, "copy_groups"),

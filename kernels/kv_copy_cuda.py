@@ -25,8 +25,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import struct
-from collections.abc import Sequence
 
 import torch
 
@@ -38,36 +36,9 @@ _CHUNK_BYTES = 64 * 1024  # a block's share of a row, at most
 _MIN_BLOCKS_PER_SM = 4  # below this, chunks shrink to 16 KB so small pulls fill the GPU
 _MAX_GRID_YZ = 65535
 
-# Id pairs the parameter kernel takes in one launch: its parameter block is 2,064 bytes of
-# ids, within the 4 KB every CUDA driver accepts. A 2,048-token pull at block size 16 is
-# 128 pairs; larger ones take the graph (counted kernel).
-PARAM_CAPACITY = 256
-_PARAM_HEADER = struct.Struct("4i")  # n, source units, destination units, padding
-
 _SOURCE = r"""
 #define THREADS 512
 #define UNROLL 4
-#define CAP 256
-
-struct Ids { int n; int src_units; int dst_units; int pad; int src[CAP]; int dst[CAP]; };
-
-__device__ __forceinline__ void copy_chunk(
-    const uint4* __restrict__ sp, uint4* __restrict__ dp, int start, int end)
-{
-  for (int base = start + threadIdx.x; base < end; base += THREADS * UNROLL) {
-    uint4 v[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int k = base + u * THREADS;
-      if (k < end) v[u] = __ldg(sp + k);
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int k = base + u * THREADS;
-      if (k < end) dp[k] = v[u];
-    }
-  }
-}
 
 extern "C" __global__ void __launch_bounds__(THREADS) kv_copy_counted(
     const uint4* __restrict__ src, uint4* __restrict__ dst, const long long* __restrict__ ids,
@@ -84,25 +55,23 @@ extern "C" __global__ void __launch_bounds__(THREADS) kv_copy_counted(
   const long long d = slots[1 + capacity + i];
   if (i >= n || s < 0 || s >= src_units || d < 0 || d >= dst_units) return;
   const long long layer = blockIdx.y;
+  const uint4* sp = src + layer * src_ls + s * src_us;
+  uint4* dp = dst + layer * dst_ls + d * dst_us;
   const int start = blockIdx.x * chunk_vecs;
-  copy_chunk(src + layer * src_ls + s * src_us, dst + layer * dst_ls + d * dst_us,
-             start, min(start + chunk_vecs, row_vecs));
-}
-
-// The ids in the launch's parameters (constant memory, no upload): grid z is the pair
-// count itself, so every block copies.
-extern "C" __global__ void __launch_bounds__(THREADS) kv_copy_params(
-    const uint4* __restrict__ src, uint4* __restrict__ dst,
-    long long src_ls, long long src_us, long long dst_ls, long long dst_us,
-    int row_vecs, int chunk_vecs, const __grid_constant__ Ids ids)
-{
-  const int i = blockIdx.z;
-  const long long s = ids.src[i], d = ids.dst[i];
-  if (i >= ids.n || s < 0 || s >= ids.src_units || d < 0 || d >= ids.dst_units) return;
-  const long long layer = blockIdx.y;
-  const int start = blockIdx.x * chunk_vecs;
-  copy_chunk(src + layer * src_ls + s * src_us, dst + layer * dst_ls + d * dst_us,
-             start, min(start + chunk_vecs, row_vecs));
+  const int end = min(start + chunk_vecs, row_vecs);
+  for (int base = start + threadIdx.x; base < end; base += THREADS * UNROLL) {
+    uint4 v[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int k = base + u * THREADS;
+      if (k < end) v[u] = __ldg(sp + k);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int k = base + u * THREADS;
+      if (k < end) dp[k] = v[u];
+    }
+  }
 }
 """
 
@@ -124,25 +93,22 @@ def eligible(src: torch.Tensor, dst: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _kernels(device_index: int) -> dict[str, object] | None:
-    """The compiled kernels for one device (torch's NVRTC wrapper), or None where they
-    cannot be compiled (no NVRTC in this torch build): callers then use Triton."""
+def _kernel(device_index: int) -> object | None:
+    """The compiled kernel for one device (torch's NVRTC wrapper), or None where it cannot
+    be compiled (no NVRTC in this torch build): callers then use the Triton kernel."""
     compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
     if compile_kernel is None:
         return None
     try:
         with torch.cuda.device(device_index):
-            return {
-                name: compile_kernel(_SOURCE, name)
-                for name in ("kv_copy_counted", "kv_copy_params")
-            }
+            return compile_kernel(_SOURCE, "kv_copy_counted")
     except Exception as e:  # noqa: BLE001 - any compile failure means: use Triton
-        logger.warning("CUDA copy kernels unavailable, the Triton one copies: %s", e)
+        logger.warning("CUDA copy kernel unavailable, the Triton one copies: %s", e)
         return None
 
 
 def available(device: torch.device) -> bool:
-    return device.type == "cuda" and _kernels(device.index or 0) is not None
+    return device.type == "cuda" and _kernel(device.index or 0) is not None
 
 
 def chunk_vecs(rows: int, row_vecs: int, num_sms: int) -> int:
@@ -171,100 +137,32 @@ def launch_counted(
     assert capacity <= _MAX_GRID_YZ and num_layers <= _MAX_GRID_YZ, "grid y/z limit"
     assert ids.dtype == torch.int64 and ids.device == src.device
     chunk = chunk_vecs(capacity * num_layers, row_vecs, num_sms)
-    kernels = _kernels(src.device.index or 0)
-    assert kernels is not None, "launch_counted without available kernels"
+    elem = src.element_size()
+    kernel = _kernel(src.device.index or 0)
+    assert kernel is not None, "launch_counted without an available kernel"
     args = [
         ctypes.c_void_p(src.data_ptr()),
         ctypes.c_void_p(dst.data_ptr()),
         ctypes.c_void_p(ids.data_ptr()),
-        *(ctypes.c_longlong(v) for v in (count_offset, capacity, src.shape[1], dst.shape[1])),
-        *_vec_strides(src, dst),
+        *(
+            ctypes.c_longlong(v)
+            for v in (
+                count_offset, capacity, src.shape[1], dst.shape[1],
+                src.stride(0) * elem // _VEC, src.stride(1) * elem // _VEC,
+                dst.stride(0) * elem // _VEC, dst.stride(1) * elem // _VEC,
+            )
+        ),
         ctypes.c_int(row_vecs),
         ctypes.c_int(chunk),
-    ]
-    grid = (-(-row_vecs // chunk), num_layers, capacity)
-    stream = torch.cuda.current_stream(src.device).cuda_stream
-    _launch(kernels["kv_copy_counted"].func, grid, _param_array(args), stream)
-
-
-def _vec_strides(src: torch.Tensor, dst: torch.Tensor) -> list[ctypes.c_longlong]:
-    """Layer and unit strides of both tables in 16 B vectors."""
-    elem = src.element_size()
-    return [ctypes.c_longlong(t.stride(k) * elem // _VEC) for t in (src, dst) for k in (0, 1)]
-
-
-def _param_array(args: list) -> ctypes.Array:
-    """cuLaunchKernel's `kernelParams`: a pointer to each argument's value."""
-    return (ctypes.c_void_p * len(args))(
+    ]  # fmt: skip
+    params = (ctypes.c_void_p * len(args))(
         *[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args]
     )
-
-
-def _launch(func: ctypes.c_void_p, grid: tuple[int, int, int], params, stream: int) -> None:
+    grid = (-(-row_vecs // chunk), num_layers, capacity)
+    stream = torch.cuda.current_stream(src.device)
     lib = torch.cuda._utils._get_gpu_runtime_library()
-    err = lib.cuLaunchKernel(func, *grid, _THREADS, 1, 1, 0, ctypes.c_void_p(stream), params, None)
+    err = lib.cuLaunchKernel(
+        kernel.func, *grid, _THREADS, 1, 1, 0, ctypes.c_void_p(stream.cuda_stream), params, None
+    )
     if err != 0:
-        raise RuntimeError(f"cuLaunchKernel of a CUDA copy kernel failed with CUresult {err}")
-
-
-@functools.cache
-def _int32s(n: int) -> struct.Struct:
-    return struct.Struct(f"{n}i")
-
-
-class ParamCopy:
-    """One (source, destination) table pair's launches of the parameter-id kernel: the
-    arguments are built once; `fill` writes a pull's ids into the parameter block and
-    `launch` queues the kernel (the driver copies the block at the launch, so the next
-    fill may rewrite it at once). The caller checks `eligible` and `available`; ids are
-    not checked here (out-of-range pairs are skipped on the device, the caller checks them
-    on the host while the copy runs)."""
-
-    def __init__(self, src: torch.Tensor, dst: torch.Tensor, num_sms: int) -> None:
-        kernels = _kernels(src.device.index or 0)
-        assert kernels is not None, "ParamCopy without available kernels"
-        self._func = kernels["kv_copy_params"].func
-        self.tables = (src, dst)  # held: the pointers below are theirs
-        self.num_layers = src.shape[0]
-        self.row_vecs = src.shape[2] * src.element_size() // _VEC
-        self._units = (src.shape[1], dst.shape[1])
-        self._num_sms = num_sms
-        self._chunk = ctypes.c_int(0)
-        self._ids = ctypes.create_string_buffer(_PARAM_HEADER.size + 8 * PARAM_CAPACITY)
-        self._args = [
-            ctypes.c_void_p(src.data_ptr()),
-            ctypes.c_void_p(dst.data_ptr()),
-            *_vec_strides(src, dst),
-            ctypes.c_int(self.row_vecs),
-            self._chunk,
-            self._ids,
-        ]
-        self._params = _param_array(self._args)
-        self._lib = torch.cuda._utils._get_gpu_runtime_library()
-        self._n = 0  # pairs in the parameter block
-
-    def fill(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
-        """Write the pairs (src_ids[i], dst_ids[i]) into the parameter block for the next
-        `launch`. Raises struct.error for an id that is not an int32 (the caller's other
-        paths name it); at most PARAM_CAPACITY pairs."""
-        n = len(src_ids)
-        assert n == len(dst_ids) and n <= PARAM_CAPACITY, f"{n} pairs"
-        pack = _int32s(n).pack_into
-        pack(self._ids, _PARAM_HEADER.size, *src_ids)
-        pack(self._ids, _PARAM_HEADER.size + 4 * PARAM_CAPACITY, *dst_ids)
-        _PARAM_HEADER.pack_into(self._ids, 0, n, *self._units, 0)
-        self._n = n
-
-    def launch(self, stream: int) -> None:
-        """Queue the copy of the pairs last filled on the raw `stream`."""
-        n = self._n
-        if n == 0 or self.row_vecs == 0 or self.num_layers == 0:
-            return
-        chunk = chunk_vecs(n * self.num_layers, self.row_vecs, self._num_sms)
-        self._chunk.value = chunk
-        err = self._lib.cuLaunchKernel(
-            self._func, -(-self.row_vecs // chunk), self.num_layers, n, _THREADS, 1, 1, 0,
-            ctypes.c_void_p(stream), self._params, None,
-        )  # fmt: skip
-        if err != 0:
-            raise RuntimeError(f"cuLaunchKernel of the CUDA copy kernel failed with CUresult {err}")
+        raise RuntimeError(f"cuLaunchKernel of the CUDA copy kernel failed with CUresult {err}")

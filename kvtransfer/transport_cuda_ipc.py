@@ -11,15 +11,12 @@ wire shows that the source was alive and still held the blocks while the copy ra
 release after it does (`release_confirms_copy`; the decode loader fails the load when it
 is not acknowledged), and a source that stops answering is forgotten, mapping and all.
 
-Per pull the host does little. On one GPU the copy is, first choice, one direct launch
-per tensor with the ids in the kernel's parameters (kvtransfer/direct_copy.py: up to 256
-pairs a group, 16 B-aligned tables, NVRTC present), after a wait for where the caller's
-stream is; else a replay of a CUDA graph captured once per (tables, id capacity) on the
-thread's side stream (kvtransfer/copy_graph.py): the host records where the caller's
-stream is, writes the ids into the graph's pinned buffer and replays it (a wait for that
-record, the id upload, one counted-kernel launch per tensor, the record of its `done`).
-Either way the host checks the ids while the device copies; the pull fails after the copy
-if they were bad (the kernels skip out-of-range ids). Otherwise (two GPUs,
+Per pull the host does little. On one GPU the copy is a replay of a CUDA graph captured
+once per (tables, id capacity) on the thread's side stream (kvtransfer/copy_graph.py):
+the host records where the caller's stream is, writes the ids into the graph's pinned
+buffer and replays it (a wait for that record, the id upload, one counted-kernel launch per
+tensor, the record of its `done`), and checks the ids while the device copies; the pull fails
+after the copy if they were bad (the kernel skips out-of-range ids). Otherwise (two GPUs,
 a graph whose last replay is still queued, more ids than a graph holds) the eager path
 checks the ids first, stages them through a pinned buffer (`IdStaging`) and launches the
 kernel. The side stream and its two events are made once per thread and (source,
@@ -47,9 +44,7 @@ from typing import NamedTuple
 import torch
 
 from pdserve.kernels.kv_copy import PairCache
-from pdserve.kvtransfer import direct_copy
 from pdserve.kvtransfer.copy_graph import CopyGraphs, GraphedCopy
-from pdserve.kvtransfer.direct_copy import DirectCopies
 from pdserve.kvtransfer.id_staging import IdStagingPool
 from pdserve.kvtransfer.layout import DTYPES, GroupStorage, KVLayout
 from pdserve.kvtransfer.pack import UnitCopy, copy_groups, verify_copies
@@ -157,7 +152,7 @@ class _SideStream:
     run on the source's device (for a mapping of another GPU, the one device that may use
     it: kernels/kv_copy.py); `ready` is recorded on the destination's stream."""
 
-    def __init__(self, src: torch.device, dst: torch.device, direct: bool) -> None:
+    def __init__(self, src: torch.device, dst: torch.device) -> None:
         self.stream = torch.cuda.Stream(src)
         # The stream current on this thread for the destination's device: the engine's
         # compute stream (the default stream; loader threads never switch streams). Kept,
@@ -170,13 +165,6 @@ class _SideStream:
         # Same-device pulls replay captured graphs (kvtransfer/copy_graph.py); the
         # transport's generation says when a forgotten source makes them stale.
         self.graphs = CopyGraphs(self.stream) if src == dst else None
-        # First choice on one device: direct launches with the ids in the parameters
-        # (kvtransfer/direct_copy.py); the graphs take what they cannot.
-        self.direct = (
-            DirectCopies(self.stream, self.ready, self.done)
-            if direct and src == dst and direct_copy.available(src)
-            else None
-        )
         self.generation = 0
 
 
@@ -186,14 +174,9 @@ class CudaIpcTransport(ZmqClient):
     release_confirms_copy = True
 
     def __init__(
-        self,
-        worker_id: str,
-        layout: KVLayout,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        direct_launch: bool = True,  # False: same-device pulls replay graphs (tests)
+        self, worker_id: str, layout: KVLayout, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     ) -> None:
         super().__init__(worker_id, layout, max_message_bytes)
-        self._direct_launch = direct_launch
         self._mapped: dict[str, tuple[GroupStorage, ...]] = {}
         self._map_lock = threading.Lock()
         self._side = threading.local()
@@ -232,11 +215,9 @@ class CudaIpcTransport(ZmqClient):
         sides = self._side.__dict__.setdefault("sides", {})
         side = sides.get((src, dst))
         if side is None:
-            side = sides[(src, dst)] = _SideStream(src, dst, self._direct_launch)
+            side = sides[(src, dst)] = _SideStream(src, dst)
         if side.graphs is not None and side.generation != self._generation:
             side.graphs.clear()  # they hold a forgotten source's addresses
-            if side.direct is not None:
-                side.direct.clear()  # so do the direct launchers
             side.generation = self._generation
         return side
 
@@ -280,8 +261,6 @@ class CudaIpcTransport(ZmqClient):
             dst_ids = dst_groups[g][first:] if first else dst_groups[g]
             copies.append(UnitCopy(src, src_ids, d, dst_ids, src.device != d.device))
             moved += len(src_ids) * self._unit_bytes[g]
-        if side.direct is not None and side.direct.try_launch(copies, side.caller):
-            return QueuedPull(moved, side.done, copies)  # ids checked while it copies
         graph = self._replay(side, copies)
         if graph is not None:  # it waits for the caller stream and records its own `done`
             return QueuedPull(moved, graph.done, copies, graph)

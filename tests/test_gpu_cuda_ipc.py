@@ -178,20 +178,17 @@ def _side(transport: CudaIpcTransport):
     return side
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "graph"])
-def test_same_device_pulls_land_every_count(direct):
-    """Guards both same-device paths. Graph (kvtransfer/copy_graph.py): the captured
-    kernel reads the id count from the uploaded buffer, so pulls of 7, 6, ..., 1 units
-    replay the one graph of capacity 8 (no second capture). Direct
-    (kvtransfer/direct_copy.py): each pull launches with its own ids in the parameters, no
-    graph. Either way each pull lands exactly its units; slots left from a longer earlier
-    pull must not be copied again (every other destination unit is zeroed and checked
-    before each pull)."""
+def test_graph_path_captures_once_per_capacity_and_lands_every_count():
+    """Guards the replayed pull (kvtransfer/copy_graph.py): the captured kernel reads the
+    id count from the uploaded buffer, so pulls of 7, 6, ..., 1 units replay the one graph
+    of capacity 8 (no second capture), each landing exactly its units; slots left from a
+    longer earlier pull must not be copied again (every other destination unit is zeroed
+    and checked before each pull)."""
     with source_process("paged_gqa") as endpoint:
         layout, sizes, src_units, expect, ticket = _gqa_pull_setup(endpoint)
         _, (dst_units,) = UNITS["paged_gqa"]
         dst = tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes))
-        transport = CudaIpcTransport("D", layout, direct_launch=direct)
+        transport = CudaIpcTransport("D", layout)
         (want,) = expect[0].flat()
         (got,) = dst[0].flat()
         for first in range(len(src_units)):
@@ -199,25 +196,19 @@ def test_same_device_pulls_land_every_count(direct):
             queued = transport.enqueue_pull(
                 PullSpec(ticket, (tuple(dst_units),), (first,)), dst, time.monotonic() + 30
             )
-            assert queued.unchecked, "same-device pulls check their ids while copying"
-            assert (queued.graph is None) == direct
+            assert queued.unchecked, "same-device pulls take the graph path"
             queued.done.synchronize()
             for u in range(got.shape[1]):
                 pairs = dict(zip(dst_units[first:], src_units[first:]))
                 expected = want[:, pairs[u]] if u in pairs else torch.zeros_like(got[:, u])
                 assert torch.equal(bitwise_view(got[:, u]), bitwise_view(expected)), (first, u)
-        side = _side(transport)
-        assert len(side.graphs._graphs) == (0 if direct else 1)
-        assert (side.direct.launches if direct else side.direct) == (
-            len(src_units) if direct else None
-        )
+        assert len(_side(transport).graphs._graphs) == 1
         transport.release(ticket, 5.0)
         transport.close()
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "graph"])
-def test_same_device_pulls_check_ids_while_copying_and_fail_after(direct):
-    """Guards the late id check: both same-device paths queue the copy before checking the ids
+def test_graph_path_checks_ids_while_copying_and_fails_after():
+    """Guards the late id check: the graph path queues the copy before checking the ids
     on the host, so a bad destination id (out of range, or a repeat) must still fail the
     pull with the eager path's ValueError, only once the copy is done (the caller frees
     the units next); the kernel skips the out-of-range pair, and the transport keeps
@@ -226,16 +217,15 @@ def test_same_device_pulls_check_ids_while_copying_and_fail_after(direct):
         layout, sizes, src_units, expect, ticket = _gqa_pull_setup(endpoint)
         _, (dst_units,) = UNITS["paged_gqa"]
         dst = tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes))
-        transport = CudaIpcTransport("D", layout, direct_launch=direct)
+        transport = CudaIpcTransport("D", layout)
         bad = list(dst_units)
         bad[2] = 10**6
         with pytest.raises(ValueError, match="destination unit id 1000000"):
             transport.pull(PullSpec(ticket, (tuple(bad),), (0,)), dst, timeout_s=30)
-        side = _side(transport)
-        events = [side.done] if direct else [g.done for g in side.graphs._graphs.values()]
-        assert events and all(e.query() for e in events), "the error came before the copy ended"
+        graphs = _side(transport).graphs._graphs.values()
+        assert all(g.done.query() for g in graphs), "the error came before the copy ended"
         boolean = list(dst_units)
-        boolean[0] = True  # packs as unit 1 (graph buffer, launch parameters); the check refuses it
+        boolean[0] = True  # packs as unit 1 into the graph's buffer; the check refuses it
         # (a ticket's source ids cannot be bools: its schema refuses them on arrival)
         with pytest.raises(ValueError, match="destination unit id True"):
             transport.pull(PullSpec(ticket, (tuple(boolean),), (0,)), dst, timeout_s=30)
@@ -252,17 +242,16 @@ def test_same_device_pulls_check_ids_while_copying_and_fail_after(direct):
         transport.close()
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "graph"])
-def test_a_same_device_copy_waits_for_the_work_the_caller_queued_before_the_pull(direct):
-    """Guards the graph's event wait node and the direct path's stream wait: the
-    destination units were just allocated on the caller's stream, and what it queued on
-    them before the pull (here a fill behind a ~50 ms sleep) must land before the copy,
-    not after it, or the pulled units end up holding the fill."""
+def test_a_replayed_copy_waits_for_the_work_the_caller_queued_before_the_pull():
+    """Guards the graph's event wait node: the destination units were just allocated on
+    the caller's stream, and what it queued on them before the pull (here a fill behind a
+    ~50 ms sleep) must land before the copy, not after it, or the pulled units end up
+    holding the fill."""
     with source_process("paged_gqa") as endpoint:
         layout, sizes, src_units, expect, ticket = _gqa_pull_setup(endpoint)
         _, (dst_units,) = UNITS["paged_gqa"]
         dst = tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes))
-        transport = CudaIpcTransport("D", layout, direct_launch=direct)
+        transport = CudaIpcTransport("D", layout)
         spec = PullSpec(ticket, (tuple(dst_units),), (0,))
         transport.pull(spec, dst, timeout_s=30)  # captures the graph
         (got,) = dst[0].flat()
@@ -273,11 +262,7 @@ def test_a_same_device_copy_waits_for_the_work_the_caller_queued_before_the_pull
             transport.pull(spec, dst, timeout_s=30)
             torch.cuda.synchronize()
             _assert_landed(got, want, src_units, dst_units)
-        side = _side(transport)
-        if direct:
-            assert side.direct.launches == 4 and not side.graphs._graphs
-        else:
-            assert len(side.graphs._graphs) == 1, "the pulls replayed the graph"
+        assert len(_side(transport).graphs._graphs) == 1, "the pulls replayed the graph"
         transport.release(ticket, 5.0)
         transport.close()
 
@@ -292,7 +277,7 @@ def test_a_replay_still_queued_sends_the_next_pull_down_the_eager_path():
         _, (dst_units,) = UNITS["paged_gqa"]
         other = (20, 21, 22, 23, 24, 25, 26)  # disjoint from dst_units, same table
         dst = tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes))
-        transport = CudaIpcTransport("D", layout, direct_launch=False)
+        transport = CudaIpcTransport("D", layout)
         warm = transport.enqueue_pull(
             PullSpec(ticket, (tuple(dst_units),), (0,)), dst, time.monotonic() + 30
         )
@@ -305,35 +290,6 @@ def test_a_replay_still_queued_sends_the_next_pull_down_the_eager_path():
             PullSpec(ticket, (other,), (0,)), dst, time.monotonic() + 30
         )
         assert first.unchecked and not second.unchecked
-        torch.cuda.synchronize()
-        (want,) = expect[0].flat()
-        (got,) = dst[0].flat()
-        for units in (dst_units, other):
-            _assert_landed(got, want, src_units, units)
-        transport.release(ticket, 5.0)
-        transport.close()
-
-
-def test_a_direct_pull_queued_behind_another_keeps_its_own_ids():
-    """Guards the direct path's parameter block: the driver copies it when a launch is
-    queued, so a second pull queued while the first still waits behind the caller's stream
-    launches directly too (no fallback, no wait), and each lands its own units."""
-    with source_process("paged_gqa") as endpoint:
-        layout, sizes, src_units, expect, ticket = _gqa_pull_setup(endpoint)
-        _, (dst_units,) = UNITS["paged_gqa"]
-        other = (20, 21, 22, 23, 24, 25, 26)  # disjoint from dst_units, same table
-        dst = tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes))
-        transport = CudaIpcTransport("D", layout)
-        torch.cuda._sleep(100_000_000)  # the caller stream busy for ~50 ms
-        first = transport.enqueue_pull(
-            PullSpec(ticket, (tuple(dst_units),), (0,)), dst, time.monotonic() + 30
-        )
-        second = transport.enqueue_pull(
-            PullSpec(ticket, (other,), (0,)), dst, time.monotonic() + 30
-        )
-        assert not first.done.query(), "the first pull ran before the caller's work"
-        assert first.graph is None and second.graph is None
-        assert _side(transport).direct.launches == 2
         torch.cuda.synchronize()
         (want,) = expect[0].flat()
         (got,) = dst[0].flat()
