@@ -24,13 +24,13 @@ import sys
 from pathlib import Path
 
 import torch
+from kv_copy_sweep import events_ms
 from run_meta import device_kind, git_commit
 from transfer_setup import LAYOUTS, plan
 
 from pdserve.kernels import kv_copy
 from pdserve.kernels.kv_pack import bitwise_view
 
-_REPS = 50
 _CAP = 256  # id pairs the parameter variant holds
 
 _SOURCE = r"""
@@ -108,18 +108,6 @@ def _launch(func, grid, *, threads: int, params: list, stream) -> None:
 
 class IdsParam(ctypes.Structure):
     _fields_ = [("n", ctypes.c_int), ("src", ctypes.c_int * _CAP), ("dst", ctypes.c_int * _CAP)]
-
-
-def events_ms(fn, reps: int = _REPS) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:

@@ -206,7 +206,9 @@ def _queued(fn):
     return enqueue
 
 
-def _events_ms(fn, reps: int = _REPS) -> float:
+def events_ms(fn, reps: int = _REPS) -> float:
+    """Mean device time of `fn`'s work over `reps` back-to-back calls (CUDA events), after
+    one untimed call."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -335,7 +337,7 @@ def sweep(device: str, only: list[str] | None = None) -> list[dict]:
         counted = torch.tensor([n, *s_ids, *d_ids], dtype=torch.int64, device=device)
         flat_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         flat_dst = torch.empty_like(flat_src)
-        base = _events_ms(functools.partial(flat_dst.copy_, flat_src))
+        base = events_ms(functools.partial(flat_dst.copy_, flat_src))
         base_held = device_ms(_queued(functools.partial(flat_dst.copy_, flat_src)), 20, device)
         dst.zero_()
         want = dst.clone()
@@ -380,7 +382,7 @@ def sweep(device: str, only: list[str] | None = None) -> list[dict]:
         for name, launch in cases:
             dst.zero_()
             try:
-                ms = _events_ms(launch)
+                ms = events_ms(launch)
             except Exception as e:  # a shape Triton cannot compile is reported, not fatal
                 rows.append({"tokens": req.tokens, "case": name, "error": repr(e)[:200]})
                 continue
