@@ -20,7 +20,11 @@ otherwise); their rows say `transport: cuda_ipc` / `nccl` with `src_device`/`dst
 (`transport, layout, tokens, bytes, GBps, baseline_GBps, latency_ms, device, commit,
 command`, plus the baseline's name and latency) are printed one JSON object per line and
 written as a list to `<out>/transfer_<device-kind>.json`. `latency_ms` / `GBps` are end to
-end (the call, host work included) and stay the headline. Rows of local on a GPU and of
+end (the call, host work included, until the bytes have landed) and stay the headline: a
+call plus a device synchronize for the baseline and the local transport, whose calls
+return with work queued; the call alone for cuda_ipc, whose pull returns only once its
+copies are done (its rows add `latency_with_sync_ms`, the same with a redundant
+synchronize after it, as measured before 2026-12-02). Rows of local on a GPU and of
 cuda_ipc add `device_ms` / `device_GBps`: the GPU time of the pull's device work alone
 (ids upload and copy kernels), CUDA events around it while a GPU sleep holds it back until
 it is all queued, so what `latency_ms` adds to it is the per-pull host cost; `host_ms`,
@@ -72,15 +76,20 @@ from pdserve.kvtransfer.source import KVSource
 from pdserve.kvtransfer.transport import PullSpec
 
 
-def median_s(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
-    """Median wall time of `fn` over `reps` calls, after one untimed warm-up call."""
+def median_s(
+    fn: Callable[[], object], reps: int, sync: Callable[[], None], wait_after: bool = True
+) -> float:
+    """Median wall time of `fn` over `reps` calls, after one untimed warm-up call; each
+    call starts on an idle device, and with `wait_after` its time includes a `sync()`
+    (for a call that returns before its device work is done)."""
     fn()
     times = []
     for _ in range(reps):
         sync()
         start = time.perf_counter()
         fn()
-        sync()
+        if wait_after:
+            sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -175,11 +184,17 @@ def pull_cases(
     device_work: DeviceWork | None = None,
     extra_baselines: dict[str, Callable[[int], None]] | None = None,
     baseline_name: str | None = None,
+    pull_waits: bool = False,
 ) -> list[dict]:
     """Pull every request of every layout (one transport per layout) into `device`, and
     time `baseline(nbytes)` on the same byte count right after; with `device_work`, also
     the GPU time of the pull's device work (`device_ms`); each of `extra_baselines` adds
-    `<name>_GBps` / `<name>_latency_ms`."""
+    `<name>_GBps` / `<name>_latency_ms`. `pull_waits`: the transport's `pull` returns only
+    once its copies have completed on the device (cuda_ipc polls its `done` event), so
+    its time is the call's alone; a device-wide synchronize after it would add a second,
+    redundant wait (~10 us on the H200 host, benchmarks/pull_timeline.py) that the
+    baseline's one synchronize does not pay. The time with that synchronize is reported
+    as `latency_with_sync_ms` too."""
     rows = []
     sync = _sync_for(device)
     for name in run.layout_names:
@@ -194,7 +209,15 @@ def pull_cases(
             transport.pull(spec, dst, TIMEOUT_S)
             verify(dst, req)
             nbytes = request_bytes(layout, req)
-            t = median_s(functools.partial(transport.pull, spec, dst, TIMEOUT_S), run.reps, sync)
+            call = functools.partial(transport.pull, spec, dst, TIMEOUT_S)
+            t = median_s(call, run.reps, sync, wait_after=not pull_waits)
+            with_sync = {}
+            if pull_waits:
+                t_sync = median_s(call, run.reps, sync)
+                with_sync = {
+                    "latency_with_sync_ms": t_sync * 1e3,
+                    "GBps_with_sync": nbytes / t_sync / 1e9,
+                }
             if run.profile_pulls:
                 profile_host(transport, spec, dst, run.profile_pulls, sync)
             t_base = median_s(functools.partial(baseline, nbytes), run.reps, sync)
@@ -231,6 +254,7 @@ def pull_cases(
                     "latency_ms": t * 1e3,
                     "baseline_latency_ms": t_base * 1e3,
                     **timed_device,
+                    **with_sync,
                     **extra,
                     "reps": run.reps,
                     "threads": torch.get_num_threads(),
@@ -390,7 +414,7 @@ def run_cuda_ipc(run: Run) -> list[dict]:
     with source_process("cuda_ipc", run) as eps:
         return pull_cases(
             "cuda_ipc", lambda layout: CudaIpcTransport("D", layout), eps["layouts"], run,
-            "cuda:0", copy_baseline("cuda:0"), ipc_device_work,
+            "cuda:0", copy_baseline("cuda:0"), ipc_device_work, pull_waits=True,
         )  # fmt: skip
 
 
@@ -402,7 +426,7 @@ def run_cuda_ipc_peer(run: Run) -> list[dict]:
     with source_process("cuda_ipc_peer", run) as eps:
         return pull_cases(
             "cuda_ipc_peer", lambda layout: CudaIpcTransport("D", layout), eps["layouts"], run,
-            "cuda:1", copy_baseline("cuda:1", "cuda:0"), ipc_device_work,
+            "cuda:1", copy_baseline("cuda:1", "cuda:0"), ipc_device_work, pull_waits=True,
         )  # fmt: skip
 
 
