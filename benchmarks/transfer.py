@@ -20,11 +20,13 @@ otherwise); their rows say `transport: cuda_ipc` / `nccl` with `src_device`/`dst
 (`transport, layout, tokens, bytes, GBps, baseline_GBps, latency_ms, device, commit,
 command`, plus the baseline's name and latency) are printed one JSON object per line and
 written as a list to `<out>/transfer_<device-kind>.json`. `latency_ms` / `GBps` are end to
-end (the call, host work included, until the bytes have landed) and stay the headline: a
-call plus a device synchronize for the baseline and the local transport, whose calls
-return with work queued; the call alone for cuda_ipc, whose pull returns only once its
-copies are done (its rows add `latency_with_sync_ms`, the same with a redundant
-synchronize after it, as measured before 2026-12-02). Rows of local on a GPU and of
+end (the call, host work included, until the bytes have landed) and stay the headline:
+the call alone for cuda_ipc, whose pull returns only once its copies are done (it polls
+an event); for calls that return with work queued (the baseline copy, a local pull), the
+call plus polling an event recorded after it. Until 2026-12-02 every call was followed by
+a device synchronize instead, which charged a cuda_ipc pull a second, redundant wait
+(10-15 us on the H200, `pull_timeline.py`); GPU rows keep those times as
+`latency_with_sync_ms` and `baseline_latency_with_sync_ms`. Rows of local on a GPU and of
 cuda_ipc add `device_ms` / `device_GBps`: the GPU time of the pull's device work alone
 (ids upload and copy kernels), CUDA events around it while a GPU sleep holds it back until
 it is all queued, so what `latency_ms` adds to it is the per-pull host cost; `host_ms`,
@@ -77,21 +79,48 @@ from pdserve.kvtransfer.transport import PullSpec
 
 
 def median_s(
-    fn: Callable[[], object], reps: int, sync: Callable[[], None], wait_after: bool = True
+    fn: Callable[[], object],
+    reps: int,
+    sync: Callable[[], None],
+    wait: Callable[[], None] | None = None,
 ) -> float:
-    """Median wall time of `fn` over `reps` calls, after one untimed warm-up call; each
-    call starts on an idle device, and with `wait_after` its time includes a `sync()`
-    (for a call that returns before its device work is done)."""
+    """Median wall time of `fn` over `reps` calls, after one untimed warm-up call. Each
+    call starts on an idle device (`sync`) and its time ends when `wait` returns (default
+    `sync`: for a call that returns with its device work queued)."""
+    wait = sync if wait is None else wait
     fn()
     times = []
     for _ in range(reps):
         sync()
         start = time.perf_counter()
         fn()
-        if wait_after:
-            sync()
+        wait()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _landed_for(device: str) -> Callable[[], None]:
+    """Waits for the work queued so far on the current stream of every GPU by recording
+    an event on each and polling it, as a cuda_ipc pull polls its `done` event, so a
+    queued copy and a pull are timed to their end the same way (a device synchronize
+    takes the H200 host ~4 us longer to notice, benchmarks/pull_timeline.py)."""
+    if not device.startswith("cuda"):
+        return lambda: None
+    events = [torch.cuda.Event() for _ in range(torch.cuda.device_count())]
+    # Looked up once (the benchmark never switches streams): `current_stream` costs the
+    # H200 host ~7 us a call, which would count against the baseline.
+    streams = [torch.cuda.current_stream(i) for i in range(len(events))]
+
+    def landed() -> None:
+        for event, stream in zip(events, streams, strict=True):
+            event.record(stream)
+        deadline = time.monotonic() + TIMEOUT_S
+        for event in events:
+            while not event.query():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("queued device work did not complete")
+
+    return landed
 
 
 # (transport, spec, dst) -> a call that queues one pull's device work without waiting.
@@ -189,14 +218,15 @@ def pull_cases(
     """Pull every request of every layout (one transport per layout) into `device`, and
     time `baseline(nbytes)` on the same byte count right after; with `device_work`, also
     the GPU time of the pull's device work (`device_ms`); each of `extra_baselines` adds
-    `<name>_GBps` / `<name>_latency_ms`. `pull_waits`: the transport's `pull` returns only
-    once its copies have completed on the device (cuda_ipc polls its `done` event), so
-    its time is the call's alone; a device-wide synchronize after it would add a second,
-    redundant wait (~10 us on the H200 host, benchmarks/pull_timeline.py) that the
-    baseline's one synchronize does not pay. The time with that synchronize is reported
-    as `latency_with_sync_ms` too."""
+    `<name>_GBps` / `<name>_latency_ms`. A call is timed until its bytes have landed:
+    `pull_waits` (cuda_ipc) says the transport's `pull` returns only once its copies
+    have completed (it polls its `done` event), so its time is the call's alone; calls
+    that return with work queued (the baselines, a local pull) are timed until an event
+    recorded after them completes (`_landed_for`). On a GPU the rows also carry the times
+    with a device synchronize after every call, pull included, as measured before
+    2026-12-02: `latency_with_sync_ms`, `baseline_latency_with_sync_ms`."""
     rows = []
-    sync = _sync_for(device)
+    sync, landed = _sync_for(device), _landed_for(device)
     for name in run.layout_names:
         layout = LAYOUTS[name]
         requests, sizes = plan(layout)
@@ -210,20 +240,21 @@ def pull_cases(
             verify(dst, req)
             nbytes = request_bytes(layout, req)
             call = functools.partial(transport.pull, spec, dst, TIMEOUT_S)
-            t = median_s(call, run.reps, sync, wait_after=not pull_waits)
-            with_sync = {}
-            if pull_waits:
-                t_sync = median_s(call, run.reps, sync)
-                with_sync = {
-                    "latency_with_sync_ms": t_sync * 1e3,
-                    "GBps_with_sync": nbytes / t_sync / 1e9,
-                }
+            t = median_s(call, run.reps, sync, (lambda: None) if pull_waits else landed)
             if run.profile_pulls:
                 profile_host(transport, spec, dst, run.profile_pulls, sync)
-            t_base = median_s(functools.partial(baseline, nbytes), run.reps, sync)
+            t_base = median_s(functools.partial(baseline, nbytes), run.reps, sync, landed)
+            with_sync = {}
+            if device.startswith("cuda"):  # as measured before 2026-12-02 (see the docstring)
+                t_sync = median_s(call, run.reps, sync)
+                t_base_sync = median_s(functools.partial(baseline, nbytes), run.reps, sync)
+                with_sync = {
+                    "latency_with_sync_ms": t_sync * 1e3,
+                    "baseline_latency_with_sync_ms": t_base_sync * 1e3,
+                }
             extra = {}
             for key, fn in (extra_baselines or {}).items():
-                t_extra = median_s(functools.partial(fn, nbytes), run.reps, sync)
+                t_extra = median_s(functools.partial(fn, nbytes), run.reps, sync, landed)
                 extra[f"{key}_GBps"] = nbytes / t_extra / 1e9
                 extra[f"{key}_latency_ms"] = t_extra * 1e3
             timed_device = {}
