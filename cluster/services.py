@@ -121,7 +121,9 @@ class DecodeService(_Service):
             tcp = TcpTransport(worker_id, layout, layer_wise=kv_layer_wise)
             self.worker.loader.transports["tcp"] = tcp
             if kv_transport == "cuda_ipc":
-                self.worker.loader.transports["cuda_ipc"] = CudaIpcTransport(worker_id, layout)
+                ipc = CudaIpcTransport(worker_id, layout)
+                ipc.prepare(self.worker.engine.runner.kv_cache.device)
+                self.worker.loader.transports["cuda_ipc"] = ipc
             if in_group:
                 from pdserve.kvtransfer.transport_nccl import NcclTransport
 

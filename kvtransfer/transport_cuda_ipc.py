@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import torch
 
+from pdserve.kernels import kv_copy_cuda
 from pdserve.kernels.kv_copy import PairCache
 from pdserve.kvtransfer.copy_graph import CopyGraphs, GraphedCopy
 from pdserve.kvtransfer.id_staging import IdStagingPool
@@ -185,6 +186,12 @@ class CudaIpcTransport(ZmqClient):
         self._peers: set[tuple[torch.device, torch.device]] = set()  # peer access enabled
         self._generation = 0  # bumped when a source is forgotten: graphs of it are stale
         self._unit_bytes = [g.unit_bytes() for g in layout.groups]  # per pull otherwise
+
+    def prepare(self, device: torch.device) -> None:
+        """Compile now what the first pull into `device` would otherwise compile on a
+        request's path: the copy graph's CUDA kernel (NVRTC, kernels/kv_copy_cuda.py)."""
+        if device.type == "cuda":
+            kv_copy_cuda.available(device)
 
     def _sources(self, endpoint: str, deadline: float) -> tuple[GroupStorage, ...]:
         mapped = self._mapped.get(endpoint)  # one dict read is atomic: no lock on the hit
