@@ -21,11 +21,10 @@ import functools
 import itertools
 import json
 import sys
-from pathlib import Path
 
 import torch
 from kv_copy_sweep import events_ms
-from run_meta import device_kind, git_commit
+from run_meta import write_result
 from transfer_setup import LAYOUTS, plan
 
 from pdserve.kernels import kv_copy
@@ -188,19 +187,15 @@ def main() -> None:
                 f"cuda ids-in-params {name}",
                 functools.partial(launch, f_par, (chunks, L, n), params=par_params),
             )
-    out = {
-        "what": "device time of the 2,048-token scattered cuda_ipc copy: CUDA C (NVRTC) "
-        "variants vs the shipped Triton kernel vs a plain copy of the same bytes",
-        "device": torch.cuda.get_device_name(),
-        "commit": git_commit(),
-        "command": " ".join(["benchmarks/copy_kernel_probe.py", *sys.argv[1:]]),
-        "bytes": nbytes,
-        "rows": rows,
-    }
-    path = Path(args.out) / f"copy_kernel_probe_{device_kind()}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
-    print(f"wrote {path}", file=sys.stderr)
+    write_result(
+        args.out, "copy_kernel_probe", "benchmarks/copy_kernel_probe.py", sys.argv[1:],
+        {
+            "what": "device time of the 2,048-token scattered cuda_ipc copy: CUDA C (NVRTC) "
+            "variants vs the shipped Triton kernel vs a plain copy of the same bytes",
+            "bytes": nbytes,
+            "rows": rows,
+        },
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,10 +27,9 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from run_meta import device_kind, git_commit
+from run_meta import write_result
 from transfer_setup import LAYOUTS, TIMEOUT_S, Run, allocate, plan, source_process, ticket
 
 from pdserve.kvtransfer.pack import verify_copies
@@ -40,6 +39,17 @@ from pdserve.kvtransfer.transport_cuda_ipc import CudaIpcTransport
 
 def _median(rows: list[dict]) -> dict:
     return {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
+
+
+def _times(t0: float, t1: float, t_end: float, span_us: float) -> dict:
+    """A call's split: start `t0`, launch returned `t1`, bytes landed and seen `t_end`
+    (host seconds); `span_us` the GPU span its events measured."""
+    return {
+        "prelaunch_us": (t1 - t0) * 1e6,
+        "gpu_span_us": span_us,
+        "launch_and_run_us": span_us - (t1 - t0) * 1e6,
+        "end_to_end_us": (t_end - t0) * 1e6,
+    }
 
 
 def pull_timeline(transport, spec, dst, reps: int) -> dict:
@@ -64,17 +74,10 @@ def pull_timeline(transport, spec, dst, reps: int) -> dict:
             queued.graph.idle = True
         torch.cuda.synchronize()
         t3 = time.perf_counter()
-        span = a.elapsed_time(b) * 1e3
-        rows.append(
-            {
-                "prelaunch_us": (t1 - t0) * 1e6,
-                "gpu_span_us": span,
-                "launch_and_run_us": span - (t1 - t0) * 1e6,
-                "detect_us": (t2 - t0) * 1e6 - span,
-                "after_us": (t3 - t2) * 1e6,
-                "end_to_end_us": (t3 - t0) * 1e6,
-            }
-        )
+        row = _times(t0, t1, t3, a.elapsed_time(b) * 1e3)
+        row["detect_us"] = (t2 - t0) * 1e6 - row["gpu_span_us"]
+        row["after_us"] = (t3 - t2) * 1e6
+        rows.append(row)
     return _median(rows[1:])
 
 
@@ -92,16 +95,9 @@ def copy_timeline(nbytes: int, reps: int) -> dict:
         b.record()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
-        span = a.elapsed_time(b) * 1e3
-        rows.append(
-            {
-                "prelaunch_us": (t1 - t0) * 1e6,
-                "gpu_span_us": span,
-                "launch_and_run_us": span - (t1 - t0) * 1e6,
-                "sync_after_span_us": (t3 - t0) * 1e6 - span,
-                "end_to_end_us": (t3 - t0) * 1e6,
-            }
-        )
+        row = _times(t0, t1, t3, a.elapsed_time(b) * 1e3)
+        row["sync_after_span_us"] = row["end_to_end_us"] - row["gpu_span_us"]
+        rows.append(row)
     return _median(rows[1:])
 
 
@@ -133,19 +129,15 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             out_rows.append(row)
         transport.close()
-    out = {
-        "what": "a cuda_ipc pull's and a plain copy's end-to-end time split into host "
-        "pre-launch, GPU span (events), polling and synchronize; medians",
-        "device": torch.cuda.get_device_name(),
-        "commit": git_commit(),
-        "command": " ".join(["benchmarks/pull_timeline.py", *sys.argv[1:]]),
-        "reps": args.reps,
-        "rows": out_rows,
-    }
-    path = Path(args.out) / f"pull_timeline_{device_kind()}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
-    print(f"wrote {path}", file=sys.stderr)
+    write_result(
+        args.out, "pull_timeline", "benchmarks/pull_timeline.py", sys.argv[1:],
+        {
+            "what": "a cuda_ipc pull's and a plain copy's end-to-end time split into host "
+            "pre-launch, GPU span (events), polling and synchronize; medians",
+            "reps": args.reps,
+            "rows": out_rows,
+        },
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
