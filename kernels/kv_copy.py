@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels import kv_copy_cuda
-from pdserve.kernels.kv_pack import bitwise_view
+from pdserve.kernels.kv_pack import bitwise_view, rows_tile_by
 from pdserve.kernels.sm_count import num_sms
 
 # Words one load moves: with 4 warps, 16 words a thread, i.e. eight independent 16 B
@@ -181,13 +181,7 @@ def word_bytes_for(src: torch.Tensor, dst: torch.Tensor) -> int:
     for word in (8, 4, 2):
         if word <= elem:
             break
-        if all(
-            (t.shape[2] * elem) % word == 0
-            and (t.stride(0) * elem) % word == 0
-            and (t.stride(1) * elem) % word == 0
-            and t.data_ptr() % word == 0
-            for t in (src, dst)
-        ):
+        if rows_tile_by(src, word) and rows_tile_by(dst, word):
             return word
     return elem
 

@@ -28,6 +28,8 @@ import logging
 
 import torch
 
+from pdserve.kernels.kv_pack import rows_tile_by
+
 logger = logging.getLogger(__name__)
 
 _THREADS = 512
@@ -81,15 +83,7 @@ def eligible(src: torch.Tensor, dst: torch.Tensor) -> bool:
     one device, rows, layer and unit strides and base addresses multiples of 16 bytes."""
     if not (src.is_cuda and dst.is_cuda and src.device == dst.device):
         return False
-    elem = src.element_size()
-    return all(
-        (t.shape[2] * elem) % _VEC == 0
-        and (t.stride(0) * elem) % _VEC == 0
-        and (t.stride(1) * elem) % _VEC == 0
-        and t.data_ptr() % _VEC == 0
-        and t.stride(2) == 1
-        for t in (src, dst)
-    )
+    return all(t.stride(2) == 1 and rows_tile_by(t, _VEC) for t in (src, dst))
 
 
 @functools.cache

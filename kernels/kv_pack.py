@@ -45,6 +45,18 @@ def bitwise_view(t: torch.Tensor, word_bytes: int | None = None) -> torch.Tensor
     return t if t.dtype == int_dtype else t.view(int_dtype)
 
 
+def rows_tile_by(t: torch.Tensor, word_bytes: int) -> bool:
+    """Whether words of `word_bytes` tile every row of the `[L, NU, E]` table `t`: its row
+    bytes, layer and unit strides in bytes, and its base address are multiples of it."""
+    elem = t.element_size()
+    return (
+        (t.shape[2] * elem) % word_bytes == 0
+        and (t.stride(0) * elem) % word_bytes == 0
+        and (t.stride(1) * elem) % word_bytes == 0
+        and t.data_ptr() % word_bytes == 0
+    )
+
+
 def pack_units_ref(
     src: torch.Tensor,  # [L, NU, E]
     unit_ids: torch.Tensor,  # [n] int32/int64
