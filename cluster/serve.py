@@ -71,6 +71,16 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def run_serve(cfg: ServeConfig) -> int:
+    # The port first, before the heavy imports and the model: one another process holds
+    # is a clear error in well under a second.
+    http_sock = listen_socket(cfg.host, cfg.port)
+    try:
+        return _serve(cfg, http_sock)
+    finally:
+        http_sock.close()
+
+
+def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     import ray
     import torch
     import uvicorn
@@ -124,7 +134,6 @@ def run_serve(cfg: ServeConfig) -> int:
             Path(ecfg.model.path), workers_per_gpu, cfg.gpu_memory_utilization
         )
     stream_bind = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
-    http_sock = listen_socket(cfg.host, cfg.port)
     ray.init(
         include_dashboard=False,
         logging_level=logging.WARNING,
@@ -217,7 +226,7 @@ def run_serve(cfg: ServeConfig) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             server.run(sockets=[http_sock])
     finally:
-        http_sock.close()
+        http_sock.close()  # no new connections while the workers stop
         with contextlib.suppress(Exception):
             ray.get(controller.stop.remote(), timeout=30)
         if tier is not None:

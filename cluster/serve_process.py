@@ -65,12 +65,15 @@ class ServeProcess:
                 if PORT_TAKEN in log:
                     raise _PortTaken
                 raise RuntimeError(f"server exited:\n{log}")
+            # Short waits: a child that exits at once (its port was taken, and whoever
+            # holds the port may accept and never answer) is seen within a second; a
+            # slow /health is asked again.
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=0.5).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(0.25)
         self.kill()
         raise RuntimeError(
             f"server did not come up in {start_timeout_s:.0f} s:\n{self.log.read_text()}"

@@ -54,10 +54,16 @@ DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
 torch.set_num_threads(min(4, os.cpu_count() or 1))
 
 
-@pytest.fixture(scope="module")
+# The two default servers live for the whole session: test_bench_contract and
+# test_serve_e2e both use them, and a start costs CI ~20-30 s. No test changes their
+# state beyond counters (which tests read as deltas or lower bounds); tests that kill
+# workers or need other flags start their own servers.
+
+
+@pytest.fixture(scope="session")
 def pd(tmp_path_factory):
     """`pdserve serve` as the README runs it (PD mode, 1 prefill + 1 decode worker, a tier
-    actor, the bundled SmolLM2) on a free port, one per test module that asks for it."""
+    actor, the bundled SmolLM2) on a free port, shared by every test that asks for it."""
     from serve_server import Server
 
     server = Server(tmp_path_factory.mktemp("pd"))
@@ -65,7 +71,7 @@ def pd(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def colocated(tmp_path_factory):
     from serve_server import Server
 

@@ -1,6 +1,6 @@
 """`pdserve serve` as the end-to-end tests drive it: a `ServeProcess` with the official
 `openai` client and the checks every test server gets when it stops. The `pd` and
-`colocated` servers themselves are fixtures in conftest.py (one pair per test module)."""
+`colocated` servers themselves are fixtures in conftest.py (one pair per session)."""
 
 from __future__ import annotations
 
