@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pdserve.cluster.serve_process import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,11 +35,13 @@ def test_cli_errors_are_clear_and_nonzero():
     assert res.returncode == 2 and "unknown model '/no/such/model'" in res.stderr
     res = _run("generate", "--temperature", "-1")
     assert res.returncode == 2 and "temperature must be >= 0" in res.stderr
-    res = _run("serve", "--kv-transport", "cuda_ipc", "--device", "cpu")
+    # `serve` binds its port first: a free one, so the flag errors below are what fails.
+    port = str(free_port())
+    res = _run("serve", "--port", port, "--kv-transport", "cuda_ipc", "--device", "cpu")
     assert (
         res.returncode == 2 and "--kv-transport cuda_ipc needs the workers on a GPU" in res.stderr
     )
-    res = _run("serve", "--mode", "pd", "--runner", "reference")
+    res = _run("serve", "--port", port, "--mode", "pd", "--runner", "reference")
     assert res.returncode == 2 and "--mode pd moves paged KV blocks" in res.stderr
     res = _run("--help")
     assert res.returncode == 0 and "generate" in res.stdout
