@@ -103,6 +103,16 @@ class _RouterCollector:
             for transport, n in (stats.get("pulls_by_transport") or {}).items():
                 pulls.add_metric([roles.get(worker, "?"), worker, transport], n)
         yield pulls
+        firsts = CounterMetricFamily(
+            PREFIX + "kv_early_first_tokens",
+            "Early tickets' first tokens by how they reached the decode worker: relayed "
+            "by the router ahead of the KV, or at the end of the pull",
+            labels=["role", "worker", "source"],
+        )
+        for worker, stats in router.worker_stats.items():
+            for source, n in (stats.get("first_tokens_by_source") or {}).items():
+                firsts.add_metric([roles.get(worker, "?"), worker, source], n)
+        yield firsts
         yield from _path_families(router, roles)
         tier = GaugeMetricFamily(PREFIX + "kv_tier_blocks", "KV blocks held by the tier actor")
         tier_puts = CounterMetricFamily(

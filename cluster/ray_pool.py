@@ -44,6 +44,12 @@ class RayWorkerHandle:
     async def prefill(self, payload: bytes) -> bytes:
         return await self._await(self.actor.prefill.remote(payload))
 
+    async def first_token(self, request_id: str) -> bytes:
+        return await self._await(self.actor.first_token.remote(request_id))
+
+    async def deliver_first_token(self, payload: bytes) -> bool:
+        return await self._await(self.actor.first_token.remote(payload))
+
     async def abort(self, request_id: str) -> bool:
         return await self._await(self.actor.abort.remote(request_id))
 

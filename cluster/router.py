@@ -41,6 +41,10 @@ class WorkerHandle(Protocol):
 
     async def submit(self, payload: bytes) -> None: ...
     async def prefill(self, payload: bytes) -> bytes: ...
+    # --kv-layer-wise: a prefill worker's early ticket's first token (`wire.FirstToken`),
+    # and its delivery to the decode worker loading the KV (False: it came too late).
+    async def first_token(self, request_id: str) -> bytes: ...
+    async def deliver_first_token(self, payload: bytes) -> bool: ...
     async def abort(self, request_id: str) -> bool: ...
     async def stats(self) -> dict: ...
 
@@ -181,21 +185,27 @@ class Router:
         self._queues[request_id] = queue
         holders: list[WorkerHandle] = []
         finished = False
+        relay: asyncio.Task | None = None
         self._inflight[decode_w.worker_id] += 1
         try:
-            ticket = None
+            ticket = prefill_w = None
             hashes = self.prefix_index.hashes(prompt)
             hits = self.prefix_index.hit_tokens(decode_w.worker_id, hashes)
             decision = self._decide(len(prompt), hits)
             self.decisions[decision] += 1
             work = WorkRequest(request_id, prompt, params)
             if decision == "remote_prefill":
-                ticket = await self._remote_prefill(work, holders, hashes)
+                prefill_w = self._pick_prefill(hashes)
+                ticket = await self._remote_prefill(prefill_w, work, holders, hashes)
             self.prefix_index.remember(decode_w.worker_id, hashes)
             work = replace(work, ticket=ticket_to_wire(ticket) if ticket is not None else None)
             holders.append(decode_w)
             self._assigned[request_id] = decode_w.worker_id
             await decode_w.submit(work.encode())
+            if ticket is not None and ticket.first_token is None:  # an early ticket
+                relay = asyncio.create_task(
+                    self._relay_first_token(prefill_w, decode_w, request_id)
+                )
             while True:
                 delta = await asyncio.wait_for(queue.get(), self.config.stream_idle_timeout_s)
                 await out.put((index, delta))
@@ -207,6 +217,9 @@ class Router:
         except BaseException as e:  # handed to the consumer, which raises it
             await out.put((index, e))
         finally:
+            if relay is not None:
+                relay.cancel()
+                await asyncio.gather(relay, return_exceptions=True)
             self._queues.pop(request_id, None)
             self._assigned.pop(request_id, None)
             self._inflight[decode_w.worker_id] -= 1
@@ -216,10 +229,27 @@ class Router:
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
 
+    async def _relay_first_token(
+        self, prefill_w: WorkerHandle, decode_w: WorkerHandle, request_id: str
+    ) -> None:
+        """An early ticket's first token, from the prefill worker to the decode worker as
+        soon as the forward has sampled it, instead of at the end of the layer stream,
+        which over tcp can be seconds later. The stream still ends with the token, so a
+        relay that fails or loses the race only costs that time (logged, not an error)."""
+        try:
+            raw = await asyncio.wait_for(
+                prefill_w.first_token(request_id), self.config.prefill_timeout_s
+            )
+            # False: the pull's end brought it first (counted by the decode worker).
+            await asyncio.wait_for(decode_w.deliver_first_token(raw), 30.0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.info("first token of %s not relayed: %r", request_id, e)
+
     async def _remote_prefill(
-        self, work: WorkRequest, holders: list, hashes: list[int]
+        self, prefill_w: WorkerHandle, work: WorkRequest, holders: list, hashes: list[int]
     ) -> Ticket | None:
-        prefill_w = self._pick_prefill(hashes)
         self.prefix_index.remember(prefill_w.worker_id, hashes)
         self._inflight[prefill_w.worker_id] += 1
         self._prefill_tokens[prefill_w.worker_id] += len(work.prompt_token_ids)

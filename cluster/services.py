@@ -17,7 +17,7 @@ from typing import Any
 from pdserve.cluster.gpu_binding import bind_visible_gpus
 from pdserve.cluster.tier_actor import TierClient
 from pdserve.cluster.token_stream import TokenPublisher, delta_from_engine
-from pdserve.cluster.wire import WorkRequest
+from pdserve.cluster.wire import FirstToken, WorkRequest
 from pdserve.cluster.worker_loop import WorkerLoop
 from pdserve.decode.worker import DecodeWorker
 from pdserve.kvtransfer.protocol import encode, ticket_from_wire
@@ -143,6 +143,12 @@ class DecodeService(_Service):
         ticket = ticket_from_wire(req.ticket) if req.ticket is not None else None
         self._call(lambda w: w.submit(req.request_id, req.prompt_token_ids, req.params, ticket))
 
+    def first_token(self, payload: bytes) -> bool:
+        """An early ticket's first token, relayed by the router ahead of the KV
+        (`wire.FirstToken`); False when the pull brought it first (or the request is gone)."""
+        msg = FirstToken.decode(payload)
+        return self._call(lambda w: w.first_token(msg.request_id, msg.token, msg.logprobs))
+
     def abort(self, request_id: str) -> bool:
         return self._call(lambda w: w.abort(request_id))
 
@@ -156,6 +162,7 @@ class DecodeService(_Service):
                 recompute_fallbacks=ls.recomputes,
                 transfer_failures=ls.fails,
                 pulls_by_transport=dict(ls.pulls),
+                first_tokens_by_source=dict(w.engine.first_tokens_by_source),
             )
             return out
 
@@ -184,8 +191,13 @@ class PrefillService(_Service):
             nccl=in_group, early_tickets=early_tickets,
         )  # fmt: skip
         self._waiters: dict[str, Future] = {}
-        # Early tickets are answered from inside the step, before its forward runs.
-        self.worker.on_early_ticket = lambda result: self._resolve([result])
+        # Early tickets are answered from inside the step, before its forward runs; their
+        # first tokens wait here for the router's `first_token` call (by request id, with
+        # when they were made: ones nobody asked for go after two leases).
+        self._lease_s = lease_s
+        self._firsts: dict[str, tuple[Future, float]] = {}
+        self.worker.on_early_ticket = self._early_ticket
+        self.worker.on_first_token = self._first_token_known
         self.loop = WorkerLoop(self.worker, self._resolve, name=f"prefill-{worker_id}").start()
 
     def info(self) -> dict[str, Any]:
@@ -202,6 +214,38 @@ class PrefillService(_Service):
                 fut.set_exception(RuntimeError(f"prefill ended: {r.finish_reason}"))
             else:
                 fut.set_result(encode(r.ticket))
+
+    def _early_ticket(self, result: PrefillResult) -> None:
+        now = time.monotonic()
+        for rid, (_, made) in list(self._firsts.items()):
+            if now - made > 2 * self._lease_s:
+                del self._firsts[rid]
+        self._firsts[result.request_id] = (Future(), now)
+        self._resolve([result])
+
+    def _first_token_known(
+        self, request_id: str, token: int | None, rows: list | None, why: str | None
+    ) -> None:
+        entry = self._firsts.get(request_id)
+        if entry is None or entry[0].done():
+            return
+        if token is None:
+            entry[0].set_exception(RuntimeError(why))
+        else:
+            entry[0].set_result(FirstToken(request_id, token, rows).encode())
+
+    async def first_token(self, request_id: str) -> bytes:
+        """An early ticket's first token (`wire.FirstToken`), once its prompt's forward
+        has sampled it: the router relays it to the decode worker, whose KV is still on its
+        way (`--kv-layer-wise`). Raises if the prompt ended without one, or had no early
+        ticket here."""
+        entry = self._call(lambda w: self._firsts.get(request_id))
+        if entry is None:
+            raise ValueError(f"no early ticket of {request_id!r} on {self.worker_id}")
+        try:
+            return await asyncio.wrap_future(entry[0])
+        finally:
+            self._call(lambda w: self._firsts.pop(request_id, None))
 
     async def prefill(self, payload: bytes) -> bytes:
         """Run the prompt; returns the ticket (protocol-encoded msgpack)."""
@@ -220,6 +264,9 @@ class PrefillService(_Service):
             fut = self._waiters.pop(request_id, None)
             if fut is not None:
                 fut.cancel()
+            first = self._firsts.pop(request_id, None)
+            if first is not None:
+                first[0].cancel()
             return w.abort(request_id)
 
         return self._call(stop)

@@ -56,3 +56,40 @@ class WorkRequest:
         if not isinstance(body["id"], str):
             raise ValueError("work request: id must be a string")
         return cls(body["id"], prompt, SamplingParams(**params), body["ticket"])
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """An early ticket's first token (`--kv-layer-wise`), relayed by the router from the
+    prefill worker to the decode worker ahead of the KV: `logprobs` is the ticket's rows
+    `[token_id, logprob, rank]` or None."""
+
+    request_id: str
+    token: int
+    logprobs: list[list[float]] | None = None
+
+    def encode(self) -> bytes:
+        body = {"v": WIRE_VERSION, "id": self.request_id, "t": self.token, "l": self.logprobs}
+        return msgpack.packb(body, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> FirstToken:
+        body = msgpack.unpackb(data, raw=False)
+        if not isinstance(body, dict) or body.get("v") != WIRE_VERSION:
+            raise ValueError(f"first token: wire version must be {WIRE_VERSION}")
+        if set(body) != {"v", "id", "t", "l"}:
+            raise ValueError(f"first token: unexpected fields {sorted(body)}")
+        if not isinstance(body["id"], str) or type(body["t"]) is not int:
+            raise ValueError("first token: id must be a string and t a token id")
+        rows = body["l"]
+        if rows is not None and not (
+            isinstance(rows, list)
+            and all(
+                isinstance(r, list)
+                and len(r) == 3
+                and all(isinstance(x, int | float) and not isinstance(x, bool) for x in r)
+                for r in rows
+            )
+        ):
+            raise ValueError("first token: l must be rows of [token_id, logprob, rank] or null")
+        return cls(body["id"], body["t"], rows)

@@ -89,6 +89,11 @@ class DecodeWorker:
         if not continues:
             self.loader.finish_ticket(ticket, release=True)
 
+    def first_token(self, request_id: str, token: int, rows: list | None) -> bool:
+        """An early ticket's first token relayed from the prefill worker ahead of its KV
+        (`Engine.add_first_token`); False when it came too late to be the first."""
+        return self.engine.add_first_token(request_id, token, logprobs_from_rows(rows))
+
     def abort(self, request_id: str) -> bool:
         # A load, once started, ends its ticket itself (cancelled: abort). A request still
         # waiting for admission holds its ticket unused: abort that lease here, or the

@@ -44,6 +44,11 @@ from pdserve.runner.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+# (request id, first token, its logprob rows, None) once sampled; (id, None, None, why)
+# when the prompt ended without one.
+FirstTokenHook = Callable[[str, int | None, list | None, str | None], None]
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     """A request leaving the prefill worker: with a ticket, or ended here (abort)."""
@@ -127,6 +132,10 @@ class PrefillWorker:
         # Early tickets: called with each one as it is issued (from inside the engine's
         # step, before the forward); without it they come with the next `step` results.
         self.on_early_ticket: Callable[[PrefillResult], None] | None = None
+        # And with each early request's first token once sampled (token, logprob rows,
+        # None), or (None, None, why) when its prompt ended without one: the service
+        # relays the token to the decode side ahead of the KV stream, which ends with it.
+        self.on_first_token: FirstTokenHook | None = None
         self._early_out: list[PrefillResult] = []
         self._early: dict[str, tuple[int, ...]] = {}  # ticketed early, not yet held: blocks
         self._free_when_held: set[str] = set()  # their leases ended before they were held
@@ -186,7 +195,10 @@ class PrefillWorker:
             if delta.kv_held is None:
                 if delta.finished:
                     if self._early.pop(rid, None) is not None:
-                        self.leases.fail_pending(rid, f"prompt ended: {delta.finish_reason}")
+                        why = f"prompt ended: {delta.finish_reason}"
+                        self.leases.fail_pending(rid, why)
+                        if self.on_first_token is not None:
+                            self.on_first_token(rid, None, None, why)
                     out.append(PrefillResult(rid, None, delta.finish_reason))
                 continue
             held = delta.kv_held
@@ -195,7 +207,10 @@ class PrefillWorker:
             early = self._early.pop(rid, None)
             if early is not None:  # its ticket went out before the forward
                 assert early == held.block_ids, f"{rid}: held blocks differ from the ticket's"
-                self.leases.complete(rid, delta.new_token_ids[0], ticket_logprobs(delta))
+                token, rows = delta.new_token_ids[0], ticket_logprobs(delta)
+                self.leases.complete(rid, token, rows)
+                if self.on_first_token is not None:
+                    self.on_first_token(rid, token, rows, None)
                 if rid in self._free_when_held:
                     self._free_when_held.discard(rid)
                     self.engine.release_held(rid)
@@ -255,4 +270,4 @@ class PrefillWorker:
         # The engine points back at this worker (its publisher): break the cycle, so the
         # engine and its CUDA graphs go when the last reference does, not at a GC pass.
         self.engine.kv_publisher = None
-        self.on_early_ticket = None
+        self.on_early_ticket = self.on_first_token = None

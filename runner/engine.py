@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +72,8 @@ class Engine:
         self._tracks: dict[str, Track] = {}
         self._pending: list[RequestDelta] = []
         self._held: dict[str, tuple[int, ...]] = {}  # prefill role: blocks under a lease
+        # decode role: how early tickets' first tokens arrived (`add_first_token`)
+        self.first_tokens_by_source: Counter[str] = Counter()
         self._num_arrivals = 0
         self._max_model_len = config.model.max_model_len
         path = self.execution_path
@@ -186,8 +189,9 @@ class Engine:
         the next step (stop checks applied here); if that token does not end it, the
         scheduler gives it blocks and the `KVLoader` fills them from `ticket`. Returns
         False when the first token already finished it (nothing will be loaded).
-        `first_token=None` (an early ticket): the token comes with the load result and is
-        emitted then; a failed load leaves this engine to compute it."""
+        `first_token=None` (an early ticket): the token comes later through
+        `add_first_token` (relayed, or with the load result); a failed load leaves this
+        engine to compute it."""
         self.validate(request_id, prompt_token_ids, params)
         self.require_paged("add_prefilled_request")
         if self.kv_loader is None:
@@ -368,23 +372,33 @@ class Engine:
             del self._tracks[req.request_id]
         return delta
 
+    def add_first_token(
+        self, request_id: str, token: int, logprobs: TopLogprobs | None, source: str = "relay"
+    ) -> bool:
+        """Decode role: the first token of an early ticket's request whose KV is still
+        loading, emitted on the next step (its stop checks may end the request; the
+        scheduler frees its blocks once the load ends). It comes either relayed apart from
+        the KV (`source="relay"`: the router takes it from the prefill worker as soon as it
+        is sampled, while the layers are still on their way) or at the end of the pull
+        (`"pull"`), whichever is first; False, with nothing emitted, for the second, for a
+        request not loading, and for a token outside the vocabulary (the request then
+        computes its own)."""
+        loading = self.scheduler.loading.get(request_id)
+        if loading is None or loading.is_finished or loading.num_output_tokens != 0:
+            return False
+        if not self._is_token(token):
+            logger.warning("first token %r of %s refused", token, request_id)
+            return False
+        loading.append_output_token(token)
+        self._pending.append(self._process_token(loading, logprobs))
+        self.first_tokens_by_source[source] += 1
+        return True
+
     def _finish_load(self, result: KVLoadResult) -> None:
-        loading = self.scheduler.loading.get(result.request_id)
-        first = result.first_token
-        if (
-            first is not None
-            and loading is not None
-            and not loading.is_finished
-            and loading.num_output_tokens == 0
-        ):
-            # An early ticket's first token, brought by the pull: emitted now (its stop
-            # checks may end the request, whose blocks `finish_load` then frees). One out
-            # of the vocabulary is not used: the request computes its own.
-            if self._is_token(first):
-                loading.append_output_token(first)
-                self._pending.append(self._process_token(loading, result.first_logprobs))
-            else:
-                logger.warning("first token %r of %s refused", first, result.request_id)
+        if result.first_token is not None:
+            self.add_first_token(
+                result.request_id, result.first_token, result.first_logprobs, source="pull"
+            )
         req = self.scheduler.finish_load(result)
         if req is None:
             return

@@ -209,6 +209,57 @@ def test_early_tickets_equal_colocated_smollm2(smollm_dir):
         decode.close()
 
 
+def test_a_relayed_first_token_is_emitted_while_the_kv_loads(tiny_qwen3_dir):
+    """Guards the first-token relay (`Engine.add_first_token`, `--kv-layer-wise` in
+    `pdserve serve`): the prefill worker reports each early request's first token as it is
+    sampled; handed to the decode worker while the request is still loading, it is emitted
+    on the next step, before the load's result is processed, and exactly once (the copy
+    that ends the pull is not emitted again). Greedy tokens equal one engine doing both,
+    a late or unknown relay is refused, and every block returns."""
+    prompts = _prompts(4, 990, seed=11, lo=20, hi=60)
+    want = _colocated(tiny_qwen3_dir, prompts)
+    firsts: dict[str, tuple] = {}
+    prefill, decode = _early_pair(tiny_qwen3_dir)
+    prefill.on_first_token = lambda rid, token, rows, why: firsts.setdefault(rid, (token, rows))
+    try:
+        free0 = prefill.engine.kv.num_free_blocks
+        for i, p in enumerate(prompts):
+            prefill.submit(str(i), p, GREEDY)
+        tickets: list[PrefillResult] = []
+        _until(lambda: tickets.extend(r for r in prefill.step() if r.ticket) or len(firsts) == 4)
+        assert len(tickets) == 4 and all(r.ticket.first_token is None for r in tickets)
+        for r in tickets:
+            decode.submit(r.request_id, prompts[int(r.request_id)], GREEDY, r.ticket)
+        calls = 0
+
+        def step():
+            nonlocal calls
+            calls += 1
+            out = decode.step()
+            if calls == 1:  # admitted: every request loads; nothing emitted yet
+                assert not out and set(decode.engine.scheduler.loading) == set(firsts)
+                for rid, (token, rows) in firsts.items():
+                    assert decode.first_token(rid, token, rows)
+            elif calls == 2:  # the relayed tokens come first, whatever the loads did
+                seen = {}
+                for d in out:
+                    if d.new_token_ids:
+                        seen.setdefault(d.request_id, d.new_token_ids[0])
+                assert seen == {rid: token for rid, (token, _) in firsts.items()}
+            return out
+
+        assert _run(step, decode.has_work) == want
+        assert decode.engine.first_tokens_by_source == {"relay": 4}
+        assert decode.loader.stats.loads == 4 and decode.loader.stats.recomputes == 0
+        assert not decode.first_token("0", firsts["0"][0], None)  # finished: refused
+        assert not decode.first_token("nope", 1, None)
+        _until(lambda: prefill.step() == [] and prefill.engine.kv.num_free_blocks == free0)
+        assert decode.engine.kv.num_free_blocks == decode.engine.kv.num_blocks - 1
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_an_early_ticket_whose_source_dies_before_the_forward_recomputes(tiny_qwen3_dir):
     """Guards the failure after an early ticket: the prefill side goes away between the
     ticket and the first layer (here its server closes from inside the step, before the

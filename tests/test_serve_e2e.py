@@ -340,9 +340,10 @@ def layer_wise_pd(tmp_path_factory):
 def test_pd_with_layer_wise_early_tickets(layer_wise_pd, pd):
     """Guards `--kv-layer-wise` through the real services: the prefill service answers the
     router with the early ticket from inside its step (before the forward), the decode
-    side streams the layers and takes the first token (and its logprobs) from the
-    stream's end. Answers, logprobs included, equal the default PD server's, every pull
-    is counted under tcp and none fell back to recompute."""
+    side streams the layers and takes the first token (and its logprobs) either relayed
+    by the router as soon as the prefill sampled it or from the stream's end, exactly once.
+    Answers, logprobs included, equal the default PD server's, every pull is counted under
+    tcp and none fell back to recompute."""
     r = layer_wise_pd.client().chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=20, temperature=0
     )
@@ -360,4 +361,7 @@ def test_pd_with_layer_wise_early_tickets(layer_wise_pd, pd):
     assert _metric(text, "pdserve:kv_recompute_fallbacks_total") == 0, path
     # Early tickets went out (the default server sends none): the path really ran.
     assert _metric(text, "pdserve:kv_early_tickets_total") >= 2, text
+    # Each early ticket's first token reached the decode worker once, by either path.
+    firsts = _metric(text, "pdserve:kv_early_first_tokens_total")
+    assert firsts == _metric(text, "pdserve:kv_early_tickets_total"), text
     assert _metric(pd.metrics(), "pdserve:kv_early_tickets_total") == 0
