@@ -90,12 +90,16 @@ def greedy_texts(url: str, model: str, prompts: list, max_tokens: int, timeout_s
 # remote-prefill decisions by reason, failed remote prefills by error, pulls by transport.
 # Decisions, failures, pulls by transport, and the tier's blocks, puts and hits (a decode
 # worker loads a prompt's blocks from the tier instead of pulling them when the prefill
-# worker's write-behind got there first: then pulls < remote decisions).
+# worker's write-behind got there first: then pulls < remote decisions). With
+# --kv-layer-wise also the early tickets and how their first tokens reached the decode
+# worker (relayed ahead of the KV, or at the end of the pull).
 PATH_METRICS = (
     "pdserve:pd_decisions",
     "pdserve:pd_prefill_failures",
     "pdserve:kv_transfer_pulls",
     "pdserve:kv_tier",
+    "pdserve:kv_early_tickets",
+    "pdserve:kv_early_first_tokens",
 )
 
 
