@@ -94,25 +94,16 @@ class _RouterCollector:
                 if isinstance(stats.get(key), int | float) and not isinstance(stats[key], bool):
                     fam.add_metric([roles.get(worker, "?"), worker], float(stats[key]))
         yield from families.values()
-        pulls = CounterMetricFamily(
-            PREFIX + "kv_transfer_pulls",
-            "KV pulls by transport",
-            labels=["role", "worker", "transport"],
-        )
-        for worker, stats in router.worker_stats.items():
-            for transport, n in (stats.get("pulls_by_transport") or {}).items():
-                pulls.add_metric([roles.get(worker, "?"), worker, transport], n)
-        yield pulls
-        firsts = CounterMetricFamily(
-            PREFIX + "kv_early_first_tokens",
+        yield _counts_by(
+            router, roles, "kv_transfer_pulls", "KV pulls by transport",
+            "pulls_by_transport", "transport",
+        )  # fmt: skip
+        yield _counts_by(
+            router, roles, "kv_early_first_tokens",
             "Early tickets' first tokens by how they reached the decode worker: relayed "
             "by the router ahead of the KV, or at the end of the pull",
-            labels=["role", "worker", "source"],
-        )
-        for worker, stats in router.worker_stats.items():
-            for source, n in (stats.get("first_tokens_by_source") or {}).items():
-                firsts.add_metric([roles.get(worker, "?"), worker, source], n)
-        yield firsts
+            "first_tokens_by_source", "source",
+        )  # fmt: skip
         yield from _path_families(router, roles)
         tier = GaugeMetricFamily(PREFIX + "kv_tier_blocks", "KV blocks held by the tier actor")
         tier_puts = CounterMetricFamily(
@@ -140,6 +131,17 @@ class _RouterCollector:
         for reason, n in router.prefill_failures.items():
             failures.add_metric([reason], n)
         yield failures
+
+
+def _counts_by(
+    router: Any, roles: dict[str, str], name: str, doc: str, stat: str, label: str
+) -> CounterMetricFamily:
+    """A counter per worker and `label` value from each worker's `stat` map of counts."""
+    family = CounterMetricFamily(PREFIX + name, doc, labels=["role", "worker", label])
+    for worker, stats in router.worker_stats.items():
+        for value, n in (stats.get(stat) or {}).items():
+            family.add_metric([roles.get(worker, "?"), worker, value], n)
+    return family
 
 
 _PATH_KEYS = ("runner", "decode_attention", "norms", "graph_scope")  # Engine.execution_path

@@ -20,6 +20,16 @@ PARAM_FIELDS = tuple(
 )
 
 
+def _unpack(data: bytes, what: str, fields: set[str]) -> dict:
+    """A message's msgpack map, checked for this wire version and exactly `fields` (+ v)."""
+    body = msgpack.unpackb(data, raw=False)
+    if not isinstance(body, dict) or body.get("v") != WIRE_VERSION:
+        raise ValueError(f"{what}: wire version must be {WIRE_VERSION}")
+    if set(body) != fields | {"v"}:
+        raise ValueError(f"{what}: unexpected fields {sorted(body)}")
+    return body
+
+
 @dataclass(frozen=True)
 class WorkRequest:
     request_id: str
@@ -40,11 +50,7 @@ class WorkRequest:
 
     @classmethod
     def decode(cls, data: bytes) -> WorkRequest:
-        body = msgpack.unpackb(data, raw=False)
-        if not isinstance(body, dict) or body.get("v") != WIRE_VERSION:
-            raise ValueError(f"work request: wire version must be {WIRE_VERSION}")
-        if set(body) != {"v", "id", "prompt", "params", "ticket"}:
-            raise ValueError(f"work request: unexpected fields {sorted(body)}")
+        body = _unpack(data, "work request", {"id", "prompt", "params", "ticket"})
         prompt = body["prompt"]
         if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
             raise ValueError("work request: prompt must be a list of token ids")
@@ -74,11 +80,7 @@ class FirstToken:
 
     @classmethod
     def decode(cls, data: bytes) -> FirstToken:
-        body = msgpack.unpackb(data, raw=False)
-        if not isinstance(body, dict) or body.get("v") != WIRE_VERSION:
-            raise ValueError(f"first token: wire version must be {WIRE_VERSION}")
-        if set(body) != {"v", "id", "t", "l"}:
-            raise ValueError(f"first token: unexpected fields {sorted(body)}")
+        body = _unpack(data, "first token", {"id", "t", "l"})
         if not isinstance(body["id"], str) or type(body["t"]) is not int:
             raise ValueError("first token: id must be a string and t a token id")
         rows = body["l"]
