@@ -242,8 +242,8 @@ class PrefillService(_Service):
         entry = self._call(lambda w: self._firsts.get(request_id))
         if entry is None:
             raise ValueError(f"no early ticket of {request_id!r} on {self.worker_id}")
-        try:
-            return await asyncio.wrap_future(entry[0])
+        try:  # the forward samples it within the lease, or the lease ends the stream
+            return await asyncio.wait_for(asyncio.wrap_future(entry[0]), 2 * self._lease_s)
         finally:
             self._call(lambda w: self._firsts.pop(request_id, None))
 

@@ -226,7 +226,10 @@ def test_a_relayed_first_token_is_emitted_while_the_kv_loads(tiny_qwen3_dir):
         for i, p in enumerate(prompts):
             prefill.submit(str(i), p, GREEDY)
         tickets: list[PrefillResult] = []
-        _until(lambda: tickets.extend(r for r in prefill.step() if r.ticket) or len(firsts) == 4)
+        deadline = time.monotonic() + 60
+        while len(firsts) < 4:  # tickets first (before each forward), then the tokens
+            assert time.monotonic() < deadline, "the first tokens were not all sampled"
+            tickets += [r for r in prefill.step() if r.ticket is not None]
         assert len(tickets) == 4 and all(r.ticket.first_token is None for r in tickets)
         for r in tickets:
             decode.submit(r.request_id, prompts[int(r.request_id)], GREEDY, r.ticket)
