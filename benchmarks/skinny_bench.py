@@ -116,27 +116,10 @@ def sweep_configs() -> list[sl.SkinnyConfig]:
     ]
 
 
-def weights_first_configs(name: str) -> list[sl.SkinnyConfig]:
-    """Weights-first tiles (kernels/pdl.py) that fit a program's registers (<= 64 KB)."""
-    silu = name in SILU
-    k = SHAPES[SILU.get(name, name)][1]
-    out = []
-    for bn, bk, warps in itertools.product((16, 32, 64), (256, 512, 1024), (4, 8)):
-        if bk > triton.next_power_of_2(k) or (silu and bk < k):
-            continue
-        if bn * bk * 2 * (2 if silu else 1) > sl.WF_MAX_TILE_BYTES:
-            continue
-        out.append(sl.SkinnyConfig(bn, bk, triton.cdiv(k, bk), warps, 1, preload=1))
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time alternative tiles at 32 rows")
     parser.add_argument("--rows", default="1,8,16,32,64")
-    parser.add_argument(
-        "--weights-first", action="store_true", help="time weights-first tiles at 32 rows"
-    )
     parser.add_argument("--gemms", default=",".join([*SHAPES, *SILU]), help="which to sweep")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -147,9 +130,6 @@ def main() -> None:
     if args.sweep:
         for name in args.gemms.split(","):
             results += bench_shape(name, 32, sweep_configs())
-    if args.weights_first:
-        for name in args.gemms.split(","):
-            results += bench_shape(name, 32, weights_first_configs(name))
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "commit": git_commit(),
            "command": " ".join(["benchmarks/skinny_bench.py", *sys.argv[1:]]), "results": results}  # fmt: skip

@@ -45,7 +45,6 @@ from pdserve.kernels.attention_parts import attend_tile, decode_slice, valid_spl
 from pdserve.kernels.paged_decode_flat import decode_flat, flat_programs
 from pdserve.kernels.paged_decode_packed import DEFAULT_CONFIG as PACKED_16BIT
 from pdserve.kernels.paged_decode_packed import PackedConfig, decode_packed
-from pdserve.kernels.pdl import launch_dependents, use_pdl
 from pdserve.kernels.sm_count import num_sms as _num_sms  # tests set it to size a flat grid
 from pdserve.kernels.workspace import KernelWorkspace
 
@@ -170,11 +169,7 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    # The o projection after this kernel loads its weights while these programs run
-    # (kernels/pdl.py); it reads nothing of ours before this grid has finished.
-    launch_dependents(USE_PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -492,5 +487,4 @@ def paged_attention_triton(
         out.stride(1), block_tables.stride(0), *cache_strides, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
         SINGLE_SPLIT=single, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-        USE_PDL=use_pdl(q),
     )  # fmt: skip

@@ -38,7 +38,6 @@ The partials and counters live in the model's `KernelWorkspace` (kernels/workspa
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +46,6 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.activation import silu_and_mul, silu_and_mul_ref
-from pdserve.kernels.pdl import pdl_launch_args, use_pdl, wait_for_producer
 from pdserve.kernels.row_squares import (
     MAX_PARTS,
     SQ_ROWS,
@@ -103,13 +101,6 @@ class SkinnyConfig:
     split_k: int
     num_warps: int
     num_stages: int
-    # Weight tiles (0-2) a program loads before it waits for its input: launched with
-    # PDL on a GPU that has it (kernels/pdl.py). Weights-first: one tile covers the slice.
-    preload: int = 0
-
-    @property
-    def weights_first(self) -> bool:
-        return self.preload > 0
 
 
 @triton.jit
@@ -160,8 +151,6 @@ def _skinny_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE_DOT: tl.constexpr,
-    PRELOAD: tl.constexpr,  # weight tiles (0-2) loaded before the PDL wait
-    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -175,34 +164,7 @@ def _skinny_linear_kernel(
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)  # SILU_MUL only
-    # The first PRELOAD weight tiles of the slice are loaded before the wait, while the
-    # previous kernel still runs (kernels/pdl.py); the inputs only after it.
-    km0 = offs_k < k - k_start
-    km1 = offs_k + BLOCK_K < k - k_start
-    if PRELOAD >= 1:
-        w0 = tl.load(w_ptrs, mask=n_mask[:, None] & km0[None, :], other=0.0)
-        if SILU_MUL:
-            u0 = tl.load(w_ptrs + n * stride_wn, mask=n_mask[:, None] & km0[None, :], other=0.0)
-    if PRELOAD >= 2:
-        w1 = tl.load(w_ptrs + BLOCK_K, mask=n_mask[:, None] & km1[None, :], other=0.0)
-        if SILU_MUL:
-            u1 = tl.load(
-                w_ptrs + n * stride_wn + BLOCK_K, mask=n_mask[:, None] & km1[None, :], other=0.0
-            )
-    wait_for_producer(USE_PDL)
-    if PRELOAD >= 1:
-        xs0 = tl.load(x_ptrs, mask=m_mask[:, None] & km0[None, :], other=0.0)
-        acc = _dot(w0, xs0, acc, IEEE_DOT)
-        if SILU_MUL:
-            acc_up = _dot(u0, xs0, acc_up, IEEE_DOT)
-    if PRELOAD >= 2:
-        xs1 = tl.load(x_ptrs + BLOCK_K, mask=m_mask[:, None] & km1[None, :], other=0.0)
-        acc = _dot(w1, xs1, acc, IEEE_DOT)
-        if SILU_MUL:
-            acc_up = _dot(u1, xs1, acc_up, IEEE_DOT)
-    w_ptrs += PRELOAD * BLOCK_K
-    x_ptrs += PRELOAD * BLOCK_K
-    for step in range(PRELOAD, tl.cdiv(tl.minimum(k_per_split, k - k_start), BLOCK_K)):
+    for step in range(tl.cdiv(tl.minimum(k_per_split, k - k_start), BLOCK_K)):
         if EVEN_K:
             w_mask = n_mask[:, None]
             x_mask = m_mask[:, None]
@@ -290,28 +252,6 @@ def choose_config(n: int, k: int, silu_mul: bool = False, elem_bytes: int = 2) -
     return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=stages)
 
 
-WF_MAX_TILE_BYTES = 64 * 1024  # weights a weights-first program holds in registers
-
-
-def weights_first_config(
-    n: int, k: int, silu_mul: bool = False, elem_bytes: int = 2
-) -> SkinnyConfig | None:
-    """Tiles for the weights-first kernel (whole slices loaded before the PDL wait), or None
-    where a program's slice would not fit its registers (a SiLU-and-mul output over more
-    than 1024 features of K is not split). 32-feature tiles over 512-wide slices for plain
-    outputs (o: 128 programs, down: 192, qkv: 256 at the Qwen3-0.6B shape), 16 features
-    of gate and up over the whole K for SiLU-and-mul (192 programs)."""
-    if silu_mul:
-        block_k = triton.next_power_of_2(k)
-        if 2 * 16 * block_k * elem_bytes > WF_MAX_TILE_BYTES:
-            return None
-        return SkinnyConfig(16, block_k, 1, num_warps=4, num_stages=1, preload=1)
-    block_k = min(512, triton.next_power_of_2(k))
-    if 32 * block_k * elem_bytes > WF_MAX_TILE_BYTES:
-        block_k //= 2
-    return SkinnyConfig(32, block_k, triton.cdiv(k, block_k), num_warps=4, num_stages=1, preload=1)
-
-
 def skinny_linear_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -361,13 +301,10 @@ def _launch(x, weight, bias, workspace, silu_mul_output, config, scale_rows, res
     assert bias is None or (bias.shape == (rows_w,) and bias.is_contiguous()), (
         "bias has one value per weight row"
     )
-    cfg = config or default_config(x, n, k, silu_mul_output)
+    cfg = config or choose_config(n, k, silu_mul_output, x.element_size())
     assert not (silu_mul_output and cfg.split_k > 1), "SiLU-and-mul outputs are not split"
     m_pad = max(16, triton.next_power_of_2(num_rows))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    assert 0 <= cfg.preload <= 2 and cfg.preload * cfg.block_k <= k_per_split, (
-        f"preload {cfg.preload} tiles of {cfg.block_k} in a {k_per_split}-wide slice"
-    )
     split = triton.cdiv(k, k_per_split)  # no empty slice: each program counts itself in
     tiles = triton.cdiv(n, cfg.block_n)
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
@@ -397,26 +334,9 @@ def _launch(x, weight, bias, workspace, silu_mul_output, config, scale_rows, res
         SQ_PARTS_PAD=scale_rows.squares.parts_pad if scale_rows is not None else 1,
         SQ_STRIDE=SQ_ROWS,
         SPLIT_K=split, EVEN_K=k % k_per_split == 0, M_PAD=m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        IEEE_DOT=ieee, PRELOAD=cfg.preload, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **(pdl_launch_args(x) if cfg.weights_first else {"USE_PDL": False}),
+        IEEE_DOT=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, tiles
-
-
-def default_config(x: torch.Tensor, n: int, k: int, silu_mul: bool) -> SkinnyConfig:
-    """The streaming tiles; where the kernel launches with PDL (16-bit weights on a Hopper
-    GPU) the first weight tiles are loaded before the wait: 2 of the o / down
-    projections' 128-wide tiles, 1 of gate/up (gate and up: twice the registers)."""
-    cfg = choose_config(n, k, silu_mul, x.element_size())
-    if x.element_size() <= 2 and use_pdl(x):
-        steps = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k)
-        cfg = dataclasses.replace(
-            cfg,
-            preload=min(1 if silu_mul else 2, steps),
-            num_stages=min(cfg.num_stages, 3) if silu_mul else cfg.num_stages,
-        )
-    return cfg
 
 
 def linear(

@@ -13,8 +13,6 @@ interpreter, which truncates), 2^-11 in fp16, none in fp32. A wrong tile offset,
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,64 +64,6 @@ def test_matches_linear(m, n, k, split, bias, dtype):
     x, w, b = make(m, n, k, dtype, bias)
     cfg = sl.SkinnyConfig(block_n=32, block_k=64, split_k=split, num_warps=4, num_stages=2)
     check(sl.skinny_linear_triton(x, w, b, KernelWorkspace(), config=cfg), x, w, b)
-
-
-PRELOAD_CASES = [
-    # (M, N, K, block_k, split, preload): one tile covering each slice (weights-first; K
-    # short of the last slice: 260 over 2 x 256 -> 256 + 4), K exactly one slice, and
-    # two tiles of a longer slice preloaded (K=260 in 2 slices of 3 x 64 -> 192 + 68: the
-    # last slice's second preloaded tile is short), the model's 1024 in 4 slices.
-    (1, 33, 260, 256, 2, 1),
-    (5, 70, 128, 128, 1, 1),
-    (32, 64, 1024, 256, 4, 1),
-    (3, 40, 260, 64, 2, 2),
-    (32, 64, 1024, 64, 4, 2),
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m,n,k,block_k,split,preload", PRELOAD_CASES)
-def test_preloaded_tiles_match_linear(m, n, k, block_k, split, preload, dtype):
-    """Guards the tiles loaded before the PDL wait (kernels/pdl.py): each used once, masked
-    where the slice is short, the loop resuming after them, the split-K merge unchanged."""
-    x, w, b = make(m, n, k, dtype, True, seed=11)
-    cfg = sl.SkinnyConfig(32, block_k, split, num_warps=4, num_stages=1, preload=preload)
-    check(sl.skinny_linear_triton(x, w, b, KernelWorkspace(), config=cfg), x, w, b)
-
-
-@pytest.mark.parametrize("preload", [1, 2])
-def test_preloaded_tiles_through_the_epilogues(preload):
-    """Guards the preloaded path through every epilogue: SiLU-and-mul of its [gate | up]
-    tiles, and the residual add with its row sums of squares, against the streaming kernel
-    over the same tiles (the rounded outputs within an fp16 ulp: same products, the sums
-    in an order the compiler may change)."""
-    m, n, k, dtype = 6, 40, 256, torch.float16
-    x, w, b = make(m, 2 * n, k, dtype, True, seed=13)
-    stream = sl.SkinnyConfig(16, 64, 1, num_warps=4, num_stages=1)
-    early = dataclasses.replace(stream, preload=preload)
-    ws = KernelWorkspace()
-    ys = [sl.skinny_linear_triton(x, w, b, ws, True, cfg) for cfg in (stream, early)]
-    torch.testing.assert_close(ys[1], ys[0], rtol=2.0**-10, atol=1e-4)
-    res = torch.randn(m, 2 * n, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
-    outs = []
-    for cfg in (stream, early):
-        out, sq = sl.skinny_linear_add_residual(x, w, b, res, ws, cfg)
-        outs.append((out, sq.buf[: sq.parts * 64].clone()))
-    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=2.0**-10, atol=1e-4)
-    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-5)
-    assert sq.parts == 5 and outs[1][1][: 5 * 64].view(5, 64)[:, m:].abs().sum() == 0
-
-
-def test_weights_first_config_fits_registers():
-    """Guards the tile choice: plain outputs over 512-wide slices (o: 128 programs, down:
-    192, qkv: 256 at the Qwen3-0.6B shape), SiLU-and-mul unsplit with 16 features, and no
-    weights-first tile where a program's slice would pass 64 KB."""
-    o, down, qkv = (sl.weights_first_config(*s) for s in ((1024, 2048), (1024, 3072), (4096, 1024)))
-    assert (o.block_k, o.split_k, down.split_k, qkv.split_k) == (512, 4, 6, 2)
-    gate_up = sl.weights_first_config(3072, 1024, True)
-    assert (gate_up.block_n, gate_up.block_k, gate_up.split_k) == (16, 1024, 1)
-    assert sl.weights_first_config(3072, 2048, True) is None
-    assert sl.weights_first_config(1024, 2048, elem_bytes=4).block_k == 512
 
 
 # bf16 on CUDA only: the interpreter's truncating bf16 casts put the rounded projections

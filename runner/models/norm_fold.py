@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from pdserve.kernels.row_squares import (
     MAX_PARTS,
@@ -30,7 +31,6 @@ from pdserve.kernels.row_squares import (
 )
 from pdserve.kernels.skinny_linear import (
     choose_config,
-    linear,
     skinny_linear_add_residual,
     skinny_linear_triton,
 )
@@ -85,7 +85,7 @@ def folded_forward(
     squares = row_squares_triton(r, squares_buffer(ws, r.device))
     for i, (layer, kv_cache) in enumerate(zip(model.layers, kv_caches, strict=True)):
         a, mlp = layer.self_attn, layer.mlp
-        qkv = linear(r, a.qkv_proj.weight, None, ws)  # the bias goes in after the row scale
+        qkv = F.linear(r, a.qkv_proj.weight)  # the bias goes in after the row scale
         scale = ScaleRows(squares, layer.input_layernorm.eps)
         q = a.prepare(qkv, positions, model.cos_sin_cache, kv_cache, attn, scale, a.qkv_proj.bias)
         out = a.attend(q, kv_cache, attn)
