@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.kvtransfer.copy_stream import CopyStreams
 from pdserve.kvtransfer.layout import GroupStorage
 from pdserve.kvtransfer.pack import unpack
 from pdserve.kvtransfer.protocol import Ticket
@@ -95,6 +96,7 @@ class TransferLoader:
         self._done: queue.SimpleQueue[KVLoadResult] = queue.SimpleQueue()
         self._cancel: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
+        self._copies = CopyStreams()
 
     def attach(self, dst: tuple[GroupStorage, ...]) -> None:
         """The engine's KV storage the loads write into (known once the engine exists)."""
@@ -226,11 +228,12 @@ class TransferLoader:
         except KeyError:  # evicted between lookup and get: use what the ticket has
             return 0
         storage = self._dst[0]
-        buffers = [
-            torch.stack([b[t] for b in blocks], dim=1).to(storage.device)
-            for t in range(len(blocks[0]))
-        ]
-        unpack(storage, list(spec.block_ids[first : first + n]), buffers)
+        with self._copies.scope(storage.device):  # beside the engine's steps, done on return
+            buffers = [
+                torch.stack([b[t] for b in blocks], dim=1).to(storage.device)
+                for t in range(len(blocks[0]))
+            ]
+            unpack(storage, list(spec.block_ids[first : first + n]), buffers)
         self.stats.tier_blocks += n
         return n
 

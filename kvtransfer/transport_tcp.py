@@ -3,7 +3,7 @@
 Works without GPUs (CPU tests, nodes without GPU-direct). A pull sends `Pull`, then reads
 `[DataHeader, frame]` messages until `PullDone`, scattering each frame into the
 destination units as it lands (so with `layer_wise` the first layers are in place
-before the last arrive). Every receive waits at most the time left of the call's
+before the last arrive), on a copy stream beside the engine's (kvtransfer/copy_stream.py). Every receive waits at most the time left of the call's
 timeout; on a timeout or error the socket is closed and forgotten, so a late reply can
 never be mistaken for the answer to a later request.
 
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 import zmq
 
+from pdserve.kvtransfer.copy_stream import CopyStreams
 from pdserve.kvtransfer.layout import GroupStorage, KVLayout
 from pdserve.kvtransfer.pack import from_bytes
 from pdserve.kvtransfer.protocol import (
@@ -163,6 +164,7 @@ class TcpTransport(ZmqClient):
     ) -> None:
         super().__init__(worker_id, layout, max_message_bytes)
         self.layer_wise = layer_wise
+        self._copies = CopyStreams()
 
     # An early ticket's first token comes with the stream's PullDone (`pull_early`).
     streams_first_token = True
@@ -202,6 +204,20 @@ class TcpTransport(ZmqClient):
         deadline = time.monotonic() + timeout_s
         self.handshake(endpoint, deadline)
         self.send(endpoint, Pull(rid, self.layout_hash, self.layer_wise, list(spec.first_units)))
+        device = dst[0].device if dst else torch.device("cpu")
+        with self._copies.scope(device):  # beside the engine's steps, done on return
+            return self._receive(spec, dst, endpoint, rid, deadline, cancel)
+
+    def _receive(
+        self,
+        spec: PullSpec,
+        dst: Sequence[GroupStorage],
+        endpoint: str,
+        rid: str,
+        deadline: float,
+        cancel: threading.Event | None,
+    ) -> tuple[int, PullDone]:
+        """Scatter the stream's frames into `dst` as they land, until `PullDone`."""
         moved = frames_seen = 0
         missing = expected_parts(spec, dst)
         while True:
