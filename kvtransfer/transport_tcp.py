@@ -3,9 +3,10 @@
 Works without GPUs (CPU tests, nodes without GPU-direct). A pull sends `Pull`, then reads
 `[DataHeader, frame]` messages until `PullDone`, scattering each frame into the
 destination units as it lands (so with `layer_wise` the first layers are in place
-before the last arrive), on a copy stream beside the engine's (kvtransfer/copy_stream.py). Every receive waits at most the time left of the call's
-timeout; on a timeout or error the socket is closed and forgotten, so a late reply can
-never be mistaken for the answer to a later request.
+before the last arrive), on a copy stream beside the engine's (kvtransfer/copy_stream.py).
+Every receive waits at most the time left of the call's timeout; on a timeout or error
+the socket is closed and forgotten, so a late reply can never be mistaken for the answer
+to a later request.
 
 Sockets are per thread (ZMQ sockets are not thread-safe) and per endpoint; a handshake
 (layout check) runs once per endpoint per transport.
