@@ -3,8 +3,10 @@
 A tcp pull (and a copy from the secondary tier) moves hundreds of MB from host memory into
 the destination's blocks: one pageable copy and one scatter kernel per frame. Queued on
 the loader thread's current stream, which is the engine's compute stream (the default
-stream), every copy sat between two decode steps and held them up: over tcp on one H200,
-PD's TPOT p50 was 13.6-18 ms against 1.8 ms over cuda_ipc.
+stream), every copy sat between two decode steps and held them up. Moving them here cut
+PD's ITL p99 over tcp on one H200 from 18.0 / 23.4 to 7.6 / 15.2 ms at 2 / 4 req/s
+(results/pd_tcp_copy_stream_nvidia-h200_b8e8e7f.json); TPOT there stays bound by the
+pulls themselves (loopback tcp at ~1.5 GB/s).
 
 `CopyStreams.scope(device)` runs a load's copies on a stream of their own instead:
 - it starts by waiting for the caller's stream as it is then: the destination blocks were
