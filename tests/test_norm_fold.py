@@ -117,7 +117,10 @@ def test_scale_rows_epilogue(dtype, bias):
     act = skinny_linear_triton(
         x2, w2, b2, KernelWorkspace(), silu_mul_output=True, config=cfg, scale_rows=scale
     )
-    rtol = max(ROUNDING[dtype], 2.0**-20)
+    # The kernel's exp (numpy's under the interpreter) and torch's may differ by an fp32 ulp,
+    # which can flip silu's rounding to the dtype: one ulp of silu (2 roundings) plus the
+    # product's own rounding, 3 units of the dtype's rounding.
+    rtol = 3 * max(ROUNDING[dtype], 2.0**-20)
     torch.testing.assert_close(act, silu_and_mul_ref(gu), rtol=rtol, atol=1e-6)
 
 
