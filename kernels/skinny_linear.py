@@ -113,125 +113,6 @@ def _dot(w, xs, acc, IEEE_DOT: tl.constexpr):
     return tl.dot(w, tl.trans(xs), acc)
 
 
-@triton.jit
-def skinny_tile(
-    pid_n,
-    pid_k,
-    x_ptr,
-    w_ptr,
-    bias_ptr,
-    out_ptr,
-    part_ptr,
-    count_ptr,
-    res_ptr,
-    sq_out_ptr,
-    sq_in_ptr,
-    num_rows,
-    n,
-    k,
-    k_per_split,
-    stride_xm,
-    stride_wn,
-    stride_om,
-    stride_rm,
-    num_sq_parts,
-    sq_dim,
-    eps,
-    HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
-    SQ_PARTS_PAD: tl.constexpr,
-    SQ_STRIDE: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    M_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
-):
-    """One output tile (pid_n) and K slice (pid_k) of `_skinny_linear_kernel`, with the
-    split-K merge by the last arriver and the epilogues: the body that kernel runs once and
-    kernels/mlp_block.py's persistent kernel runs per work item."""
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, M_PAD)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < n
-    m_mask = offs_m < num_rows
-    k_start = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
-    acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)  # SILU_MUL only
-    for step in range(tl.cdiv(tl.minimum(k_per_split, k - k_start), BLOCK_K)):
-        if EVEN_K:
-            w_mask = n_mask[:, None]
-            x_mask = m_mask[:, None]
-        else:
-            k_mask = offs_k < k - k_start - step * BLOCK_K
-            w_mask = n_mask[:, None] & k_mask[None, :]
-            x_mask = m_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        # .cg: in a persistent launch another program may have written x.
-        xs = tl.load(x_ptrs, mask=x_mask, other=0.0, cache_modifier=".cg")
-        acc = _dot(w, xs, acc, IEEE_DOT)
-        if SILU_MUL:  # the up rows sit N rows below the gate rows
-            w_up = tl.load(w_ptrs + n * stride_wn, mask=w_mask, other=0.0)
-            acc_up = _dot(w_up, xs, acc_up, IEEE_DOT)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-
-    last = True
-    if SPLIT_K > 1:
-        # [SPLIT_K, M_PAD, N]: rows past num_rows hold zeros (their x was masked to 0).
-        tile = offs_m[None, :].to(tl.int64) * n + offs_n[:, None]
-        tl.store(part_ptr + pid_k * M_PAD * n + tile, acc, mask=n_mask[:, None])
-        # Every thread's partial is stored before one thread counts the program in; the
-        # acq_rel atomic publishes them to the last arriver, which reads them from L2.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        last = arrived == SPLIT_K - 1
-        if last:
-            acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
-            for s in range(SPLIT_K):  # split order, whoever arrived last: deterministic
-                acc += tl.load(
-                    part_ptr + s * M_PAD * n + tile, mask=n_mask[:, None], cache_modifier=".cg"
-                )
-            tl.store(count_ptr + pid_n, 0)
-    if last:
-        dtype = out_ptr.dtype.element_ty
-        if SCALE_ROWS:  # the folded RMSNorm's factor, applied to the product before the bias
-            inv = row_scale(sq_in_ptr, offs_m, m_mask, num_sq_parts, sq_dim, eps, SQ_PARTS_PAD,
-                            SQ_STRIDE)  # fmt: skip
-            acc = acc * inv[None, :]
-            if SILU_MUL:
-                acc_up = acc_up * inv[None, :]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            if SILU_MUL:
-                up_bias = tl.load(bias_ptr + n + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                acc_up += up_bias[:, None]
-        if SILU_MUL:
-            # kernels/activation.py on the rounded projections: silu in fp32 rounded to the
-            # dtype, then the product (rounded by the store below).
-            gate = acc.to(dtype).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            acc = silu * acc_up.to(dtype).to(tl.float32)
-        out_mask = n_mask[:, None] & m_mask[None, :]
-        y = acc.to(dtype)
-        if ADD_RESIDUAL:
-            # The rounded projection plus the residual, rounded once more (exact in fp32
-            # before that rounding, as in kernels/norm.py); then this tile's share of each
-            # row's sum of squares of the new residual stream (masked lanes are 0).
-            res_ptrs = res_ptr + offs_m[None, :].to(tl.int64) * stride_rm + offs_n[:, None]
-            res = tl.load(res_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
-            y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
-            yf = tl.where(out_mask, y.to(tl.float32), 0.0)
-            tl.store(sq_out_ptr + pid_n * SQ_STRIDE + offs_m, tl.sum(yf * yf, 0), mask=m_mask)
-        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, y, mask=out_mask)
-
-
 # num_rows is the batch's row count: not specialised on (a variant per value class would
 # compile mid-serving); M_PAD is. k_per_split is: its divisibility by 16 is what lets the
 # compiler prove the weight rows 16-byte aligned and load them in wide vectors (without it
@@ -271,13 +152,82 @@ def _skinny_linear_kernel(
     BLOCK_K: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
-    skinny_tile(
-        tl.program_id(0), tl.program_id(1), x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
-        count_ptr, res_ptr, sq_out_ptr, sq_in_ptr, num_rows, n, k, k_per_split, stride_xm,
-        stride_wn, stride_om, stride_rm, num_sq_parts, sq_dim, eps, HAS_BIAS, SILU_MUL,
-        ADD_RESIDUAL, SCALE_ROWS, SQ_PARTS_PAD, SQ_STRIDE, SPLIT_K, EVEN_K, M_PAD, BLOCK_N,
-        BLOCK_K, IEEE_DOT,
-    )  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < n
+    m_mask = offs_m < num_rows
+    k_start = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
+    acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)  # SILU_MUL only
+    for step in range(tl.cdiv(tl.minimum(k_per_split, k - k_start), BLOCK_K)):
+        if EVEN_K:
+            w_mask = n_mask[:, None]
+            x_mask = m_mask[:, None]
+        else:
+            k_mask = offs_k < k - k_start - step * BLOCK_K
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            x_mask = m_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        xs = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        acc = _dot(w, xs, acc, IEEE_DOT)
+        if SILU_MUL:  # the up rows sit N rows below the gate rows
+            w_up = tl.load(w_ptrs + n * stride_wn, mask=w_mask, other=0.0)
+            acc_up = _dot(w_up, xs, acc_up, IEEE_DOT)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+
+    if SPLIT_K > 1:
+        # [SPLIT_K, M_PAD, N]: rows past num_rows hold zeros (their x was masked to 0).
+        tile = offs_m[None, :].to(tl.int64) * n + offs_n[:, None]
+        tl.store(part_ptr + pid_k * M_PAD * n + tile, acc, mask=n_mask[:, None])
+        # Every thread's partial is stored before one thread counts the program in; the
+        # acq_rel atomic publishes them to the last arriver, which reads them from L2.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived != SPLIT_K - 1:
+            return
+        acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+        for s in range(SPLIT_K):  # split order, whoever arrived last: deterministic
+            acc += tl.load(
+                part_ptr + s * M_PAD * n + tile, mask=n_mask[:, None], cache_modifier=".cg"
+            )
+        tl.store(count_ptr + pid_n, 0)
+    dtype = out_ptr.dtype.element_ty
+    if SCALE_ROWS:  # the folded RMSNorm's factor, applied to the product before the bias
+        inv = row_scale(sq_in_ptr, offs_m, m_mask, num_sq_parts, sq_dim, eps, SQ_PARTS_PAD,
+                        SQ_STRIDE)  # fmt: skip
+        acc = acc * inv[None, :]
+        if SILU_MUL:
+            acc_up = acc_up * inv[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        if SILU_MUL:
+            up_bias = tl.load(bias_ptr + n + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            acc_up += up_bias[:, None]
+    if SILU_MUL:
+        # kernels/activation.py on the rounded projections: silu in fp32 rounded to the
+        # dtype, then the product (rounded by the store below).
+        gate = acc.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = silu * acc_up.to(dtype).to(tl.float32)
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    y = acc.to(dtype)
+    if ADD_RESIDUAL:
+        # The rounded projection plus the residual, rounded once more (exact in fp32 before
+        # that rounding, as in kernels/norm.py); then this tile's share of each row's sum
+        # of squares of the new residual stream (masked lanes are 0).
+        res_ptrs = res_ptr + offs_m[None, :].to(tl.int64) * stride_rm + offs_n[:, None]
+        res = tl.load(res_ptrs, mask=out_mask, other=0.0)
+        y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
+        yf = tl.where(out_mask, y.to(tl.float32), 0.0)
+        tl.store(sq_out_ptr + pid_n * SQ_STRIDE + offs_m, tl.sum(yf * yf, 0), mask=m_mask)
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, y, mask=out_mask)
 
 
 def choose_config(n: int, k: int, silu_mul: bool = False, elem_bytes: int = 2) -> SkinnyConfig:

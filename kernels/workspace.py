@@ -45,10 +45,6 @@ class KernelWorkspace:
         """[>= numel] int32 arrival counters, zero between launches."""
         return self._get(name, numel, torch.int32, device)
 
-    def barrier(self, name: str, device: torch.device) -> torch.Tensor:
-        """[1] int64 grid-barrier counter: it only grows (kernels/mlp_block.py), never reset."""
-        return self._get(name, 1, torch.int64, device)
-
     def scratch(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
         """[>= numel] float32 scratch for partial results."""
         return self._get(name, numel, torch.float32, device)

@@ -22,7 +22,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.mlp_block import mlp_block
 from pdserve.kernels.row_squares import (
     MAX_PARTS,
     SQ_ROWS,
@@ -30,7 +29,11 @@ from pdserve.kernels.row_squares import (
     row_squares_triton,
     squares_buffer,
 )
-from pdserve.kernels.skinny_linear import choose_config
+from pdserve.kernels.skinny_linear import (
+    choose_config,
+    skinny_linear_add_residual,
+    skinny_linear_triton,
+)
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 
 
@@ -86,11 +89,14 @@ def folded_forward(
         scale = ScaleRows(squares, layer.input_layernorm.eps)
         q = a.prepare(qkv, positions, model.cos_sin_cache, kv_cache, attn, scale, a.qkv_proj.bias)
         out = a.attend(q, kv_cache, attn)
-        o, gate_up, down = a.o_proj, mlp.gate_up_proj, mlp.down_proj
-        r, squares = mlp_block(
-            out, r, (o.weight, o.bias), (gate_up.weight, gate_up.bias),
-            (down.weight, down.bias), layer.post_attention_layernorm.eps, ws,
+        o = a.o_proj
+        r, squares = skinny_linear_add_residual(out, o.weight, o.bias, r, ws)
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        h = skinny_linear_triton(
+            r, gate_up.weight, gate_up.bias, ws, silu_mul_output=True,
+            scale_rows=ScaleRows(squares, layer.post_attention_layernorm.eps),
         )  # fmt: skip
+        r, squares = skinny_linear_add_residual(h, down.weight, down.bias, r, ws)
         if layer_hook is not None:
             layer_hook(i)
     return r
