@@ -162,6 +162,20 @@ def _skinny_linear_kernel(
     k_start = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    # The epilogue's inputs are loaded before the K loop: they are complete at launch, and
+    # so their latency hides under the weight stream instead of adding a round trip after
+    # the merge (every split program loads them; only the last arriver uses them).
+    if ADD_RESIDUAL:
+        res_ptrs = res_ptr + offs_m[None, :].to(tl.int64) * stride_rm + offs_n[:, None]
+        res = tl.load(res_ptrs, mask=out_mask, other=0.0)
+    if SCALE_ROWS:  # the folded RMSNorm's factor, applied to the product before the bias
+        inv = row_scale(sq_in_ptr, offs_m, m_mask, num_sq_parts, sq_dim, eps, SQ_PARTS_PAD,
+                        SQ_STRIDE)  # fmt: skip
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if SILU_MUL:
+            up_bias = tl.load(bias_ptr + n + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)  # SILU_MUL only
     for step in range(tl.cdiv(tl.minimum(k_per_split, k - k_start), BLOCK_K)):
@@ -198,16 +212,13 @@ def _skinny_linear_kernel(
             )
         tl.store(count_ptr + pid_n, 0)
     dtype = out_ptr.dtype.element_ty
-    if SCALE_ROWS:  # the folded RMSNorm's factor, applied to the product before the bias
-        inv = row_scale(sq_in_ptr, offs_m, m_mask, num_sq_parts, sq_dim, eps, SQ_PARTS_PAD,
-                        SQ_STRIDE)  # fmt: skip
+    if SCALE_ROWS:
         acc = acc * inv[None, :]
         if SILU_MUL:
             acc_up = acc_up * inv[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        acc += bias[:, None]
         if SILU_MUL:
-            up_bias = tl.load(bias_ptr + n + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             acc_up += up_bias[:, None]
     if SILU_MUL:
         # kernels/activation.py on the rounded projections: silu in fp32 rounded to the
@@ -215,14 +226,11 @@ def _skinny_linear_kernel(
         gate = acc.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = silu * acc_up.to(dtype).to(tl.float32)
-    out_mask = n_mask[:, None] & m_mask[None, :]
     y = acc.to(dtype)
     if ADD_RESIDUAL:
         # The rounded projection plus the residual, rounded once more (exact in fp32 before
         # that rounding, as in kernels/norm.py); then this tile's share of each row's sum
         # of squares of the new residual stream (masked lanes are 0).
-        res_ptrs = res_ptr + offs_m[None, :].to(tl.int64) * stride_rm + offs_n[:, None]
-        res = tl.load(res_ptrs, mask=out_mask, other=0.0)
         y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
         yf = tl.where(out_mask, y.to(tl.float32), 0.0)
         tl.store(sq_out_ptr + pid_n * SQ_STRIDE + offs_m, tl.sum(yf * yf, 0), mask=m_mask)
