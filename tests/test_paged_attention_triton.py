@@ -230,6 +230,27 @@ def test_decode_splits(num_splits, kernel):
     check(batch, batch.run_triton(num_splits=num_splits, decode_kernel=kernel))
 
 
+def test_decode_reads_no_block_past_the_context():
+    """Guards the unsplit decode's first tile, loaded before the row's length is known: the
+    block-table entries past a row's blocks are whatever an earlier request left there
+    (here ids below 0 and past the cache, which would be out-of-bounds reads) and the
+    blocks they name hold NaN; a short row must still see only its own keys, and a row
+    with several queries (the prefill kernel's) must not be written by the decode one."""
+    rows = [DECODE, (3, 1), DECODE_AT_1, PAD, TWO_QUERIES, (16, 1)]
+    clean = make_batch(rows, 4, 2, 24, 16, seed=3)
+    num_blocks = clean.cache.shape[0]
+    tables = clean.tables.cpu().clone()
+    for r, (ctx, _) in enumerate(rows + [PAD]):
+        used = -(-ctx // 16)
+        tables[r, used:] = torch.tensor([-7, num_blocks + 100, num_blocks])[
+            torch.arange(tables.shape[1] - used) % 3
+        ]
+    batch = dataclasses.replace(clean, tables=tables.to(DEVICE))
+    # The prefill row's output is the prefill kernel's: a decode program writing it too
+    # (zeros, or attention over one query) would break its match with the spec.
+    check(clean, batch.run_triton(num_splits=1, decode_kernel="per_head"))
+
+
 @pytest.mark.parametrize("kernel", DECODE_KERNELS)
 def test_decode_splits_per_row_in_a_long_limit(kernel):
     """Guards the per-row split partition: a CUDA graph captures max_seq_len as the model's
