@@ -65,16 +65,6 @@ def attend_tile(
         if CAUSAL:
             visible = visible & (keys[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-    p, alpha, m_new, l_i = softmax_step(s, m_i, l_i, qk_scale, MASKED)
-    v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(q.dtype)
-    acc = attention_dot(p.to(q.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def softmax_step(s, m_i, l_i, qk_scale, MASKED: tl.constexpr):
-    """One tile's online-softmax update from its raw scores `s` (-inf where not visible):
-    (p, the rescale of the running sums, the new max, the new denominator)."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     if MASKED:
         # A query that has seen no visible key keeps m = -inf; subtract 0 instead so its
@@ -85,7 +75,9 @@ def softmax_step(s, m_i, l_i, qk_scale, MASKED: tl.constexpr):
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    return p, alpha, m_new, l_i
+    v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(q.dtype)
+    acc = attention_dot(p.to(q.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
+    return acc, m_new, l_i
 
 
 @triton.jit

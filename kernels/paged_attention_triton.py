@@ -41,13 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.attention_parts import (
-    attend_tile,
-    attention_dot,
-    decode_slice,
-    softmax_step,
-    valid_splits,
-)
+from pdserve.kernels.attention_parts import attend_tile, decode_slice, valid_splits
 from pdserve.kernels.paged_decode_flat import decode_flat, flat_programs
 from pdserve.kernels.paged_decode_packed import DEFAULT_CONFIG as PACKED_16BIT
 from pdserve.kernels.paged_decode_packed import PackedConfig, decode_packed
@@ -142,7 +136,7 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int) -> int
 
 # Counts that vary from step to step (eager mixed steps) are not specialised on: each new
 # value class (== 1, % 16) would compile a variant mid-serving, ~1 s each on a cold cache.
-@triton.jit(do_not_specialize=["min_split_keys", "num_splits", "bt_cols", "num_kv_blocks"])
+@triton.jit(do_not_specialize=["min_split_keys", "num_splits"])
 def _decode_split_kernel(
     q_ptr,  # [T, Hq, D]
     kv_ptr,  # [num_blocks, 2, block_size, Hkv, D]
@@ -157,8 +151,6 @@ def _decode_split_kernel(
     min_split_keys,  # a row's context is cut into slices of at least this many keys
     num_splits,
     num_q_heads,
-    bt_cols,  # the block table's columns
-    num_kv_blocks,  # the cache's blocks
     stride_qt,
     stride_qh,
     stride_ot,
@@ -181,34 +173,17 @@ def _decode_split_kernel(
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    q_start, seq_len, split_len, key_start, key_end, skip = decode_slice(
+        qsl_ptr, seq_lens_ptr, row, split, min_split_keys, num_splits, BLOCK_N, SINGLE_SPLIT
+    )
+    if skip:
+        return
+
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    bt_row_ptr = bt_ptr + row.to(tl.int64) * stride_bt
-    if SINGLE_SPLIT:
-        # The first key tile, asked for before anything waits on the row's length: its
-        # block ids and K/V depend on the program id alone, so the program's start is two
-        # memory round trips (ids, then K/V), not three (length, ids, K/V). Ids past the
-        # row's blocks may be stale: clamped into the cache, their keys masked below.
-        cols = offs_n // BLOCK_SIZE
-        blk0 = tl.load(bt_row_ptr + cols, mask=cols < bt_cols, other=0)
-        blk0 = tl.minimum(tl.maximum(blk0, 0), num_kv_blocks - 1)
-        tok0 = blk0.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct
-        kv0_ptrs = kv_ptr + kv_head * stride_ch + tok0[:, None] + offs_d[None, :]
-        k0 = tl.load(kv0_ptrs, mask=d_mask[None, :], other=0.0)
-        v0 = tl.load(kv0_ptrs + stride_ckv, mask=d_mask[None, :], other=0.0)
-    q_start, seq_len, split_len, key_start, key_end, skip = decode_slice(
-        qsl_ptr, seq_lens_ptr, row, split, min_split_keys, num_splits, BLOCK_N, SINGLE_SPLIT
-    )
-    if SINGLE_SPLIT:
-        # No early return: the loads above stay ahead of the length (a branch on it could
-        # let the compiler sink them); a skipped row attends to nothing and stores nothing.
-        key_end = tl.where(skip, 0, key_end)
-    elif skip:
-        return
-
     heads = kv_head * GROUP + offs_g
     q_ptrs = q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
@@ -216,20 +191,8 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    first = key_start
-    if SINGLE_SPLIT:
-        # attend_tile's step on the tile loaded above. Keys past the context are zeroed as
-        # its masked loads give them (a stale block may hold NaN, and 0 * NaN would reach
-        # the P @ V dot), then hidden from the softmax.
-        visible = offs_n < key_end
-        k0 = tl.where(visible[:, None], k0, 0.0).to(q.dtype)
-        v0 = tl.where(visible[:, None], v0, 0.0).to(q.dtype)
-        s = attention_dot(q, tl.trans(k0), None, DOT_PRECISION, UPCAST_DOT)
-        s = tl.where(visible[None, :], s, float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale, True)
-        acc = attention_dot(p.to(q.dtype), v0, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
-        first = BLOCK_N
-    for n0 in range(first, key_end, BLOCK_N):
+    bt_row_ptr = bt_ptr + row.to(tl.int64) * stride_bt
+    for n0 in range(key_start, key_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, offs_g, kv_ptr, bt_row_ptr, kv_head * stride_ch, n0, key_end,
             offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
@@ -246,8 +209,6 @@ def _decode_split_kernel(
         num_valid = 1
     else:
         num_valid = valid_splits(seq_len, split_len, num_splits)
-    if SINGLE_SPLIT:
-        mask = tl.where(skip, False, mask)  # (`mask & ~skip` breaks the interpreter's store)
     if num_valid == 1:
         o_ptrs = (
             out_ptr
@@ -522,8 +483,7 @@ def paged_attention_triton(
         )
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, query_start_loc, seq_lens, out, part_o, part_lse, counters,
-        qk_scale, min_keys, num_splits, num_q_heads, block_tables.shape[1], kv_cache.shape[0],
-        q.stride(0), q.stride(1), out.stride(0),
+        qk_scale, min_keys, num_splits, num_q_heads, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), *cache_strides, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
         SINGLE_SPLIT=single, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,

@@ -231,11 +231,12 @@ def test_decode_splits(num_splits, kernel):
 
 
 def test_decode_reads_no_block_past_the_context():
-    """Guards the unsplit decode's first tile, loaded before the row's length is known: the
-    block-table entries past a row's blocks are whatever an earlier request left there
-    (here ids below 0 and past the cache, which would be out-of-bounds reads) and the
-    blocks they name hold NaN; a short row must still see only its own keys, and a row
-    with several queries (the prefill kernel's) must not be written by the decode one."""
+    """Guards what the unsplit decode reads and writes: the block-table entries past a row's
+    blocks are whatever an earlier request left there (here ids below 0 and past the cache:
+    reading through one is an out-of-bounds access), so a row must see only its own keys,
+    and a row with several queries (the prefill kernel's) must not be written by the decode
+    one. (A decode that loaded its first tile before the row's length, `8dec0a5`, clamped
+    such ids; it measured slower and was reverted.)"""
     rows = [DECODE, (3, 1), DECODE_AT_1, PAD, TWO_QUERIES, (16, 1)]
     clean = make_batch(rows, 4, 2, 24, 16, seed=3)
     num_blocks = clean.cache.shape[0]
