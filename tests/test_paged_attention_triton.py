@@ -239,16 +239,16 @@ def test_decode_reads_no_block_past_the_context():
     such ids; it measured slower and was reverted.)"""
     rows = [DECODE, (3, 1), DECODE_AT_1, PAD, TWO_QUERIES, (16, 1)]
     clean = make_batch(rows, 4, 2, 24, 16, seed=3)
-    num_blocks = clean.cache.shape[0]
+    num_blocks, block_size = clean.cache.shape[0], clean.cache.shape[2]
     tables = clean.tables.cpu().clone()
     for r, (ctx, _) in enumerate(rows + [PAD]):
-        used = -(-ctx // 16)
+        used = -(-ctx // block_size)
         tables[r, used:] = torch.tensor([-7, num_blocks + 100, num_blocks])[
             torch.arange(tables.shape[1] - used) % 3
         ]
     batch = dataclasses.replace(clean, tables=tables.to(DEVICE))
-    # The prefill row's output is the prefill kernel's: a decode program writing it too
-    # (zeros, or attention over one query) would break its match with the spec.
+    # The spec runs on the clean tables (it gathers whole table rows). The prefill row's
+    # output is the prefill kernel's: a decode program writing it too would break the match.
     check(clean, batch.run_triton(num_splits=1, decode_kernel="per_head"))
 
 
