@@ -28,6 +28,7 @@ Hopper bulk copies (compute capability < 9.0), the caller runs the Triton chain.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -65,6 +66,10 @@ class MlpBlockConfig:
     # wrong results, the sync and compute chain alone) exist for benchmarks/mlp_block_probe.py.
     weights_mode: int = 0
     barrier_mode: int = 0  # 1: release atomics, no trailing fence (the probe's variant)
+    # The K splits of an o / down tile as one thread-block cluster: partials exchanged in
+    # distributed shared memory instead of through L2 and a counter.
+    cluster: bool = False
+    gu_multicast: bool = False  # cluster only, unsplit gate/up: r_mid multicast in the cluster
 
     @property
     def o_tiles(self) -> int:
@@ -108,8 +113,8 @@ class MlpBlockConfig:
 
     @property
     def smem_bytes(self) -> int:
-        # + reduction scratch [8, 32] fp32, the row scales [32] fp32, 3 mbarriers
-        return sum(self.regions) + (THREADS // 32 + 1) * ROWS * 4 + 3 * 8
+        # + reduction scratch [8, 32] fp32, the row scales [32] fp32, 4 mbarriers
+        return sum(self.regions) + (THREADS // 32 + 1) * ROWS * 4 + 4 * 8
 
     @property
     def partials(self) -> int:
@@ -134,7 +139,8 @@ class MlpBlockConfig:
             "GU_KS": self.gu_splits, "GU_NT": self.gu_tiles, "D_BN": _BN, "D_BK": d_bk,
             "D_KS": self.d_splits, "D_NT": self.o_tiles, "REGION_A": a, "REGION_B": b,
             "REGION_X": x, "SQ_STRIDE": SQ_ROWS, "WEIGHTS_MODE": self.weights_mode,
-            "BARRIER_MODE": self.barrier_mode,
+            "BARRIER_MODE": self.barrier_mode, "CLUSTER": int(self.cluster),
+            "GU_MULTICAST": int(self.gu_multicast),
             "O_KH": o_kh, "GU_KH": gu_kh, "D_KH": d_kh,
         }  # fmt: skip
         return "".join(f"#define {k} {v}\n" for k, v in values.items())
@@ -178,7 +184,20 @@ def choose_config(hidden: int, attn_width: int, inter: int, dtype: torch.dtype,
         key = (cfg.gu_tiles * splits, -splits)
         if best is None or key > best[0]:
             best = (key, cfg)
-    return None if best is None else best[1]
+    return None if best is None else _with_clusters(best[1])
+
+
+_MAX_CLUSTER = 8  # the portable cluster size
+
+
+def _with_clusters(cfg: MlpBlockConfig) -> MlpBlockConfig:
+    """Clusters where every program is one split of an o tile and of a down tile (so the
+    grid is whole clusters), multicast of the gate/up input where its tiles are unsplit."""
+    if not (cfg.o_splits == cfg.d_splits <= _MAX_CLUSTER and cfg.o_splits > 1):
+        return cfg
+    if cfg.grid != cfg.o_tiles * cfg.o_splits:
+        return cfg
+    return dataclasses.replace(cfg, cluster=True, gu_multicast=cfg.gu_splits == 1)
 
 
 @functools.cache
@@ -215,9 +234,39 @@ def config_for(attn_out: torch.Tensor, w_o: torch.Tensor, w_gu: torch.Tensor,
     if not all(t.is_contiguous() and t.dtype == attn_out.dtype for t in (w_o, w_gu, w_d)):
         return None
     cfg = choose_config(hidden, attn_width, inter, attn_out.dtype, num_sms)
-    if cfg is None or cfg.grid > num_sms or _kernel(attn_out.device.index or 0, cfg) is None:
+    device = attn_out.device.index or 0
+    if cfg is not None and cfg.cluster and not _clusters_fit(device, cfg):
+        cfg = dataclasses.replace(cfg, cluster=False, gu_multicast=False)
+    if cfg is None or cfg.grid > num_sms or _kernel(device, cfg) is None:
         return None
     return cfg
+
+
+@functools.cache
+def _clusters_fit(device_index: int, cfg: MlpBlockConfig) -> bool:
+    """Whether all of the grid's clusters can be resident at once (clusters are placed
+    within a GPC, so 128 programs on 132 SMs in clusters of 8 need 16 GPC slots)."""
+    kernel = _kernel(device_index, cfg)
+    if kernel is None:
+        return False
+    attrs = (_LaunchAttr * 1)()
+    attrs[0].id = _ATTR_CLUSTER_DIMENSION
+    attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = cfg.o_splits, 1, 1
+    launch = _LaunchConfig(
+        (ctypes.c_uint * 3)(cfg.grid, 1, 1), (ctypes.c_uint * 3)(THREADS, 1, 1),
+        cfg.smem_bytes, None, attrs, 1,
+    )  # fmt: skip
+    count = ctypes.c_int(0)
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    with torch.cuda.device(device_index):
+        err = lib.cuOccupancyMaxActiveClusters(ctypes.byref(count), kernel.func,
+                                               ctypes.byref(launch))  # fmt: skip
+    if err != 0 or count.value * cfg.o_splits < cfg.grid:
+        logger.info(
+            "MLP block clusters do not fit (%s, %d clusters): unclustered", err, count.value
+        )
+        return False
+    return True
 
 
 def mlp_block_ref(attn_out, residual, w_o, w_gu, w_d, eps):
@@ -268,12 +317,43 @@ def mlp_block_cuda(
     kernel = _kernel(dev.index or 0, cfg)
     assert kernel is not None, "mlp_block_cuda without a kernel: check config_for first"
     stream = torch.cuda.current_stream(dev)
-    lib = torch.cuda._utils._get_gpu_runtime_library()
-    # Cooperative: every program must be resident at once (they wait for each other).
-    err = lib.cuLaunchCooperativeKernel(
-        kernel.func, cfg.grid, 1, 1, THREADS, 1, 1, cfg.smem_bytes,
-        ctypes.c_void_p(stream.cuda_stream), params,
-    )  # fmt: skip
-    if err != 0:
-        raise RuntimeError(f"cuLaunchCooperativeKernel of mlp_block failed with CUresult {err}")
+    _launch(kernel.func, cfg, stream.cuda_stream, params)
     return r_out, RowSquares(sq_out, cfg.sq_parts, cfg.hidden)
+
+
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+        ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)),
+        ("num_attrs", ctypes.c_uint),
+    ]  # fmt: skip
+
+
+_ATTR_COOPERATIVE, _ATTR_CLUSTER_DIMENSION = 2, 4
+
+
+def _launch(func, cfg: MlpBlockConfig, stream: int, params) -> None:
+    """Every program must be resident at once (they wait for each other): a cooperative
+    launch, or with clusters of `o_splits` programs when `cfg.cluster` (which
+    `_clusters_fit` checked all fit; a program that could not start would make the others
+    trap at their spin limit rather than hang)."""
+    attrs = (_LaunchAttr * 1)()
+    if cfg.cluster:
+        attrs[0].id = _ATTR_CLUSTER_DIMENSION
+        attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = cfg.o_splits, 1, 1
+    else:
+        attrs[0].id = _ATTR_COOPERATIVE
+        attrs[0].value[0] = 1
+    n = 1
+    launch = _LaunchConfig(
+        (ctypes.c_uint * 3)(cfg.grid, 1, 1), (ctypes.c_uint * 3)(THREADS, 1, 1),
+        cfg.smem_bytes, ctypes.c_void_p(stream), attrs, n,
+    )  # fmt: skip
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    err = lib.cuLaunchKernelEx(ctypes.byref(launch), func, params, None)
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernelEx of mlp_block failed with CUresult {err}")

@@ -52,6 +52,19 @@ __device__ __forceinline__ u64 load_acquire(const u64* p) {
   return v;
 }
 
+// ---- clusters: the K splits of one o / down tile share their partials in shared memory
+#ifndef CLUSTER
+#define CLUSTER 0
+#endif
+__device__ __forceinline__ void cluster_sync() {  // every thread of every program in the cluster
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+#ifndef GU_MULTICAST
+#define GU_MULTICAST 0  // needs CLUSTER and unsplit gate/up tiles
+#endif
+
 #ifndef BARRIER_MODE
 #define BARRIER_MODE 0  // 0: fence + atomic, acquire polls + fence; 1: release atomic, acquire polls
 #endif
@@ -231,9 +244,20 @@ __device__ void load_rows(char* xs, const elem_t* src, int ld, int k0, int bk, i
   asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
+// `local` (this program's shared address) in cluster peer `rank`.
+__device__ __forceinline__ float ld_peer(const float* local, int rank) {
+  unsigned addr = (unsigned)__cvta_generic_to_shared(local), remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
 // One output tile's split-K partials summed for this program's share of its features
 // (feature j with j % splits == split), in (split, K half) order; `add` adds the residual and writes
 // the new stream and this share's sums of squares (part index `sq_part`).
+// CLUSTERED: split s's partial is peer s's, at this program's `part_tile` address.
+template <bool CLUSTERED>
 __device__ void merge_residual(const float* part_tile, int splits, int halves, int split,
                                int bn, int n0,
                                const elem_t* res, int ld_res, elem_t* out, int ld_out,
@@ -242,12 +266,17 @@ __device__ void merge_residual(const float* part_tile, int splits, int halves, i
   const int m = threadIdx.x & 31, lane_group = threadIdx.x >> 5;
   float sum_sq = 0.f;
   for (int j = split + lane_group * splits; j < bn; j += splits * (THREADS / 32)) {
+    const int n = n0 + j;
+    const float r = m < num_rows ? to_f(__ldcg(res + (long long)m * ld_res + n)) : 0.f;
     float acc = 0.f;
-    for (int s = 0; s < splits * halves; ++s)
-      acc += __ldcg(part_tile + ((long long)s * bn + j) * ROWS + m);
+    for (int s = 0; s < splits * halves; ++s) {
+      if (CLUSTERED)
+        acc += ld_peer(part_tile + ((long long)(s % halves) * bn + j) * ROWS + m, s / halves);
+      else
+        acc += __ldcg(part_tile + ((long long)s * bn + j) * ROWS + m);
+    }
     if (m < num_rows) {
-      const int n = n0 + j;
-      const float y = rnd(rnd(acc) + to_f(__ldcg(res + (long long)m * ld_res + n)));
+      const float y = rnd(rnd(acc) + r);
       out[(long long)m * ld_out + n] = from_f(y);
       sum_sq += y * y;
     }
@@ -287,7 +316,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mlp_block(
   char* region_x = region_b + REGION_B;
   float* scratch = reinterpret_cast<float*>(region_x + REGION_X);  // [THREADS / 32, ROWS]
   float* scale = scratch + (THREADS / 32) * ROWS;                     // [ROWS]
-  u64* bars = reinterpret_cast<u64*>(scale + ROWS);                    // 3 mbarriers
+  u64* bars = reinterpret_cast<u64*>(scale + ROWS);                    // 4 mbarriers
 
   const int b = blockIdx.x;
   const bool has_o = b < O_NT * O_KS, has_gu = b < GU_NT * GU_KS, has_d = b < D_NT * D_KS;
@@ -309,7 +338,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mlp_block(
   // their use run.
   if (has_o) load_rows_async(region_x, attn_out, ld_attn, o_split * O_BK, O_BK, num_rows);
   if (threadIdx.x == 0) {
-    for (int i = 0; i < 3; ++i) mbar_init(&bars[i]);
+    for (int i = 0; i < 4; ++i) mbar_init(&bars[i]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     if (has_o && COPY) mbar_expect(&bars[0], O_BN * O_BK * sizeof(elem_t));
     if (has_gu && WEIGHTS_MODE == 0) mbar_expect(&bars[1], 2 * GU_BF * GU_BK * sizeof(elem_t));
@@ -328,8 +357,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mlp_block(
     STAMP(1)
     if (COPY) mbar_wait(&bars[0]);
     STAMP(2)
-    float* my_part = part_o + (long long)b * O_KH * O_BN * ROWS;
-    tile_product(region_a, region_x, O_BK, O_BN, O_KH, my_part, false);
+#if CLUSTER
+    tile_product(region_a, region_x, O_BK, O_BN, O_KH, reinterpret_cast<float*>(region_x), true);
+#else
+    tile_product(region_a, region_x, O_BK, O_BN, O_KH,
+                 part_o + (long long)b * O_KH * O_BN * ROWS, false);
+#endif
     __syncthreads();
     STAMP(3)
   }
@@ -344,11 +377,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mlp_block(
       copy_tile(region_a, w_d, I, d_split * D_BK, D_BK, D_BN, d_tile * D_BN, D_BN, 0, &bars[2]);
   }
   if (has_o) {
+#if CLUSTER
+    cluster_sync();
+    STAMP(4)
+    // Peers read this partial until the grid barrier below; X is refilled only after it.
+    merge_residual<true>(reinterpret_cast<float*>(region_x), O_KS, O_KH, o_split, O_BN,
+                         o_tile * O_BN, residual, ld_res, r_mid, H, sq_mid, ROWS, b, num_rows,
+                         scratch);
+#else
     if (O_KS > 1) arrive_and_wait(&cnt_o[o_tile], O_KS);
     STAMP(4)
-    merge_residual(part_o + (long long)o_tile * O_KS * O_KH * O_BN * ROWS, O_KS, O_KH, o_split, O_BN,
-                   o_tile * O_BN, residual, ld_res, r_mid, H, sq_mid, ROWS, b, num_rows, scratch);
+    merge_residual<false>(part_o + (long long)o_tile * O_KS * O_KH * O_BN * ROWS, O_KS, O_KH,
+                          o_split, O_BN, o_tile * O_BN, residual, ld_res, r_mid, H, sq_mid,
+                          ROWS, b, num_rows, scratch);
+#endif
   }
+#if GU_MULTICAST
+  // r_mid was written through the generic proxy; the peers read it with bulk copies.
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+#endif
   const u64 o_arrival = arrive(done_o);
   STAMP(5)
 
@@ -363,14 +410,39 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mlp_block(
                   I + gu_tile * GU_BF, &bars[1]);
     }
     STAMP(6)
+#if GU_MULTICAST
+    // The cluster's programs share this input (unsplit tiles: all of r_mid): each asks for
+    // every 8th row once, multicast into all peers' X, so L2 serves it once a cluster.
+    if (threadIdx.x == 0) mbar_expect(&bars[3], num_rows * GU_BK * sizeof(elem_t));
+    for (int i = threadIdx.x; i < (ROWS - num_rows) * GU_BK / 8; i += THREADS) {
+      const int m = num_rows + i / (GU_BK / 8), v = i % (GU_BK / 8);
+      *reinterpret_cast<uint4*>(region_x + m * (GU_BK * 2 + 16) + v * 16) = make_uint4(0, 0, 0, 0);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      for (int m = o_split + threadIdx.x * O_KS; m < num_rows; m += 32 * O_KS) {
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+            " [%0], [%1], %2, [%3], %4;"
+            :: "r"(smem_addr(region_x + m * (GU_BK * 2 + 16))), "l"(r_mid + (long long)m * H),
+               "r"(GU_BK * 2), "r"(smem_addr(&bars[3])), "h"((unsigned short)((1 << O_KS) - 1))
+            : "memory");
+      }
+    }
+#else
     load_rows_async(region_x, r_mid, H, gu_split * GU_BK, GU_BK, num_rows);
+#endif
     {  // sum of the o phase's square parts, 8 groups of parts then the groups in order
       const int m = threadIdx.x & 31, grp = threadIdx.x >> 5;
       float s = 0.f;
       for (int p = grp; p < O_NT * O_KS; p += THREADS / 32) s += __ldcg(sq_mid + p * ROWS + m);
       scratch[grp * ROWS + m] = s;
     }
+#if GU_MULTICAST
+    mbar_wait(&bars[3]);
+#else
     asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
     __syncthreads();
     STAMP(7)
     if (threadIdx.x < ROWS) {
@@ -431,14 +503,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mlp_block(
     STAMP(12)
     if (COPY) mbar_wait(&bars[2]);
     STAMP(13)
+#if CLUSTER
+    tile_product(region_a, region_x, D_BK, D_BN, D_KH, reinterpret_cast<float*>(region_x), true);
+    cluster_sync();
+    STAMP(14)
+    merge_residual<true>(reinterpret_cast<float*>(region_x), D_KS, D_KH, d_split, D_BN,
+                         d_tile * D_BN, r_mid, H, r_out, H, sq_out, SQ_STRIDE, b, num_rows,
+                         scratch);
+#else
     float* my_part = part_d + (long long)b * D_KH * D_BN * ROWS;
     tile_product(region_a, region_x, D_BK, D_BN, D_KH, my_part, false);
     if (D_KS > 1) arrive_and_wait(&cnt_d[d_tile], D_KS);
     else __syncthreads();
     STAMP(14)
-    merge_residual(part_d + (long long)d_tile * D_KS * D_KH * D_BN * ROWS, D_KS, D_KH, d_split, D_BN,
-                   d_tile * D_BN, r_mid, H, r_out, H, sq_out, SQ_STRIDE, b, num_rows, scratch);
+    merge_residual<false>(part_d + (long long)d_tile * D_KS * D_KH * D_BN * ROWS, D_KS, D_KH,
+                          d_split, D_BN, d_tile * D_BN, r_mid, H, r_out, H, sq_out, SQ_STRIDE,
+                          b, num_rows, scratch);
+#endif
   }
+#if CLUSTER
+  cluster_sync();  // no program leaves while a peer may still read its partial
+#endif
   STAMP(15)
 }
 """

@@ -10,6 +10,8 @@ wrong tile, row, split share or scale errs by O(1).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -65,12 +67,31 @@ def test_matches_spec(rows, shape, dtype):
     torch.testing.assert_close(parts, (got.float() ** 2).sum(-1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("multicast", [False, True])
+@pytest.mark.parametrize("rows", [3, 32])
+def test_cluster_form_is_bitwise_the_same(rows, multicast):
+    """The cluster form exchanges the o / down partials in distributed shared memory and
+    sums them in the same (split, K half) order: a stale or misaddressed peer read shows."""
+    args = _inputs(rows, SHAPES[0], torch.bfloat16)
+    cfg = _config(args)
+    ws = KernelWorkspace()
+    n = cfg.sq_parts * SQ_ROWS
+    plain_cfg = dataclasses.replace(cfg, cluster=False, gu_multicast=False)
+    plain, plain_sq = mlp_block_cuda(*args, EPS, ws, plain_cfg)
+    plain_sq = plain_sq.buf[:n].clone()  # the next launch writes the same squares buffer
+    clustered, sq = mlp_block_cuda(
+        *args, EPS, ws, dataclasses.replace(cfg, cluster=True, gu_multicast=multicast)
+    )
+    assert torch.equal(plain, clustered)
+    assert torch.equal(plain_sq, sq.buf[:n])
+
+
 def test_repeatable_and_counters_grow_by_launch():
     """Two launches agree bitwise (split order fixed); each counter grows by its fixed
     count a launch (grid arrivals on the two phase counters, splits on the tile ones), which
-    is what every waiter's target assumes."""
+    is what every waiter's target assumes (the unclustered form: clusters sync in hardware)."""
     args = _inputs(32, SHAPES[0], torch.bfloat16)
-    cfg = _config(args)
+    cfg = dataclasses.replace(_config(args), cluster=False, gu_multicast=False)
     ws = KernelWorkspace()
     first = mlp_block_cuda(*args, EPS, ws, cfg)[0].clone()
     for _ in range(2):

@@ -49,6 +49,7 @@ def test_qwen3_tiles():
     cfg = choose_config(1024, 2048, 3072, torch.bfloat16, 132)
     assert (cfg.o_splits, cfg.gu_features, cfg.gu_splits, cfg.d_splits) == (8, 24, 1, 8)
     assert cfg.grid == 128 and cfg.sq_parts == 128
+    assert cfg.cluster and cfg.gu_multicast  # 16 clusters of the 8 splits of a tile
 
 
 def test_ref_is_the_folded_layer():
