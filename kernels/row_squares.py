@@ -25,7 +25,7 @@ import triton.language as tl
 from pdserve.kernels.workspace import KernelWorkspace
 
 SQ_ROWS = 64  # rows a squares buffer holds: kernels/skinny_linear.py's MAX_ROWS
-MAX_PARTS = 128  # partial sums per row a buffer holds (output programs of the producer)
+MAX_PARTS = 64  # partial sums per row a buffer holds (output tiles of the producer)
 
 
 @dataclass(frozen=True)

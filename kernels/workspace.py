@@ -45,11 +45,6 @@ class KernelWorkspace:
         """[>= numel] int32 arrival counters, zero between launches."""
         return self._get(name, numel, torch.int32, device)
 
-    def epoch_counters(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
-        """[>= numel] int64 counters that only grow: a launch adds a fixed count to each, so
-        a waiter's target is the next multiple of that count (kernels/mlp_block_cuda.py)."""
-        return self._get(name, numel, torch.int64, device)
-
     def scratch(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
         """[>= numel] float32 scratch for partial results."""
         return self._get(name, numel, torch.float32, device)

@@ -39,7 +39,6 @@ collect_ignore = ([] if _num_gpus() >= 2 else ["test_gpu_peer_ipc.py"]) + (
         "test_gpu_cuda_ipc.py",
         "test_gpu_copy_stream.py",
         "test_gpu_norm_fold.py",
-        "test_gpu_mlp_block.py",
         "gpu_ipc_source_proc.py",
         "gpu_ipc_dead_source_proc.py",
         "gpu_ipc_layouts.py",

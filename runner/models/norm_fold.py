@@ -22,7 +22,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.mlp_block_cuda import MlpBlockConfig, config_for, mlp_block_cuda
 from pdserve.kernels.row_squares import (
     MAX_PARTS,
     SQ_ROWS,
@@ -35,7 +34,6 @@ from pdserve.kernels.skinny_linear import (
     skinny_linear_add_residual,
     skinny_linear_triton,
 )
-from pdserve.kernels.sm_count import num_sms
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 
 
@@ -91,29 +89,14 @@ def folded_forward(
         scale = ScaleRows(squares, layer.input_layernorm.eps)
         q = a.prepare(qkv, positions, model.cos_sin_cache, kv_cache, attn, scale, a.qkv_proj.bias)
         out = a.attend(q, kv_cache, attn)
-        o, gate_up, down = a.o_proj, mlp.gate_up_proj, mlp.down_proj
-        eps = layer.post_attention_layernorm.eps
-        block = _mlp_block(model, out, o, gate_up, down)
-        if block is not None:
-            r, squares = mlp_block_cuda(out, r, o.weight, gate_up.weight, down.weight, eps, ws,
-                                        block)  # fmt: skip
-        else:
-            r, squares = skinny_linear_add_residual(out, o.weight, o.bias, r, ws)
-            h = skinny_linear_triton(
-                r, gate_up.weight, gate_up.bias, ws, silu_mul_output=True,
-                scale_rows=ScaleRows(squares, eps),
-            )  # fmt: skip
-            r, squares = skinny_linear_add_residual(h, down.weight, down.bias, r, ws)
+        o = a.o_proj
+        r, squares = skinny_linear_add_residual(out, o.weight, o.bias, r, ws)
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        h = skinny_linear_triton(
+            r, gate_up.weight, gate_up.bias, ws, silu_mul_output=True,
+            scale_rows=ScaleRows(squares, layer.post_attention_layernorm.eps),
+        )  # fmt: skip
+        r, squares = skinny_linear_add_residual(h, down.weight, down.bias, r, ws)
         if layer_hook is not None:
             layer_hook(i)
     return r
-
-
-def _mlp_block(model, out, o, gate_up, down) -> MlpBlockConfig | None:
-    """The CUDA block's tiles for this layer and batch (kernels/mlp_block_cuda.py), or None:
-    the three Triton skinny launches (no biases, <= 32 rows, shapes it tiles, Hopper)."""
-    if not getattr(model, "mlp_block_kernel", True) or not out.is_cuda:
-        return None
-    if o.bias is not None or gate_up.bias is not None or down.bias is not None:
-        return None
-    return config_for(out, o.weight, gate_up.weight, down.weight, num_sms(out.device))
