@@ -197,8 +197,11 @@ def _skinny_linear_kernel(
 
     if SPLIT_K > 1:
         # [SPLIT_K, M_PAD, N]: rows past num_rows hold zeros (their x was masked to 0).
+        # With SILU_MUL the up partials follow as a second [SPLIT_K, M_PAD, N] block.
         tile = offs_m[None, :].to(tl.int64) * n + offs_n[:, None]
         tl.store(part_ptr + pid_k * M_PAD * n + tile, acc, mask=n_mask[:, None])
+        if SILU_MUL:
+            tl.store(part_ptr + (SPLIT_K + pid_k) * M_PAD * n + tile, acc_up, mask=n_mask[:, None])
         # Every thread's partial is stored before one thread counts the program in; the
         # acq_rel atomic publishes them to the last arriver, which reads them from L2.
         tl.debug_barrier()
@@ -206,10 +209,16 @@ def _skinny_linear_kernel(
         if arrived != SPLIT_K - 1:
             return
         acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
         for s in range(SPLIT_K):  # split order, whoever arrived last: deterministic
             acc += tl.load(
                 part_ptr + s * M_PAD * n + tile, mask=n_mask[:, None], cache_modifier=".cg"
             )
+            if SILU_MUL:
+                acc_up += tl.load(
+                    part_ptr + (SPLIT_K + s) * M_PAD * n + tile, mask=n_mask[:, None],
+                    cache_modifier=".cg",
+                )  # fmt: skip
         tl.store(count_ptr + pid_n, 0)
     dtype = out_ptr.dtype.element_ty
     if SCALE_ROWS:
@@ -243,9 +252,10 @@ def choose_config(n: int, k: int, silu_mul: bool = False, elem_bytes: int = 2) -
 
     Output tiles of 32 features; K is split while the grid stays under ~2 programs per SM
     and each slice keeps at least 4 steps of 128 (the pipeline needs a few to fill): 4-way
-    for the 1024-wide o/down projections. SiLU-and-mul outputs are not split (the gate and
-    up halves would both need merging); 64-feature tiles (gate and up: 128 weight rows a
-    program) measured best there, 6.8 us against 7.7 for 16 and 7.6 for cuBLAS + silu.
+    for the 1024-wide o/down projections. SiLU-and-mul outputs are not split by default
+    (the kernel can: the last arriver merges the gate and the up partials, not yet timed on
+    the H200); 64-feature tiles (gate and up: 128 weight rows a program) measured best
+    unsplit, 6.8 us against 7.7 for 16 and 7.6 for cuBLAS + silu.
     float32 (the folded chain's parity runs) takes 2-stage pipelines: 4 stages of fp32
     tiles need more than an SM's 227 KB of shared memory.
     """
@@ -310,7 +320,6 @@ def _launch(x, weight, bias, workspace, silu_mul_output, config, scale_rows, res
         "bias has one value per weight row"
     )
     cfg = config or choose_config(n, k, silu_mul_output, x.element_size())
-    assert not (silu_mul_output and cfg.split_k > 1), "SiLU-and-mul outputs are not split"
     m_pad = max(16, triton.next_power_of_2(num_rows))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # no empty slice: each program counts itself in
@@ -319,7 +328,10 @@ def _launch(x, weight, bias, workspace, silu_mul_output, config, scale_rows, res
     if split > 1:
         # Partials laid out for m_pad rows; sized for the largest pad so that a batch
         # wider than the captured ones does not grow the buffer.
-        part = workspace.scratch("skinny_linear", split * max(m_pad, MAX_ROWS) * n, x.device)
+        halves = 2 if silu_mul_output else 1  # gate and up partials
+        part = workspace.scratch(
+            "skinny_linear", halves * split * max(m_pad, MAX_ROWS) * n, x.device
+        )
         counters = workspace.counters("skinny_linear", tiles, x.device)
     else:
         part = counters = out  # unused

@@ -94,14 +94,16 @@ def test_residual_epilogue_adds_and_writes_squares(dtype, split):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bias", [False, True])
-def test_scale_rows_epilogue(dtype, bias):
+@pytest.mark.parametrize("split", [1, 2])
+def test_scale_rows_epilogue(dtype, bias, split):
     """Guards the gate/up epilogue's row scale: each output row times rsqrt(the sum of its
     squares' parts / dim + eps), before the bias; parts past `parts` and rows past M left
-    out. Tolerance as test_skinny_linear's, on the scaled product."""
+    out; split over K, applied once, to the merged sums. Tolerance as test_skinny_linear's,
+    on the scaled product."""
     m, n, k = 6, 40, 128
     x, w, b = make(m, n, k, dtype, bias, seed=7)
     scale = ScaleRows(_squares(3, m, k, seed=1), eps=1e-5)
-    cfg = SkinnyConfig(block_n=16, block_k=64, split_k=1, num_warps=4, num_stages=2)
+    cfg = SkinnyConfig(block_n=16, block_k=64, split_k=split, num_warps=4, num_stages=2)
     y = skinny_linear_triton(x, w, b, KernelWorkspace(), config=cfg, scale_rows=scale)
     ref = scaled_linear_ref(x, w, b, scale).double().cpu()
     s = row_scale_ref(scale, m).double().cpu()

@@ -73,18 +73,21 @@ SILU_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "c
 
 @pytest.mark.parametrize("dtype", SILU_DTYPES, ids=str)
 @pytest.mark.parametrize("bias", [False, True])
-def test_silu_mul_output(dtype, bias):
+@pytest.mark.parametrize("split", [1, 3])
+def test_silu_mul_output(dtype, bias, split):
     """Guards the fused activation: the weight is [gate | up] (2N rows), each program pairs
     the gate and up rows of the same features, adds each half's bias, and applies
     kernels/activation.py's rounding points to the rounded projections. The reference is
-    silu_and_mul of the separately computed, rounded [gate | up] projection."""
+    silu_and_mul of the separately computed, rounded [gate | up] projection. Split over K
+    (3 slices, the last one short), the last arriver must merge the up partials as well as
+    the gate ones: a missing or misplaced up block is off by O(1)."""
     m, n, k = 7, 40, 320
     x, w, b = make(m, 2 * n, k, dtype, bias, seed=3)
-    cfg = sl.SkinnyConfig(block_n=16, block_k=64, split_k=1, num_warps=4, num_stages=2)
+    cfg = sl.SkinnyConfig(block_n=16, block_k=64, split_k=split, num_warps=4, num_stages=2)
     y = sl.skinny_linear_triton(x, w, b, KernelWorkspace(), silu_mul_output=True, config=cfg)
     gate_up = sl.skinny_linear_triton(x, w, b, KernelWorkspace(), config=cfg)
     assert y.shape == (m, n)
-    # Same tiles, same sums: the projections match bitwise, so only the activation may
+    # Same tiles and splits, same sums: the projections match bitwise, so only the activation may
     # differ: one rounding of the product in 16 bits; in fp32 the two exp implementations
     # (numpy's here, torch's in the reference) differ by a few ulp (2^-23 each).
     rtol = max(ROUNDING[dtype], 2.0**-20)
