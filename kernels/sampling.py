@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pdserve.kernels import sampling_triton
+from pdserve.kernels import sampling_triton, top_k_top_p_triton
 
 _MASK32 = 0xFFFFFFFF
 _SEED_SALT = 0x9E3779B9  # golden ratio; keeps fmix32(0) = 0 away from seed 0
@@ -253,7 +253,7 @@ def apply_top_k_top_p(
     # 1024). Both give the exact k-th value, so a row's mask does not depend on whether
     # another row in its batch asked for top-p.
     if logits.is_cuda and any_top_p:
-        return sampling_triton.apply_top_k_top_p(logits, top_k, top_p, max_top_k, any_top_p)
+        return top_k_top_p_triton.apply_top_k_top_p(logits, top_k, top_p, max_top_k, any_top_p)
     return apply_top_k_top_p_ref(logits, top_k, top_p, max_top_k, any_top_p)
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pdserve.kernels import sampling_triton
+from pdserve.kernels import sampling_triton, top_k_top_p_triton
 from pdserve.runner import sampler as sampler_module
 from pdserve.runner.sampler import Sampler, SamplingMetadata
 
@@ -424,8 +424,13 @@ def test_sampler_never_reads_the_device_on_the_host(case: int, monkeypatch) -> N
             got = Sampler()(cuda_logits, cuda_meta)
         torch.cuda.synchronize()
     else:
-        for name in ("gumbel_argmax", "apply_top_k_top_p", "topk_logprobs"):
-            monkeypatch.setattr(sampler_module, name, getattr(sampling_triton, name))
+        launchers = {
+            "gumbel_argmax": sampling_triton.gumbel_argmax,
+            "apply_top_k_top_p": top_k_top_p_triton.apply_top_k_top_p,
+            "topk_logprobs": sampling_triton.topk_logprobs,
+        }
+        for name, launcher in launchers.items():
+            monkeypatch.setattr(sampler_module, name, launcher)
         with _no_host_sync("cpu"):
             got = Sampler()(logits, meta)
     assert torch.equal(got.sampled_token_ids.cpu(), expected.sampled_token_ids)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import sampling_triton
+from pdserve.kernels import row_scan, sampling_triton, top_k_top_p_triton
 from pdserve.kernels.sampling import (
     apply_top_k_top_p_ref,
     gumbel_argmax_ref,
@@ -41,7 +41,7 @@ def chunking(request, monkeypatch) -> str:
     so the in-kernel carry between tiles (running max, rescaled sum, first index) is
     tested too."""
     if request.param == "whole":
-        monkeypatch.setattr(sampling_triton, "_TARGET_PROGRAMS", 1)
+        monkeypatch.setattr(row_scan, "TARGET_PROGRAMS", 1)
     return request.param
 
 
@@ -250,7 +250,7 @@ def test_top_k_top_p_masks_equal_spec(vocab: int, case: int) -> None:
     logits[6] += 100.0  # exp(logit) overflows fp32: the mass must be taken relative to the max
     top_k, top_p = (t.to(DEVICE) for t in _top_k_top_p_cases(rows, vocab)[case])
     max_top_k, any_top_p = _host_flags(top_k, top_p, vocab)
-    got = sampling_triton.apply_top_k_top_p(logits, top_k, top_p, max_top_k, any_top_p)
+    got = top_k_top_p_triton.apply_top_k_top_p(logits, top_k, top_p, max_top_k, any_top_p)
     expected = apply_top_k_top_p_ref(logits, top_k, top_p, max_top_k, any_top_p)
     kept = torch.isfinite(got)
     assert torch.equal(got[kept], logits[kept]), "kept logits must pass through unchanged"
@@ -276,7 +276,7 @@ def test_top_k_top_p_ties_equal_spec() -> None:
     top_k = torch.tensor([3, 50, 1, 0, 0, 400, 10, 2], dtype=torch.int32, device=DEVICE)
     top_p = torch.tensor([1.0, 1.0, 1.0, 0.3, 0.0, 0.8, 0.5, 0.9], device=DEVICE)
     max_top_k, any_top_p = _host_flags(top_k, top_p, vocab)
-    got = sampling_triton.apply_top_k_top_p(logits, top_k, top_p, max_top_k, any_top_p)
+    got = top_k_top_p_triton.apply_top_k_top_p(logits, top_k, top_p, max_top_k, any_top_p)
     expected = apply_top_k_top_p_ref(logits, top_k, top_p, max_top_k, any_top_p)
     assert torch.equal(got, expected)
     assert int(torch.isfinite(got[2]).sum()) == int((logits[2] == logits[2].max()).sum())
@@ -318,7 +318,7 @@ def test_launchers_accept_an_empty_batch() -> None:
     assert sampling_triton.gumbel_noise(empty_i64, empty_i64, V_AWKWARD).shape == (0, V_AWKWARD)
     assert sampling_triton.gumbel_argmax(logits, empty_f32, empty_i64, empty_i64).shape == (0,)
     assert sampling_triton.greedy_argmax(logits).shape == (0,)
-    masked = sampling_triton.apply_top_k_top_p(logits, empty_i64.int(), empty_f32, 5, True)
+    masked = top_k_top_p_triton.apply_top_k_top_p(logits, empty_i64.int(), empty_f32, 5, True)
     assert masked.shape == (0, V_AWKWARD)
     ids, logprobs, ranks = sampling_triton.topk_logprobs(logits, 3, empty_i64)
     assert ids.shape == (0, 4) and logprobs.shape == (0, 4) and ranks.shape == (0,)
