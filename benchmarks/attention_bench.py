@@ -81,20 +81,20 @@ def bench_decode(batch: int, ctx: int) -> dict:
 
 def bench_decode_in_graph(batch: int, ctx: int, limit: int = 4096) -> list[dict]:
     """Decode as a CUDA graph runs it: max_seq_len fixed at the model's limit, not the live
-    context; one row per `_MIN_SPLIT_KEYS` candidate (each row slices its own context)."""
+    context; one row per `MIN_SPLIT_KEYS` candidate (each row slices its own context)."""
     inp = make_inputs([(ctx, 1)] * batch)
     inp["max_seq_len"] = limit
     kv_bytes = batch * ctx * HKV * D * 2 * 2
-    base, rows = pat._MIN_SPLIT_KEYS, []
+    base, rows = pat.MIN_SPLIT_KEYS, []
     for min_keys in (64, 128, 256, 512):
-        pat._MIN_SPLIT_KEYS = min_keys
+        pat.MIN_SPLIT_KEYS = min_keys
         ms = time_ms(lambda: pat.paged_attention_triton(**inp))
         rows.append({
             "case": "decode_graph", "batch": batch, "ctx": ctx, "limit": limit,
             "min_split_keys": min_keys, "splits": pat.decode_num_splits(batch, HKV, limit),
             "ms": round(ms, 4), "kv_GBps": round(kv_bytes / ms / 1e6, 1),
         })  # fmt: skip
-    pat._MIN_SPLIT_KEYS = base
+    pat.MIN_SPLIT_KEYS = base
     return rows
 
 
@@ -166,11 +166,11 @@ def sweep_small_batch() -> list[dict]:
     (max_seq_len at the model's 4,096 limit): the in-kernel split merge changed the cost
     of a split, so the 256-key minimum chosen with a reduce launch is re-measured."""
     results = []
-    base_cfg, base_keys = pat._DECODE_16BIT, pat._MIN_SPLIT_KEYS
+    base_cfg, base_keys = pat._DECODE_16BIT, pat.MIN_SPLIT_KEYS
     for block_n, warps, stages in itertools.product((32, 64), (4, 8), (2, 3, 4)):
         pat._DECODE_16BIT = pat.TileConfig(0, block_n, warps, stages)
         for min_keys in (64, 128, 256):
-            pat._MIN_SPLIT_KEYS = min_keys
+            pat.MIN_SPLIT_KEYS = min_keys
             for ctx in (256, 384, 512):
                 inp = make_inputs([(ctx, 1)] * 32)
                 inp["max_seq_len"] = 4096
@@ -179,7 +179,7 @@ def sweep_small_batch() -> list[dict]:
                     "case": "decode_small", "ctx": ctx, "cfg": [block_n, warps, stages],
                     "min_split_keys": min_keys, "us": round(ms * 1e3, 2),
                 })  # fmt: skip
-    pat._DECODE_16BIT, pat._MIN_SPLIT_KEYS = base_cfg, base_keys
+    pat._DECODE_16BIT, pat.MIN_SPLIT_KEYS = base_cfg, base_keys
     return results
 
 

@@ -60,7 +60,12 @@ def check(x, w, cfg, ws, silu: bool) -> dict:
     return {"max_err_over_bound": round(excess, 5), "repeatable": bool(torch.equal(y1, y2))}
 
 
-def bench_shape(name: str, rows: int, configs: list[sl.SkinnyConfig | None]) -> list[dict]:
+def bench_shape(
+    name: str, rows: int, configs: list[sl.SkinnyConfig | None], echo: bool = False
+) -> list[dict]:
+    """One GEMM at one row count: cuBLAS, then each config (None: choose_config's). With
+    `echo` each case is printed as it completes (a long sweep cut by a timeout keeps its
+    finished cases)."""
     silu = name in SILU
     n, k = SHAPES[SILU.get(name, name)]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -100,6 +105,8 @@ def bench_shape(name: str, rows: int, configs: list[sl.SkinnyConfig | None]) -> 
             "cfg": list(vars(chosen).values()), "us": round(us, 2), "GBps": round(mb * 1e3 / us, 1),
             "vs_cublas": round(cublas / us, 3), **ok,
         })  # fmt: skip
+        if echo:
+            print("sweep", json.dumps(out[-1]), flush=True)
     return out
 
 
@@ -111,7 +118,7 @@ def sweep_configs() -> list[sl.SkinnyConfig]:
     return [
         sl.SkinnyConfig(bn, bk, split, warps, stages)
         for bn, bk, split, warps, stages in itertools.product(
-            (16, 32, 64), (64, 128, 256), (1, 2, 4, 8), (4,), (3, 4)
+            (16, 32, 64), (64, 128, 256), (1, 2, 3, 4, 8), (4,), (3, 4)
         )
     ]
 
@@ -129,7 +136,7 @@ def main() -> None:
             results += bench_shape(name, rows, [None])
     if args.sweep:
         for name in args.gemms.split(","):
-            results += bench_shape(name, 32, sweep_configs())
+            results += bench_shape(name, 32, sweep_configs(), echo=True)
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "commit": git_commit(),
            "command": " ".join(["benchmarks/skinny_bench.py", *sys.argv[1:]]), "results": results}  # fmt: skip

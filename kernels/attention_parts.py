@@ -1,6 +1,7 @@
 """What the Triton attention kernels share (paged_attention_triton, paged_decode_packed,
 paged_decode_flat): their dot, one key tile's online-softmax step over a paged cache, and
-the decode kernels' cut of a row's context into split-K slices."""
+the decode kernels' cut of a row's context into split-K slices, and the merge of those
+slices' partial outputs."""
 
 from __future__ import annotations
 
@@ -118,3 +119,48 @@ def decode_slice(
 def valid_splits(seq_len, split_len, num_splits):
     """How many of a row's slices run (and count in before the merge): at least one."""
     return tl.maximum(tl.minimum((seq_len + split_len - 1) // split_len, num_splits), 1)
+
+
+@triton.jit
+def merge_splits(
+    part_o_ptr,
+    part_lse_ptr,
+    base,  # [GROUP_PAD] first partial of each head
+    num_valid,
+    out_ptr,
+    q_start,
+    heads,
+    offs_d,
+    mask,
+    g_mask,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    # Online merge by log2-sum-exp. An empty row's single split has lse = -inf: subtract 0
+    # instead of -inf so its weight is exp2(-inf) = 0, not NaN, and it writes zeros.
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    den = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for s in range(num_valid):
+        lse = tl.load(
+            part_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"
+        )
+        o = tl.load(
+            part_o_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip
+        m_new = tl.maximum(m, lse)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        w = tl.exp2(lse - m_use)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        den = den * alpha + w
+        m = m_new
+    res = acc / tl.where(den > 0, den, 1.0)[:, None]
+    o_ptrs = (
+        out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    )
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.attention_parts import attend_tile, decode_slice, valid_splits
+from pdserve.kernels.attention_parts import attend_tile, decode_slice, merge_splits, valid_splits
 from pdserve.kernels.paged_decode_flat import decode_flat, flat_programs
 from pdserve.kernels.paged_decode_packed import DEFAULT_CONFIG as PACKED_16BIT
 from pdserve.kernels.paged_decode_packed import PackedConfig, decode_packed
@@ -93,7 +93,7 @@ _FEW_PROGRAMS = 256
 # of 1,024 / 4,096 tokens ran best at 4 / 8 slices (256 / 512 programs): 15.2 / 39.8 us a
 # layer against 23.1 / 78.7 unsplit. No slice under 256 keys.
 _TARGET_DECODE_PROGRAMS = 256
-_MIN_SPLIT_KEYS = 256
+MIN_SPLIT_KEYS = 256
 _MAX_SPLITS = 64
 
 
@@ -128,9 +128,9 @@ def decode_tiles(dtype: torch.dtype, d_pad: int, num_pairs: int, num_splits: int
 
 def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int) -> int:
     """Splits per (row, kv head): enough programs to fill the GPU, no slice under
-    _MIN_SPLIT_KEYS keys."""
+    MIN_SPLIT_KEYS keys."""
     wanted = triton.cdiv(_TARGET_DECODE_PROGRAMS, max(1, num_rows * num_kv_heads))
-    useful = triton.cdiv(max(1, max_seq_len), _MIN_SPLIT_KEYS)
+    useful = triton.cdiv(max(1, max_seq_len), MIN_SPLIT_KEYS)
     return max(1, min(wanted, useful, _MAX_SPLITS))
 
 
@@ -227,56 +227,11 @@ def _decode_split_kernel(
         tl.debug_barrier()
         counter = count_ptr + row * tl.num_programs(1) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_valid - 1:
-            _merge_splits(
+            merge_splits(
                 part_o_ptr, part_lse_ptr, base, num_valid, out_ptr, q_start, heads, offs_d,
                 mask, g_mask, stride_ot, stride_oh, HEAD_DIM, GROUP_PAD, D_PAD,
             )  # fmt: skip
             tl.store(counter, 0)
-
-
-@triton.jit
-def _merge_splits(
-    part_o_ptr,
-    part_lse_ptr,
-    base,  # [GROUP_PAD] first partial of each head
-    num_valid,
-    out_ptr,
-    q_start,
-    heads,
-    offs_d,
-    mask,
-    g_mask,
-    stride_ot,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    D_PAD: tl.constexpr,
-):
-    # Online merge by log2-sum-exp. An empty row's single split has lse = -inf: subtract 0
-    # instead of -inf so its weight is exp2(-inf) = 0, not NaN, and it writes zeros.
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    den = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for s in range(num_valid):
-        lse = tl.load(
-            part_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"
-        )
-        o = tl.load(
-            part_o_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
-            cache_modifier=".cg",
-        )  # fmt: skip
-        m_new = tl.maximum(m, lse)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        w = tl.exp2(lse - m_use)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        den = den * alpha + w
-        m = m_new
-    res = acc / tl.where(den > 0, den, 1.0)[:, None]
-    o_ptrs = (
-        out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    )
-    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_slots"])
@@ -446,12 +401,12 @@ def paged_attention_triton(
         return
     assert kernel in ("per_head", "flat"), f"unknown decode kernel {kernel!r}"
     # Each row sizes its own slices in-kernel; an explicit num_splits (tests, sweeps) may cut
-    # contexts down to one tile per slice, the heuristic never under _MIN_SPLIT_KEYS.
+    # contexts down to one tile per slice, the heuristic never under MIN_SPLIT_KEYS.
     explicit = num_splits is not None
     if num_splits is None:
         num_splits = decode_num_splits(num_rows, num_kv_heads, max_seq_len)
     cfg = decode_tiles(q.dtype, d_pad, num_rows * num_kv_heads, num_splits)
-    min_keys = cfg.block_n if explicit else max(_MIN_SPLIT_KEYS, cfg.block_n)
+    min_keys = cfg.block_n if explicit else max(MIN_SPLIT_KEYS, cfg.block_n)
     num_splits = max(1, min(num_splits, triton.cdiv(max(1, max_seq_len), min_keys)))
     single = num_splits == 1
     # The flat kernel serves unsplit grids of at most MAX_PAIRS pairs a program; otherwise
