@@ -150,7 +150,7 @@ def _decode_prep_attention_kernel(
     bt_ptr,  # [R_pad, max_blocks] int32
     seq_lens_ptr,  # [R_pad] int32, the newest token included
     positions_ptr,  # [R] int64
-    cos_sin_ptr,  # [max_positions, D] float32: cos half | sin half
+    cos_sin_ptr,  # [max_positions, D] float32: cos half | sin half ([R, D] if COS_SIN_ROWS)
     slot_ptr,  # [num_slots] int64 cache slot of each row's newest token, -1: none
     q_norm_ptr,  # [D] (HAS_NORM)
     k_norm_ptr,
@@ -194,6 +194,7 @@ def _decode_prep_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     Q_IN_LOOP: tl.constexpr,
+    COS_SIN_ROWS: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -212,7 +213,10 @@ def _decode_prep_attention_kernel(
     # The row's length and position go out together; the loop's first K/V loads need only
     # the length.
     seq_len = tl.load(seq_lens_ptr + row)
-    pos = tl.load(positions_ptr + t).to(tl.int64)
+    if COS_SIN_ROWS:  # row r's cos/sin already at row r: no round trip through its position
+        pos = t
+    else:
+        pos = tl.load(positions_ptr + t).to(tl.int64)
     split_len = row_split_len(seq_len, min_split_keys, num_splits, BLOCK_N)
     key_start = split * split_len
     if (key_start >= seq_len) & (split > 0):  # a slice past the context (never split 0)
@@ -308,7 +312,7 @@ def _decode_prep_attention_kernel(
 # Where the preparation runs: in the loop's first step (True) or before the loop; and the
 # warps of a program (None: the per-head kernel's tile). In the loop, 2 warps spill
 # registers (Triton 3.6, sm_90: 255 registers and a 56-byte stack), 4 do not (213).
-Q_IN_LOOP = True
+Q_IN_LOOP = False
 NUM_WARPS: int | None = 4
 
 
@@ -348,6 +352,7 @@ def decode_prep_attention(
     scale_rows: ScaleRows | None = None,
     bias: torch.Tensor | None = None,
     q_in_loop: bool | None = None,  # None: Q_IN_LOOP
+    cos_sin_rows: bool = False,  # cos_sin_cache is [R, D]: each row's own, gathered
     num_warps: int | None = None,  # None: NUM_WARPS
 ) -> torch.Tensor:
     """`prepare_qkv_ref` then `paged_attention_ref` over R decode rows -> [R, Hq, D]."""
@@ -360,6 +365,7 @@ def decode_prep_attention(
         f"qkv is [R, (Hq + 2 Hkv) * D], got {tuple(qkv.shape)}"
     )
     assert qkv.stride(1) == 1 and head_dim % 2 == 0 and cos_sin_cache.shape[1] == head_dim
+    assert not cos_sin_rows or cos_sin_cache.shape[0] >= num_rows, "one cos/sin row per row"
     assert num_q_heads % num_kv_heads == 0
     assert (q_norm_weight is None) == (k_norm_weight is None), "q and k norms come together"
     assert positions.numel() == num_rows and positions.is_contiguous()
@@ -406,7 +412,8 @@ def decode_prep_attention(
         SQ_PARTS_PAD=1 if sq is None else sq.parts_pad, SQ_STRIDE=SQ_ROWS,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
         UPCAST_DOT=qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16,
-        Q_IN_LOOP=Q_IN_LOOP if q_in_loop is None else q_in_loop, num_warps=num_warps,
+        Q_IN_LOOP=Q_IN_LOOP if q_in_loop is None else q_in_loop, COS_SIN_ROWS=cos_sin_rows,
+        num_warps=num_warps,
         num_stages=cfg.num_stages,
         enable_fp_fusion=False,
     )  # fmt: skip

@@ -123,6 +123,17 @@ def test_matches_prepare_then_attend(case, dtype, q_in_loop):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_gathered_cos_sin_rows_give_the_same_bits(dtype):
+    """Guards `cos_sin_rows`: the rows' cos/sin gathered once (`cache[positions]`) and read
+    by row instead of by position: the same values, so bitwise the same output and cache."""
+    inp = _inputs([5, 1, 0, 8, 3], 4, 2, 24, 4, dtype, seed=8, scaled=True)
+    out, cache = _fused(inp)
+    rows = inp["cos_sin_cache"].index_select(0, inp["positions"])
+    out_rows, cache_rows = _fused(dict(inp, cos_sin_cache=rows), cos_sin_rows=True)
+    assert torch.equal(out, out_rows) and torch.equal(cache, cache_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("variant", ["no_norm", "scaled", "scaled_bias"])
 def test_norm_scale_and_bias_variants(dtype, variant):
     """Llama (no q/k norm) and the folded-norm chain (rows scaled by their RMSNorm factor,

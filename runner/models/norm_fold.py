@@ -84,13 +84,17 @@ def folded_forward(
     ws = model.workspace
     r = model.embed_tokens(input_ids)
     squares = row_squares_triton(r, squares_buffer(ws, r.device))
+    cos_sin_rows = None  # each row's cos/sin, for the fused attention (one gather a step)
     for i, (layer, kv_cache) in enumerate(zip(model.layers, kv_caches, strict=True)):
         a, mlp = layer.self_attn, layer.mlp
         qkv = F.linear(r, a.qkv_proj.weight)  # the bias goes in after the row scale
+        if cos_sin_rows is None and a.fuses_prep(qkv, attn):
+            cos_sin_rows = model.cos_sin_cache.index_select(0, positions)
         scale = ScaleRows(squares, layer.input_layernorm.eps)
         out = a.prepare_attend(
-            qkv, positions, model.cos_sin_cache, kv_cache, attn, scale, a.qkv_proj.bias
-        )
+            qkv, positions, model.cos_sin_cache, kv_cache, attn, scale, a.qkv_proj.bias,
+            cos_sin_rows,
+        )  # fmt: skip
         o = a.o_proj
         r, squares = skinny_linear_add_residual(out, o.weight, o.bias, r, ws)
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
