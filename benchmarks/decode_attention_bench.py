@@ -1,7 +1,7 @@
 """Decode attention as a decode step runs it: one call per layer over that layer's own cache.
 
     python benchmarks/decode_attention_bench.py [--layers 28] [--sweep] [--sweep-per-head]
-        [--sweep-long] [--sweep-groups] [--no-cases] [--kernels per_head,packed,flat] \
+        [--sweep-long] [--sweep-deep] [--sweep-groups] [--no-cases] [--kernels per_head,packed,flat] \
         [--out DIR]
 
 Not a test. attention_bench.py replays one call over one cache, so a cache under the L2's
@@ -108,6 +108,13 @@ SHORT_SWEEP = (
     list(itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4, 5))),
     (1, 2, 3, 4, 6, 8),
 )
+# Deeper pipelines: with the block-id load feeding the K/V loads, Triton 3.6 gives the K/V
+# tiles 2 buffers at 5-6 stages, 3 at 7, 4 at 9 (benchmarks/sm90_resources.py).
+DEEP_SWEEP = (
+    ((32, 256), (32, 384), (32, 512)),
+    list(itertools.product((64,), (2, 4), (5, 7, 9))),
+    (1,),
+)
 LONG_SWEEP = (
     ((8, 1024), (8, 4096), (32, 1024), (32, 2048), (32, 4096), (128, 384), (256, 384), (512, 256)),
     [(64, 2, 5), (64, 2, 4), (64, 2, 3), (64, 4, 3), (32, 4, 5), (64, 2, 6)],
@@ -167,6 +174,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-per-head", action="store_true")
     ap.add_argument("--sweep-long", action="store_true")
+    ap.add_argument("--sweep-deep", action="store_true", help="5 / 7 / 9 stages at 32 rows")
     ap.add_argument(
         "--sweep-groups",
         action="store_true",
@@ -211,6 +219,8 @@ def main() -> int:
         sweep_per_head(args.layers, emit, *SHORT_SWEEP)
     if args.sweep_long:
         sweep_per_head(args.layers, emit, *LONG_SWEEP)
+    if args.sweep_deep:
+        sweep_per_head(args.layers, emit, *DEEP_SWEEP)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / f"decode_attention_{commit[:7]}.jsonl", "w") as f:
