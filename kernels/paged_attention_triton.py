@@ -78,12 +78,15 @@ _PREFILL_WIDE = TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 #   Split programs past a short row's context still cost a launch slot each: a 32-row
 #   graph bounded at 4,096 tokens with 3 splits ran 21.4 us a layer at 384 tokens where
 #   the unsplit kernel took 16.7.
-# - The unsplit kernel at <= 256 programs (two waves of one program per SM) keeps more of
-#   each context in flight with 2 warps and 5 stages: 12.7 / 16.7 / 20.6 / 125 us a layer at
-#   32 rows of 256 / 384 / 512 / 4,096 tokens (4.3 TB/s at 4,096), against 16.5 / 19.2 /
-#   23.1 us with the earlier 4-warp, 3-stage tile and 256-key slices (128 at 4,096 tokens
-#   with that tile's best split). With more programs (64-512 rows), or with
-#   splits, 3 stages win (two programs per SM); at 256-512 rows K/V stream at ~3.9 TB/s.
+# - The unsplit kernel at <= 256 programs runs best with 2 warps and 5 stages: 12.7 / 16.7 /
+#   20.6 / 125 us a layer at 32 rows of 256 / 384 / 512 / 4,096 tokens (4.3 TB/s at 4,096),
+#   against 16.5 / 19.2 / 23.1 us with the earlier 4-warp, 3-stage tile and 256-key slices
+#   (128 at 4,096 tokens with that tile's best split). With more programs (64-512 rows), or
+#   with splits, 3 stages win; at 256-512 rows K/V stream at ~3.9 TB/s.
+# - What the tiles compile to (Triton 3.6, sm_90; benchmarks/sm90_resources.py): the block-id
+#   load feeds the K/V loads, so the pipeline splits its stages between them. 5 stages give
+#   the K and V tiles 2 buffers each (72 KB of shared memory, 214 registers at 2 warps: 3
+#   programs fit an SM, so 256 programs run in one wave), 3 stages 1 buffer (39 KB).
 _DECODE_16BIT = TileConfig(block_m=0, block_n=64, num_warps=4, num_stages=3)
 _DECODE_16BIT_FEW = TileConfig(block_m=0, block_n=64, num_warps=2, num_stages=5)
 _DECODE_WIDE = TileConfig(block_m=0, block_n=32, num_warps=4, num_stages=2)  # fp32, D 256
