@@ -42,19 +42,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--decode-attention", choices=DECODE_ATTENTION_KERNELS, default="auto")
     ap.add_argument("--cuda-graph-scope", choices=("layers", "step"), default="step")
-    ap.add_argument(
-        "--fused-prep",
-        choices=("default", "in_loop", "before_loop", "before_loop_2w"),
-        default="default",
-        help="where kernels/decode_prep_attention.py makes q (in the loop's first step with 4 "
-        "warps, or before the loop with 4 or 2 warps); set before the graphs are captured",
-    )
     args = ap.parse_args()
-    if args.fused_prep != "default":
-        import pdserve.kernels.decode_prep_attention as dpa
-
-        dpa.Q_IN_LOOP = args.fused_prep == "in_loop"
-        dpa.NUM_WARPS = 2 if args.fused_prep == "before_loop_2w" else 4
     if args.context <= args.prompt_len:
         ap.error("--context must exceed --prompt-len (decode steps reach it)")
 
@@ -86,7 +74,6 @@ def main() -> int:
         "context": args.context,
         "decode_attention": args.decode_attention,
         "cuda_graph_scope": args.cuda_graph_scope,
-        "fused_prep": args.fused_prep,
         "replays": len(ms),
         "forward_ms_p50": statistics.median(ms),
         "forward_ms_min": min(ms),

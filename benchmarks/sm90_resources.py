@@ -26,14 +26,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pdserve.kernels import decode_prep_attention as dpa
 from pdserve.kernels import paged_attention_triton as pat
 from pdserve.kernels import skinny_linear as sl
 
 INT_PTRS = {"bt_ptr", "qsl_ptr", "seq_lens_ptr", "count_ptr"}
 F32_PTRS = {"part_o_ptr", "part_lse_ptr", "part_ptr", "sq_ptr", "sq_in_ptr", "sq_out_ptr",
             "cos_sin_ptr"}  # fmt: skip
-I64_PTRS = {"positions_ptr", "slot_ptr"}
+I64_PTRS = {"positions_ptr", "slot_ptr", "slot_mapping_ptr"}
 FLOATS = {"qk_scale", "eps", "sq_eps"}
 # Integer arguments the launcher sees as multiples of 16 in the Qwen3-0.6B decode step.
 DIV16 = {"k", "n", "k_per_split", "sq_dim"}
@@ -89,13 +88,6 @@ def cases():
             stages,
             True,
         )
-    fused = dict(attn, NUM_Q_HEADS=16, NUM_KV_HEADS=8, HAS_NORM=True, SCALE_ROWS=True,
-                 HAS_BIAS=False, SQ_PARTS_PAD=32, SQ_STRIDE=64, COS_SIN_ROWS=True)  # fmt: skip
-    for q_in_loop in (False, True):
-        for warps in (2, 4):
-            where = "in_loop" if q_in_loop else "before_loop"
-            yield (f"decode_prep_attention_{where}_{warps}w5s", dpa._decode_prep_attention_kernel,
-                   dict(fused, Q_IN_LOOP=q_in_loop), warps, 5, False)  # fmt: skip
     linear = dict(HAS_BIAS=False, ADD_RESIDUAL=False, SQ_PARTS_PAD=32, SQ_STRIDE=64,
                   EVEN_K=True, M_PAD=32, BLOCK_K=128, IEEE_DOT=False)  # fmt: skip
     yield ("skinny_gate_up_silu_64", sl._skinny_linear_kernel,

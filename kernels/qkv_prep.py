@@ -98,27 +98,18 @@ def _norm_rope_halves(
 
 
 @triton.jit
-def scale_qkv_part(x, bias, scale, SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Loaded values `x` of a token's qkv row in float32. With SCALE_ROWS (the projection of
-    an un-normalised row) times the row's RMSNorm factor, plus `bias` at the same offsets
+def _load_part(row_ptr, offs, mask, bias_ptr, scale, SCALE_ROWS: tl.constexpr,
+               HAS_BIAS: tl.constexpr):  # fmt: skip
+    """Values `offs` of a token's qkv row in float32. With SCALE_ROWS (the projection of an
+    un-normalised row) times the row's RMSNorm factor, plus the bias at the same offsets
     (HAS_BIAS: the projection ran without it), rounded once through the dtype."""
+    x = tl.load(row_ptr + offs, mask=mask, other=0.0)
     if SCALE_ROWS:
         y = x.to(tl.float32) * scale
         if HAS_BIAS:
-            y += bias.to(tl.float32)
+            y += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         return y.to(x.dtype).to(tl.float32)
     return x.to(tl.float32)
-
-
-@triton.jit
-def load_qkv_part(row_ptr, offs, mask, bias_ptr, scale, SCALE_ROWS: tl.constexpr,
-                  HAS_BIAS: tl.constexpr):  # fmt: skip
-    """`scale_qkv_part` of the values `offs` of a token's qkv row (and of the bias)."""
-    x = tl.load(row_ptr + offs, mask=mask, other=0.0)
-    bias = x
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs, mask=mask, other=0.0)
-    return scale_qkv_part(x, bias, scale, SCALE_ROWS, HAS_BIAS)
 
 
 # num_slots follows the step's token count: not specialised on (no variant per value class).
@@ -187,8 +178,8 @@ def _prepare_qkv_kernel(
     qh = q_first + tl.arange(0, BLOCK_HQ)
     q_mask = (tl.arange(0, BLOCK_HQ) < q_count)[:, None] & col_mask[None, :]
     q_offs = qh[:, None] * HEAD_DIM + cols[None, :]
-    q1 = load_qkv_part(row, q_offs, q_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
-    q2 = load_qkv_part(row, q_offs + half, q_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
+    q1 = _load_part(row, q_offs, q_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
+    q2 = _load_part(row, q_offs + half, q_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
     q1, q2 = _norm_rope_halves(
         q1, q2, q_norm_ptr, cols, col_mask, cos, sin, HEAD_DIM, eps, dtype, HAS_NORM
     )
@@ -202,14 +193,14 @@ def _prepare_qkv_kernel(
     kh = kv_first + tl.arange(0, BLOCK_HK)
     k_mask = (tl.arange(0, BLOCK_HK) < kv_count)[:, None] & col_mask[None, :]
     k_offs = (NUM_Q_HEADS + kh[:, None]) * HEAD_DIM + cols[None, :]
-    k1 = load_qkv_part(row, k_offs, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
-    k2 = load_qkv_part(row, k_offs + half, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
+    k1 = _load_part(row, k_offs, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
+    k2 = _load_part(row, k_offs + half, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
     k1, k2 = _norm_rope_halves(
         k1, k2, k_norm_ptr, cols, col_mask, cos, sin, HEAD_DIM, eps, dtype, HAS_NORM
     )
     v_offs = k_offs + NUM_KV_HEADS * HEAD_DIM
-    v1 = load_qkv_part(row, v_offs, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
-    v2 = load_qkv_part(row, v_offs + half, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
+    v1 = _load_part(row, v_offs, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
+    v2 = _load_part(row, v_offs + half, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
     # int64: num_blocks * block_size * Hkv * D passes 2^31 on a large cache.
     base = (slot // block_size) * cache_block_stride + (slot % block_size) * cache_offset_stride
     dst = kv_cache_ptr + base + kh[:, None] * cache_head_stride + cols[None, :]

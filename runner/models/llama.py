@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from pdserve.kernels.attention import paged_attention
-from pdserve.kernels.decode_prep_attention import decode_prep_attention, fused_prep_applies
 from pdserve.kernels.norm import fused_add_rms_norm, rms_norm
 from pdserve.kernels.qkv_prep import prepare_qkv
 from pdserve.kernels.row_squares import ScaleRows
@@ -113,45 +112,6 @@ class Attention(nn.Module):
             0.0 if qn is None else qn.eps, positions, cos_sin, kv_cache, attn.slot_mapping,
             scale_rows, bias,
         )  # fmt: skip
-
-    def prepare_attend(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        cos_sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn: AttentionMetadata,
-        scale_rows: ScaleRows | None = None,
-        bias: torch.Tensor | None = None,
-        cos_sin_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`attend(prepare(...))` -> [T, Hq * D]; on the GPU, for a batch of decode rows
-        (`fuses_prep`), one kernel (kernels/decode_prep_attention.py) instead of two.
-        `cos_sin_rows`: `cos_sin[positions]`, gathered once for all layers."""
-        if self.fuses_prep(qkv, attn):
-            qn, kn = self.q_norm, self.k_norm
-            rows = cos_sin_rows is not None
-            out = decode_prep_attention(
-                qkv, self.num_heads, self.num_kv_heads,
-                None if qn is None else qn.weight, None if kn is None else kn.weight,
-                0.0 if qn is None else qn.eps, positions, cos_sin_rows if rows else cos_sin,
-                kv_cache, attn.slot_mapping, attn.block_tables, attn.seq_lens, self.scale,
-                attn.max_seq_len, self.workspace, scale_rows, bias, cos_sin_rows=rows,
-            )  # fmt: skip
-            return out.reshape(qkv.shape[0], self.q_size)
-        q = self.prepare(qkv, positions, cos_sin, kv_cache, attn, scale_rows, bias)
-        return self.attend(q, kv_cache, attn)
-
-    def fuses_prep(self, qkv: torch.Tensor, attn: AttentionMetadata) -> bool:
-        """Whether `prepare_attend` runs this batch as one kernel: CUDA decode rows the
-        fused kernel serves (kernels/decode_prep_attention.fused_prep_applies)."""
-        return (
-            qkv.is_cuda
-            and attn.query_start_loc.numel() == qkv.shape[0] + 1
-            and fused_prep_applies(
-                qkv, self.num_kv_heads, self.head_dim, attn.max_query_len, attn.decode_kernel
-            )
-        )
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata):
         """Paged attention of q [T, Hq, D] -> [T, Hq * D], the o projection's input."""

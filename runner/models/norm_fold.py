@@ -10,10 +10,9 @@ A decode batch (<= 64 rows) then runs the folded chain: no norm kernel at all. T
 down projections add the residual in their epilogue and write the new stream's row sums of
 squares (kernels/skinny_linear.py); the q/k/v preparation and the gate/up projection
 scale their rows by the factor those sums give. Layer 0 takes its sums from a small kernel
-over the embeddings. Per layer that is 5 launches on the GPU (qkv, attention with the q/k/v
-preparation folded in, o, gate/up, down) instead of 8 with the two norms and a separate
-preparation; larger batches keep the norm kernels (with unit weights), where a launch is
-not what the time goes to.
+over the embeddings. Per layer that is 6 launches (qkv, prepare, attention, o, gate/up,
+down) instead of 8 with two norms; larger batches keep the norm kernels (with unit
+weights), where a launch is not what the time goes to.
 """
 
 from __future__ import annotations
@@ -84,17 +83,12 @@ def folded_forward(
     ws = model.workspace
     r = model.embed_tokens(input_ids)
     squares = row_squares_triton(r, squares_buffer(ws, r.device))
-    cos_sin_rows = None  # each row's cos/sin, for the fused attention (one gather a step)
     for i, (layer, kv_cache) in enumerate(zip(model.layers, kv_caches, strict=True)):
         a, mlp = layer.self_attn, layer.mlp
         qkv = F.linear(r, a.qkv_proj.weight)  # the bias goes in after the row scale
-        if cos_sin_rows is None and a.fuses_prep(qkv, attn):
-            cos_sin_rows = model.cos_sin_cache.index_select(0, positions)
         scale = ScaleRows(squares, layer.input_layernorm.eps)
-        out = a.prepare_attend(
-            qkv, positions, model.cos_sin_cache, kv_cache, attn, scale, a.qkv_proj.bias,
-            cos_sin_rows,
-        )  # fmt: skip
+        q = a.prepare(qkv, positions, model.cos_sin_cache, kv_cache, attn, scale, a.qkv_proj.bias)
+        out = a.attend(q, kv_cache, attn)
         o = a.o_proj
         r, squares = skinny_linear_add_residual(out, o.weight, o.bias, r, ws)
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
