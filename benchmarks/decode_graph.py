@@ -63,11 +63,11 @@ def main() -> int:
         engine.add_request(f"r{r}", prompt, params)
     for _ in range(args.context - args.prompt_len + 1):
         engine.step()
-    ms = _replay_ms(lambda: graphs.replay(args.rows), args.replays)
+    ms = replay_ms(lambda: graphs.replay(args.rows), args.replays)
     step_ms = None
     if graphs.has_greedy_tail:
         step_ms = statistics.median(
-            _replay_ms(lambda: graphs.replay_greedy(args.rows), args.replays)
+            replay_ms(lambda: graphs.replay_greedy(args.rows), args.replays)
         )
     row = {
         "rows": args.rows,
@@ -92,7 +92,7 @@ def main() -> int:
     return 0
 
 
-def _replay_ms(replay, n: int) -> list[float]:
+def replay_ms(replay, n: int) -> list[float]:
     """Device ms of each of `n` back-to-back replays (CUDA events), the first 10 dropped:
     they warm the clocks."""
     torch.cuda.synchronize()

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from decode_graph import replay_ms  # noqa: E402
 from run_meta import git_commit  # noqa: E402
 from throughput import build_model_dir  # noqa: E402
 
@@ -60,18 +61,8 @@ def fill(e, rows: int, prompt_len: int, context: int, seed: int) -> None:
 
 
 def timed(fn, n: int) -> float:
-    """Median device ms of `n` calls of `fn` (each bracketed by events on the current
-    stream), the first 10 dropped."""
-    torch.cuda.synchronize()
-    marks = []
-    for _ in range(n):
-        s, t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        t.record()
-        marks.append((s, t))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(t) for s, t in marks[10:])
+    """Median device ms of `n` back-to-back calls of `fn` (decode_graph.replay_ms)."""
+    return statistics.median(replay_ms(fn, n))
 
 
 def set_workspace(model, ws) -> None:
