@@ -18,7 +18,7 @@ from typing import Any
 
 from pdserve.runner.config import EngineConfig
 from pdserve.runner.config_resolve import resolve_engine_config
-from pdserve.runner.detokenizer import IncrementalDetokenizer, decode_token
+from pdserve.runner.detokenizer import IncrementalDetokenizer
 from pdserve.runner.engine_state import StepStats, Track
 from pdserve.runner.kv_cache_manager import KVCacheManager
 from pdserve.runner.kv_hooks import (
@@ -28,14 +28,15 @@ from pdserve.runner.kv_hooks import (
     KVPromptScheduled,
     KVPublisher,
 )
-from pdserve.runner.outputs import Logprob, LogprobDict, RequestDelta
+from pdserve.runner.output_text import logprob_dict, next_text
+from pdserve.runner.outputs import RequestDelta
 from pdserve.runner.request import Request, RequestStatus
 from pdserve.runner.runner_output import ModelRunnerOutput, TopLogprobs
 from pdserve.runner.sampling_params import SamplingParams
 from pdserve.runner.scheduler import Scheduler
 from pdserve.runner.scheduler_output import SchedulerOutput
 from pdserve.runner.seeding import derive_seed
-from pdserve.runner.stop_checker import StopDecision, check_stop
+from pdserve.runner.stop_checker import check_stop
 from pdserve.runner.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -343,7 +344,7 @@ class Engine:
             decision = check_stop(req, [token], "", "", self._max_model_len)
             piece = ""
         else:
-            decision, piece = self._next_text(req, track, token)
+            decision, piece = next_text(req, track, token, self._max_model_len)
         finish = stop_reason = None
         if decision is not None:
             finish, stop_reason = decision.finish_reason, decision.stop_reason
@@ -356,7 +357,7 @@ class Engine:
             num_prompt_tokens=req.num_prompt_tokens,
         )
         if lp is not None:
-            delta.new_logprobs = [self._logprob_dict(lp)]
+            delta.new_logprobs = [logprob_dict(self.tokenizer, lp)]
         if not track.first_delta_sent:
             track.first_delta_sent = True
             delta.prompt_logprobs = track.prompt_logprobs
@@ -425,30 +426,6 @@ class Engine:
             and 0 <= token < self.config.model.vocab_size
         )
 
-    def _next_text(self, req: Request, track: Track, token: int) -> tuple[StopDecision | None, str]:
-        """Feed `token` to the detokenizer; the stop decision and the text to hand out now
-        (all new text but the held-back tail a stop string may still start in)."""
-        detok = track.detok
-        text_before = detok.output_text
-        new_text = detok.add_tokens([token])
-        decision = check_stop(req, [token], text_before, new_text, self._max_model_len)
-        full_len = len(text_before) + len(new_text)
-        if decision is None:
-            visible = max(track.emitted, full_len - track.hold_back)
-        elif decision.text_len == full_len:
-            new_text += detok.flush()  # nothing was cut: release held-back bytes too
-            visible = len(text_before) + len(new_text)
-        else:
-            visible = decision.text_len
-        tail = (
-            text_before[track.emitted :] + new_text
-            if track.emitted < len(text_before)
-            else new_text[track.emitted - len(text_before) :]
-        )
-        piece = tail[: visible - track.emitted]
-        track.emitted = visible
-        return decision, piece
-
     def _hold(self, req: Request, lp: TopLogprobs | None) -> RequestDelta:
         """Prefill role: the first token is sampled; keep the prompt's blocks, end here."""
         track = self._tracks.pop(req.request_id)
@@ -469,7 +446,7 @@ class Engine:
             ),
         )
         if lp is not None:
-            delta.new_logprobs = [self._logprob_dict(lp)]
+            delta.new_logprobs = [logprob_dict(self.tokenizer, lp)]
             delta.first_top_logprobs = lp
         return delta
 
@@ -481,14 +458,4 @@ class Engine:
         if track.prompt_logprobs is None:
             track.prompt_logprobs = [None] * req.num_prompt_tokens
         for i, entry in enumerate(entries):
-            track.prompt_logprobs[first + i] = self._logprob_dict(entry)
-
-    def _logprob_dict(self, lp: TopLogprobs) -> LogprobDict:
-        def text(tok: int) -> str | None:
-            return decode_token(self.tokenizer, tok) if self.tokenizer is not None else None
-
-        out: LogprobDict = {}
-        for rank, (tok, val) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:]), start=1):
-            out[tok] = Logprob(val, rank, text(tok))
-        out.setdefault(lp.token_ids[0], Logprob(lp.logprobs[0], lp.rank, text(lp.token_ids[0])))
-        return out
+            track.prompt_logprobs[first + i] = logprob_dict(self.tokenizer, entry)
