@@ -24,7 +24,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -32,19 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_graph import replay_ms  # noqa: E402
 from run_meta import git_commit  # noqa: E402
-from throughput import build_model_dir  # noqa: E402
+from throughput import random_model_engine  # noqa: E402
 
 
 def engine(util: float):
-    from pdserve.runner.engine import Engine
-
-    model_dir = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
-    build_model_dir(model_dir)
-    torch.cuda.empty_cache()
-    return Engine.from_args(
-        model=str(model_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
-        max_num_batched_tokens=16384, gpu_memory_utilization=util, cuda_graph_scope="layers",
-    )  # fmt: skip
+    return random_model_engine(gpu_memory_utilization=util, cuda_graph_scope="layers")
 
 
 def fill(e, rows: int, prompt_len: int, context: int, seed: int) -> None:

@@ -30,10 +30,8 @@ from pdserve.kernels import paged_attention_triton as pat
 from pdserve.kernels import skinny_linear as sl
 
 INT_PTRS = {"bt_ptr", "qsl_ptr", "seq_lens_ptr", "count_ptr"}
-F32_PTRS = {"part_o_ptr", "part_lse_ptr", "part_ptr", "sq_ptr", "sq_in_ptr", "sq_out_ptr",
-            "cos_sin_ptr"}  # fmt: skip
-I64_PTRS = {"positions_ptr", "slot_ptr", "slot_mapping_ptr"}
-FLOATS = {"qk_scale", "eps", "sq_eps"}
+F32_PTRS = {"part_o_ptr", "part_lse_ptr", "part_ptr", "sq_in_ptr", "sq_out_ptr"}
+FLOATS = {"qk_scale", "eps"}
 # Integer arguments the launcher sees as multiples of 16 in the Qwen3-0.6B decode step.
 DIV16 = {"k", "n", "k_per_split", "sq_dim"}
 
@@ -45,8 +43,7 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int, fp_fusio
             sig[name] = "constexpr"
             continue
         if name.endswith("_ptr"):
-            sig[name] = ("*i32" if name in INT_PTRS else "*fp32" if name in F32_PTRS
-                         else "*i64" if name in I64_PTRS else "*bf16")  # fmt: skip
+            sig[name] = "*i32" if name in INT_PTRS else "*fp32" if name in F32_PTRS else "*bf16"
         else:
             sig[name] = "fp32" if name in FLOATS else "i32"
         if name.endswith("_ptr") or name.startswith("stride") or name in DIV16:

@@ -94,11 +94,14 @@ def build_model_dir(path: Path):
 
 
 def random_model_engine(
-    max_num_batched_tokens: int = 16384, decode_attention: str = "auto", **engine_args
+    max_num_batched_tokens: int = 16384,
+    decode_attention: str = "auto",
+    gpu_memory_utilization: float = 0.8,
+    **engine_args,
 ):
     """The profiling scripts' engine: a fresh random Qwen3-0.6B-shaped model directory and
-    the throughput runs' settings (512 sequences, 80% of the GPU); `engine_args` go to
-    `Engine.from_args` as well."""
+    the throughput runs' settings (512 sequences, 80% of the GPU unless told); `engine_args`
+    go to `Engine.from_args` as well."""
     from pdserve.runner.engine import Engine
 
     model_dir = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
@@ -106,7 +109,8 @@ def random_model_engine(
     torch.cuda.empty_cache()
     return Engine.from_args(
         model=str(model_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=512,
-        max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=0.8,
+        max_num_batched_tokens=max_num_batched_tokens,
+        gpu_memory_utilization=gpu_memory_utilization,
         decode_attention=decode_attention, **engine_args,
     )  # fmt: skip
 
