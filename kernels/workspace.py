@@ -26,6 +26,7 @@ class KernelWorkspace:
         self._retired: list[torch.Tensor] = []  # outgrown, kept for graphs that hold them
 
     def _get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        device = _with_index(device)
         buf = self._buffers.get((name, dtype))
         if buf is not None and buf.numel() >= numel and buf.device == device:
             return buf
@@ -48,3 +49,12 @@ class KernelWorkspace:
     def scratch(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
         """[>= numel] float32 scratch for partial results."""
         return self._get(name, numel, torch.float32, device)
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """`cuda` as the `cuda:<current>` it means: an index-less device must find the buffer
+    that a tensor's own device (which always has an index) was given, not a fresh one."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

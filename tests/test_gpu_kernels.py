@@ -251,3 +251,19 @@ def test_last_arriver_merges_never_read_a_stale_partial():
         for batch, out in zip(batches, outs):
             check_attention(batch, out)  # fp32 against the float64 spec, 1e-5
         assert int(ws.counters(counter, 1, w.device).abs().sum()) == 0, kernel
+
+
+def test_workspace_finds_a_buffer_by_an_index_less_cuda_device():
+    """Guards the workspace's device key: `cuda` means the current `cuda:N`, so a caller
+    naming the device without an index gets the buffer (and its counters, zero between
+    launches) that a tensor's own device was given, not a fresh zeroed copy."""
+    ws = KernelWorkspace()
+    indexed = torch.device("cuda", torch.cuda.current_device())
+    counters = ws.counters("c", 8, indexed)
+    counters[3] = 7  # a value a fresh buffer would not have
+    again = ws.counters("c", 8, torch.device("cuda"))
+    assert again.data_ptr() == counters.data_ptr() and int(again[3]) == 7
+    assert (
+        ws.scratch("s", 4, torch.device("cuda")).data_ptr()
+        == ws.scratch("s", 4, indexed).data_ptr()
+    )
