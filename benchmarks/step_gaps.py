@@ -7,10 +7,11 @@ Same model and engine as throughput.py (random bf16 Qwen3-0.6B shape, step-scope
 graphs, async scheduling). After 40 settling steps it profiles `--steps` decode steps with
 the torch profiler and reads its trace: the device operations (kernels, copies, sets) in
 time order and the host's graph launches. A step starts at its first kernel after a
-launch of the step graph; for each boundary it reports the idle device time between the
-last operation of one step and the first kernel of the next, what ran in between (copies,
-small kernels), and how far ahead of the device the host launched the graph (negative:
-the device waited for the host). Writes `step_gaps_<n>_<commit>.json` and the timeline (`..._timeline.json`). A benchmark, not a test.
+launch of the step graph (its input prep kernel); for each boundary it reports the time
+from one step's last kernel to the next step's first, what ran in between (copies, sets),
+and how far ahead of the device the host launched the graph (negative: the device waited
+for the host). Writes `step_gaps_<n>_<commit>.json` and the timeline
+(`..._timeline.json`). A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -46,28 +47,31 @@ def device_ops(trace: dict) -> tuple[list[dict], list[float]]:
     return ops, launches
 
 
-def boundaries(ops: list[dict], launches: list[float], min_gap_us: float) -> list[dict]:
-    """Split the device timeline into steps at idle gaps >= min_gap_us around graph work."""
-    rows, step_start, busy_until = [], 0, ops[0]["end"] if ops else 0.0
-    for i in range(1, len(ops)):
-        gap = ops[i]["ts"] - busy_until
-        busy_until = max(busy_until, ops[i]["end"])
-        if gap < min_gap_us:
-            continue
-        between = [o for o in ops[max(0, i - 3) : i + 3]]
-        # the last launch the host issued before this op started
-        prior = [t for t in launches if t <= ops[i]["ts"]]
+def boundaries(ops: list[dict], launches: list[float], first_kernel: str) -> list[dict]:
+    """One row per step boundary: a step starts at its `first_kernel` (the graph's input
+    prep). Reports the device's idle time from the previous step's last operation to it,
+    the operations after the previous step's last kernel (copies, sets), and how long
+    before it the host had launched the graph."""
+    starts = [i for i, o in enumerate(ops) if o["cat"] == "kernel" and first_kernel in o["name"]]
+    rows = []
+    for a, b in zip(starts, starts[1:]):
+        step = ops[a:b]
+        last_kernel = max(o["end"] for o in step if o["cat"] == "kernel")
+        prior = [t for t in launches if t <= ops[b]["ts"]]
         rows.append(
             {
-                "idle_us": round(gap, 2),
-                "step_device_us": round(ops[i - 1]["end"] - ops[step_start]["ts"], 1),
-                "host_launch_lead_us": round(ops[i]["ts"] - prior[-1], 1) if prior else None,
-                "around": [
-                    f"{o['cat']}:{o['name'][:60]} {o['end'] - o['ts']:.1f}us" for o in between
+                "idle_us": round(ops[b]["ts"] - max(o["end"] for o in step), 2),
+                "last_kernel_to_next_step_us": round(ops[b]["ts"] - last_kernel, 2),
+                "step_device_us": round(last_kernel - ops[a]["ts"], 1),
+                "host_launch_lead_us": round(ops[b]["ts"] - prior[-1], 1) if prior else None,
+                "after_last_kernel": [
+                    f"{o['cat']}:{o['name'][:60]} {o['end'] - o['ts']:.1f}us "
+                    f"at +{o['ts'] - last_kernel:.1f}"
+                    for o in step
+                    if o["ts"] >= last_kernel or o["cat"] != "kernel"
                 ],
             }
         )
-        step_start = i
     return rows
 
 
@@ -76,7 +80,7 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--min-gap-us", type=float, default=3.0)
+    ap.add_argument("--first-kernel", default="_prepare_decode_kernel", help="a step's start")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
 
@@ -98,10 +102,9 @@ def main() -> int:
     path = Path(tempfile.mkdtemp()) / "trace.json"
     prof.export_chrome_trace(str(path))
     ops, launches = device_ops(json.loads(path.read_text()))
-    rows = boundaries(ops, launches, args.min_gap_us)
-    # the busy span of each step and the idle time at its end
-    idle = [r["idle_us"] for r in rows[1:]]  # the first boundary follows the settle sync
-    busy = [r["step_device_us"] for r in rows[1:]]
+    rows = boundaries(ops, launches, args.first_kernel)
+    idle = [r["last_kernel_to_next_step_us"] for r in rows]
+    busy = [r["step_device_us"] for r in rows]
     kinds: dict[str, int] = {}
     for o in ops:
         if o["cat"] != "kernel":
@@ -110,7 +113,7 @@ def main() -> int:
         "num_requests": args.num_requests,
         "prompt_len": args.prompt_len,
         "steps": args.steps,
-        "idle_us_median": statistics.median(idle) if idle else None,
+        "last_kernel_to_next_step_us_median": statistics.median(idle) if idle else None,
         "step_busy_us_median": statistics.median(busy) if busy else None,
         "non_kernel_ops": kinds,
         "boundaries": rows,

@@ -11,7 +11,15 @@ nothing for it: the graph does.
 Packed step buffer (int32, runner/mrv2/input_batch.py), n = max_num_reqs:
 idx_mapping [0, n) | query_start_loc [n, 2n + 1) | num_computed [2n + 1, 3n + 1) |
 num_reqs [3n + 1] | sample_mask [3n + 2, 4n + 2) (post-update's; not read here) |
-append_col [4n + 2, 5n + 2) | append_block [5n + 2, 6n + 2).
+append_col [4n + 2, 5n + 2) | append_block [5n + 2, 6n + 2) | mailbox slot [6n + 2].
+
+From a mailbox (`mailbox`, `mail_seq` given; runner/mrv2/step_mailbox.py): the host wrote
+the packed buffer into slot `mail_seq % 2` of a pinned [2, 6n + 3] buffer instead of
+copying it to the device, and the kernel reads it there, across PCIe, and copies what the
+rest of the graph reads (idx_mapping, query_start_loc, num_computed, num_reqs, the sample
+mask and the slot) into `step_inputs`. A step whose graph runs this way has no copy-engine
+operation between it and the previous step: on the H200 the copy and the two switches
+between the copy engine and the graph cost ~20 us a step (benchmarks/step_gaps.py).
 
 Block appends: a decode row whose token starts a new block has the block's id appended to
 its slot's row of the block table (column append_col - 1; 0 = no append). The prep
@@ -35,7 +43,24 @@ import triton.language as tl
 
 def step_buffer_size(max_num_reqs: int) -> int:
     """int32 entries of the packed step buffer (module docstring)."""
+    return 6 * max_num_reqs + 3
+
+
+def mailbox_slot_index(max_num_reqs: int) -> int:
+    """Where the packed buffer names the mailbox slot it was written to."""
     return 6 * max_num_reqs + 2
+
+
+def _from_mailbox(step_inputs, mailbox, mail_seq, size: int) -> torch.Tensor:
+    """The spec of the mailbox read -> the slot's buffer (on the device); the entries the
+    graph reads are copied into `step_inputs` (rows past `size` are left as they were)."""
+    n = (step_inputs.numel() - 3) // 6
+    src = mailbox[int(mail_seq[0]) % 2].to(step_inputs.device)
+    for start in (0, n + 1, 2 * n + 1, 3 * n + 2):  # idx, qsl[1:], computed, mask
+        step_inputs[start : start + size] = src[start : start + size]
+    for i in (n, 3 * n + 1, mailbox_slot_index(n)):  # qsl[0], num_reqs, slot
+        step_inputs[i] = src[i]
+    return src
 
 
 def prepare_decode_ref(
@@ -49,8 +74,12 @@ def prepare_decode_ref(
     slot_mapping: torch.Tensor,  # [>= size] int64 out
     size: int,  # rows written: the graph size
     block_size: int,
+    mailbox: torch.Tensor | None = None,  # [2, 6n + 3] int32 (pinned): the step's source
+    mail_seq: torch.Tensor | None = None,  # [1] int32: the slot is mail_seq % 2
 ) -> None:
     n = token_ids.shape[0]
+    if mailbox is not None:
+        step_inputs = _from_mailbox(step_inputs, mailbox, mail_seq, size)
     r = min(int(step_inputs[3 * n + 1]), size)
     slots = step_inputs[:r].long()
     cols = step_inputs[4 * n + 2 : 4 * n + 2 + r].long() - 1
@@ -91,18 +120,39 @@ def _prepare_decode_kernel(
     block_tables_row_stride,
     max_blocks,
     block_size,
+    mailbox_ptr,  # [2, 6n + 3] int32, pinned host memory (MAILBOX)
+    mail_seq_ptr,  # [1] int32 (MAILBOX)
     BLOCK: tl.constexpr,
+    MAILBOX: tl.constexpr,
 ):
     row = tl.program_id(0)
-    num_reqs = tl.load(step_inputs_ptr + 3 * max_num_reqs + 1)
+    n = max_num_reqs
+    src = step_inputs_ptr
+    if MAILBOX:
+        src = mailbox_ptr + (tl.load(mail_seq_ptr) % 2).to(tl.int64) * (6 * n + 3)
+    # The row's entries, loaded at once (from the mailbox: one PCIe round trip).
+    num_reqs = tl.load(src + 3 * n + 1)
+    idx = tl.load(src + row)
+    qsl_next = tl.load(src + n + 1 + row)
+    computed = tl.load(src + 2 * n + 1 + row)
+    keep = tl.load(src + 3 * n + 2 + row)
+    col = tl.load(src + 4 * n + 2 + row) - 1
+    new_block = tl.load(src + 5 * n + 2 + row)
+    if MAILBOX:  # what the rest of the graph reads from the device buffer
+        tl.store(step_inputs_ptr + row, idx)
+        tl.store(step_inputs_ptr + n + 1 + row, qsl_next)
+        tl.store(step_inputs_ptr + 2 * n + 1 + row, computed)
+        tl.store(step_inputs_ptr + 3 * n + 2 + row, keep)
+        if row == 0:
+            tl.store(step_inputs_ptr + n, tl.load(src + n))
+            tl.store(step_inputs_ptr + 3 * n + 1, num_reqs)
+            tl.store(step_inputs_ptr + 6 * n + 2, tl.load(src + 6 * n + 2))
     dst_ptr = block_tables_ptr + row.to(tl.int64) * block_tables_row_stride
     if row < num_reqs:
-        slot = tl.load(step_inputs_ptr + row).to(tl.int64)
-        pos = tl.load(step_inputs_ptr + 2 * max_num_reqs + 1 + row).to(tl.int64)
+        slot = idx.to(tl.int64)
+        pos = computed.to(tl.int64)
         # The appended block (col -1: none) goes to the per-slot table for later steps and
         # is used from registers below: the table's own loads may not see this store.
-        col = tl.load(step_inputs_ptr + 4 * max_num_reqs + 2 + row) - 1
-        new_block = tl.load(step_inputs_ptr + 5 * max_num_reqs + 2 + row)
         src_ptr = block_table_ptr + slot * block_table_row_stride
         tl.store(src_ptr + col, new_block.to(block_table_ptr.dtype.element_ty), mask=col >= 0)
         # int64: slots * max_len can pass 2^31 (256 slots x 8M tokens).
@@ -143,8 +193,19 @@ def prepare_decode_triton(
     slot_mapping: torch.Tensor,
     size: int,
     block_size: int,
+    mailbox: torch.Tensor | None = None,
+    mail_seq: torch.Tensor | None = None,
 ) -> None:
     n = token_ids.shape[0]
+    assert (mailbox is None) == (mail_seq is None), "a mailbox comes with its sequence number"
+    if mailbox is not None:
+        assert mailbox.shape == (2, step_buffer_size(n)) and mailbox.dtype == torch.int32, (
+            f"the mailbox is [2, {step_buffer_size(n)}] int32, got {tuple(mailbox.shape)} "
+            f"{mailbox.dtype}"
+        )
+        assert mailbox.is_contiguous() and mail_seq.dtype == torch.int32, (
+            "a contiguous mailbox and an int32 sequence number"
+        )
     assert step_inputs.dtype == torch.int32 and step_inputs.is_contiguous(), (
         "step_inputs is the packed int32 step buffer"
     )
@@ -187,8 +248,11 @@ def prepare_decode_triton(
         block_tables.stride(0),
         max_blocks,
         block_size,
+        mailbox if mailbox is not None else step_inputs,
+        mail_seq if mail_seq is not None else step_inputs,
         # <= 1024 int32 (4 KB) per iteration; 513 blocks (8k tokens / 16) take one.
         BLOCK=min(1024, triton.next_power_of_2(max(1, max_blocks))),
+        MAILBOX=mailbox is not None,
     )
 
 
@@ -203,6 +267,8 @@ def prepare_decode(
     slot_mapping,
     size: int,
     block_size: int,
+    mailbox: torch.Tensor | None = None,
+    mail_seq: torch.Tensor | None = None,
 ) -> None:
     impl = prepare_decode_triton if input_ids.is_cuda else prepare_decode_ref
     impl(
@@ -216,4 +282,6 @@ def prepare_decode(
         slot_mapping,
         size,
         block_size,
+        mailbox,
+        mail_seq,
     )

@@ -14,6 +14,8 @@ so both launch without reading the device and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -197,9 +199,25 @@ def post_update_ref(
     seq_lens: torch.Tensor,  # [R] int32: tokens in context after this step
     sample_mask: torch.Tensor,  # [R] bool or int32 (nonzero): the row caught up, keep its sample
     token_ids: torch.Tensor,  # [max_num_reqs, max_len] int32, updated in place
+    mail: MailOut | None = None,
 ) -> None:
     rows = sample_mask.nonzero().squeeze(1)
     token_ids[idx_mapping.long()[rows], seq_lens.long()[rows]] = sampled[rows].to(token_ids.dtype)
+    if mail is not None:
+        if mail.rows is not None:
+            mail.rows[int(mail.slot[0]) % 2, : sampled.numel()] = sampled.to(mail.rows.device)
+        mail.seq.add_(1)
+
+
+class MailOut(NamedTuple):
+    """A step-mailbox step's post-update extras (runner/mrv2/step_mailbox.py): every row's
+    sample also goes to `rows[slot % 2]` (pinned host memory: no copy-engine operation
+    after the graph), and the mailbox's sequence number moves on by one (the next step's
+    prep reads the other slot)."""
+
+    rows: torch.Tensor | None  # [2, >= R] int64 pinned, or None: the samples are copied
+    slot: torch.Tensor  # [1] int32 (device): the slot this step's buffer named
+    seq: torch.Tensor  # [1] int32 (device): the mailbox's sequence number, += 1
 
 
 @triton.jit(
@@ -220,9 +238,16 @@ def _post_update_kernel(
     token_ids_row_stride,
     max_len,
     num_reqs,
+    mail_rows_ptr,  # [2, mail_row_len] int64, pinned (MAIL_ROWS)
+    mail_row_len,
+    mail_slot_ptr,  # [1] int32 (MAIL_ROWS)
+    mail_seq_ptr,  # [1] int32 (MAIL_SEQ)
     BLOCK: tl.constexpr,
+    MAIL_ROWS: tl.constexpr,
+    MAIL_SEQ: tl.constexpr,
 ):
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    pid = tl.program_id(0)
+    r = pid * BLOCK + tl.arange(0, BLOCK)
     in_range = r < num_reqs
     keep = tl.load(sample_mask_ptr + r, mask=in_range, other=0) != 0
     slot = tl.load(idx_mapping_ptr + r, mask=in_range, other=0).to(tl.int64)
@@ -231,6 +256,12 @@ def _post_update_kernel(
     mask = in_range & keep & (pos >= 0) & (pos < max_len)
     dst = token_ids_ptr + slot * token_ids_row_stride + pos
     tl.store(dst, token.to(token_ids_ptr.dtype.element_ty), mask=mask)
+    if MAIL_ROWS:  # posted writes across PCIe; the step's event makes them visible
+        out = mail_rows_ptr + (tl.load(mail_slot_ptr) % 2).to(tl.int64) * mail_row_len
+        tl.store(out + r, token.to(tl.int64), mask=in_range)
+    if MAIL_SEQ:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if pid == 0:  # no program reads it: the next step's prep does
+            tl.store(mail_seq_ptr, tl.load(mail_seq_ptr) + 1)
 
 
 def post_update_triton(
@@ -239,6 +270,7 @@ def post_update_triton(
     seq_lens: torch.Tensor,  # [R] int32
     sample_mask: torch.Tensor,  # [R] bool or int32 (nonzero = keep)
     token_ids: torch.Tensor,  # [max_num_reqs, max_len] int32, updated in place
+    mail: MailOut | None = None,
 ) -> None:
     num_reqs = idx_mapping.numel()
     assert sampled.numel() == num_reqs == sample_mask.numel(), "one value per row"
@@ -253,10 +285,17 @@ def post_update_triton(
         "per-row inputs must be contiguous"
     )
     assert token_ids.dim() == 2 and token_ids.stride(1) == 1, "token_ids is [slots, max_len]"
-    if num_reqs == 0:
+    rows = mail.rows if mail is not None else None
+    if mail is not None:
+        assert mail.slot.dtype == mail.seq.dtype == torch.int32, "int32 slot and sequence"
+        assert rows is None or (
+            rows.dim() == 2 and rows.shape[0] == 2 and rows.shape[1] >= num_reqs
+            and rows.dtype == torch.int64 and rows.is_contiguous()
+        ), f"mail rows are [2, >= {num_reqs}] int64"  # fmt: skip
+    if num_reqs == 0 and mail is None:
         return
     block = 256
-    _post_update_kernel[(triton.cdiv(num_reqs, block),)](
+    _post_update_kernel[(max(1, triton.cdiv(num_reqs, block)),)](
         idx_mapping,
         sampled,
         seq_lens,
@@ -266,11 +305,17 @@ def post_update_triton(
         token_ids.stride(0),
         token_ids.shape[1],
         num_reqs,
+        rows if rows is not None else sampled,
+        rows.shape[1] if rows is not None else 0,
+        mail.slot if mail is not None else sampled,
+        mail.seq if mail is not None else sampled,
         BLOCK=block,
+        MAIL_ROWS=rows is not None,
+        MAIL_SEQ=mail is not None,
     )
 
 
-def post_update(idx_mapping, sampled, seq_lens, sample_mask, token_ids) -> None:
+def post_update(idx_mapping, sampled, seq_lens, sample_mask, token_ids, mail=None) -> None:
     assert sampled.numel() == idx_mapping.numel() == sample_mask.numel(), "one value per row"
     impl = post_update_triton if token_ids.is_cuda else post_update_ref
-    impl(idx_mapping, sampled, seq_lens, sample_mask, token_ids)
+    impl(idx_mapping, sampled, seq_lens, sample_mask, token_ids, mail)

@@ -30,10 +30,12 @@ def scan_block(vocab_size: int) -> int:
     return min(MAX_BLOCK, max(128, triton.next_power_of_2(vocab_size) // 8))
 
 
-def row_chunks(num_rows: int, vocab_size: int) -> tuple[int, int, int]:
-    """(block, tiles_per_chunk, num_chunks): split rows so R * num_chunks ~ TARGET_PROGRAMS."""
+def row_chunks(
+    num_rows: int, vocab_size: int, target_programs: int = TARGET_PROGRAMS
+) -> tuple[int, int, int]:
+    """(block, tiles_per_chunk, num_chunks): split rows so R * num_chunks ~ target_programs."""
     block = scan_block(vocab_size)
     num_tiles = triton.cdiv(vocab_size, block)
-    num_chunks = min(num_tiles, max(1, TARGET_PROGRAMS // max(num_rows, 1)))
+    num_chunks = min(num_tiles, max(1, target_programs // max(num_rows, 1)))
     tiles_per_chunk = triton.cdiv(num_tiles, num_chunks)
     return block, tiles_per_chunk, triton.cdiv(num_tiles, tiles_per_chunk)

@@ -28,7 +28,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pdserve.kernels.row_scan import as_fp32_rows, row_chunks, scan_block
+from pdserve.kernels.row_scan import TARGET_PROGRAMS, as_fp32_rows, row_chunks, scan_block
+
+# The greedy tail's plain argmax reads 16-bit logits and nothing per row, so its programs
+# are short: at 32 rows x 151,936 the sampler's 512 programs (10 tiles each, one after
+# another) took 9.1 us of the step graph on the H200 (benchmarks/step_gaps.py,
+# results/step_gaps_32_890bd6e.json), ~1 TB/s of the logits.
+GREEDY_TARGET_PROGRAMS = 2048
 
 # Salts of the noise recipe (module docstring of `pdserve.kernels.sampling`).
 _SEED_SALT = tl.constexpr(0x9E3779B9)
@@ -166,7 +172,8 @@ def _chunk_bests(
     """[R, num_chunks] float32 best values and int32 their lowest vocab indices, one
     program per (row, chunk) of `_gumbel_argmax_kernel`."""
     num_rows, vocab_size = logits.shape
-    block, tiles_per_chunk, num_chunks = row_chunks(num_rows, vocab_size)
+    target = GREEDY_TARGET_PROGRAMS if greedy else TARGET_PROGRAMS
+    block, tiles_per_chunk, num_chunks = row_chunks(num_rows, vocab_size, target)
     best_value = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
     best_index = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
     _gumbel_argmax_kernel[(num_rows, num_chunks)](

@@ -127,6 +127,51 @@ def test_prepare_decode_kernel_matches_its_spec(shape, block_size):
             assert torch.equal(a, b), f"r={r}, size={size}"
 
 
+def _mailbox(step: torch.Tensor, seq: int, seed: int) -> torch.Tensor:
+    """A [2, L] mailbox (pinned on CUDA) holding `step` in slot seq % 2, garbage in the
+    other, so a read of the wrong slot shows up."""
+    g = torch.Generator().manual_seed(seed)
+    box = torch.randint(1000, 9000, (2, step.numel()), generator=g, dtype=torch.int32)
+    box[seq % 2] = step.cpu()
+    box[seq % 2, -1] = seq % 2
+    return box.pin_memory() if ON_CUDA else box
+
+
+@pytest.mark.parametrize("seq", [0, 1, 6])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_prepare_decode_from_a_mailbox_is_the_device_buffer_step(shape, seq):
+    """Guards the mailbox read (runner/mrv2/step_mailbox.py): the slot is `seq % 2`, the
+    outputs and block appends are those of the same buffer on the device, and exactly the
+    entries the rest of the graph reads (row ids, query_start_loc, num_computed, the
+    sample mask, num_reqs, the slot) are copied to the device buffer, for the graph's
+    rows only; the kernel and its spec agree."""
+    n, max_len, max_blocks = shape
+    block_size = 16
+    for r, size in _rows(n):
+        step, token_ids, table = _case(n, max_len, max_blocks, r, size, block_size, 3 * r + size)
+        step[3 * n + 2 : 3 * n + 2 + r] = 1  # the sample mask, copied for post-update
+        expected = _outputs(n, max_blocks, 4)
+        expected_table = table.clone()
+        decode_prep.prepare_decode_ref(step, token_ids, expected_table, *expected, size, block_size)
+        box = _mailbox(step, seq, seed=r + size)
+        seq_t = torch.tensor([seq], dtype=torch.int32, device=DEVICE)
+        garbage = _outputs(n, max_blocks, 5)[0].repeat(7)[: step.numel()].to(torch.int32)
+        for impl in (decode_prep.prepare_decode_ref, decode_prep.prepare_decode_triton):
+            got, got_table, dev = [t.clone() for t in expected], table.clone(), garbage.clone()
+            for t in got:
+                t.fill_(-5)
+            impl(dev, token_ids, got_table, *got, size, block_size, box, seq_t)
+            assert torch.equal(got_table, expected_table), f"{impl.__name__} r={r} size={size}"
+            for a, b in zip(got, expected):
+                assert torch.equal(a[:size], b[:size]), f"{impl.__name__} r={r} size={size}"
+            copied = torch.zeros(step.numel(), dtype=torch.bool)
+            for start in (0, n + 1, 2 * n + 1, 3 * n + 2):
+                copied[start : start + size] = True
+            copied[[n, 3 * n + 1, step.numel() - 1]] = True
+            want = torch.where(copied, box[seq % 2], garbage.cpu())
+            assert torch.equal(dev.cpu(), want), f"{impl.__name__}: the copied entries"
+
+
 def test_prepare_decode_refuses_a_step_buffer_without_the_count():
     """A buffer of another layout would put the count somewhere else: refused."""
     n = 4

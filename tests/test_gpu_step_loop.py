@@ -141,3 +141,34 @@ def test_step_graphs_give_the_layer_graphs_tokens_without_syncing(qwen3_shaped_d
     assert tail.keys() == eager.keys() and all(len(v) >= 8 for v in tail.values())
     for req_id, tokens in eager.items():
         assert tail[req_id] == tokens, f"{req_id}: the greedy tail changed the tokens"
+
+
+def test_step_mailbox_keeps_unread_samples_and_counts_steps():
+    """Guards runner/mrv2/step_mailbox.py: each step's packed buffer lands in slot
+    `steps % 2` naming its slot, a post-update's samples land in that slot's row of pinned
+    memory, and a step whose samples were not read before its slot is reused (step 0,
+    when step 2 is written) keeps them; the device count moves once a step, like the host's."""
+    import numpy as np
+
+    from pdserve.kernels.decode_prep import step_buffer_size
+    from pdserve.kernels.input_prep import post_update_triton
+    from pdserve.runner.mrv2.step_mailbox import StepMailbox
+
+    rows, dev = 4, torch.device("cuda")
+    mb = StepMailbox(step_buffer_size(rows), rows, dev)
+    idx = torch.arange(rows, dtype=torch.int32, device=dev)
+    seq_lens = torch.zeros(rows, dtype=torch.int32, device=dev)
+    keep = torch.zeros(rows, dtype=torch.int32, device=dev)
+    token_ids = torch.zeros(rows, 8, dtype=torch.int32, device=dev)
+    pending = []
+    for step in range(3):
+        slot = mb.write(np.full(step_buffer_size(rows) - 1, step, dtype=np.int32))
+        assert slot == step % 2 and int(mb.inputs[slot, 0]) == step
+        assert int(mb.inputs[slot, -1]) == slot, "the buffer names its slot"
+        sampled = torch.arange(rows, device=dev) + 100 * step
+        dev_slot = torch.tensor([slot], dtype=torch.int32, device=dev)
+        post_update_triton(idx, sampled, seq_lens, keep, token_ids, mb.mail_out(dev_slot, True))
+        pending.append(mb.launched(rows))
+    got = [p.fetch().tolist() for p in pending]
+    assert got == [[100 * s + i for i in range(rows)] for s in range(3)]
+    assert int(mb.seq) == mb.steps == 3

@@ -12,8 +12,10 @@ import random
 
 import pytest
 
+from pdserve.kernels.decode_prep import step_buffer_size
 from pdserve.runner.engine import Engine
 from pdserve.runner.mrv2.cuda_graphs import CudaGraphs
+from pdserve.runner.mrv2.step_mailbox import StepMailbox
 from pdserve.runner.sampling_params import SamplingParams
 
 SIZES = [1, 2, 4, 8, 16]
@@ -48,8 +50,12 @@ def _run(model_dir: str, scope: str | None) -> tuple[dict[str, list[int]], Engin
         max_num_batched_tokens=64, async_scheduling=True,
     )  # fmt: skip
     r = eng.runner
+    if scope == "step":  # as on CUDA: the step's buffer and samples go through the mailbox
+        r.mailbox = r.buffers.mailbox = StepMailbox(
+            step_buffer_size(r.buffers.max_num_reqs), r.buffers.max_num_reqs, r.device
+        )
     if scope is not None:
-        parts = r._step_parts() if scope == "step" else {}
+        parts = r._step_parts() if scope.startswith("step") else {}
         r.graphs = EagerReplayGraphs(
             r.model, r.buffers, r.kv_caches, SIZES, r.config.model.max_model_len + 1, **parts
         )
@@ -89,12 +95,15 @@ def _run(model_dir: str, scope: str | None) -> tuple[dict[str, list[int]], Engin
     return out, eng
 
 
-@pytest.mark.parametrize("scope", ["layers", "step"])
+@pytest.mark.parametrize("scope", ["layers", "step", "step_ring"])
 def test_graph_path_gives_the_eager_tokens(tiny_qwen3_dir, scope):
     """Guards the graph path's host logic: a pad row or a wrong row count in the step
     buffer, a sample mask at the wrong offset, a graph step built without its prep, or the
     greedy tail writing the wrong token history would each change the tokens (and the
-    next step's inputs) against the eager path."""
+    next step's inputs) against the eager path. `step` reads each step's buffer from the
+    step mailbox and its greedy samples from there (a wrong slot, or a count that moves
+    other than once a graph step, gives another step's inputs or tokens); `step_ring`
+    copies them as the layer scope does."""
     eager, eager_eng = _run(tiny_qwen3_dir, None)
     got, eng = _run(tiny_qwen3_dir, scope)
     graphs = eng.runner.graphs
@@ -109,10 +118,15 @@ def test_graph_path_gives_the_eager_tokens(tiny_qwen3_dir, scope):
     assert by_path["cuda_graph_whole_step"] == graphs.tail_replays
     assert 0 < by_path["eager"] < eng.token_steps  # the prefills, and the mixed steps
     assert graphs.replays + graphs.tail_replays > 10, "the decode steps did not take graphs"
-    if scope == "step":
+    if scope.startswith("step"):
         assert graphs.tail_replays > 5, "all-greedy steps must take the greedy tail"
         assert graphs.replays > 0, "steps with logprobs or sampling take the eager tail"
         assert eng.runner.graph_block_appends > 3, "new blocks must ride in the step buffer"
+        mailbox = eng.runner.mailbox
+        if scope == "step":  # every graph step went through it, the count moved once each
+            assert mailbox.steps == int(mailbox.seq) == graphs.replays + graphs.tail_replays
+        else:
+            assert mailbox is None
     else:
         assert graphs.tail_replays == 0 and eng.runner.graph_block_appends == 0
     assert got.keys() == eager.keys()

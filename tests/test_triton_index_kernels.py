@@ -146,6 +146,40 @@ def test_post_update_matches_ref(num_reqs, mask_dtype):
     assert torch.equal(token_ids, expected)
 
 
+@pytest.mark.parametrize("slot", [0, 1, 3])
+@pytest.mark.parametrize("num_reqs", [1, 7, 300])
+def test_post_update_mailbox_rows_and_count_match_ref(num_reqs, slot):
+    """Guards a mailbox step's extras (runner/mrv2/step_mailbox.py): every row's sample
+    (kept or not: the host's mask decides) lands in row `slot % 2` of the pinned buffer
+    and nowhere else, the sequence number moves on by exactly one (not once per program:
+    300 rows take two), and a post-update without rows only moves the count."""
+    g = _gen(100 + num_reqs)
+    num_slots, max_len = 320, 64
+    idx = torch.randperm(num_slots, generator=g)[:num_reqs].to(torch.int32)
+    sampled = torch.randint(0, 150000, (num_reqs,), generator=g)
+    seq_lens = torch.randint(1, max_len, (num_reqs,), generator=g, dtype=torch.int32)
+    mask = (torch.rand(num_reqs, generator=g) < 0.6).to(torch.int32)
+    args = [t.to(DEVICE) for t in (idx, sampled, seq_lens, mask)]
+    token_ids = _garbage((num_slots, max_len), torch.int32, 6)
+    expected = token_ids.clone()
+    rows = torch.randint(-9, -1, (2, num_reqs + 5), generator=g).pin_memory() if ON_CUDA else (
+        torch.randint(-9, -1, (2, num_reqs + 5), generator=g)
+    )  # fmt: skip
+    want_rows = rows.clone()
+    slot_t = torch.tensor([slot], dtype=torch.int32, device=DEVICE)
+    seq, want_seq = (torch.tensor([41], dtype=torch.int32, device=DEVICE) for _ in range(2))
+    input_prep.post_update_ref(*args, expected, input_prep.MailOut(want_rows, slot_t, want_seq))
+    input_prep.post_update_triton(*args, token_ids, input_prep.MailOut(rows, slot_t, seq))
+    if ON_CUDA:
+        torch.cuda.synchronize()
+    assert torch.equal(token_ids, expected)
+    assert torch.equal(rows, want_rows) and int(seq) == int(want_seq) == 42
+    assert torch.equal(rows[slot % 2, :num_reqs], sampled)
+    assert (rows[1 - slot % 2] < 0).all() and (rows[slot % 2, num_reqs:] < 0).all()
+    input_prep.post_update_triton(*args, token_ids, input_prep.MailOut(None, slot_t, seq))
+    assert int(seq) == 43 and torch.equal(token_ids, expected)
+
+
 # ----------------------------------------------------------------------- block table
 
 

@@ -120,6 +120,8 @@ class CudaGraphs:
         b.positions.zero_()
         b.step_inputs[b.num_reqs_index] = 0  # prep: every row a pad
         b.step_inputs[b.mask_offset :].zero_()  # the tail's post-update writes no token
+        if b.mailbox is not None:  # the prep reads the pads from there
+            b.mailbox.reset(b.step_inputs.cpu().numpy())
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
@@ -153,6 +155,8 @@ class CudaGraphs:
             if gc_was_on:
                 gc.enable()
         torch.cuda.synchronize()
+        if b.mailbox is not None:  # the warm-ups' post-updates moved its count
+            b.mailbox.reset(b.step_inputs.cpu().numpy())
         self.capture_seconds = time.perf_counter() - start
         self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         logger.info(

@@ -120,6 +120,13 @@ class PendingHost:
         self._event = event
         self.fetched = False
 
+    def detach(self) -> None:
+        """Keep a private copy of the values: the buffer holding them is about to be reused."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        self._host = self._host.clone()
+
     def fetch(self) -> torch.Tensor:
         if self._event is not None:
             self._event.synchronize()

@@ -16,10 +16,11 @@ import numpy as np
 import torch
 
 from pdserve.kernels.block_table import compute_slot_mapping, gather_block_tables
-from pdserve.kernels.decode_prep import prepare_decode, step_buffer_size
+from pdserve.kernels.decode_prep import mailbox_slot_index, prepare_decode, step_buffer_size
 from pdserve.kernels.input_prep import prepare_inputs
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.mrv2.host_ring import HostRing
+from pdserve.runner.mrv2.step_mailbox import StepMailbox
 
 
 @dataclass
@@ -86,6 +87,9 @@ class InputBuffers:
         self.num_reqs_index = 3 * n + 1
         self.mask_offset = 3 * n + 2
         self.append_offset = 4 * n + 2
+        self.mailbox_slot = self.step_inputs[mailbox_slot_index(n) :]  # [1]
+        # Set by the runner when step-scope graphs read their inputs from pinned memory.
+        self.mailbox: StepMailbox | None = None
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
@@ -130,8 +134,11 @@ class InputBuffers:
                 if append is not None:
                     host[self.append_offset + row] = append[0] + 1  # 0: no append
                     host[self.append_offset + n + row] = append[1]
-        # One host->device copy, through the pinned ring (never from persistent state).
-        self.ring.to_device(host, out=self.step_inputs)
+        if prep_in_graph and self.mailbox is not None:
+            self.mailbox.write(host)  # the graph's prep reads it from pinned memory
+        else:
+            # One host->device copy, through the pinned ring (never from persistent state).
+            self.ring.to_device(host, out=self.step_inputs)
         buf = self.step_inputs
         idx_mapping, computed = buf[:r], buf[2 * n + 1 : 2 * n + 1 + r]
         mask = buf[self.mask_offset : self.mask_offset + r]
@@ -181,7 +188,9 @@ class InputBuffers:
         self, size: int, token_ids: torch.Tensor, block_table: torch.Tensor, block_size: int
     ) -> None:
         """A decode step's inputs for `size` rows from the packed step buffer the last
-        `build` copied (its real-row count included): what a step-scope graph replays."""
+        `build` copied or put in the mailbox (its real-row count included): what a
+        step-scope graph replays."""
+        mb = self.mailbox
         prepare_decode(
             self.step_inputs,
             token_ids,
@@ -193,4 +202,6 @@ class InputBuffers:
             self.slot_mapping,
             size,
             block_size,
+            mb.inputs if mb is not None else None,
+            mb.seq if mb is not None else None,
         )

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pdserve.kernels.decode_prep import step_buffer_size
 from pdserve.kernels.input_prep import post_update
 from pdserve.kernels.sampling import greedy_argmax, topk_logprobs
 from pdserve.runner.config import EngineConfig
@@ -27,6 +28,7 @@ from pdserve.runner.mrv2.input_batch import InputBatch, InputBuffers
 from pdserve.runner.mrv2.kv_cache import allocate_kv_cache, bytes_per_block, choose_num_blocks
 from pdserve.runner.mrv2.model_state import GQAModelState, ModelState
 from pdserve.runner.mrv2.request_state import RequestState
+from pdserve.runner.mrv2.step_mailbox import StepMailbox
 from pdserve.runner.runner_output import ModelRunnerOutput
 from pdserve.runner.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from pdserve.runner.scheduler_output import SchedulerOutput
@@ -130,7 +132,11 @@ class MRV2ModelRunner:
         self.graph_block_appends = 0  # new blocks written by a graph's prep, not staged
         self.eager_steps = 0  # steps with tokens that ran no graph
         sizes = config.runner.cuda_graph_sizes
+        self.mailbox: StepMailbox | None = None
         if self.device.type == "cuda" and sizes:
+            if config.runner.cuda_graph_scope == "step":
+                self.mailbox = StepMailbox(step_buffer_size(max_reqs), max_reqs, self.device)
+                self.buffers.mailbox = self.mailbox
             self.graphs = CudaGraphs(
                 self.model,
                 self.buffers,
@@ -207,9 +213,12 @@ class MRV2ModelRunner:
             to_device=self.ring.to_device,
         )
         logprobs = None
+        pending = None  # the sampled ids' host copy, when the mailbox has them
         if graph_size is not None and self.graphs.has_greedy_tail and _plain_argmax(meta):
             hidden, sampled = self.graphs.replay_greedy(graph_size)
             sampled = sampled[: batch.num_reqs]
+            if self.mailbox is not None:
+                pending = self.mailbox.launched(batch.num_reqs)
             self._layers_done(layer_hook)
             self.model_state.post_forward(batch, hidden)
         else:
@@ -229,6 +238,9 @@ class MRV2ModelRunner:
                 logits = self.model.compute_logits(hidden[batch.logits_indices], float32=False)
             self.model_state.post_forward(batch, hidden)
             out = self.sampler(logits, meta)
+            mail = None
+            if prep_in_graph and self.mailbox is not None:
+                mail = self.mailbox.mail_out(self.buffers.mailbox_slot, False)
             sampled, logprobs = out.sampled_token_ids, out.logprobs
             post_update(
                 batch.idx_mapping,
@@ -236,11 +248,14 @@ class MRV2ModelRunner:
                 batch.seq_lens[: batch.num_reqs],
                 batch.sample_mask,
                 st.token_ids,
+                mail,
             )
+            if mail is not None:  # its prep read the mailbox; this post-update moved it on
+                self.mailbox.launched()
         st.num_computed_tokens[slots] = seq_lens
         st.num_tokens[slots] += sample_mask
 
-        handle = StepHandle(req_ids, sample_mask, self.to_host.copy(sampled))
+        handle = StepHandle(req_ids, sample_mask, pending or self.to_host.copy(sampled))
         if logprobs is not None:
             handle.logprob_ks = st.sampling.num_logprobs[slots].tolist()
             lp = logprobs
@@ -288,7 +303,10 @@ class MRV2ModelRunner:
         # launches the graph makes cost the host nothing.
         sampled = greedy_argmax(self.model.compute_logits(hidden, float32=False))
         mask = b.step_inputs[b.mask_offset : b.mask_offset + size]
-        post_update(b.step_inputs[:size], sampled, b.seq_lens[:size], mask, self.state.token_ids)
+        mail = self.mailbox.mail_out(b.mailbox_slot, True) if self.mailbox is not None else None
+        post_update(
+            b.step_inputs[:size], sampled, b.seq_lens[:size], mask, self.state.token_ids, mail
+        )
         return sampled
 
     def _prompt_logprobs(
