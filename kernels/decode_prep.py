@@ -10,7 +10,7 @@ nothing for it: the graph does.
 
 Packed step buffer (int32, runner/mrv2/input_batch.py), n = max_num_reqs:
 idx_mapping [0, n) | query_start_loc [n, 2n + 1) | num_computed [2n + 1, 3n + 1) |
-num_reqs [3n + 1] | sample_mask [3n + 2, 4n + 2) (post-update's; not read here) |
+num_reqs [3n + 1] | sample_mask [3n + 2, 4n + 2) (post-update's; only copied here) |
 append_col [4n + 2, 5n + 2) | append_block [5n + 2, 6n + 2) | mailbox slot [6n + 2].
 
 From a mailbox (`mailbox`, `mail_seq` given; runner/mrv2/step_mailbox.py): the host wrote
@@ -64,7 +64,7 @@ def _from_mailbox(step_inputs, mailbox, mail_seq, size: int) -> torch.Tensor:
 
 
 def prepare_decode_ref(
-    step_inputs: torch.Tensor,  # [6n + 2] int32 packed (module docstring)
+    step_inputs: torch.Tensor,  # [6n + 3] int32 packed (module docstring)
     token_ids: torch.Tensor,  # [n, max_len] int32: per-slot token history
     block_table: torch.Tensor,  # [n, max_blocks] int32: per-slot table, appends written
     input_ids: torch.Tensor,  # [>= size] int32 out

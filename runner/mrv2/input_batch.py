@@ -83,6 +83,7 @@ class InputBuffers:
         # | num_reqs [3n + 1] (read by kernels/decode_prep.py inside a step-scope graph)
         # | sample_mask [3n + 2, 4n + 2) (post-update: keep the row's sample; pads 0)
         # | block appends: column + 1 [4n + 2, 5n + 2), block id [5n + 2, 6n + 2)
+        # | the step mailbox slot it came through [6n + 2] (runner/mrv2/step_mailbox.py)
         self.step_inputs = torch.zeros(step_buffer_size(n), dtype=torch.int32, device=device)
         self.num_reqs_index = 3 * n + 1
         self.mask_offset = 3 * n + 2

@@ -255,7 +255,9 @@ class MRV2ModelRunner:
         st.num_computed_tokens[slots] = seq_lens
         st.num_tokens[slots] += sample_mask
 
-        handle = StepHandle(req_ids, sample_mask, pending or self.to_host.copy(sampled))
+        if pending is None:
+            pending = self.to_host.copy(sampled)
+        handle = StepHandle(req_ids, sample_mask, pending)
         if logprobs is not None:
             handle.logprob_ks = st.sampling.num_logprobs[slots].tolist()
             lp = logprobs

@@ -22,8 +22,9 @@ class ModelState:
     def prepare(self, batch: InputBatch) -> None:
         """Adjust per-step inputs before the forward pass (extra metadata, state indices).
         On a step-scope graph step (`--cuda-graph-scope step`) the batch's device inputs
-        are written by the graph's own prep, after this has run: read host fields here,
-        not the device tensors."""
+        (the packed ones too: idx_mapping, query_start_loc, the sample mask, copied from
+        the step mailbox) are written by the graph's own prep, after this has run: read
+        host fields here, not the device tensors."""
 
     def post_forward(self, batch: InputBatch, hidden: torch.Tensor) -> None:
         """Runs after the forward pass (e.g. commit recurrent state of finished prompts)."""
