@@ -5,7 +5,7 @@
 and `release_held` on the prefill side, `add_prefilled_request` and a `KVLoader` on the
 decode side. A step is `schedule -> runner.execute -> update -> detokenize + stop
 checks -> deltas`. Bad input raises `ValueError` naming the rule before anything is
-queued, so one bad request never disturbs the others.
+queued (runner/request_checks.py), so one bad request never disturbs the others.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from pdserve.runner.kv_hooks import (
 from pdserve.runner.output_text import logprob_dict, next_text
 from pdserve.runner.outputs import RequestDelta
 from pdserve.runner.request import Request, RequestStatus
+from pdserve.runner.request_checks import check_request, is_token
 from pdserve.runner.runner_output import ModelRunnerOutput, TopLogprobs
+from pdserve.runner.runner_select import execution_path
 from pdserve.runner.sampling_params import SamplingParams
 from pdserve.runner.scheduler import Scheduler
 from pdserve.runner.scheduler_output import SchedulerOutput
@@ -102,17 +104,7 @@ class Engine:
     @property
     def execution_path(self) -> dict[str, str]:
         """What this engine runs, as its ready log and the workers' stats say it."""
-        cfg = self.config.runner
-        return {
-            "runner": self.runner_name,
-            "decode_attention": cfg.decode_attention,
-            # runner/models/norm_fold.py: folded on CUDA in 16 bits, where batches of <= 64
-            # tokens then run without RMSNorm launches
-            "norms": "folded"
-            if getattr(getattr(self.runner, "model", None), "norms_folded", False)
-            else "kernels",
-            "graph_scope": cfg.cuda_graph_scope if cfg.cuda_graph_sizes else "none",
-        }
+        return execution_path(self.config.runner, self.runner)
 
     def steps_by_path(self) -> dict[str, int]:
         """Steps with tokens by what ran them (the runner's count: `eager`, and on the MRV2
@@ -130,30 +122,10 @@ class Engine:
 
     def validate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
         """Raise ValueError/TypeError naming the rule a request breaks; changes nothing."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams (got {type(params).__name__})")
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-        if params.n != 1:
-            raise ValueError(
-                f"the engine runs n=1 requests (got n={params.n}); fan out "
-                "with runner.parallel_sampling first"
-            )
-        n, limit, vocab = (
-            len(prompt_token_ids),
-            self.config.model.max_model_len,
-            self.config.model.vocab_size,
-        )
-        if n == 0:
-            raise ValueError("prompt must contain at least one token (got an empty prompt)")
-        if n > limit:
-            raise ValueError(f"prompt is {n} tokens, longer than max_model_len={limit}")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}) (got {bad[:3]})")
-        if params.stop_strings and self.tokenizer is None:
-            # Logprobs work without one (decoded_token is None); stop strings cannot.
-            raise ValueError("stop strings need a tokenizer; this model directory has none")
+        check_request(
+            self.config, self.tokenizer, self.scheduler.requests, request_id, prompt_token_ids,
+            params,
+        )  # fmt: skip
 
     def add_request(
         self,
@@ -197,7 +169,7 @@ class Engine:
         self.require_paged("add_prefilled_request")
         if self.kv_loader is None:
             raise ValueError("add_prefilled_request needs an engine built with a kv_loader")
-        if first_token is not None and not self._is_token(first_token):
+        if first_token is not None and not is_token(first_token, self.config.model.vocab_size):
             vocab = self.config.model.vocab_size
             raise ValueError(f"first_token must be an integer in [0, {vocab}) (got {first_token})")
         req = self._new_request(request_id, prompt_token_ids, params, kv_ticket=ticket)
@@ -387,7 +359,7 @@ class Engine:
         loading = self.scheduler.loading.get(request_id)
         if loading is None or loading.is_finished or loading.num_output_tokens != 0:
             return False
-        if not self._is_token(token):
+        if not is_token(token, self.config.model.vocab_size):
             logger.warning("first token %r of %s refused", token, request_id)
             return False
         loading.append_output_token(token)
@@ -418,13 +390,6 @@ class Engine:
                     num_prompt_tokens=req.num_prompt_tokens,
                 )
             )
-
-    def _is_token(self, token: object) -> bool:
-        return (
-            isinstance(token, int)
-            and not isinstance(token, bool)
-            and 0 <= token < self.config.model.vocab_size
-        )
 
     def _hold(self, req: Request, lp: TopLogprobs | None) -> RequestDelta:
         """Prefill role: the first token is sampled; keep the prompt's blocks, end here."""

@@ -84,3 +84,18 @@ def select_runner(requested: str | None, hf_config: Any) -> str:
         chosen = "reference" if problems else "mrv2"
     logger.info("runner: %s (requested %r via %s)", chosen, requested, source)
     return chosen
+
+
+def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
+    """What an engine with this runner config and runner runs: its runner, decode attention,
+    norms and CUDA-graph scope, as the engine's ready log and the workers' stats say it."""
+    cfg = runner_config
+    folded = getattr(getattr(runner, "model", None), "norms_folded", False)
+    return {
+        "runner": runner.name,
+        "decode_attention": cfg.decode_attention,
+        # runner/models/norm_fold.py: folded on CUDA in 16 bits, where batches of <= 64
+        # tokens then run without RMSNorm launches
+        "norms": "folded" if folded else "kernels",
+        "graph_scope": cfg.cuda_graph_scope if cfg.cuda_graph_sizes else "none",
+    }
