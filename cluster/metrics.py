@@ -105,6 +105,14 @@ class _RouterCollector:
             "first_tokens_by_source", "source",
         )  # fmt: skip
         yield from _path_families(router, roles)
+        failures = CounterMetricFamily(
+            PREFIX + "worker_stats_failures",
+            "Stats polls a worker did not answer in time (its series then show its last stats)",
+            labels=["role", "worker"],
+        )
+        for worker, n in router.stats_failures.items():
+            failures.add_metric([roles.get(worker, "?"), worker], n)
+        yield failures
         tier = GaugeMetricFamily(PREFIX + "kv_tier_blocks", "KV blocks held by the tier actor")
         tier_puts = CounterMetricFamily(
             PREFIX + "kv_tier_puts", "Blocks written behind to the tier"

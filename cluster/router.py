@@ -34,6 +34,9 @@ from pdserve.kvtransfer.protocol import Ticket, decode, ticket_to_wire
 from pdserve.runner.parallel_sampling import child_params
 
 logger = logging.getLogger(__name__)
+# A stats poll waits this long for each worker (all at once): a worker's loop answers
+# between steps, and on a loaded CPU host a step can take seconds.
+STATS_TIMEOUT_S = 10.0
 
 
 class WorkerHandle(Protocol):
@@ -85,6 +88,7 @@ class Router:
         self.decisions: Counter[str] = Counter()
         self.prefill_failures: Counter[str] = Counter()
         self.worker_stats: dict[str, dict] = {}  # worker id -> last polled stats
+        self.stats_failures: Counter[str] = Counter()  # worker id -> polls it did not answer
         self.prefix_index = PrefixIndex(config.block_size)
         self.tier = None  # the KV tier actor, when there is one (stats only)
         self.tier_stats: dict = {}
@@ -293,13 +297,33 @@ class Router:
             logger.info("abort of %s on %s: %s", request_id, worker.worker_id, e)
 
     async def poll_stats(self) -> None:
-        if self.tier is not None:
+        """Fresh stats from the tier and every worker, all asked at once. A worker that does
+        not answer within STATS_TIMEOUT_S keeps its last stats, marked with the error, so
+        its counters do not vanish from /metrics; its failures are counted."""
+
+        async def ask(w: WorkerHandle) -> tuple[str, dict | None, str | None]:
             try:
-                self.tier_stats = await asyncio.wait_for(self.tier.stats.remote(), 5.0)
+                return w.worker_id, await asyncio.wait_for(w.stats(), STATS_TIMEOUT_S), None
+            except Exception as e:  # a slow or dead worker: keep what it said last
+                return w.worker_id, None, repr(e)
+
+        async def ask_tier() -> None:
+            try:
+                self.tier_stats = await asyncio.wait_for(self.tier.stats.remote(), STATS_TIMEOUT_S)
             except Exception as e:
                 self.tier_stats = {"error": repr(e)}
-        for w in [*self.decode_workers, *self.prefill_workers]:
-            try:
-                self.worker_stats[w.worker_id] = await asyncio.wait_for(w.stats(), 5.0)
-            except Exception as e:
-                self.worker_stats[w.worker_id] = {"error": repr(e)}
+
+        tier = [ask_tier()] if self.tier is not None else []
+        *answers, _ = await asyncio.gather(
+            *(ask(w) for w in [*self.decode_workers, *self.prefill_workers]),
+            asyncio.gather(*tier),
+        )
+        for worker_id, stats, error in answers:
+            if error is None:
+                self.worker_stats[worker_id] = stats
+            else:
+                self.stats_failures[worker_id] += 1
+                self.worker_stats[worker_id] = {
+                    **self.worker_stats.get(worker_id, {}),
+                    "error": error,
+                }

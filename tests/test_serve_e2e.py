@@ -289,6 +289,7 @@ def nccl_pd(tmp_path_factory):
 # What the router saw of a request's path: shown when a path assertion fails (a pull that
 # fell back to recompute still answers right).
 PATH_SERIES = (
+    "pdserve:worker_stats_failures",
     "pdserve:kv_transfer",
     "pdserve:kv_recompute",
     "pdserve:pd_",
