@@ -313,12 +313,10 @@ class Router:
             except Exception as e:
                 self.tier_stats = {"error": repr(e)}
 
-        tier = [ask_tier()] if self.tier is not None else []
-        *answers, _ = await asyncio.gather(
-            *(ask(w) for w in [*self.decode_workers, *self.prefill_workers]),
-            asyncio.gather(*tier),
-        )
-        for worker_id, stats, error in answers:
+        workers = [*self.decode_workers, *self.prefill_workers]
+        polls = [ask(w) for w in workers] + ([ask_tier()] if self.tier is not None else [])
+        answers = await asyncio.gather(*polls)
+        for worker_id, stats, error in answers[: len(workers)]:
             if error is None:
                 self.worker_stats[worker_id] = stats
             else:

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
+from pdserve.kernels.decode_prep import step_buffer_size
+from pdserve.kernels.input_prep import post_update_triton
 from pdserve.runner.engine import Engine
+from pdserve.runner.mrv2.step_mailbox import StepMailbox
 from pdserve.runner.sampling_params import SamplingParams
 
 
@@ -148,12 +152,6 @@ def test_step_mailbox_keeps_unread_samples_and_counts_steps():
     `steps % 2` naming its slot, a post-update's samples land in that slot's row of pinned
     memory, and a step whose samples were not read before its slot is reused (step 0,
     when step 2 is written) keeps them; the device count moves once a step, like the host's."""
-    import numpy as np
-
-    from pdserve.kernels.decode_prep import step_buffer_size
-    from pdserve.kernels.input_prep import post_update_triton
-    from pdserve.runner.mrv2.step_mailbox import StepMailbox
-
     rows, dev = 4, torch.device("cuda")
     mb = StepMailbox(step_buffer_size(rows), rows, dev)
     idx = torch.arange(rows, dtype=torch.int32, device=dev)
