@@ -21,7 +21,6 @@ from torch import nn
 
 from pdserve.kernels.attention import paged_attention
 from pdserve.kernels.norm import fused_add_rms_norm, rms_norm
-from pdserve.kernels.qkv_linear import qkv_linear
 from pdserve.kernels.qkv_prep import prepare_qkv
 from pdserve.kernels.row_squares import ScaleRows
 from pdserve.kernels.skinny_linear import linear
@@ -112,25 +111,6 @@ class Attention(nn.Module):
             None if qn is None else qn.weight, None if kn is None else kn.weight,
             0.0 if qn is None else qn.eps, positions, cos_sin, kv_cache, attn.slot_mapping,
             scale_rows, bias,
-        )  # fmt: skip
-
-    def project_and_prepare(
-        self,
-        x: torch.Tensor,
-        scale_rows: ScaleRows,
-        positions: torch.Tensor,
-        cos_sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The folded-norm chain's qkv projection of un-normalised rows with `prepare` as
-        its epilogue, in one launch (kernels/qkv_linear.py) -> q [T, Hq, D]."""
-        qn, kn, proj = self.q_norm, self.k_norm, self.qkv_proj
-        return qkv_linear(
-            x, proj.weight, proj.bias, scale_rows, self.num_heads, self.num_kv_heads,
-            None if qn is None else qn.weight, None if kn is None else kn.weight,
-            0.0 if qn is None else qn.eps, positions, cos_sin, kv_cache, attn.slot_mapping,
-            self.workspace,
         )  # fmt: skip
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata):

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from pdserve.kernels.row_squares import (
     MAX_PARTS,
@@ -84,8 +85,9 @@ def folded_forward(
     squares = row_squares_triton(r, squares_buffer(ws, r.device))
     for i, (layer, kv_cache) in enumerate(zip(model.layers, kv_caches, strict=True)):
         a, mlp = layer.self_attn, layer.mlp
+        qkv = F.linear(r, a.qkv_proj.weight)  # the bias goes in after the row scale
         scale = ScaleRows(squares, layer.input_layernorm.eps)
-        q = a.project_and_prepare(r, scale, positions, model.cos_sin_cache, kv_cache, attn)
+        q = a.prepare(qkv, positions, model.cos_sin_cache, kv_cache, attn, scale, a.qkv_proj.bias)
         out = a.attend(q, kv_cache, attn)
         o = a.o_proj
         r, squares = skinny_linear_add_residual(out, o.weight, o.bias, r, ws)
