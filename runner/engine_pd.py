@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.runner.config import EngineConfig
+from pdserve.runner.engine_state import Track
 from pdserve.runner.kv_cache_manager import KVCacheManager
 from pdserve.runner.kv_hooks import (
     KVHeld,
@@ -49,7 +50,7 @@ class PDRoles:
     first_tokens_by_source: Counter[str]
     _held: dict[str, tuple[int, ...]]  # prefill role: blocks under a lease
     _pending: list[RequestDelta]
-    _tracks: dict[str, Any]
+    _tracks: dict[str, Track]
 
     def add_prefilled_request(
         self,
