@@ -33,6 +33,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run_meta import git_commit  # noqa: E402
+from skinny_bench import graph_us  # noqa: E402
 
 from pdserve.kernels import skinny_linear as sl  # noqa: E402
 from pdserve.kernels.workspace import KernelWorkspace  # noqa: E402
@@ -98,21 +99,9 @@ def _prefetch_kernel(ptr, lines, lines_per_pf, out_ptr, LINES: tl.constexpr, POL
     tl.store(out_ptr + pid, tl.sum(hit))
 
 
-def graph_us(fn, reps: int = 30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(reps):
-        g.replay()
-    t1.record()
-    t1.synchronize()
-    return t0.elapsed_time(t1) * 1e3 / (reps * LAYERS)
+def per_layer_us(fn) -> float:
+    """One CUDA graph of `fn` (all layers), replayed: us per layer."""
+    return graph_us([fn], reps=30) / LAYERS
 
 
 def main() -> None:
@@ -166,7 +155,7 @@ def main() -> None:
                 if lin != "none":
                     linears(weights[0 if lin == "hot" else layer])
 
-        return round(graph_us(fn), 2)
+        return round(per_layer_us(fn), 2)
 
     side = torch.cuda.Stream()
 
@@ -194,7 +183,7 @@ def main() -> None:
                     linears(weights[layer])
                     main.wait_stream(side)
 
-        return round(graph_us(fn), 2)
+        return round(per_layer_us(fn), 2)
 
     rows = []
 
@@ -227,7 +216,7 @@ def main() -> None:
                 for layer in range(LAYERS):
                     stream(layer, 0, "normal", "", programs, warps)
 
-            return round(graph_us(fn), 2)
+            return round(per_layer_us(fn), 2)
 
         for programs in (128, 256, 512, 1024, 2048):
             for warps in (2, 4, 8):
