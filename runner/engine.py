@@ -22,10 +22,7 @@ from pdserve.runner.detokenizer import IncrementalDetokenizer
 from pdserve.runner.engine_pd import PDRoles
 from pdserve.runner.engine_state import StepStats, Track
 from pdserve.runner.kv_cache_manager import KVCacheManager
-from pdserve.runner.kv_hooks import (
-    KVLoader,
-    KVPublisher,
-)
+from pdserve.runner.kv_hooks import KVLoader, KVPublisher
 from pdserve.runner.output_text import logprob_dict, next_text
 from pdserve.runner.outputs import RequestDelta
 from pdserve.runner.request import Request, RequestStatus
