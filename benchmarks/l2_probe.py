@@ -15,9 +15,17 @@ L2. This probe measures that chain with a stand-in for the attention:
   graph, replayed; reported per layer.
 
 `hot` reuses layer 0's weights in every layer: the linears' time once the weights are in
-L2, the most a prefetch could give.
+L2, the most a prefetch could give. Two more groups of cases:
 
-    python benchmarks/l2_probe.py [--out DIR]
+- `--cases stream`: the 39 MB stream alone at 128-2,048 programs of 2-8 warps (how fast
+  the attention's bytes can stream at all);
+- `--cases kv`: the other way round, the layer's K/V prefetched into L2 by a separate
+  launch (`kv pf then stream`), or the next layer's K/V prefetched on a side stream of the
+  graph beside this layer's linears (`chain kv pf side`).
+
+Measured on the H200: results/l2_probe_3a8d70c.json (what each case says is there).
+
+    python benchmarks/l2_probe.py [--cases weights,kv,stream] [--out DIR]
 """
 
 from __future__ import annotations
