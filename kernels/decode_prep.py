@@ -51,10 +51,9 @@ def mailbox_slot_index(max_num_reqs: int) -> int:
     return 6 * max_num_reqs + 2
 
 
-def _from_mailbox(step_inputs, mailbox, mail_seq, size: int) -> torch.Tensor:
+def _from_mailbox(step_inputs, mailbox, mail_seq, n: int, size: int) -> torch.Tensor:
     """The spec of the mailbox read -> the slot's buffer (on the device); the entries the
     graph reads are copied into `step_inputs` (rows past `size` are left as they were)."""
-    n = (step_inputs.numel() - 3) // 6
     src = mailbox[int(mail_seq[0]) % 2].to(step_inputs.device)
     for start in (0, n + 1, 2 * n + 1, 3 * n + 2):  # idx, qsl[1:], computed, mask
         step_inputs[start : start + size] = src[start : start + size]
@@ -79,7 +78,7 @@ def prepare_decode_ref(
 ) -> None:
     n = token_ids.shape[0]
     if mailbox is not None:
-        step_inputs = _from_mailbox(step_inputs, mailbox, mail_seq, size)
+        step_inputs = _from_mailbox(step_inputs, mailbox, mail_seq, n, size)
     r = min(int(step_inputs[3 * n + 1]), size)
     slots = step_inputs[:r].long()
     cols = step_inputs[4 * n + 2 : 4 * n + 2 + r].long() - 1

@@ -37,7 +37,7 @@ def check_request(
         raise ValueError("prompt must contain at least one token (got an empty prompt)")
     if n > limit:
         raise ValueError(f"prompt is {n} tokens, longer than max_model_len={limit}")
-    bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+    bad = [t for t in prompt_token_ids if not is_token(t, vocab)]
     if bad:
         raise ValueError(f"prompt token ids must be integers in [0, {vocab}) (got {bad[:3]})")
     if params.stop_strings and tokenizer is None:

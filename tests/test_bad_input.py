@@ -46,6 +46,7 @@ def test_bad_requests_do_not_disturb_a_running_one(engine):
         ("empty", [], "prompt must contain at least one token"),
         ("long", list(range(3, 68)), "longer than max_model_len=64"),
         ("oov", [5, 99999], r"prompt token ids must be integers in \[0, 997\)"),
+        ("bool", [5, True], r"prompt token ids must be integers in \[0, 997\)"),
         ("good", [1, 2], "already in use"),
     ]
     for rid, ids, rule in cases:
