@@ -20,8 +20,12 @@ def sync_members(router, members: list[dict]) -> list[str]:
             h.actor, h.generation = m["actor"], m["generation"]
             router.worker_failed(h.worker_id)
             failed.append(h.worker_id)
-        if not m["draining"]:
+        if m.get("ready", True) and not m["draining"]:  # starting and draining: no routing
             (decode if m["role"] == "decode" else prefill).append(h)
     router.decode_workers[:] = decode
     router.prefill_workers[:] = prefill
+    current = {m["worker_id"] for m in members}
+    for gone in [w for w in router.worker_stats if w not in current]:  # drained: no stale series
+        del router.worker_stats[gone]
+        router.prefix_index.forget(gone)
     return failed

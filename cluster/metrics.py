@@ -71,6 +71,35 @@ class Metrics:
         self._router = router
         return generate_latest(self.registry).decode()
 
+    def latency_summary(self) -> dict[str, dict]:
+        """Since start, per latency histogram: count, mean, and the bucket bounds that
+        hold the median and the 90th percentile (what the dashboard shows)."""
+        return {
+            name: histogram_summary(h)
+            for name, h in (("ttft", self.ttft), ("itl", self.itl), ("e2e", self.e2e))
+        }
+
+
+def histogram_summary(hist: Histogram) -> dict:
+    """count, mean_s, and p50_le_s / p90_le_s: the upper bound of the bucket where that
+    quantile falls (None with no observations; "+Inf" past the last finite bucket)."""
+    samples = {}
+    buckets = []
+    for metric in hist.collect():
+        for s in metric.samples:
+            if s.name.endswith("_bucket"):
+                buckets.append((float(s.labels["le"]), s.value))
+            else:
+                samples[s.name.rsplit("_", 1)[1]] = s.value
+    count = samples.get("count", 0.0)
+    out: dict = {"count": int(count), "mean_s": samples["sum"] / count if count else None}
+    for q in (50, 90):
+        bound = None
+        if count:
+            bound = next(le for le, n in sorted(buckets) if n >= count * q / 100)
+        out[f"p{q}_le_s"] = "+Inf" if bound == float("inf") else bound  # JSON has no inf
+    return out
+
 
 class _RouterCollector:
     def __init__(self, metrics: Metrics) -> None:

@@ -15,6 +15,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.cluster.openai_api import ApiError
+from pdserve.cluster.serve_placement import actor_resources
 from pdserve.cluster.services import DecodeService, PrefillService
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class RayWorkerHandle:
 def actor_options(spec: PoolSpec, worker_id: str) -> dict:
     """Ray options of a worker actor: its GPU share, name and extra environment."""
     opts = dict(num_cpus=0, num_gpus=spec.gpus_per_worker, name=f"pdserve-{worker_id}")
+    role = worker_id.rsplit("-", 1)[0]
+    if spec.pool_resources:
+        opts["resources"] = actor_resources(True, role)
     if spec.actor_env:
         opts["runtime_env"] = {"env_vars": dict(spec.actor_env)}
     return opts
@@ -92,6 +96,7 @@ def start_worker(spec: PoolSpec, role: str, worker_id: str):
                 spec.engine_kwargs,
                 worker_id,
                 lease_s=spec.lease_s,
+                host=None if spec.bind_node_ip else "127.0.0.1",
                 tier_actor=spec.tier,
                 cuda_ipc=spec.kv_transport == "cuda_ipc",
                 dist_spec=dist_spec,
@@ -116,6 +121,8 @@ class PoolSpec:
     kv_layer_wise: bool = False  # tcp: early tickets, KV streamed layer by layer
     dist_init_method: str | None = None  # nccl: where the KV transfer group meets
     actor_env: dict | None = None  # extra environment of worker actors (gpu_binding)
+    pool_resources: bool = False  # actors ask for pdserve_prefill / pdserve_decode
+    bind_node_ip: bool = False  # prefill KV servers bind their node's address, not loopback
 
     def dist_spec(self, role: str, worker_id: str) -> dict | None:
         """nccl: this worker's place in the KV transfer group (decode workers first)."""

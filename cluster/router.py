@@ -123,6 +123,14 @@ class Router:
             )
         return len(lost)
 
+    def load_of(self, worker_id: str) -> dict[str, int]:
+        """What this router has in flight on a worker: requests, and prompt tokens sent to
+        it for prefill (the ops view and the autoscaler read it)."""
+        return {
+            "inflight": self._inflight[worker_id],
+            "prompt_tokens_in_flight": self._prefill_tokens[worker_id],
+        }
+
     # ---- choices ------------------------------------------------------------------------
 
     def _pick(self, workers: list[WorkerHandle]) -> WorkerHandle:

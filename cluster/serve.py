@@ -1,8 +1,10 @@
-"""`pdserve serve`: a local Ray instance, the pools, the router, and the HTTP server.
+"""`pdserve serve`: Ray, the pools, the router, the ops endpoints and the HTTP server.
 
 With no arguments: the bundled SmolLM2, 1 prefill + 1 decode worker on this machine
-(CPU, or sharing one GPU with fractional `num_gpus`), PD mode, http://127.0.0.1:8000.
-Ctrl-C (or SIGTERM) stops uvicorn, then the workers, then Ray: no stray processes.
+(CPU, or sharing one GPU with fractional `num_gpus`), PD mode, http://127.0.0.1:8000,
+the dashboard at /dashboard. `--ray-address` joins a running cluster instead
+(cluster/serve_placement.py). Ctrl-C (or SIGTERM) stops uvicorn, then the workers, then
+Ray (or leaves the joined cluster): no stray processes.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
 
 from pdserve.cluster.serve_args import ServeConfig
+from pdserve.cluster.serve_placement import join_auth_env
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +78,7 @@ def run_serve(cfg: ServeConfig) -> int:
     # The port first, before the heavy imports and the model: one another process holds
     # is a clear error in well under a second.
     http_sock = listen_socket(cfg.host, cfg.port)
+    join_auth_env(cfg, os.environ)
     try:
         return _serve(cfg, http_sock)
     finally:
@@ -85,13 +90,17 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     import torch
     import uvicorn
 
+    from pdserve.cluster.autoscale import AutoscaleConfig, Autoscaler, autoscale_loop
     from pdserve.cluster.controller import Controller
     from pdserve.cluster.gpu_binding import actor_env, node_gpu_ids
     from pdserve.cluster.http_app import AppState, build_app
     from pdserve.cluster.membership import sync_members
     from pdserve.cluster.metrics import Metrics
+    from pdserve.cluster.ops_api import OpsState, add_ops_routes
+    from pdserve.cluster.pool_control import PoolControl
     from pdserve.cluster.ray_pool import PoolSpec
     from pdserve.cluster.router import Router, RouterConfig
+    from pdserve.cluster.serve_placement import actor_resources, pool_bounds, start_ray
     from pdserve.cluster.tier_actor import TierService
     from pdserve.cluster.token_stream import TokenSubscriber
     from pdserve.runner.config_resolve import resolve_engine_config
@@ -118,34 +127,35 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         cuda_graph_scope=cfg.cuda_graph_scope,
         max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(ecfg),
     )  # fmt: skip
-    gpu = torch.cuda.is_available() and cfg.device != "cpu"
-    if cfg.kv_transport == "cuda_ipc" and not gpu:
+    local_gpu = torch.cuda.is_available() and cfg.device != "cpu" and cfg.ray_address is None
+    if cfg.kv_transport == "cuda_ipc" and not (local_gpu or cfg.ray_address):
         raise ValueError("--kv-transport cuda_ipc needs the workers on a GPU (this runs on CPU)")
     num_workers = cfg.decode_workers + (cfg.prefill_workers if cfg.mode == "pd" else 0)
-    # A GPU per worker where there are enough (Ray sets each actor's visible device);
-    # otherwise workers share them in equal fractions.
-    num_gpus = torch.cuda.device_count() if gpu else 0
-    gpus_per_worker = min(1.0, num_gpus / num_workers) if gpu else 0.0
-    workers_per_gpu = -(-num_workers // num_gpus) if gpu else 1
-    if gpu:
+    placement = start_ray(cfg, torch.cuda.device_count() if local_gpu else 0, num_workers)
+    if placement.joined:
+        # Workers on other nodes resolve (and convert) the model themselves, and each takes
+        # whole GPUs: its engine sizes its KV cache from its own GPU.
+        engine_kwargs["model"] = cfg.model
+        engine_kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    elif placement.num_gpus:
         # Workers sharing a GPU each get an explicit KV budget, since a memory fraction
         # read by each engine at its own start would count the others' allocations.
         engine_kwargs["kv_cache_memory_bytes"] = kv_bytes_per_worker(
-            Path(ecfg.model.path), workers_per_gpu, cfg.gpu_memory_utilization
+            Path(ecfg.model.path), placement.workers_per_gpu, cfg.gpu_memory_utilization
         )
-    stream_bind = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
-    ray.init(
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        log_to_driver=True,
-        num_gpus=num_gpus,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
-    )
+    host = placement.host
+    stream_bind = f"tcp://{host}:{_free_port(host)}"
     tier = None
     if cfg.tier_bytes > 0 and cfg.mode == "pd":  # prefill workers are its writers
         tier = (
-            ray.remote(TierService).options(num_cpus=0, name="pdserve-tier").remote(cfg.tier_bytes)
-        )
+            ray.remote(TierService)
+            .options(
+                num_cpus=0, name="pdserve-tier",
+                resources=actor_resources(cfg.pool_resources, "tier"),
+            )
+            .remote(cfg.tier_bytes)
+        )  # fmt: skip
+    whole = placement.gpus_per_worker >= 1 < placement.num_gpus and not placement.joined
     spec = PoolSpec(
         engine_kwargs,
         cfg.prefill_workers if cfg.mode == "pd" else 0,
@@ -153,20 +163,23 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         stream_bind,
         cfg.policy,
         cfg.lease_s,
-        gpus_per_worker=gpus_per_worker,
+        gpus_per_worker=placement.gpus_per_worker,
         tier=tier,
         kv_transport=cfg.kv_transport,
         kv_layer_wise=cfg.kv_layer_wise,
         dist_init_method=(
-            f"tcp://127.0.0.1:{_free_port('127.0.0.1')}" if cfg.kv_transport == "nccl" else None
+            f"tcp://{host}:{_free_port(host)}" if cfg.kv_transport == "nccl" else None
         ),
         # Whole-GPU workers see the node's other GPUs too (cuda_ipc between GPUs).
-        actor_env=actor_env(node_gpu_ids(num_gpus)) if gpus_per_worker >= 1 < num_gpus else None,
+        actor_env=actor_env(node_gpu_ids(placement.num_gpus)) if whole else None,
+        pool_resources=cfg.pool_resources,
+        bind_node_ip=placement.joined,
     )
+    bounds = pool_bounds(cfg, placement)
     controller = (
         ray.remote(Controller)
         .options(num_cpus=0, name="pdserve-controller")
-        .remote(spec, cfg.health_interval_s)
+        .remote(spec, cfg.health_interval_s, bounds)
     )
     try:
         print(f"pdserve: starting {num_workers} worker(s) on Ray ({ecfg.model.source})", flush=True)
@@ -189,20 +202,26 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             cfg.max_body_bytes, ecfg.runner.runner,
         )  # fmt: skip
         app = build_app(state)
+        control = PoolControl(controller)
+        autoscaler = Autoscaler(AutoscaleConfig(), bounds) if cfg.autoscale else None
+        add_ops_routes(app, OpsState(control, cfg.admin_key, cfg.host, autoscaler), router,
+                       state.metrics)  # fmt: skip
 
         @contextlib.asynccontextmanager
         async def lifespan(_app):
             subscriber = TokenSubscriber(stream_bind, router.on_delta)
             subscriber.start()
-            health = asyncio.create_task(
-                _membership_loop(controller, router, cfg.health_interval_s)
-            )
+            loops = [
+                asyncio.create_task(_membership_loop(controller, router, cfg.health_interval_s))
+            ]
+            if autoscaler is not None:
+                loops.append(asyncio.create_task(autoscale_loop(autoscaler, control, router)))
             try:
                 yield
             finally:
-                health.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await health
+                for task in loops:
+                    task.cancel()
+                await asyncio.wait(loops, timeout=10)
                 await router.close()
                 await subscriber.close()
 
@@ -212,7 +231,14 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             f"{cfg.mode}, {len(router.prefill_workers)} prefill + {len(router.decode_workers)} "
             "decode worker(s), "
             f"{'1 KV tier actor, ' if tier is not None else ''}"
-            f"runner {ecfg.runner.runner}, device {ecfg.runner.device}",
+            f"runner {ecfg.runner.runner}, "
+            + (
+                f"Ray cluster at {cfg.ray_address} ({placement.num_gpus} GPU(s))"
+                if placement.joined
+                else f"device {ecfg.runner.device}"
+            )
+            + f"; dashboard at http://{cfg.host}:{cfg.port}/dashboard"
+            + (f", autoscaling within {bounds}" if autoscaler is not None else ""),
             flush=True,
         )
         server = uvicorn.Server(

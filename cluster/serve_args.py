@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+
+# Keys that may come from the environment when neither a flag nor the config file gives
+# them (a Helm chart passes them from a Secret, never through the ConfigMap).
+ENV_KEYS = {"api_key": "PDSERVE_API_KEY", "admin_key": "PDSERVE_ADMIN_KEY"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,23 @@ class ServeConfig:
     # forward writes it (tcp only).
     kv_layer_wise: bool = False
     gpu_memory_utilization: float = 0.9  # of one GPU, shared by all its workers
+    # Ray: None starts a local instance (and stops it at the end); "auto" or "HOST:PORT"
+    # joins a running cluster (the Helm chart's head pod). Joined, the workers bind their
+    # sockets to their node's address and resolve the model themselves.
+    ray_address: str | None = None
+    # Workers ask for a custom Ray resource per role (pdserve_prefill / pdserve_decode /
+    # pdserve_tier, one unit each), so a cluster's node groups decide where each pool runs.
+    pool_resources: bool = False
+    gpus_per_worker: float | None = None  # None: whole GPUs where enough, else shares
+    # Guards /ops/scale and /ops/drain (Bearer). Without it they are open only when the
+    # server listens on a loopback address.
+    admin_key: str | None = None
+    # The pools follow load between these bounds (cluster/autoscale.py).
+    autoscale: bool = False
+    min_prefill_workers: int = 1
+    max_prefill_workers: int = 4
+    min_decode_workers: int = 1
+    max_decode_workers: int = 4
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):
@@ -76,6 +98,31 @@ class ServeConfig:
             )
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
+            raise ValueError(f"--gpus-per-worker must be >= 0, got {self.gpus_per_worker}")
+        for role in ("prefill", "decode"):
+            lo = getattr(self, f"min_{role}_workers")
+            hi = getattr(self, f"max_{role}_workers")
+            if not 0 <= lo <= hi:
+                raise ValueError(
+                    f"--min-{role}-workers / --max-{role}-workers must satisfy "
+                    f"0 <= min <= max, got {lo} and {hi}"
+                )
+        if self.autoscale:
+            if self.kv_transport == "nccl":
+                raise ValueError("--autoscale cannot resize an nccl KV group; use tcp or cuda_ipc")
+            if not self.min_decode_workers <= self.decode_workers <= self.max_decode_workers:
+                raise ValueError(
+                    f"--decode-workers {self.decode_workers} is outside --min/--max-decode-"
+                    f"workers [{self.min_decode_workers}, {self.max_decode_workers}]"
+                )
+            if self.mode == "pd" and not (
+                max(1, self.min_prefill_workers) <= self.prefill_workers <= self.max_prefill_workers
+            ):
+                raise ValueError(
+                    f"--prefill-workers {self.prefill_workers} is outside --min/--max-prefill-"
+                    f"workers [{self.min_prefill_workers}, {self.max_prefill_workers}]"
+                )
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -87,7 +134,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["pd", "colocated"], default=None, help="default pd")
     p.add_argument("--prefill-workers", type=int, default=None)
     p.add_argument("--decode-workers", type=int, default=None)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 (env PDSERVE_API_KEY)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -125,6 +176,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "flight, prefill on the decode worker instead (default 0: always remote)")  # fmt: skip
     p.add_argument("--policy", choices=["recompute", "fail"], default=None,
                    help="when a remote prefill or KV pull fails (default recompute)")  # fmt: skip
+    p.add_argument("--ray-address", default=None,
+                   help="join a running Ray cluster ('auto' or HOST:PORT) instead of starting "
+                   "a local one")  # fmt: skip
+    p.add_argument("--pool-resources", action="store_true", default=None,
+                   help="workers ask for the Ray resources pdserve_prefill / pdserve_decode / "
+                   "pdserve_tier, so node groups decide where each pool runs")  # fmt: skip
+    p.add_argument("--gpus-per-worker", type=float, default=None,
+                   help="GPUs each worker takes (default: whole GPUs where there are enough, "
+                   "else equal shares)")  # fmt: skip
+    p.add_argument("--admin-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /ops/scale and /ops/drain "
+                   "(env PDSERVE_ADMIN_KEY; without one they are open only on a loopback host)")  # fmt: skip
+    p.add_argument("--autoscale", action="store_true", default=None,
+                   help="scale the pools with load, within the --min/--max-*-workers bounds")  # fmt: skip
+    for role in ("prefill", "decode"):
+        for bound in ("min", "max"):
+            p.add_argument(f"--{bound}-{role}-workers", type=int, default=None,
+                           help=f"--autoscale and /ops/scale bound (default "
+                           f"{getattr(d, f'{bound}_{role}_workers')})")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -145,4 +215,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         v = getattr(args, f.name, None)
         if v is not None:
             values[f.name] = v
-    return ServeConfig(**values)
+    return with_env(ServeConfig(**values), os.environ)
+
+
+def with_env(cfg: ServeConfig, env) -> ServeConfig:
+    """`cfg` with the keys of ENV_KEYS that flags and file left unset taken from `env`."""
+    found = {k: env[v] for k, v in ENV_KEYS.items() if getattr(cfg, k) is None and env.get(v)}
+    return replace(cfg, **found) if found else cfg

@@ -174,7 +174,7 @@ class PrefillService(_Service):
         self,
         engine_kwargs: dict,
         worker_id: str,
-        host: str = "127.0.0.1",
+        host: str | None = "127.0.0.1",  # None: this node's address (a joined cluster)
         lease_s: float = 30.0,
         tier_actor=None,
         cuda_ipc: bool = False,
@@ -186,6 +186,10 @@ class PrefillService(_Service):
         in_group = join_kv_group(dist_spec)
         engine = Engine.from_args(**engine_kwargs)
         tier = self.tier = TierClient(tier_actor) if tier_actor is not None else None
+        if host is None:
+            import ray
+
+            host = ray.util.get_node_ip_address()
         self.worker = PrefillWorker(
             engine, worker_id, lease_s, bind=f"tcp://{host}:0", tier=tier, cuda_ipc=cuda_ipc,
             nccl=in_group, early_tickets=early_tickets,

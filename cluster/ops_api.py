@@ -1,0 +1,170 @@
+"""Operator endpoints: the pools' state, scaling, draining, and the dashboard page.
+
+    GET  /ops/pools   every worker of each pool with its state, load and health, the
+                      pools' bounds, latency since start, routing decisions, recent events
+    POST /ops/scale   {"role": "decode" | "prefill", "replicas": N}
+    POST /ops/drain   {"worker_id": "decode-1"}
+    GET  /dashboard   the page that shows /ops/pools and drives the two POSTs
+
+Reads are open, like /metrics. The POSTs change the cluster, so they need the admin key
+(`--admin-key`, Bearer) when one is set; without one they are allowed only when the
+server listens on a loopback address, so the default local run can scale from its
+dashboard and an exposed server cannot be resized by whoever reaches it. The API key of
+/v1 does not open them: a client of the API is not an operator.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import secrets
+import time
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse
+
+from pdserve.cluster.openai_api import ApiError
+from pdserve.cluster.pool_control import PoolControl
+
+MAX_OPS_BODY = 4096
+ROLES = ("prefill", "decode")
+# Worker stats the page shows, as the worker reports them.
+_WORKER_KEYS = (
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+    "num_free_blocks", "num_blocks", "prefix_cache_queries", "prefix_cache_hits",
+    "num_preemptions", "leases", "transfer_bytes", "recompute_fallbacks", "error",
+)  # fmt: skip
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class OpsState:
+    def __init__(
+        self, control: PoolControl, admin_key: str | None, listen_host: str,
+        autoscaler: Any | None = None,
+    ) -> None:  # fmt: skip
+        self.control, self.admin_key = control, admin_key
+        self.open_without_key = is_loopback(listen_host)
+        self.autoscaler = autoscaler  # cluster/autoscale.py's Autoscaler, when on
+        self.started = time.time()
+
+
+def _check_admin(ops: OpsState, request: Request) -> None:
+    if ops.admin_key is None:
+        if not ops.open_without_key:
+            raise ApiError(
+                "scaling from the API is off on a non-loopback address without an admin "
+                "key; start the server with --admin-key (or PDSERVE_ADMIN_KEY)",
+                403, "permission_error",
+            )  # fmt: skip
+        return
+    given = request.headers.get("authorization", "")
+    if not secrets.compare_digest(given, f"Bearer {ops.admin_key}"):
+        raise ApiError(
+            "missing or wrong admin key", 401, "authentication_error", None, "invalid_admin_key"
+        )
+
+
+async def _json_body(request: Request) -> dict:
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_OPS_BODY:
+            raise ApiError(f"request body is over the limit of {MAX_OPS_BODY} bytes", 413)
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise ApiError("request body must be a JSON object")
+    return body
+
+
+def pools_view(
+    members: list[dict], controller_stats: dict, router: Any, metrics: Any, ops: OpsState
+) -> dict:
+    """The JSON of GET /ops/pools (no actor handles: plain data only)."""
+    pools: dict[str, dict] = {}
+    bounds = controller_stats.get("bounds", {})
+    for role in ROLES:
+        lo, hi = bounds.get(role, (0, 0))
+        pools[role] = {"bounds": [lo, hi], "workers": [], "ready": 0, "starting": 0,
+                       "draining": 0}  # fmt: skip
+    for m in sorted(members, key=lambda m: (m["role"], int(m["worker_id"].rsplit("-", 1)[1]))):
+        stats = router.worker_stats.get(m["worker_id"], {})
+        health = m.get("health") or {}
+        load = router.load_of(m["worker_id"])
+        worker = {
+            "worker_id": m["worker_id"],
+            "state": m["state"],
+            "since": m["since"],
+            "generation": m["generation"],
+            "inflight": load["inflight"],
+            "alive": health.get("alive"),
+            "steps": health.get("steps"),
+            "since_progress_s": health.get("since_progress_s"),
+            **{k: stats[k] for k in _WORKER_KEYS if k in stats},
+        }
+        if m["role"] == "prefill":
+            worker["prompt_tokens_in_flight"] = load["prompt_tokens_in_flight"]
+        pool = pools[m["role"]]
+        pool["workers"].append(worker)
+        pool[m["state"]] += 1
+    return {
+        "time": time.time(),
+        "uptime_s": time.time() - ops.started,
+        "mode": router.config.mode,
+        "pools": pools,
+        "restarts": controller_stats.get("restarts", 0),
+        "events": controller_stats.get("events", []),
+        "decisions": dict(router.decisions),
+        "latency": metrics.latency_summary(),
+        "tier": {k: v for k, v in router.tier_stats.items() if isinstance(v, int | float | str)},
+        "autoscale": ops.autoscaler.view() if ops.autoscaler is not None else {"enabled": False},
+        "admin_key_required": ops.admin_key is not None,
+        "scaling_open": ops.admin_key is not None or ops.open_without_key,
+    }
+
+
+def add_ops_routes(app: FastAPI, ops: OpsState, router: Any, metrics: Any) -> None:
+    page = resources.files("pdserve.cluster").joinpath("dashboard.html").read_text()
+
+    @app.get("/dashboard")
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    @app.get("/ops/pools")
+    async def pools() -> dict:
+        await router.poll_stats()
+        members = await ops.control.members()
+        stats = await ops.control.stats()
+        return pools_view(members, stats, router, metrics, ops)
+
+    @app.post("/ops/scale")
+    async def scale(request: Request) -> dict:
+        _check_admin(ops, request)
+        body = await _json_body(request)
+        role, replicas = body.get("role"), body.get("replicas")
+        if role not in ROLES:
+            raise ApiError(f"'role' must be one of {list(ROLES)}", param="role")
+        if isinstance(replicas, bool) or not isinstance(replicas, int):
+            raise ApiError("'replicas' must be an integer", param="replicas")
+        return await ops.control.scale(role, replicas)
+
+    @app.post("/ops/drain")
+    async def drain(request: Request) -> dict:
+        _check_admin(ops, request)
+        body = await _json_body(request)
+        worker_id = body.get("worker_id")
+        if not isinstance(worker_id, str):
+            raise ApiError("'worker_id' must be a string", param="worker_id")
+        return await ops.control.drain(worker_id)

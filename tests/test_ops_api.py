@@ -1,0 +1,155 @@
+"""The operator endpoints on a real `pdserve serve`: the dashboard page, /ops/pools, and
+scaling and draining through /ops/scale and /ops/drain behind the admin key."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from html.parser import HTMLParser
+
+import httpx
+import pytest
+from serve_server import Server
+
+from pdserve.cluster.openai_api import ApiError
+from pdserve.cluster.ops_api import OpsState, _check_admin, is_loopback
+
+ADMIN = "ops-secret"
+
+
+@pytest.fixture(scope="module")
+def ops_server(tmp_path_factory):
+    """Colocated (one pool), listening on every address, with an admin key."""
+    server = Server(
+        tmp_path_factory.mktemp("ops"), "--mode", "colocated", "--max-model-len", "512",
+        "--host", "0.0.0.0", "--admin-key", ADMIN, "--max-decode-workers", "2",
+    )  # fmt: skip
+    yield server
+    server.stop()
+
+
+def _pools(server: Server) -> dict:
+    r = httpx.get(server.url + "/ops/pools", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _post(server: Server, path: str, body, key: str | None = ADMIN) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60)
+
+
+def _wait_pool(server: Server, want: list[tuple[str, str]], timeout_s: float = 180) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        d = _pools(server)
+        workers = d["pools"]["decode"]["workers"]
+        have = [(w["worker_id"], w["state"]) for w in workers]
+        routed = all("num_blocks" in w for w in workers)  # the router polls it: it routes to it
+        if have == want and routed:
+            return d
+        assert time.monotonic() < deadline, f"decode pool {have}, want {want}"
+        time.sleep(0.5)
+
+
+class _Tags(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[str] = []
+        self.script = ""
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+
+    def handle_data(self, data):
+        if self.tags and self.tags[-1] == "script":
+            self.script += data
+
+
+def test_dashboard_page_is_served_and_uses_the_ops_endpoints(ops_server):
+    r = httpx.get(ops_server.url + "/dashboard", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    page = _Tags()
+    page.feed(r.text)
+    assert {"html", "table", "script"} <= set(page.tags)
+    for endpoint in ("/ops/pools", "/ops/scale", "/ops/drain"):
+        assert endpoint in page.script
+
+
+def test_pools_view_lists_the_workers_and_bounds(ops_server):
+    client = ops_server.client()
+    client.completions.create(model=None, prompt="Hello there", max_tokens=3)
+    d = _pools(ops_server)
+    assert d["mode"] == "colocated"
+    decode = d["pools"]["decode"]
+    assert decode["bounds"] == [1, 2] and decode["ready"] == 1
+    (w,) = decode["workers"]
+    assert w["worker_id"] == "decode-0" and w["state"] == "ready"
+    assert w["num_blocks"] > 0 and 0 <= w["kv_cache_usage_perc"] <= 1
+    assert d["pools"]["prefill"] == {"bounds": [0, 0], "workers": [], "ready": 0,
+                                     "starting": 0, "draining": 0}  # fmt: skip
+    assert d["latency"]["ttft"]["count"] >= 1 and d["latency"]["e2e"]["mean_s"] > 0
+    assert d["decisions"]["colocated"] >= 1
+    assert d["admin_key_required"] and d["scaling_open"]
+    assert d["autoscale"] == {"enabled": False}
+
+
+@pytest.mark.parametrize(
+    "path, body, key, status, fragment",
+    [
+        ("/ops/scale", {"role": "decode", "replicas": 2}, None, 401, "admin key"),
+        ("/ops/scale", {"role": "decode", "replicas": 2}, "wrong", 401, "admin key"),
+        ("/ops/drain", {"worker_id": "decode-0"}, None, 401, "admin key"),
+        ("/ops/scale", {"role": "prefill", "replicas": 1}, ADMIN, 400, "[0, 0]"),
+        ("/ops/scale", {"role": "decode", "replicas": 3}, ADMIN, 400, "[1, 2]"),
+        ("/ops/scale", {"role": "decode", "replicas": "2"}, ADMIN, 400, "integer"),
+        ("/ops/scale", {"role": "router", "replicas": 1}, ADMIN, 400, "'role'"),
+        ("/ops/scale", [1, 2], ADMIN, 400, "JSON object"),
+        ("/ops/drain", {"worker_id": "decode-0"}, ADMIN, 400, "minimum"),
+        ("/ops/drain", {"worker_id": "decode-9"}, ADMIN, 400, "no worker"),
+    ],
+)
+def test_bad_ops_calls_get_errors_and_change_nothing(ops_server, path, body, key, status, fragment):
+    r = _post(ops_server, path, body, key)
+    assert r.status_code == status, r.text
+    assert fragment in r.json()["error"]["message"]
+    assert [w["worker_id"] for w in _pools(ops_server)["pools"]["decode"]["workers"]] == [
+        "decode-0"
+    ]
+
+
+def test_scale_up_serve_then_drain(ops_server):
+    """Guards the operator's loop end to end: a second decode worker starts, becomes ready
+    and takes requests; draining it returns the pool to one worker, still serving."""
+    r = _post(ops_server, "/ops/scale", {"role": "decode", "replicas": 2})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"role": "decode", "replicas": 2, "started": ["decode-1"], "draining": []}
+    _wait_pool(ops_server, [("decode-0", "ready"), ("decode-1", "ready")])
+    client = ops_server.client()
+
+    def ask(i: int) -> int:
+        out = client.completions.create(model=None, prompt=f"Count to {i}", max_tokens=4)
+        return out.usage.completion_tokens
+
+    with ThreadPoolExecutor(4) as pool:  # at once: the router spreads them by load
+        assert all(n >= 1 for n in pool.map(ask, range(4)))
+    workers = {w["worker_id"]: w for w in _pools(ops_server)["pools"]["decode"]["workers"]}
+    assert workers["decode-1"]["prefix_cache_queries"] > 0  # the new worker took requests
+    r = _post(ops_server, "/ops/drain", {"worker_id": "decode-1"})
+    assert r.status_code == 200 and r.json() == {"worker_id": "decode-1", "draining": True}
+    d = _wait_pool(ops_server, [("decode-0", "ready")])
+    texts = [e["text"] for e in d["events"]]
+    assert "decode-1 ready" in texts and any(t.startswith("drained decode-1") for t in texts)
+    assert ask(5) >= 1
+
+
+def test_without_an_admin_key_scaling_is_open_only_on_loopback():
+    """Guards the rule for servers started without --admin-key: loopback listeners allow
+    scaling (the default local run), any other address refuses it with 403."""
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5")
+    assert not is_loopback("example.com")
+    _check_admin(OpsState(None, None, "127.0.0.1"), None)  # open: no error
+    with pytest.raises(ApiError) as e:
+        _check_admin(OpsState(None, None, "0.0.0.0"), None)
+    assert e.value.status == 403 and "--admin-key" in e.value.message

@@ -1,0 +1,134 @@
+"""Scaling the pools on a real local Ray instance: the controller's `scale` and
+`start_drain`, and one autoscaler tick driving them through a real router."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+import zmq
+
+from pdserve.cluster.autoscale import AutoscaleConfig, Autoscaler
+from pdserve.cluster.controller import Controller
+from pdserve.cluster.membership import sync_members
+from pdserve.cluster.pool_control import PoolControl
+from pdserve.cluster.ray_pool import PoolSpec
+from pdserve.cluster.router import Router, RouterConfig
+
+
+def _spec(tiny_qwen3_dir: str, endpoint: str, **kw) -> PoolSpec:
+    return PoolSpec(
+        engine_kwargs=dict(model=tiny_qwen3_dir, dtype="float32", device="cpu", max_model_len=256),
+        num_prefill=1,
+        num_decode=1,
+        stream_endpoint=endpoint,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def pools(tiny_qwen3_dir):
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    sink = zmq.Context.instance().socket(zmq.PULL)  # where decode workers stream tokens
+    try:
+        port = sink.bind_to_random_port("tcp://127.0.0.1")
+        spec = _spec(tiny_qwen3_dir, f"tcp://127.0.0.1:{port}")
+        bounds = {"decode": (1, 3), "prefill": (1, 2)}
+        handle = ray.remote(Controller).options(num_cpus=0).remote(spec, 0.5, bounds)
+        ray.get(handle.start.remote(), timeout=300)
+        yield handle
+        ray.get(handle.stop.remote(), timeout=120)
+    finally:
+        sink.close(linger=0)
+        ray.shutdown()
+
+
+def _members(controller) -> dict[str, dict]:
+    return {m["worker_id"]: m for m in ray.get(controller.members.remote(), timeout=30)}
+
+
+def _wait(controller, predicate, what: str, timeout_s: float = 120) -> dict[str, dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        members = _members(controller)
+        if predicate(members):
+            return members
+        assert time.monotonic() < deadline, f"{what}: {members}"
+        time.sleep(0.3)
+
+
+def test_scale_up_starts_workers_that_become_ready(pools):
+    """Guards scale-up: new ids (never reused), "starting" until their info answers with
+    the pool's KV layout, then "ready" and alive."""
+    out = ray.get(pools.scale.remote("decode", 3), timeout=30)
+    assert out == {"role": "decode", "replicas": 3, "started": ["decode-1", "decode-2"],
+                   "draining": []}  # fmt: skip
+    assert {_members(pools)[w]["state"] for w in out["started"]} <= {"starting", "ready"}
+    members = _wait(pools, lambda ms: all(ms[w]["ready"] for w in out["started"]), "bring-up")
+    for w in out["started"]:
+        assert members[w]["state"] == "ready"
+        assert ray.get(members[w]["actor"].health.remote(), timeout=30)["alive"]
+    events = [e["text"] for e in ray.get(pools.stats.remote(), timeout=30)["events"]]
+    assert "decode-1 ready" in events and "decode-2 ready" in events
+
+
+def test_scale_down_drains_the_newest_and_refuses_out_of_bounds(pools):
+    """Guards scale-down and the bounds: the newest workers drain and leave; a count or
+    role outside the bounds is a ValueError that changes nothing."""
+    out = ray.get(pools.scale.remote("decode", 1), timeout=30)
+    assert out["draining"] == ["decode-2", "decode-1"] and out["started"] == []
+    _wait(pools, lambda ms: sorted(w for w in ms if w.startswith("decode")) == ["decode-0"],
+          "drain")  # fmt: skip
+    for role, n, fragment in [("decode", 4, r"\[1, 3\]"), ("decode", 0, r"\[1, 3\]"),
+                              ("tier", 1, "role must be"), ("decode", True, "integer")]:  # fmt: skip
+        with pytest.raises(ValueError, match=fragment):
+            ray.get(pools.scale.remote(role, n), timeout=30)
+    assert sorted(_members(pools)) == ["decode-0", "prefill-0"]
+
+
+def test_start_drain_keeps_the_minimum(pools):
+    """Guards /ops/drain's rule: draining the last worker of a pool at its minimum is
+    refused; an unknown id is refused; a drain of a surplus worker returns at once."""
+    with pytest.raises(ValueError, match="fewer decode workers than the minimum"):
+        ray.get(pools.start_drain.remote("decode-0"), timeout=30)
+    with pytest.raises(ValueError, match="no worker"):
+        ray.get(pools.start_drain.remote("decode-7"), timeout=30)
+    ray.get(pools.scale.remote("prefill", 2), timeout=30)
+    _wait(pools, lambda ms: ms.get("prefill-1", {}).get("ready"), "prefill bring-up")
+    start = time.monotonic()
+    assert ray.get(pools.start_drain.remote("prefill-0"), timeout=30)["draining"]
+    assert time.monotonic() - start < 5
+    _wait(pools, lambda ms: "prefill-0" not in ms, "prefill drain")
+
+
+def test_an_autoscaler_tick_resizes_through_the_router(pools):
+    """Guards the autoscaler's wiring: a tick reads the real router's polled stats and
+    asks the real controller. With a zero hold and cooldown, an empty decode pool reads
+    "low" (shrinks to its minimum) and an impossible low mark reads "high" (grows)."""
+    router = Router(RouterConfig(mode="pd"), [], [])
+    control = PoolControl(pools)
+
+    async def tick(cfg: AutoscaleConfig) -> dict:
+        sync_members(router, await control.members())
+        scaler = Autoscaler(cfg, {"decode": (1, 2), "prefill": (1, 1)})
+        return await scaler.tick(control, router, time.monotonic())
+
+    grow = AutoscaleConfig(up_after_s=0, cooldown_s=0, decode_waiting_high=-1)
+    assert asyncio.run(tick(grow)) == {"decode": 2}
+    _wait(pools, lambda ms: sum(m["role"] == "decode" and m["ready"] for m in ms.values()) == 2,
+          "autoscaled bring-up")  # fmt: skip
+    shrink = AutoscaleConfig(down_after_s=0, cooldown_s=0, decode_kv_low=2.0)
+    assert asyncio.run(tick(shrink)) == {"decode": 1}
+    _wait(
+        pools, lambda ms: sum(m["role"] == "decode" for m in ms.values()) == 1, "autoscaled drain"
+    )
+
+
+def test_an_nccl_group_cannot_be_scaled(tiny_qwen3_dir):
+    """Guards the nccl rule: its process group has a fixed world size."""
+    c = Controller(_spec(tiny_qwen3_dir, "tcp://127.0.0.1:1", kv_transport="nccl"))
+    with pytest.raises(ValueError, match="fixed size"):
+        asyncio.run(c.scale("decode", 2))
+    assert c.members_ == {}
