@@ -83,6 +83,17 @@ async def read_body(request: Request, limit: int) -> bytes:
     return body
 
 
+def json_object(raw: bytes) -> dict:
+    """A request body that must be one JSON object, or a 400 saying what it is not."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise ApiError("request body must be a JSON object")
+    return body
+
+
 def build_app(state: AppState) -> FastAPI:
     app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
     app.state.pd = state
@@ -147,13 +158,7 @@ def build_app(state: AppState) -> FastAPI:
         }
 
     async def parse(request: Request, kind: str) -> ParsedRequest:
-        raw = await read_body(request, state.max_body_bytes)
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(f"request body is not valid JSON: {e}") from e
-        if not isinstance(body, dict):
-            raise ApiError("request body must be a JSON object")
+        body = json_object(await read_body(request, state.max_body_bytes))
         model = body.get("model")
         if model is not None and model != state.model_name:
             raise ApiError(

@@ -16,7 +16,6 @@ dashboard and an exposed server cannot be resized by whoever reaches it. The API
 from __future__ import annotations
 
 import ipaddress
-import json
 import secrets
 import time
 from importlib import resources
@@ -25,6 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
 
+from pdserve.cluster.http_app import json_object, read_body
 from pdserve.cluster.openai_api import ApiError
 from pdserve.cluster.pool_control import PoolControl
 
@@ -72,21 +72,6 @@ def _check_admin(ops: OpsState, request: Request) -> None:
         raise ApiError(
             "missing or wrong admin key", 401, "authentication_error", None, "invalid_admin_key"
         )
-
-
-async def _json_body(request: Request) -> dict:
-    raw = b""
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_OPS_BODY:
-            raise ApiError(f"request body is over the limit of {MAX_OPS_BODY} bytes", 413)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(f"request body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise ApiError("request body must be a JSON object")
-    return body
 
 
 def pools_view(
@@ -152,7 +137,7 @@ def add_ops_routes(app: FastAPI, ops: OpsState, router: Any, metrics: Any) -> No
     @app.post("/ops/scale")
     async def scale(request: Request) -> dict:
         _check_admin(ops, request)
-        body = await _json_body(request)
+        body = json_object(await read_body(request, MAX_OPS_BODY))
         role, replicas = body.get("role"), body.get("replicas")
         if role not in ROLES:
             raise ApiError(f"'role' must be one of {list(ROLES)}", param="role")
@@ -163,7 +148,7 @@ def add_ops_routes(app: FastAPI, ops: OpsState, router: Any, metrics: Any) -> No
     @app.post("/ops/drain")
     async def drain(request: Request) -> dict:
         _check_admin(ops, request)
-        body = await _json_body(request)
+        body = json_object(await read_body(request, MAX_OPS_BODY))
         worker_id = body.get("worker_id")
         if not isinstance(worker_id, str):
             raise ApiError("'worker_id' must be a string", param="worker_id")
