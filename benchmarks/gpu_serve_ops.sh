@@ -7,6 +7,7 @@
 #   2. a running Ray head with the GPU and pdserve_decode (as a chart's decode pod has):
 #      `--ray-address --pool-resources --mode colocated`; a completion; Ctrl-C; the head
 #      still up with its GPU free.
+#   PARTS=local,joined (default both)
 set -o pipefail
 OUT=${OUT:-/tmp/pdserve-out}
 mkdir -p "$OUT"
@@ -28,6 +29,8 @@ complete() {  # $1 port
     -d "{\"prompt\": \"$PROMPT\", \"max_tokens\": 8, \"temperature\": 0}" | cut -c1-300; echo
 }
 
+PARTS=${PARTS:-local,joined}
+if [[ ,$PARTS, == *,local,* ]]; then
 echo "== local"
 timeout 400 python3 -m pdserve.cli serve --model /tmp/pdserve-model --port 8200 \
   > "$OUT/serve_local.log" 2>&1 &
@@ -43,9 +46,11 @@ print({r: (p['bounds'], [(w['worker_id'], w['state'], w.get('num_blocks')) for w
   curl -s localhost:8200/metrics | grep -E "engine_steps_total.*decode" | head -3
 fi
 kill -INT $pid; wait $pid; echo "serve exit $?"; tail -1 "$OUT/serve_local.log"
+fi
+[[ ,$PARTS, == *,joined,* ]] || exit 0
 
 echo "== joined"
-ray start --head --port=6399 --num-gpus=1 --num-cpus=8 --resources='{"pdserve_decode": 1}' \
+python3 -m ray.scripts.scripts start --head --port=6399 --num-gpus=1 --num-cpus=8 --resources='{"pdserve_decode": 1}' \
   --include-dashboard=false --temp-dir=/tmp/rayj --block > "$OUT/ray_head.log" 2>&1 &
 head=$!
 sleep 15

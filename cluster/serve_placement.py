@@ -66,9 +66,10 @@ def start_ray(cfg: ServeConfig, local_gpus: int, num_workers: int) -> Placement:
 
 
 def join_auth_env(cfg: ServeConfig, env) -> None:
-    """Before Ray is imported (it reads its auth mode then): joining a cluster started with
-    token authentication (Ray's default for `ray start`) needs RAY_AUTH_MODE=token, which
-    a driver does not set by itself; with a token at hand and no mode chosen, use it."""
+    """Before Ray is imported (it reads its auth mode then): a cluster with token
+    authentication (Ray 2.60's `ray start` turns it on when no mode is set, as seen here
+    and on the H200) refuses a driver whose mode is unset, since a joining driver does not
+    turn it on by itself; with a token at hand and no mode chosen, use it."""
     if cfg.ray_address is not None and "RAY_AUTH_MODE" not in env and ray_token_available(env):
         env["RAY_AUTH_MODE"] = "token"
 
