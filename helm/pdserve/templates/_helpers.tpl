@@ -1,0 +1,117 @@
+{{/* Names, labels and the numbers the RayCluster and the ConfigMap must agree on. */}}
+
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The RayCluster / Service / ConfigMap name. KubeRay derives pod and service names from
+the RayCluster name, so keep it short: 63 characters at most. */}}
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ include "pdserve.chart" . }}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Labels KubeRay itself puts on the head pod (ray.io/cluster = the RayCluster name,
+ray.io/node-type = head); the router Service selects on them. They are written into the
+pod template too, so the rendered chart shows what the Service will match. */}}
+{{- define "pdserve.headPodLabels" -}}
+ray.io/cluster: {{ include "pdserve.fullname" . }}
+ray.io/node-type: head
+{{- end }}
+
+{{- define "pdserve.image" -}}
+{{ printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+
+{{- define "pdserve.secretName" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-auth" (include "pdserve.fullname" .)) }}
+{{- end }}
+
+{{/* The Secret holding Ray's auth token (data key auth_token), used in token mode. */}}
+{{- define "pdserve.rayAuthSecretName" -}}
+{{- .Values.rayAuth.existingSecret | default (printf "%s-ray-token" (include "pdserve.fullname" .)) }}
+{{- end }}
+
+{{/* Ray auth env of every Ray container and of the router (a list of EnvVar). KubeRay
+injects the same pair into the Ray container only (and skips a name already set), so the
+router, a second container of the head pod, needs it from the chart; setting it on every
+container keeps all of them on one mode and one token. */}}
+{{- define "pdserve.rayAuthEnv" -}}
+- name: RAY_AUTH_MODE
+  value: {{ .Values.rayAuth.mode | quote }}
+{{- if eq .Values.rayAuth.mode "token" }}
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "pdserve.rayAuthSecretName" . }}, key: auth_token}
+{{- end }}
+{{- end }}
+
+{{/* 1 when prefill and decode pods have no GPUs (validated: both or neither). */}}
+{{- define "pdserve.cpuOnly" -}}
+{{- if and (eq (int .Values.prefill.gpusPerPod) 0) (eq (int .Values.decode.gpusPerPod) 0) }}1{{ end }}
+{{- end }}
+
+{{/* pdserve workers per pod of a group (argument: the group's values): one per GPU, or one
+per pod on a CPU-only install. This is also the pod's pdserve_<role> Ray resource. */}}
+{{- define "pdserve.workersPerPod" -}}
+{{- max 1 (int .gpusPerPod) }}
+{{- end }}
+
+{{/* Workers pdserve starts with: replicas x workers per pod; 0 prefill in colocated mode
+(the group is validated to have 0 replicas then). */}}
+{{- define "pdserve.initialWorkers" -}}
+{{- $g := index .Values .role }}
+{{- mul (int $g.replicas) (int (include "pdserve.workersPerPod" $g)) }}
+{{- end }}
+
+{{/* Autoscaling bound (dict: root, role, bound "min"|"max"): the value, or the group's
+min/maxReplicas x workers per pod when null. */}}
+{{- define "pdserve.workerBound" -}}
+{{- $g := index .root.Values .role }}
+{{- $v := index (index .root.Values.autoscaling .role) (printf "%sWorkers" .bound) }}
+{{- if kindIs "invalid" $v }}
+{{- mul (int (index $g (printf "%sReplicas" .bound))) (int (include "pdserve.workersPerPod" $g)) }}
+{{- else }}
+{{- int $v }}
+{{- end }}
+{{- end }}
+
+{{/* The `resources` rayStartParam of a pool pod: JSON wrapped in single quotes. KubeRay
+pastes rayStartParams unquoted into a shell line (`ray start --resources=VALUE`), so the
+quotes keep the JSON one word, and Ray's KubeRay autoscaler reads the value by dropping
+its first and last character (autoscaling_config._get_custom_resources). */}}
+{{- define "pdserve.rayResources" -}}
+{{- printf "'%s'" (dict .name (int .count) | toJson) }}
+{{- end }}
+
+{{/* rayStartParams of a group: the user's extras (as strings) under the chart's own. */}}
+{{- define "pdserve.rayStartParams" -}}
+{{- $params := merge (deepCopy .own) (.extra | default dict) }}
+{{- range $k, $v := $params }}
+{{ $k }}: {{ $v | toString | quote }}
+{{- end }}
+{{- end }}
