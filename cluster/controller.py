@@ -212,11 +212,14 @@ class Controller:
             raise ValueError(f"no worker {worker_id!r}")
         if m.draining:
             raise ValueError(f"{worker_id} is already draining")
-        others = [o for o in self.members_.values() if o.role == m.role and not o.draining]
-        if len(others) - 1 < self.bounds[m.role][0]:
+        lo = self.bounds[m.role][0]
+        # Only ready workers count: one still starting cannot take this one's requests yet.
+        rest = [o for o in self.members_.values()
+                if o.role == m.role and o.ready and not o.draining and o is not m]  # fmt: skip
+        if m.ready and len(rest) < lo:
             raise ValueError(
-                f"draining {worker_id} would leave fewer {m.role} workers than the minimum "
-                f"{self.bounds[m.role][0]}"
+                f"draining {worker_id} would leave fewer ready {m.role} workers than the "
+                f"minimum {lo}"
             )
         m.draining, m.since = True, time.time()
         self._spawn(self.drain(worker_id))

@@ -9,8 +9,10 @@
 Reads are open, like /metrics. The POSTs change the cluster, so they need the admin key
 (`--admin-key`, Bearer) when one is set; without one they are allowed only when the
 server listens on a loopback address, so the default local run can scale from its
-dashboard and an exposed server cannot be resized by whoever reaches it. The API key of
-/v1 does not open them: a client of the API is not an operator.
+dashboard and an exposed server cannot be resized by whoever reaches it; they also take
+only application/json bodies, so another site's page cannot resize a local server
+through the browser. The API key of /v1 does not open them: a client of the API is not
+an operator.
 """
 
 from __future__ import annotations
@@ -58,7 +60,13 @@ class OpsState:
         self.started = time.time()
 
 
-def _check_admin(ops: OpsState, request: Request) -> None:
+def check_admin(ops: OpsState, request: Request) -> None:
+    """Admin key, or a loopback listener without one. A JSON content type is required as
+    well: a page of another site can send a plain-text POST to a local server without
+    asking it first (no CORS preflight), but not an application/json one."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise ApiError(f"Content-Type must be application/json, got {ctype or 'none'!r}", 415)
     if ops.admin_key is None:
         if not ops.open_without_key:
             raise ApiError(
@@ -136,7 +144,7 @@ def add_ops_routes(app: FastAPI, ops: OpsState, router: Any, metrics: Any) -> No
 
     @app.post("/ops/scale")
     async def scale(request: Request) -> dict:
-        _check_admin(ops, request)
+        check_admin(ops, request)
         body = json_object(await read_body(request, MAX_OPS_BODY))
         role, replicas = body.get("role"), body.get("replicas")
         if role not in ROLES:
@@ -147,7 +155,7 @@ def add_ops_routes(app: FastAPI, ops: OpsState, router: Any, metrics: Any) -> No
 
     @app.post("/ops/drain")
     async def drain(request: Request) -> dict:
-        _check_admin(ops, request)
+        check_admin(ops, request)
         body = json_object(await read_body(request, MAX_OPS_BODY))
         worker_id = body.get("worker_id")
         if not isinstance(worker_id, str):

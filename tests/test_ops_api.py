@@ -12,7 +12,7 @@ import pytest
 from serve_server import Server
 
 from pdserve.cluster.openai_api import ApiError
-from pdserve.cluster.ops_api import OpsState, _check_admin, is_loopback
+from pdserve.cluster.ops_api import OpsState, check_admin, is_loopback
 
 ADMIN = "ops-secret"
 
@@ -50,6 +50,13 @@ def _wait_pool(server: Server, want: list[tuple[str, str]], timeout_s: float = 1
             return d
         assert time.monotonic() < deadline, f"decode pool {have}, want {want}"
         time.sleep(0.5)
+
+
+class _Headers:
+    """What check_admin reads of a request: its headers."""
+
+    def __init__(self, headers: dict) -> None:
+        self.headers = headers
 
 
 class _Tags(HTMLParser):
@@ -118,6 +125,17 @@ def test_bad_ops_calls_get_errors_and_change_nothing(ops_server, path, body, key
     ]
 
 
+def test_ops_posts_take_only_json(ops_server):
+    """Guards the cross-site rule: a plain-text body (what another site's page can send
+    without a CORS preflight) is refused before anything else, even with the key."""
+    r = httpx.post(
+        ops_server.url + "/ops/scale", content=b'{"role": "decode", "replicas": 2}',
+        headers={"Authorization": f"Bearer {ADMIN}", "Content-Type": "text/plain"}, timeout=30,
+    )  # fmt: skip
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    assert len(_pools(ops_server)["pools"]["decode"]["workers"]) == 1
+
+
 def test_scale_up_serve_then_drain(ops_server):
     """Guards the operator's loop end to end: a second decode worker starts, becomes ready
     and takes requests; draining it returns the pool to one worker, still serving."""
@@ -149,7 +167,8 @@ def test_without_an_admin_key_scaling_is_open_only_on_loopback():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5")
     assert not is_loopback("example.com")
-    _check_admin(OpsState(None, None, "127.0.0.1"), None)  # open: no error
+    json_post = _Headers({"content-type": "application/json"})
+    check_admin(OpsState(None, None, "127.0.0.1"), json_post)  # open: no error
     with pytest.raises(ApiError) as e:
-        _check_admin(OpsState(None, None, "0.0.0.0"), None)
+        check_admin(OpsState(None, None, "0.0.0.0"), json_post)
     assert e.value.status == 403 and "--admin-key" in e.value.message

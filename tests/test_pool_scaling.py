@@ -91,7 +91,7 @@ def test_scale_down_drains_the_newest_and_refuses_out_of_bounds(pools):
 def test_start_drain_keeps_the_minimum(pools):
     """Guards /ops/drain's rule: draining the last worker of a pool at its minimum is
     refused; an unknown id is refused; a drain of a surplus worker returns at once."""
-    with pytest.raises(ValueError, match="fewer decode workers than the minimum"):
+    with pytest.raises(ValueError, match="fewer ready decode workers than the minimum"):
         ray.get(pools.start_drain.remote("decode-0"), timeout=30)
     with pytest.raises(ValueError, match="no worker"):
         ray.get(pools.start_drain.remote("decode-7"), timeout=30)
