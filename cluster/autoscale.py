@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,27 @@ class AutoscaleConfig:
     decode_waiting_high: float = 2.0  # waiting requests per ready decode worker
     prefill_tokens_high: float = 16384.0  # prompt tokens in flight per ready prefill worker
     prefill_tokens_low: float = 1024.0
+
+
+def autoscale_config(overrides: dict | None) -> AutoscaleConfig:
+    """AutoscaleConfig with `overrides` (a config file's `autoscale_policy`); ValueError
+    naming an unknown key or a value that is not a number >= 0."""
+    overrides = overrides or {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"autoscale_policy must be a mapping, got {overrides!r}")
+    known = {f.name for f in fields(AutoscaleConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"autoscale_policy: unknown keys {unknown}; known: {sorted(known)}")
+    for key, value in overrides.items():
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        # the marks may be negative or above 1 on purpose ("always high" / "never low")
+        if not number or (key.endswith("_s") and value < 0):
+            raise ValueError(f"autoscale_policy.{key} must be a number (>= 0 for times)")
+    cfg = AutoscaleConfig(**overrides)
+    if cfg.interval_s <= 0:
+        raise ValueError("autoscale_policy.interval_s must be > 0")
+    return cfg
 
 
 def decode_level(stats: list[dict], cfg: AutoscaleConfig) -> tuple[str, dict]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from pdserve.cluster.ray_pool import RayWorkerHandle
 
 
@@ -24,6 +26,7 @@ def sync_members(router, members: list[dict]) -> list[str]:
             (decode if m["role"] == "decode" else prefill).append(h)
     router.decode_workers[:] = decode
     router.prefill_workers[:] = prefill
+    router.pool_states = Counter((m["role"], m.get("state", "ready")) for m in members)
     current = {m["worker_id"] for m in members}
     for gone in [w for w in router.worker_stats if w not in current]:  # drained: no stale series
         del router.worker_stats[gone]

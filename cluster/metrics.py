@@ -156,6 +156,15 @@ class _RouterCollector:
             tier_hits.add_metric([], router.tier_stats.get("hits", 0))
             tier_loaded.add_metric([], router.tier_stats.get("loaded", 0))
         yield from (tier, tier_puts, tier_hits, tier_loaded)
+        pools = GaugeMetricFamily(
+            PREFIX + "pool_workers",
+            "Workers of each pool by state (starting, ready, draining)",
+            labels=["role", "state"],
+        )
+        for role in ("prefill", "decode"):
+            for state in ("starting", "ready", "draining"):
+                pools.add_metric([role, state], router.pool_states.get((role, state), 0))
+        yield pools
         decisions = CounterMetricFamily(
             PREFIX + "pd_decisions", "Remote-prefill decisions by reason", labels=["reason"]
         )

@@ -92,6 +92,8 @@ class Router:
         self.prefix_index = PrefixIndex(config.block_size)
         self.tier = None  # the KV tier actor, when there is one (stats only)
         self.tier_stats: dict = {}
+        # (role, state) -> workers, from the controller's last member list (/metrics)
+        self.pool_states: Counter[tuple[str, str]] = Counter()
         self._inflight: Counter[str] = Counter()  # worker id -> requests in flight
         self._prefill_tokens: Counter[str] = (
             Counter()

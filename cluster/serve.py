@@ -90,7 +90,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     import torch
     import uvicorn
 
-    from pdserve.cluster.autoscale import AutoscaleConfig, Autoscaler, autoscale_loop
+    from pdserve.cluster.autoscale import Autoscaler, autoscale_config, autoscale_loop
     from pdserve.cluster.controller import Controller
     from pdserve.cluster.gpu_binding import actor_env, node_gpu_ids
     from pdserve.cluster.http_app import AppState, build_app
@@ -203,7 +203,9 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)
-        autoscaler = Autoscaler(AutoscaleConfig(), bounds) if cfg.autoscale else None
+        autoscaler = (
+            Autoscaler(autoscale_config(cfg.autoscale_policy), bounds) if cfg.autoscale else None
+        )
         add_ops_routes(app, OpsState(control, cfg.admin_key, cfg.host, autoscaler), router,
                        state.metrics)  # fmt: skip
 

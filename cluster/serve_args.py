@@ -66,6 +66,10 @@ class ServeConfig:
     max_prefill_workers: int = 4
     min_decode_workers: int = 1
     max_decode_workers: int = 4
+    # Overrides of the autoscaler's marks and timings (config file only), e.g.
+    # {"decode_kv_high": 0.9, "up_after_s": 30}: keys of cluster/autoscale.py's
+    # AutoscaleConfig.
+    autoscale_policy: dict | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):
@@ -108,6 +112,10 @@ class ServeConfig:
                     f"--min-{role}-workers / --max-{role}-workers must satisfy "
                     f"0 <= min <= max, got {lo} and {hi}"
                 )
+        if self.autoscale_policy is not None:
+            from pdserve.cluster.autoscale import autoscale_config
+
+            autoscale_config(self.autoscale_policy)  # raises naming a bad key or value
         if self.autoscale:
             if self.kv_transport == "nccl":
                 raise ValueError("--autoscale cannot resize an nccl KV group; use tcp or cuda_ipc")

@@ -172,3 +172,27 @@ def test_without_an_admin_key_scaling_is_open_only_on_loopback():
     with pytest.raises(ApiError) as e:
         check_admin(OpsState(None, None, "0.0.0.0"), json_post)
     assert e.value.status == 403 and "--admin-key" in e.value.message
+
+
+def test_autoscale_grows_the_pool_and_metrics_show_it(tmp_path):
+    """Guards `--autoscale` end to end: a policy from the config file whose decode mark is
+    always "high" grows the pool to its maximum; /metrics and /ops/pools show it; Ctrl-C
+    stops the autoscale loop with the rest (the server exits 0)."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(
+        "mode: colocated\nmax_model_len: 512\nautoscale: true\nmax_decode_workers: 2\n"
+        "autoscale_policy: {interval_s: 0.5, up_after_s: 0, cooldown_s: 0, "
+        "decode_waiting_high: -1}\n"
+    )
+    server = Server(tmp_path, "--config", str(cfg))
+    try:
+        d = _wait_pool(server, [("decode-0", "ready"), ("decode-1", "ready")])
+        auto = d["autoscale"]
+        assert auto["enabled"] and auto["bounds"]["decode"] == [1, 2]
+        assert auto["pools"]["decode"]["last_change"]["to"] == 2
+        assert auto["config"]["interval_s"] == 0.5
+        metrics = server.metrics()
+        assert 'pdserve:pool_workers{role="decode",state="ready"} 2.0' in metrics
+        assert server.client().completions.create(model=None, prompt="Hi", max_tokens=2)
+    finally:
+        server.stop()

@@ -22,6 +22,11 @@ from pdserve.cluster.serve_placement import Placement, join_auth_env, pool_bound
         (dict(autoscale=True, decode_workers=5), "outside --min/--max-decode"),
         (dict(autoscale=True, prefill_workers=9), "outside --min/--max-prefill"),
         (dict(autoscale=True, kv_transport="nccl"), "nccl"),
+        (dict(autoscale_policy={"decode_kv_hi": 0.9}), "unknown keys"),
+        (dict(autoscale_policy={"up_after_s": -1}), "up_after_s"),
+        (dict(autoscale_policy={"decode_kv_high": "high"}), "decode_kv_high"),
+        (dict(autoscale_policy={"interval_s": 0}), "interval_s"),
+        (dict(autoscale_policy=[1]), "mapping"),
     ],
 )
 def test_bad_scaling_config_is_refused(kwargs, message):
