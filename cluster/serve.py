@@ -132,55 +132,59 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         raise ValueError("--kv-transport cuda_ipc needs the workers on a GPU (this runs on CPU)")
     num_workers = cfg.decode_workers + (cfg.prefill_workers if cfg.mode == "pd" else 0)
     placement = start_ray(cfg, torch.cuda.device_count() if local_gpu else 0, num_workers)
-    if placement.joined:
-        # Workers on other nodes resolve (and convert) the model themselves, and each takes
-        # whole GPUs: its engine sizes its KV cache from its own GPU.
-        engine_kwargs["model"] = cfg.model
-        engine_kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-    elif placement.num_gpus:
-        # Workers sharing a GPU each get an explicit KV budget, since a memory fraction
-        # read by each engine at its own start would count the others' allocations.
-        engine_kwargs["kv_cache_memory_bytes"] = kv_bytes_per_worker(
-            Path(ecfg.model.path), placement.workers_per_gpu, cfg.gpu_memory_utilization
-        )
-    host = placement.host
-    stream_bind = f"tcp://{host}:{_free_port(host)}"
-    tier = None
-    if cfg.tier_bytes > 0 and cfg.mode == "pd":  # prefill workers are its writers
-        tier = (
-            ray.remote(TierService)
-            .options(
-                num_cpus=0, name="pdserve-tier",
-                resources=actor_resources(cfg.pool_resources, "tier"),
+    try:  # until the try below owns the cleanup: a refusal here must not leave Ray up
+        if placement.joined:
+            # Workers on other nodes resolve (and convert) the model themselves, and each takes
+            # whole GPUs: its engine sizes its KV cache from its own GPU.
+            engine_kwargs["model"] = cfg.model
+            engine_kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        elif placement.num_gpus:
+            # Workers sharing a GPU each get an explicit KV budget, since a memory fraction
+            # read by each engine at its own start would count the others' allocations.
+            engine_kwargs["kv_cache_memory_bytes"] = kv_bytes_per_worker(
+                Path(ecfg.model.path), placement.workers_per_gpu, cfg.gpu_memory_utilization
             )
-            .remote(cfg.tier_bytes)
-        )  # fmt: skip
-    whole = placement.gpus_per_worker >= 1 < placement.num_gpus and not placement.joined
-    spec = PoolSpec(
-        engine_kwargs,
-        cfg.prefill_workers if cfg.mode == "pd" else 0,
-        cfg.decode_workers,
-        stream_bind,
-        cfg.policy,
-        cfg.lease_s,
-        gpus_per_worker=placement.gpus_per_worker,
-        tier=tier,
-        kv_transport=cfg.kv_transport,
-        kv_layer_wise=cfg.kv_layer_wise,
-        dist_init_method=(
-            f"tcp://{host}:{_free_port(host)}" if cfg.kv_transport == "nccl" else None
-        ),
-        # Whole-GPU workers see the node's other GPUs too (cuda_ipc between GPUs).
-        actor_env=actor_env(node_gpu_ids(placement.num_gpus)) if whole else None,
-        pool_resources=cfg.pool_resources,
-        bind_node_ip=placement.joined,
-    )
-    bounds = pool_bounds(cfg, placement)
-    controller = (
-        ray.remote(Controller)
-        .options(num_cpus=0, name="pdserve-controller")
-        .remote(spec, cfg.health_interval_s, bounds)
-    )
+        host = placement.host
+        stream_bind = f"tcp://{host}:{_free_port(host)}"
+        tier = None
+        if cfg.tier_bytes > 0 and cfg.mode == "pd":  # prefill workers are its writers
+            tier = (
+                ray.remote(TierService)
+                .options(
+                    num_cpus=0, name="pdserve-tier",
+                    resources=actor_resources(cfg.pool_resources, "tier"),
+                )
+                .remote(cfg.tier_bytes)
+            )  # fmt: skip
+        whole = placement.gpus_per_worker >= 1 < placement.num_gpus and not placement.joined
+        spec = PoolSpec(
+            engine_kwargs,
+            cfg.prefill_workers if cfg.mode == "pd" else 0,
+            cfg.decode_workers,
+            stream_bind,
+            cfg.policy,
+            cfg.lease_s,
+            gpus_per_worker=placement.gpus_per_worker,
+            tier=tier,
+            kv_transport=cfg.kv_transport,
+            kv_layer_wise=cfg.kv_layer_wise,
+            dist_init_method=(
+                f"tcp://{host}:{_free_port(host)}" if cfg.kv_transport == "nccl" else None
+            ),
+            # Whole-GPU workers see the node's other GPUs too (cuda_ipc between GPUs).
+            actor_env=actor_env(node_gpu_ids(placement.num_gpus)) if whole else None,
+            pool_resources=cfg.pool_resources,
+            bind_node_ip=placement.joined,
+        )
+        bounds = pool_bounds(cfg, placement)
+        controller = (
+            ray.remote(Controller)
+            .options(num_cpus=0, name="pdserve-controller")
+            .remote(spec, cfg.health_interval_s, bounds)
+        )
+    except BaseException:
+        ray.shutdown()
+        raise
     try:
         print(f"pdserve: starting {num_workers} worker(s) on Ray ({ecfg.model.source})", flush=True)
         members = ray.get(controller.start.remote(), timeout=900)

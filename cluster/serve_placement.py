@@ -38,30 +38,32 @@ def _per_worker(cfg: ServeConfig, num_gpus: int, num_workers: int) -> float:
 
 def start_ray(cfg: ServeConfig, local_gpus: int, num_workers: int) -> Placement:
     """`ray.init` for this run and where its workers go. `local_gpus`: this machine's
-    GPUs the workers may use (0 on the CPU); ignored when joining a cluster."""
+    GPUs the workers may use (0 on the CPU); ignored when joining a cluster. Every
+    refusal comes before Ray starts."""
     import ray
 
     if cfg.ray_address is None:
+        per = _per_worker(cfg, local_gpus, num_workers)
+        if local_gpus and per <= 0:
+            raise ValueError("--gpus-per-worker 0 on a GPU machine: use --device cpu instead")
         ray.init(
             include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
             num_gpus=local_gpus, runtime_env={"env_vars": dict(_ENV)},
         )  # fmt: skip
-        per = _per_worker(cfg, local_gpus, num_workers)
-        if local_gpus and per <= 0:
-            raise ValueError("--gpus-per-worker 0 on a GPU machine: use --device cpu instead")
         shared = -(-num_workers // local_gpus) if local_gpus and per < 1 else 1
         return Placement(False, local_gpus, per, "127.0.0.1", shared)
+    if cfg.gpus_per_worker is not None and 0 < cfg.gpus_per_worker < 1:
+        raise ValueError(
+            "with --ray-address each worker takes whole GPUs or none (--gpus-per-worker "
+            f"{cfg.gpus_per_worker}): workers sharing a GPU need the budgets a local run "
+            "splits for them"
+        )
     ray.init(
         address=cfg.ray_address, logging_level=logging.WARNING, log_to_driver=True,
         runtime_env={"env_vars": dict(_ENV)},
     )  # fmt: skip
     gpus = 0 if cfg.device == "cpu" else int(ray.cluster_resources().get("GPU", 0))
     per = cfg.gpus_per_worker if cfg.gpus_per_worker is not None else (1.0 if gpus else 0.0)
-    if 0 < per < 1:
-        raise ValueError(
-            "with --ray-address each worker takes whole GPUs or none (--gpus-per-worker "
-            f"{per}): workers sharing a GPU need the budgets a local run splits for them"
-        )
     return Placement(True, gpus, per, ray.util.get_node_ip_address(), 1)
 
 
