@@ -180,7 +180,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         controller = (
             ray.remote(Controller)
             .options(num_cpus=0, name="pdserve-controller")
-            .remote(spec, cfg.health_interval_s, bounds)
+            .remote(spec, cfg.health_interval_s, bounds, cfg.worker_start_timeout_s)
         )
     except BaseException:
         ray.shutdown()

@@ -70,6 +70,9 @@ class ServeConfig:
     # {"decode_kv_high": 0.9, "up_after_s": 30}: keys of cluster/autoscale.py's
     # AutoscaleConfig.
     autoscale_policy: dict | None = None
+    # How long a worker added by scaling may take to start (a cluster autoscaler may have
+    # to bring up a GPU node first) before it is given up.
+    worker_start_timeout_s: float = 1200.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):
@@ -102,6 +105,10 @@ class ServeConfig:
             )
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.worker_start_timeout_s <= 0:
+            raise ValueError(
+                f"worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}"
+            )
         if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
             raise ValueError(f"--gpus-per-worker must be >= 0, got {self.gpus_per_worker}")
         for role in ("prefill", "decode"):

@@ -27,6 +27,7 @@ from pdserve.cluster.serve_placement import Placement, join_auth_env, pool_bound
         (dict(autoscale_policy={"decode_kv_high": "high"}), "decode_kv_high"),
         (dict(autoscale_policy={"interval_s": 0}), "interval_s"),
         (dict(autoscale_policy=[1]), "mapping"),
+        (dict(worker_start_timeout_s=0), "worker_start_timeout_s"),
     ],
 )
 def test_bad_scaling_config_is_refused(kwargs, message):
