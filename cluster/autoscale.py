@@ -28,6 +28,9 @@ ROLES = ("prefill", "decode")
 
 @dataclass(frozen=True)
 class AutoscaleConfig:
+    """The marks and timings. The defaults are first guesses, not tuned on a real load
+    yet: override them with the config file's `autoscale_policy`."""
+
     interval_s: float = 5.0
     up_after_s: float = 20.0
     down_after_s: float = 300.0
