@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.cluster.openai_api import ApiError
 
@@ -32,6 +32,8 @@ class PoolControl:
             raise ApiError(f"the pool controller failed: {e.cause!r}", 500, "server_error") from e
         except (TimeoutError, asyncio.TimeoutError) as e:
             raise ApiError("the pool controller did not answer in time", 503, "server_error") from e
+        except RayActorError as e:
+            raise ApiError("the pool controller is gone", 503, "server_error") from e
 
     async def members(self) -> list[dict]:
         return await self._call("members")

@@ -61,9 +61,8 @@ class RayWorkerHandle:
 def actor_options(spec: PoolSpec, worker_id: str) -> dict:
     """Ray options of a worker actor: its GPU share, name and extra environment."""
     opts = dict(num_cpus=0, num_gpus=spec.gpus_per_worker, name=f"pdserve-{worker_id}")
-    role = worker_id.rsplit("-", 1)[0]
-    if spec.pool_resources:
-        opts["resources"] = actor_resources(True, role)
+    if spec.pool_resources:  # worker ids are "<role>-<n>"
+        opts["resources"] = actor_resources(True, worker_id.rsplit("-", 1)[0])
     if spec.actor_env:
         opts["runtime_env"] = {"env_vars": dict(spec.actor_env)}
     return opts

@@ -13,6 +13,7 @@ import zmq
 from pdserve.cluster.autoscale import AutoscaleConfig, Autoscaler
 from pdserve.cluster.controller import Controller
 from pdserve.cluster.membership import sync_members
+from pdserve.cluster.openai_api import ApiError
 from pdserve.cluster.pool_control import PoolControl
 from pdserve.cluster.ray_pool import PoolSpec
 from pdserve.cluster.router import Router, RouterConfig
@@ -124,6 +125,21 @@ def test_an_autoscaler_tick_resizes_through_the_router(pools):
     _wait(
         pools, lambda ms: sum(m["role"] == "decode" for m in ms.values()) == 1, "autoscaled drain"
     )
+
+
+def test_a_gone_controller_is_a_503_not_a_crash(pools, tiny_qwen3_dir):
+    """Guards PoolControl: the ops endpoints answer a dead controller with the API's error
+    shape (503), and a bad request in the live one with a 400."""
+    spec = _spec(tiny_qwen3_dir, "tcp://127.0.0.1:1")
+    doomed = ray.remote(Controller).options(num_cpus=0).remote(spec)
+    ray.get(doomed.stats.remote(), timeout=60)
+    ray.kill(doomed, no_restart=True)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(PoolControl(doomed).members())
+    assert e.value.status == 503 and "gone" in e.value.message
+    with pytest.raises(ApiError) as e:
+        asyncio.run(PoolControl(pools).scale("decode", 99))
+    assert e.value.status == 400 and "[1, 3]" in e.value.message
 
 
 def test_an_nccl_group_cannot_be_scaled(tiny_qwen3_dir):
