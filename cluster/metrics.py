@@ -71,6 +71,20 @@ class Metrics:
         self._router = router
         return generate_latest(self.registry).decode()
 
+    def totals(self) -> dict[str, float]:
+        """Since start: output tokens and finished requests (the page turns them into rates
+        between two polls)."""
+        requests = sum(
+            s.value for m in self.requests.collect() for s in m.samples if s.name.endswith("_total")
+        )
+        tokens = next(
+            s.value
+            for m in self.generation_tokens.collect()
+            for s in m.samples
+            if s.name.endswith("_total")
+        )
+        return {"generation_tokens": tokens, "requests": requests}
+
     def latency_summary(self) -> dict[str, dict]:
         """Since start, per latency histogram: count, mean, and the bucket bounds that
         hold the median and the 90th percentile (what the dashboard shows)."""

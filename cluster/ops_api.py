@@ -121,6 +121,7 @@ def pools_view(
         "events": controller_stats.get("events", []),
         "decisions": dict(router.decisions),
         "latency": metrics.latency_summary(),
+        "totals": metrics.totals(),
         "tier": {k: v for k, v in router.tier_stats.items() if isinstance(v, int | float | str)},
         "autoscale": ops.autoscaler.view() if ops.autoscaler is not None else {"enabled": False},
         "admin_key_required": ops.admin_key is not None,

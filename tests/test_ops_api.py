@@ -97,6 +97,7 @@ def test_pools_view_lists_the_workers_and_bounds(ops_server):
                                      "starting": 0, "draining": 0}  # fmt: skip
     assert d["latency"]["ttft"]["count"] >= 1 and d["latency"]["e2e"]["mean_s"] > 0
     assert d["decisions"]["colocated"] >= 1
+    assert d["totals"]["requests"] >= 1 and d["totals"]["generation_tokens"] >= 1
     assert d["admin_key_required"] and d["scaling_open"]
     assert d["autoscale"] == {"enabled": False}
 
