@@ -132,6 +132,13 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         raise ValueError("--kv-transport cuda_ipc needs the workers on a GPU (this runs on CPU)")
     num_workers = cfg.decode_workers + (cfg.prefill_workers if cfg.mode == "pd" else 0)
     placement = start_ray(cfg, torch.cuda.device_count() if local_gpu else 0, num_workers)
+    if placement.joined and cfg.kv_transport == "cuda_ipc":
+        print(
+            "pdserve: warning: --kv-transport cuda_ipc moves KV only between workers on one "
+            "node; in a multi-node cluster keep each prefill and decode pair on one node, or "
+            "use tcp",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
     try:  # until the try below owns the cleanup: a refusal here must not leave Ray up
         if placement.joined:
             # Workers on other nodes resolve (and convert) the model themselves, and each takes
