@@ -130,7 +130,7 @@ class Autoscaler:
             if hi == 0:
                 continue  # colocated: no prefill pool
             pool = [m for m in members if m["role"] == role and not m["draining"]]
-            ready = [m["worker_id"] for m in pool if m["ready"]]
+            ready = [m["worker_id"] for m in pool if m["state"] == "ready"]
             if role == "decode":
                 level, detail = decode_level(
                     [router.worker_stats.get(w, {}) for w in ready], self.cfg

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.cluster.ray_pool import PoolSpec, kill_quietly, start_worker
+from pdserve.cluster.ray_pool import PoolSpec, kill_quietly, start_worker, worker_index
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,6 @@ class Controller:
                 "actor": m.actor,
                 "generation": m.generation,
                 "draining": m.draining,
-                "ready": m.ready,
                 "state": "draining" if m.draining else "ready" if m.ready else "starting",
                 "since": m.since,
                 "health": m.health,
@@ -144,7 +143,7 @@ class Controller:
             self._spawn(self._bring_up(m))
             started.append(wid)
         # Surplus: ones still starting first, then the newest.
-        surplus = sorted(pool, key=lambda m: (m.ready, -int(m.worker_id.rsplit("-", 1)[1])))
+        surplus = sorted(pool, key=lambda m: (m.ready, -worker_index(m.worker_id)))
         for m in surplus[: max(0, len(pool) - replicas)]:
             m.draining, m.since = True, time.time()
             self._spawn(self.drain(m.worker_id))
@@ -267,6 +266,6 @@ class Controller:
             logger.warning(
                 "%d controller task(s) did not stop within %.0f s", len(pending), timeout_s
             )
-        for t in done:
-            if not t.cancelled() and t.exception() is not None:
-                logger.error("a controller task had failed: %r", t.exception())
+        health = self._health
+        if health in done and not health.cancelled() and health.exception() is not None:
+            logger.error("health loop had failed: %r", health.exception())  # others log own

@@ -22,7 +22,7 @@ def sync_members(router, members: list[dict]) -> list[str]:
             h.actor, h.generation = m["actor"], m["generation"]
             router.worker_failed(h.worker_id)
             failed.append(h.worker_id)
-        if m.get("ready", True) and not m["draining"]:  # starting and draining: no routing
+        if m.get("state", "ready") == "ready":  # starting and draining ones get no requests
             (decode if m["role"] == "decode" else prefill).append(h)
     router.decode_workers[:] = decode
     router.prefill_workers[:] = prefill

@@ -26,12 +26,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
 
+from pdserve.cluster.autoscale import ROLES
 from pdserve.cluster.http_app import json_object, read_body
 from pdserve.cluster.openai_api import ApiError
 from pdserve.cluster.pool_control import PoolControl
+from pdserve.cluster.ray_pool import worker_index
 
 MAX_OPS_BODY = 4096
-ROLES = ("prefill", "decode")
 # Worker stats the page shows, as the worker reports them.
 _WORKER_KEYS = (
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
@@ -92,7 +93,7 @@ def pools_view(
         lo, hi = bounds.get(role, (0, 0))
         pools[role] = {"bounds": [lo, hi], "workers": [], "ready": 0, "starting": 0,
                        "draining": 0}  # fmt: skip
-    for m in sorted(members, key=lambda m: (m["role"], int(m["worker_id"].rsplit("-", 1)[1]))):
+    for m in sorted(members, key=lambda m: (m["role"], worker_index(m["worker_id"]))):
         stats = router.worker_stats.get(m["worker_id"], {})
         health = m.get("health") or {}
         load = router.load_of(m["worker_id"])

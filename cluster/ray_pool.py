@@ -58,11 +58,20 @@ class RayWorkerHandle:
         return await self._await(self.actor.stats.remote())
 
 
+def worker_role(worker_id: str) -> str:
+    """Worker ids are "<role>-<n>" ("decode-0", "prefill-3")."""
+    return worker_id.rsplit("-", 1)[0]
+
+
+def worker_index(worker_id: str) -> int:
+    return int(worker_id.rsplit("-", 1)[1])
+
+
 def actor_options(spec: PoolSpec, worker_id: str) -> dict:
     """Ray options of a worker actor: its GPU share, name and extra environment."""
     opts = dict(num_cpus=0, num_gpus=spec.gpus_per_worker, name=f"pdserve-{worker_id}")
-    if spec.pool_resources:  # worker ids are "<role>-<n>"
-        opts["resources"] = actor_resources(True, worker_id.rsplit("-", 1)[0])
+    if spec.pool_resources:
+        opts["resources"] = actor_resources(True, worker_role(worker_id))
     if spec.actor_env:
         opts["runtime_env"] = {"env_vars": dict(spec.actor_env)}
     return opts
@@ -127,7 +136,7 @@ class PoolSpec:
         """nccl: this worker's place in the KV transfer group (decode workers first)."""
         if self.kv_transport != "nccl" or self.dist_init_method is None:
             return None
-        index = int(worker_id.rsplit("-", 1)[1])
+        index = worker_index(worker_id)
         rank = index if role == "decode" else self.num_decode + index
         return {
             "backend": "nccl" if self.gpus_per_worker > 0 else "gloo",

@@ -6,35 +6,14 @@ import time
 
 import pytest
 import ray
-import zmq
 from ray.exceptions import RayActorError
-
-from pdserve.cluster.controller import Controller
-from pdserve.cluster.ray_pool import PoolSpec
+from ray_controller import controller_on_ray
 
 
 @pytest.fixture(scope="module")
 def controller(tiny_qwen3_dir):
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    sink = zmq.Context.instance().socket(zmq.PULL)  # where decode workers stream tokens
-    try:
-        port = sink.bind_to_random_port("tcp://127.0.0.1")
-        spec = PoolSpec(
-            engine_kwargs=dict(
-                model=tiny_qwen3_dir, dtype="float32", device="cpu", max_model_len=256
-            ),
-            num_prefill=1,
-            num_decode=2,
-            stream_endpoint=f"tcp://127.0.0.1:{port}",
-            stuck_after_s=60.0,
-        )
-        handle = ray.remote(Controller).options(num_cpus=0).remote(spec, 0.5)
-        ray.get(handle.start.remote(), timeout=300)
+    with controller_on_ray(tiny_qwen3_dir, num_decode=2) as handle:
         yield handle
-        ray.get(handle.stop.remote(), timeout=120)
-    finally:  # a failed stop must not leave Ray up for the next module's ray.init
-        sink.close(linger=0)
-        ray.shutdown()
 
 
 def _members(controller) -> dict[str, dict]:

@@ -8,42 +8,20 @@ import time
 
 import pytest
 import ray
-import zmq
+from ray_controller import controller_on_ray, tiny_spec
 
 from pdserve.cluster.autoscale import AutoscaleConfig, Autoscaler
 from pdserve.cluster.controller import Controller
 from pdserve.cluster.membership import sync_members
 from pdserve.cluster.openai_api import ApiError
 from pdserve.cluster.pool_control import PoolControl
-from pdserve.cluster.ray_pool import PoolSpec
 from pdserve.cluster.router import Router, RouterConfig
-
-
-def _spec(tiny_qwen3_dir: str, endpoint: str, **kw) -> PoolSpec:
-    return PoolSpec(
-        engine_kwargs=dict(model=tiny_qwen3_dir, dtype="float32", device="cpu", max_model_len=256),
-        num_prefill=1,
-        num_decode=1,
-        stream_endpoint=endpoint,
-        **kw,
-    )
 
 
 @pytest.fixture(scope="module")
 def pools(tiny_qwen3_dir):
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    sink = zmq.Context.instance().socket(zmq.PULL)  # where decode workers stream tokens
-    try:
-        port = sink.bind_to_random_port("tcp://127.0.0.1")
-        spec = _spec(tiny_qwen3_dir, f"tcp://127.0.0.1:{port}")
-        bounds = {"decode": (1, 3), "prefill": (1, 2)}
-        handle = ray.remote(Controller).options(num_cpus=0).remote(spec, 0.5, bounds)
-        ray.get(handle.start.remote(), timeout=300)
+    with controller_on_ray(tiny_qwen3_dir, 1, {"decode": (1, 3), "prefill": (1, 2)}) as handle:
         yield handle
-        ray.get(handle.stop.remote(), timeout=120)
-    finally:
-        sink.close(linger=0)
-        ray.shutdown()
 
 
 def _members(controller) -> dict[str, dict]:
@@ -67,7 +45,9 @@ def test_scale_up_starts_workers_that_become_ready(pools):
     assert out == {"role": "decode", "replicas": 3, "started": ["decode-1", "decode-2"],
                    "draining": []}  # fmt: skip
     assert {_members(pools)[w]["state"] for w in out["started"]} <= {"starting", "ready"}
-    members = _wait(pools, lambda ms: all(ms[w]["ready"] for w in out["started"]), "bring-up")
+    members = _wait(
+        pools, lambda ms: all(ms[w]["state"] == "ready" for w in out["started"]), "bring-up"
+    )
     for w in out["started"]:
         assert members[w]["state"] == "ready"
         assert ray.get(members[w]["actor"].health.remote(), timeout=30)["alive"]
@@ -97,7 +77,7 @@ def test_start_drain_keeps_the_minimum(pools):
     with pytest.raises(ValueError, match="no worker"):
         ray.get(pools.start_drain.remote("decode-7"), timeout=30)
     ray.get(pools.scale.remote("prefill", 2), timeout=30)
-    _wait(pools, lambda ms: ms.get("prefill-1", {}).get("ready"), "prefill bring-up")
+    _wait(pools, lambda ms: ms.get("prefill-1", {}).get("state") == "ready", "prefill bring-up")
     start = time.monotonic()
     assert ray.get(pools.start_drain.remote("prefill-0"), timeout=30)["draining"]
     assert time.monotonic() - start < 5
@@ -118,7 +98,7 @@ def test_an_autoscaler_tick_resizes_through_the_router(pools):
 
     grow = AutoscaleConfig(up_after_s=0, cooldown_s=0, decode_waiting_high=-1)
     assert asyncio.run(tick(grow)) == {"decode": 2}
-    _wait(pools, lambda ms: sum(m["role"] == "decode" and m["ready"] for m in ms.values()) == 2,
+    _wait(pools, lambda ms: sum(m["role"] == "decode" and m["state"] == "ready" for m in ms.values()) == 2,
           "autoscaled bring-up")  # fmt: skip
     shrink = AutoscaleConfig(down_after_s=0, cooldown_s=0, decode_kv_low=2.0)
     assert asyncio.run(tick(shrink)) == {"decode": 1}
@@ -130,7 +110,7 @@ def test_an_autoscaler_tick_resizes_through_the_router(pools):
 def test_a_gone_controller_is_a_503_not_a_crash(pools, tiny_qwen3_dir):
     """Guards PoolControl: the ops endpoints answer a dead controller with the API's error
     shape (503), and a bad request in the live one with a 400."""
-    spec = _spec(tiny_qwen3_dir, "tcp://127.0.0.1:1")
+    spec = tiny_spec(tiny_qwen3_dir, "tcp://127.0.0.1:1")
     doomed = ray.remote(Controller).options(num_cpus=0).remote(spec)
     ray.get(doomed.stats.remote(), timeout=60)
     ray.kill(doomed, no_restart=True)
@@ -144,7 +124,7 @@ def test_a_gone_controller_is_a_503_not_a_crash(pools, tiny_qwen3_dir):
 
 def test_an_nccl_group_cannot_be_scaled(tiny_qwen3_dir):
     """Guards the nccl rule: its process group has a fixed world size."""
-    c = Controller(_spec(tiny_qwen3_dir, "tcp://127.0.0.1:1", kv_transport="nccl"))
+    c = Controller(tiny_spec(tiny_qwen3_dir, "tcp://127.0.0.1:1", kv_transport="nccl"))
     with pytest.raises(ValueError, match="fixed size"):
         asyncio.run(c.scale("decode", 2))
     assert c.members_ == {}

@@ -1,0 +1,45 @@
+"""A controller actor on a real local Ray instance, as the controller and scaling tests
+drive it: tiny-model workers on the CPU, a ZMQ sink for the decode workers' tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import ray
+import zmq
+
+from pdserve.cluster.controller import Controller
+from pdserve.cluster.ray_pool import PoolSpec
+
+
+def tiny_spec(model_dir: str, endpoint: str, num_prefill: int = 1, num_decode: int = 1,
+              **kw) -> PoolSpec:  # fmt: skip
+    return PoolSpec(
+        engine_kwargs=dict(model=model_dir, dtype="float32", device="cpu", max_model_len=256),
+        num_prefill=num_prefill,
+        num_decode=num_decode,
+        stream_endpoint=endpoint,
+        **kw,
+    )
+
+
+@contextmanager
+def controller_on_ray(
+    model_dir: str, num_decode: int, bounds: dict | None = None
+) -> Iterator[object]:
+    """Ray up, a started controller (health every 0.5 s) over 1 prefill and `num_decode`
+    decode workers; stopped and Ray down at the end, even after a failed stop (so the next
+    module's ray.init finds no Ray)."""
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    sink = zmq.Context.instance().socket(zmq.PULL)  # where decode workers stream tokens
+    try:
+        port = sink.bind_to_random_port("tcp://127.0.0.1")
+        spec = tiny_spec(model_dir, f"tcp://127.0.0.1:{port}", num_decode=num_decode)
+        handle = ray.remote(Controller).options(num_cpus=0).remote(spec, 0.5, bounds)
+        ray.get(handle.start.remote(), timeout=300)
+        yield handle
+        ray.get(handle.stop.remote(), timeout=120)
+    finally:
+        sink.close(linger=0)
+        ray.shutdown()
