@@ -24,10 +24,13 @@ from pdserve.cluster.openai_api import (
     ApiError,
     ParsedRequest,
     chat_logprobs,
+    chat_messages,
     completion_logprobs,
     new_id,
     now,
     parse_sampling,
+    requested_max_tokens,
+    resolve_max_tokens,
     usage,
 )
 from pdserve.cluster.router import Router
@@ -41,16 +44,27 @@ class AppState:
         self,
         router: Router,
         tokenizer: Any,
-        model_name: str,
+        model_names: str | list[str],
         max_model_len: int,
         metrics: Metrics,
         api_key: str | None = None,
         max_body_bytes: int = 4 << 20,
         runner: str = "mrv2",
+        sampling_defaults: dict | None = None,
     ) -> None:
-        self.router, self.tokenizer, self.model_name = router, tokenizer, model_name
+        # `--served-model-name`: requests may name any of them; responses carry the first.
+        names = [model_names] if isinstance(model_names, str) else list(model_names)
+        if not names:
+            raise ValueError("a server needs at least one model name")
+        self.router, self.tokenizer, self.model_names = router, tokenizer, names
         self.max_model_len, self.metrics, self.api_key = max_model_len, metrics, api_key
         self.max_body_bytes, self.runner = max_body_bytes, runner
+        # A request field left out takes these (cluster/generation_defaults.py).
+        self.sampling_defaults = dict(sampling_defaults or {})
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -146,7 +160,7 @@ def build_app(state: AppState) -> FastAPI:
             "object": "list",
             "data": [
                 {
-                    "id": state.model_name,
+                    "id": name,
                     "object": "model",
                     "created": now(),
                     "owned_by": "pdserve",
@@ -154,15 +168,17 @@ def build_app(state: AppState) -> FastAPI:
                     "runner": state.runner,
                     "mode": state.router.config.mode,
                 }
+                for name in state.model_names
             ],
         }
 
     async def parse(request: Request, kind: str) -> ParsedRequest:
         body = json_object(await read_body(request, state.max_body_bytes))
         model = body.get("model")
-        if model is not None and model != state.model_name:
+        if model is not None and model not in state.model_names:
+            served = " or ".join(repr(n) for n in state.model_names)
             raise ApiError(
-                f"model {model!r} does not exist; this server serves {state.model_name!r}",
+                f"model {model!r} does not exist; this server serves {served}",
                 404,
                 "invalid_request_error",
                 "model",
@@ -171,15 +187,13 @@ def build_app(state: AppState) -> FastAPI:
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ApiError("'seed' must be an integer", param="seed")
-        params, k = parse_sampling(body, kind, seed)
+        requested = requested_max_tokens(body, kind)
         prompt = tokenize(body, kind)
-        if len(prompt) + params.max_tokens > state.max_model_len:
-            raise ApiError(
-                f"this model's maximum context length is {state.max_model_len} tokens; the "
-                f"prompt has {len(prompt)} and max_tokens is {params.max_tokens}",
-                param="max_tokens" if len(prompt) < state.max_model_len else "messages",
-                code="context_length_exceeded",
-            )
+        defaults = state.sampling_defaults
+        max_tokens = resolve_max_tokens(
+            requested, len(prompt), state.max_model_len, defaults.get("max_tokens")
+        )
+        params, k = parse_sampling(body, kind, seed, max_tokens, defaults)
         opts = body.get("stream_options") or {}
         if not isinstance(opts, dict):
             raise ApiError("'stream_options' must be an object", param="stream_options")
@@ -193,18 +207,7 @@ def build_app(state: AppState) -> FastAPI:
     def tokenize(body: dict, kind: str) -> list[int]:
         tok = state.tokenizer
         if kind == "chat":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise ApiError("'messages' must be a non-empty array", param="messages")
-            for m in messages:
-                if (
-                    not isinstance(m, dict)
-                    or not isinstance(m.get("content"), str)
-                    or not isinstance(m.get("role"), str)
-                ):
-                    raise ApiError(
-                        "each message needs a string 'role' and 'content'", param="messages"
-                    )
+            messages = chat_messages(body)
             # The same text-then-encode path as the offline LLM.chat, so both agree.
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return list(tok(text, add_special_tokens=False).input_ids)

@@ -3,7 +3,8 @@
 Parsing turns a JSON body into a `ParsedRequest` (prompt token ids, `SamplingParams`,
 stream options) or raises `ApiError` with OpenAI's error fields and an HTTP status.
 Field names follow OpenAI (and vLLM where OpenAI is silent: `top_k`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`, `repetition_penalty`). Unknown fields are ignored like
+`ignore_eos`, `stop_token_ids`, `repetition_penalty`, `skip_special_tokens`,
+`include_stop_str_in_output`). Unknown fields are ignored like
 OpenAI does, except fields that would pick workers or transfer parameters: none exist,
 and nothing here reads routing from the client.
 """
@@ -74,43 +75,112 @@ def _names(types: tuple) -> str:
                         list: "an array", dict: "an object"}.get(t, t.__name__) for t in types)  # fmt: skip
 
 
-def parse_sampling(body: dict, kind: str, seed: int) -> tuple[SamplingParams, int | None]:
-    """SamplingParams from OpenAI fields; the seed is resolved by the caller (the router
-    picks one when the client gives none, so prefill and decode sample alike)."""
+def requested_max_tokens(body: dict, kind: str) -> int | None:
+    """The output length the client asked for; None: up to the end of the context. As in
+    vLLM: chat's `max_completion_tokens` (or `max_tokens`) may be left out, completions'
+    `max_tokens` is 16 when left out and the rest of the context when null."""
     if kind == "chat":
-        max_tokens = _typed(body, "max_completion_tokens", (int,))
-        if max_tokens is None:
-            max_tokens = _typed(body, "max_tokens", (int,), 16)
+        value = _typed(body, "max_completion_tokens", (int,))
+        if value is None:
+            value = _typed(body, "max_tokens", (int,))
+    else:
+        value = _typed(body, "max_tokens", (int,), 16 if "max_tokens" not in body else None)
+    if value is not None and value <= 0:
+        raise ApiError(f"'max_tokens' must be at least 1, got {value}", param="max_tokens")
+    return value
+
+
+def resolve_max_tokens(
+    requested: int | None, prompt_len: int, max_model_len: int, cap: int | None = None
+) -> int:
+    """The request's output budget: what it asked for, or the rest of the context, and no
+    more than the server's cap (a generation config's max_new_tokens)."""
+    room = max_model_len - prompt_len
+    if room < 1 or (requested is not None and requested > room):
+        asked = "" if requested is None else f" and max_tokens is {requested}"
+        raise ApiError(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_len}{asked}",
+            param="max_tokens" if room >= 1 else "messages",
+            code="context_length_exceeded",
+        )
+    out = room if requested is None else requested
+    return out if cap is None else min(out, cap)
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """`messages` with each content as one string: a string, or an array of text parts
+    (joined by newlines, as vLLM does); other parts are refused (the models are text only)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("'messages' must be a non-empty array", param="messages")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError("each message needs a string 'role' and 'content'", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "\n".join(_text_part(part) for part in content)
+        if not isinstance(content, str):
+            raise ApiError("each message needs a string 'role' and 'content'", param="messages")
+        out.append({**m, "content": content})
+    return out
+
+
+def _text_part(part: Any) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    if isinstance(kind, str) and kind != "text":
+        raise ApiError(
+            f"content parts of type {kind!r} are not supported: the model reads text only",
+            param="messages",
+        )
+    raise ApiError("a content part must be {'type': 'text', 'text': <string>}", param="messages")
+
+
+def parse_sampling(
+    body: dict, kind: str, seed: int | None, max_tokens: int, defaults: dict | None = None
+) -> tuple[SamplingParams, int | None]:
+    """SamplingParams from OpenAI fields; a field left out takes the server's default
+    (`defaults`, cluster/generation_defaults.py), then OpenAI's. The seed is resolved by
+    the caller (the router picks one when the client gives none, so prefill and decode
+    sample alike), and so is `max_tokens` (`resolve_max_tokens`)."""
+    defaults = defaults or {}
+
+    def number(name: str, openai_default: float) -> float:
+        return float(_typed(body, name, (int, float), defaults.get(name, openai_default)))
+
+    if kind == "chat":
         want_lp = _typed(body, "logprobs", (bool,), False)
         top = _typed(body, "top_logprobs", (int,), 0)
         logprobs = top if want_lp else None
         if top and not want_lp:
             raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     else:
-        max_tokens = _typed(body, "max_tokens", (int,), 16)
         logprobs = _typed(body, "logprobs", (int,))
-    if max_tokens <= 0:
-        raise ApiError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
     stop = _typed(body, "stop", (str, list))
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
         raise ApiError("'stop' must be a string or an array of strings", param="stop")
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=float(_typed(body, "temperature", (int, float), 1.0)),
-            top_p=float(_typed(body, "top_p", (int, float), 1.0)),
-            top_k=_typed(body, "top_k", (int,), 0),
-            min_p=float(_typed(body, "min_p", (int, float), 0.0)),
+            temperature=number("temperature", 1.0),
+            top_p=number("top_p", 1.0),
+            top_k=_typed(body, "top_k", (int,), defaults.get("top_k", 0)),
+            min_p=number("min_p", 0.0),
             seed=seed,
             stop=stop,
             stop_token_ids=_typed(body, "stop_token_ids", (list,)),
             ignore_eos=_typed(body, "ignore_eos", (bool,), False),
             min_tokens=_typed(body, "min_tokens", (int,), 0),
             logprobs=logprobs,
-            presence_penalty=float(_typed(body, "presence_penalty", (int, float), 0.0)),
-            frequency_penalty=float(_typed(body, "frequency_penalty", (int, float), 0.0)),
-            repetition_penalty=float(_typed(body, "repetition_penalty", (int, float), 1.0)),
+            presence_penalty=number("presence_penalty", 0.0),
+            frequency_penalty=number("frequency_penalty", 0.0),
+            repetition_penalty=number("repetition_penalty", 1.0),
             n=_typed(body, "n", (int,), 1),
+            skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), True),
+            include_stop_str_in_output=_typed(body, "include_stop_str_in_output", (bool,), False),
         )
     except (ValueError, TypeError) as e:
         raise ApiError(str(e)) from e

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import secrets
 import time
 from collections import Counter
@@ -63,6 +64,10 @@ class RouterConfig:
     policy: str = "recompute"  # prefill failure: "recompute" | "fail"
     prefill_timeout_s: float = 120.0
     stream_idle_timeout_s: float = 300.0  # no token for this long -> the request errors
+    # `--seed`: the seeds of unseeded requests come from a generator seeded with it, so a
+    # restarted server given the same requests in the same order samples the same; None:
+    # from the OS's randomness.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):
@@ -101,6 +106,7 @@ class Router:
         self._queues: dict[str, asyncio.Queue[StreamDelta]] = {}
         self._assigned: dict[str, str] = {}  # request id -> decode worker id
         self._background: set[asyncio.Task] = set()  # aborts in flight; awaited by close()
+        self._seeds = random.Random(config.seed) if config.seed is not None else None
 
     async def close(self) -> None:
         if self._background:
@@ -167,7 +173,9 @@ class Router:
     # ---- one request --------------------------------------------------------------------
 
     async def generate(self, req: ParsedRequest) -> AsyncIterator[tuple[int, StreamDelta]]:
-        base_seed = req.params.seed if req.params.seed is not None else secrets.randbits(63)
+        base_seed = req.params.seed
+        if base_seed is None:
+            base_seed = (self._seeds or secrets.SystemRandom()).getrandbits(63)
         children = child_params(replace(req.params, seed=base_seed), base_seed)
         rid = f"r-{secrets.token_hex(8)}"
         ids = [f"{rid}-{i}" for i in range(len(children))]

@@ -17,7 +17,7 @@ import socket
 import sys
 from pathlib import Path
 
-from pdserve.cluster.serve_args import ServeConfig
+from pdserve.cluster.serve_args import ServeConfig, served_names
 from pdserve.cluster.serve_placement import join_auth_env
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
 
     from pdserve.cluster.autoscale import Autoscaler, autoscale_config, autoscale_loop
     from pdserve.cluster.controller import Controller
+    from pdserve.cluster.generation_defaults import sampling_defaults
     from pdserve.cluster.gpu_binding import actor_env, node_gpu_ids
     from pdserve.cluster.http_app import AppState, build_app
     from pdserve.cluster.membership import sync_members
@@ -119,12 +120,18 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     tokenizer = load_tokenizer(ecfg.model.path)
     if tokenizer is None:
         raise ValueError(f"{ecfg.model.path} has no tokenizer; the HTTP API needs one")
-    model_name = Path(cfg.model).name if cfg.model else "SmolLM2-135M-Instruct"
+    model_names = served_names(cfg)
+    defaults = sampling_defaults(
+        cfg.generation_config, Path(ecfg.model.path), cfg.override_generation_config or {}
+    )
+    if defaults:
+        print(f"pdserve: default sampling parameters (generation config): {defaults}", flush=True)
     engine_kwargs = dict(
         model=ecfg.model.path, dtype=cfg.dtype, device=cfg.device,
         max_model_len=ecfg.model.max_model_len, block_size=cfg.block_size,
         max_num_seqs=cfg.max_num_seqs, runner=cfg.runner, decode_attention=cfg.decode_attention,
-        cuda_graph_scope=cfg.cuda_graph_scope,
+        cuda_graph_scope=cfg.cuda_graph_scope, enforce_eager=cfg.enforce_eager,
+        enable_prefix_caching=cfg.enable_prefix_caching,
         max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(ecfg),
     )  # fmt: skip
     local_gpu = torch.cuda.is_available() and cfg.device != "cpu" and cfg.ray_address is None
@@ -202,6 +209,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
                 pd_max_prefill_queue_tokens=cfg.pd_max_prefill_queue_tokens,
                 block_size=cfg.block_size,
                 policy=cfg.policy,
+                seed=cfg.seed,
             ),
             [],
             [],
@@ -209,8 +217,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         sync_members(router, members)
         router.tier = tier
         state = AppState(
-            router, tokenizer, model_name, ecfg.model.max_model_len, Metrics(), cfg.api_key,
-            cfg.max_body_bytes, ecfg.runner.runner,
+            router, tokenizer, list(model_names), ecfg.model.max_model_len, Metrics(),
+            cfg.api_key, cfg.max_body_bytes, ecfg.runner.runner, defaults,
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)
@@ -240,7 +248,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
 
         app.router.lifespan_context = lifespan
         print(
-            f"pdserve: serving {model_name!r} at http://{cfg.host}:{cfg.port}/v1 — mode "
+            f"pdserve: serving {model_names[0]!r} at http://{cfg.host}:{cfg.port}/v1 — mode "
             f"{cfg.mode}, {len(router.prefill_workers)} prefill + {len(router.decode_workers)} "
             "decode worker(s), "
             f"{'1 KV tier actor, ' if tier is not None else ''}"

@@ -73,8 +73,53 @@ class ServeConfig:
     # How long a worker added by scaling may take to start (a cluster autoscaler may have
     # to bring up a GPU node first) before it is given up.
     worker_start_timeout_s: float = 1200.0
+    # vLLM's names for the same things (an operator's `vllm serve` flags carry over):
+    # the names requests may give as "model" (the first is the one responses carry;
+    # default: the model as given, or SmolLM2-135M-Instruct for the bundled one);
+    served_model_name: tuple[str, ...] | None = None
+    # the seed of the seeds the router picks for requests that give none (None: random);
+    seed: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # no CUDA graphs
+    # where requests' default sampling parameters come from: auto (the model's
+    # generation_config.json), vllm (none) or a folder; the override's keys win
+    # (cluster/generation_defaults.py).
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
+    # One GPU a worker: accepted at 1 so vLLM command lines parse, refused above.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"  # the KV cache is in the model's dtype
 
     def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, str):  # one name, from a config file
+            object.__setattr__(self, "served_model_name", (self.served_model_name,))
+        elif self.served_model_name is not None:
+            object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+        if self.served_model_name is not None and not (
+            self.served_model_name and all(isinstance(n, str) and n for n in self.served_model_name)
+        ):
+            raise ValueError("--served-model-name needs one or more non-empty names")
+        if self.override_generation_config is not None:
+            from pdserve.cluster.generation_defaults import parse_override
+
+            object.__setattr__(
+                self, "override_generation_config", parse_override(self.override_generation_config)
+            )
+        for flag, value in (
+            ("--tensor-parallel-size", self.tensor_parallel_size),
+            ("--pipeline-parallel-size", self.pipeline_parallel_size),
+        ):
+            if value != 1:
+                raise ValueError(
+                    f"{flag} {value}: a pdserve worker runs on one GPU; scale out with "
+                    "--prefill-workers and --decode-workers"
+                )
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype}: only auto (the model's dtype) is "
+                "supported"
+            )
         if self.mode not in ("pd", "colocated"):
             raise ValueError(f"--mode must be pd or colocated, got {self.mode!r}")
         if self.decode_workers < 1:
@@ -140,10 +185,42 @@ class ServeConfig:
                 )
 
 
+def served_names(cfg: ServeConfig) -> tuple[str, ...]:
+    """The names requests may give as "model", as vLLM picks them: `--served-model-name`,
+    else the model as given (a Hub id or a path), else the bundled model's name."""
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    return (cfg.model,) if cfg.model else ("SmolLM2-135M-Instruct",)
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     d = ServeConfig()
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (same as --model)")  # fmt: skip
     p.add_argument("--config", default=None, help="YAML file with the same keys (flags win)")
     p.add_argument("--model", default=None, help="default: bundled SmolLM2-135M-Instruct")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names requests may give as 'model'; responses carry the first "
+                   "(default: the model as given)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling seeds for requests that give none "
+                   "(default: random)")  # fmt: skip
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="reuse cached KV blocks of shared prompt prefixes "
+                   "(default on)")  # fmt: skip
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="GPU: run without CUDA graphs")  # fmt: skip
+    p.add_argument("--generation-config", default=None,
+                   help="requests' default sampling parameters: auto (the model's "
+                   "generation_config.json), vllm (none) or a folder (default auto)")  # fmt: skip
+    p.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help='default sampling parameters over the generation config\'s, e.g. '
+                   '\'{"temperature": 0.7}\'')  # fmt: skip
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=None,
+                   help="1 only: a worker runs on one GPU")  # fmt: skip
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None,
+                   help="1 only: a worker runs on one GPU")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", default=None, help="auto only: the model's dtype")
     p.add_argument("--host", default=None, help=f"default {d.host}")
     p.add_argument("--port", type=int, default=None, help=f"default {d.port}")
     p.add_argument("--mode", choices=["pd", "colocated"], default=None, help="default pd")
@@ -230,6 +307,11 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         v = getattr(args, f.name, None)
         if v is not None:
             values[f.name] = v
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ValueError(f"the model is given twice: {tag!r} and --model {args.model!r}")
+        values["model"] = tag
     return with_env(ServeConfig(**values), os.environ)
 
 

@@ -1,0 +1,140 @@
+"""A `vllm serve`-style command line on a real `pdserve serve` (local Ray, the bundled
+SmolLM2, colocated), driven with the official `openai` client: the model given as a
+positional argument, two served names, a generation config whose defaults (greedy, a
+48-token cap) requests that leave the fields out take, chat without max_tokens, text
+content parts, and prefix caching turned off."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from serve_server import Server
+
+STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to bake."}]
+MAX_MODEL_LEN = 384
+CAP = 48  # the generation config's max_new_tokens
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm_dir):
+    gen = tmp_path_factory.mktemp("generation-config")
+    (gen / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "max_new_tokens": CAP, "eos_token_id": 2})
+    )
+    srv = Server(
+        tmp_path_factory.mktemp("vllm-compat"), smollm_dir, "--served-model-name", "smol",
+        "SmolLM2", "--mode", "colocated", "--max-model-len", str(MAX_MODEL_LEN),
+        "--generation-config", str(gen), "--seed", "3", "--no-enable-prefix-caching",
+        "--enforce-eager", "-tp", "1", "--kv-cache-dtype", "auto",
+    )  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_served_names(server):
+    ids = [m.id for m in _client(server).models.list().data]
+    assert ids == ["smol", "SmolLM2"]
+    r = _client(server).completions.create(model="SmolLM2", prompt="Paris is", max_tokens=2)
+    assert r.model == "smol"  # responses carry the first name
+    with pytest.raises(openai.NotFoundError, match="serves 'smol' or 'SmolLM2'"):
+        _client(server).completions.create(model="SmolLM2-135M-Instruct", prompt="x")
+    assert "default sampling parameters (generation config)" in server.log.read_text()
+
+
+def test_left_out_fields_take_the_generation_config(server):
+    """No temperature: greedy, from the config (two unseeded requests at OpenAI's
+    temperature 1 would differ). No max_tokens in chat: up to the config's cap, not 16."""
+    c = _client(server)
+    implicit = [c.chat.completions.create(model="smol", messages=STORY) for _ in range(2)]
+    explicit = c.chat.completions.create(
+        model="smol", messages=STORY, temperature=0, max_tokens=CAP
+    )
+    texts = {r.choices[0].message.content for r in implicit}
+    assert texts == {explicit.choices[0].message.content}
+    assert implicit[0].usage.completion_tokens == CAP > 16
+    assert implicit[0].choices[0].finish_reason == "length"
+    # The cap holds for an explicit max_tokens too, as vLLM's does.
+    big = c.chat.completions.create(model="smol", messages=STORY, max_tokens=200)
+    assert big.usage.completion_tokens == CAP
+    # A client's own temperature still wins over the server's default.
+    sampled = {
+        c.chat.completions.create(model="smol", messages=STORY, temperature=1.5, max_tokens=24)
+        .choices[0]
+        .message.content
+        for _ in range(3)
+    }
+    assert len(sampled) > 1
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(server):
+    long_story = [{"role": "user", "content": "Tell me more. " * 80 + STORY[0]["content"]}]
+    r = _client(server).chat.completions.create(model="smol", messages=long_story)
+    room = MAX_MODEL_LEN - r.usage.prompt_tokens
+    assert 0 < room < CAP, r.usage
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (room, "length")
+
+
+def test_text_parts_are_the_same_prompt(server):
+    c = _client(server)
+    parts = [
+        {"type": "text", "text": "What is the capital"},
+        {"type": "text", "text": "of France?"},
+    ]
+    a = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": parts}])
+    b = c.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "What is the capital\nof France?"}]
+    )
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+    bad = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        timeout=30,
+    )
+    assert bad.status_code == 400 and "text only" in bad.json()["error"]["message"]
+
+
+def test_vllm_text_fields(server):
+    """`include_stop_str_in_output` keeps the stop string; with `skip_special_tokens` off
+    it keeps the end-of-turn token's text as well."""
+    c = _client(server)
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = c.chat.completions.create(model="smol", messages=q).choices[0].message.content
+    assert plain == "The capital of France is Paris."
+    cut = c.chat.completions.create(model="smol", messages=q, stop=["France"])
+    assert cut.choices[0].message.content == "The capital of "
+    kept = c.chat.completions.create(
+        model="smol", messages=q, stop=["France"], extra_body={"include_stop_str_in_output": True}
+    )
+    assert kept.choices[0].message.content == "The capital of France"
+    raw = c.chat.completions.create(
+        model="smol", messages=q,
+        extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert raw.choices[0].message.content == plain + "<|im_end|>"
+
+
+def _cached(r) -> int:
+    details = r.usage.prompt_tokens_details
+    return (details.cached_tokens or 0) if details is not None else 0
+
+
+def test_prefix_caching_is_off(server, colocated):
+    """The same prompt twice: the second reuses cached blocks on a default server, and
+    not on this one."""
+    prompt = "The history of the city of Paris, told briefly: " * 6
+    on = colocated.client()
+    first = on.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=2)
+    again = on.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=2)
+    assert _cached(first) == 0 and _cached(again) >= 16, (first.usage, again.usage)
+    off = _client(server)
+    for _ in range(2):
+        r = off.completions.create(model="smol", prompt=prompt, max_tokens=2)
+        assert _cached(r) == 0, r.usage

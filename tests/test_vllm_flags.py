@@ -1,0 +1,218 @@
+"""vLLM's serving behaviour where pdserve shares its meaning: `vllm serve` flags that
+parse into the same settings, server-wide sampling defaults from a generation config,
+chat requests without max_tokens, text content parts, served model names and the
+router's seeded seeds. The whole path runs in test_serve_vllm_compat.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pdserve.cluster.generation_defaults import from_file, parse_override, sampling_defaults
+from pdserve.cluster.openai_api import (
+    ApiError,
+    chat_messages,
+    parse_sampling,
+    requested_max_tokens,
+    resolve_max_tokens,
+)
+from pdserve.cluster.router import Router, RouterConfig
+from pdserve.cluster.serve_args import ServeConfig, add_serve_args, config_from_args, served_names
+
+
+def _args(*argv: str) -> ServeConfig:
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    return config_from_args(p.parse_args(list(argv)))
+
+
+def _gen_dir(tmp_path, **values):
+    (tmp_path / "generation_config.json").write_text(json.dumps(values))
+    return tmp_path
+
+
+# ---- flags -------------------------------------------------------------------------------
+
+
+def test_a_vllm_command_line_parses(monkeypatch):
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    cfg = _args(
+        "Qwen/Qwen3-0.6B", "--served-model-name", "qwen", "qwen3", "--seed", "7",
+        "--no-enable-prefix-caching", "--enforce-eager", "-tp", "1", "--pipeline-parallel-size",
+        "1", "--kv-cache-dtype", "auto", "--generation-config", "vllm",
+        "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 99}',
+        "--max-model-len", "2048", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "32",
+    )  # fmt: skip
+    assert cfg.model == "Qwen/Qwen3-0.6B"
+    assert served_names(cfg) == ("qwen", "qwen3")
+    assert (cfg.seed, cfg.enable_prefix_caching, cfg.enforce_eager) == (7, False, True)
+    assert cfg.generation_config == "vllm"
+    assert cfg.override_generation_config == {"temperature": 0.5, "max_new_tokens": 99}
+    assert (cfg.max_model_len, cfg.gpu_memory_utilization, cfg.max_num_seqs) == (2048, 0.8, 32)
+
+
+def test_defaults_and_names_as_vllm_picks_them():
+    cfg = _args()
+    assert (cfg.enable_prefix_caching, cfg.enforce_eager, cfg.seed) == (True, False, None)
+    assert cfg.generation_config == "auto"
+    assert served_names(cfg) == ("SmolLM2-135M-Instruct",)
+    # The model as given, not its last path part: what a vLLM client already sends.
+    assert served_names(_args("--model", "/models/qwen3")) == ("/models/qwen3",)
+    assert served_names(ServeConfig(served_model_name="one")) == ("one",)  # a config file's
+    assert _args("m", "--model", "m").model == "m"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["a", "--model", "b"], "given twice"),
+        (["-tp", "2"], "--tensor-parallel-size 2: a pdserve worker runs on one GPU"),
+        (["--pipeline-parallel-size", "4"], "--decode-workers"),
+        (["--kv-cache-dtype", "fp8"], "only auto"),
+        (["--override-generation-config", "{temperature: 1}"], "not valid JSON"),
+        (["--override-generation-config", "[1]"], "must be a JSON object"),
+    ],
+)
+def test_bad_flags_are_refused(argv, message):
+    with pytest.raises(ValueError, match=message):
+        _args(*argv)
+
+
+def test_empty_served_names_are_refused():
+    with pytest.raises(ValueError, match="non-empty names"):
+        ServeConfig(served_model_name=["ok", ""])
+
+
+# ---- generation config -------------------------------------------------------------------
+
+
+def test_a_generation_config_gives_the_defaults_vllm_takes(tmp_path):
+    folder = _gen_dir(
+        tmp_path, temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=64, do_sample=True,
+        min_p=None, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    assert from_file(folder) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                 "max_new_tokens": 64}  # fmt: skip
+    want = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 64}
+    assert sampling_defaults("auto", folder, {}) == want
+    assert sampling_defaults("vllm", folder, {}) == {}
+    assert sampling_defaults(str(folder), tmp_path / "elsewhere", {}) == want
+    over = sampling_defaults("auto", folder, {"temperature": 0.0, "max_new_tokens": 8})
+    assert over == dict(want, temperature=0.0, max_tokens=8)
+    assert sampling_defaults("vllm", folder, {"top_k": 5}) == {"top_k": 5}
+
+
+def test_every_value_the_file_sets_is_a_default(tmp_path):
+    # transformers 5 leaves GenerationConfig's fields unset, so vLLM keeps top_k 50 too.
+    assert from_file(_gen_dir(tmp_path, top_k=50, temperature=1.0)) == {
+        "top_k": 50, "temperature": 1.0,
+    }  # fmt: skip
+    assert from_file(tmp_path / "no-such-dir") == {}
+    (tmp_path / "generation_config.json").write_text("{temperature")
+    with pytest.raises(ValueError, match="cannot be read"):
+        from_file(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"temperature": -1}, "temperature must be >= 0"),
+        ({"top_k": 2.5}, "top_k must be an integer"),
+        ({"top_p": "high"}, "top_p must be a number"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+        ({"max_new_tokens": 3.5}, "max_new_tokens must be an integer >= 1"),
+        ({"temperature": True}, "temperature must be a number"),
+        ({"stop": ["x"]}, "not sampling defaults"),
+        ({"max_tokens": 9}, "not sampling defaults"),
+        ({"presence_penalty": 0.5}, "not sampling defaults"),
+    ],
+)
+def test_bad_defaults_are_refused(tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        sampling_defaults("vllm", tmp_path, override)
+
+
+def test_a_missing_generation_config_folder_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="not auto, vllm or a folder"):
+        sampling_defaults(str(tmp_path / "nope"), tmp_path, {})
+    assert parse_override(None) == {}
+
+
+# ---- request parsing ---------------------------------------------------------------------
+
+
+def test_output_length_follows_vllm():
+    assert requested_max_tokens({}, "chat") is None
+    assert requested_max_tokens({"max_tokens": 7}, "chat") == 7
+    assert requested_max_tokens({"max_completion_tokens": 5, "max_tokens": 7}, "chat") == 5
+    assert requested_max_tokens({}, "completion") == 16
+    assert requested_max_tokens({"max_tokens": None}, "completion") is None
+    assert resolve_max_tokens(None, 100, 256) == 156  # the rest of the context
+    assert resolve_max_tokens(None, 100, 256, cap=40) == 40
+    assert resolve_max_tokens(200, 10, 256, cap=40) == 40  # the cap holds for explicit ones
+    assert resolve_max_tokens(156, 100, 256) == 156
+    for requested, prompt in ((157, 100), (None, 256), (1, 300)):
+        with pytest.raises(ApiError, match="maximum context length is 256") as e:
+            resolve_max_tokens(requested, prompt, 256)
+        assert e.value.code == "context_length_exceeded"
+    with pytest.raises(ApiError, match="at least 1"):
+        requested_max_tokens({"max_tokens": 0}, "chat")
+
+
+def test_left_out_fields_take_the_server_defaults():
+    defaults = {"temperature": 0.0, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.1}
+    params, _ = parse_sampling({}, "chat", 1, 8, defaults)
+    assert (params.temperature, params.top_k, params.top_p) == (0.0, 20, 0.9)
+    assert (params.repetition_penalty, params.min_p, params.max_tokens) == (1.1, 0.0, 8)
+    params, _ = parse_sampling({"temperature": 0.7, "top_k": None}, "chat", 1, 8, defaults)
+    assert (params.temperature, params.top_k) == (0.7, 20)  # null is left out, as in vLLM
+    params, _ = parse_sampling({}, "completion", None, 16)
+    assert (params.temperature, params.top_k, params.top_p) == (1.0, 0, 1.0)
+    assert (params.skip_special_tokens, params.include_stop_str_in_output) == (True, False)
+    body = {"skip_special_tokens": False, "include_stop_str_in_output": True}
+    params, _ = parse_sampling(body, "chat", None, 4)
+    assert (params.skip_special_tokens, params.include_stop_str_in_output) == (False, True)
+    with pytest.raises(ApiError, match="'skip_special_tokens' must be a boolean"):
+        parse_sampling({"skip_special_tokens": "no"}, "chat", None, 4)
+
+
+def test_chat_content_may_be_text_parts():
+    body = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text",
+                                                                       "text": "b"}]},
+        ]
+    }  # fmt: skip
+    out = chat_messages(body)
+    assert [m["content"] for m in out] == ["Be brief.", "a\nb"]
+    assert body["messages"][1]["content"][0] == {"type": "text", "text": "a"}  # not changed
+    bad = [
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+         "'image_url' are not supported"),
+        ([{"role": "user", "content": [{"type": "text"}]}], "a content part must be"),
+        ([{"role": "user", "content": ["hi"]}], "a content part must be"),
+        ([{"role": "user", "content": None}], "string 'role' and 'content'"),
+        ([], "non-empty array"),
+    ]  # fmt: skip
+    for messages, message in bad:
+        with pytest.raises(ApiError, match=message):
+            chat_messages({"messages": messages})
+
+
+# ---- seeds -------------------------------------------------------------------------------
+
+
+def _seeds(router: Router, n: int) -> list[int]:
+    return [(router._seeds or pytest.fail("no generator")).getrandbits(63) for _ in range(n)]
+
+
+def test_a_seeded_router_repeats_its_seeds():
+    a = Router(RouterConfig(mode="colocated", seed=7), [], [])
+    b = Router(RouterConfig(mode="colocated", seed=7), [], [])
+    c = Router(RouterConfig(mode="colocated", seed=8), [], [])
+    first = _seeds(a, 3)
+    assert first == _seeds(b, 3) != _seeds(c, 3)
+    assert Router(RouterConfig(mode="colocated"), [], [])._seeds is None
