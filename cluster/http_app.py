@@ -24,11 +24,11 @@ from pdserve.cluster.openai_api import (
     ApiError,
     ParsedRequest,
     chat_logprobs,
-    chat_messages,
     completion_logprobs,
     new_id,
     now,
     parse_sampling,
+    prompt_token_ids,
     requested_max_tokens,
     resolve_max_tokens,
     usage,
@@ -108,7 +108,28 @@ def json_object(raw: bytes) -> dict:
     return body
 
 
+def check_model(state: AppState, body: dict) -> None:
+    """A request that names a model must name one this server serves (404 otherwise)."""
+    model = body.get("model")
+    if model is not None and model not in state.model_names:
+        served = " or ".join(repr(n) for n in state.model_names)
+        raise ApiError(
+            f"model {model!r} does not exist; this server serves {served}",
+            404,
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+
+
+# Paths the API key guards: the OpenAI routes, and vLLM's tokenizer routes beside them
+# (vLLM leaves those open; here a key, when set, guards every route that reads a body).
+GUARDED = ("/v1", "/tokenize", "/detokenize")
+
+
 def build_app(state: AppState) -> FastAPI:
+    from pdserve.cluster.tokenize_routes import add_tokenize_routes  # it imports this module
+
     app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
     app.state.pd = state
 
@@ -116,7 +137,7 @@ def build_app(state: AppState) -> FastAPI:
     async def request_id(request: Request, call_next):
         rid = new_id("req")
         request.state.request_id = rid
-        if request.url.path.startswith("/v1") and state.api_key is not None:
+        if request.url.path.startswith(GUARDED) and state.api_key is not None:
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given, f"Bearer {state.api_key}"):
                 resp = error_response(
@@ -154,6 +175,8 @@ def build_app(state: AppState) -> FastAPI:
         await state.router.poll_stats()
         return PlainTextResponse(state.metrics.render(state.router), media_type="text/plain")
 
+    add_tokenize_routes(app, state)
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {
@@ -174,21 +197,12 @@ def build_app(state: AppState) -> FastAPI:
 
     async def parse(request: Request, kind: str) -> ParsedRequest:
         body = json_object(await read_body(request, state.max_body_bytes))
-        model = body.get("model")
-        if model is not None and model not in state.model_names:
-            served = " or ".join(repr(n) for n in state.model_names)
-            raise ApiError(
-                f"model {model!r} does not exist; this server serves {served}",
-                404,
-                "invalid_request_error",
-                "model",
-                "model_not_found",
-            )
+        check_model(state, body)
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ApiError("'seed' must be an integer", param="seed")
         requested = requested_max_tokens(body, kind)
-        prompt = tokenize(body, kind)
+        prompt = prompt_token_ids(body, kind, state.tokenizer)
         defaults = state.sampling_defaults
         max_tokens = resolve_max_tokens(
             requested, len(prompt), state.max_model_len, defaults.get("max_tokens")
@@ -203,24 +217,6 @@ def build_app(state: AppState) -> FastAPI:
         return ParsedRequest(
             kind, state.model_name, prompt, params, stream, bool(opts.get("include_usage")), k
         )
-
-    def tokenize(body: dict, kind: str) -> list[int]:
-        tok = state.tokenizer
-        if kind == "chat":
-            messages = chat_messages(body)
-            # The same text-then-encode path as the offline LLM.chat, so both agree.
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return list(tok(text, add_special_tokens=False).input_ids)
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            ids = tok.encode(prompt, add_special_tokens=False)
-        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            ids = prompt
-        else:
-            raise ApiError("'prompt' must be a string or an array of token ids", param="prompt")
-        if not ids:
-            raise ApiError("'prompt' is empty", param="prompt")
-        return list(ids)
 
     def decode_tok(t: int) -> str:
         return state.tokenizer.decode([t])

@@ -127,6 +127,30 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
+def prompt_token_ids(body: dict, kind: str, tok: Any) -> list[int]:
+    """A request's prompt as token ids. Chat: the chat template's text, encoded without
+    special tokens unless `add_special_tokens` (the template places them); completions:
+    a string encoded with them (a BOS where the tokenizer adds one), as vLLM and the
+    offline `LLM` do, or token ids as given."""
+    special = _typed(body, "add_special_tokens", (bool,), kind != "chat")
+    if kind == "chat":
+        messages = chat_messages(body)
+        add_prompt = _typed(body, "add_generation_prompt", (bool,), True)
+        # The same text-then-encode path as the offline LLM.chat, so both agree.
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_prompt)
+        return list(tok(text, add_special_tokens=special).input_ids)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        ids = tok(prompt, add_special_tokens=special).input_ids
+    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        ids = prompt
+    else:
+        raise ApiError("'prompt' must be a string or an array of token ids", param="prompt")
+    if not ids:
+        raise ApiError("'prompt' is empty", param="prompt")
+    return list(ids)
+
+
 def _text_part(part: Any) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):

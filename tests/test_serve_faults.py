@@ -149,11 +149,20 @@ def test_kill_decode_worker_errors_its_requests_then_recovers(server):
 
 
 def test_api_key_required_when_set(server):
-    """Guards auth: /v1 needs the key, /health and /metrics stay open."""
+    """Guards auth: /v1 and the tokenizer routes need the key, /health and /metrics stay
+    open."""
     for key in (None, "wrong"):
         headers = {} if key is None else {"authorization": f"Bearer {key}"}
         r = httpx.get(server.url + "/v1/models", headers=headers, timeout=10)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            r = httpx.post(server.url + path, json=body, headers=headers, timeout=10)
+            assert r.status_code == 401, (path, r.text)
+    keyed = httpx.post(
+        server.url + "/tokenize", json={"prompt": "Paris is"},
+        headers={"authorization": f"Bearer {KEY}"}, timeout=10,
+    )  # fmt: skip
+    assert keyed.status_code == 200 and keyed.json()["count"] == 2
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     assert httpx.get(server.url + "/metrics", timeout=30).status_code == 200
     models = server.client().models.list()

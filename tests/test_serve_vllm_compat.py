@@ -121,6 +121,30 @@ def test_vllm_text_fields(server):
     assert raw.choices[0].message.content == plain + "<|im_end|>"
 
 
+def test_tokenize_and_detokenize(server):
+    """vLLM's tokenizer routes count what a request is charged, and map ids back."""
+    c = _client(server)
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = httpx.post(server.url + "/tokenize", json={"model": "smol", "messages": q}, timeout=30)
+    r = c.chat.completions.create(model="smol", messages=q, max_tokens=1)
+    assert chat.status_code == 200 and chat.json()["count"] == r.usage.prompt_tokens
+    assert chat.json()["max_model_len"] == MAX_MODEL_LEN and chat.json()["token_strs"] is None
+    one = httpx.post(
+        server.url + "/tokenize", json={"prompt": "Paris is", "return_token_strs": True}
+    ).json()
+    assert one["token_strs"] == ["Paris", "Ġis"] and one["count"] == 2
+    back = httpx.post(server.url + "/detokenize", json={"tokens": one["tokens"]}, timeout=30)
+    assert back.json() == {"prompt": "Paris is"}
+    for path, body, status in (
+        ("/detokenize", {"tokens": [10**9]}, 400),
+        ("/detokenize", {"tokens": "1 2"}, 400),
+        ("/tokenize", {"prompt": "x", "model": "gpt-17"}, 404),
+        ("/tokenize", {"prompt": 5}, 400),
+    ):
+        bad = httpx.post(server.url + path, json=body, timeout=30)
+        assert bad.status_code == status and "error" in bad.json(), (path, bad.text)
+
+
 def _cached(r) -> int:
     details = r.usage.prompt_tokens_details
     return (details.cached_tokens or 0) if details is not None else 0

@@ -15,6 +15,7 @@ from pdserve.cluster.openai_api import (
     ApiError,
     chat_messages,
     parse_sampling,
+    prompt_token_ids,
     requested_max_tokens,
     resolve_max_tokens,
 )
@@ -200,6 +201,48 @@ def test_chat_content_may_be_text_parts():
     for messages, message in bad:
         with pytest.raises(ApiError, match=message):
             chat_messages({"messages": messages})
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(smollm_dir):
+    """The bundled tokenizer made to add a BOS (as Llama's and Mistral's do; SmolLM2's
+    adds nothing), so the special-token rules show."""
+    from tokenizers.processors import TemplateProcessing
+
+    from pdserve.runner.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm_dir)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)]
+    )
+    return tok
+
+
+def test_special_tokens_follow_vllm(bos_tokenizer):
+    tok = bos_tokenizer
+    plain = tok("Hello world", add_special_tokens=False).input_ids
+    # Completions: a string gets the BOS (vLLM's and the offline LLM's default).
+    assert prompt_token_ids({"prompt": "Hello world"}, "completion", tok) == [1, *plain]
+    body = {"prompt": "Hello world", "add_special_tokens": False}
+    assert prompt_token_ids(body, "completion", tok) == plain
+    assert prompt_token_ids({"prompt": [5, 6]}, "completion", tok) == [5, 6]  # ids as given
+    # Chat: the template places the special tokens; nothing is added unless asked.
+    msgs = [{"role": "user", "content": "Hi"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    chat = prompt_token_ids({"messages": msgs}, "chat", tok)
+    assert chat == tok(text, add_special_tokens=False).input_ids
+    assert prompt_token_ids({"messages": msgs, "add_special_tokens": True}, "chat", tok) == [
+        1, *chat,
+    ]  # fmt: skip
+    bare = prompt_token_ids({"messages": msgs, "add_generation_prompt": False}, "chat", tok)
+    assert len(bare) < len(chat) and chat[: len(bare)] == bare
+    for body, message in (
+        ({"prompt": "", "add_special_tokens": False}, "empty"),
+        ({"prompt": [1, "2"]}, "string or an array of token ids"),
+        ({"prompt": "x", "add_special_tokens": "yes"}, "must be a boolean"),
+    ):
+        with pytest.raises(ApiError, match=message):
+            prompt_token_ids(body, "completion", tok)
 
 
 # ---- seeds -------------------------------------------------------------------------------
