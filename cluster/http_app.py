@@ -19,12 +19,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from pdserve.cluster.batch_stream import merged
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.openai_api import (
     ApiError,
     ParsedRequest,
     chat_logprobs,
     completion_logprobs,
+    completion_prompts,
     new_id,
     now,
     parse_sampling,
@@ -32,6 +34,7 @@ from pdserve.cluster.openai_api import (
     requested_max_tokens,
     resolve_max_tokens,
     usage,
+    wants_echo,
 )
 from pdserve.cluster.router import Router
 from pdserve.version import __version__
@@ -195,28 +198,44 @@ def build_app(state: AppState) -> FastAPI:
             ],
         }
 
-    async def parse(request: Request, kind: str) -> ParsedRequest:
+    async def parse(request: Request, kind: str) -> list[ParsedRequest]:
+        """One ParsedRequest per prompt (a completion may carry a batch of them)."""
         body = json_object(await read_body(request, state.max_body_bytes))
         check_model(state, body)
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ApiError("'seed' must be an integer", param="seed")
         requested = requested_max_tokens(body, kind)
-        prompt = prompt_token_ids(body, kind, state.tokenizer)
-        defaults = state.sampling_defaults
-        max_tokens = resolve_max_tokens(
-            requested, len(prompt), state.max_model_len, defaults.get("max_tokens")
-        )
-        params, k = parse_sampling(body, kind, seed, max_tokens, defaults)
+        if kind == "chat":
+            prompts = [(prompt_token_ids(body, kind, state.tokenizer), None)]
+        else:
+            prompts = completion_prompts(body, state.tokenizer)
+        echo = kind == "completion" and wants_echo(body)
         opts = body.get("stream_options") or {}
         if not isinstance(opts, dict):
             raise ApiError("'stream_options' must be an object", param="stream_options")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError("'stream' must be a boolean", param="stream")
-        return ParsedRequest(
-            kind, state.model_name, prompt, params, stream, bool(opts.get("include_usage")), k
-        )
+        defaults, out = state.sampling_defaults, []
+        for ids, text in prompts:
+            max_tokens = resolve_max_tokens(
+                requested, len(ids), state.max_model_len, defaults.get("max_tokens")
+            )
+            params, k = parse_sampling(body, kind, seed, max_tokens, defaults)
+            out.append(
+                ParsedRequest(
+                    kind,
+                    state.model_name,
+                    ids,
+                    params,
+                    stream,
+                    bool(opts.get("include_usage")),
+                    k,
+                    text if echo else None,
+                )  # fmt: skip
+            )
+        return out
 
     def decode_tok(t: int) -> str:
         return state.tokenizer.decode([t])
@@ -247,49 +266,68 @@ def build_app(state: AppState) -> FastAPI:
             body["stop_reason"] = stop_reason
         return body
 
-    async def run(req: ParsedRequest):
+    async def run(reqs: list[ParsedRequest]):
         start = time.monotonic()
+        req = reqs[0]  # the fields every prompt shares
         kind = "chat.completion" if req.kind == "chat" else "text_completion"
         cid = new_id("chatcmpl" if req.kind == "chat" else "cmpl")
         m = state.metrics
         if req.stream:
             return StreamingResponse(
-                sse(req, cid, start), media_type="text/event-stream",
+                sse(reqs, cid, start), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )  # fmt: skip
-        n = req.params.n
-        texts, toks = [""] * n, [[] for _ in range(n)]
-        lps: list[list | None] = [[] if req.echo_logprobs is not None else None for _ in range(n)]
-        finish: list[str | None] = [None] * n
-        stop: list[Any] = [None] * n
-        cached = 0
+        total = len(reqs) * req.params.n
+        texts, toks = [""] * total, [[] for _ in range(total)]
+        want_lps = req.echo_logprobs is not None
+        lps: list[list | None] = [[] if want_lps else None for _ in range(total)]
+        finish: list[str | None] = [None] * total
+        stop: list[Any] = [None] * total
+        echo_toks: list[list[int]] = [[] for _ in range(total)]
+        cached = completion_tokens = 0
         first_token = None
-        async for i, d in state.router.generate(req):
+        async for c, d, echo in merged(state.router, reqs):
             if d.token_ids and first_token is None:
                 first_token = time.monotonic()
                 m.ttft.observe(first_token - start)
-            texts[i] += d.text
-            toks[i] += d.token_ids
-            if lps[i] is not None and d.logprobs:
-                lps[i] += d.logprobs
+            if echo is not None:
+                texts[c] += echo.text
+                echo_toks[c] = echo.token_ids
+                if lps[c] is not None and echo.logprobs is not None:
+                    lps[c] += echo.logprobs
+            texts[c] += d.text
+            toks[c] += d.token_ids
+            completion_tokens += len(d.token_ids)
+            if lps[c] is not None and d.logprobs:
+                lps[c] += d.logprobs
             cached = max(cached, d.num_cached_tokens)
             if d.finish_reason is not None:
-                finish[i], stop[i] = d.finish_reason, d.stop_reason
+                finish[c], stop[c] = d.finish_reason, d.stop_reason
         _check_errors(finish)
-        m.finish(req, start, sum(len(t) for t in toks))
+        m.finish(req, start, completion_tokens)
         return {
             "id": cid,
             "object": kind,
             "created": now(),
             "model": state.model_name,
             "choices": [
-                choice(req, i, texts[i], toks[i], lps[i], finish[i], stop[i], delta=False)
-                for i in range(n)
+                choice(
+                    req,
+                    c,
+                    texts[c],
+                    echo_toks[c] + toks[c],
+                    lps[c],
+                    finish[c],
+                    stop[c],
+                    delta=False,
+                )  # fmt: skip
+                for c in range(total)
             ],
-            "usage": usage(len(req.prompt_token_ids), sum(len(t) for t in toks), cached),
+            "usage": usage(sum(len(r.prompt_token_ids) for r in reqs), completion_tokens, cached),
         }
 
-    async def sse(req: ParsedRequest, cid: str, start: float):
+    async def sse(reqs: list[ParsedRequest], cid: str, start: float):
+        req = reqs[0]
         chunk_kind = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
         created, m = now(), state.metrics
         completion_tokens, first_token, last = 0, None, None
@@ -311,7 +349,7 @@ def build_app(state: AppState) -> FastAPI:
                     }
                 )
         try:
-            async for i, d in state.router.generate(req):
+            async for c, d, echo in merged(state.router, reqs):
                 t = time.monotonic()
                 if d.token_ids:
                     if first_token is None:
@@ -325,12 +363,15 @@ def build_app(state: AppState) -> FastAPI:
                     raise ApiError(
                         f"the request failed in a worker: {d.stop_reason}", 500, "server_error"
                     )
-                if not d.token_ids and not d.text and d.finish_reason is None:
+                text, ids = d.text, d.token_ids
+                rows = d.logprobs if req.echo_logprobs is not None and d.logprobs else None
+                if echo is not None:
+                    text, ids = echo.text + text, echo.token_ids + ids
+                    if rows is not None and echo.logprobs is not None:
+                        rows = echo.logprobs + rows
+                if not ids and not text and d.finish_reason is None:
                     continue
-                lps = d.logprobs if req.echo_logprobs is not None and d.logprobs else None
-                body = choice(
-                    req, i, d.text, d.token_ids, lps, d.finish_reason, d.stop_reason, delta=True
-                )
+                body = choice(req, c, text, ids, rows, d.finish_reason, d.stop_reason, delta=True)
                 yield _sse(
                     {
                         "id": cid,
@@ -353,7 +394,7 @@ def build_app(state: AppState) -> FastAPI:
                     "created": created,
                     "model": state.model_name,
                     "choices": [],
-                    "usage": usage(len(req.prompt_token_ids), completion_tokens),
+                    "usage": usage(sum(len(r.prompt_token_ids) for r in reqs), completion_tokens),
                 }
             )
         yield "data: [DONE]\n\n"

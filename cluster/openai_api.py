@@ -57,6 +57,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     echo_logprobs: int | None  # completions: logprobs=k; chat: top_logprobs when logprobs
+    echo_text: str | None = None  # completions with `echo`: the prompt, put before the output
 
 
 def _typed(body: dict, name: str, types: tuple, default: Any = None) -> Any:
@@ -151,6 +152,24 @@ def prompt_token_ids(body: dict, kind: str, tok: Any) -> list[int]:
     return list(ids)
 
 
+def wants_echo(body: dict) -> bool:
+    """Completions' `echo`: the prompt goes before each choice's text (and logprobs)."""
+    return _typed(body, "echo", (bool,), False)
+
+
+def completion_prompts(body: dict, tok: Any) -> list[tuple[list[int], str | None]]:
+    """A completion's prompts, each as (token ids, its text for `echo`): one prompt (a
+    string or token ids) or a batch (an array of strings or of token-id arrays), which
+    becomes choices `prompt index * n + i`, as in OpenAI's API and vLLM's."""
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    out = []
+    for one in prompt if batch else [prompt]:
+        ids = prompt_token_ids({**body, "prompt": one}, "completion", tok)
+        out.append((ids, one if isinstance(one, str) else tok.decode(ids)))
+    return out
+
+
 def _text_part(part: Any) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
@@ -181,8 +200,12 @@ def parse_sampling(
         logprobs = top if want_lp else None
         if top and not want_lp:
             raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        prompt_logprobs = None
     else:
         logprobs = _typed(body, "logprobs", (int,))
+        # `echo` with logprobs: the prompt's tokens get theirs too (vLLM's and the legacy
+        # OpenAI API's rule; how lm-eval's loglikelihood scores a continuation).
+        prompt_logprobs = logprobs if wants_echo(body) else None
     stop = _typed(body, "stop", (str, list))
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
         raise ApiError("'stop' must be a string or an array of strings", param="stop")
@@ -199,6 +222,7 @@ def parse_sampling(
             ignore_eos=_typed(body, "ignore_eos", (bool,), False),
             min_tokens=_typed(body, "min_tokens", (int,), 0),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=number("presence_penalty", 0.0),
             frequency_penalty=number("frequency_penalty", 0.0),
             repetition_penalty=number("repetition_penalty", 1.0),
@@ -242,6 +266,11 @@ def completion_logprobs(token_ids: list[int], rows_per_token: list, k: int, deco
     """OpenAI completions `logprobs`: tokens, token_logprobs, top_logprobs (k per position)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
     for tok, rows in zip(token_ids, rows_per_token, strict=True):
+        if rows is None:  # an echoed prompt's first token: nothing before it to predict it
+            out["tokens"].append(decode(tok))
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
         chosen, top = _split(tok, rows, k)
         out["tokens"].append(decode(tok))
         out["token_logprobs"].append(float(chosen[1]))

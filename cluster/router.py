@@ -4,7 +4,9 @@
 its `n` completions: it picks a decode worker (fewest requests in flight, then KV
 headroom), decides whether remote prefill pays (`pd` mode, a prompt whose part not
 already cached on the decode worker is long enough, a prefill worker up and, with
-`pd_max_prefill_queue_tokens`, not backed up; every decision is counted by reason), runs
+`pd_max_prefill_queue_tokens`, not backed up; a request that wants its prompt's
+logprobs prefills where they are computed, on the decode worker; every decision is
+counted by reason), runs
 the prefill on the prefill worker with the most cached prefix (then the least busy),
 hands the ticket to the decode worker, and relays the token stream that arrives over ZMQ.
 If the prefill fails, policy `recompute` lets the decode worker prefill itself and `fail`
@@ -148,9 +150,13 @@ class Router:
 
         return min(workers, key=load)
 
-    def _decide(self, num_prompt_tokens: int, decode_hit_tokens: int) -> str:
+    def _decide(
+        self, num_prompt_tokens: int, decode_hit_tokens: int, prompt_logprobs: bool = False
+    ) -> str:
         if self.config.mode == "colocated":
             return "colocated"
+        if prompt_logprobs:  # computed by the prefill's forward: the decode worker runs it
+            return "prompt_logprobs"
         if num_prompt_tokens < self.config.pd_min_prompt_tokens:
             return "short_prompt"
         if num_prompt_tokens - decode_hit_tokens < self.config.pd_min_prompt_tokens:
@@ -213,7 +219,7 @@ class Router:
             ticket = prefill_w = None
             hashes = self.prefix_index.hashes(prompt)
             hits = self.prefix_index.hit_tokens(decode_w.worker_id, hashes)
-            decision = self._decide(len(prompt), hits)
+            decision = self._decide(len(prompt), hits, params.prompt_logprobs is not None)
             self.decisions[decision] += 1
             work = WorkRequest(request_id, prompt, params)
             if decision == "remote_prefill":

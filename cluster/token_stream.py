@@ -20,7 +20,7 @@ import zmq.asyncio
 
 logger = logging.getLogger(__name__)
 
-STREAM_VERSION = 1
+STREAM_VERSION = 2  # 2: deltas carry the prompt's logprobs ("q")
 MAX_FRAME_BYTES = 64 << 20
 
 
@@ -34,6 +34,9 @@ class StreamDelta:
     logprobs: list[list[list[float]]] | None  # per token: rows [token_id, logprob, rank]
     num_prompt_tokens: int
     num_cached_tokens: int
+    # Per prompt position (the first is None), rows as in `logprobs`: on the delta of the
+    # step that finished the prompt, when the request asked for prompt logprobs.
+    prompt_logprobs: list[list[list[float]] | None] | None = None
 
     def to_wire(self) -> dict:
         return {
@@ -45,11 +48,12 @@ class StreamDelta:
             "l": self.logprobs,
             "p": self.num_prompt_tokens,
             "c": self.num_cached_tokens,
+            "q": self.prompt_logprobs,
         }
 
     @classmethod
     def from_wire(cls, d: dict) -> StreamDelta:
-        if not isinstance(d, dict) or set(d) != {"r", "t", "x", "f", "s", "l", "p", "c"}:
+        if not isinstance(d, dict) or set(d) != {"r", "t", "x", "f", "s", "l", "p", "c", "q"}:
             raise ValueError(f"bad stream delta keys: {sorted(d) if isinstance(d, dict) else d}")
         if not isinstance(d["r"], str) or not isinstance(d["x"], str):
             raise ValueError("stream delta: request id and text must be strings")
@@ -57,16 +61,19 @@ class StreamDelta:
             raise ValueError("stream delta: token ids must be a list of ints")
         if d["f"] is not None and not isinstance(d["f"], str):
             raise ValueError("stream delta: finish reason must be a string or null")
-        return cls(d["r"], d["t"], d["x"], d["f"], d["s"], d["l"], int(d["p"]), int(d["c"]))
+        if d["q"] is not None and not isinstance(d["q"], list):
+            raise ValueError("stream delta: prompt logprobs must be a list or null")
+        return cls(d["r"], d["t"], d["x"], d["f"], d["s"], d["l"], int(d["p"]), int(d["c"]), d["q"])
+
+
+def _rows(pos) -> list[list[float]]:
+    return [[tok, lp.logprob, lp.rank] for tok, lp in pos.items()]
 
 
 def delta_from_engine(delta) -> StreamDelta:
     """A runner `RequestDelta` as a stream delta (logprobs flattened to rows)."""
-    lps = None
-    if delta.new_logprobs:
-        lps = [
-            [[tok, lp.logprob, lp.rank] for tok, lp in pos.items()] for pos in delta.new_logprobs
-        ]
+    lps = [_rows(pos) for pos in delta.new_logprobs] if delta.new_logprobs else None
+    prompt = delta.prompt_logprobs
     return StreamDelta(
         delta.request_id,
         list(delta.new_token_ids),
@@ -76,6 +83,7 @@ def delta_from_engine(delta) -> StreamDelta:
         lps,
         delta.num_prompt_tokens,
         delta.num_cached_tokens,
+        None if prompt is None else [None if pos is None else _rows(pos) for pos in prompt],
     )
 
 

@@ -1,0 +1,113 @@
+"""Completions as lm-eval's `local-completions` sends them, on the README's PD server: a
+batch of prompts (strings or token-id arrays) in one request, and `echo` with logprobs,
+which scores a prompt's tokens (its loglikelihood requests). The prompt's logprobs are
+checked against transformers on the same weights; PD routes such requests to prefill on
+the decode worker, where the prompt's forward runs."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "Water boils at a temperature of"]
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+
+
+def _post(server, body: dict) -> dict:
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _decisions(server, reason: str) -> float:
+    for line in server.metrics().splitlines():
+        if line.startswith("pdserve:pd_decisions") and f'reason="{reason}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_loglikelihood_requests_match_transformers(pd, hf_model, smollm_dir):
+    """lm-eval's payload: token-id prompts, max_tokens 1, logprobs 1, echo."""
+    from pdserve.runner.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm_dir)
+    ids = [tok(p).input_ids for p in PROMPTS]
+    before = _decisions(pd, "prompt_logprobs")
+    out = _post(
+        pd, {"model": MODEL, "prompt": ids, "temperature": 0, "max_tokens": 1, "logprobs": 1,
+             "seed": 1234, "echo": True},
+    )  # fmt: skip
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert out["usage"]["prompt_tokens"] == sum(map(len, ids))
+    assert out["usage"]["completion_tokens"] == 2
+    for choice, prompt_ids, text in zip(out["choices"], ids, PROMPTS):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(prompt_ids) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert choice["text"].startswith(text) and len(choice["text"]) > len(text)
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf_model(torch.tensor([prompt_ids])).logits[0].float(), -1)
+        for pos in range(1, len(prompt_ids)):
+            want = ref[pos - 1, prompt_ids[pos]].item()
+            assert lp["token_logprobs"][pos] == pytest.approx(want, abs=1e-4), pos
+            top = lp["top_logprobs"][pos]
+            best = ref[pos - 1].max().item()
+            assert max(top.values()) == pytest.approx(best, abs=1e-4)
+        # The generated token's logprob is the greedy one: the top of the last position.
+        assert lp["token_logprobs"][-1] == pytest.approx(ref[-1].max().item(), abs=1e-4)
+    assert _decisions(pd, "prompt_logprobs") == before + 2
+
+
+def test_a_batch_of_prompts_is_choices_in_prompt_order(pd):
+    body = {"model": MODEL, "prompt": PROMPTS, "max_tokens": 6, "temperature": 0, "n": 2}
+    out = _post(pd, body)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    singles = [
+        _post(pd, {"model": MODEL, "prompt": p, "max_tokens": 6, "temperature": 0}) for p in PROMPTS
+    ]
+    texts = [c["text"] for c in out["choices"]]
+    assert texts == [singles[0]["choices"][0]["text"]] * 2 + [singles[1]["choices"][0]["text"]] * 2
+    assert out["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+    assert out["usage"]["completion_tokens"] == 24
+    # Streamed, the same choices (by index), the echo in each choice's first chunk.
+    echoed = _post(pd, dict(body, n=1, echo=True))
+    chunks: dict[int, list[str]] = {}
+    with httpx.stream(
+        "POST", pd.url + "/v1/completions", json=dict(body, n=1, echo=True, stream=True),
+        timeout=120,
+    ) as r:  # fmt: skip
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    chunks.setdefault(c["index"], []).append(c["text"])
+    assert {i: "".join(t) for i, t in chunks.items()} == {
+        c["index"]: c["text"] for c in echoed["choices"]
+    }
+    assert [c["text"] for c in echoed["choices"]] == [
+        p + s["choices"][0]["text"] for p, s in zip(PROMPTS, singles)
+    ]
+    assert all(chunks[i][0].startswith(p) for i, p in enumerate(PROMPTS))
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ([], "string or an array of token ids"),
+        (["ok", 5], "string or an array of token ids"),
+        ([[1, 2], []], "string or an array of token ids"),
+        (["ok", ""], "empty"),
+    ],
+)
+def test_bad_batches_are_refused(pd, prompt, message):
+    r = httpx.post(pd.url + "/v1/completions", json={"model": MODEL, "prompt": prompt}, timeout=30)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
