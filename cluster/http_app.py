@@ -3,8 +3,9 @@
 Bodies are read and checked here before any JSON parsing: a body over `max_body_bytes`
 is refused (413) from its Content-Length or as it arrives, and a gzip body is inflated
 in bounded steps, refused as soon as it passes the limit (a gzip bomb never inflates
-past `max_body_bytes`). `--api-key` guards every /v1 route (Bearer); /health,
-/metrics and /version stay open. Every response carries a server-made X-Request-Id.
+past `max_body_bytes`). `--api-key` guards every /v1 route and vLLM's /tokenize and
+/detokenize (Bearer); /health (503 while no decode worker is ready), /metrics and
+/version stay open. Every response carries a server-made X-Request-Id.
 """
 
 from __future__ import annotations
@@ -167,6 +168,11 @@ def build_app(state: AppState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        # Serving needs a ready decode worker (PD falls back to prefilling there); without
+        # one (all restarting or drained) the router is up but cannot answer: 503, so a
+        # readiness probe takes it out of the Service. /version answers while HTTP does.
+        if not state.router.decode_workers:
+            return error_response(ApiError("no decode worker is ready", 503, "server_error"))
         return Response(status_code=200)
 
     @app.get("/version")

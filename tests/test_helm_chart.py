@@ -237,7 +237,8 @@ def test_crd_schema_check_can_fail(helm: str, crd_schema: dict) -> None:
 def test_head_pod(helm: str) -> None:
     """The head pod runs the Ray head first (KubeRay's Ray container) and the router, both
     on one /tmp/ray emptyDir; the router joins with --ray-address auto, reads the ConfigMap
-    and is probed on /health of its http port."""
+    and is probed on its http port: /health for start and readiness (503 while no decode
+    worker is ready), /version for liveness (a worker restart must not restart it)."""
     objs = render(helm)
     pod = head_pod(objs)
     assert [c["name"] for c in pod["spec"]["containers"]] == ["ray-head", "router"]
@@ -252,8 +253,9 @@ def test_head_pod(helm: str) -> None:
     config_mount = {m["mountPath"]: m["name"] for m in router["volumeMounts"]}["/etc/pdserve"]
     assert volumes[config_mount]["configMap"]["name"] == one(objs, "ConfigMap")["metadata"]["name"]
     assert router["ports"] == [{"name": "http", "containerPort": 8000}]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert router[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert router["livenessProbe"]["httpGet"] == {"path": "/version", "port": "http"}
     startup = router["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model load: minutes
 

@@ -259,3 +259,29 @@ def test_a_seeded_router_repeats_its_seeds():
     first = _seeds(a, 3)
     assert first == _seeds(b, 3) != _seeds(c, 3)
     assert Router(RouterConfig(mode="colocated"), [], [])._seeds is None
+
+
+# ---- health ------------------------------------------------------------------------------
+
+
+def test_health_is_503_without_a_ready_decode_worker():
+    """vLLM's /health fails when its engine is gone; here, when no decode worker is ready
+    (all restarting or drained). /version still answers (the chart's liveness probe)."""
+    import asyncio
+
+    import httpx
+
+    from pdserve.cluster.http_app import AppState, build_app
+    from pdserve.cluster.metrics import Metrics
+
+    router = Router(RouterConfig(mode="colocated"), [], [])
+    app = build_app(AppState(router, None, "m", 64, Metrics()))
+
+    async def get(path: str) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.get(path, timeout=10)
+
+    r = asyncio.run(get("/health"))
+    assert r.status_code == 503 and r.json()["error"]["message"] == "no decode worker is ready"
+    assert asyncio.run(get("/version")).status_code == 200
