@@ -310,7 +310,8 @@ def build_app(state: AppState) -> FastAPI:
             if d.finish_reason is not None:
                 finish[c], stop[c] = d.finish_reason, d.stop_reason
         _check_errors(finish)
-        m.finish(req, start, completion_tokens)
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
+        m.finish(req, start, completion_tokens, prompt_tokens, finish)
         return {
             "id": cid,
             "object": kind,
@@ -329,7 +330,7 @@ def build_app(state: AppState) -> FastAPI:
                 )  # fmt: skip
                 for c in range(total)
             ],
-            "usage": usage(sum(len(r.prompt_token_ids) for r in reqs), completion_tokens, cached),
+            "usage": usage(prompt_tokens, completion_tokens, cached),
         }
 
     async def sse(reqs: list[ParsedRequest], cid: str, start: float):
@@ -337,6 +338,8 @@ def build_app(state: AppState) -> FastAPI:
         chunk_kind = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
         created, m = now(), state.metrics
         completion_tokens, first_token, last = 0, None, None
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
+        reasons: list[str | None] = [None] * (len(reqs) * req.params.n)
         if req.kind == "chat":
             for i in range(req.params.n):
                 head = {
@@ -365,6 +368,8 @@ def build_app(state: AppState) -> FastAPI:
                         m.itl.observe((t - last) / len(d.token_ids))
                     last = t
                 completion_tokens += len(d.token_ids)
+                if d.finish_reason is not None:
+                    reasons[c] = d.finish_reason
                 if d.finish_reason == "error":
                     raise ApiError(
                         f"the request failed in a worker: {d.stop_reason}", 500, "server_error"
@@ -391,7 +396,7 @@ def build_app(state: AppState) -> FastAPI:
             yield _sse(e.body())
             yield "data: [DONE]\n\n"
             return
-        m.finish(req, start, completion_tokens)
+        m.finish(req, start, completion_tokens, prompt_tokens, reasons)
         if req.include_usage:
             yield _sse(
                 {
@@ -400,7 +405,7 @@ def build_app(state: AppState) -> FastAPI:
                     "created": created,
                     "model": state.model_name,
                     "choices": [],
-                    "usage": usage(sum(len(r.prompt_token_ids) for r in reqs), completion_tokens),
+                    "usage": usage(prompt_tokens, completion_tokens),
                 }
             )
         yield "data: [DONE]\n\n"

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "pdserve:"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 # stats key -> (metric name, kind, help)
 _WORKER_SERIES = {
@@ -55,17 +56,40 @@ class Metrics:
             PREFIX + "e2e_request_latency_seconds", "Request latency",
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        # Per choice (as vLLM counts each of a request's n sequences), by how it ended.
         self.requests = Counter(
-            PREFIX + "request_success", "Finished requests", ["kind"], registry=r
-        )
+            PREFIX + "request_success", "Finished requests", ["kind", "finished_reason"],
+            registry=r,
+        )  # fmt: skip
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Output tokens", registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens", registry=r)
+        self.request_prompt_tokens = Histogram(
+            PREFIX + "request_prompt_tokens", "Prompt tokens of a request",
+            buckets=_TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.request_generation_tokens = Histogram(
+            PREFIX + "request_generation_tokens", "Output tokens of a request",
+            buckets=_TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
         self._router = None
         r.register(_RouterCollector(self))
 
-    def finish(self, req: Any, start: float, num_tokens: int) -> None:
+    def finish(
+        self,
+        req: Any,
+        start: float,
+        num_tokens: int,
+        prompt_tokens: int = 0,
+        finish_reasons: list[str | None] | tuple = (),
+    ) -> None:
+        """A request answered: its latency, its token counts, and how each choice ended."""
         self.e2e.observe(time.monotonic() - start)
-        self.requests.labels(req.kind).inc()
+        for reason in finish_reasons or ["stop"]:
+            self.requests.labels(req.kind, reason or "unknown").inc()
         self.generation_tokens.inc(num_tokens)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(num_tokens)
 
     def render(self, router: Any) -> str:
         self._router = router

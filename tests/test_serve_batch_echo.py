@@ -111,3 +111,31 @@ def test_a_batch_of_prompts_is_choices_in_prompt_order(pd):
 def test_bad_batches_are_refused(pd, prompt, message):
     r = httpx.post(pd.url + "/v1/completions", json={"model": MODEL, "prompt": prompt}, timeout=30)
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+def _metric(server, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in server.metrics().splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_token_and_finish_metrics_count_every_choice(pd):
+    """vLLM's request counters: prompt tokens, and each finished choice by its reason."""
+    names = {
+        "prompt": ("pdserve:prompt_tokens_total", {}),
+        "length": (
+            "pdserve:request_success_total",
+            {"kind": "completion", "finished_reason": "length"},
+        ),
+        "histogram": ("pdserve:request_generation_tokens_count", {}),
+    }
+    before = {k: _metric(pd, n, **lab) for k, (n, lab) in names.items()}
+    out = _post(
+        pd, {"model": MODEL, "prompt": PROMPTS, "max_tokens": 3, "n": 2, "ignore_eos": True}
+    )
+    after = {k: _metric(pd, n, **lab) for k, (n, lab) in names.items()}
+    assert after["prompt"] - before["prompt"] == out["usage"]["prompt_tokens"]
+    assert after["length"] - before["length"] == 4  # 2 prompts x n=2, each cut by max_tokens
+    assert after["histogram"] - before["histogram"] == 1  # one HTTP request
