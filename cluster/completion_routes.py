@@ -22,16 +22,15 @@ from pdserve.cluster.openai_api import (
     ParsedRequest,
     chat_logprobs,
     completion_logprobs,
-    completion_prompts,
     new_id,
     now,
     parse_sampling,
-    prompt_token_ids,
     requested_max_tokens,
     resolve_max_tokens,
     usage,
     wants_echo,
 )
+from pdserve.cluster.prompts import completion_prompts, prompt_token_ids
 
 
 def add_completion_routes(app: FastAPI, state: AppState) -> None:
@@ -44,7 +43,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
             raise ApiError("'seed' must be an integer", param="seed")
         requested = requested_max_tokens(body, kind)
         if kind == "chat":
-            prompts = [(prompt_token_ids(body, kind, state.tokenizer), None)]
+            prompts = [(prompt_token_ids(body, kind, state.tokenizer, state.chat_template), None)]
         else:
             prompts = completion_prompts(body, state.tokenizer)
         echo = kind == "completion" and wants_echo(body)

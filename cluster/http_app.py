@@ -41,6 +41,7 @@ class AppState:
         max_body_bytes: int = 4 << 20,
         runner: str = "mrv2",
         sampling_defaults: dict | None = None,
+        chat_template: str | None = None,
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -51,6 +52,7 @@ class AppState:
         self.max_body_bytes, self.runner = max_body_bytes, runner
         # A request field left out takes these (cluster/generation_defaults.py).
         self.sampling_defaults = dict(sampling_defaults or {})
+        self.chat_template = chat_template  # `--chat-template`; None: the tokenizer's
 
     @property
     def model_name(self) -> str:

@@ -60,7 +60,9 @@ class ParsedRequest:
     echo_text: str | None = None  # completions with `echo`: the prompt, put before the output
 
 
-def _typed(body: dict, name: str, types: tuple, default: Any = None) -> Any:
+def typed(body: dict, name: str, types: tuple, default: Any = None) -> Any:
+    """`body[name]` if it is one of `types` (a boolean never passes for a number), the
+    default when absent or null; otherwise a 400 naming the field."""
     value = body.get(name, default)
     if value is None:
         return default
@@ -81,11 +83,11 @@ def requested_max_tokens(body: dict, kind: str) -> int | None:
     vLLM: chat's `max_completion_tokens` (or `max_tokens`) may be left out, completions'
     `max_tokens` is 16 when left out and the rest of the context when null."""
     if kind == "chat":
-        value = _typed(body, "max_completion_tokens", (int,))
+        value = typed(body, "max_completion_tokens", (int,))
         if value is None:
-            value = _typed(body, "max_tokens", (int,))
+            value = typed(body, "max_tokens", (int,))
     else:
-        value = _typed(body, "max_tokens", (int,), 16 if "max_tokens" not in body else None)
+        value = typed(body, "max_tokens", (int,), 16 if "max_tokens" not in body else None)
     if value is not None and value <= 0:
         raise ApiError(f"'max_tokens' must be at least 1, got {value}", param="max_tokens")
     return value
@@ -128,46 +130,9 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-def prompt_token_ids(body: dict, kind: str, tok: Any) -> list[int]:
-    """A request's prompt as token ids. Chat: the chat template's text, encoded without
-    special tokens unless `add_special_tokens` (the template places them); completions:
-    a string encoded with them (a BOS where the tokenizer adds one), as vLLM and the
-    offline `LLM` do, or token ids as given."""
-    special = _typed(body, "add_special_tokens", (bool,), kind != "chat")
-    if kind == "chat":
-        messages = chat_messages(body)
-        add_prompt = _typed(body, "add_generation_prompt", (bool,), True)
-        # The same text-then-encode path as the offline LLM.chat, so both agree.
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_prompt)
-        return list(tok(text, add_special_tokens=special).input_ids)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        ids = tok(prompt, add_special_tokens=special).input_ids
-    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        ids = prompt
-    else:
-        raise ApiError("'prompt' must be a string or an array of token ids", param="prompt")
-    if not ids:
-        raise ApiError("'prompt' is empty", param="prompt")
-    return list(ids)
-
-
 def wants_echo(body: dict) -> bool:
     """Completions' `echo`: the prompt goes before each choice's text (and logprobs)."""
-    return _typed(body, "echo", (bool,), False)
-
-
-def completion_prompts(body: dict, tok: Any) -> list[tuple[list[int], str | None]]:
-    """A completion's prompts, each as (token ids, its text for `echo`): one prompt (a
-    string or token ids) or a batch (an array of strings or of token-id arrays), which
-    becomes choices `prompt index * n + i`, as in OpenAI's API and vLLM's."""
-    prompt = body.get("prompt")
-    batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
-    out = []
-    for one in prompt if batch else [prompt]:
-        ids = prompt_token_ids({**body, "prompt": one}, "completion", tok)
-        out.append((ids, one if isinstance(one, str) else tok.decode(ids)))
-    return out
+    return typed(body, "echo", (bool,), False)
 
 
 def _text_part(part: Any) -> str:
@@ -192,21 +157,21 @@ def parse_sampling(
     defaults = defaults or {}
 
     def number(name: str, openai_default: float) -> float:
-        return float(_typed(body, name, (int, float), defaults.get(name, openai_default)))
+        return float(typed(body, name, (int, float), defaults.get(name, openai_default)))
 
     if kind == "chat":
-        want_lp = _typed(body, "logprobs", (bool,), False)
-        top = _typed(body, "top_logprobs", (int,), 0)
+        want_lp = typed(body, "logprobs", (bool,), False)
+        top = typed(body, "top_logprobs", (int,), 0)
         logprobs = top if want_lp else None
         if top and not want_lp:
             raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         prompt_logprobs = None
     else:
-        logprobs = _typed(body, "logprobs", (int,))
+        logprobs = typed(body, "logprobs", (int,))
         # `echo` with logprobs: the prompt's tokens get theirs too (vLLM's and the legacy
         # OpenAI API's rule; how lm-eval's loglikelihood scores a continuation).
         prompt_logprobs = logprobs if wants_echo(body) else None
-    stop = _typed(body, "stop", (str, list))
+    stop = typed(body, "stop", (str, list))
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
         raise ApiError("'stop' must be a string or an array of strings", param="stop")
     try:
@@ -214,21 +179,21 @@ def parse_sampling(
             max_tokens=max_tokens,
             temperature=number("temperature", 1.0),
             top_p=number("top_p", 1.0),
-            top_k=_typed(body, "top_k", (int,), defaults.get("top_k", 0)),
+            top_k=typed(body, "top_k", (int,), defaults.get("top_k", 0)),
             min_p=number("min_p", 0.0),
             seed=seed,
             stop=stop,
-            stop_token_ids=_typed(body, "stop_token_ids", (list,)),
-            ignore_eos=_typed(body, "ignore_eos", (bool,), False),
-            min_tokens=_typed(body, "min_tokens", (int,), 0),
+            stop_token_ids=typed(body, "stop_token_ids", (list,)),
+            ignore_eos=typed(body, "ignore_eos", (bool,), False),
+            min_tokens=typed(body, "min_tokens", (int,), 0),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             presence_penalty=number("presence_penalty", 0.0),
             frequency_penalty=number("frequency_penalty", 0.0),
             repetition_penalty=number("repetition_penalty", 1.0),
-            n=_typed(body, "n", (int,), 1),
-            skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), True),
-            include_stop_str_in_output=_typed(body, "include_stop_str_in_output", (bool,), False),
+            n=typed(body, "n", (int,), 1),
+            skip_special_tokens=typed(body, "skip_special_tokens", (bool,), True),
+            include_stop_str_in_output=typed(body, "include_stop_str_in_output", (bool,), False),
         )
     except (ValueError, TypeError) as e:
         raise ApiError(str(e)) from e

@@ -91,6 +91,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     import uvicorn
 
     from pdserve.cluster.autoscale import Autoscaler, autoscale_config, autoscale_loop
+    from pdserve.cluster.chat_template import load_chat_template
     from pdserve.cluster.controller import Controller
     from pdserve.cluster.generation_defaults import sampling_defaults
     from pdserve.cluster.gpu_binding import actor_env, node_gpu_ids
@@ -121,6 +122,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     if tokenizer is None:
         raise ValueError(f"{ecfg.model.path} has no tokenizer; the HTTP API needs one")
     model_names = served_names(cfg)
+    chat_template = load_chat_template(cfg.chat_template)
     defaults = sampling_defaults(
         cfg.generation_config, Path(ecfg.model.path), cfg.override_generation_config or {}
     )
@@ -218,7 +220,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         router.tier = tier
         state = AppState(
             router, tokenizer, list(model_names), ecfg.model.max_model_len, Metrics(),
-            cfg.api_key, cfg.max_body_bytes, ecfg.runner.runner, defaults,
+            cfg.api_key, cfg.max_body_bytes, ecfg.runner.runner, defaults, chat_template,
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)

@@ -90,6 +90,8 @@ class ServeConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     kv_cache_dtype: str = "auto"  # the KV cache is in the model's dtype
+    # A Jinja chat template (a file, or the template itself) instead of the tokenizer's.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):  # one name, from a config file
@@ -221,6 +223,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None,
                    help="1 only: a worker runs on one GPU")  # fmt: skip
     p.add_argument("--kv-cache-dtype", default=None, help="auto only: the model's dtype")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (or the template itself) to use instead "
+                   "of the tokenizer's")  # fmt: skip
     p.add_argument("--host", default=None, help=f"default {d.host}")
     p.add_argument("--port", type=int, default=None, help=f"default {d.port}")
     p.add_argument("--mode", choices=["pd", "colocated"], default=None, help="default pd")

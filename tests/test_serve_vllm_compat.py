@@ -24,9 +24,17 @@ def server(tmp_path_factory, smollm_dir):
     (gen / "generation_config.json").write_text(
         json.dumps({"temperature": 0.0, "max_new_tokens": CAP, "eos_token_id": 2})
     )
+    # The model's own template, plus a variable only chat_template_kwargs set.
+    from pdserve.runner.tokenizer import load_tokenizer
+
+    template = gen / "chat.jinja"
+    template.write_text(
+        load_tokenizer(smollm_dir).chat_template + "{% if shout %}SHOUT SHOUT{% endif %}"
+    )
     srv = Server(
         tmp_path_factory.mktemp("vllm-compat"), smollm_dir, "--served-model-name", "smol",
-        "SmolLM2", "--mode", "colocated", "--max-model-len", str(MAX_MODEL_LEN),
+        "SmolLM2", "--chat-template", str(template), "--mode", "colocated", "--max-model-len",
+        str(MAX_MODEL_LEN),
         "--generation-config", str(gen), "--seed", "3", "--no-enable-prefix-caching",
         "--enforce-eager", "-tp", "1", "--kv-cache-dtype", "auto",
     )  # fmt: skip
@@ -143,6 +151,31 @@ def test_tokenize_and_detokenize(server):
     ):
         bad = httpx.post(server.url + path, json=body, timeout=30)
         assert bad.status_code == status and "error" in bad.json(), (path, bad.text)
+
+
+def test_chat_template_flag_and_fields(server):
+    """--chat-template's variables through chat_template_kwargs, and continue_final_message
+    (the model finishes the assistant's open sentence)."""
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+
+    def count(**extra) -> int:
+        r = httpx.post(server.url + "/tokenize", json={"messages": q, **extra}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["count"]
+
+    assert count(chat_template_kwargs={"shout": True}) == count() + 4  # "SHOUT SHOUT"
+    opened = [*q, {"role": "assistant", "content": "The capital of France is"}]
+    r = _client(server).chat.completions.create(
+        model="smol", messages=opened, max_tokens=8,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )  # fmt: skip
+    assert r.choices[0].message.content.startswith(" Paris"), r.choices[0].message.content
+    bad = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": q, "chat_template_kwargs": {"tokenize": True}},
+        timeout=30,
+    )
+    assert bad.status_code == 400 and "may not set" in bad.json()["error"]["message"]
 
 
 def _cached(r) -> int:

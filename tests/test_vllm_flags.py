@@ -15,10 +15,10 @@ from pdserve.cluster.openai_api import (
     ApiError,
     chat_messages,
     parse_sampling,
-    prompt_token_ids,
     requested_max_tokens,
     resolve_max_tokens,
 )
+from pdserve.cluster.prompts import prompt_token_ids
 from pdserve.cluster.router import Router, RouterConfig
 from pdserve.cluster.serve_args import ServeConfig, add_serve_args, config_from_args, served_names
 

@@ -1,0 +1,47 @@
+"""A request's prompts as token ids: a chat through its template (cluster/chat_template.py),
+a completion's prompt or batch of prompts as given, with vLLM's special-token rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.cluster.chat_template import render_chat
+from pdserve.cluster.openai_api import ApiError, typed
+
+
+def prompt_token_ids(
+    body: dict, kind: str, tok: Any, chat_template: str | None = None
+) -> list[int]:
+    """A request's prompt as token ids. Chat: the chat template's text, encoded without
+    special tokens unless `add_special_tokens` (the template places them); completions:
+    a string encoded with them (a BOS where the tokenizer adds one), as vLLM and the
+    offline `LLM` do, or token ids as given."""
+    special = typed(body, "add_special_tokens", (bool,), kind != "chat")
+    if kind == "chat":
+        # The same text-then-encode path as the offline LLM.chat, so both agree.
+        text = render_chat(body, tok, chat_template)
+        return list(tok(text, add_special_tokens=special).input_ids)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        ids = tok(prompt, add_special_tokens=special).input_ids
+    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        ids = prompt
+    else:
+        raise ApiError("'prompt' must be a string or an array of token ids", param="prompt")
+    if not ids:
+        raise ApiError("'prompt' is empty", param="prompt")
+    return list(ids)
+
+
+def completion_prompts(body: dict, tok: Any) -> list[tuple[list[int], str | None]]:
+    """A completion's prompts, each as (token ids, its text for `echo`): one prompt (a
+    string or token ids) or a batch (an array of strings or of token-id arrays), which
+    becomes choices `prompt index * n + i`, as in OpenAI's API and vLLM's."""
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    out = []
+    for one in prompt if batch else [prompt]:
+        ids = prompt_token_ids({**body, "prompt": one}, "completion", tok)
+        out.append((ids, one if isinstance(one, str) else tok.decode(ids)))
+    return out

@@ -1,0 +1,78 @@
+"""Chat prompts as vLLM renders them, with the bundled SmolLM2 tokenizer: the model's
+template or `--chat-template`'s, `add_generation_prompt`, `continue_final_message`,
+`chat_template_kwargs`, and the 400s for what a template or a request gets wrong. The
+flag on a real server is in test_serve_vllm_compat.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from pdserve.cluster.chat_template import load_chat_template, render_chat
+from pdserve.cluster.openai_api import ApiError
+
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+SHOUT = "{% for m in messages %}{{ m.content }}|{% endfor %}{% if shout %}!{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def tok(smollm_dir):
+    from pdserve.runner.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm_dir)
+
+
+def test_the_models_template_by_default(tok):
+    want = tok.apply_chat_template(Q, tokenize=False, add_generation_prompt=True)
+    assert render_chat({"messages": Q}, tok) == want
+    assert want.endswith("<|im_start|>assistant\n")
+    bare = render_chat({"messages": Q, "add_generation_prompt": False}, tok)
+    assert want == bare + "<|im_start|>assistant\n"
+
+
+def test_continue_final_message_leaves_the_answer_open(tok):
+    msgs = [*Q, {"role": "assistant", "content": "The capital of France is"}]
+    text = render_chat({"messages": msgs, "continue_final_message": True}, tok)
+    assert text.endswith("<|im_start|>assistant\nThe capital of France is")
+    with pytest.raises(ApiError, match="cannot both be true"):
+        render_chat(
+            {"messages": msgs, "continue_final_message": True, "add_generation_prompt": True}, tok
+        )
+
+
+def test_kwargs_reach_the_template(tok):
+    assert render_chat({"messages": Q}, tok, SHOUT) == Q[0]["content"] + "|"
+    body = {"messages": Q, "chat_template_kwargs": {"shout": True}}
+    assert render_chat(body, tok, SHOUT) == Q[0]["content"] + "|!"
+    for kwargs, message in (
+        ({"add_generation_prompt": False}, "may not set \\['add_generation_prompt'\\]"),
+        ({"chat_template": "x"}, "may not set"),
+        ([1], "must be an object"),
+    ):
+        with pytest.raises(ApiError, match=message):
+            render_chat({"messages": Q, "chat_template_kwargs": kwargs}, tok, SHOUT)
+
+
+def test_template_and_model_refusals_are_400s(tok):
+    strict = "{{ raise_exception('roles must alternate user/assistant') }}"
+    with pytest.raises(ApiError, match="refused the conversation: roles must alternate") as e:
+        render_chat({"messages": Q}, tok, strict)
+    assert e.value.status == 400
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    with pytest.raises(ApiError, match="--chat-template"):
+        render_chat({"messages": Q}, bare)
+    assert render_chat({"messages": Q}, bare, SHOUT) == Q[0]["content"] + "|"
+    with pytest.raises(ApiError, match="'continue_final_message' must be a boolean"):
+        render_chat({"messages": Q, "continue_final_message": "yes"}, tok)
+
+
+def test_the_flag_takes_a_file_or_a_template(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text(SHOUT)
+    assert load_chat_template(str(f)) == SHOUT
+    assert load_chat_template(SHOUT) == SHOUT
+    assert load_chat_template(None) is None
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
