@@ -8,24 +8,10 @@
 #   - a 32-token greedy chat-less completion;
 #   - /metrics: which paths ran the decode steps (eager only with --enforce-eager), and
 #     the pd_decisions.
-# Then compare.py reads both answers: the same greedy text, and the prompt logprobs'
+# Then a Python step reads both answers: the same greedy text?, and the prompt logprobs'
 # largest difference.
-set -o pipefail
-OUT=${OUT:-/tmp/pdserve-out}
-mkdir -p "$OUT"
-BENCH=none TESTS=0 bash benchmarks/gpu_session.sh > "$OUT/setup.log" 2>&1
-export PYTHONPATH=/tmp/pdpkg:/tmp/site PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
-python3 benchmarks/synthetic_model.py /tmp/pdserve-model > "$OUT/model.log" 2>&1
-cd /tmp  # the repo root's pdserve/ would shadow /tmp/pdpkg
+source benchmarks/gpu_serve_setup.sh
 IDS=$(python3 -c "print([[i for i in range(100 + 7 * p, 160 + 7 * p)] for p in range(2)])")
-
-wait_up() {  # $1 port, $2 log
-  for _ in $(seq 1 150); do
-    curl -sf "localhost:$1/health" > /dev/null && return 0
-    sleep 2
-  done
-  echo "no health on $1"; tail -30 "$2"; return 1
-}
 
 run_one() {  # $1 name, $2 port, then serve flags
   local name=$1 port=$2

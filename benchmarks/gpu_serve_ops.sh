@@ -8,22 +8,8 @@
 #      `--ray-address --pool-resources --mode colocated`; a completion; Ctrl-C; the head
 #      still up with its GPU free.
 #   PARTS=local,joined (default both)
-set -o pipefail
-OUT=${OUT:-/tmp/pdserve-out}
-mkdir -p "$OUT"
-BENCH=none TESTS=0 bash benchmarks/gpu_session.sh > "$OUT/setup.log" 2>&1
-export PYTHONPATH=/tmp/pdpkg:/tmp/site PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
-python3 benchmarks/synthetic_model.py /tmp/pdserve-model > "$OUT/model.log" 2>&1
-cd /tmp  # the repo root's pdserve/ would shadow /tmp/pdpkg
+source benchmarks/gpu_serve_setup.sh
 PROMPT=$(python3 -c "print(' '.join(f't{i}' for i in range(100, 140)))")
-
-wait_up() {  # $1 port, $2 log
-  for _ in $(seq 1 150); do
-    curl -sf "localhost:$1/health" > /dev/null && return 0
-    sleep 2
-  done
-  echo "no health on $1"; tail -30 "$2"; return 1
-}
 complete() {  # $1 port
   curl -s -m 60 "localhost:$1/v1/completions" -H 'content-type: application/json' \
     -d "{\"prompt\": \"$PROMPT\", \"max_tokens\": 8, \"temperature\": 0}" | cut -c1-300; echo
