@@ -25,6 +25,7 @@ from pdserve.cluster.openai_api import (
     new_id,
     now,
     parse_sampling,
+    prompt_logprobs_entries,
     requested_max_tokens,
     resolve_max_tokens,
     usage,
@@ -53,6 +54,11 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError("'stream' must be a boolean", param="stream")
+        if stream and body.get("prompt_logprobs") is not None:
+            raise ApiError(
+                "'prompt_logprobs' are not available when 'stream' is true (as in vLLM)",
+                param="prompt_logprobs",
+            )
         defaults, out = state.sampling_defaults, []
         for ids, text in prompts:
             max_tokens = resolve_max_tokens(
@@ -69,7 +75,8 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                     bool(opts.get("include_usage")),
                     k,
                     text if echo else None,
-                )  # fmt: skip
+                    body.get("prompt_logprobs") is not None,
+                )
             )
         return out
 
@@ -120,6 +127,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
         finish: list[str | None] = [None] * total
         stop: list[Any] = [None] * total
         echo_toks: list[list[int]] = [[] for _ in range(total)]
+        prompt_rows: dict[int, list] = {}  # prompt index -> its prompt logprobs rows
         cached = completion_tokens = 0
         first_token = None
         async for c, d, echo in merged(state.router, reqs):
@@ -131,6 +139,8 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                 echo_toks[c] = echo.token_ids
                 if lps[c] is not None and echo.logprobs is not None:
                     lps[c] += echo.logprobs
+            if d.prompt_logprobs is not None:
+                prompt_rows.setdefault(c // req.params.n, d.prompt_logprobs)
             texts[c] += d.text
             toks[c] += d.token_ids
             completion_tokens += len(d.token_ids)
@@ -142,26 +152,28 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
         _check_errors(finish)
         prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
         m.finish(req, start, completion_tokens, prompt_tokens, finish)
-        return {
+        choices = [
+            choice(req, c, texts[c], echo_toks[c] + toks[c], lps[c], finish[c], stop[c], False)
+            for c in range(total)
+        ]
+        out = {
             "id": cid,
             "object": kind,
             "created": now(),
             "model": state.model_name,
-            "choices": [
-                choice(
-                    req,
-                    c,
-                    texts[c],
-                    echo_toks[c] + toks[c],
-                    lps[c],
-                    finish[c],
-                    stop[c],
-                    delta=False,
-                )  # fmt: skip
-                for c in range(total)
-            ],
+            "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens, cached),
         }
+        if req.show_prompt_logprobs:  # vLLM's places: per choice, or the chat response's
+            entries = {
+                p: prompt_logprobs_entries(rows, decode_tok) for p, rows in prompt_rows.items()
+            }
+            if req.kind == "chat":
+                out["prompt_logprobs"] = entries.get(0)
+            for c, body in enumerate(choices):
+                if req.kind != "chat":
+                    body["prompt_logprobs"] = entries.get(c // req.params.n)
+        return out
 
     async def sse(reqs: list[ParsedRequest], cid: str, start: float):
         req = reqs[0]

@@ -58,6 +58,8 @@ class ParsedRequest:
     include_usage: bool
     echo_logprobs: int | None  # completions: logprobs=k; chat: top_logprobs when logprobs
     echo_text: str | None = None  # completions with `echo`: the prompt, put before the output
+    # vLLM's `prompt_logprobs` field was given: the response carries the prompt's logprobs.
+    show_prompt_logprobs: bool = False
 
 
 def typed(body: dict, name: str, types: tuple, default: Any = None) -> Any:
@@ -165,12 +167,14 @@ def parse_sampling(
         logprobs = top if want_lp else None
         if top and not want_lp:
             raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        prompt_logprobs = None
+        prompt_logprobs = typed(body, "prompt_logprobs", (int,))
     else:
         logprobs = typed(body, "logprobs", (int,))
         # `echo` with logprobs: the prompt's tokens get theirs too (vLLM's and the legacy
         # OpenAI API's rule; how lm-eval's loglikelihood scores a continuation).
-        prompt_logprobs = logprobs if wants_echo(body) else None
+        prompt_logprobs = typed(body, "prompt_logprobs", (int,))
+        if prompt_logprobs is None and wants_echo(body):
+            prompt_logprobs = logprobs
     stop = typed(body, "stop", (str, list))
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
         raise ApiError("'stop' must be a string or an array of strings", param="stop")
@@ -241,6 +245,20 @@ def completion_logprobs(token_ids: list[int], rows_per_token: list, k: int, deco
         out["token_logprobs"].append(float(chosen[1]))
         out["top_logprobs"].append({decode(int(r[0])): float(r[1]) for r in top})
     return out
+
+
+def prompt_logprobs_entries(rows: list, decode) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt position (the first null), token id (a string
+    key) -> logprob, rank and decoded token, the prompt's own token among them."""
+    return [
+        None
+        if pos is None
+        else {
+            str(int(t)): {"logprob": float(lp), "rank": int(rank), "decoded_token": decode(int(t))}
+            for t, lp, rank in pos
+        }
+        for pos in rows
+    ]
 
 
 def chat_logprobs(token_ids: list[int], rows_per_token: list, k: int, decode) -> list[dict]:

@@ -139,3 +139,39 @@ def test_token_and_finish_metrics_count_every_choice(pd):
     assert after["prompt"] - before["prompt"] == out["usage"]["prompt_tokens"]
     assert after["length"] - before["length"] == 4  # 2 prompts x n=2, each cut by max_tokens
     assert after["histogram"] - before["histogram"] == 1  # one HTTP request
+
+
+def test_vllm_prompt_logprobs_field(pd, hf_model, smollm_dir):
+    """vLLM's `prompt_logprobs` request field: per choice in completions, at the top of a
+    chat response; checked against transformers; refused with streaming, as vLLM does."""
+    from pdserve.runner.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm_dir)
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    r = httpx.post(
+        pd.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": q, "max_tokens": 2, "prompt_logprobs": 1},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    out = r.json()
+    entries = out["prompt_logprobs"]
+    text = tok.apply_chat_template(q, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert len(entries) == len(ids) == out["usage"]["prompt_tokens"] and entries[0] is None
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+    for pos in range(1, len(ids)):
+        own = entries[pos][str(ids[pos])]
+        assert own["logprob"] == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=1e-4), pos
+        assert own["decoded_token"] == tok.decode([ids[pos]])
+        assert min(e["rank"] for e in entries[pos].values()) == 1
+    comp = _post(pd, {"model": MODEL, "prompt": PROMPTS, "max_tokens": 1, "prompt_logprobs": 0})
+    for c, p in zip(comp["choices"], PROMPTS):
+        assert len(c["prompt_logprobs"]) == len(tok(p).input_ids) and "logprobs" in c
+    bad = httpx.post(
+        pd.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "prompt_logprobs": 1, "stream": True},
+        timeout=30,
+    )
+    assert bad.status_code == 400 and "stream" in bad.json()["error"]["message"]
