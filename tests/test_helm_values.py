@@ -289,6 +289,8 @@ def test_colocated(helm: str) -> None:
             "rayAuth.existingSecret (mine) is set but rayAuth.mode is disabled",
         ),
         (("rayVersion=2.51.0",), "rayAuth.mode token needs Ray >= 2.52.0"),
+        (("serve.kv_transport=cuda_ipc",), "serve.kv_transport cuda_ipc cannot move KV"),
+        (("serve.kv_transport=nccl",), "serve.kv_transport nccl cannot move KV"),
         (
             ("head.env[0].name=RAY_AUTH_MODE", "head.env[0].value=disabled"),
             "head.env sets RAY_AUTH_MODE, which the chart sets on every container from rayAuth",

@@ -29,6 +29,11 @@ raycluster.yaml includes this first, so a bad install renders nothing. */}}
 {{- fail "prefill.replicas must be >= 1 when serve.mode is pd (use serve.mode=colocated for no prefill pool)" }}
 {{- end }}
 
+{{- $transport := $v.serve.kv_transport | default "tcp" }}
+{{- if and (eq $mode "pd") (ne $transport "tcp") }}
+{{- fail (printf "serve.kv_transport %s cannot move KV between the chart's pods: prefill and decode workers run in separate pods (cuda_ipc stays within one; nccl needs one fixed process group, which scaling breaks); use tcp" $transport) }}
+{{- end }}
+
 {{- $auth := $v.rayAuth.mode | toString }}
 {{- if not (has $auth (list "token" "disabled")) }}
 {{- fail (printf "rayAuth.mode must be token or disabled, got %q" $auth) }}
