@@ -50,7 +50,7 @@ class AppState:
         self.router, self.tokenizer, self.model_names = router, tokenizer, names
         self.max_model_len, self.metrics, self.api_key = max_model_len, metrics, api_key
         self.max_body_bytes, self.runner = max_body_bytes, runner
-        # A request field left out takes these (cluster/generation_defaults.py).
+        # A request field left out takes these (runner/generation_defaults.py).
         self.sampling_defaults = dict(sampling_defaults or {})
         self.chat_template = chat_template  # `--chat-template`; None: the tokenizer's
 

@@ -153,7 +153,7 @@ def parse_sampling(
     body: dict, kind: str, seed: int | None, max_tokens: int, defaults: dict | None = None
 ) -> tuple[SamplingParams, int | None]:
     """SamplingParams from OpenAI fields; a field left out takes the server's default
-    (`defaults`, cluster/generation_defaults.py), then OpenAI's. The seed is resolved by
+    (`defaults`, runner/generation_defaults.py), then OpenAI's. The seed is resolved by
     the caller (the router picks one when the client gives none, so prefill and decode
     sample alike), and so is `max_tokens` (`resolve_max_tokens`)."""
     defaults = defaults or {}

@@ -93,7 +93,6 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.cluster.autoscale import Autoscaler, autoscale_config, autoscale_loop
     from pdserve.cluster.chat_template import load_chat_template
     from pdserve.cluster.controller import Controller
-    from pdserve.cluster.generation_defaults import sampling_defaults
     from pdserve.cluster.gpu_binding import actor_env, node_gpu_ids
     from pdserve.cluster.http_app import AppState, build_app
     from pdserve.cluster.membership import sync_members
@@ -106,6 +105,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.cluster.tier_actor import TierService
     from pdserve.cluster.token_stream import TokenSubscriber
     from pdserve.runner.config_resolve import resolve_engine_config
+    from pdserve.runner.generation_defaults import sampling_defaults
     from pdserve.runner.tokenizer import load_tokenizer
 
     # Resolve (and convert, once) the model here, so the workers only load it.

@@ -83,7 +83,7 @@ class ServeConfig:
     enforce_eager: bool = False  # no CUDA graphs
     # where requests' default sampling parameters come from: auto (the model's
     # generation_config.json), vllm (none) or a folder; the override's keys win
-    # (cluster/generation_defaults.py).
+    # (runner/generation_defaults.py).
     generation_config: str = "auto"
     override_generation_config: dict | None = None
     # One GPU a worker: accepted at 1 so vLLM command lines parse, refused above.
@@ -103,7 +103,7 @@ class ServeConfig:
         ):
             raise ValueError("--served-model-name needs one or more non-empty names")
         if self.override_generation_config is not None:
-            from pdserve.cluster.generation_defaults import parse_override
+            from pdserve.runner.generation_defaults import parse_override
 
             object.__setattr__(
                 self, "override_generation_config", parse_override(self.override_generation_config)

@@ -13,10 +13,12 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pdserve.runner.config_resolve import resolve_engine_config
 from pdserve.runner.engine import Engine
+from pdserve.runner.generation_defaults import sampling_defaults
 from pdserve.runner.outputs import CompletionOutput, RequestDelta, RequestOutput
 from pdserve.runner.parallel_sampling import child_params
 from pdserve.runner.sampling_params import SamplingParams
@@ -39,6 +41,8 @@ class LLM:
         enable_prefix_caching: bool = True,
         runner: str = "auto",
         seed: int = 0,
+        generation_config: str = "auto",
+        override_generation_config: dict | None = None,
         **engine_kwargs: Any,
     ):
         self.config = resolve_engine_config(
@@ -54,6 +58,10 @@ class LLM:
             seed=seed,
             **engine_kwargs,
         )
+        # vLLM's: what `generate` without sampling params uses (checked before the load).
+        self._defaults = sampling_defaults(
+            generation_config, Path(self.config.model.path), override_generation_config or {}
+        )
         self.engine = Engine(self.config)
         self._ids = itertools.count()
 
@@ -63,6 +71,12 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's rule: the model's generation config (`generation_config="auto"`), a
+        folder's, or none (`"vllm"`), under `override_generation_config`; what `generate`
+        uses when given no sampling params."""
+        return SamplingParams(**self._defaults)
 
     # ---- prompts ---------------------------------------------------------------------------
 
@@ -99,7 +113,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

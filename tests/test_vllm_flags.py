@@ -10,7 +10,6 @@ import json
 
 import pytest
 
-from pdserve.cluster.generation_defaults import from_file, parse_override, sampling_defaults
 from pdserve.cluster.openai_api import (
     ApiError,
     chat_messages,
@@ -21,6 +20,7 @@ from pdserve.cluster.openai_api import (
 from pdserve.cluster.prompts import prompt_token_ids
 from pdserve.cluster.router import Router, RouterConfig
 from pdserve.cluster.serve_args import ServeConfig, add_serve_args, config_from_args, served_names
+from pdserve.runner.generation_defaults import from_file, parse_override, sampling_defaults
 
 
 def _args(*argv: str) -> ServeConfig:
@@ -285,3 +285,24 @@ def test_health_is_503_without_a_ready_decode_worker():
     r = asyncio.run(get("/health"))
     assert r.status_code == 503 and r.json()["error"]["message"] == "no decode worker is ready"
     assert asyncio.run(get("/version")).status_code == 200
+
+
+def test_offline_llm_takes_the_generation_config(tmp_path, smollm_dir):
+    """vLLM's LLM: `generate` without sampling params uses the generation config."""
+    from pdserve.runner.llm import LLM
+    from pdserve.runner.sampling_params import SamplingParams
+
+    folder = _gen_dir(tmp_path, temperature=0.0, max_new_tokens=5)
+    llm = LLM(
+        model=smollm_dir, dtype="float32", device="cpu", max_model_len=256,
+        kv_cache_memory_bytes=16 << 20, generation_config=str(folder),
+    )  # fmt: skip
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.max_tokens) == (0.0, 5)
+    implicit = llm.generate("The capital of France is", use_tqdm=False)[0].outputs[0]
+    explicit = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False
+    )[0].outputs[0]
+    assert implicit.token_ids == explicit.token_ids and len(implicit.token_ids) == 5
+    with pytest.raises(ValueError, match="not auto, vllm or a folder"):
+        LLM(model=smollm_dir, device="cpu", generation_config=str(tmp_path / "none"))
