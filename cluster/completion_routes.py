@@ -32,6 +32,7 @@ from pdserve.cluster.openai_api import (
     wants_echo,
 )
 from pdserve.cluster.prompts import completion_prompts, prompt_token_ids
+from pdserve.cluster.unsupported import refuse_unsupported
 
 
 def add_completion_routes(app: FastAPI, state: AppState) -> None:
@@ -39,6 +40,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
         """One ParsedRequest per prompt (a completion may carry a batch of them)."""
         body = json_object(await read_body(request, state.max_body_bytes))
         check_model(state, body)
+        refuse_unsupported(body, kind)
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ApiError("'seed' must be an integer", param="seed")

@@ -4,9 +4,9 @@ Parsing turns a JSON body into a `ParsedRequest` (prompt token ids, `SamplingPar
 stream options) or raises `ApiError` with OpenAI's error fields and an HTTP status.
 Field names follow OpenAI (and vLLM where OpenAI is silent: `top_k`, `min_tokens`,
 `ignore_eos`, `stop_token_ids`, `repetition_penalty`, `skip_special_tokens`,
-`include_stop_str_in_output`). Unknown fields are ignored like
-OpenAI does, except fields that would pick workers or transfer parameters: none exist,
-and nothing here reads routing from the client.
+`include_stop_str_in_output`). Unknown fields are ignored like OpenAI does; known ones
+pdserve does not carry out are refused by name (cluster/unsupported.py). No field picks
+workers or transfer parameters: nothing here reads routing from the client.
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pdserve.source_tree import keep_root_off_path
 from pdserve.version import __version__
+
+keep_root_off_path()  # before anything imports transformers (pdserve/source_tree.py)
 
 if TYPE_CHECKING:
     from pdserve.runner.llm import LLM

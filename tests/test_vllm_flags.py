@@ -245,6 +245,42 @@ def test_special_tokens_follow_vllm(bos_tokenizer):
             prompt_token_ids(body, "completion", tok)
 
 
+@pytest.mark.parametrize(
+    "field, value, kind",
+    [
+        ("response_format", {"type": "json_object"}, "chat"),
+        ("response_format", {"type": "json_schema", "json_schema": {}}, "completion"),
+        ("tools", [{"type": "function", "function": {"name": "f"}}], "chat"),
+        ("tool_choice", "required", "chat"),
+        ("logit_bias", {"50256": -100}, "completion"),
+        ("guided_json", {"type": "object"}, "completion"),
+        ("use_beam_search", True, "completion"),
+        ("suffix", "end", "completion"),
+        ("echo", True, "chat"),
+        ("best_of", 3, "completion"),
+        ("truncate_prompt_tokens", 10, "chat"),
+    ],
+)
+def test_fields_that_would_be_silently_ignored_are_refused(field, value, kind):
+    from pdserve.cluster.unsupported import refuse_unsupported
+
+    with pytest.raises(ApiError, match=f"'{field}'") as e:
+        refuse_unsupported({field: value}, kind)
+    assert e.value.status == 400 and e.value.code == "unsupported"
+
+
+def test_neutral_values_of_those_fields_pass():
+    from pdserve.cluster.unsupported import refuse_unsupported
+
+    neutral = {
+        "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+        "logit_bias": {}, "use_beam_search": False, "suffix": "", "echo": False,
+        "best_of": 2, "n": 2, "guided_json": None, "user": "u", "service_tier": "auto",
+    }  # fmt: skip
+    refuse_unsupported(neutral, "chat")
+    refuse_unsupported({"echo": True}, "completion")  # completions' echo is carried out
+
+
 # ---- seeds -------------------------------------------------------------------------------
 
 

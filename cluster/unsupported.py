@@ -1,0 +1,58 @@
+"""Request fields that OpenAI or vLLM define and pdserve does not carry out. Unknown fields
+are ignored, as OpenAI's API does; these are known, and ignoring them would change what
+the client gets without a word (JSON mode answering free text, tool calls that never
+come, a bias never applied), so a request that uses one is refused (400) by name.
+
+A field at its neutral value (`response_format` of type text, an empty `tools` list,
+`echo: false`, ...) is accepted: clients that always send the defaults keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.cluster.openai_api import ApiError
+
+# field -> (is it in use?, why it is refused)
+_RULES: dict[str, tuple[Any, str]] = {
+    "response_format": (
+        lambda v: not (isinstance(v, dict) and v.get("type", "text") == "text"),
+        "structured output (JSON mode, JSON schema) is not supported",
+    ),
+    "structured_outputs": (bool, "structured output is not supported"),
+    "guided_json": (lambda v: v is not None, "guided decoding is not supported"),
+    "guided_regex": (lambda v: v is not None, "guided decoding is not supported"),
+    "guided_choice": (lambda v: v is not None, "guided decoding is not supported"),
+    "guided_grammar": (lambda v: v is not None, "guided decoding is not supported"),
+    "tools": (bool, "tool calling is not supported"),
+    "functions": (bool, "function calling is not supported"),
+    "tool_choice": (
+        lambda v: v not in (None, "none", "auto"),
+        "tool calling is not supported",
+    ),
+    "logit_bias": (bool, "logit_bias is not supported"),
+    "allowed_token_ids": (bool, "allowed_token_ids is not supported"),
+    "bad_words": (bool, "bad_words is not supported"),
+    "use_beam_search": (bool, "beam search is not supported"),
+    "truncate_prompt_tokens": (lambda v: v is not None, "prompt truncation is not supported"),
+    "prompt_embeds": (lambda v: v is not None, "prompt embeddings are not supported"),
+    "return_tokens_as_token_ids": (bool, "return_tokens_as_token_ids is not supported"),
+    "suffix": (bool, "suffix (insertion) is not supported"),
+}
+_CHAT_ONLY = {"echo": (bool, "echo in chat (joining the last message) is not supported")}
+
+
+def refuse_unsupported(body: dict, kind: str) -> None:
+    """Raise a 400 naming the first field `body` uses that pdserve does not carry out."""
+    rules = {**_RULES, **_CHAT_ONLY} if kind == "chat" else _RULES
+    for name, (in_use, why) in rules.items():
+        if name in body and in_use(body[name]):
+            raise ApiError(
+                f"'{name}': {why} by this server; leave it out", param=name, code="unsupported"
+            )
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise ApiError(
+            "'best_of' other than n is not supported by this server", param="best_of",
+            code="unsupported",
+        )  # fmt: skip
