@@ -65,12 +65,16 @@ def _running(server, role: str) -> float:
     return _metric(server.metrics(), "pdserve:num_requests_running", role=role)
 
 
-def test_client_disconnect_frees_the_decode_request(server):
+@pytest.mark.parametrize(
+    "prompt, n", [(LONG, 1), ([LONG, "Once more: " + LONG], 2)], ids=["one", "batch-of-2-n-2"]
+)
+def test_client_disconnect_frees_the_decode_request(server, prompt, n):
     """Guards a leak: a client that hangs up mid-stream must not keep decoding; its
-    blocks must come back within moments."""
+    blocks must come back within moments. A batch of prompts runs each in its own task
+    (cluster/batch_stream.py): all of its generations must stop too."""
     body = {
-        "model": MODEL, "prompt": LONG, "max_tokens": 800, "temperature": 0,
-        "stream": True, "ignore_eos": True,
+        "model": MODEL, "prompt": prompt, "max_tokens": 800, "temperature": 0,
+        "stream": True, "ignore_eos": True, "n": n,
     }  # fmt: skip
     headers = {"authorization": f"Bearer {KEY}"}
     with httpx.stream(
