@@ -75,7 +75,10 @@ class DecodeWorker:
                 f"this worker has {self.loader.layout_hash[:12]}"
             )
         if ticket is None:
-            tier_only = TIER_ONLY if self.loader.tier is not None else None
+            # Prompt logprobs need the forward over every prompt position: no cached KV,
+            # neither the tier's nor the local prefix cache's (the load path takes both).
+            cacheable = self.loader.tier is not None and params.prompt_logprobs is None
+            tier_only = TIER_ONLY if cacheable else None
             self.engine.add_request(request_id, prompt_token_ids, params, kv_ticket=tier_only)
             return
         continues = self.engine.add_prefilled_request(

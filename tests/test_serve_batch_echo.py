@@ -148,10 +148,13 @@ def test_vllm_prompt_logprobs_field(pd, hf_model, smollm_dir):
 
     tok = load_tokenizer(smollm_dir)
     q = [{"role": "user", "content": "What is the capital of France?"}]
+    # Asked once without: its blocks are then cached on the decode worker (and written to
+    # the KV tier). The prompt_logprobs request must still compute every position; it once
+    # took the cached blocks through the tier's load path and left those rows None.
+    plain = {"model": MODEL, "messages": q, "max_tokens": 2}
+    assert httpx.post(pd.url + "/v1/chat/completions", json=plain, timeout=120).status_code == 200
     r = httpx.post(
-        pd.url + "/v1/chat/completions",
-        json={"model": MODEL, "messages": q, "max_tokens": 2, "prompt_logprobs": 1},
-        timeout=120,
+        pd.url + "/v1/chat/completions", json={**plain, "prompt_logprobs": 1}, timeout=120
     )
     assert r.status_code == 200, r.text
     out = r.json()
