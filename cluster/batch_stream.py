@@ -10,10 +10,11 @@ all. The router's own idle timeout bounds every wait on the queue.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
+from pdserve.cluster.router import Route
 from pdserve.cluster.token_stream import StreamDelta
 
 _END = object()
@@ -29,13 +30,14 @@ class Echo(NamedTuple):
 
 
 async def merged(
-    router, reqs: list[ParsedRequest]
+    router, reqs: list[ParsedRequest], on_route: Callable[[Route], None] | None = None
 ) -> AsyncIterator[tuple[int, StreamDelta, Echo | None]]:
     """(choice index, delta, echo) for every generation of `reqs`, in arrival order; the
-    echo only with a choice's first delta, and only when its request asked for one."""
+    echo only with a choice's first delta, and only when its request asked for one.
+    `on_route` hears each generation's route, with its choice index."""
     n = reqs[0].params.n
     started: set[int] = set()
-    async for c, d in _all(router, reqs, n):
+    async for c, d in _all(router, reqs, n, on_route):
         echo = None
         if c not in started:
             started.add(c)
@@ -43,16 +45,21 @@ async def merged(
         yield c, d, echo
 
 
-async def _all(router, reqs: list[ParsedRequest], n: int):
+async def _all(router, reqs: list[ParsedRequest], n: int, on_route):
     if len(reqs) == 1:  # the common case: no tasks of our own
-        async for i, d in router.generate(reqs[0]):
+        async for i, d in router.generate(reqs[0], on_route):
             yield i, d
         return
     queue: asyncio.Queue = asyncio.Queue()
 
+    def routed(p: int):
+        if on_route is None:
+            return None
+        return lambda r: on_route(r._replace(choice=p * n + r.choice))
+
     async def pump(p: int, req: ParsedRequest) -> None:
         try:
-            async for i, d in router.generate(req):
+            async for i, d in router.generate(req, routed(p)):
                 queue.put_nowait((p * n + i, d))
         except Exception as e:  # handed to the consumer, which raises it
             queue.put_nowait((p, e))

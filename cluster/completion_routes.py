@@ -8,6 +8,7 @@ counters are observed here (cluster/metrics.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any
@@ -32,6 +33,7 @@ from pdserve.cluster.openai_api import (
     wants_echo,
 )
 from pdserve.cluster.prompts import completion_prompts, prompt_token_ids
+from pdserve.cluster.request_log import RequestLog
 from pdserve.cluster.unsupported import refuse_unsupported
 
 
@@ -75,6 +77,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                     params,
                     stream,
                     bool(opts.get("include_usage")),
+                    bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
                     k,
                     text if echo else None,
                     body.get("prompt_logprobs") is not None,
@@ -116,7 +119,9 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
         req = reqs[0]  # the fields every prompt shares
         kind = "chat.completion" if req.kind == "chat" else "text_completion"
         cid = new_id("chatcmpl" if req.kind == "chat" else "cmpl")
-        m = state.metrics
+        m, log = state.metrics, state.request_log
+        if log is not None:
+            log.received(cid, reqs)
         if req.stream:
             return StreamingResponse(
                 sse(reqs, cid, start), media_type="text/event-stream",
@@ -132,28 +137,32 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
         prompt_rows: dict[int, list] = {}  # prompt index -> its prompt logprobs rows
         cached = completion_tokens = 0
         first_token = None
-        async for c, d, echo in merged(state.router, reqs):
-            if d.token_ids and first_token is None:
-                first_token = time.monotonic()
-                m.ttft.observe(first_token - start)
-            if echo is not None:
-                texts[c] += echo.text
-                echo_toks[c] = echo.token_ids
-                if lps[c] is not None and echo.logprobs is not None:
-                    lps[c] += echo.logprobs
-            if d.prompt_logprobs is not None:
-                prompt_rows.setdefault(c // req.params.n, d.prompt_logprobs)
-            texts[c] += d.text
-            toks[c] += d.token_ids
-            completion_tokens += len(d.token_ids)
-            if lps[c] is not None and d.logprobs:
-                lps[c] += d.logprobs
-            cached = max(cached, d.num_cached_tokens)
-            if d.finish_reason is not None:
-                finish[c], stop[c] = d.finish_reason, d.stop_reason
-        _check_errors(finish)
+        with _watched(log, cid, start):
+            async for c, d, echo in merged(state.router, reqs, _routes(log, cid)):
+                if d.token_ids and first_token is None:
+                    first_token = time.monotonic()
+                    m.ttft.observe(first_token - start)
+                if echo is not None:
+                    texts[c] += echo.text
+                    echo_toks[c] = echo.token_ids
+                    if lps[c] is not None and echo.logprobs is not None:
+                        lps[c] += echo.logprobs
+                if d.prompt_logprobs is not None:
+                    prompt_rows.setdefault(c // req.params.n, d.prompt_logprobs)
+                texts[c] += d.text
+                toks[c] += d.token_ids
+                completion_tokens += len(d.token_ids)
+                if lps[c] is not None and d.logprobs:
+                    lps[c] += d.logprobs
+                cached = max(cached, d.num_cached_tokens)
+                if d.finish_reason is not None:
+                    finish[c], stop[c] = d.finish_reason, d.stop_reason
+            _check_errors(finish)
         prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
         m.finish(req, start, completion_tokens, prompt_tokens, finish)
+        if log is not None:
+            ttft = first_token - start if first_token is not None else None
+            log.finished(cid, time.monotonic() - start, ttft, completion_tokens, finish)
         choices = [
             choice(req, c, texts[c], echo_toks[c] + toks[c], lps[c], finish[c], stop[c], False)
             for c in range(total)
@@ -180,10 +189,20 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
     async def sse(reqs: list[ParsedRequest], cid: str, start: float):
         req = reqs[0]
         chunk_kind = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-        created, m = now(), state.metrics
+        created, m, log = now(), state.metrics, state.request_log
         completion_tokens, first_token, last = 0, None, None
         prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
         reasons: list[str | None] = [None] * (len(reqs) * req.params.n)
+
+        def chunk(choices: list[dict], final_usage: bool = False) -> str:
+            body = {
+                "id": cid, "object": chunk_kind, "created": created, "model": state.model_name,
+                "choices": choices,
+            }  # fmt: skip
+            if final_usage or req.continuous_usage:  # vLLM's continuous_usage_stats: so far
+                body["usage"] = usage(prompt_tokens, completion_tokens)
+            return _sse(body)
+
         if req.kind == "chat":
             for i in range(req.params.n):
                 head = {
@@ -192,66 +211,47 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                     "logprobs": None,
                     "finish_reason": None,
                 }
-                yield _sse(
-                    {
-                        "id": cid,
-                        "object": chunk_kind,
-                        "created": created,
-                        "model": state.model_name,
-                        "choices": [head],
-                    }
-                )
+                yield chunk([head])
         try:
-            async for c, d, echo in merged(state.router, reqs):
-                t = time.monotonic()
-                if d.token_ids:
-                    if first_token is None:
-                        first_token = t
-                        m.ttft.observe(t - start)
-                    elif last is not None:
-                        m.itl.observe((t - last) / len(d.token_ids))
-                    last = t
-                completion_tokens += len(d.token_ids)
-                if d.finish_reason is not None:
-                    reasons[c] = d.finish_reason
-                if d.finish_reason == "error":
-                    raise ApiError(
-                        f"the request failed in a worker: {d.stop_reason}", 500, "server_error"
+            with _watched(log, cid, start):
+                async for c, d, echo in merged(state.router, reqs, _routes(log, cid)):
+                    t = time.monotonic()
+                    if d.token_ids:
+                        if first_token is None:
+                            first_token = t
+                            m.ttft.observe(t - start)
+                        elif last is not None:
+                            m.itl.observe((t - last) / len(d.token_ids))
+                        last = t
+                    completion_tokens += len(d.token_ids)
+                    if d.finish_reason is not None:
+                        reasons[c] = d.finish_reason
+                    if d.finish_reason == "error":
+                        raise ApiError(
+                            f"the request failed in a worker: {d.stop_reason}", 500, "server_error"
+                        )
+                    text, ids = d.text, d.token_ids
+                    rows = d.logprobs if req.echo_logprobs is not None and d.logprobs else None
+                    if echo is not None:
+                        text, ids = echo.text + text, echo.token_ids + ids
+                        if rows is not None and echo.logprobs is not None:
+                            rows = echo.logprobs + rows
+                    if not ids and not text and d.finish_reason is None:
+                        continue
+                    body = choice(
+                        req, c, text, ids, rows, d.finish_reason, d.stop_reason, delta=True
                     )
-                text, ids = d.text, d.token_ids
-                rows = d.logprobs if req.echo_logprobs is not None and d.logprobs else None
-                if echo is not None:
-                    text, ids = echo.text + text, echo.token_ids + ids
-                    if rows is not None and echo.logprobs is not None:
-                        rows = echo.logprobs + rows
-                if not ids and not text and d.finish_reason is None:
-                    continue
-                body = choice(req, c, text, ids, rows, d.finish_reason, d.stop_reason, delta=True)
-                yield _sse(
-                    {
-                        "id": cid,
-                        "object": chunk_kind,
-                        "created": created,
-                        "model": state.model_name,
-                        "choices": [body],
-                    }
-                )
+                    yield chunk([body])
         except ApiError as e:
             yield _sse(e.body())
             yield "data: [DONE]\n\n"
             return
         m.finish(req, start, completion_tokens, prompt_tokens, reasons)
+        if log is not None:
+            ttft = first_token - start if first_token is not None else None
+            log.finished(cid, time.monotonic() - start, ttft, completion_tokens, reasons)
         if req.include_usage:
-            yield _sse(
-                {
-                    "id": cid,
-                    "object": chunk_kind,
-                    "created": created,
-                    "model": state.model_name,
-                    "choices": [],
-                    "usage": usage(prompt_tokens, completion_tokens),
-                }
-            )
+            yield chunk([], final_usage=True)
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
@@ -261,6 +261,14 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         return await run(await parse(request, "chat"))
+
+
+def _watched(log: RequestLog | None, api_id: str, start: float):
+    return log.watch(api_id, start) if log is not None else contextlib.nullcontext()
+
+
+def _routes(log: RequestLog | None, api_id: str):
+    return (lambda route: log.route(api_id, route)) if log is not None else None
 
 
 def _finish(reason: str | None) -> str | None:

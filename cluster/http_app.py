@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.openai_api import ApiError, new_id, now
+from pdserve.cluster.request_log import RequestLog
 from pdserve.cluster.router import Router
 from pdserve.version import __version__
 
@@ -42,6 +43,7 @@ class AppState:
         runner: str = "mrv2",
         sampling_defaults: dict | None = None,
         chat_template: str | None = None,
+        request_log: RequestLog | None = None,
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -53,6 +55,7 @@ class AppState:
         # A request field left out takes these (runner/generation_defaults.py).
         self.sampling_defaults = dict(sampling_defaults or {})
         self.chat_template = chat_template  # `--chat-template`; None: the tokenizer's
+        self.request_log = request_log  # `--enable-log-requests`
 
     @property
     def model_name(self) -> str:

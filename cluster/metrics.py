@@ -27,6 +27,12 @@ _WORKER_SERIES = {
     "prefix_cache_queries": ("prefix_cache_queries", "counter", "Prompt tokens looked up"),
     "prefix_cache_hits": ("prefix_cache_hits", "counter", "Prompt tokens found in the cache"),
     "num_preemptions": ("num_preemptions", "counter", "Requests preempted"),
+    "prompt_tokens_computed": (
+        "worker_prompt_tokens_computed",
+        "counter",
+        "Prompt tokens the worker computed (prefix-cache hits and pulled KV not counted)",
+    ),
+    "generation_tokens": ("worker_generation_tokens", "counter", "Tokens the worker sampled"),
     "transfer_bytes": ("kv_transfer_bytes", "counter", "KV bytes pulled"),
     "transfer_seconds": ("kv_transfer_seconds", "counter", "Seconds spent pulling KV"),
     "recompute_fallbacks": ("kv_recompute_fallbacks", "counter", "Failed pulls recomputed"),
@@ -154,8 +160,7 @@ class _RouterCollector:
         for key, (name, kind, help_) in _WORKER_SERIES.items():
             cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             families[key] = cls(PREFIX + name, help_, labels=["role", "worker"])
-        roles = {w.worker_id: "decode" for w in router.decode_workers}
-        roles.update({w.worker_id: "prefill" for w in router.prefill_workers})
+        roles = router.worker_roles()
         for worker, stats in router.worker_stats.items():
             for key, fam in families.items():
                 if isinstance(stats.get(key), int | float) and not isinstance(stats[key], bool):

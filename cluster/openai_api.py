@@ -56,6 +56,8 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    # stream_options.continuous_usage_stats (with include_usage): usage on every chunk
+    continuous_usage: bool
     echo_logprobs: int | None  # completions: logprobs=k; chat: top_logprobs when logprobs
     echo_text: str | None = None  # completions with `echo`: the prompt, put before the output
     # vLLM's `prompt_logprobs` field was given: the response carries the prompt's logprobs.

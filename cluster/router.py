@@ -25,9 +25,9 @@ import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
 from pdserve.cluster.prefix_index import PrefixIndex
@@ -53,6 +53,18 @@ class WorkerHandle(Protocol):
     async def deliver_first_token(self, payload: bytes) -> bool: ...
     async def abort(self, request_id: str) -> bool: ...
     async def stats(self) -> dict: ...
+
+
+class Route(NamedTuple):
+    """Where one generation went: `decision` is the router's reason (`remote_prefill`,
+    `short_prompt`, `prefix_hit_on_decode`, ...); `prefill` is the worker that computed
+    its prompt, None when the decode worker did."""
+
+    choice: int
+    request_id: str  # the workers' id for it (their logs and aborts use it)
+    decision: str
+    prefill: str | None
+    decode: str
 
 
 @dataclass(frozen=True)
@@ -109,6 +121,12 @@ class Router:
         self._assigned: dict[str, str] = {}  # request id -> decode worker id
         self._background: set[asyncio.Task] = set()  # aborts in flight; awaited by close()
         self._seeds = random.Random(config.seed) if config.seed is not None else None
+
+    def worker_roles(self) -> dict[str, str]:
+        """Worker id -> "decode" | "prefill" for the workers requests are routed to."""
+        roles = {w.worker_id: "decode" for w in self.decode_workers}
+        roles.update({w.worker_id: "prefill" for w in self.prefill_workers})
+        return roles
 
     async def close(self) -> None:
         if self._background:
@@ -178,7 +196,11 @@ class Router:
 
     # ---- one request --------------------------------------------------------------------
 
-    async def generate(self, req: ParsedRequest) -> AsyncIterator[tuple[int, StreamDelta]]:
+    async def generate(
+        self, req: ParsedRequest, on_route: Callable[[Route], None] | None = None
+    ) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """(choice index, delta) of each of the request's `n` generations. `on_route` hears
+        where each one went, once it is on its decode worker (`--enable-log-requests`)."""
         base_seed = req.params.seed
         if base_seed is None:
             base_seed = (self._seeds or secrets.SystemRandom()).getrandbits(63)
@@ -187,7 +209,7 @@ class Router:
         ids = [f"{rid}-{i}" for i in range(len(children))]
         merged: asyncio.Queue[tuple[int, StreamDelta | BaseException]] = asyncio.Queue()
         tasks = [
-            asyncio.create_task(self._one(cid, i, req.prompt_token_ids, p, merged))
+            asyncio.create_task(self._one(cid, i, req.prompt_token_ids, p, merged, on_route))
             for i, (cid, p) in enumerate(zip(ids, children))
         ]
         done = 0
@@ -204,7 +226,9 @@ class Router:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _one(self, request_id, index, prompt, params, out: asyncio.Queue) -> None:
+    async def _one(
+        self, request_id, index, prompt, params, out: asyncio.Queue, on_route=None
+    ) -> None:
         if not self.decode_workers:
             await out.put((index, ApiError("no decode worker is available", 503, "server_error")))
             return
@@ -225,11 +249,16 @@ class Router:
             if decision == "remote_prefill":
                 prefill_w = self._pick_prefill(hashes)
                 ticket = await self._remote_prefill(prefill_w, work, holders, hashes)
+                if ticket is None:  # failed; policy recompute: the decode worker prefills
+                    decision = "recompute_after_prefill_failure"
             self.prefix_index.remember(decode_w.worker_id, hashes)
             work = replace(work, ticket=ticket_to_wire(ticket) if ticket is not None else None)
             holders.append(decode_w)
             self._assigned[request_id] = decode_w.worker_id
             await decode_w.submit(work.encode())
+            if on_route is not None:
+                prefilled_by = prefill_w.worker_id if ticket is not None else None
+                on_route(Route(index, request_id, decision, prefilled_by, decode_w.worker_id))
             if ticket is not None and ticket.first_token is None:  # an early ticket
                 relay = asyncio.create_task(
                     self._relay_first_token(prefill_w, decode_w, request_id)

@@ -100,8 +100,10 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.cluster.ops_api import OpsState, add_ops_routes
     from pdserve.cluster.pool_control import PoolControl
     from pdserve.cluster.ray_pool import PoolSpec
+    from pdserve.cluster.request_log import RequestLog
     from pdserve.cluster.router import Router, RouterConfig
     from pdserve.cluster.serve_placement import actor_resources, pool_bounds, start_ray
+    from pdserve.cluster.stats_log import stats_log_loop
     from pdserve.cluster.tier_actor import TierService
     from pdserve.cluster.token_stream import TokenSubscriber
     from pdserve.runner.config_resolve import resolve_engine_config
@@ -221,6 +223,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         state = AppState(
             router, tokenizer, list(model_names), ecfg.model.max_model_len, Metrics(),
             cfg.api_key, cfg.max_body_bytes, ecfg.runner.runner, defaults, chat_template,
+            RequestLog(_print) if cfg.enable_log_requests else None,
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)
@@ -239,6 +242,10 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             ]
             if autoscaler is not None:
                 loops.append(asyncio.create_task(autoscale_loop(autoscaler, control, router)))
+            if not cfg.disable_log_stats:
+                loops.append(
+                    asyncio.create_task(stats_log_loop(router, cfg.log_stats_interval_s, _print))
+                )
             try:
                 yield
             finally:
@@ -266,8 +273,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         )
         server = uvicorn.Server(
             uvicorn.Config(
-                app, host=cfg.host, port=cfg.port, log_level="warning",
-                timeout_graceful_shutdown=10,
+                app, host=cfg.host, port=cfg.port, log_level=cfg.uvicorn_log_level,
+                access_log=not cfg.disable_uvicorn_access_log, timeout_graceful_shutdown=10,
             )
         )  # fmt: skip
         # As uvicorn.run does: Ctrl-C ends the server (it re-raises the signal once its
@@ -283,6 +290,10 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         ray.shutdown()
         print("pdserve: stopped", flush=True)
     return 0
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
 
 
 async def _membership_loop(controller, router, interval_s: float) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 # Keys that may come from the environment when neither a flag nor the config file gives
 # them (a Helm chart passes them from a Secret, never through the ConfigMap).
 ENV_KEYS = {"api_key": "PDSERVE_API_KEY", "admin_key": "PDSERVE_ADMIN_KEY"}
+UVICORN_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,15 @@ class ServeConfig:
     kv_cache_dtype: str = "auto"  # the KV cache is in the model's dtype
     # A Jinja chat template (a file, or the template itself) instead of the tokenizer's.
     chat_template: str | None = None
+    # The log: a line per pool every `log_stats_interval_s` (cluster/stats_log.py) unless
+    # disabled; with enable_log_requests, lines for each request's arrival, route and end
+    # (token counts, never text; cluster/request_log.py); uvicorn's own level and its
+    # access log (one line per HTTP request, off at the default level).
+    disable_log_stats: bool = False
+    log_stats_interval_s: float = 10.0
+    enable_log_requests: bool = False
+    uvicorn_log_level: str = "warning"
+    disable_uvicorn_access_log: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):  # one name, from a config file
@@ -121,6 +131,13 @@ class ServeConfig:
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype}: only auto (the model's dtype) is "
                 "supported"
+            )
+        if not self.log_stats_interval_s > 0:
+            raise ValueError(f"--log-stats-interval must be > 0, got {self.log_stats_interval_s}")
+        if self.uvicorn_log_level not in UVICORN_LEVELS:
+            raise ValueError(
+                f"--uvicorn-log-level must be one of {', '.join(UVICORN_LEVELS)}, got "
+                f"{self.uvicorn_log_level!r}"
             )
         if self.mode not in ("pd", "colocated"):
             raise ValueError(f"--mode must be pd or colocated, got {self.mode!r}")
@@ -226,6 +243,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or the template itself) to use instead "
                    "of the tokenizer's")  # fmt: skip
+    p.add_argument("--disable-log-stats", action="store_true", default=None,
+                   help="no periodic per-pool stats lines in the log")  # fmt: skip
+    p.add_argument("--log-stats-interval", type=float, default=None, dest="log_stats_interval_s",
+                   metavar="SECONDS", help=f"default {d.log_stats_interval_s:g}")  # fmt: skip
+    p.add_argument("--enable-log-requests", action="store_true", default=None,
+                   help="log each request's arrival, route and end (token counts, not text)")  # fmt: skip
+    p.add_argument("--uvicorn-log-level", choices=UVICORN_LEVELS, default=None,
+                   help=f"default {d.uvicorn_log_level}")  # fmt: skip
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", default=None)
     p.add_argument("--host", default=None, help=f"default {d.host}")
     p.add_argument("--port", type=int, default=None, help=f"default {d.port}")
     p.add_argument("--mode", choices=["pd", "colocated"], default=None, help="default pd")

@@ -42,6 +42,8 @@ def _engine_stats(engine: Engine) -> dict[str, Any]:
         "prefix_cache_queries": engine.kv.prefix_cache_queries,
         "prefix_cache_hits": engine.kv.prefix_cache_hits,
         "num_preemptions": s.num_preemptions,
+        "prompt_tokens_computed": s.num_prompt_tokens_computed,
+        "generation_tokens": engine.stats.generation_tokens,
         "runner": engine.runner_name,
         "execution_path": engine.execution_path,
         "steps_by_path": engine.steps_by_path(),

@@ -235,6 +235,7 @@ class Engine(PDRoles):
         for req in self.scheduler.update_from_output(so, out):
             lp = out.logprobs[row_of[req.request_id]] if row_of is not None else None
             deltas.append(self._process_token(req, lp))
+        self.stats.generation_tokens += len(deltas)  # one sampled token each
         return deltas
 
     def _process_token(self, req: Request, lp: TopLogprobs | None) -> RequestDelta:

@@ -12,11 +12,13 @@ from pdserve.runner.outputs import LogprobDict
 @dataclass
 class StepStats:
     """Where the host's time goes: `cpu_s` is time in `step()` not spent waiting for the
-    device; `wait_s` is time blocked on a step's outputs."""
+    device; `wait_s` is time blocked on a step's outputs. `generation_tokens`: tokens
+    sampled (a prefill worker's first tokens included)."""
 
     num_steps: int = 0
     cpu_s: float = 0.0
     wait_s: float = 0.0
+    generation_tokens: int = 0
 
     @property
     def cpu_ms_per_step(self) -> float:

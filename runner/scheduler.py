@@ -51,6 +51,9 @@ class Scheduler:
         self._in_runner: set[str] = set()  # requests the runner holds a slot for
         self._free_in_runner: set[str] = set()  # finished/preempted since the last step
         self.num_preemptions = 0
+        # Prompt tokens put in steps (prefix-cache hits and loaded KV are not computed, so
+        # not counted): the worker's prompt throughput.
+        self.num_prompt_tokens_computed = 0
 
     # ---- membership -----------------------------------------------------------------------
 
@@ -211,7 +214,10 @@ class Scheduler:
         `samples`: they reach its last known token, so the step samples one for it, which
         async scheduling holds as a placeholder until the value reaches the host."""
         out.num_scheduled_tokens[req.request_id] = num_new
-        req.num_computed_tokens += num_new
+        done = req.num_computed_tokens
+        if done < req.num_prompt_tokens:
+            self.num_prompt_tokens_computed += min(num_new, req.num_prompt_tokens - done)
+        req.num_computed_tokens = done + num_new
         if samples and self.async_scheduling:
             req.num_output_placeholders += 1
 

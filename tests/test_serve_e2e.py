@@ -244,7 +244,11 @@ def test_prefix_cached_on_decode_prefills_locally(pd):
 def pd_busy(tmp_path_factory):
     # Conditional disaggregation at its tightest: one prompt token in flight on the prefill
     # worker is "backed up", so prompts arriving meanwhile prefill on the decode worker.
-    server = Server(tmp_path_factory.mktemp("busy"), "--pd-max-prefill-queue-tokens", "1")
+    # It also logs every request and prints the pools' stats every second.
+    server = Server(
+        tmp_path_factory.mktemp("busy"), "--pd-max-prefill-queue-tokens", "1",
+        "--enable-log-requests", "--log-stats-interval", "1",
+    )  # fmt: skip
     yield server
     server.stop()
 
@@ -274,6 +278,75 @@ def test_backed_up_prefill_pool_sends_prompts_to_the_decode_worker(pd_busy, pd):
     name = "pdserve:pd_decisions_total"
     assert _metric(text, name, reason="prefill_busy") >= 1
     assert _metric(text, name, reason="remote_prefill") >= 1
+
+
+def _log_lines(server: Server, needle: str, count: int = 1, timeout_s: float = 10) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [ln for ln in server.log.read_text().splitlines() if needle in ln]
+        if len(lines) >= count or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.2)
+
+
+def test_the_log_says_where_each_request_ran_and_what_the_pools_did(pd_busy):
+    """Guards `--enable-log-requests` and the stats lines: a long prompt alone is prefilled
+    on the prefill worker, a short one with n=2 on the decode worker, both choices logged;
+    a client that hangs up is logged as gone; the pools' lines report the work, and the
+    workers' token counters add up to the router's."""
+    client = pd_busy.client()
+    r = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Name one bridge in Porto. " + LONG,
+        max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    received, routed, finished = (
+        _log_lines(pd_busy, f"request {r.id}{what}")
+        for what in (": received", " choice ", ": finished")
+    )
+    prompt_tokens = r.usage.prompt_tokens
+    assert received[0].endswith(
+        f"received completion, {prompt_tokens} prompt tokens; max_tokens=6, temperature=0.0, "
+        "ignore_eos=True"
+    ), received
+    assert "remote_prefill, prompt on prefill-0, decode on decode-0" in routed[0]
+    assert ": finished (length), 6 output tokens, TTFT " in finished[0]
+
+    short = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=3, n=2, temperature=0.5,
+        stream=True,
+    )  # fmt: skip
+    api_id = next(iter(short)).id
+    for _ in short:
+        pass
+    routed = _log_lines(pd_busy, f"request {api_id} choice ", 2)
+    assert sorted(line.split(" choice ")[1][0] for line in routed) == ["0", "1"]
+    assert all("short_prompt, prompt on the decode worker, decode on decode-0" in x for x in routed)
+    assert ", stream; max_tokens=3, temperature=0.5, n=2" in _log_lines(pd_busy, api_id)[0]
+
+    # Every worker's sampled tokens reach the router: the first ones on the prefill worker
+    # (remote prefills) or the decode worker, the rest on the decode worker.
+    text = pd_busy.metrics()
+    workers = _metric(text, "pdserve:worker_generation_tokens_total")
+    assert workers == _metric(text, "pdserve:generation_tokens_total") > 0
+    assert _metric(text, "pdserve:worker_prompt_tokens_computed_total", role="prefill") > 0
+    stats = _log_lines(pd_busy, "decode pool (1 worker): ", 1, timeout_s=5)
+    assert any(float(x.split("Avg generation throughput: ")[1].split(" ")[0]) > 0 for x in stats), (
+        stats
+    )
+    assert any("Steps: 100% eager" in x for x in stats), stats  # CPU: no CUDA graphs
+    assert _log_lines(pd_busy, "prefill pool (1 worker): Avg prompt throughput: ")
+
+    body = {
+        "model": "SmolLM2-135M-Instruct", "prompt": "Count: " + LONG, "max_tokens": 500,
+        "stream": True, "ignore_eos": True,
+    }  # fmt: skip
+    with httpx.stream(
+        "POST", pd_busy.url + "/v1/completions", json=body, timeout=60,
+        headers={"authorization": f"Bearer {KEY}"},
+    ) as resp:  # fmt: skip
+        first = next(line for line in resp.iter_lines() if line.startswith("data:"))
+    gone = json.loads(first[5:])["id"]
+    assert _log_lines(pd_busy, f"request {gone}: cancelled (the client went away) after ")
 
 
 @pytest.fixture(scope="module")

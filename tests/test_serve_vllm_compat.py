@@ -129,6 +129,31 @@ def test_vllm_text_fields(server):
     assert raw.choices[0].message.content == plain + "<|im_end|>"
 
 
+def test_continuous_usage_stats(server):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far
+    (the role chunk 0 tokens), ending at the final usage chunk's counts; without it only
+    the final chunk has usage."""
+    c = _client(server)
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        c.chat.completions.create(model="smol", messages=q, stream=True, stream_options=opts)
+    )
+    assert all(ch.usage is not None for ch in chunks)
+    counts = [ch.usage.completion_tokens for ch in chunks]
+    assert counts[0] == 0 and counts == sorted(counts)
+    final = chunks[-1].usage
+    assert final.completion_tokens == counts[-2] > 0 and not chunks[-1].choices
+    assert {ch.usage.prompt_tokens for ch in chunks} == {final.prompt_tokens}
+    plain = list(
+        c.chat.completions.create(
+            model="smol", messages=q, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert [ch.usage is not None for ch in plain] == [False] * (len(plain) - 1) + [True]
+    assert plain[-1].usage == final
+
+
 def test_tokenize_and_detokenize(server):
     """vLLM's tokenizer routes count what a request is charged, and map ids back."""
     c = _client(server)

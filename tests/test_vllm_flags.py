@@ -259,6 +259,7 @@ def test_special_tokens_follow_vllm(bos_tokenizer):
         ("echo", True, "chat"),
         ("best_of", 3, "completion"),
         ("truncate_prompt_tokens", 10, "chat"),
+        ("priority", -1, "completion"),
     ],
 )
 def test_fields_that_would_be_silently_ignored_are_refused(field, value, kind):
@@ -276,6 +277,7 @@ def test_neutral_values_of_those_fields_pass():
         "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
         "logit_bias": {}, "use_beam_search": False, "suffix": "", "echo": False,
         "best_of": 2, "n": 2, "guided_json": None, "user": "u", "service_tier": "auto",
+        "priority": 0,
     }  # fmt: skip
     refuse_unsupported(neutral, "chat")
     refuse_unsupported({"echo": True}, "completion")  # completions' echo is carried out

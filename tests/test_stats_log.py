@@ -1,0 +1,115 @@
+"""The serve log's stats lines (cluster/stats_log.py) and the engine counters they read:
+prompt tokens computed (prefix-cache hits not counted) and tokens sampled."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import DEVICE
+
+from pdserve.cluster.stats_log import StatsLog
+from pdserve.runner.engine import Engine
+from pdserve.runner.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_engine_counts_computed_prompt_tokens_and_sampled_tokens(tiny_qwen3_dir, async_scheduling):
+    """Chunked prefill (8 tokens a step), then the same prompt again: its full blocks are
+    prefix hits and only the rest is computed. Every sampled token is counted once."""
+    engine = Engine.from_args(
+        async_scheduling=async_scheduling, model=tiny_qwen3_dir, device=DEVICE, dtype="float32",
+        max_model_len=128, block_size=4, num_gpu_blocks=64, max_num_seqs=4,
+        max_num_batched_tokens=8,
+    )  # fmt: skip
+    prompt = list(range(30, 60))  # 30 tokens: 7 full blocks of 4, 2 over
+
+    def run(rid: str, max_tokens: int) -> int:
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+        tokens = 0
+        while engine.has_unfinished():
+            tokens += sum(len(d.new_token_ids) for d in engine.step())
+        return tokens
+
+    assert run("a", 5) == 5
+    stats = engine.scheduler, engine.stats
+    assert (stats[0].num_prompt_tokens_computed, stats[1].generation_tokens) == (30, 5)
+    assert run("b", 3) == 3
+    hits = engine.kv.prefix_cache_hits
+    assert hits == 28  # the 7 full blocks
+    assert engine.scheduler.num_prompt_tokens_computed == 30 + (30 - hits)
+    assert engine.stats.generation_tokens == 8
+
+
+def _worker(**kw) -> dict:
+    base = {
+        "num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
+        "prompt_tokens_computed": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
+        "prefix_cache_hits": 0, "num_preemptions": 0, "steps_by_path": {},
+    }  # fmt: skip
+    return {**base, **kw}
+
+
+ROLES = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+
+
+def test_lines_carry_interval_rates_pool_sums_and_step_paths():
+    log = StatsLog(start=100.0)
+    first = {
+        "prefill-0": _worker(prompt_tokens_computed=400, generation_tokens=2,
+                             prefix_cache_queries=400, prefix_cache_hits=100),
+        "decode-0": _worker(generation_tokens=30, num_requests_running=2, kv_cache_usage_perc=0.2,
+                            steps_by_path={"cuda_graph": 27, "eager": 3}),
+        "decode-1": _worker(generation_tokens=10, num_requests_waiting=1, kv_cache_usage_perc=0.1,
+                            steps_by_path={"cuda_graph": 10}),
+    }  # fmt: skip
+    lines = log.lines(110.0, ROLES, first)
+    assert lines == [
+        "prefill pool (1 worker): Avg prompt throughput: 40.0 tokens/s, Avg generation "
+        "throughput: 0.2 tokens/s, Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0.0%, "
+        "Prefix cache hit rate: 25.0%",
+        "decode pool (2 workers): Avg prompt throughput: 0.0 tokens/s, Avg generation "
+        "throughput: 4.0 tokens/s, Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 15.0% "
+        "(max 20.0%), Steps: 92% cuda_graph, 8% eager",
+    ]
+    # Five seconds later: only what changed since, per second of those five.
+    second = {
+        **first,
+        "decode-0": _worker(generation_tokens=80, num_requests_running=2, kv_cache_usage_perc=0.3,
+                            num_preemptions=1, steps_by_path={"cuda_graph": 77, "eager": 3}),
+    }  # fmt: skip
+    lines = log.lines(115.0, ROLES, second)
+    assert lines[0].startswith("prefill pool (1 worker): Avg prompt throughput: 0.0 tokens/s")
+    assert lines[1] == (
+        "decode pool (2 workers): Avg prompt throughput: 0.0 tokens/s, Avg generation "
+        "throughput: 10.0 tokens/s, Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 20.0% "
+        "(max 30.0%), Preemptions: 1, Steps: 100% cuda_graph"
+    )
+
+
+def test_an_idle_pool_prints_one_line_of_zeros_then_nothing():
+    log = StatsLog(start=0.0)
+    busy = {"decode-0": _worker(generation_tokens=50)}
+    roles = {"decode-0": "decode"}
+    assert len(log.lines(10.0, roles, busy)) == 1
+    idle = log.lines(20.0, roles, busy)  # nothing new: the zeros, once
+    assert idle == [
+        "decode pool (1 worker): Avg prompt throughput: 0.0 tokens/s, Avg generation "
+        "throughput: 0.0 tokens/s, Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0.0%"
+    ]
+    assert log.lines(30.0, roles, busy) == []
+    waiting = {"decode-0": _worker(generation_tokens=50, num_requests_waiting=3)}
+    assert "Waiting: 3 reqs" in log.lines(40.0, roles, waiting)[0]  # work again: it speaks
+
+
+def test_a_restarted_worker_counts_from_zero_and_a_silent_one_is_named():
+    log = StatsLog(start=0.0)
+    roles = {"decode-0": "decode"}
+    log.lines(10.0, roles, {"decode-0": _worker(generation_tokens=500)})
+    # Its counters went back: a new process, whose 20 tokens are all since the last line.
+    restarted = {"decode-0": _worker(generation_tokens=20, error="TimeoutError()")}
+    (line,) = log.lines(20.0, roles, restarted)
+    assert "Avg generation throughput: 2.0 tokens/s" in line
+    assert line.endswith("not answering: decode-0")
+    # A drained worker is forgotten; one added later counts from its own zero.
+    assert log.lines(30.0, {}, {}) == []
+    (line,) = log.lines(40.0, roles, {"decode-0": _worker(generation_tokens=30)})
+    assert "Avg generation throughput: 3.0 tokens/s" in line
