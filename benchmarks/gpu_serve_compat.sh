@@ -20,7 +20,7 @@ run_one() {  # $1 name, $2 port, then serve flags
   timeout 400 python3 -m pdserve.cli serve /tmp/pdserve-model --port "$port" "$@" \
     > "$OUT/serve_$name.log" 2>&1 &
   local pid=$!
-  if wait_up "$port" "$OUT/serve_$name.log"; then
+  if wait_up "$port" "$OUT/serve_$name.log" $pid; then
     grep "pdserve:" "$OUT/serve_$name.log"
     curl -s -m 120 "localhost:$port/v1/completions" -H 'content-type: application/json' \
       -d "{\"model\": \"/tmp/pdserve-model\", \"prompt\": $IDS, \"temperature\": 0, \"max_tokens\": 1, \"logprobs\": 1, \"echo\": true}" \

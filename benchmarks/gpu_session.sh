@@ -3,7 +3,8 @@
 # Run from the repo root on the GPU machine with `.gpu` carried
 # (bash ../shared/tools/gpu-bundle.sh hypothesis sortedcontainers attrs fastapi uvicorn
 #  starlette pydantic pydantic-core annotated-types typing-inspection anyio sniffio h11 click
-#  typing-extensions: the last ones for `pdserve serve`).
+#  typing-extensions opentelemetry-api importlib-metadata zipp: the last ones for
+#  `pdserve serve`; fastapi 0.165 imports opentelemetry).
 #   BENCH=throughput|transfer|both|none (default both)   BENCH_ARGS=...   TESTS=0 to skip tests
 #   TESTS=1 / TESTS=2 runs the first / second half of the GPU test files (the whole set
 #   takes ~300 s of test time, more than a call can give it after the set-up and a

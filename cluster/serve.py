@@ -102,7 +102,12 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.cluster.ray_pool import PoolSpec
     from pdserve.cluster.request_log import RequestLog
     from pdserve.cluster.router import Router, RouterConfig
-    from pdserve.cluster.serve_placement import actor_resources, pool_bounds, start_ray
+    from pdserve.cluster.serve_placement import (
+        actor_resources,
+        kv_transport,
+        pool_bounds,
+        start_ray,
+    )
     from pdserve.cluster.stats_log import stats_log_loop
     from pdserve.cluster.tier_actor import TierService
     from pdserve.cluster.token_stream import TokenSubscriber
@@ -139,11 +144,12 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(ecfg),
     )  # fmt: skip
     local_gpu = torch.cuda.is_available() and cfg.device != "cpu" and cfg.ray_address is None
-    if cfg.kv_transport == "cuda_ipc" and not (local_gpu or cfg.ray_address):
+    transport = kv_transport(cfg, local_gpu)
+    if transport == "cuda_ipc" and not (local_gpu or cfg.ray_address):
         raise ValueError("--kv-transport cuda_ipc needs the workers on a GPU (this runs on CPU)")
     num_workers = cfg.decode_workers + (cfg.prefill_workers if cfg.mode == "pd" else 0)
     placement = start_ray(cfg, torch.cuda.device_count() if local_gpu else 0, num_workers)
-    if placement.joined and cfg.kv_transport == "cuda_ipc":
+    if placement.joined and transport == "cuda_ipc":
         print(
             "pdserve: warning: --kv-transport cuda_ipc moves KV only between workers on one "
             "node; in a multi-node cluster keep each prefill and decode pair on one node, or "
@@ -184,11 +190,9 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             cfg.lease_s,
             gpus_per_worker=placement.gpus_per_worker,
             tier=tier,
-            kv_transport=cfg.kv_transport,
+            kv_transport=transport,
             kv_layer_wise=cfg.kv_layer_wise,
-            dist_init_method=(
-                f"tcp://{host}:{_free_port(host)}" if cfg.kv_transport == "nccl" else None
-            ),
+            dist_init_method=(f"tcp://{host}:{_free_port(host)}" if transport == "nccl" else None),
             # Whole-GPU workers see the node's other GPUs too (cuda_ipc between GPUs).
             actor_env=actor_env(node_gpu_ids(placement.num_gpus)) if whole else None,
             pool_resources=cfg.pool_resources,
@@ -260,7 +264,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             f"pdserve: serving {model_names[0]!r} at http://{cfg.host}:{cfg.port}/v1 — mode "
             f"{cfg.mode}, {len(router.prefill_workers)} prefill + {len(router.decode_workers)} "
             "decode worker(s), "
-            f"{'1 KV tier actor, ' if tier is not None else ''}"
+            + (f"KV over {transport}, " if cfg.mode == "pd" else "")
+            + f"{'1 KV tier actor, ' if tier is not None else ''}"
             f"runner {ecfg.runner.runner}, "
             + (
                 f"Ray cluster at {cfg.ray_address} ({placement.num_gpus} GPU(s))"

@@ -42,9 +42,10 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20
     health_interval_s: float = 2.0
     tier_bytes: int = 1 << 30  # host memory of the KV tier actor; 0 = no tier
-    # How decode workers pull KV: "tcp" | "cuda_ipc" (one node, GPU) | "nccl" (P2P in a
+    # How decode workers pull KV: "auto" (cuda_ipc for local GPU workers, else tcp;
+    # serve_placement.kv_transport) | "tcp" | "cuda_ipc" (one node, GPU) | "nccl" (P2P in a
     # process group of all workers; gloo on CPU)
-    kv_transport: str = "tcp"
+    kv_transport: str = "auto"
     # Layer-wise early tickets: a prompt's ticket goes out when its last chunk is
     # scheduled, and its KV streams to the decode worker layer by layer as the prefill
     # forward writes it (tcp only).
@@ -145,11 +146,11 @@ class ServeConfig:
             raise ValueError("--decode-workers must be >= 1")
         if self.mode == "pd" and self.prefill_workers < 1:
             raise ValueError("--mode pd needs --prefill-workers >= 1")
-        if self.kv_transport not in ("tcp", "cuda_ipc", "nccl"):
+        if self.kv_transport not in ("auto", "tcp", "cuda_ipc", "nccl"):
             raise ValueError(
-                f"--kv-transport must be tcp, cuda_ipc or nccl, got {self.kv_transport!r}"
+                f"--kv-transport must be auto, tcp, cuda_ipc or nccl, got {self.kv_transport!r}"
             )
-        if self.kv_layer_wise and self.kv_transport != "tcp":
+        if self.kv_layer_wise and self.kv_transport not in ("auto", "tcp"):
             raise ValueError(
                 "--kv-layer-wise streams KV over tcp; it cannot be used with "
                 f"--kv-transport {self.kv_transport}"
@@ -289,8 +290,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "half the host time a step) (default step)")  # fmt: skip
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
-    p.add_argument("--kv-transport", choices=["tcp", "cuda_ipc", "nccl"], default=None,
-                   help="how decode workers pull KV from prefill workers (default tcp)")  # fmt: skip
+    p.add_argument("--kv-transport", choices=["auto", "tcp", "cuda_ipc", "nccl"], default=None,
+                   help="how decode workers pull KV from prefill workers (default auto: "
+                   "cuda_ipc when the workers are on this node's GPUs, else tcp)")  # fmt: skip
     p.add_argument("--kv-layer-wise", action="store_true", default=None,
                    help="pd mode, tcp: stream each layer's KV to the decode worker as the "
                    "prefill forward writes it, with the ticket sent before the forward")  # fmt: skip

@@ -84,8 +84,12 @@ class _Service:
     loop: WorkerLoop
     tier: TierClient | None
 
-    def _call(self, fn) -> Any:
-        return self.loop.call(fn).result(timeout=CALL_TIMEOUT_S)
+    async def _call(self, fn) -> Any:
+        """`fn(worker)` on the loop thread, between steps. Awaited, not waited on: the
+        actor's event loop stays free, so calls arriving during a step queue up and the
+        next step admits them together (a blocking wait let one submit in per step, and a
+        prefill worker under 16 concurrent prompts ran batches of one)."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.loop.call(fn)), CALL_TIMEOUT_S)
 
     def health(self) -> dict[str, Any]:
         return {
@@ -139,22 +143,24 @@ class DecodeService(_Service):
     def _publish(self, deltas: list) -> None:
         self.publisher.publish([delta_from_engine(d) for d in deltas])
 
-    def submit(self, payload: bytes) -> None:
+    async def submit(self, payload: bytes) -> None:
         """Queue a request; raises ValueError (bad input) before anything is queued."""
         req = WorkRequest.decode(payload)
         ticket = ticket_from_wire(req.ticket) if req.ticket is not None else None
-        self._call(lambda w: w.submit(req.request_id, req.prompt_token_ids, req.params, ticket))
+        await self._call(
+            lambda w: w.submit(req.request_id, req.prompt_token_ids, req.params, ticket)
+        )
 
-    def first_token(self, payload: bytes) -> bool:
+    async def first_token(self, payload: bytes) -> bool:
         """An early ticket's first token, relayed by the router ahead of the KV
         (`wire.FirstToken`); False when the pull brought it first (or the request is gone)."""
         msg = FirstToken.decode(payload)
-        return self._call(lambda w: w.first_token(msg.request_id, msg.token, msg.logprobs))
+        return await self._call(lambda w: w.first_token(msg.request_id, msg.token, msg.logprobs))
 
-    def abort(self, request_id: str) -> bool:
-        return self._call(lambda w: w.abort(request_id))
+    async def abort(self, request_id: str) -> bool:
+        return await self._call(lambda w: w.abort(request_id))
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
         def read(w: DecodeWorker) -> dict[str, Any]:
             out = _engine_stats(w.engine)
             ls = w.loader.stats
@@ -168,7 +174,7 @@ class DecodeService(_Service):
             )
             return out
 
-        return self._call(read)
+        return await self._call(read)
 
 
 class PrefillService(_Service):
@@ -245,13 +251,13 @@ class PrefillService(_Service):
         has sampled it: the router relays it to the decode worker, whose KV is still on its
         way (`--kv-layer-wise`). Raises if the prompt ended without one, or had no early
         ticket here."""
-        entry = self._call(lambda w: self._firsts.get(request_id))
+        entry = await self._call(lambda w: self._firsts.get(request_id))
         if entry is None:
             raise ValueError(f"no early ticket of {request_id!r} on {self.worker_id}")
         try:  # the forward samples it within the lease, or the lease ends the stream
             return await asyncio.wait_for(asyncio.wrap_future(entry[0]), 2 * self._lease_s)
         finally:
-            self._call(lambda w: self._firsts.pop(request_id, None))
+            await self._call(lambda w: self._firsts.pop(request_id, None))
 
     async def prefill(self, payload: bytes) -> bytes:
         """Run the prompt; returns the ticket (protocol-encoded msgpack)."""
@@ -262,10 +268,10 @@ class PrefillService(_Service):
             w.submit(req.request_id, req.prompt_token_ids, req.params)
             self._waiters[req.request_id] = fut
 
-        self._call(submit)
+        await self._call(submit)
         return await asyncio.wrap_future(fut)
 
-    def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str) -> bool:
         def stop(w: PrefillWorker) -> bool:
             fut = self._waiters.pop(request_id, None)
             if fut is not None:
@@ -275,9 +281,9 @@ class PrefillService(_Service):
                 first[0].cancel()
             return w.abort(request_id)
 
-        return self._call(stop)
+        return await self._call(stop)
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
         def read(w: PrefillWorker) -> dict[str, Any]:
             out = _engine_stats(w.engine)
             out.update(
@@ -287,4 +293,4 @@ class PrefillService(_Service):
             )
             return out
 
-        return self._call(read)
+        return await self._call(read)

@@ -91,6 +91,24 @@ def test_serve_config_refuses_bad_engine_limits(kwargs, message):
         ServeConfig(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, local_gpu, expected",
+    [
+        ({}, True, "cuda_ipc"),  # the default on a GPU box: a device copy, not tcp loopback
+        ({}, False, "tcp"),  # CPU workers, or a joined cluster (pools may be on other nodes)
+        ({"kv_layer_wise": True}, True, "tcp"),  # layer-wise streams over tcp
+        ({"mode": "colocated"}, True, "tcp"),  # no KV moves
+        ({"kv_transport": "tcp"}, True, "tcp"),  # a named transport is kept
+        ({"kv_transport": "nccl"}, False, "nccl"),
+    ],
+)
+def test_auto_kv_transport(kwargs, local_gpu, expected):
+    from pdserve.cluster.serve_placement import kv_transport
+
+    assert kv_transport(ServeConfig(**kwargs), local_gpu) == expected
+    assert ServeConfig().kv_transport == "auto"
+
+
 def test_serve_batched_tokens_default_follows_vllm_on_cpu():
     """On the CPU the serve default stays at 2,048 tokens per step (vLLM's for small
     devices); the GPU branch (8,192 on >= 70 GiB) runs in the two-GPU benchmarks."""
