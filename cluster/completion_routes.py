@@ -161,8 +161,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
         prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
         m.finish(req, start, completion_tokens, prompt_tokens, finish)
         if log is not None:
-            ttft = first_token - start if first_token is not None else None
-            log.finished(cid, time.monotonic() - start, ttft, completion_tokens, finish)
+            log.finished(cid, start, first_token, completion_tokens, finish)
         choices = [
             choice(req, c, texts[c], echo_toks[c] + toks[c], lps[c], finish[c], stop[c], False)
             for c in range(total)
@@ -248,8 +247,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
             return
         m.finish(req, start, completion_tokens, prompt_tokens, reasons)
         if log is not None:
-            ttft = first_token - start if first_token is not None else None
-            log.finished(cid, time.monotonic() - start, ttft, completion_tokens, reasons)
+            log.finished(cid, start, first_token, completion_tokens, reasons)
         if req.include_usage:
             yield chunk([], final_usage=True)
         yield "data: [DONE]\n\n"

@@ -64,15 +64,17 @@ class RequestLog:
     def finished(
         self,
         api_id: str,
-        elapsed_s: float,
-        ttft_s: float | None,
+        start: float,
+        first_token: float | None,
         completion_tokens: int,
         reasons: list[str | None],
     ) -> None:
-        ttft = f"{ttft_s:.3f} s" if ttft_s is not None else "-"
+        """`start`, `first_token`: time.monotonic() at arrival and at the first token."""
+        ttft = f"{first_token - start:.3f} s" if first_token is not None else "-"
         self.write(
             f"pdserve: request {api_id}: finished ({', '.join(str(r) for r in reasons)}), "
-            f"{completion_tokens} output tokens, TTFT {ttft}, e2e {elapsed_s:.3f} s"
+            f"{completion_tokens} output tokens, TTFT {ttft}, "
+            f"e2e {time.monotonic() - start:.3f} s"
         )
 
     def ended(self, api_id: str, elapsed_s: float, why: str) -> None:
