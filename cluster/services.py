@@ -25,6 +25,7 @@ from pdserve.kvtransfer.transport_cuda_ipc import CudaIpcTransport
 from pdserve.kvtransfer.transport_tcp import TcpTransport
 from pdserve.prefill.worker import PrefillResult, PrefillWorker
 from pdserve.runner.engine import Engine
+from pdserve.runner.warm_up import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,8 @@ class DecodeService(_Service):
         in_group = join_kv_group(dist_spec)
         tier = self.tier = TierClient(tier_actor) if tier_actor is not None else None
         self.worker = DecodeWorker(engine_kwargs, worker_id, {}, policy, transfer_timeout_s, tier)
+        if self.worker.engine.config.runner.torch_device.type == "cuda":
+            warm_up(self.worker.engine)  # before the first request, not in its TTFT
         layout = self.worker.layout
         if layout is not None:  # tickets name their transport by endpoint scheme
             tcp = TcpTransport(worker_id, layout, layer_wise=kv_layer_wise)
@@ -193,6 +196,8 @@ class PrefillService(_Service):
         bind_visible_gpus()  # before CUDA starts (a no-op outside whole-GPU actors)
         in_group = join_kv_group(dist_spec)
         engine = Engine.from_args(**engine_kwargs)
+        if engine.config.runner.torch_device.type == "cuda":
+            warm_up(engine)
         tier = self.tier = TierClient(tier_actor) if tier_actor is not None else None
         if host is None:
             import ray

@@ -106,6 +106,17 @@ class Engine(PDRoles):
         runner `cuda_graph` and `cuda_graph_whole_step`)."""
         return self.runner.steps_by_path()
 
+    def reset_counters(self) -> None:
+        """Every count an operator reads (steps, tokens, prefix lookups, preemptions, steps by
+        path) and the arrival count that unseeded requests' seeds derive from, back to a
+        fresh engine's zeros (after a warm-up, runner/warm_up.py)."""
+        self.stats = StepStats()
+        self.scheduler.num_prompt_tokens_computed = self.scheduler.num_preemptions = 0
+        self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
+        self.first_tokens_by_source.clear()
+        self._num_arrivals = 0
+        self.runner.reset_step_counts()
+
     # ---- requests -------------------------------------------------------------------------
 
     def next_seed(self) -> int:

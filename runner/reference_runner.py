@@ -67,6 +67,9 @@ class ReferenceRunner:
         """Steps with tokens by what ran them: transformers' forward, eagerly."""
         return {"eager": self._steps}
 
+    def reset_step_counts(self) -> None:
+        self._steps = 0
+
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ReadyHandle:
         self._steps += bool(so.num_scheduled_tokens)

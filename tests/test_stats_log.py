@@ -113,3 +113,34 @@ def test_a_restarted_worker_counts_from_zero_and_a_silent_one_is_named():
     assert log.lines(30.0, {}, {}) == []
     (line,) = log.lines(40.0, roles, {"decode-0": _worker(generation_tokens=30)})
     assert "Avg generation throughput: 3.0 tokens/s" in line
+
+
+def test_warm_up_leaves_no_trace(tiny_qwen3_dir):
+    """runner/warm_up.py (run by serving workers on a GPU): afterwards nothing is queued or
+    held, the prefix cache is empty, every counter the log and /metrics read is zero, and
+    an unseeded sampled request gets the same tokens as on a fresh engine (its seed comes
+    from the arrival count)."""
+    from pdserve.runner.warm_up import warm_up
+
+    def engine() -> Engine:
+        return Engine.from_args(
+            model=tiny_qwen3_dir, device=DEVICE, dtype="float32", max_model_len=128,
+            block_size=4, num_gpu_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
+        )  # fmt: skip
+
+    def sample(e: Engine) -> list[int]:
+        e.add_request("r", list(range(13)), SamplingParams(temperature=1.0, max_tokens=6))
+        out = []
+        while e.has_unfinished():
+            out += [t for d in e.step() for t in d.new_token_ids]
+        return out
+
+    warm, fresh = engine(), engine()
+    assert warm_up(warm) > 0
+    assert not warm.scheduler.requests and warm.kv.num_free_blocks == fresh.kv.num_free_blocks
+    assert (warm.stats.num_steps, warm.stats.generation_tokens) == (0, 0)
+    assert warm.scheduler.num_prompt_tokens_computed == warm.kv.prefix_cache_queries == 0
+    assert set(warm.steps_by_path().values()) == {0}
+    assert sample(warm) == sample(fresh)
+    assert warm.kv.prefix_cache_hits == 0  # the first warm-up prompt starts 0, 1, 2, ...: gone
+    assert warm.stats.generation_tokens == 6

@@ -282,6 +282,12 @@ class MRV2ModelRunner:
             "cuda_graph_whole_step": g.tail_replays if g is not None else 0,
         }
 
+    def reset_step_counts(self) -> None:
+        """`steps_by_path` from zero (after a warm-up)."""
+        self.eager_steps = 0
+        if self.graphs is not None:
+            self.graphs.replays = self.graphs.tail_replays = 0
+
     def _layers_done(self, layer_hook: Callable[[int], None] | None) -> None:
         """After a graph replay every layer's KV writes are queued at once."""
         for layer in range(len(self.kv_caches)) if layer_hook is not None else ():
