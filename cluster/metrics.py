@@ -50,18 +50,17 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time to first token",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Time between output tokens",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Request latency",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between output tokens", _LATENCY_BUCKETS
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency", _LATENCY_BUCKETS)
         # Per choice (as vLLM counts each of a request's n sequences), by how it ended.
         self.requests = Counter(
             PREFIX + "request_success", "Finished requests", ["kind", "finished_reason"],
@@ -69,14 +68,12 @@ class Metrics:
         )  # fmt: skip
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Output tokens", registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens", registry=r)
-        self.request_prompt_tokens = Histogram(
-            PREFIX + "request_prompt_tokens", "Prompt tokens of a request",
-            buckets=_TOKEN_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.request_generation_tokens = Histogram(
-            PREFIX + "request_generation_tokens", "Output tokens of a request",
-            buckets=_TOKEN_BUCKETS, registry=r,
-        )  # fmt: skip
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of a request", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Output tokens of a request", _TOKEN_BUCKETS
+        )
         self._router = None
         r.register(_RouterCollector(self))
 
