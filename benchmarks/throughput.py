@@ -213,6 +213,9 @@ def main() -> int:
     # device-bound (long_prefill 1.90 s at fad9d3d -> 1.76 s at 134a581, together with the
     # fused attention-input kernel).
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV block (vLLM's --block-size)"
+    )
     ap.add_argument("--model-dir", default=None, help="reuse a saved model directory")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--enforce-eager", action="store_true")
@@ -251,6 +254,7 @@ def main() -> int:
         max_model_len=4096,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=0.8,
         decode_attention=args.decode_attention,

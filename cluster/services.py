@@ -20,6 +20,7 @@ from pdserve.cluster.token_stream import TokenPublisher, delta_from_engine
 from pdserve.cluster.wire import FirstToken, WorkRequest
 from pdserve.cluster.worker_loop import WorkerLoop
 from pdserve.decode.worker import DecodeWorker
+from pdserve.kvtransfer import pack
 from pdserve.kvtransfer.protocol import encode, ticket_from_wire
 from pdserve.kvtransfer.transport_cuda_ipc import CudaIpcTransport
 from pdserve.kvtransfer.transport_tcp import TcpTransport
@@ -131,12 +132,13 @@ class DecodeService(_Service):
             self.worker.loader.transports["tcp"] = tcp
             if kv_transport == "cuda_ipc":
                 ipc = CudaIpcTransport(worker_id, layout)
-                ipc.prepare(self.worker.engine.runner.kv_cache.device)
+                ipc.prepare(self.worker.storages)
                 self.worker.loader.transports["cuda_ipc"] = ipc
             if in_group:
                 from pdserve.kvtransfer.transport_nccl import NcclTransport
 
                 self.worker.loader.transports["nccl"] = NcclTransport(worker_id, layout)
+        pack.warm_up(self.worker.storages)  # tcp pulls and tier loads unpack (a GPU only)
         self.publisher = TokenPublisher(stream_endpoint, worker_id)
         self.loop = WorkerLoop(self.worker, self._publish, name=f"decode-{worker_id}").start()
 
@@ -207,6 +209,7 @@ class PrefillService(_Service):
             engine, worker_id, lease_s, bind=f"tcp://{host}:0", tier=tier, cuda_ipc=cuda_ipc,
             nccl=in_group, early_tickets=early_tickets,
         )  # fmt: skip
+        pack.warm_up(self.worker.source.storages)  # tcp pulls and tier writes pack
         self._waiters: dict[str, Future] = {}
         # Early tickets are answered from inside the step, before its forward runs; their
         # first tokens wait here for the router's `first_token` call (by request id, with

@@ -13,7 +13,7 @@ It knows nothing about routing or HTTP.
 from __future__ import annotations
 
 from pdserve.decode.kv_loader import TransferLoader, logprobs_from_rows
-from pdserve.kvtransfer.layout import paged_cache_storage
+from pdserve.kvtransfer.layout import GroupStorage, paged_cache_storage
 from pdserve.kvtransfer.protocol import Ticket
 from pdserve.kvtransfer.tier import HostKVTier
 from pdserve.kvtransfer.transport import Transport
@@ -44,13 +44,15 @@ class DecodeWorker:
         # prefills itself (colocated mode); it only cannot import KV.
         self.imports_kv = self.engine.config.runner.runner == "mrv2"
         self.layout = None
+        self.storages: tuple[GroupStorage, ...] = ()  # what pulls and tier loads write
         if self.imports_kv:
             self.engine.kv_loader = self.loader
             self.layout, storage = paged_cache_storage(
                 self.engine.config.model.source or "model", self.engine.runner.kv_cache
             )
             self.loader.layout_hash = self.layout.compat_hash()
-            self.loader.attach((storage,))
+            self.storages = (storage,)
+            self.loader.attach(self.storages)
         else:
             self.engine.kv_loader = None
             self.loader.tier = None

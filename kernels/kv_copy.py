@@ -149,7 +149,10 @@ def _copy_units_counted_kernel(
 _STAGE_BLOCK = 1024
 
 
-@triton.jit
+# One compiled variant for every length (no specialisation of `n`, one BLOCK): each copy
+# graph capacity (8 to 8,192 ids) would otherwise compile its own on first use, and on a
+# fresh machine a compile took a first pull ~0.6 s (H200, benchmarks/gpu_serve_log.sh).
+@triton.jit(do_not_specialize=["n"])
 def _stage_ids_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -168,9 +171,7 @@ def stage_ids(host: torch.Tensor, device: torch.Tensor) -> None:
     assert host.dtype == device.dtype == torch.int64 and host.shape == device.shape
     n = host.numel()
     if n:
-        _stage_ids_kernel[(triton.cdiv(n, _STAGE_BLOCK),)](
-            host, device, n, BLOCK=min(_STAGE_BLOCK, triton.next_power_of_2(n))
-        )
+        _stage_ids_kernel[(triton.cdiv(n, _STAGE_BLOCK),)](host, device, n, BLOCK=_STAGE_BLOCK)
 
 
 def word_bytes_for(src: torch.Tensor, dst: torch.Tensor) -> int:

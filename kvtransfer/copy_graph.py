@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 
 from pdserve.kernels.kv_copy import PairCache, stage_ids
+from pdserve.kvtransfer.layout import GroupStorage
 from pdserve.kvtransfer.pack import UnitCopy
 
 logger = logging.getLogger(__name__)
@@ -250,3 +251,19 @@ class CopyGraphs:
     def clear(self) -> None:
         self._graphs.clear()
         self._failed.clear()
+
+
+def warm_up(storages: Sequence[GroupStorage]) -> None:
+    """Compile and load, before the first pull, what the first capture of a same-device
+    pull's graph needs (the id staging kernel, the copy kernel): a graph of `storages`' own
+    tables as source and destination, never replayed. Its eager pass copies nothing (every
+    count is 0). On a fresh H200 the first two pulls of a PD pair waited 1.1-1.2 s for
+    this (benchmarks/gpu_serve_log.sh)."""
+    devices = {s.device for s in storages}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return
+    (device,) = devices
+    stream = torch.cuda.Stream(device)
+    tables = [list(zip(s.flat(), s.flat(), strict=True)) for s in storages]
+    GraphedCopy(tables, [MIN_CAPACITY] * len(tables), stream, PairCache())
+    stream.synchronize()

@@ -269,3 +269,14 @@ def from_bytes(buf: object, shape: Sequence[int], dtype: torch.dtype) -> torch.T
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         raw = torch.frombuffer(view.cast("B"), dtype=torch.uint8)
     return raw.view(dtype).view(shape)
+
+
+def warm_up(storages: Sequence[GroupStorage]) -> None:
+    """Compile the pack and unpack kernels before the first request would: unit 0 of each
+    GPU group packed and written back onto itself (its bytes unchanged). Call it before
+    the worker serves: nothing else may write unit 0 meanwhile."""
+    for storage in storages:
+        if storage.device.type == "cuda" and storage.num_units > 0:
+            unpack(storage, [0], pack(storage, [0]))
+    for device in {s.device for s in storages if s.device.type == "cuda"}:
+        torch.cuda.synchronize(device)

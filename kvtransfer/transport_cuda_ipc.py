@@ -45,6 +45,7 @@ import torch
 
 from pdserve.kernels import kv_copy_cuda
 from pdserve.kernels.kv_copy import PairCache
+from pdserve.kvtransfer import copy_graph
 from pdserve.kvtransfer.copy_graph import CopyGraphs, GraphedCopy
 from pdserve.kvtransfer.id_staging import IdStagingPool
 from pdserve.kvtransfer.layout import DTYPES, GroupStorage, KVLayout
@@ -187,11 +188,13 @@ class CudaIpcTransport(ZmqClient):
         self._generation = 0  # bumped when a source is forgotten: graphs of it are stale
         self._unit_bytes = [g.unit_bytes() for g in layout.groups]  # per pull otherwise
 
-    def prepare(self, device: torch.device) -> None:
-        """Compile now what the first pull into `device` would otherwise compile on a
-        request's path: the copy graph's CUDA kernel (NVRTC, kernels/kv_copy_cuda.py)."""
-        if device.type == "cuda":
-            kv_copy_cuda.available(device)
+    def prepare(self, storages: Sequence[GroupStorage]) -> None:
+        """Compile now what the first pull into `storages` would otherwise compile on a
+        request's path: the copy graph's CUDA kernel (NVRTC, kernels/kv_copy_cuda.py) and
+        the rest of its first capture (`copy_graph.warm_up`)."""
+        if all(s.device.type == "cuda" for s in storages):
+            kv_copy_cuda.available(storages[0].device)
+            copy_graph.warm_up(storages)
 
     def _sources(self, endpoint: str, deadline: float) -> tuple[GroupStorage, ...]:
         mapped = self._mapped.get(endpoint)  # one dict read is atomic: no lock on the hit

@@ -297,3 +297,43 @@ def test_a_replay_still_queued_sends_the_next_pull_down_the_eager_path():
             _assert_landed(got, want, src_units, units)
         transport.release(ticket, 5.0)
         transport.close()
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_transfer_warm_up_changes_no_byte_and_leaves_nothing_to_compile(name):
+    """Guards the workers' transfer warm-up (cluster/services.py: `CudaIpcTransport.prepare`
+    and `pack.warm_up`), which runs on the cache a worker is about to serve from: no byte
+    of it may change (unit 0 is packed and written back onto itself, and the warm-up
+    graph's eager pass copies nothing). And afterwards a copy graph of any capacity must
+    compile no Triton kernel: the id staging kernel has one variant for every length (one
+    per capacity made a fresh H200's first pulls wait ~0.6 s each)."""
+    import triton
+
+    from pdserve.kernels.kv_copy import PairCache
+    from pdserve.kvtransfer import pack
+    from pdserve.kvtransfer.copy_graph import GraphedCopy
+
+    layout, sizes = LAYOUTS[name]
+    storages = tuple(g.allocate(n, "cuda") for g, n in zip(layout.groups, sizes))
+    fill(storages, seed=3)
+    before = [bitwise_view(t).clone() for s in storages for t in s.tensors]
+    transport = CudaIpcTransport("D", layout)
+    try:
+        transport.prepare(storages)
+    finally:
+        transport.close()
+    pack.warm_up(storages)
+    after = [bitwise_view(t) for s in storages for t in s.tensors]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+    compiled: list[str] = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["repr"])
+    try:
+        stream = torch.cuda.Stream()
+        tables = [list(zip(s.flat(), s.flat(), strict=True)) for s in storages]
+        for capacity in (16, 64, 512, 8192):
+            GraphedCopy(tables, [capacity] * len(tables), stream, PairCache())
+        stream.synchronize()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    assert compiled == []
