@@ -68,18 +68,14 @@ def ticket_logprobs(delta: RequestDelta) -> list[list[float]] | None:
     return rows
 
 
-def host_copies(buffers: list[torch.Tensor]) -> tuple[list[torch.Tensor], object | None]:
-    """Host copies of packed buffers, without waiting: on a GPU, copies into pinned memory
-    queued on the current stream and a CUDA event after them (the step loop goes on; the
-    tier waits for the event before it reads); on the CPU, the buffers themselves."""
+def packed_ready(buffers: list[torch.Tensor]) -> torch.cuda.Event | None:
+    """A CUDA event after the pack kernels just queued on the current stream (the tier's
+    writer waits for it, then copies the buffers to the host itself); None on the CPU."""
     if not buffers or not buffers[0].is_cuda:
-        return buffers, None
-    host = [torch.empty(b.shape, dtype=b.dtype, pin_memory=True) for b in buffers]
-    for h, b in zip(host, buffers):
-        h.copy_(b, non_blocking=True)
+        return None
     ready = torch.cuda.Event()
     ready.record()
-    return host, ready
+    return ready
 
 
 class PrefillWorker:
@@ -258,7 +254,8 @@ class PrefillWorker:
         n = len(block_hashes)
         if n == 0 or not self.tier.admits(n * self.source.layout.groups[0].unit_bytes()):
             return
-        buffers, ready = host_copies(pack(self.source.storages[0], list(block_ids[:n])))
+        buffers = pack(self.source.storages[0], list(block_ids[:n]))
+        ready = packed_ready(buffers)
         blocks = [tuple(b[:, i] for b in buffers) for i in range(n)]
         self.num_tier_blocks += self.tier.put(
             self.source.layout_hash, list(block_hashes), blocks, ready
