@@ -40,7 +40,7 @@ fi
 FIRST=(tests/test_gpu_step_loop.py tests/test_gpu_attention.py tests/test_gpu_kernels.py
     tests/test_gpu_cuda_ipc.py tests/test_gpu_copy_stream.py tests/test_pd_engine.py tests/test_qkv_prep.py
     tests/test_kv_copy_kernel.py tests/test_copy_graph.py tests/test_kv_pack.py tests/test_decode_prep.py
-    tests/test_triton_index_kernels.py)
+    tests/test_triton_index_kernels.py tests/test_tier_actor.py tests/test_gpu_tier_write_behind.py)
 SECOND=(tests/test_paged_attention_triton.py tests/test_skinny_linear.py
     tests/test_parity_hf.py tests/test_self_consistency.py tests/test_async_scheduling.py
     tests/test_layer_wise.py tests/test_norm_fold.py tests/test_gpu_norm_fold.py
@@ -51,5 +51,9 @@ case "${TESTS:-all}" in
   *) FILES=("${FIRST[@]}" "${SECOND[@]}") ;;
 esac
 [ -n "${TEST_FILES:-}" ] && read -r -a FILES <<< "$TEST_FILES"
-PDSERVE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-360}" python3 -P -m pytest -q -p no:cacheprovider \
-    "${FILES[@]}" -k "not smollm2 and not bundled and not stop_strings" 2>&1 | tee "$OUT/gpu_tests.log"
+# From /tmp: Ray's workers (the tier actor tests) put the driver's working directory on
+# their path, and the repo root's pdserve/ would shadow /tmp/pdpkg's there too.
+ROOT=$PWD
+cd /tmp && PDSERVE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-360}" python3 -P -m pytest -q \
+    -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pyproject.toml" "${FILES[@]/#/$ROOT/}" \
+    -k "not smollm2 and not bundled and not stop_strings" 2>&1 | tee "$OUT/gpu_tests.log"

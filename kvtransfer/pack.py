@@ -201,6 +201,8 @@ def copy_groups(
             # One gather/scatter kernel per tensor, however scattered the units are.
             ids, offset = device_ids[k]
             n = len(checked[k][0])
+            if n == 0:  # nothing launched, nothing to count
+                continue
             for src_table, dst_table in tables:
                 copy_units_joined(pairs.get(src_table, dst_table), ids, offset, n, c.peer)
             descriptors += len(tables)
