@@ -23,7 +23,7 @@ for transport in ${TRANSPORTS:-tcp auto}; do
     tail -12 "$OUT/bench_$transport.log"
     sleep 5  # the pools' next lines, then their idle lines
     curl -s "localhost:$PORT/metrics" | grep -E \
-      "^pdserve:(worker_generation_tokens|generation_tokens|worker_prompt_tokens_computed|prompt_tokens|engine_steps|kv_transfer_pulls)_total" \
+      "^pdserve:(worker_generation_tokens|generation_tokens|worker_prompt_tokens_computed|prompt_tokens|engine_steps|kv_transfer_pulls|worker_kernel_compiles)_total" \
       > "$OUT/metrics_$transport.txt"
   fi
   kill -INT $pid; wait $pid; echo "serve exit $?"
@@ -39,7 +39,7 @@ total = {}
 for line in open(sys.argv[1]):
     name, value = line.rsplit(" ", 1)
     key = name.split("{")[0]
-    if "kv_transfer_pulls" in key:
+    if "kv_transfer_pulls" in key or "kernel_compiles" in key:
         print(line.strip())
     total[key] = total.get(key, 0.0) + float(value)
 print("workers' sampled tokens", total.get("pdserve:worker_generation_tokens_total"),

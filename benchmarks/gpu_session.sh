@@ -40,7 +40,8 @@ fi
 FIRST=(tests/test_gpu_step_loop.py tests/test_gpu_attention.py tests/test_gpu_kernels.py
     tests/test_gpu_cuda_ipc.py tests/test_gpu_copy_stream.py tests/test_pd_engine.py tests/test_qkv_prep.py
     tests/test_kv_copy_kernel.py tests/test_copy_graph.py tests/test_kv_pack.py tests/test_decode_prep.py
-    tests/test_triton_index_kernels.py tests/test_tier_actor.py tests/test_gpu_tier_write_behind.py)
+    tests/test_triton_index_kernels.py tests/test_tier_actor.py tests/test_gpu_tier_write_behind.py
+    tests/test_compile_watch.py tests/test_gpu_compile_watch.py)
 SECOND=(tests/test_paged_attention_triton.py tests/test_skinny_linear.py
     tests/test_parity_hf.py tests/test_self_consistency.py tests/test_async_scheduling.py
     tests/test_layer_wise.py tests/test_norm_fold.py tests/test_gpu_norm_fold.py

@@ -33,6 +33,11 @@ _WORKER_SERIES = {
         "Prompt tokens the worker computed (prefix-cache hits and pulled KV not counted)",
     ),
     "generation_tokens": ("worker_generation_tokens", "counter", "Tokens the worker sampled"),
+    "kernel_compiles": (
+        "worker_kernel_compiles",
+        "counter",
+        "Triton kernels compiled after the warm-up (a request waited for each)",
+    ),
     "transfer_bytes": ("kv_transfer_bytes", "counter", "KV bytes pulled"),
     "transfer_seconds": ("kv_transfer_seconds", "counter", "Seconds spent pulling KV"),
     "recompute_fallbacks": ("kv_recompute_fallbacks", "counter", "Failed pulls recomputed"),

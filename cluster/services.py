@@ -25,6 +25,7 @@ from pdserve.kvtransfer.protocol import encode, ticket_from_wire
 from pdserve.kvtransfer.transport_cuda_ipc import CudaIpcTransport
 from pdserve.kvtransfer.transport_tcp import TcpTransport
 from pdserve.prefill.worker import PrefillResult, PrefillWorker
+from pdserve.runner.compile_watch import CompileWatch
 from pdserve.runner.engine import Engine
 from pdserve.runner.warm_up import warm_up
 
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 30.0
 
 
-def _engine_stats(engine: Engine) -> dict[str, Any]:
+def _engine_stats(engine: Engine, compiles: CompileWatch | None) -> dict[str, Any]:
     s = engine.scheduler
     return {
         "num_requests_running": len(s.running),
@@ -49,7 +50,15 @@ def _engine_stats(engine: Engine) -> dict[str, Any]:
         "runner": engine.runner_name,
         "execution_path": engine.execution_path,
         "steps_by_path": engine.steps_by_path(),
+        "kernel_compiles": compiles.count if compiles is not None else 0,
     }
+
+
+def _watch_compiles(engine: Engine, worker_id: str) -> CompileWatch | None:
+    """On a GPU, count and log the Triton compiles from here on (the warm-ups are done)."""
+    if engine.config.runner.torch_device.type != "cuda":
+        return None
+    return CompileWatch(worker_id).install()
 
 
 def join_kv_group(dist_spec: dict | None) -> bool:
@@ -85,6 +94,7 @@ def join_kv_group(dist_spec: dict | None) -> bool:
 class _Service:
     loop: WorkerLoop
     tier: TierClient | None
+    compiles: CompileWatch | None  # on a GPU, from the end of the warm-up
 
     async def _call(self, fn) -> Any:
         """`fn(worker)` on the loop thread, between steps. Awaited, not waited on: the
@@ -139,6 +149,7 @@ class DecodeService(_Service):
 
                 self.worker.loader.transports["nccl"] = NcclTransport(worker_id, layout)
         pack.warm_up(self.worker.storages)  # tcp pulls and tier loads unpack (a GPU only)
+        self.compiles = _watch_compiles(self.worker.engine, worker_id)
         self.publisher = TokenPublisher(stream_endpoint, worker_id)
         self.loop = WorkerLoop(self.worker, self._publish, name=f"decode-{worker_id}").start()
 
@@ -167,7 +178,7 @@ class DecodeService(_Service):
 
     async def stats(self) -> dict[str, Any]:
         def read(w: DecodeWorker) -> dict[str, Any]:
-            out = _engine_stats(w.engine)
+            out = _engine_stats(w.engine, self.compiles)
             ls = w.loader.stats
             out.update(
                 transfer_bytes=ls.bytes_pulled,
@@ -210,6 +221,7 @@ class PrefillService(_Service):
             nccl=in_group, early_tickets=early_tickets,
         )  # fmt: skip
         pack.warm_up(self.worker.source.storages)  # tcp pulls and tier writes pack
+        self.compiles = _watch_compiles(engine, worker_id)
         self._waiters: dict[str, Future] = {}
         # Early tickets are answered from inside the step, before its forward runs; their
         # first tokens wait here for the router's `first_token` call (by request id, with
@@ -293,7 +305,7 @@ class PrefillService(_Service):
 
     async def stats(self) -> dict[str, Any]:
         def read(w: PrefillWorker) -> dict[str, Any]:
-            out = _engine_stats(w.engine)
+            out = _engine_stats(w.engine, self.compiles)
             out.update(
                 lease_expiries=w.leases.counts["expired"],
                 leases=len(w.leases),

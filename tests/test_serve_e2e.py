@@ -329,6 +329,9 @@ def test_the_log_says_where_each_request_ran_and_what_the_pools_did(pd_busy):
     workers = _metric(text, "pdserve:worker_generation_tokens_total")
     assert workers == _metric(text, "pdserve:generation_tokens_total") > 0
     assert _metric(text, "pdserve:worker_prompt_tokens_computed_total", role="prefill") > 0
+    # One series per worker; on the CPU nothing is compiled (Triton runs on a GPU only).
+    compiles = [x for x in text.splitlines() if x.startswith("pdserve:worker_kernel_compiles")]
+    assert len(compiles) == 2 and all(x.endswith(" 0.0") for x in compiles), compiles
     stats = _log_lines(pd_busy, "decode pool (1 worker): ", 1, timeout_s=5)
     assert any(float(x.split("Avg generation throughput: ")[1].split(" ")[0]) > 0 for x in stats), (
         stats
