@@ -36,6 +36,7 @@ class Member:
     ready: bool = True  # False while a worker added by `scale` is starting
     since: float = field(default_factory=time.time)  # when it entered its current state
     health: dict | None = None  # its last health answer
+    startup: dict | None = None  # its startup report (cluster/startup_report.py), once up
 
 
 MAX_EVENTS = 50  # the newest pool events kept for the dashboard
@@ -73,6 +74,8 @@ class Controller:
         infos = await asyncio.wait_for(
             asyncio.gather(*(m.actor.info.remote() for m in self.members_.values())), timeout_s
         )
+        for m, info in zip(self.members_.values(), infos, strict=True):
+            m.startup = info.get("startup")
         hashes = {i["layout_hash"] for i in infos}
         if len(hashes) > 1:
             raise RuntimeError(f"workers disagree on the KV layout: {sorted(hashes)}")
@@ -92,6 +95,7 @@ class Controller:
                 "state": "draining" if m.draining else "ready" if m.ready else "starting",
                 "since": m.since,
                 "health": m.health,
+                "startup": m.startup,
             }
             for m in self.members_.values()
         ]
@@ -169,7 +173,7 @@ class Controller:
             logger.error("new worker %s failed to start: %r", m.worker_id, e)
             return
         if not m.draining:
-            m.ready, m.since = True, time.time()
+            m.ready, m.since, m.startup = True, time.time(), info.get("startup")
             self._event(f"{m.worker_id} ready")
 
     # ---- health -------------------------------------------------------------------------
@@ -186,7 +190,8 @@ class Controller:
                 kill_quietly(m.actor)
                 try:
                     m.actor = start_worker(self.spec, m.role, m.worker_id)
-                    await asyncio.wait_for(m.actor.info.remote(), 600)
+                    m.startup = None
+                    m.startup = (await asyncio.wait_for(m.actor.info.remote(), 600)).get("startup")
                 except Exception:
                     logger.exception("restart of %s failed; will retry", m.worker_id)
                     continue

@@ -106,6 +106,7 @@ def pools_view(
             "alive": health.get("alive"),
             "steps": health.get("steps"),
             "since_progress_s": health.get("since_progress_s"),
+            "startup": m.get("startup"),  # cluster/startup_report.py, once it is up
             **{k: stats[k] for k in _WORKER_KEYS if k in stats},
         }
         if m["role"] == "prefill":

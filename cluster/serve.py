@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pdserve.cluster.serve_args import ServeConfig, served_names
 from pdserve.cluster.serve_placement import join_auth_env
+from pdserve.cluster.startup_report import StartupLines
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +211,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     try:
         print(f"pdserve: starting {num_workers} worker(s) on Ray ({ecfg.model.source})", flush=True)
         members = ray.get(controller.start.remote(), timeout=900)
+        announced = StartupLines(_print)
+        announced.update(members)
         router = Router(
             RouterConfig(
                 mode=cfg.mode,
@@ -242,7 +245,9 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             subscriber = TokenSubscriber(stream_bind, router.on_delta)
             subscriber.start()
             loops = [
-                asyncio.create_task(_membership_loop(controller, router, cfg.health_interval_s))
+                asyncio.create_task(
+                    _membership_loop(controller, router, cfg.health_interval_s, announced)
+                )
             ]
             if autoscaler is not None:
                 loops.append(asyncio.create_task(autoscale_loop(autoscaler, control, router)))
@@ -301,9 +306,9 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-async def _membership_loop(controller, router, interval_s: float) -> None:
+async def _membership_loop(controller, router, interval_s: float, announced) -> None:
     """Follow the controller: restarted workers fail their requests here and get their
-    new actor; drained ones leave routing."""
+    new actor; drained ones leave routing; new and restarted ones get their startup line."""
     from pdserve.cluster.membership import sync_members
 
     while True:
@@ -315,3 +320,4 @@ async def _membership_loop(controller, router, interval_s: float) -> None:
             continue
         for worker_id in sync_members(router, members):
             print(f"pdserve: {worker_id} failed; restarting it", file=sys.stderr, flush=True)
+        announced.update(members)

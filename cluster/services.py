@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from pdserve.cluster.gpu_binding import bind_visible_gpus
+from pdserve.cluster.startup_report import startup_report
 from pdserve.cluster.tier_actor import TierClient
 from pdserve.cluster.token_stream import TokenPublisher, delta_from_engine
 from pdserve.cluster.wire import FirstToken, WorkRequest
@@ -52,6 +53,19 @@ def _engine_stats(engine: Engine, compiles: CompileWatch | None) -> dict[str, An
         "steps_by_path": engine.steps_by_path(),
         "kernel_compiles": compiles.count if compiles is not None else 0,
     }
+
+
+class _PhaseClock:
+    """Seconds of a worker's start by phase, for its startup report."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = now - self._last
+        self._last = now
 
 
 def _watch_compiles(engine: Engine, worker_id: str) -> CompileWatch | None:
@@ -133,9 +147,12 @@ class DecodeService(_Service):
         bind_visible_gpus()  # before CUDA starts (a no-op outside whole-GPU actors)
         in_group = join_kv_group(dist_spec)
         tier = self.tier = TierClient(tier_actor) if tier_actor is not None else None
+        clock = _PhaseClock()
         self.worker = DecodeWorker(engine_kwargs, worker_id, {}, policy, transfer_timeout_s, tier)
+        clock.done("engine")
         if self.worker.engine.config.runner.torch_device.type == "cuda":
             warm_up(self.worker.engine)  # before the first request, not in its TTFT
+            clock.done("warm-up")
         layout = self.worker.layout
         if layout is not None:  # tickets name their transport by endpoint scheme
             tcp = TcpTransport(worker_id, layout, layer_wise=kv_layer_wise)
@@ -149,12 +166,18 @@ class DecodeService(_Service):
 
                 self.worker.loader.transports["nccl"] = NcclTransport(worker_id, layout)
         pack.warm_up(self.worker.storages)  # tcp pulls and tier loads unpack (a GPU only)
+        clock.done("transfer set-up")
+        self.startup = startup_report(self.worker.engine, clock.seconds)
         self.compiles = _watch_compiles(self.worker.engine, worker_id)
         self.publisher = TokenPublisher(stream_endpoint, worker_id)
         self.loop = WorkerLoop(self.worker, self._publish, name=f"decode-{worker_id}").start()
 
     def info(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "layout_hash": self.worker.loader.layout_hash}
+        return {
+            "worker_id": self.worker_id,
+            "layout_hash": self.worker.loader.layout_hash,
+            "startup": self.startup,
+        }
 
     def _publish(self, deltas: list) -> None:
         self.publisher.publish([delta_from_engine(d) for d in deltas])
@@ -208,9 +231,12 @@ class PrefillService(_Service):
         self.worker_id = worker_id
         bind_visible_gpus()  # before CUDA starts (a no-op outside whole-GPU actors)
         in_group = join_kv_group(dist_spec)
+        clock = _PhaseClock()
         engine = Engine.from_args(**engine_kwargs)
+        clock.done("engine")
         if engine.config.runner.torch_device.type == "cuda":
             warm_up(engine)
+            clock.done("warm-up")
         tier = self.tier = TierClient(tier_actor) if tier_actor is not None else None
         if host is None:
             import ray
@@ -221,6 +247,8 @@ class PrefillService(_Service):
             nccl=in_group, early_tickets=early_tickets,
         )  # fmt: skip
         pack.warm_up(self.worker.source.storages)  # tcp pulls and tier writes pack
+        clock.done("transfer set-up")
+        self.startup = startup_report(engine, clock.seconds)
         self.compiles = _watch_compiles(engine, worker_id)
         self._waiters: dict[str, Future] = {}
         # Early tickets are answered from inside the step, before its forward runs; their
@@ -233,7 +261,11 @@ class PrefillService(_Service):
         self.loop = WorkerLoop(self.worker, self._resolve, name=f"prefill-{worker_id}").start()
 
     def info(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "layout_hash": self.worker.source.layout_hash}
+        return {
+            "worker_id": self.worker_id,
+            "layout_hash": self.worker.source.layout_hash,
+            "startup": self.startup,
+        }
 
     def _resolve(self, results: list[PrefillResult]) -> None:
         for r in results:

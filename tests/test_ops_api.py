@@ -160,6 +160,9 @@ def test_scale_up_serve_then_drain(ops_server):
     texts = [e["text"] for e in d["events"]]
     assert "decode-1 ready" in texts and any(t.startswith("drained decode-1") for t in texts)
     assert ask(5) >= 1
+    # The new worker's startup line, printed by the serve loop once it was ready.
+    log = ops_server.log.read_text().splitlines()
+    assert [x for x in log if x.startswith("pdserve: decode-1 ready in ")], log[-20:]
 
 
 def test_without_an_admin_key_scaling_is_open_only_on_loopback():

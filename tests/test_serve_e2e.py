@@ -16,6 +16,8 @@ import openai
 import pytest
 from serve_server import KEY, Server
 
+from pdserve.cluster.startup_report import format_startup
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 LONG = (
     "You are a helpful assistant for a travel agency. Answer briefly and precisely. "
@@ -332,6 +334,18 @@ def test_the_log_says_where_each_request_ran_and_what_the_pools_did(pd_busy):
     # One series per worker; on the CPU nothing is compiled (Triton runs on a GPU only).
     compiles = [x for x in text.splitlines() if x.startswith("pdserve:worker_kernel_compiles")]
     assert len(compiles) == 2 and all(x.endswith(" 0.0") for x in compiles), compiles
+
+    # Each worker's startup line (weights, KV room, graphs), with what /ops/pools reports.
+    pools = httpx.get(pd_busy.url + "/ops/pools", timeout=30).json()["pools"]
+    for role in ("prefill", "decode"):
+        (worker,) = pools[role]["workers"]
+        startup = worker["startup"]
+        assert startup["kv_tokens"] == (worker["num_blocks"] - 1) * 16  # block 0 is null
+        assert startup["weights_bytes"] > 0 and startup["kv_bytes"] > 0
+        assert list(startup["seconds"]) == ["engine", "transfer set-up"]  # CPU: no warm-up
+        (line,) = _log_lines(pd_busy, f"pdserve: {worker['worker_id']} ready in ")
+        assert line == format_startup(worker["worker_id"], startup)
+        assert line.endswith("; no CUDA graphs (eager)")
     stats = _log_lines(pd_busy, "decode pool (1 worker): ", 1, timeout_s=5)
     assert any(float(x.split("Avg generation throughput: ")[1].split(" ")[0]) > 0 for x in stats), (
         stats
