@@ -123,7 +123,10 @@ class CudaGraphs:
         if b.mailbox is not None:  # the prep reads the pads from there
             b.mailbox.reset(b.step_inputs.cpu().numpy())
         torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
+        # This process's allocator, not the device's free memory: a PD pair sharing the GPU
+        # allocates its KV cache while the other captures (a decode worker on the H200 said
+        # its graphs took 30.3 GiB, its prefill peer's 28 GiB cache and weights included).
+        reserved_before = torch.cuda.memory_reserved()
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         # No cyclic GC while capturing: garbage holding CUDA objects (an old engine's
@@ -158,7 +161,7 @@ class CudaGraphs:
         if b.mailbox is not None:  # the warm-ups' post-updates moved its count
             b.mailbox.reset(b.step_inputs.cpu().numpy())
         self.capture_seconds = time.perf_counter() - start
-        self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
+        self.memory_bytes = max(0, torch.cuda.memory_reserved() - reserved_before)
         logger.info(
             "captured %d CUDA graphs (sizes %d..%d%s) in %.1f s using %.0f MiB",
             len(self.graphs) + len(self.tail_graphs),
