@@ -187,10 +187,10 @@ class Controller:
                 if self.members_.get(m.worker_id) is not m or m.draining:
                     continue  # drained while its check was in flight: do not bring it back
                 m.generation += 1  # seen by the router before the (slow) restart
+                m.startup = None  # the new generation's comes with its info
                 kill_quietly(m.actor)
                 try:
                     m.actor = start_worker(self.spec, m.role, m.worker_id)
-                    m.startup = None
                     m.startup = (await asyncio.wait_for(m.actor.info.remote(), 600)).get("startup")
                 except Exception:
                     logger.exception("restart of %s failed; will retry", m.worker_id)

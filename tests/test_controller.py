@@ -22,8 +22,11 @@ def _members(controller) -> dict[str, dict]:
 
 def test_dead_worker_is_restarted_with_a_new_generation(controller):
     """Guards restarts: a killed worker gets a new actor under the same id and a bumped
-    generation (what the router watches to fail the requests it had there)."""
+    generation (what the router watches to fail the requests it had there), and its own
+    startup report, listed only once the new actor has answered (the serve log prints one
+    line per generation)."""
     old = _members(controller)["decode-0"]
+    assert old["startup"]["kv_tokens"] > 0
     ray.kill(old["actor"], no_restart=True)
     deadline = time.monotonic() + 120
     while True:
@@ -35,8 +38,12 @@ def test_dead_worker_is_restarted_with_a_new_generation(controller):
                     break
             except RayActorError:
                 pass  # the replacement is still starting
+        if m["generation"] > old["generation"] and not restarted:
+            assert m["startup"] is None, "the old generation's report outlived its actor"
         assert time.monotonic() < deadline, "the dead worker was not restarted"
         time.sleep(0.5)
+    assert m["startup"]["kv_tokens"] == old["startup"]["kv_tokens"]
+    assert m["startup"]["seconds"]["engine"] > 0
 
 
 def test_drain_removes_an_idle_worker(controller):
