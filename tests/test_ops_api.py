@@ -93,6 +93,8 @@ def test_pools_view_lists_the_workers_and_bounds(ops_server):
     (w,) = decode["workers"]
     assert w["worker_id"] == "decode-0" and w["state"] == "ready"
     assert w["num_blocks"] > 0 and 0 <= w["kv_cache_usage_perc"] <= 1
+    assert w["kernel_compiles"] == 0  # a CPU worker compiles nothing (no Triton launches)
+    assert w["startup"]["kv_tokens"] == (w["num_blocks"] - 1) * 16
     assert d["pools"]["prefill"] == {"bounds": [0, 0], "workers": [], "ready": 0,
                                      "starting": 0, "draining": 0}  # fmt: skip
     assert d["latency"]["ttft"]["count"] >= 1 and d["latency"]["e2e"]["mean_s"] > 0
