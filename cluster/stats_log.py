@@ -25,6 +25,7 @@ _COUNTERS = (
     "prefix_cache_queries",
     "prefix_cache_hits",
     "num_preemptions",
+    "kernel_compiles",
 )
 _STEPS = "steps:"  # prefix of the flattened steps_by_path counters
 
@@ -117,6 +118,8 @@ def _pool_line(
         )
     if total.get("num_preemptions"):
         parts.append(f"Preemptions: {int(total['num_preemptions'])}")
+    if total.get("kernel_compiles"):  # runner/compile_watch.py: each one made a request wait
+        parts.append(f"Kernel compiles: {int(total['kernel_compiles'])}")
     steps = {k[len(_STEPS) :]: n for k, n in total.items() if k.startswith(_STEPS) and n > 0}
     if steps:
         n = sum(steps.values())

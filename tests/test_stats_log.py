@@ -74,14 +74,15 @@ def test_lines_carry_interval_rates_pool_sums_and_step_paths():
     second = {
         **first,
         "decode-0": _worker(generation_tokens=80, num_requests_running=2, kv_cache_usage_perc=0.3,
-                            num_preemptions=1, steps_by_path={"cuda_graph": 77, "eager": 3}),
+                            num_preemptions=1, kernel_compiles=2,
+                            steps_by_path={"cuda_graph": 77, "eager": 3}),
     }  # fmt: skip
     lines = log.lines(115.0, ROLES, second)
     assert lines[0].startswith("prefill pool (1 worker): Avg prompt throughput: 0.0 tokens/s")
     assert lines[1] == (
         "decode pool (2 workers): Avg prompt throughput: 0.0 tokens/s, Avg generation "
         "throughput: 10.0 tokens/s, Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 20.0% "
-        "(max 30.0%), Preemptions: 1, Steps: 100% cuda_graph"
+        "(max 30.0%), Preemptions: 1, Kernel compiles: 2, Steps: 100% cuda_graph"
     )
 
 
