@@ -28,7 +28,7 @@ def _num_gpus() -> int:
 
 
 # GPU-only test modules are not collected without a GPU (rather than collected and skipped);
-# two-GPU ones not without two.
+# two-GPU ones not without two. Listed by name: test_gpu_binding.py runs on the CPU too.
 collect_ignore = ([] if _num_gpus() >= 2 else ["test_gpu_peer_ipc.py"]) + (
     []
     if _cuda_present()
@@ -39,6 +39,8 @@ collect_ignore = ([] if _num_gpus() >= 2 else ["test_gpu_peer_ipc.py"]) + (
         "test_gpu_cuda_ipc.py",
         "test_gpu_copy_stream.py",
         "test_gpu_norm_fold.py",
+        "test_gpu_tier_write_behind.py",
+        "test_gpu_compile_watch.py",
         "gpu_ipc_source_proc.py",
         "gpu_ipc_dead_source_proc.py",
         "gpu_ipc_layouts.py",
