@@ -22,6 +22,7 @@ from pdserve.cluster.wire import FirstToken, WorkRequest
 from pdserve.cluster.worker_loop import WorkerLoop
 from pdserve.decode.worker import DecodeWorker
 from pdserve.kvtransfer import pack
+from pdserve.kvtransfer.layout import GroupStorage
 from pdserve.kvtransfer.protocol import encode, ticket_from_wire
 from pdserve.kvtransfer.transport_cuda_ipc import CudaIpcTransport
 from pdserve.kvtransfer.transport_tcp import TcpTransport
@@ -68,11 +69,11 @@ class _PhaseClock:
         self._last = now
 
 
-def _watch_compiles(engine: Engine, worker_id: str) -> CompileWatch | None:
-    """On a GPU, count and log the Triton compiles from here on (the warm-ups are done)."""
-    if engine.config.runner.torch_device.type != "cuda":
-        return None
-    return CompileWatch(worker_id).install()
+def _warm_up_engine(engine: Engine, clock: _PhaseClock) -> None:
+    """On a GPU, the engine's warm-up: before the first request, not in its TTFT."""
+    if engine.config.runner.torch_device.type == "cuda":
+        warm_up(engine)
+        clock.done("warm-up")
 
 
 def join_kv_group(dist_spec: dict | None) -> bool:
@@ -109,6 +110,19 @@ class _Service:
     loop: WorkerLoop
     tier: TierClient | None
     compiles: CompileWatch | None  # on a GPU, from the end of the warm-up
+    startup: dict[str, Any]  # cluster/startup_report.py, sent with `info`
+
+    def _ready(
+        self, engine: Engine, worker_id: str, storages: tuple[GroupStorage, ...], clock: _PhaseClock
+    ) -> None:
+        """The end of a worker's start: its transfer path's kernels compiled (tcp pulls
+        and the tier pack and unpack; a no-op off the GPU), its startup report, and on a
+        GPU its Triton compiles counted and logged from here on."""
+        pack.warm_up(storages)
+        clock.done("transfer set-up")
+        self.startup = startup_report(engine, clock.seconds)
+        on_gpu = engine.config.runner.torch_device.type == "cuda"
+        self.compiles = CompileWatch(worker_id).install() if on_gpu else None
 
     async def _call(self, fn) -> Any:
         """`fn(worker)` on the loop thread, between steps. Awaited, not waited on: the
@@ -150,9 +164,7 @@ class DecodeService(_Service):
         clock = _PhaseClock()
         self.worker = DecodeWorker(engine_kwargs, worker_id, {}, policy, transfer_timeout_s, tier)
         clock.done("engine")
-        if self.worker.engine.config.runner.torch_device.type == "cuda":
-            warm_up(self.worker.engine)  # before the first request, not in its TTFT
-            clock.done("warm-up")
+        _warm_up_engine(self.worker.engine, clock)
         layout = self.worker.layout
         if layout is not None:  # tickets name their transport by endpoint scheme
             tcp = TcpTransport(worker_id, layout, layer_wise=kv_layer_wise)
@@ -165,10 +177,7 @@ class DecodeService(_Service):
                 from pdserve.kvtransfer.transport_nccl import NcclTransport
 
                 self.worker.loader.transports["nccl"] = NcclTransport(worker_id, layout)
-        pack.warm_up(self.worker.storages)  # tcp pulls and tier loads unpack (a GPU only)
-        clock.done("transfer set-up")
-        self.startup = startup_report(self.worker.engine, clock.seconds)
-        self.compiles = _watch_compiles(self.worker.engine, worker_id)
+        self._ready(self.worker.engine, worker_id, self.worker.storages, clock)
         self.publisher = TokenPublisher(stream_endpoint, worker_id)
         self.loop = WorkerLoop(self.worker, self._publish, name=f"decode-{worker_id}").start()
 
@@ -234,9 +243,7 @@ class PrefillService(_Service):
         clock = _PhaseClock()
         engine = Engine.from_args(**engine_kwargs)
         clock.done("engine")
-        if engine.config.runner.torch_device.type == "cuda":
-            warm_up(engine)
-            clock.done("warm-up")
+        _warm_up_engine(engine, clock)
         tier = self.tier = TierClient(tier_actor) if tier_actor is not None else None
         if host is None:
             import ray
@@ -246,10 +253,7 @@ class PrefillService(_Service):
             engine, worker_id, lease_s, bind=f"tcp://{host}:0", tier=tier, cuda_ipc=cuda_ipc,
             nccl=in_group, early_tickets=early_tickets,
         )  # fmt: skip
-        pack.warm_up(self.worker.source.storages)  # tcp pulls and tier writes pack
-        clock.done("transfer set-up")
-        self.startup = startup_report(engine, clock.seconds)
-        self.compiles = _watch_compiles(engine, worker_id)
+        self._ready(engine, worker_id, self.worker.source.storages, clock)
         self._waiters: dict[str, Future] = {}
         # Early tickets are answered from inside the step, before its forward runs; their
         # first tokens wait here for the router's `first_token` call (by request id, with
