@@ -2,7 +2,8 @@
 
 Each tick the router process turns what it already knows into one level per pool:
 - decode: "high" when its ready workers' mean KV cache usage is over `decode_kv_high` or
-  more than `decode_waiting_high` requests wait per worker; "low" when usage is under
+  more than `decode_waiting_high` requests wait per worker (on the workers or in the
+  router's queue for a decode slot); "low" when usage is under
   `decode_kv_low` and nothing waits;
 - prefill: prompt tokens this router has sent for prefill and not had answered, per
   ready worker: "high" over `prefill_tokens_high`, "low" under `prefill_tokens_low`.
@@ -63,11 +64,13 @@ def autoscale_config(overrides: dict | None) -> AutoscaleConfig:
     return cfg
 
 
-def decode_level(stats: list[dict], cfg: AutoscaleConfig) -> tuple[str, dict]:
-    """The decode pool's level from its ready workers' last stats."""
+def decode_level(stats: list[dict], cfg: AutoscaleConfig, queued: int = 0) -> tuple[str, dict]:
+    """The decode pool's level from its ready workers' last stats and the requests queued
+    in the router for a decode slot."""
     usage = [s["kv_cache_usage_perc"] for s in stats if "kv_cache_usage_perc" in s]
     kv = sum(usage) / len(usage) if usage else 0.0
-    waiting = sum(s.get("num_requests_waiting", 0) for s in stats) / max(1, len(stats))
+    waiting = queued + sum(s.get("num_requests_waiting", 0) for s in stats)
+    waiting /= max(1, len(stats))
     if kv > cfg.decode_kv_high or waiting > cfg.decode_waiting_high:
         level = "high"
     elif kv < cfg.decode_kv_low and waiting == 0:
@@ -133,7 +136,7 @@ class Autoscaler:
             ready = [m["worker_id"] for m in pool if m["state"] == "ready"]
             if role == "decode":
                 level, detail = decode_level(
-                    [router.worker_stats.get(w, {}) for w in ready], self.cfg
+                    [router.worker_stats.get(w, {}) for w in ready], self.cfg, router.queued()
                 )
             else:
                 tokens = [router.load_of(w)["prompt_tokens_in_flight"] for w in ready]

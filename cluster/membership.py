@@ -31,4 +31,5 @@ def sync_members(router, members: list[dict]) -> list[str]:
     for gone in [w for w in router.worker_stats if w not in current]:  # drained: no stale series
         del router.worker_stats[gone]
         router.prefix_index.forget(gone)
+    router.workers_changed()  # a new worker's slots go to requests queued in the router
     return failed

@@ -210,6 +210,12 @@ class _RouterCollector:
             for state in ("starting", "ready", "draining"):
                 pools.add_metric([role, state], router.pool_states.get((role, state), 0))
         yield pools
+        queued = GaugeMetricFamily(
+            PREFIX + "router_requests_queued",
+            "Requests waiting in the router for a decode slot (every decode worker full)",
+        )
+        queued.add_metric([], router.queued())
+        yield queued
         decisions = CounterMetricFamily(
             PREFIX + "pd_decisions", "Remote-prefill decisions by reason", labels=["reason"]
         )

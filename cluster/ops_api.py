@@ -94,6 +94,10 @@ def pools_view(
         lo, hi = bounds.get(role, (0, 0))
         pools[role] = {"bounds": [lo, hi], "workers": [], "ready": 0, "starting": 0,
                        "draining": 0}  # fmt: skip
+    # Requests waiting in the router for a decode slot (cluster/decode_admission.py), and
+    # the slots a decode worker has (0: no limit).
+    pools["decode"]["queued"] = router.queued()
+    pools["decode"]["slots_per_worker"] = router.config.decode_capacity
     for m in sorted(members, key=lambda m: (m["role"], worker_index(m["worker_id"]))):
         stats = router.worker_stats.get(m["worker_id"], {})
         health = m.get("health") or {}

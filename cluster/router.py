@@ -1,17 +1,18 @@
 """The router's request flow (DESIGN §2), independent of HTTP and of Ray.
 
 `Router.generate` takes a parsed request and yields `(index, StreamDelta)` for each of
-its `n` completions: it picks a decode worker (fewest requests in flight, then KV
-headroom), decides whether remote prefill pays (`pd` mode, a prompt whose part not
-already cached on the decode worker is long enough, a prefill worker up and, with
-`pd_max_prefill_queue_tokens`, not backed up; a request that wants its prompt's
-logprobs prefills where they are computed, on the decode worker; every decision is
-counted by reason), runs
-the prefill on the prefill worker with the most cached prefix (then the least busy),
-hands the ticket to the decode worker, and relays the token stream that arrives over ZMQ.
-If the prefill fails, policy `recompute` lets the decode worker prefill itself and `fail`
-ends the request with an error; both are counted. When the consumer stops early (client
-disconnect) every worker that may hold the request is told to abort it.
+its `n` completions: it picks a decode worker with a free slot (fewest requests in
+flight, then KV headroom; with `decode_capacity` and every worker full, the request
+waits in the router's queue, cluster/decode_admission.py), decides whether remote
+prefill pays (`pd` mode, a prompt whose part not already cached on the decode worker is
+long enough, a prefill worker up and, with `pd_max_prefill_queue_tokens`, not backed up;
+a request that wants its prompt's logprobs prefills where they are computed, on the
+decode worker; every decision is counted by reason), runs the prefill on the prefill
+worker with the most cached prefix (then the least busy), hands the ticket to the
+decode worker, and relays the token stream that arrives over ZMQ. If the prefill fails,
+policy `recompute` lets the decode worker prefill itself and `fail` ends the request with
+an error; both are counted. When the consumer stops early (client disconnect) every
+worker that may hold the request is told to abort it.
 
 Workers are reached through handles (`WorkerHandle`) so the same flow drives Ray actors
 and in-process services.
@@ -29,6 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
+from pdserve.cluster.decode_admission import DecodeAdmission
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.token_stream import StreamDelta
@@ -82,6 +84,11 @@ class RouterConfig:
     # restarted server given the same requests in the same order samples the same; None:
     # from the OS's randomness.
     seed: int | None = None
+    # Slots per decode worker: the requests the router has on one at a time (prefilling
+    # for it, running or waiting on it). More wait in the router, in arrival order, for the
+    # first slot to free anywhere, a new worker's included (cluster/decode_admission.py);
+    # a wait is bounded by stream_idle_timeout_s. 0: no limit, every request goes at once.
+    decode_capacity: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):
@@ -92,6 +99,8 @@ class RouterConfig:
             raise ValueError(
                 f"pd_max_prefill_queue_tokens must be >= 0, got {self.pd_max_prefill_queue_tokens}"
             )
+        if self.decode_capacity < 0:
+            raise ValueError(f"decode_capacity must be >= 0, got {self.decode_capacity}")
 
 
 class Router:
@@ -121,6 +130,7 @@ class Router:
         self._assigned: dict[str, str] = {}  # request id -> decode worker id
         self._background: set[asyncio.Task] = set()  # aborts in flight; awaited by close()
         self._seeds = random.Random(config.seed) if config.seed is not None else None
+        self._admission: DecodeAdmission[WorkerHandle] = DecodeAdmission(self._grant_decode)
 
     def worker_roles(self) -> dict[str, str]:
         """Worker id -> "decode" | "prefill" for the workers requests are routed to."""
@@ -151,6 +161,15 @@ class Router:
             )
         return len(lost)
 
+    def queued(self) -> int:
+        """Requests waiting in the router for a decode slot."""
+        return self._admission.queued
+
+    def workers_changed(self) -> None:
+        """The decode worker list changed (cluster/membership.py): a new worker's slots go
+        to the requests waiting for one."""
+        self._admission.wake()
+
     def load_of(self, worker_id: str) -> dict[str, int]:
         """What this router has in flight on a worker: requests, and prompt tokens sent to
         it for prefill (the ops view and the autoscaler read it)."""
@@ -167,6 +186,19 @@ class Router:
             return (self._inflight[w.worker_id], s.get("kv_cache_usage_perc", 0.0))
 
         return min(workers, key=load)
+
+    def _grant_decode(self) -> WorkerHandle | None:
+        cap = self.config.decode_capacity
+        free = [w for w in self.decode_workers if not cap or self._inflight[w.worker_id] < cap]
+        if not free:
+            return None
+        worker = self._pick(free)
+        self._inflight[worker.worker_id] += 1
+        return worker
+
+    def _release_decode(self, worker: WorkerHandle) -> None:
+        self._inflight[worker.worker_id] -= 1
+        self._admission.wake()
 
     def _decide(
         self, num_prompt_tokens: int, decode_hit_tokens: int, prompt_logprobs: bool = False
@@ -232,13 +264,18 @@ class Router:
         if not self.decode_workers:
             await out.put((index, ApiError("no decode worker is available", 503, "server_error")))
             return
-        decode_w = self._pick(self.decode_workers)
+        timeout_s = self.config.stream_idle_timeout_s
+        try:
+            decode_w = await self._admission.acquire(timeout_s, self._release_decode)
+        except TimeoutError:
+            message = f"no decode slot was free within {timeout_s:g} s ({self.queued()} queued)"
+            await out.put((index, ApiError(message, 503, "server_error")))
+            return
         queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
         self._queues[request_id] = queue
         holders: list[WorkerHandle] = []
         finished = False
         relay: asyncio.Task | None = None
-        self._inflight[decode_w.worker_id] += 1
         try:
             ticket = prefill_w = None
             hashes = self.prefix_index.hashes(prompt)
@@ -279,7 +316,7 @@ class Router:
                 await asyncio.gather(relay, return_exceptions=True)
             self._queues.pop(request_id, None)
             self._assigned.pop(request_id, None)
-            self._inflight[decode_w.worker_id] -= 1
+            self._release_decode(decode_w)
             if not finished:
                 for w in holders:  # client gone or error: nothing may keep its blocks
                     task = asyncio.create_task(self._abort_quietly(w, request_id))

@@ -17,7 +17,7 @@ import socket
 import sys
 from pathlib import Path
 
-from pdserve.cluster.serve_args import ServeConfig, served_names
+from pdserve.cluster.serve_args import ServeConfig, decode_capacity, served_names
 from pdserve.cluster.serve_placement import join_auth_env
 from pdserve.cluster.startup_report import StartupLines
 
@@ -221,6 +221,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
                 block_size=cfg.block_size,
                 policy=cfg.policy,
                 seed=cfg.seed,
+                decode_capacity=decode_capacity(cfg),
             ),
             [],
             [],

@@ -25,6 +25,10 @@ class ServeConfig:
     max_model_len: int | None = 4096
     block_size: int = 16
     max_num_seqs: int = 64
+    # Requests the router may put on a decode worker beyond its max_num_seqs running ones
+    # (prefilled ahead, they wait there); more wait in the router for the first worker
+    # with room, so workers added by scaling take them. None: max_num_seqs.
+    max_waiting_per_decode_worker: int | None = None
     # Tokens per engine step (prefill chunks + decodes); None: vLLM's server default, 8,192
     # on GPUs of >= 70 GiB, else 2,048 (serve.default_batched_tokens).
     max_num_batched_tokens: int | None = None
@@ -155,6 +159,16 @@ class ServeConfig:
                 "--kv-layer-wise streams KV over tcp; it cannot be used with "
                 f"--kv-transport {self.kv_transport}"
             )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if (
+            self.max_waiting_per_decode_worker is not None
+            and self.max_waiting_per_decode_worker < 0
+        ):
+            raise ValueError(
+                "--max-waiting-per-decode-worker must be >= 0, got "
+                f"{self.max_waiting_per_decode_worker}"
+            )
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
@@ -203,6 +217,13 @@ class ServeConfig:
                     f"--prefill-workers {self.prefill_workers} is outside --min/--max-prefill-"
                     f"workers [{self.min_prefill_workers}, {self.max_prefill_workers}]"
                 )
+
+
+def decode_capacity(cfg: ServeConfig) -> int:
+    """The router's slots per decode worker: its max_num_seqs running requests and
+    max_waiting_per_decode_worker more (default as many again) waiting on it."""
+    waiting = cfg.max_waiting_per_decode_worker
+    return cfg.max_num_seqs + (cfg.max_num_seqs if waiting is None else waiting)
 
 
 def served_names(cfg: ServeConfig) -> tuple[str, ...]:
@@ -266,6 +287,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-waiting-per-decode-worker", type=int, default=None, metavar="N",
+                   help="requests the router may queue on a decode worker beyond its "
+                   "--max-num-seqs running ones; more wait in the router for the first "
+                   "worker with room, a newly scaled one included (default: --max-num-seqs)")  # fmt: skip
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,

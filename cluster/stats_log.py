@@ -51,9 +51,13 @@ class StatsLog:
     _prev: dict[str, dict[str, float]] = field(default_factory=dict)  # worker -> counters
     _active: dict[str, bool] = field(default_factory=dict)  # role -> last line had work
 
-    def lines(self, now: float, roles: dict[str, str], stats: dict[str, dict]) -> list[str]:
+    def lines(
+        self, now: float, roles: dict[str, str], stats: dict[str, dict], queued: int = 0
+    ) -> list[str]:
         """`roles`: worker id -> "prefill" | "decode" for the routed workers; `stats`: worker
-        id -> its last polled stats. Returns the pools' lines (prefill first)."""
+        id -> its last polled stats; `queued`: requests waiting in the router for a decode
+        slot (on the decode pool's line when any). Returns the pools' lines (prefill
+        first)."""
         interval = max(now - (self._start_of_interval()), 1e-9)
         self._last = now
         deltas: dict[str, dict[str, float]] = {}
@@ -72,7 +76,9 @@ class StatsLog:
             workers = [w for w, r in roles.items() if r == role]
             if not workers:
                 continue
-            line, active = _pool_line(role, workers, stats, deltas, interval)
+            line, active = _pool_line(
+                role, workers, stats, deltas, interval, queued if role == "decode" else 0
+            )
             if active or self._active.get(role, False):
                 out.append(line)
             self._active[role] = active
@@ -88,6 +94,7 @@ def _pool_line(
     stats: dict[str, dict],
     deltas: dict[str, dict[str, float]],
     interval: float,
+    queued: int,
 ) -> tuple[str, bool]:
     total: dict[str, float] = {}
     for w in workers:
@@ -107,6 +114,8 @@ def _pool_line(
         f"Running: {running} reqs",
         f"Waiting: {waiting} reqs",
     ]
+    if queued:  # cluster/decode_admission.py: every decode worker is full
+        parts.append(f"Queued in router: {queued} reqs")
     if usage:
         mean = 100 * sum(usage) / len(usage)
         kv = f"KV cache usage: {mean:.1f}%"
@@ -129,7 +138,7 @@ def _pool_line(
     if silent:
         parts.append(f"not answering: {', '.join(silent)}")
     noun = "worker" if len(workers) == 1 else "workers"
-    active = bool(running or waiting or any(v > 0 for v in total.values()))
+    active = bool(running or waiting or queued or any(v > 0 for v in total.values()))
     return f"{role} pool ({len(workers)} {noun}): " + ", ".join(parts), active
 
 
@@ -145,5 +154,6 @@ async def stats_log_loop(router, interval_s: float, write: Callable[[str], None]
             logger.exception("polling the workers' stats for the stats log failed")
             continue
         stamp = time.strftime("%m-%d %H:%M:%S")
-        for line in log.lines(time.monotonic(), router.worker_roles(), router.worker_stats):
+        roles, stats = router.worker_roles(), router.worker_stats
+        for line in log.lines(time.monotonic(), roles, stats, router.queued()):
             write(f"pdserve: {stamp} {line}")

@@ -26,16 +26,18 @@ def tiny_spec(model_dir: str, endpoint: str, num_prefill: int = 1, num_decode: i
 
 @contextmanager
 def controller_on_ray(
-    model_dir: str, num_decode: int, bounds: dict | None = None
+    model_dir: str, num_decode: int, bounds: dict | None = None, stream: str | None = None
 ) -> Iterator[object]:
     """Ray up, a started controller (health every 0.5 s) over 1 prefill and `num_decode`
     decode workers; stopped and Ray down at the end, even after a failed stop (so the next
-    module's ray.init finds no Ray)."""
+    module's ray.init finds no Ray). The decode workers stream tokens to `stream`, where
+    the caller binds a router's subscriber; without one, to a sink of our own."""
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    sink = zmq.Context.instance().socket(zmq.PULL)  # where decode workers stream tokens
+    sink = zmq.Context.instance().socket(zmq.PULL)
     try:
-        port = sink.bind_to_random_port("tcp://127.0.0.1")
-        spec = tiny_spec(model_dir, f"tcp://127.0.0.1:{port}", num_decode=num_decode)
+        if stream is None:
+            stream = f"tcp://127.0.0.1:{sink.bind_to_random_port('tcp://127.0.0.1')}"
+        spec = tiny_spec(model_dir, stream, num_decode=num_decode)
         handle = ray.remote(Controller).options(num_cpus=0).remote(spec, 0.5, bounds)
         ray.get(handle.start.remote(), timeout=300)
         yield handle
@@ -43,3 +45,12 @@ def controller_on_ray(
     finally:
         sink.close(linger=0)
         ray.shutdown()
+
+
+def free_endpoint() -> str:
+    """A TCP endpoint on the loopback nobody listens on now (for a subscriber bound later)."""
+    probe = zmq.Context.instance().socket(zmq.PULL)
+    try:
+        return f"tcp://127.0.0.1:{probe.bind_to_random_port('tcp://127.0.0.1')}"
+    finally:
+        probe.close(linger=0)

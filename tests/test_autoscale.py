@@ -27,6 +27,17 @@ def test_decode_level(stats, level):
     assert decode_level(stats, CFG)[0] == level
 
 
+def test_requests_queued_in_the_router_count_as_waiting():
+    """Guards the router's queue as a signal: with every decode worker full the backlog
+    waits in the router, not on the workers, and must still read as waiting."""
+    calm = [{"kv_cache_usage_perc": 0.1, "num_requests_waiting": 0}] * 2
+    assert decode_level(calm, CFG, queued=5) == (
+        "high",
+        {"kv_cache_usage_perc": 0.1, "waiting_per_worker": 2.5},
+    )
+    assert decode_level(calm, CFG, queued=1)[0] == "ok"  # busy, not "low"
+
+
 @pytest.mark.parametrize(
     "tokens, level",
     [([40000, 0], "high"), ([20000, 20000], "high"), ([5000], "ok"), ([0, 0], "low")],

@@ -1,5 +1,6 @@
 """Scaling the pools on a real local Ray instance: the controller's `scale` and
-`start_drain`, and one autoscaler tick driving them through a real router."""
+`start_drain`, one autoscaler tick driving them through a real router, and the router's
+queue for decode slots handing its backlog to a worker added by scaling."""
 
 from __future__ import annotations
 
@@ -8,19 +9,30 @@ import time
 
 import pytest
 import ray
-from ray_controller import controller_on_ray, tiny_spec
+from ray_controller import controller_on_ray, free_endpoint, tiny_spec
 
 from pdserve.cluster.autoscale import AutoscaleConfig, Autoscaler
 from pdserve.cluster.controller import Controller
 from pdserve.cluster.membership import sync_members
-from pdserve.cluster.openai_api import ApiError
+from pdserve.cluster.metrics import Metrics
+from pdserve.cluster.openai_api import ApiError, ParsedRequest
 from pdserve.cluster.pool_control import PoolControl
 from pdserve.cluster.router import Router, RouterConfig
+from pdserve.cluster.token_stream import TokenSubscriber
+from pdserve.runner.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def pools(tiny_qwen3_dir):
-    with controller_on_ray(tiny_qwen3_dir, 1, {"decode": (1, 3), "prefill": (1, 2)}) as handle:
+def stream_endpoint():
+    """Where the decode workers stream tokens: a router's subscriber binds it when a test
+    generates."""
+    return free_endpoint()
+
+
+@pytest.fixture(scope="module")
+def pools(tiny_qwen3_dir, stream_endpoint):
+    bounds = {"decode": (1, 3), "prefill": (1, 2)}
+    with controller_on_ray(tiny_qwen3_dir, 1, bounds, stream_endpoint) as handle:
         yield handle
 
 
@@ -128,3 +140,69 @@ def test_an_nccl_group_cannot_be_scaled(tiny_qwen3_dir):
     with pytest.raises(ValueError, match="fixed size"):
         asyncio.run(c.scale("decode", 2))
     assert c.members_ == {}
+
+
+def _request(max_tokens: int) -> ParsedRequest:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return ParsedRequest("completion", "m", [1, 2, 3, 4, 5], params, True, False, False, None)
+
+
+async def _until(predicate, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.005)
+
+
+def test_a_request_queued_for_a_decode_slot_goes_to_a_worker_added_by_scaling(
+    pools, stream_endpoint
+):
+    """Guards the router's queue (cluster/decode_admission.py) with real workers: at one
+    slot per decode worker, a second request waits in the router while a long one runs on
+    the only routed worker (queued 1, also on /metrics); once the member list brings a
+    second ready worker, the waiting request runs there at once, while the first still
+    holds its slot, and both end with every token they asked for."""
+    new = ray.get(pools.scale.remote("decode", 2), timeout=30)["started"][0]
+    _wait(pools, lambda ms: ms.get(new, {}).get("state") == "ready", "bring-up")
+    router = Router(RouterConfig(mode="colocated", decode_capacity=1), [], [])
+    routes, busy_when_routed = {}, {}
+
+    def on_route(name: str):
+        def hear(route) -> None:
+            routes[name] = route
+            if name == "b":  # is the first request still on its worker?
+                busy_when_routed["a"] = router.load_of(routes["a"].decode)["inflight"]
+
+        return hear
+
+    async def tokens(stream) -> tuple[int, str | None]:
+        n, reason = 0, None
+        async for _, delta in stream:
+            n, reason = n + len(delta.token_ids), delta.finish_reason or reason
+        return n, reason
+
+    async def scenario() -> None:
+        members = await PoolControl(pools).members()
+        subscriber = TokenSubscriber(stream_endpoint, router.on_delta)
+        subscriber.start()
+        try:
+            sync_members(router, [m for m in members if m["worker_id"] != new])
+            first = router.generate(_request(240), on_route("a"))
+            _, delta = await anext(first)  # running on its worker
+            second = asyncio.create_task(tokens(router.generate(_request(8), on_route("b"))))
+            await _until(lambda: router.queued() == 1, "the second request queues")
+            assert "b" not in routes
+            assert "pdserve:router_requests_queued 1.0" in Metrics().render(router)
+            sync_members(router, members)  # the new worker joins the router
+            await _until(lambda: "b" in routes, "the queued request starts")
+            assert routes["b"].decode == new and routes["a"].decode != new
+            assert busy_when_routed == {"a": 1} and router.queued() == 0
+            n, reason = await tokens(first)
+            assert (n + len(delta.token_ids), reason) == (240, "length")
+            assert await second == (8, "length")
+            assert all(router.load_of(m["worker_id"])["inflight"] == 0 for m in members)
+        finally:
+            await router.close()
+            await subscriber.close()
+
+    asyncio.run(scenario())

@@ -9,7 +9,13 @@ import argparse
 import pytest
 
 from pdserve.cluster.metrics import Metrics
-from pdserve.cluster.serve_args import ServeConfig, add_serve_args, config_from_args, with_env
+from pdserve.cluster.serve_args import (
+    ServeConfig,
+    add_serve_args,
+    config_from_args,
+    decode_capacity,
+    with_env,
+)
 from pdserve.cluster.serve_placement import Placement, join_auth_env, pool_bounds
 
 
@@ -28,6 +34,8 @@ from pdserve.cluster.serve_placement import Placement, join_auth_env, pool_bound
         (dict(autoscale_policy={"interval_s": 0}), "interval_s"),
         (dict(autoscale_policy=[1]), "mapping"),
         (dict(worker_start_timeout_s=0), "worker_start_timeout_s"),
+        (dict(max_waiting_per_decode_worker=-1), "--max-waiting-per-decode-worker"),
+        (dict(max_num_seqs=0), "--max-num-seqs"),
     ],
 )
 def test_bad_scaling_config_is_refused(kwargs, message):
@@ -54,6 +62,17 @@ def test_flags_parse_into_the_new_keys(monkeypatch):
     cfg = config_from_args(args)
     assert (cfg.ray_address, cfg.pool_resources, cfg.gpus_per_worker) == ("auto", True, 1.0)
     assert (cfg.autoscale, cfg.max_decode_workers, cfg.admin_key) == (True, 8, "k")
+
+
+def test_decode_slots_are_the_running_and_the_waiting_requests():
+    """Guards the router's slots per decode worker: max_num_seqs running plus, by
+    default, as many again waiting; the flag sets the waiting part (0: none)."""
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert decode_capacity(config_from_args(p.parse_args(["--max-num-seqs", "8"]))) == 16
+    args = p.parse_args(["--max-num-seqs", "8", "--max-waiting-per-decode-worker", "0"])
+    assert decode_capacity(config_from_args(args)) == 8
+    assert decode_capacity(ServeConfig(max_waiting_per_decode_worker=3)) == 64 + 3
 
 
 def _placement(joined=False, gpus=0, per=0.0) -> Placement:

@@ -101,6 +101,21 @@ def test_an_idle_pool_prints_one_line_of_zeros_then_nothing():
     assert "Waiting: 3 reqs" in log.lines(40.0, roles, waiting)[0]  # work again: it speaks
 
 
+def test_requests_queued_in_the_router_make_the_decode_pool_speak():
+    """Guards the queue on the log: requests waiting in the router for a decode slot are
+    on the decode pool's line (only there), and are work: an idle pool with a queue
+    speaks."""
+    log = StatsLog(start=0.0)
+    roles = {"prefill-0": "prefill", "decode-0": "decode"}
+    idle = {w: _worker() for w in roles}
+    assert log.lines(10.0, roles, idle) == []  # nothing has happened yet
+    assert log.lines(20.0, roles, idle, queued=4) == [
+        "decode pool (1 worker): Avg prompt throughput: 0.0 tokens/s, Avg generation "
+        "throughput: 0.0 tokens/s, Running: 0 reqs, Waiting: 0 reqs, Queued in router: 4 "
+        "reqs, KV cache usage: 0.0%"
+    ]
+
+
 def test_a_restarted_worker_counts_from_zero_and_a_silent_one_is_named():
     log = StatsLog(start=0.0)
     roles = {"decode-0": "decode"}

@@ -1,0 +1,75 @@
+"""The router's queue for decode slots (DESIGN §2 and §5).
+
+A request takes a slot on a decode worker before anything runs for it (its prefill
+included) and gives the slot back when it ends. A worker has a fixed number of slots
+(the router's `decode_capacity`): its running requests plus those allowed to wait on it,
+prefilled ahead so that a finished request's place is refilled at once. When every
+worker is full a request waits here, in arrival order, for the first slot that frees or
+that a new worker brings. So the workers added by scaling take the backlog. Without the
+queue, the backlog would stay in the old workers' own queues.
+
+`grant` is the router's choice: it takes a free slot on the best worker and returns the
+worker, or returns None when no worker has one. `release` gives a slot back and calls
+`wake`; so does a change of the worker list. Every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+W = TypeVar("W")
+
+
+class DecodeAdmission(Generic[W]):
+    def __init__(self, grant: Callable[[], W | None]) -> None:
+        self._grant = grant
+        self._waiters: deque[asyncio.Future[W]] = deque()
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot now."""
+        return sum(not f.done() for f in self._waiters)
+
+    async def acquire(self, timeout_s: float, release: Callable[[W], None]) -> W:
+        """A slot's worker: at once when nobody waits and a worker has room, else after
+        the requests ahead. TimeoutError after `timeout_s`. A wait that ends (timeout,
+        cancel) just as a slot was granted gives that slot back through `release`."""
+        if not self.queued:
+            worker = self._grant()
+            if worker is not None:
+                return worker
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[W] = loop.create_future()
+        self._waiters.append(fut)
+        # Not asyncio.wait_for: on 3.11 it can swallow a cancel that lands as the slot is
+        # granted, and the router's task would then run a request nobody waits for.
+        timer = loop.call_later(timeout_s, _expire, fut)
+        try:
+            return await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                release(fut.result())
+            else:
+                fut.cancel()  # `wake` drops it
+            raise
+        finally:
+            timer.cancel()
+
+    def wake(self) -> None:
+        """Grant free slots to the waiters, first come first served."""
+        while self._waiters:
+            if self._waiters[0].done():
+                self._waiters.popleft()
+                continue
+            worker = self._grant()
+            if worker is None:
+                return
+            self._waiters.popleft().set_result(worker)
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())

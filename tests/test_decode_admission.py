@@ -1,0 +1,135 @@
+"""The router's queue for decode slots (cluster/decode_admission.py) on its own: first
+come first served, slots granted as they free or as workers join, timeouts and
+cancellations that give back a slot granted at the last moment. Workers are plain names
+with a slot count each (the router's `_grant_decode` / `_release_decode` in small);
+test_pool_scaling.py drives the same queue through a real router and real workers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.cluster.decode_admission import DecodeAdmission
+
+
+class _Slots:
+    """Free slots per worker; grant takes one from the freest worker (ties: the first)."""
+
+    def __init__(self, **free: int) -> None:
+        self.free = dict(free)
+        self.admission: DecodeAdmission[str] = DecodeAdmission(self.grant)
+
+    def grant(self) -> str | None:
+        best = max(self.free, key=lambda w: self.free[w], default=None)
+        if best is None or self.free[best] == 0:
+            return None
+        self.free[best] -= 1
+        return best
+
+    def release(self, worker: str) -> None:
+        self.free[worker] += 1
+        self.admission.wake()
+
+    async def take(self, timeout_s: float = 5.0) -> str:
+        return await self.admission.acquire(timeout_s, self.release)
+
+
+async def _settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def test_waiters_are_served_in_arrival_order_as_slots_free():
+    """Guards FIFO: with one slot taken, three requests queue; each release goes to the
+    oldest waiter, and a newcomer does not take a slot ahead of those already waiting."""
+
+    async def run() -> None:
+        slots = _Slots(d0=1)
+        assert await slots.take() == "d0"
+        order: list[int] = []
+
+        async def waiter(i: int) -> None:
+            await slots.take()
+            order.append(i)
+
+        tasks = [asyncio.create_task(waiter(i)) for i in range(3)]
+        await _settle()
+        assert slots.admission.queued == 3 and order == []
+        for expected in ([0], [0, 1], [0, 1, 2]):
+            slots.release("d0")
+            await _settle()
+            assert order == expected
+        await asyncio.gather(*tasks)
+        assert slots.admission.queued == 0 and slots.free == {"d0": 0}
+
+    asyncio.run(run())
+
+
+def test_a_new_worker_takes_the_queue_at_once():
+    """Guards scale-up: the slots a joining worker brings go to the waiting requests as
+    soon as the router hears of it (wake), without any request ending."""
+
+    async def run() -> None:
+        slots = _Slots(d0=1)
+        await slots.take()
+        tasks = [asyncio.create_task(slots.take()) for _ in range(3)]
+        await _settle()
+        slots.free["d1"] = 2
+        slots.admission.wake()
+        await _settle()
+        assert [t.result() for t in tasks[:2]] == ["d1", "d1"]
+        assert not tasks[2].done() and slots.admission.queued == 1
+        slots.release("d0")
+        assert await tasks[2] == "d0"
+
+    asyncio.run(run())
+
+
+def test_a_wait_times_out_and_leaves_the_queue():
+    """Guards the bound on a wait: TimeoutError after the timeout, the waiter gone from the
+    queue, and the next freed slot goes to the request behind it."""
+
+    async def run() -> None:
+        slots = _Slots(d0=1)
+        await slots.take()
+        with pytest.raises(TimeoutError):
+            await slots.take(timeout_s=0.05)
+        assert slots.admission.queued == 0
+        behind = asyncio.create_task(slots.take())
+        await _settle()
+        slots.release("d0")
+        assert await behind == "d0" and slots.free == {"d0": 0}
+
+    asyncio.run(run())
+
+
+def test_a_cancelled_wait_gives_back_a_slot_granted_at_the_same_moment():
+    """Guards against a lost slot: a waiter granted a slot and cancelled before it ran (a
+    client gone just then) hands the slot to the next waiter instead of keeping it."""
+
+    async def run() -> None:
+        slots = _Slots(d0=1)
+        await slots.take()
+        first = asyncio.create_task(slots.take())
+        second = asyncio.create_task(slots.take())
+        await _settle()
+        slots.release("d0")  # granted to `first`, which has not run since
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert await second == "d0"
+        assert slots.free == {"d0": 0} and slots.admission.queued == 0
+
+    asyncio.run(run())
+
+
+def test_no_queue_while_a_worker_has_room():
+    """Guards the fast path: requests go straight to the freest worker, no waiting."""
+
+    async def run() -> None:
+        slots = _Slots(d0=1, d1=2)
+        assert [await slots.take() for _ in range(3)] == ["d1", "d0", "d1"]
+        assert slots.admission.queued == 0
+
+    asyncio.run(run())
