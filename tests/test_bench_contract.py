@@ -27,7 +27,7 @@ from pdserve.cluster.bench_stats import (
     summarize,
 )
 from pdserve.cluster.contract import CONTRACTS
-from pdserve.cluster.contract_cases import load_cases
+from pdserve.cluster.contract_cases import DEFAULT_CASES, load_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 STAT_FIELDS = {"mean", "p50", "p90", "p95", "p99"}
@@ -266,12 +266,21 @@ def reference(tmp_path_factory):
     server.stop()
 
 
-def test_contract_passes_mrv2_vs_reference_runner(colocated, reference):
+def test_contract_passes_mrv2_vs_reference_runner(colocated, reference, tmp_path):
     """Guards the operator's runner switch: the transformers-based reference runner and
-    MRV2 keep the same output contract on the same model (CPU float32)."""
+    MRV2 keep the same output contract on the same model (CPU float32). Every contract
+    runs, on two of the default prompts with shorter outputs and bursts: the reference
+    runner is slow on a CPU, and the default cases run in full for PD vs colocated."""
     models = httpx.get(reference.url + "/v1/models", timeout=30).json()["data"][0]
     assert models["runner"] == "reference"
-    res = _cli("contract", "--baseline", colocated.url, "--candidate", reference.url)
+    cases = tmp_path / "short.yaml"
+    prompts = [DEFAULT_CASES.prompts[0], DEFAULT_CASES.prompts[2]]
+    cases.write_text(json.dumps({"prompts": prompts, "max_tokens": 8, "abort_streams": 2,
+                                 "burst": 2}))  # fmt: skip
+    res = _cli(
+        "contract", "--baseline", colocated.url, "--candidate", reference.url,
+        "--cases", str(cases),
+    )  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     for name in CONTRACTS:
         assert f"PASS  {name}" in res.stdout, res.stdout

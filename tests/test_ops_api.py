@@ -183,7 +183,8 @@ def test_without_an_admin_key_scaling_is_open_only_on_loopback():
 def test_autoscale_grows_the_pool_and_metrics_show_it(tmp_path):
     """Guards `--autoscale` end to end: a policy from the config file whose decode mark is
     always "high" grows the pool to its maximum; /metrics and /ops/pools show it; Ctrl-C
-    stops the autoscale loop with the rest (the server exits 0)."""
+    stops the autoscale loop with the rest (the server exits 0), even while the new worker
+    may still be starting (its bring-up to "ready" is test_scale_up_serve_then_drain's)."""
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(
         "mode: colocated\nmax_model_len: 512\nautoscale: true\nmax_decode_workers: 2\n"
@@ -192,13 +193,28 @@ def test_autoscale_grows_the_pool_and_metrics_show_it(tmp_path):
     )
     server = Server(tmp_path, "--config", str(cfg))
     try:
-        d = _wait_pool(server, [("decode-0", "ready"), ("decode-1", "ready")])
+        _wait_pool(server, [("decode-0", "ready")])
+        deadline = time.monotonic() + 60
+        while True:  # one tick after the first: the pool is asked for its maximum
+            d = _pools(server)
+            ids = [w["worker_id"] for w in d["pools"]["decode"]["workers"]]
+            if ids == ["decode-0", "decode-1"]:
+                break
+            assert time.monotonic() < deadline, ids
+            time.sleep(0.25)
         auto = d["autoscale"]
         assert auto["enabled"] and auto["bounds"]["decode"] == [1, 2]
         assert auto["pools"]["decode"]["last_change"]["to"] == 2
         assert auto["config"]["interval_s"] == 0.5
-        metrics = server.metrics()
-        assert 'pdserve:pool_workers{role="decode",state="ready"} 2.0' in metrics
+        decode = tuple(f'pdserve:pool_workers{{role="decode",state="{state}"}}'
+                       for state in ("starting", "ready"))  # fmt: skip
+        while True:  # /metrics has the member list of the router's last sync (every ~2 s)
+            metrics = server.metrics()
+            lines = [ln for ln in metrics.splitlines() if ln.startswith(decode)]
+            if sum(float(ln.rsplit(" ", 1)[1]) for ln in lines) == 2.0:
+                break
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.25)
         assert server.client().completions.create(model=None, prompt="Hi", max_tokens=2)
     finally:
         server.stop()
