@@ -246,10 +246,13 @@ def test_prefix_cached_on_decode_prefills_locally(pd):
 def pd_busy(tmp_path_factory):
     # Conditional disaggregation at its tightest: one prompt token in flight on the prefill
     # worker is "backed up", so prompts arriving meanwhile prefill on the decode worker.
-    # It also logs every request and prints the pools' stats every second.
+    # It also logs every request, prints the pools' stats every second, and moves KV over
+    # the nccl transport (on the CPU the same P2P code path over gloo; the two-GPU run is
+    # #7's). One server for the three: each start costs CI ~40-60 s.
     server = Server(
         tmp_path_factory.mktemp("busy"), "--pd-max-prefill-queue-tokens", "1",
-        "--enable-log-requests", "--log-stats-interval", "1",
+        "--enable-log-requests", "--log-stats-interval", "1", "--kv-transport", "nccl",
+        "--max-model-len", "1024",
     )  # fmt: skip
     yield server
     server.stop()
@@ -366,16 +369,6 @@ def test_the_log_says_where_each_request_ran_and_what_the_pools_did(pd_busy):
     assert _log_lines(pd_busy, f"request {gone}: cancelled (the client went away) after ")
 
 
-@pytest.fixture(scope="module")
-def nccl_pd(tmp_path_factory):
-    # nccl transport on CPU: the same P2P code path over gloo (the two-GPU run is #7's).
-    server = Server(
-        tmp_path_factory.mktemp("nccl"), "--kv-transport", "nccl", "--max-model-len", "1024"
-    )
-    yield server
-    server.stop()
-
-
 # What the router saw of a request's path: shown when a path assertion fails (a pull that
 # fell back to recompute still answers right).
 PATH_SERIES = (
@@ -388,9 +381,11 @@ PATH_SERIES = (
 )
 
 
-def test_pd_over_the_nccl_transport_path(nccl_pd, pd):
+def test_pd_over_the_nccl_transport_path(pd_busy, pd):
     """Guards `--kv-transport nccl`: the workers form a process group, tickets advertise
-    nccl, KV moves by P2P (counted under that transport), and the answer is the same."""
+    nccl, KV moves by P2P (counted under that transport, never tcp, whatever the server
+    ran before), and the answer is the same."""
+    nccl_pd = pd_busy
     r = nccl_pd.client().chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=20, temperature=0
     )

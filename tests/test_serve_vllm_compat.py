@@ -7,6 +7,7 @@ content parts, and prefix caching turned off."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -60,25 +61,21 @@ def test_left_out_fields_take_the_generation_config(server):
     """No temperature: greedy, from the config (two unseeded requests at OpenAI's
     temperature 1 would differ). No max_tokens in chat: up to the config's cap, not 16."""
     c = _client(server)
-    implicit = [c.chat.completions.create(model="smol", messages=STORY) for _ in range(2)]
-    explicit = c.chat.completions.create(
-        model="smol", messages=STORY, temperature=0, max_tokens=CAP
-    )
+    asks = [{}, {}, dict(temperature=0, max_tokens=CAP), dict(max_tokens=200)]
+    # A client's own temperature still wins over the server's default.
+    asks += [dict(temperature=1.5, max_tokens=24)] * 3
+    with ThreadPoolExecutor(len(asks)) as pool:  # at once: one batch on the server
+        answers = list(
+            pool.map(lambda kw: c.chat.completions.create(model="smol", messages=STORY, **kw), asks)
+        )
+    implicit, explicit, big, sampled = answers[:2], answers[2], answers[3], answers[4:]
     texts = {r.choices[0].message.content for r in implicit}
     assert texts == {explicit.choices[0].message.content}
     assert implicit[0].usage.completion_tokens == CAP > 16
     assert implicit[0].choices[0].finish_reason == "length"
     # The cap holds for an explicit max_tokens too, as vLLM's does.
-    big = c.chat.completions.create(model="smol", messages=STORY, max_tokens=200)
     assert big.usage.completion_tokens == CAP
-    # A client's own temperature still wins over the server's default.
-    sampled = {
-        c.chat.completions.create(model="smol", messages=STORY, temperature=1.5, max_tokens=24)
-        .choices[0]
-        .message.content
-        for _ in range(3)
-    }
-    assert len(sampled) > 1
+    assert len({r.choices[0].message.content for r in sampled}) > 1
 
 
 def test_chat_without_max_tokens_runs_to_the_end_of_the_context(server):
