@@ -385,12 +385,11 @@ def test_pd_over_the_nccl_transport_path(pd_busy, pd):
     """Guards `--kv-transport nccl`: the workers form a process group, tickets advertise
     nccl, KV moves by P2P (counted under that transport, never tcp, whatever the server
     ran before), and the answer is the same."""
-    nccl_pd = pd_busy
-    r = nccl_pd.client().chat.completions.create(
+    r = pd_busy.client().chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=20, temperature=0
     )
     assert r.choices[0].message.content == "The capital of France is Paris."
-    text = nccl_pd.metrics()
+    text = pd_busy.metrics()
     path = [line for line in text.splitlines() if line.startswith(PATH_SERIES)]
     assert _metric(text, "pdserve:kv_transfer_pulls_total", transport="nccl") >= 1, path
     assert _metric(text, "pdserve:kv_transfer_pulls_total", transport="tcp") == 0
