@@ -27,11 +27,15 @@ class DecodeAdmission(Generic[W]):
     def __init__(self, grant: Callable[[], W | None]) -> None:
         self._grant = grant
         self._waiters: deque[asyncio.Future[W]] = deque()
+        # Waiters not yet granted, timed out or cancelled. The deque also holds the ended
+        # ones until `wake` reaches them; counting apart keeps `queued` O(1) under a
+        # backlog of thousands, where every arrival asks it.
+        self._pending = 0
 
     @property
     def queued(self) -> int:
         """Requests waiting for a slot now."""
-        return sum(not f.done() for f in self._waiters)
+        return self._pending
 
     async def acquire(self, timeout_s: float, release: Callable[[W], None]) -> W:
         """A slot's worker: at once when nobody waits and a worker has room, else after
@@ -44,16 +48,19 @@ class DecodeAdmission(Generic[W]):
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[W] = loop.create_future()
         self._waiters.append(fut)
+        self._pending += 1
         # Not asyncio.wait_for: on 3.11 it can swallow a cancel that lands as the slot is
         # granted, and the router's task would then run a request nobody waits for.
-        timer = loop.call_later(timeout_s, _expire, fut)
+        timer = loop.call_later(timeout_s, self._expire, fut)
         try:
             return await fut
         except BaseException:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                release(fut.result())
-            else:
+            if not fut.done():
                 fut.cancel()  # `wake` drops it
+            if fut.cancelled():  # never granted nor expired: counted until now
+                self._pending -= 1
+            elif fut.exception() is None:
+                release(fut.result())
             raise
         finally:
             timer.cancel()
@@ -68,8 +75,9 @@ class DecodeAdmission(Generic[W]):
             if worker is None:
                 return
             self._waiters.popleft().set_result(worker)
+            self._pending -= 1
 
-
-def _expire(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError())
+    def _expire(self, fut: asyncio.Future[W]) -> None:
+        if not fut.done():
+            fut.set_exception(TimeoutError())
+            self._pending -= 1

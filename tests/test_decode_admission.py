@@ -133,3 +133,34 @@ def test_no_queue_while_a_worker_has_room():
         assert slots.admission.queued == 0
 
     asyncio.run(run())
+
+
+def test_the_count_follows_waits_that_end_each_way():
+    """Guards `queued` (kept as a count, not a scan): a wait cancelled while queued, one
+    timed out and one granted each leave it exactly once, whatever order the queue
+    meets them in; a count left too high would send every arrival to the queue."""
+
+    async def run() -> None:
+        slots = _Slots(d0=1)
+        await slots.take()
+        first = asyncio.create_task(slots.take())
+        middle = asyncio.create_task(slots.take())
+        short = asyncio.create_task(slots.take(timeout_s=0.05))
+        last = asyncio.create_task(slots.take())
+        await _settle()
+        assert slots.admission.queued == 4
+        middle.cancel()
+        await _settle()
+        assert middle.cancelled() and slots.admission.queued == 3
+        with pytest.raises(TimeoutError):
+            await short
+        assert slots.admission.queued == 2
+        slots.release("d0")
+        assert await first == "d0" and slots.admission.queued == 1
+        slots.release("d0")
+        assert await last == "d0" and slots.admission.queued == 0
+        # Nobody waits: the next request with room goes straight through.
+        slots.release("d0")
+        assert await slots.take() == "d0"
+
+    asyncio.run(run())
