@@ -22,6 +22,7 @@ from pdserve.cluster.openai_api import (
     ApiError,
     ParsedRequest,
     chat_logprobs,
+    check_token_ids,
     completion_logprobs,
     new_id,
     now,
@@ -50,7 +51,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
         if kind == "chat":
             prompts = [(prompt_token_ids(body, kind, state.tokenizer, state.chat_template), None)]
         else:
-            prompts = completion_prompts(body, state.tokenizer)
+            prompts = completion_prompts(body, state.tokenizer, state.vocab_size)
         echo = kind == "completion" and wants_echo(body)
         opts = body.get("stream_options") or {}
         if not isinstance(opts, dict):
@@ -69,6 +70,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                 requested, len(ids), state.max_model_len, defaults.get("max_tokens")
             )
             params, k = parse_sampling(body, kind, seed, max_tokens, defaults)
+            check_token_ids(params, state.vocab_size)
             out.append(
                 ParsedRequest(
                     kind,

@@ -44,6 +44,7 @@ class AppState:
         sampling_defaults: dict | None = None,
         chat_template: str | None = None,
         request_log: RequestLog | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -56,6 +57,7 @@ class AppState:
         self.sampling_defaults = dict(sampling_defaults or {})
         self.chat_template = chat_template  # `--chat-template`; None: the tokenizer's
         self.request_log = request_log  # `--enable-log-requests`
+        self.vocab_size = vocab_size  # the model's; token ids past it are refused (400)
 
     @property
     def model_name(self) -> str:

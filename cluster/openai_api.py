@@ -200,10 +200,45 @@ def parse_sampling(
             n=typed(body, "n", (int,), 1),
             skip_special_tokens=typed(body, "skip_special_tokens", (bool,), True),
             include_stop_str_in_output=typed(body, "include_stop_str_in_output", (bool,), False),
+            logit_bias=_logit_bias(body),
+            allowed_token_ids=typed(body, "allowed_token_ids", (list,)),
         )
     except (ValueError, TypeError) as e:
         raise ApiError(str(e)) from e
     return params, logprobs
+
+
+def _logit_bias(body: dict) -> dict[int, Any] | None:
+    """OpenAI's `logit_bias`: an object from token ids (as strings, JSON keys are) to a
+    bias; SamplingParams checks the biases' range."""
+    bias = typed(body, "logit_bias", (dict,))
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise ApiError(f"'logit_bias' keys must be token ids (got {key!r})", param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int | None) -> None:
+    """A 400 for a token id outside the model's vocabulary in logit_bias or
+    allowed_token_ids, before the request reaches a worker."""
+    if vocab_size is None:
+        return
+    named = (
+        ("logit_bias", list(params.logit_bias or ())),
+        ("allowed_token_ids", params.allowed_token_ids or []),
+    )
+    for name, ids in named:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ApiError(
+                f"'{name}': token ids must be in [0, {vocab_size}), the model's vocabulary "
+                f"(got {bad[:3]})",
+                param=name,
+            )
 
 
 def new_id(prefix: str) -> str:

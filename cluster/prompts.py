@@ -34,14 +34,25 @@ def prompt_token_ids(
     return list(ids)
 
 
-def completion_prompts(body: dict, tok: Any) -> list[tuple[list[int], str | None]]:
+def completion_prompts(
+    body: dict, tok: Any, vocab_size: int | None = None
+) -> list[tuple[list[int], str | None]]:
     """A completion's prompts, each as (token ids, its text for `echo`): one prompt (a
     string or token ids) or a batch (an array of strings or of token-id arrays), which
-    becomes choices `prompt index * n + i`, as in OpenAI's API and vLLM's."""
+    becomes choices `prompt index * n + i`, as in OpenAI's API and vLLM's. Token ids
+    outside the model's vocabulary (`vocab_size`) are a 400, before anything decodes
+    them."""
     prompt = body.get("prompt")
     batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
     out = []
     for one in prompt if batch else [prompt]:
         ids = prompt_token_ids({**body, "prompt": one}, "completion", tok)
+        bad = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
+        if bad:
+            raise ApiError(
+                f"'prompt': token ids must be in [0, {vocab_size}), the model's vocabulary "
+                f"(got {bad[:3]})",
+                param="prompt",
+            )
         out.append((ids, one if isinstance(one, str) else tok.decode(ids)))
     return out

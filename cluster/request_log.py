@@ -23,7 +23,7 @@ _DEFAULTS = {f.name: f.default for f in fields(SamplingParams) if f.init}
 
 def sampling_summary(params: SamplingParams) -> str:
     """The fields that differ from SamplingParams' defaults, `name=value`, in field order;
-    stop strings only counted."""
+    stop strings and the token ids of logit_bias / allowed_token_ids only counted."""
     out = []
     for name, default in _DEFAULTS.items():
         value = getattr(params, name)
@@ -31,6 +31,8 @@ def sampling_summary(params: SamplingParams) -> str:
             continue
         if name == "stop":
             value = f"<{len([value] if isinstance(value, str) else value)} string(s)>"
+        elif name in ("logit_bias", "allowed_token_ids"):  # may name thousands of ids
+            value = f"<{len(value)} token id(s)>"
         out.append(f"{name}={value}")
     return ", ".join(out)
 

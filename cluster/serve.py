@@ -231,7 +231,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         state = AppState(
             router, tokenizer, list(model_names), ecfg.model.max_model_len, Metrics(),
             cfg.api_key, cfg.max_body_bytes, ecfg.runner.runner, defaults, chat_template,
-            RequestLog(_print) if cfg.enable_log_requests else None,
+            RequestLog(_print) if cfg.enable_log_requests else None, ecfg.model.vocab_size,
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)

@@ -39,6 +39,8 @@ class WorkRequest:
 
     def encode(self) -> bytes:
         params = {k: getattr(self.params, k) for k in PARAM_FIELDS}
+        if params["logit_bias"] is not None:  # msgpack map keys are strings here
+            params["logit_bias"] = [[t, b] for t, b in params["logit_bias"].items()]
         body = {
             "v": WIRE_VERSION,
             "id": self.request_id,
@@ -57,6 +59,13 @@ class WorkRequest:
         params = body["params"]
         if not isinstance(params, dict) or not set(params) <= set(PARAM_FIELDS):
             raise ValueError("work request: params must be SamplingParams fields")
+        bias = params.get("logit_bias")
+        if bias is not None:
+            if not isinstance(bias, list) or not all(
+                isinstance(p, list) and len(p) == 2 for p in bias
+            ):
+                raise ValueError("work request: logit_bias must be [token id, bias] pairs")
+            params = {**params, "logit_bias": {t: b for t, b in bias}}
         if body["ticket"] is not None and not isinstance(body["ticket"], dict):
             raise ValueError("work request: ticket must be a map or null")
         if not isinstance(body["id"], str):

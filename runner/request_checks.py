@@ -40,6 +40,11 @@ def check_request(
     bad = [t for t in prompt_token_ids if not is_token(t, vocab)]
     if bad:
         raise ValueError(f"prompt token ids must be integers in [0, {vocab}) (got {bad[:3]})")
+    bad = [t for t in params.token_ids_used if not is_token(t, vocab)]
+    if bad:
+        raise ValueError(
+            f"logit_bias and allowed_token_ids must name token ids in [0, {vocab}) (got {bad[:3]})"
+        )
     if params.stop_strings and tokenizer is None:
         # Logprobs work without one (decoded_token is None); stop strings cannot.
         raise ValueError("stop strings need a tokenizer; this model directory has none")

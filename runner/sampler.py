@@ -57,6 +57,11 @@ class SamplingMetadata:
     any_top_p: bool  # some row has top_p < 1
 
     num_rows: int | None = None  # set by `greedy`, where no tensor gives R
+    # logit_bias: bias_values[i] is added to the logit of (bias_rows[i], bias_tokens[i]).
+    bias_rows: Tensor | None = None  # [B] int64
+    bias_tokens: Tensor | None = None  # [B] int64
+    bias_values: Tensor | None = None  # [B] float32
+    allowed_mask: Tensor | None = None  # [R, V] bool, True = forbidden by allowed_token_ids
 
     @classmethod
     def greedy(cls, num_rows: int, max_num_logprobs: int | None) -> SamplingMetadata:
@@ -98,8 +103,9 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Order: float32 → banned tokens → penalties → greedy argmax | temperature → min_p →
-    top-k/top-p → + Gumbel noise → argmax. Logprobs come from the float32 logits before
+    """Order: float32 → allowed_token_ids → banned tokens → logit_bias → penalties →
+    greedy argmax | temperature → min_p → top-k/top-p → + Gumbel noise → argmax (vLLM's
+    order: its logits processors before its penalties). Logprobs come from the float32 logits before
     any of it (vLLM's default "raw" logprobs); rows wanting fewer than `max_num_logprobs`
     are trimmed by the caller.
     """
@@ -109,7 +115,13 @@ class Sampler:
         assert meta.rows == logits.shape[0], (
             f"sampling settings for {meta.rows} rows, logits [R={logits.shape[0]}, V]"
         )
-        plain_argmax = meta.all_greedy and meta.banned_rows is None and not meta.any_penalties
+        plain_argmax = (
+            meta.all_greedy
+            and meta.banned_rows is None
+            and meta.bias_rows is None
+            and meta.allowed_mask is None
+            and not meta.any_penalties
+        )
         if plain_argmax and meta.max_num_logprobs is None:
             # A plain argmax on the model's dtype: converting to float32 is exact and keeps
             # the order, so the token is the same, without a [R, V] float32 copy (at 512
@@ -119,11 +131,17 @@ class Sampler:
         # the caller's logits and `raw` are never written.
         raw = logits.float()
         x = raw
+        if meta.allowed_mask is not None:
+            x = x.masked_fill(meta.allowed_mask, float("-inf"))
         if meta.banned_rows is not None:
             assert meta.banned_tokens is not None, "banned_rows given without banned_tokens"
             # torch.full, not new_tensor: a host scalar copied to the GPU is a blocking copy.
             minus_inf = torch.full((), float("-inf"), device=x.device)
             x = x.index_put((meta.banned_rows, meta.banned_tokens), minus_inf)
+        if meta.bias_rows is not None:
+            assert meta.bias_tokens is not None and meta.bias_values is not None
+            # Each (row, token) once per request; a banned one stays -inf (-inf + b).
+            x = x.index_put((meta.bias_rows, meta.bias_tokens), meta.bias_values, accumulate=True)
         if meta.any_penalties:
             assert meta.prompt_mask is not None and meta.output_counts is not None, (
                 "any_penalties needs prompt_mask and output_counts"

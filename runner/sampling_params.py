@@ -7,6 +7,7 @@ the rule; nothing is clamped silently.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # The widest top-k logprobs we return per token; vLLM's default cap is 20.
@@ -33,6 +34,11 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Added to the logits of these token ids before sampling (OpenAI's `logit_bias`, in
+    # [-100, 100]); the logprobs stay the model's own, as vLLM's default raw logprobs do.
+    logit_bias: dict[int, float] | None = None
+    # vLLM's: sample only among these ids (every other logit -inf before sampling).
+    allowed_token_ids: list[int] | None = None
     # Filled in by the engine, not by callers: the stop strings as a list.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -45,6 +51,10 @@ class SamplingParams:
         else:
             self._stop_list = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
 
     def _validate(self) -> None:
         def rule(ok: bool, msg: str) -> None:
@@ -102,6 +112,30 @@ class SamplingParams:
             all(isinstance(t, int) and t >= 0 for t in (self.stop_token_ids or [])),
             f"stop_token_ids must be non-negative integers (got {self.stop_token_ids!r})",
         )
+        bias = self.logit_bias
+        rule(
+            bias is None
+            or (
+                isinstance(bias, dict)
+                and all(_is_id(t) for t in bias)
+                and all(_is_number(b) and -100.0 <= b <= 100.0 for b in bias.values())
+            ),
+            "logit_bias must map non-negative integer token ids to numbers in [-100, 100] "
+            f"(got {bias!r})",
+        )
+        allowed = self.allowed_token_ids
+        rule(
+            allowed is None
+            or (isinstance(allowed, (list, tuple)) and allowed and all(map(_is_id, allowed))),
+            "allowed_token_ids must be a non-empty list of non-negative integer token ids "
+            f"(got {allowed!r})",
+        )
+
+    @property
+    def token_ids_used(self) -> list[int]:
+        """The token ids the request names besides its prompt (logit_bias and
+        allowed_token_ids), for the vocabulary check of whoever knows the vocabulary."""
+        return [*(self.logit_bias or ()), *(self.allowed_token_ids or ())]
 
     @property
     def stop_strings(self) -> list[str]:
@@ -118,3 +152,11 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _is_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -35,6 +35,13 @@ class SamplingState:
         self.num_prompt_logprobs = np.full(n, -1, dtype=np.int32)
         self.needs_penalties = np.zeros(n, dtype=bool)
         self.stop_ids: list[tuple[int, ...]] = [() for _ in range(n)]
+        # logit_bias as (token ids, biases) and allowed_token_ids as ids, arrays made once
+        # at `add` (a word list may hold thousands), read only for slots flagged in `has_*`.
+        none_i, none_f = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+        self.bias: list[tuple[np.ndarray, np.ndarray]] = [(none_i, none_f)] * n
+        self.allowed: list[np.ndarray] = [none_i] * n
+        self.has_bias = np.zeros(n, dtype=bool)
+        self.has_allowed = np.zeros(n, dtype=bool)
 
     def add(self, slot: int, params: SamplingParams, seed: int, stop_ids: tuple[int, ...]) -> None:
         """Overwrite every per-slot field (a reused slot must not inherit anything)."""
@@ -53,6 +60,14 @@ class SamplingState:
         )
         self.needs_penalties[slot] = params.needs_penalties
         self.stop_ids[slot] = tuple(stop_ids)
+        bias = params.logit_bias or {}
+        self.bias[slot] = (
+            np.fromiter(bias, dtype=np.int64, count=len(bias)),
+            np.fromiter(bias.values(), dtype=np.float32, count=len(bias)),
+        )
+        self.allowed[slot] = np.asarray(params.allowed_token_ids or (), dtype=np.int64)
+        self.has_bias[slot] = bool(bias)
+        self.has_allowed[slot] = len(self.allowed[slot]) > 0
 
     def metadata(
         self,
@@ -64,8 +79,8 @@ class SamplingState:
         #   device tensors, so building penalty tables never reads the device
         to_device: Callable[[np.ndarray], torch.Tensor] | None = None,
     ) -> SamplingMetadata:
-        """Gather the batch's rows; three packed host->device copies in all (floats, ints,
-        banned pairs), never one per field."""
+        """Gather the batch's rows; packed host->device copies (floats, ints, and where
+        used banned pairs, logit_bias entries, allowed ids), never one per field."""
         dev = self.device
         to_device = to_device or (lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev))
         temp = self.temperature[slots]
@@ -74,8 +89,10 @@ class SamplingState:
         pen_rows = self.penalty_rows(slots)
         blocked = np.nonzero(num_outputs < self.min_tokens[slots])[0]
         pairs = [(row, tok) for row in blocked.tolist() for tok in self.stop_ids[slots[row]]]
+        biased = np.nonzero(self.has_bias[slots])[0].tolist()
+        restricted = np.nonzero(self.has_allowed[slots])[0].tolist()
         all_greedy = bool((temp == 0).all())
-        if all_greedy and not len(pen_rows) and not pairs:
+        if all_greedy and not len(pen_rows) and not pairs and not biased and not restricted:
             # Plain argmax reads none of the per-row settings: skip their two copies (a
             # greedy batch's host step is launch-bound; each copy costs tens of us there).
             return SamplingMetadata.greedy(
@@ -102,6 +119,8 @@ class SamplingState:
         if pairs:
             packed = to_device(np.asarray(pairs, dtype=np.int64).T.copy())
             banned_rows, banned_tokens = packed[0], packed[1]
+        bias = self._bias_triples(slots, biased, to_device) if biased else None
+        allowed_mask = self._allowed_mask(slots, restricted, to_device) if restricted else None
         prompt_mask = output_counts = None
         if len(pen_rows):
             assert penalty_tokens is not None and len(penalty_tokens) == len(pen_rows), (
@@ -134,6 +153,10 @@ class SamplingState:
             output_counts=output_counts,
             banned_rows=banned_rows,
             banned_tokens=banned_tokens,
+            bias_rows=None if bias is None else bias[0],
+            bias_tokens=None if bias is None else bias[1],
+            bias_values=None if bias is None else bias[2],
+            allowed_mask=allowed_mask,
             max_num_logprobs=int(num_lp.max()) if (num_lp >= 0).any() else None,
             all_greedy=all_greedy,
             any_penalties=bool(len(pen_rows)),
@@ -142,6 +165,38 @@ class SamplingState:
             max_top_k=int(np.where(top_k < self.vocab_size, top_k, 0).max(initial=0)),
             any_top_p=bool((top_p < 1).any()),
         )
+
+    def _bias_triples(
+        self, slots: np.ndarray, rows: list[int], to_device: Callable[[np.ndarray], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, token ids, biases) of the batch's logit_bias entries, in one float32
+        copy: ids and rows are exact in float32 (vocabularies stay far below 2**24)."""
+        entries = [self.bias[slots[row]] for row in rows]
+        packed = np.stack(
+            [
+                np.repeat(np.asarray(rows, dtype=np.float32), [len(ids) for ids, _ in entries]),
+                np.concatenate([ids for ids, _ in entries]).astype(np.float32),
+                np.concatenate([biases for _, biases in entries]),
+            ]
+        )
+        t = to_device(packed)
+        return t[0].long(), t[1].long(), t[2]
+
+    def _allowed_mask(
+        self, slots: np.ndarray, rows: list[int], to_device: Callable[[np.ndarray], torch.Tensor]
+    ) -> torch.Tensor:
+        """[R, V] bool, True where allowed_token_ids forbid the token (rows without a list
+        forbid nothing), from one copy of the restricted rows and their (row, id) pairs."""
+        lists = [self.allowed[slots[row]] for row in rows]
+        pair_rows = np.repeat(np.asarray(rows, dtype=np.int64), [len(ids) for ids in lists])
+        rows_np = np.asarray(rows, dtype=np.int64)
+        packed = to_device(np.concatenate([rows_np, pair_rows, *lists]))
+        a, k = len(rows), len(pair_rows)
+        forbidden = torch.zeros(len(slots), self.vocab_size, dtype=torch.bool, device=self.device)
+        forbidden.index_fill_(0, packed[:a], True)
+        # A device scalar: a host one would be a blocking copy on a GPU.
+        no = torch.zeros((), dtype=torch.bool, device=self.device)
+        return forbidden.index_put_((packed[a : a + k], packed[a + k :]), no)
 
     def penalty_rows(self, slots: np.ndarray) -> np.ndarray:
         """Batch rows (indices into `slots`) whose request uses any penalty."""

@@ -118,6 +118,43 @@ def test_repetition_penalty_matches_transformers(smol, hf_smol):
     assert out[0].outputs[0].token_ids == ref[0, len(ids) :].tolist()
 
 
+def test_logit_bias_and_allowed_ids_match_transformers(smol, hf_smol):
+    """Guards logit_bias and allowed_token_ids through the engine against transformers'
+    own processors (`sequence_bias` of single tokens, `prefix_allowed_tokens_fn`), greedy,
+    the three requests in one batch: the bias turns the output away from the plain one,
+    the allowed ids hold every token, and the plain request beside them is unchanged."""
+    ids = smol.get_tokenizer()(PROMPT).input_ids
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = smol.generate({"prompt_token_ids": ids}, plain, use_tqdm=False)[0].outputs[0]
+    first, later = alone.token_ids[0], alone.token_ids[3]
+    bias = {first: -100.0, later: 6.0}
+    allowed = sorted({*alone.token_ids[1:5], 13, 28, 253})
+    outs = smol.generate(
+        [{"prompt_token_ids": ids}] * 3,
+        [
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias=bias),
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed),
+            plain,
+        ],
+        use_tqdm=False,
+    )
+    biased, restricted, beside = (o.outputs[0].token_ids for o in outs)
+    with torch.inference_mode():
+        common = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
+        want_biased = hf_smol.generate(
+            torch.tensor([ids]), sequence_bias={(t,): b for t, b in bias.items()}, **common
+        )[0, len(ids) :].tolist()
+        want_restricted = hf_smol.generate(
+            torch.tensor([ids]), prefix_allowed_tokens_fn=lambda _b, _ids: allowed, **common
+        )[0, len(ids) :].tolist()
+    assert biased == want_biased and biased[0] != first
+    assert restricted == want_restricted and set(restricted) <= set(allowed)
+    assert restricted != alone.token_ids
+    assert beside == alone.token_ids
+    with pytest.raises(ValueError, match=r"logit_bias and allowed_token_ids must name token"):
+        smol.generate(PROMPT, SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+
+
 def test_stop_strings_stop_ids_and_lengths(smol):
     base = smol.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[
         0

@@ -56,23 +56,39 @@ def test_step_loop_never_syncs_and_graphs_keep_their_buffers(
         SamplingParams(temperature=t, top_p=p, max_tokens=24, ignore_eos=True, seed=i)
         for i, (t, p) in enumerate([(0.0, 1.0), (0.8, 0.9), (1.0, 1.0)] * 4)
     ]
+    # logit_bias and allowed_token_ids rows: their tables are built and applied each step
+    # without a sync too, and hold on the GPU.
+    allowed = [11, 12, 500, 149_999]
+    params += [
+        SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True, seed=99,
+                       logit_bias={5: 100.0, 77: -100.0}),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, allowed_token_ids=allowed),
+    ]  # fmt: skip
     for i, p in enumerate(params):
         eng.add_request(f"r{i}", [rng.randrange(3, 150_000) for _ in range(rng.randint(5, 90))], p)
+    out: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for delta in eng.step():
+            out.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+
     for _ in range(3):  # prefill steps and the first decode (compiles what is left)
-        eng.step()
+        step()
     kv_before = eng.runner.kv_cache.clone()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         steps = 0
         while eng.scheduler.has_unfinished():
-            eng.step()
+            step()
             steps += 1
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert steps > 10
     while eng.has_unfinished():
-        eng.step()
+        step()
+    biased, restricted = out[f"r{len(params) - 2}"], out[f"r{len(params) - 1}"]
+    assert biased == [5] * 24 and len(restricted) == 24 and set(restricted) <= set(allowed)
     assert {n: getattr(buf, n).data_ptr() for n in ptrs} == ptrs, "persistent buffers moved"
     # Pad rows (slot -1) wrote nothing: block 0 (the null block) is untouched by decoding.
     assert torch.equal(eng.runner.kv_cache[:, 0], kv_before[:, 0])

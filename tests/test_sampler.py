@@ -44,6 +44,14 @@ def make_meta(rows: int, vocab: int, **settings: object) -> SamplingMetadata:
     frequency = per_row("frequency_penalty", 0.0, torch.float32)
     any_penalties = bool((rep != 1).any() or (presence != 0).any() or (frequency != 0).any())
     banned = settings.get("banned")  # list of (row, token)
+    bias = settings.get("bias")  # list of (row, token, bias)
+    allowed = settings.get("allowed")  # {row: allowed token ids}
+    allowed_mask = None
+    if allowed:
+        allowed_mask = torch.zeros(rows, vocab, dtype=torch.bool)
+        for row, ids in allowed.items():
+            allowed_mask[row] = True
+            allowed_mask[row, ids] = False
     return SamplingMetadata(
         temperature=temperature,
         top_k=top_k,
@@ -58,6 +66,10 @@ def make_meta(rows: int, vocab: int, **settings: object) -> SamplingMetadata:
         output_counts=settings.get("output_counts") if any_penalties else None,
         banned_rows=torch.tensor([r for r, _ in banned]) if banned else None,
         banned_tokens=torch.tensor([t for _, t in banned]) if banned else None,
+        bias_rows=torch.tensor([r for r, _, _ in bias]) if bias else None,
+        bias_tokens=torch.tensor([t for _, t, _ in bias]) if bias else None,
+        bias_values=torch.tensor([b for _, _, b in bias], dtype=torch.float32) if bias else None,
+        allowed_mask=allowed_mask,
         max_num_logprobs=settings.get("max_num_logprobs"),
         all_greedy=bool((temperature == 0).all()),
         any_penalties=any_penalties,
@@ -252,6 +264,79 @@ def test_banned_tokens_are_never_sampled() -> None:
     assert sampled[-1] == eos, "the unbanned last row must still pick the dominant token"
 
 
+def test_logit_bias_and_allowed_ids_equal_the_logits_changed_by_hand() -> None:
+    """Guards logit_bias and allowed_token_ids: sampling with them equals sampling the same
+    rows (same seeds, so the same noise) from logits biased and masked by hand, token for
+    token, greedy and random rows alike; a ban still wins over a bias; rows without them
+    are untouched; logprobs stay the model's raw ones."""
+    rows, vocab = 40, 503
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    temperature = torch.where(torch.arange(rows) % 2 == 0, 0.0, 1.1)
+    seeds, positions = torch.arange(rows) * 7919 + 3, torch.arange(rows) + 17
+    bias = [(r, (r * 37) % vocab, 6.0) for r in range(0, rows, 3)]
+    bias += [(r, (r * 11) % vocab, -100.0) for r in range(1, rows, 4)]
+    bias += [(4, 9, 100.0)]  # banned below: must stay unsampled
+    allowed = {r: [(r * 5 + j * 13) % vocab for j in range(6)] for r in range(2, rows, 5)}
+    banned = [(4, 9)]
+    by_hand = logits.clone()
+    for r, ids in allowed.items():
+        keep = by_hand[r, ids].clone()
+        by_hand[r] = float("-inf")
+        by_hand[r, ids] = keep
+    by_hand[4, 9] = float("-inf")
+    for r, t, b in bias:
+        by_hand[r, t] += b
+    common = dict(temperature=temperature, top_p=0.9, seeds=seeds, positions=positions)
+    meta = make_meta(rows, vocab, bias=bias, allowed=allowed, banned=banned,
+                     max_num_logprobs=2, **common)  # fmt: skip
+    out = Sampler()(logits, meta)
+    want = Sampler()(by_hand, make_meta(rows, vocab, **common)).sampled_token_ids
+    assert torch.equal(out.sampled_token_ids, want)
+    assert out.sampled_token_ids[4] != 9
+    for r, ids in allowed.items():
+        assert int(out.sampled_token_ids[r]) in ids
+    # The test has teeth: the bias and the masks change many of the tokens drawn.
+    plain = Sampler()(logits, make_meta(rows, vocab, **common)).sampled_token_ids
+    assert (plain != want).sum() >= 10
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    torch.testing.assert_close(
+        out.logprobs.logprobs.double(), reference.gather(1, out.logprobs.token_ids),
+        atol=1e-5, rtol=0,
+    )  # fmt: skip
+
+
+def test_sampling_state_ships_each_rows_bias_and_allowed_ids() -> None:
+    """Guards SamplingState's side: a slot's logit_bias / allowed_token_ids reach the batch
+    row the slot sits in (rows out of slot order), a reused slot forgets them, and an
+    all-greedy batch with one of them leaves the argmax-only fast path."""
+    from pdserve.runner.sampling_params import SamplingParams
+    from pdserve.runner.sampling_state import SamplingState
+
+    vocab = 50
+    state = SamplingState(6, vocab, torch.device("cpu"))
+    greedy = dict(temperature=0.0)
+    state.add(0, SamplingParams(**greedy, logit_bias={3: 100.0}), 0, ())
+    state.add(1, SamplingParams(**greedy, allowed_token_ids=[40, 41]), 1, ())
+    state.add(2, SamplingParams(**greedy), 2, ())
+    state.add(3, SamplingParams(**greedy, logit_bias={44: 100.0}, allowed_token_ids=[44, 5]), 3, ())
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1))
+    logits[:, 7] = 30.0  # the plain argmax everywhere
+    slots = np.array([3, 2, 1, 0])
+    meta = state.metadata(slots, np.array([1, 1, 1, 1]), np.array([0, 0, 0, 0]))
+    assert meta.temperature is not None, "bias rows must not take the argmax-only path"
+    got = Sampler()(logits, meta).sampled_token_ids.tolist()
+    assert got[0] == 44 and got[1] == 7 and got[3] == 3
+    assert got[2] == 40 + int(logits[2, 41] > logits[2, 40])
+    state.add(0, SamplingParams(**greedy), 0, ())  # slot 0 reused by a plain request
+    state.add(1, SamplingParams(**greedy), 1, ())
+    state.add(3, SamplingParams(**greedy), 3, ())
+    meta = state.metadata(slots, np.array([1, 1, 1, 1]), np.array([0, 0, 0, 0]))
+    assert (
+        meta.temperature is None and Sampler()(logits, meta).sampled_token_ids.tolist() == [7] * 4
+    )
+
+
 def test_penalties_apply_before_greedy_argmax() -> None:
     """Guards against penalties being skipped for greedy rows (the greedy shortcut taken
     on the raw logits) or applied to the wrong rows."""
@@ -396,6 +481,8 @@ def _sync_test_cases() -> list[tuple[torch.Tensor, SamplingMetadata]]:
         prompt_mask=torch.rand(rows, vocab, generator=g) < 0.05,
         output_counts=counts,
         banned=[(r, 7) for r in range(0, rows, 2)],
+        bias=[(r, 11 + r, 4.0) for r in range(1, rows, 3)] + [(0, 7, 50.0)],
+        allowed={2: [7, 300, 301], 5: list(range(0, vocab, 2))},
         max_num_logprobs=4,
         seeds=seeds,
         positions=positions,

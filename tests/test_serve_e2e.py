@@ -182,6 +182,8 @@ def test_shared_prefix_shows_prefix_hits(colocated):
         (b'{"prompt": "hi", "max_tokens": "3"}', 400, "max_tokens"),
         (b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
         (b'{"prompt": "hi", "model": "gpt-17"}', 404, "does not exist"),
+        (b'{"prompt": [5, 49152], "max_tokens": 2}', 400, "vocabulary"),
+        (b'{"prompt": [5, 1099511627776], "max_tokens": 2, "echo": true}', 400, "vocabulary"),
         (json.dumps({"prompt": "word " * 1100, "max_tokens": 4}).encode(), 400, "context length"),
     ],
 )
@@ -240,6 +242,47 @@ def test_prefix_cached_on_decode_prefills_locally(pd):
 
     assert first == second
     assert delta("remote_prefill") == 1 and delta("prefix_hit_on_decode") == 1
+
+
+def test_logit_bias_and_allowed_ids_hold_from_the_first_token_in_pd(pd, smollm_dir):
+    """Guards logit_bias and allowed_token_ids over HTTP in PD mode: the first token,
+    sampled on the prefill worker (a remote prefill), follows the bias the wire carried,
+    and so do the decode worker's; allowed ids hold a random chat answer; ids past the
+    vocabulary are a 400 naming the field."""
+    from pdserve.runner.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm_dir)
+    paris, comma = (tok(w, add_special_tokens=False).input_ids for w in (" Paris", ","))
+    assert len(paris) == len(comma) == 1
+    c = pd.client()
+    before = pd.metrics()
+    r = c.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Logit bias check. " + LONG * 2 + "My city is",
+        max_tokens=4, temperature=0, logit_bias={str(paris[0]): 100},
+    )  # fmt: skip
+    name = "pdserve:pd_decisions_total"
+    assert (
+        _metric(pd.metrics(), name, reason="remote_prefill")
+        - _metric(before, name, reason="remote_prefill")
+        == 1
+    )
+    assert r.choices[0].text == " Paris" * 4
+    chat = c.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=6, temperature=1.0,
+        seed=3, extra_body={"allowed_token_ids": paris + comma},
+    )  # fmt: skip
+    text = chat.choices[0].message.content
+    assert text and text.replace(" Paris", "").replace(",", "") == "", text
+    for extra, param in (
+        ({"logit_bias": {"49152": 1}}, "logit_bias"),
+        ({"allowed_token_ids": [5, 10**9]}, "allowed_token_ids"),
+        ({"logit_bias": {"5": 500}}, None),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(
+                model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2, extra_body=extra
+            )
+        assert e.value.body.get("param") == param, e.value.body
 
 
 @pytest.fixture(scope="module")

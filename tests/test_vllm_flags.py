@@ -252,7 +252,7 @@ def test_special_tokens_follow_vllm(bos_tokenizer):
         ("response_format", {"type": "json_schema", "json_schema": {}}, "completion"),
         ("tools", [{"type": "function", "function": {"name": "f"}}], "chat"),
         ("tool_choice", "required", "chat"),
-        ("logit_bias", {"50256": -100}, "completion"),
+        ("bad_words", ["never"], "completion"),
         ("guided_json", {"type": "object"}, "completion"),
         ("use_beam_search", True, "completion"),
         ("suffix", "end", "completion"),
@@ -268,6 +268,38 @@ def test_fields_that_would_be_silently_ignored_are_refused(field, value, kind):
     with pytest.raises(ApiError, match=f"'{field}'") as e:
         refuse_unsupported({field: value}, kind)
     assert e.value.status == 400 and e.value.code == "unsupported"
+
+
+def test_logit_bias_and_allowed_token_ids_parse_as_openai_and_vllm_send_them():
+    """Guards the two fields' request shapes: OpenAI's `logit_bias` object with token ids
+    as string keys, vLLM's `allowed_token_ids` array; each malformed form is a 400 naming
+    the field, and ids past the model's vocabulary are refused before any worker sees
+    them (`check_token_ids`)."""
+    from pdserve.cluster.openai_api import check_token_ids
+
+    body = {"logit_bias": {"5": 2.5, "17": -100}, "allowed_token_ids": [5, 9]}
+    params, _ = parse_sampling(body, "chat", None, 4)
+    assert params.logit_bias == {5: 2.5, 17: -100.0} and params.allowed_token_ids == [5, 9]
+    check_token_ids(params, 18)
+    for bad, param in (
+        ({"logit_bias": {"5": 2.5, "18": 1}}, "logit_bias"),
+        ({"allowed_token_ids": [5, 18]}, "allowed_token_ids"),
+    ):
+        with pytest.raises(ApiError, match=r"in \[0, 18\)") as e:
+            check_token_ids(parse_sampling(bad, "completion", None, 4)[0], 18)
+        assert e.value.param == param and e.value.status == 400
+    for bad, message in (
+        ({"logit_bias": {"x1": 1}}, "keys must be token ids"),
+        ({"logit_bias": {"-1": 1}}, "keys must be token ids"),
+        ({"logit_bias": {"1": 101}}, r"numbers in \[-100, 100\]"),
+        ({"logit_bias": {"1": "2"}}, r"numbers in \[-100, 100\]"),
+        ({"logit_bias": [1, 2]}, "must be an object"),
+        ({"allowed_token_ids": []}, "non-empty list"),
+        ({"allowed_token_ids": [1, "2"]}, "non-empty list"),
+        ({"allowed_token_ids": 3}, "must be an array"),
+    ):
+        with pytest.raises(ApiError, match=message):
+            parse_sampling(bad, "chat", None, 4)
 
 
 def test_neutral_values_of_those_fields_pass():

@@ -41,3 +41,27 @@ def _packed(**body) -> bytes:
 def test_first_token_refuses_a_malformed_message(body, fragment):
     with pytest.raises(ValueError, match=fragment):
         FirstToken.decode(_packed(**body))
+
+
+def test_a_work_request_carries_logit_bias_and_allowed_ids():
+    """Guards the two token-id fields on the wire: logit_bias (integer keys, which msgpack
+    maps here do not take) travels as [id, bias] pairs and comes back as the same map, so
+    a prefill worker samples the first token with the bias the decode worker uses; a
+    malformed pair list, or a bias SamplingParams would refuse, is refused on arrival."""
+    params = SamplingParams(logit_bias={5: 2.5, 49_000: -100}, allowed_token_ids=[5, 9])
+    back = WorkRequest.decode(WorkRequest("r-4", [1], params).encode())
+    assert back.params.logit_bias == {5: 2.5, 49_000: -100.0}
+    assert back.params.allowed_token_ids == [5, 9]
+    assert WorkRequest.decode(WorkRequest("r-5", [1], SamplingParams()).encode()).params == (
+        SamplingParams()
+    )
+    good = {k: getattr(SamplingParams(), k) for k in ("temperature", "max_tokens")}
+    for bias, fragment in (
+        ({"5": 2.5}, "pairs"),
+        ([[5, 2.5, 1]], "pairs"),
+        ([[5, 200.0]], r"\[-100, 100\]"),
+    ):
+        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None,
+                    params={**good, "logit_bias": bias})  # fmt: skip
+        with pytest.raises(ValueError, match=fragment):
+            WorkRequest.decode(_packed(**body))

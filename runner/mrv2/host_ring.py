@@ -17,11 +17,12 @@ import torch
 
 
 class HostRing:
-    # 32 slots: a step makes up to 8 copies (a prefill step: two staged-write tables x 2,
-    # inputs with the sample mask, floats, ints, banned pairs) and two steps are in
-    # flight, so the next step never reuses a slot. With 8, a prefill step waited inside
-    # `execute` for the previous step's forward (its sampling copies follow the forward on
-    # the stream), and the engine's StepStats counted that wait as CPU time.
+    # 32 slots: a step makes up to 10 copies (a prefill step: two staged-write tables x 2,
+    # inputs with the sample mask, floats, ints, banned pairs, logit_bias entries, allowed
+    # ids) and two steps are in flight, so the next step never reuses a slot. With 8, a
+    # prefill step waited inside `execute` for the previous step's forward (its sampling
+    # copies follow the forward on the stream), and the engine's StepStats counted that
+    # wait as CPU time.
     def __init__(self, device: torch.device, num_slots: int = 32, initial_bytes: int = 1 << 16):
         self.device = device
         self.on_cuda = device.type == "cuda"
