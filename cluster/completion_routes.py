@@ -28,6 +28,7 @@ from pdserve.cluster.openai_api import (
     now,
     parse_sampling,
     prompt_logprobs_entries,
+    prompt_truncation,
     requested_max_tokens,
     resolve_max_tokens,
     usage,
@@ -52,6 +53,13 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
             prompts = [(prompt_token_ids(body, kind, state.tokenizer, state.chat_template), None)]
         else:
             prompts = completion_prompts(body, state.tokenizer, state.vocab_size)
+        keep = prompt_truncation(body, state.max_model_len)
+        if keep is not None:  # the last `keep` tokens; an echo shows what was kept
+            prompts = [
+                (ids, text) if len(ids) <= keep else
+                (ids[-keep:], None if text is None else state.tokenizer.decode(ids[-keep:]))
+                for ids, text in prompts
+            ]  # fmt: skip
         echo = kind == "completion" and wants_echo(body)
         opts = body.get("stream_options") or {}
         if not isinstance(opts, dict):

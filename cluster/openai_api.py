@@ -115,6 +115,23 @@ def resolve_max_tokens(
     return out if cap is None else min(out, cap)
 
 
+def prompt_truncation(body: dict, max_model_len: int) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: keep only the prompt's last k tokens (-1: as many
+    as the context holds); None when the field is absent or null."""
+    k = typed(body, "truncate_prompt_tokens", (int,))
+    if k is None:
+        return None
+    if k == -1:
+        return max_model_len
+    if not 1 <= k <= max_model_len:
+        raise ApiError(
+            f"'truncate_prompt_tokens' must be -1 or in [1, {max_model_len}] (the model's "
+            f"context), got {k}",
+            param="truncate_prompt_tokens",
+        )
+    return k
+
+
 def chat_messages(body: dict) -> list[dict]:
     """`messages` with each content as one string: a string, or an array of text parts
     (joined by newlines, as vLLM does); other parts are refused (the models are text only)."""

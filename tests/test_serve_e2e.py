@@ -200,6 +200,28 @@ def test_bad_input_gets_openai_errors(colocated, body, status, fragment):
     assert r.headers["x-request-id"].startswith("req-")
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(colocated):
+    """Guards `truncate_prompt_tokens`: a prompt longer than the context runs on its last k
+    tokens (charged k), answers as those k tokens sent alone do, and echo shows the
+    kept text."""
+    c = colocated.client()
+    long_prompt = "word " * 1100 + "The capital of France is"
+    kw = dict(model="SmolLM2-135M-Instruct", max_tokens=6, temperature=0)
+    cut = c.completions.create(
+        prompt=long_prompt, echo=True, extra_body={"truncate_prompt_tokens": 24}, **kw
+    )
+    assert cut.usage.prompt_tokens == 24
+    kept = httpx.post(
+        colocated.url + "/tokenize", json={"model": kw["model"], "prompt": long_prompt},
+        headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+    ).json()["tokens"][-24:]  # fmt: skip
+    alone = c.completions.create(prompt=kept, echo=True, **kw)
+    # Echo shows the kept tokens' text, then the answer: the same for both requests.
+    assert cut.choices[0].text == alone.choices[0].text
+    assert "word The capital of France is" in cut.choices[0].text
+    assert cut.choices[0].text.count("word") < 24, cut.choices[0].text
+
+
 def test_body_limits_and_gzip_bomb(colocated):
     """Guards memory: an oversized body and a gzip bomb (5 MB of zeros in 5 kB) are
     refused with 413 without inflating past the limit."""

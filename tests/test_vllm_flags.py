@@ -258,7 +258,7 @@ def test_special_tokens_follow_vllm(bos_tokenizer):
         ("suffix", "end", "completion"),
         ("echo", True, "chat"),
         ("best_of", 3, "completion"),
-        ("truncate_prompt_tokens", 10, "chat"),
+        ("prompt_embeds", "AAAA", "completion"),
         ("priority", -1, "completion"),
     ],
 )
@@ -300,6 +300,21 @@ def test_logit_bias_and_allowed_token_ids_parse_as_openai_and_vllm_send_them():
     ):
         with pytest.raises(ApiError, match=message):
             parse_sampling(bad, "chat", None, 4)
+
+
+def test_truncate_prompt_tokens_takes_vllms_values():
+    """Guards `truncate_prompt_tokens`: absent is no truncation, -1 is the whole context,
+    k keeps k tokens, and 0, past the context, or not an integer is a 400 naming it."""
+    from pdserve.cluster.openai_api import prompt_truncation
+
+    assert prompt_truncation({}, 64) is None
+    assert prompt_truncation({"truncate_prompt_tokens": None}, 64) is None
+    assert prompt_truncation({"truncate_prompt_tokens": -1}, 64) == 64
+    assert prompt_truncation({"truncate_prompt_tokens": 5}, 64) == 5
+    for bad in (0, -2, 65, "5", 2.0, True):
+        with pytest.raises(ApiError) as e:
+            prompt_truncation({"truncate_prompt_tokens": bad}, 64)
+        assert e.value.param == "truncate_prompt_tokens"
 
 
 def test_neutral_values_of_those_fields_pass():
