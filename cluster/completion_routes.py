@@ -31,6 +31,7 @@ from pdserve.cluster.openai_api import (
     prompt_truncation,
     requested_max_tokens,
     resolve_max_tokens,
+    typed,
     usage,
     wants_echo,
 )
@@ -91,6 +92,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                     k,
                     text if echo else None,
                     body.get("prompt_logprobs") is not None,
+                    typed(body, "return_tokens_as_token_ids", (bool,), False),
                 )
             )
         return out
@@ -98,9 +100,13 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
     def decode_tok(t: int) -> str:
         return state.tokenizer.decode([t])
 
+    def token_id(t: int) -> str:
+        return f"token_id:{t}"
+
     def choice(
         req: ParsedRequest, index: int, text: str, toks, lps, finish, stop_reason, delta: bool
     ):
+        name = token_id if req.tokens_as_ids else decode_tok
         if req.kind == "chat":
             body: dict[str, Any] = {"index": index}
             if delta:
@@ -108,14 +114,14 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
             else:
                 body["message"] = {"role": "assistant", "content": text}
             body["logprobs"] = (
-                {"content": chat_logprobs(toks, lps, req.echo_logprobs or 0, decode_tok)}
+                {"content": chat_logprobs(toks, lps, req.echo_logprobs or 0, name)}
                 if lps is not None
                 else None
             )
         else:
             body = {"index": index, "text": text}
             body["logprobs"] = (
-                completion_logprobs(toks, lps, req.echo_logprobs or 0, decode_tok)
+                completion_logprobs(toks, lps, req.echo_logprobs or 0, name)
                 if lps is not None
                 else None
             )

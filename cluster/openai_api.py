@@ -62,6 +62,8 @@ class ParsedRequest:
     echo_text: str | None = None  # completions with `echo`: the prompt, put before the output
     # vLLM's `prompt_logprobs` field was given: the response carries the prompt's logprobs.
     show_prompt_logprobs: bool = False
+    # vLLM's `return_tokens_as_token_ids`: logprobs name tokens as "token_id:{id}".
+    tokens_as_ids: bool = False
 
 
 def typed(body: dict, name: str, types: tuple, default: Any = None) -> Any:

@@ -33,7 +33,6 @@ _RULES: dict[str, tuple[Any, str]] = {
     "bad_words": (bool, "bad_words is not supported"),
     "use_beam_search": (bool, "beam search is not supported"),
     "prompt_embeds": (lambda v: v is not None, "prompt embeddings are not supported"),
-    "return_tokens_as_token_ids": (bool, "return_tokens_as_token_ids is not supported"),
     "suffix": (bool, "suffix (insertion) is not supported"),
     # vLLM takes it only under --scheduling-policy priority; requests here run in arrival order
     "priority": (lambda v: v not in (None, 0), "priority scheduling is not supported"),

@@ -92,6 +92,31 @@ def test_logprobs_completions_and_chat(pd):
     assert len(content) == 4 and all(len(e.top_logprobs) == 2 for e in content)
 
 
+def test_return_tokens_as_token_ids_names_each_token_by_id(colocated):
+    """Guards vLLM's `return_tokens_as_token_ids`: every token in completions and chat
+    logprobs (the chosen one and the top ones) reads "token_id:N", and N decodes to the
+    token the plain response names, with the same logprobs."""
+    c = colocated.client()
+    kw = dict(model="SmolLM2-135M-Instruct", prompt=LONG, max_tokens=4, temperature=0, logprobs=2)
+    plain = c.completions.create(**kw).choices[0].logprobs
+    ids = c.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True})
+    lp = ids.choices[0].logprobs
+    assert all(t.startswith("token_id:") for t in lp.tokens), lp.tokens
+    as_ids = [int(t.split(":")[1]) for t in lp.tokens]
+    detok = httpx.post(
+        colocated.url + "/detokenize", json={"model": kw["model"], "tokens": as_ids}, timeout=30
+    ).json()["prompt"]
+    assert detok == "".join(plain.tokens) and lp.token_logprobs == plain.token_logprobs
+    assert all(all(k.startswith("token_id:") for k in top) for top in lp.top_logprobs)
+    chat = c.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=3, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    entries = chat.choices[0].logprobs.content
+    assert all(e.token.startswith("token_id:") for e in entries)
+    assert all(t.token.startswith("token_id:") for e in entries for t in e.top_logprobs)
+
+
 def test_stop_strings_and_n(pd):
     """Guards stop handling (text cut before the stop string, reason "stop") and n=2."""
     c = pd.client()

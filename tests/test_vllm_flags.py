@@ -324,7 +324,7 @@ def test_neutral_values_of_those_fields_pass():
         "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
         "logit_bias": {}, "use_beam_search": False, "suffix": "", "echo": False,
         "best_of": 2, "n": 2, "guided_json": None, "user": "u", "service_tier": "auto",
-        "priority": 0,
+        "priority": 0, "return_tokens_as_token_ids": False,
     }  # fmt: skip
     refuse_unsupported(neutral, "chat")
     refuse_unsupported({"echo": True}, "completion")  # completions' echo is carried out
