@@ -22,6 +22,7 @@ from pdserve.cluster.openai_api import (
     ApiError,
     ParsedRequest,
     chat_logprobs,
+    check_priority,
     check_token_ids,
     completion_logprobs,
     new_id,
@@ -80,6 +81,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
             )
             params, k = parse_sampling(body, kind, seed, max_tokens, defaults)
             check_token_ids(params, state.vocab_size)
+            check_priority(params, state.scheduling_policy)
             out.append(
                 ParsedRequest(
                     kind,

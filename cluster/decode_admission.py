@@ -6,7 +6,9 @@ included) and gives the slot back when it ends. A worker has a fixed number of s
 prefilled ahead so that a finished request's place is refilled at once. When every
 worker is full a request waits here, in arrival order, for the first slot that frees or
 that a new worker brings. So the workers added by scaling take the backlog. Without the
-queue, the backlog would stay in the old workers' own queues.
+queue, the backlog would stay in the old workers' own queues. Under the priority policy
+a waiter's `priority` orders the queue (lower first, arrival order among equals); with
+every priority 0 that is arrival order.
 
 `grant` is the router's choice: it takes a free slot on the best worker and returns the
 worker, or returns None when no worker has one. `release` gives a slot back and calls
@@ -16,7 +18,8 @@ worker, or returns None when no worker has one. `release` gives a slot back and 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import heapq
+import itertools
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -26,7 +29,9 @@ W = TypeVar("W")
 class DecodeAdmission(Generic[W]):
     def __init__(self, grant: Callable[[], W | None]) -> None:
         self._grant = grant
-        self._waiters: deque[asyncio.Future[W]] = deque()
+        # (priority, arrival number, future): a heap, so the first is the next to serve.
+        self._waiters: list[tuple[int, int, asyncio.Future[W]]] = []
+        self._arrivals = itertools.count()
         # Waiters not yet granted, timed out or cancelled. The deque also holds the ended
         # ones until `wake` reaches them; counting apart keeps `queued` O(1) under a
         # backlog of thousands, where every arrival asks it.
@@ -37,17 +42,18 @@ class DecodeAdmission(Generic[W]):
         """Requests waiting for a slot now."""
         return self._pending
 
-    async def acquire(self, timeout_s: float, release: Callable[[W], None]) -> W:
+    async def acquire(self, timeout_s: float, release: Callable[[W], None], priority: int = 0) -> W:
         """A slot's worker: at once when nobody waits and a worker has room, else after
-        the requests ahead. TimeoutError after `timeout_s`. A wait that ends (timeout,
-        cancel) just as a slot was granted gives that slot back through `release`."""
+        the requests ahead (those of a lower `priority`, then earlier arrivals).
+        TimeoutError after `timeout_s`. A wait that ends (timeout, cancel) just as a slot
+        was granted gives that slot back through `release`."""
         if not self.queued:
             worker = self._grant()
             if worker is not None:
                 return worker
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[W] = loop.create_future()
-        self._waiters.append(fut)
+        heapq.heappush(self._waiters, (priority, next(self._arrivals), fut))
         self._pending += 1
         # Not asyncio.wait_for: on 3.11 it can swallow a cancel that lands as the slot is
         # granted, and the router's task would then run a request nobody waits for.
@@ -66,15 +72,15 @@ class DecodeAdmission(Generic[W]):
             timer.cancel()
 
     def wake(self) -> None:
-        """Grant free slots to the waiters, first come first served."""
+        """Grant free slots to the waiters in queue order."""
         while self._waiters:
-            if self._waiters[0].done():
-                self._waiters.popleft()
+            if self._waiters[0][2].done():
+                heapq.heappop(self._waiters)
                 continue
             worker = self._grant()
             if worker is None:
                 return
-            self._waiters.popleft().set_result(worker)
+            heapq.heappop(self._waiters)[2].set_result(worker)
             self._pending -= 1
 
     def _expire(self, fut: asyncio.Future[W]) -> None:

@@ -45,6 +45,7 @@ class AppState:
         chat_template: str | None = None,
         request_log: RequestLog | None = None,
         vocab_size: int | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -58,6 +59,7 @@ class AppState:
         self.chat_template = chat_template  # `--chat-template`; None: the tokenizer's
         self.request_log = request_log  # `--enable-log-requests`
         self.vocab_size = vocab_size  # the model's; token ids past it are refused (400)
+        self.scheduling_policy = scheduling_policy  # `priority` fields need "priority"
 
     @property
     def model_name(self) -> str:

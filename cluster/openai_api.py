@@ -220,6 +220,7 @@ def parse_sampling(
             skip_special_tokens=typed(body, "skip_special_tokens", (bool,), True),
             include_stop_str_in_output=typed(body, "include_stop_str_in_output", (bool,), False),
             logit_bias=_logit_bias(body),
+            priority=typed(body, "priority", (int,), 0),
             allowed_token_ids=typed(body, "allowed_token_ids", (list,)),
         )
     except (ValueError, TypeError) as e:
@@ -239,6 +240,16 @@ def _logit_bias(body: dict) -> dict[int, Any] | None:
             raise ApiError(f"'logit_bias' keys must be token ids (got {key!r})", param="logit_bias")
         out[int(key)] = value
     return out
+
+
+def check_priority(params: SamplingParams, policy: str) -> None:
+    """vLLM's rule: a `priority` other than 0 needs a server scheduling by priority."""
+    if params.priority != 0 and policy != "priority":
+        raise ApiError(
+            f"'priority' {params.priority} needs a server started with --scheduling-policy "
+            f"priority (this one schedules {policy})",
+            param="priority",
+        )
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int | None) -> None:

@@ -266,7 +266,9 @@ class Router:
             return
         timeout_s = self.config.stream_idle_timeout_s
         try:
-            decode_w = await self._admission.acquire(timeout_s, self._release_decode)
+            decode_w = await self._admission.acquire(
+                timeout_s, self._release_decode, params.priority
+            )
         except TimeoutError:
             message = f"no decode slot was free within {timeout_s:g} s ({self.queued()} queued)"
             await out.put((index, ApiError(message, 503, "server_error")))

@@ -143,6 +143,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         cuda_graph_scope=cfg.cuda_graph_scope, enforce_eager=cfg.enforce_eager,
         enable_prefix_caching=cfg.enable_prefix_caching,
         max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(ecfg),
+        scheduling_policy=cfg.scheduling_policy,
     )  # fmt: skip
     local_gpu = torch.cuda.is_available() and cfg.device != "cpu" and cfg.ray_address is None
     transport = kv_transport(cfg, local_gpu)
@@ -232,6 +233,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             router, tokenizer, list(model_names), ecfg.model.max_model_len, Metrics(),
             cfg.api_key, cfg.max_body_bytes, ecfg.runner.runner, defaults, chat_template,
             RequestLog(_print) if cfg.enable_log_requests else None, ecfg.model.vocab_size,
+            cfg.scheduling_policy,
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)

@@ -29,6 +29,9 @@ class ServeConfig:
     # (prefilled ahead, they wait there); more wait in the router for the first worker
     # with room, so workers added by scaling take them. None: max_num_seqs.
     max_waiting_per_decode_worker: int | None = None
+    # vLLM's: fcfs (arrival order) or priority (requests' `priority`, lower first), in the
+    # router's queue and in every worker's scheduler.
+    scheduling_policy: str = "fcfs"
     # Tokens per engine step (prefill chunks + decodes); None: vLLM's server default, 8,192
     # on GPUs of >= 70 GiB, else 2,048 (serve.default_batched_tokens).
     max_num_batched_tokens: int | None = None
@@ -161,6 +164,10 @@ class ServeConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}"
+            )
         if (
             self.max_waiting_per_decode_worker is not None
             and self.max_waiting_per_decode_worker < 0
@@ -291,6 +298,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests the router may queue on a decode worker beyond its "
                    "--max-num-seqs running ones; more wait in the router for the first "
                    "worker with room, a newly scaled one included (default: --max-num-seqs)")  # fmt: skip
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None,
+                   help="fcfs: requests in arrival order; priority: by each request's "
+                   "'priority' field (lower first, then arrival), in the router's queue and "
+                   "the workers' schedulers (default fcfs)")  # fmt: skip
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,

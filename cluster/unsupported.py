@@ -34,8 +34,6 @@ _RULES: dict[str, tuple[Any, str]] = {
     "use_beam_search": (bool, "beam search is not supported"),
     "prompt_embeds": (lambda v: v is not None, "prompt embeddings are not supported"),
     "suffix": (bool, "suffix (insertion) is not supported"),
-    # vLLM takes it only under --scheduling-policy priority; requests here run in arrival order
-    "priority": (lambda v: v not in (None, 0), "priority scheduling is not supported"),
 }
 _CHAT_ONLY = {"echo": (bool, "echo in chat (joining the last message) is not supported")}
 

@@ -96,6 +96,9 @@ class CacheConfig:
         )
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """One token budget per step, shared by every request (no prefill/decode phases)."""
@@ -104,9 +107,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # vLLM's `scheduling_policy`: "fcfs" (arrival order) or "priority" (each request's
+    # `priority`, lower first, then arrival; preemption takes the last of that order).
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
+        _require(
+            self.policy in SCHEDULING_POLICIES,
+            f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)} "
+            f"(got {self.policy!r})",
+        )
         _require(
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be >= 1 (got {self.max_num_batched_tokens})",

@@ -77,6 +77,7 @@ def resolve_engine_config(
     cuda_graph_sizes: list[int] | None = None,
     decode_attention: str = "auto",
     cuda_graph_scope: str = "step",
+    scheduling_policy: str = "fcfs",
 ) -> EngineConfig:
     from transformers import AutoConfig
 
@@ -123,6 +124,7 @@ def resolve_engine_config(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
+            policy=scheduling_policy,
         ),
         runner=RunnerConfig(
             runner=runner_name,

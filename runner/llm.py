@@ -10,6 +10,7 @@ and nothing of that call runs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -108,7 +109,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's `generate`; `priority`, one per prompt, needs an engine built with
+        scheduling_policy="priority" (lower runs first)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -123,6 +127,14 @@ class LLM:
                     f"got {len(params_list)} sampling params for {len(prompts)} "
                     "prompts: pass one, or one per prompt"
                 )
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(
+                    f"got {len(priority)} priorities for {len(prompts)} prompts: one per prompt"
+                )
+            params_list = [
+                dataclasses.replace(p, priority=v) for p, v in zip(params_list, priority)
+            ]
         # Validate everything before queuing anything.
         jobs = []
         for prompt, params in zip(prompts, params_list):

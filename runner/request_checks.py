@@ -45,6 +45,11 @@ def check_request(
         raise ValueError(
             f"logit_bias and allowed_token_ids must name token ids in [0, {vocab}) (got {bad[:3]})"
         )
+    if params.priority != 0 and config.scheduler.policy != "priority":
+        raise ValueError(
+            f"priority {params.priority} needs scheduling_policy='priority' (this engine "
+            f"schedules {config.scheduler.policy}, where every request has priority 0)"
+        )
     if params.stop_strings and tokenizer is None:
         # Logprobs work without one (decoded_token is None); stop strings cannot.
         raise ValueError("stop strings need a tokenizer; this model directory has none")

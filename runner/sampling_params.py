@@ -39,6 +39,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: sample only among these ids (every other logit -inf before sampling).
     allowed_token_ids: list[int] | None = None
+    # Scheduling, not sampling: under scheduling_policy "priority" a lower value runs
+    # first (vLLM's `priority`, which it passes beside the params; here it travels in them
+    # so that every hop of a PD request carries it). Must be 0 under "fcfs".
+    priority: int = 0
     # Filled in by the engine, not by callers: the stop strings as a list.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -111,6 +115,10 @@ class SamplingParams:
         rule(
             all(isinstance(t, int) and t >= 0 for t in (self.stop_token_ids or [])),
             f"stop_token_ids must be non-negative integers (got {self.stop_token_ids!r})",
+        )
+        rule(
+            isinstance(self.priority, int) and not isinstance(self.priority, bool),
+            f"priority must be an integer (got {self.priority!r})",
         )
         bias = self.logit_bias
         rule(

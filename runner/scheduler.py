@@ -2,11 +2,12 @@
 
 Each request is `num_computed_tokens` catching up with `num_tokens`. Running requests
 are served first, decodes (one token behind) before partial prefills, then waiting
-requests in arrival order while budget, `max_num_seqs` and KV blocks last. A prompt
-longer than the remaining budget is chunked. When blocks run out, the most recently
-admitted request that is not already in this step is preempted by recompute: its blocks
-are freed (they stay in the prefix cache) and it waits again with prompt + output as its
-new prompt. This file is central: keep it to this loop; policy pieces live beside it.
+requests in arrival order (under the priority policy: by priority, then arrival) while
+budget, `max_num_seqs` and KV blocks last. A prompt longer than the remaining budget is
+chunked. When blocks run out, the most recently admitted request (under the priority
+policy: the last by priority, then arrival) that is not already in this step is preempted
+by recompute: its blocks are freed (they stay in the prefix cache) and it waits again
+with prompt + output as its new prompt. This file is central: keep it to this loop; policy pieces live beside it.
 
 With async scheduling, step N+1 is planned while step N runs: a request that samples in
 step N holds an output placeholder until its token reaches the host, and counts it as a
@@ -41,6 +42,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.async_scheduling = async_scheduling
+        self.by_priority = config.policy == "priority"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -60,7 +62,24 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, "request ids are unique while live"
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request, first=False)
+
+    def _enqueue(self, req: Request, first: bool) -> None:
+        """Into the waiting queue. fcfs: at the back, or at the front (`first`: preempted
+        or loaded, it goes before later arrivals). priority: after every request of a lower
+        or equal (priority, arrival) and before the rest, whichever way it came back."""
+        if not self.by_priority:
+            if first:
+                self.waiting.appendleft(req)
+            else:
+                self.waiting.append(req)
+            return
+        key = (req.params.priority, req.arrival_time)
+        i = len(self.waiting)
+        # From the back: arrivals of one priority come in order, so this is usually O(1).
+        while i and (self.waiting[i - 1].params.priority, self.waiting[i - 1].arrival_time) > key:
+            i -= 1
+        self.waiting.insert(i, req)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Stop a request (stop/length/abort) at any time; frees its blocks at once."""
@@ -96,7 +115,7 @@ class Scheduler:
         if req.num_computed_tokens == 0:
             self.kv.free(req)  # nothing usable: a plain prefill from scratch
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        self._enqueue(req, first=True)
         return req
 
     def has_unfinished(self) -> bool:
@@ -123,7 +142,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, first=True)
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -276,18 +295,22 @@ class Scheduler:
         self, req: Request, num_new: int, scheduled: dict[str, int]
     ) -> list[int] | None:
         """Blocks ran out for `num_new` tokens of `req`: preempt until they fit. Returns the
-        new block ids, or None if `req` itself had to go. Victims are the most recently
-        admitted running requests not already in this step, never one whose blocks are
-        published under an early ticket (`kv_pinned`; `req` itself never is)."""
+        new block ids, or None if `req` itself had to go. Victims are running requests not
+        already in this step, never one whose blocks are published under an early ticket
+        (`kv_pinned`; `req` itself never is): the most recently admitted, or under the
+        priority policy the last in (priority, arrival) order, as vLLM picks them."""
         while True:
-            victim = next(
-                (
-                    r
-                    for r in reversed(self.running)
-                    if r.request_id not in scheduled and not r.kv_pinned
-                ),
-                None,
+            candidates = (
+                r
+                for r in reversed(self.running)
+                if r.request_id not in scheduled and not r.kv_pinned
             )
+            if self.by_priority:
+                victim = max(
+                    candidates, key=lambda r: (r.params.priority, r.arrival_time), default=None
+                )
+            else:
+                victim = next(candidates, None)
             assert victim is not None, "req itself is running and unscheduled"
             self._preempt(victim)
             if victim is req:

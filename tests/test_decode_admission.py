@@ -164,3 +164,31 @@ def test_the_count_follows_waits_that_end_each_way():
         assert await slots.take() == "d0"
 
     asyncio.run(run())
+
+
+def test_under_priorities_the_lowest_value_is_served_first():
+    """Guards the priority policy in the router's queue: waiters are granted by priority
+    (lower first), arrival order among equals, whatever order they arrived in."""
+
+    async def run() -> None:
+        slots = _Slots(d0=1)
+        await slots.take()
+        order: list[str] = []
+
+        async def waiter(name: str, priority: int) -> None:
+            await slots.admission.acquire(5.0, slots.release, priority)
+            order.append(name)
+
+        arrivals = [("a", 0), ("b", 5), ("c", -1), ("d", 0), ("e", -1)]
+        tasks = []
+        for name, priority in arrivals:
+            tasks.append(asyncio.create_task(waiter(name, priority)))
+            await _settle()
+        assert slots.admission.queued == 5
+        for _ in arrivals:
+            slots.release("d0")
+            await _settle()
+        await asyncio.gather(*tasks)
+        assert order == ["c", "e", "a", "d", "b"]
+
+    asyncio.run(run())

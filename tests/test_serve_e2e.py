@@ -338,11 +338,12 @@ def pd_busy(tmp_path_factory):
     # worker is "backed up", so prompts arriving meanwhile prefill on the decode worker.
     # It also logs every request, prints the pools' stats every second, and moves KV over
     # the nccl transport (on the CPU the same P2P code path over gloo; the two-GPU run is
-    # #7's). One server for the three: each start costs CI ~40-60 s.
+    # #7's), and schedules by priority. One server for the four: each start costs CI
+    # ~40-60 s.
     server = Server(
         tmp_path_factory.mktemp("busy"), "--pd-max-prefill-queue-tokens", "1",
         "--enable-log-requests", "--log-stats-interval", "1", "--kv-transport", "nccl",
-        "--max-model-len", "1024",
+        "--max-model-len", "1024", "--scheduling-policy", "priority",
     )  # fmt: skip
     yield server
     server.stop()
@@ -469,6 +470,27 @@ PATH_SERIES = (
     "pdserve:kv_tier",
     "pdserve:num_requests",
 )
+
+
+def test_priority_requests_need_a_server_scheduling_by_priority(pd_busy, pd):
+    """Guards `--scheduling-policy priority` end to end: a request's `priority` reaches
+    the router's queue and both PD workers' schedulers (each refuses it under fcfs, so a
+    remote prefill that lost it would fail), the answer is the usual one and the request
+    log shows it; the default server refuses it with a 400 naming the flag."""
+    before = pd_busy.metrics()
+    ask = "For the priority check: which river runs through Paris? Answer in one sentence."
+    kw = dict(model="SmolLM2-135M-Instruct", max_tokens=12, temperature=0,
+              messages=[{"role": "user", "content": ask}])  # fmt: skip
+    r = pd_busy.client().chat.completions.create(extra_body={"priority": -4}, **kw)
+    name, after = "pdserve:pd_decisions_total", pd_busy.metrics()
+    for reason, want in (("remote_prefill", 1), ("recompute_after_prefill_failure", 0)):
+        assert _metric(after, name, reason=reason) - _metric(before, name, reason=reason) == want
+    assert r.choices[0].message.content == (
+        pd.client().chat.completions.create(**kw).choices[0].message.content
+    )
+    assert _log_lines(pd_busy, "priority=-4")
+    with pytest.raises(openai.BadRequestError, match="--scheduling-policy priority"):
+        pd.client().chat.completions.create(extra_body={"priority": 1}, **kw)
 
 
 def test_pd_over_the_nccl_transport_path(pd_busy, pd):

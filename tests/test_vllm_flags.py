@@ -45,6 +45,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
         "1", "--kv-cache-dtype", "auto", "--generation-config", "vllm",
         "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 99}',
         "--max-model-len", "2048", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "32",
+        "--scheduling-policy", "priority",
     )  # fmt: skip
     assert cfg.model == "Qwen/Qwen3-0.6B"
     assert served_names(cfg) == ("qwen", "qwen3")
@@ -52,11 +53,13 @@ def test_a_vllm_command_line_parses(monkeypatch):
     assert cfg.generation_config == "vllm"
     assert cfg.override_generation_config == {"temperature": 0.5, "max_new_tokens": 99}
     assert (cfg.max_model_len, cfg.gpu_memory_utilization, cfg.max_num_seqs) == (2048, 0.8, 32)
+    assert cfg.scheduling_policy == "priority"
 
 
 def test_defaults_and_names_as_vllm_picks_them():
     cfg = _args()
     assert (cfg.enable_prefix_caching, cfg.enforce_eager, cfg.seed) == (True, False, None)
+    assert cfg.scheduling_policy == "fcfs"
     assert cfg.generation_config == "auto"
     assert served_names(cfg) == ("SmolLM2-135M-Instruct",)
     # The model as given, not its last path part: what a vLLM client already sends.
@@ -259,7 +262,7 @@ def test_special_tokens_follow_vllm(bos_tokenizer):
         ("echo", True, "chat"),
         ("best_of", 3, "completion"),
         ("prompt_embeds", "AAAA", "completion"),
-        ("priority", -1, "completion"),
+        ("use_beam_search", True, "chat"),
     ],
 )
 def test_fields_that_would_be_silently_ignored_are_refused(field, value, kind):
@@ -315,6 +318,23 @@ def test_truncate_prompt_tokens_takes_vllms_values():
         with pytest.raises(ApiError) as e:
             prompt_truncation({"truncate_prompt_tokens": bad}, 64)
         assert e.value.param == "truncate_prompt_tokens"
+
+
+def test_priority_needs_a_server_that_schedules_by_it():
+    """Guards vLLM's rule at the router: `priority` travels in the params, and a value
+    other than 0 is a 400 naming --scheduling-policy unless the server schedules by it;
+    a non-integer is a 400 whatever the policy."""
+    from pdserve.cluster.openai_api import check_priority
+
+    params, _ = parse_sampling({"priority": -2}, "completion", None, 4)
+    assert params.priority == -2
+    check_priority(params, "priority")
+    with pytest.raises(ApiError, match="--scheduling-policy priority") as e:
+        check_priority(params, "fcfs")
+    assert e.value.param == "priority" and e.value.status == 400
+    check_priority(parse_sampling({"priority": 0}, "chat", None, 4)[0], "fcfs")
+    with pytest.raises(ApiError, match="'priority' must be an integer"):
+        parse_sampling({"priority": 1.5}, "chat", None, 4)
 
 
 def test_neutral_values_of_those_fields_pass():
