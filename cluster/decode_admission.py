@@ -32,7 +32,7 @@ class DecodeAdmission(Generic[W]):
         # (priority, arrival number, future): a heap, so the first is the next to serve.
         self._waiters: list[tuple[int, int, asyncio.Future[W]]] = []
         self._arrivals = itertools.count()
-        # Waiters not yet granted, timed out or cancelled. The deque also holds the ended
+        # Waiters not yet granted, timed out or cancelled. The heap also holds the ended
         # ones until `wake` reaches them; counting apart keeps `queued` O(1) under a
         # backlog of thousands, where every arrival asks it.
         self._pending = 0

@@ -7,7 +7,8 @@ budget, `max_num_seqs` and KV blocks last. A prompt longer than the remaining bu
 chunked. When blocks run out, the most recently admitted request (under the priority
 policy: the last by priority, then arrival) that is not already in this step is preempted
 by recompute: its blocks are freed (they stay in the prefix cache) and it waits again
-with prompt + output as its new prompt. This file is central: keep it to this loop; policy pieces live beside it.
+with prompt + output as its new prompt. This file is central: keep it to this loop;
+policy pieces live beside it.
 
 With async scheduling, step N+1 is planned while step N runs: a request that samples in
 step N holds an output placeholder until its token reaches the host, and counts it as a
