@@ -48,14 +48,19 @@ def test_waiting_requests_run_by_priority_then_arrival(tiny_llama_dir):
     assert _finish_order(fcfs) == ["a", "b", "c", "d"]
 
 
-def test_preemption_takes_the_lowest_priority_not_the_newest(tiny_llama_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_takes_the_lowest_priority_not_the_newest(tiny_llama_dir, async_scheduling):
     """Guards the victim choice: blocks run out while a low-priority request admitted first
     and a high-priority one admitted after it both decode. fcfs preempts the newest (the
     high-priority one); priority preempts the low-priority one. Either way the preempted
-    request recomputes and every output equals the other policy's (greedy)."""
+    request recomputes and every output equals the other policy's (greedy), with async
+    scheduling's in-flight tokens too."""
     outs, first_preempted = {}, {}
     for policy, (pa, pb) in (("fcfs", (0, 0)), ("priority", (5, 0))):
-        eng = _engine(tiny_llama_dir, policy, max_num_seqs=2, num_gpu_blocks=8)
+        eng = _engine(
+            tiny_llama_dir, policy, max_num_seqs=2, num_gpu_blocks=8,
+            async_scheduling=async_scheduling,
+        )  # fmt: skip
         eng.add_request("low", list(range(3, 26)), _params(pa, max_tokens=12))
         tokens: dict[str, list[int]] = {}
         for d in eng.step():  # "low" is admitted first
