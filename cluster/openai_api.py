@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from pdserve.runner.sampling_params import SamplingParams
@@ -224,8 +224,13 @@ def parse_sampling(
             allowed_token_ids=typed(body, "allowed_token_ids", (list,)),
         )
     except (ValueError, TypeError) as e:
-        raise ApiError(str(e)) from e
+        # SamplingParams' rules start with the field they break: name it as `param`.
+        field = str(e).split(" ", 1)[0]
+        raise ApiError(str(e), param=field if field in _PARAM_NAMES else None) from e
     return params, logprobs
+
+
+_PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams) if f.init)
 
 
 def _logit_bias(body: dict) -> dict[int, Any] | None:

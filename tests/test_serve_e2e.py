@@ -323,7 +323,7 @@ def test_logit_bias_and_allowed_ids_hold_from_the_first_token_in_pd(pd, smollm_d
     for extra, param in (
         ({"logit_bias": {"49152": 1}}, "logit_bias"),
         ({"allowed_token_ids": [5, 10**9]}, "allowed_token_ids"),
-        ({"logit_bias": {"5": 500}}, None),
+        ({"logit_bias": {"5": 500}}, "logit_bias"),
     ):
         with pytest.raises(openai.BadRequestError) as e:
             c.completions.create(

@@ -291,6 +291,9 @@ def test_logit_bias_and_allowed_token_ids_parse_as_openai_and_vllm_send_them():
         with pytest.raises(ApiError, match=r"in \[0, 18\)") as e:
             check_token_ids(parse_sampling(bad, "completion", None, 4)[0], 18)
         assert e.value.param == param and e.value.status == 400
+    with pytest.raises(ApiError) as e:  # a SamplingParams rule names its field too
+        parse_sampling({"logit_bias": {"1": 101}}, "chat", None, 4)
+    assert e.value.param == "logit_bias"
     for bad, message in (
         ({"logit_bias": {"x1": 1}}, "keys must be token ids"),
         ({"logit_bias": {"-1": 1}}, "keys must be token ids"),
