@@ -6,6 +6,7 @@ router's queue takes the same order (test_decode_admission.py)."""
 from __future__ import annotations
 
 import pytest
+from conftest import DEVICE
 
 from pdserve import LLM
 from pdserve.runner.engine import Engine
@@ -15,7 +16,7 @@ from pdserve.runner.sampling_params import SamplingParams
 def _engine(model_dir: str, policy: str, **kw) -> Engine:
     kw = {"max_model_len": 40, "block_size": 8, **kw}
     return Engine.from_args(
-        model=model_dir, device="cpu", dtype="float32", scheduling_policy=policy, **kw
+        model=model_dir, device=DEVICE, dtype="float32", scheduling_policy=policy, **kw
     )
 
 
@@ -90,7 +91,7 @@ def test_priority_needs_the_priority_policy(tiny_llama_dir):
     assert not eng.has_unfinished()
     with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
         _engine(tiny_llama_dir, "lifo", num_gpu_blocks=16)
-    llm = LLM(model=tiny_llama_dir, device="cpu", dtype="float32", max_model_len=40,
+    llm = LLM(model=tiny_llama_dir, device=DEVICE, dtype="float32", max_model_len=40,
               block_size=8, num_gpu_blocks=16, scheduling_policy="priority")  # fmt: skip
     prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}]
     outs = llm.generate(prompts, _params(0), use_tqdm=False, priority=[3, -2])
