@@ -260,20 +260,20 @@ def check_priority(params: SamplingParams, policy: str) -> None:
 def check_token_ids(params: SamplingParams, vocab_size: int | None) -> None:
     """A 400 for a token id outside the model's vocabulary in logit_bias or
     allowed_token_ids, before the request reaches a worker."""
-    if vocab_size is None:
-        return
-    named = (
-        ("logit_bias", list(params.logit_bias or ())),
-        ("allowed_token_ids", params.allowed_token_ids or []),
-    )
-    for name, ids in named:
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ApiError(
-                f"'{name}': token ids must be in [0, {vocab_size}), the model's vocabulary "
-                f"(got {bad[:3]})",
-                param=name,
-            )
+    check_vocab("logit_bias", list(params.logit_bias or ()), vocab_size)
+    check_vocab("allowed_token_ids", params.allowed_token_ids or [], vocab_size)
+
+
+def check_vocab(name: str, ids: list[int], vocab_size: int | None) -> None:
+    """A 400 naming field `name` when one of `ids` is outside the model's vocabulary
+    (nothing to check when the vocabulary size is unknown)."""
+    bad = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
+    if bad:
+        raise ApiError(
+            f"'{name}': token ids must be in [0, {vocab_size}), the model's vocabulary "
+            f"(got {bad[:3]})",
+            param=name,
+        )
 
 
 def new_id(prefix: str) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.cluster.chat_template import render_chat
-from pdserve.cluster.openai_api import ApiError, typed
+from pdserve.cluster.openai_api import ApiError, check_vocab, typed
 
 
 def prompt_token_ids(
@@ -47,12 +47,6 @@ def completion_prompts(
     out = []
     for one in prompt if batch else [prompt]:
         ids = prompt_token_ids({**body, "prompt": one}, "completion", tok)
-        bad = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
-        if bad:
-            raise ApiError(
-                f"'prompt': token ids must be in [0, {vocab_size}), the model's vocabulary "
-                f"(got {bad[:3]})",
-                param="prompt",
-            )
+        check_vocab("prompt", ids, vocab_size)
         out.append((ids, one if isinstance(one, str) else tok.decode(ids)))
     return out

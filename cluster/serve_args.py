@@ -11,6 +11,7 @@ from pathlib import Path
 # them (a Helm chart passes them from a Secret, never through the ConfigMap).
 ENV_KEYS = {"api_key": "PDSERVE_API_KEY", "admin_key": "PDSERVE_ADMIN_KEY"}
 UVICORN_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # runner/config.py's, without importing torch
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ class ServeConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}"
             )
@@ -298,7 +299,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests the router may queue on a decode worker beyond its "
                    "--max-num-seqs running ones; more wait in the router for the first "
                    "worker with room, a newly scaled one included (default: --max-num-seqs)")  # fmt: skip
-    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None,
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=None,
                    help="fcfs: requests in arrival order; priority: by each request's "
                    "'priority' field (lower first, then arrival), in the router's queue and "
                    "the workers' schedulers (default fcfs)")  # fmt: skip

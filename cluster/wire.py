@@ -65,7 +65,7 @@ class WorkRequest:
                 isinstance(p, list) and len(p) == 2 for p in bias
             ):
                 raise ValueError("work request: logit_bias must be [token id, bias] pairs")
-            params = {**params, "logit_bias": {t: b for t, b in bias}}
+            params = {**params, "logit_bias": dict(bias)}
         if body["ticket"] is not None and not isinstance(body["ticket"], dict):
             raise ValueError("work request: ticket must be a map or null")
         if not isinstance(body["id"], str):

@@ -75,10 +75,10 @@ class Scheduler:
             else:
                 self.waiting.append(req)
             return
-        key = (req.params.priority, req.arrival_time)
+        key = _priority_order(req)
         i = len(self.waiting)
         # From the back: arrivals of one priority come in order, so this is usually O(1).
-        while i and (self.waiting[i - 1].params.priority, self.waiting[i - 1].arrival_time) > key:
+        while i and _priority_order(self.waiting[i - 1]) > key:
             i -= 1
         self.waiting.insert(i, req)
 
@@ -307,9 +307,7 @@ class Scheduler:
                 if r.request_id not in scheduled and not r.kv_pinned
             )
             if self.by_priority:
-                victim = max(
-                    candidates, key=lambda r: (r.params.priority, r.arrival_time), default=None
-                )
+                victim = max(candidates, key=_priority_order, default=None)
             else:
                 victim = next(candidates, None)
             assert victim is not None, "req itself is running and unscheduled"
@@ -347,3 +345,8 @@ class Scheduler:
                 req.append_output_token(token)
                 got_token.append(req)
         return got_token
+
+
+def _priority_order(req: Request) -> tuple[int, float]:
+    """The priority policy's order: lower priority value first, then earlier arrival."""
+    return req.params.priority, req.arrival_time
