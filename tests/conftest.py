@@ -54,7 +54,30 @@ import torch  # noqa: E402
 # parity and self-consistency tests through the Triton / async / CUDA-graph path.
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
 
-torch.set_num_threads(min(4, os.cpu_count() or 1))
+# Under pytest-xdist (the README's `-n 2`) the cores are shared by the workers: each takes
+# its share, as oversubscribed intra-op threads spin against each other.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1) // _WORKERS))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Keeps `xdist_schedule.SHARED_SERVER_FILES` true: a file using the session's `pd` or
+    `colocated` server that is not listed would start its own copy under `-n 2`."""
+    from xdist_schedule import SHARED_SERVER_FILES
+
+    users = {item.path.name for item in items if {"pd", "colocated"} & set(item.fixturenames)}
+    if users - SHARED_SERVER_FILES:
+        raise pytest.UsageError(
+            f"add {sorted(users - SHARED_SERVER_FILES)} to tests/xdist_schedule.py's "
+            "SHARED_SERVER_FILES: they use the session's pd or colocated server"
+        )
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which the GPU run goes without
+def pytest_xdist_make_scheduler(config, log):
+    from xdist_schedule import make_scheduler
+
+    return make_scheduler(config, log)
 
 
 # The two default servers live for the whole session: test_bench_contract and
