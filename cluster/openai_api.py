@@ -222,6 +222,7 @@ def parse_sampling(
             logit_bias=_logit_bias(body),
             priority=typed(body, "priority", (int,), 0),
             allowed_token_ids=typed(body, "allowed_token_ids", (list,)),
+            bad_words=typed(body, "bad_words", (list,)),
         )
     except (ValueError, TypeError) as e:
         # SamplingParams' rules start with the field they break: name it as `param`.

@@ -23,13 +23,14 @@ _DEFAULTS = {f.name: f.default for f in fields(SamplingParams) if f.init}
 
 def sampling_summary(params: SamplingParams) -> str:
     """The fields that differ from SamplingParams' defaults, `name=value`, in field order;
-    stop strings and the token ids of logit_bias / allowed_token_ids only counted."""
+    stop strings, bad words and the token ids of logit_bias / allowed_token_ids only
+    counted."""
     out = []
     for name, default in _DEFAULTS.items():
         value = getattr(params, name)
         if value == default or (default is None and value in ([], ())):
             continue
-        if name == "stop":
+        if name in ("stop", "bad_words"):  # the client's text: counted, not shown
             value = f"<{len([value] if isinstance(value, str) else value)} string(s)>"
         elif name in ("logit_bias", "allowed_token_ids"):  # may name thousands of ids
             value = f"<{len(value)} token id(s)>"

@@ -1,7 +1,7 @@
 """Request fields that OpenAI or vLLM define and pdserve does not carry out. Unknown fields
 are ignored, as OpenAI's API does; these are known, and ignoring them would change what
 the client gets without a word (JSON mode answering free text, tool calls that never
-come, banned words sampled), so a request that uses one is refused (400) by name.
+come), so a request that uses one is refused (400) by name.
 
 A field at its neutral value (`response_format` of type text, an empty `tools` list,
 `echo: false`, ...) is accepted: clients that always send the defaults keep working.
@@ -30,7 +30,6 @@ _RULES: dict[str, tuple[Any, str]] = {
         lambda v: v not in (None, "none", "auto"),
         "tool calling is not supported",
     ),
-    "bad_words": (bool, "bad_words is not supported"),
     "use_beam_search": (bool, "beam search is not supported"),
     "prompt_embeds": (lambda v: v is not None, "prompt embeddings are not supported"),
     "suffix": (bool, "suffix (insertion) is not supported"),

@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from pdserve.runner.bad_words import bad_word_ids
 from pdserve.runner.config import EngineConfig
 from pdserve.runner.config_resolve import resolve_engine_config
 from pdserve.runner.detokenizer import IncrementalDetokenizer
@@ -172,6 +173,7 @@ class Engine(PDRoles):
             params,
             seed=seed,
             eos_token_ids=self.eos_token_ids,
+            bad_words=bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else (),
             **pd,
         )
         detok = (

@@ -83,7 +83,7 @@ class ReferenceRunner:
         for new in so.new_requests:
             slot = self._free_slots.pop()
             self.live[new.req_id] = _Live(new, slot)
-            self.sampling.add(slot, new.params, new.seed, new.stop_ids)
+            self.sampling.add(slot, new.params, new.seed, new.stop_ids, new.bad_words)
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
             return ModelRunnerOutput([], [])
@@ -125,7 +125,13 @@ class ReferenceRunner:
             )
             for r in pen_rows
         ]
-        meta = self.sampling.metadata(slots, seq, num_outputs, histories or None)
+        meta = self.sampling.metadata(
+            slots, seq, num_outputs, histories or None,
+            recent_tokens=lambda rows, width: torch.tensor(
+                [([-1] * width + lives[r].tokens)[-width:] for r in rows.tolist()],
+                device=self.device,
+            ),
+        )  # fmt: skip
         out = self.sampler(torch.stack(last_logits), meta)
         sampled = out.sampled_token_ids.tolist()
         for lv, tok, keep in zip(lives, sampled, sample_mask):

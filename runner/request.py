@@ -52,6 +52,8 @@ class Request:
     params: SamplingParams
     seed: int  # resolved: the caller's seed or one derived from the engine seed
     eos_token_ids: tuple[int, ...] = ()
+    # params.bad_words as token sequences (runner/bad_words.py), by the engine's tokenizer.
+    bad_words: tuple[tuple[int, ...], ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)

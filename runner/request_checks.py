@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import Any
 
+from pdserve.runner.bad_words import bad_word_ids
 from pdserve.runner.config import EngineConfig
 from pdserve.runner.sampling_params import SamplingParams
 
@@ -53,6 +54,14 @@ def check_request(
     if params.stop_strings and tokenizer is None:
         # Logprobs work without one (decoded_token is None); stop strings cannot.
         raise ValueError("stop strings need a tokenizer; this model directory has none")
+    if params.bad_words:
+        if tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this model directory has none")
+        ids = [t for seq in bad_word_ids(tokenizer, params.bad_words) for t in seq]
+        if any(not is_token(t, vocab) for t in ids):
+            raise ValueError(
+                f"bad_words tokenize to ids outside the model's vocabulary [0, {vocab})"
+            )
 
 
 def is_token(token: object, vocab_size: int) -> bool:

@@ -62,6 +62,11 @@ class SamplingMetadata:
     bias_tokens: Tensor | None = None  # [B] int64
     bias_values: Tensor | None = None  # [B] float32
     allowed_mask: Tensor | None = None  # [R, V] bool, True = forbidden by allowed_token_ids
+    # bad_words: bad_word_values[i] (-inf where the row's output ends with a banned
+    # sequence's start, else 0) is added at (bad_word_rows[i], bad_word_tokens[i]).
+    bad_word_rows: Tensor | None = None  # [E] int64
+    bad_word_tokens: Tensor | None = None  # [E] int64
+    bad_word_values: Tensor | None = None  # [E] float32
 
     @classmethod
     def greedy(cls, num_rows: int, max_num_logprobs: int | None) -> SamplingMetadata:
@@ -103,9 +108,9 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Order: float32 → allowed_token_ids → banned tokens → logit_bias → penalties →
-    greedy argmax | temperature → min_p → top-k/top-p → + Gumbel noise → argmax (vLLM's
-    order: its logits processors before its penalties). Logprobs come from the float32
+    """Order: float32 → allowed_token_ids → banned tokens (min_tokens, then bad_words) →
+    logit_bias → penalties → greedy argmax | temperature → min_p → top-k/top-p → + Gumbel
+    noise → argmax (vLLM's order: its logits processors before its penalties). Logprobs come from the float32
     logits before any of it (vLLM's default "raw" logprobs); rows wanting fewer than
     `max_num_logprobs` are trimmed by the caller.
     """
@@ -120,6 +125,7 @@ class Sampler:
             and meta.banned_rows is None
             and meta.bias_rows is None
             and meta.allowed_mask is None
+            and meta.bad_word_rows is None
             and not meta.any_penalties
         )
         if plain_argmax and meta.max_num_logprobs is None:
@@ -138,6 +144,12 @@ class Sampler:
             # torch.full, not new_tensor: a host scalar copied to the GPU is a blocking copy.
             minus_inf = torch.full((), float("-inf"), device=x.device)
             x = x.index_put((meta.banned_rows, meta.banned_tokens), minus_inf)
+        if meta.bad_word_rows is not None:
+            # Accumulated: two sequences ending in one token, one matched and one not, add
+            # -inf and 0, where a plain write would keep either.
+            x = x.index_put(
+                (meta.bad_word_rows, meta.bad_word_tokens), meta.bad_word_values, accumulate=True
+            )
         if meta.bias_rows is not None:
             assert meta.bias_tokens is not None and meta.bias_values is not None
             # Each (row, token) once per request; a banned one stays -inf (-inf + b).

@@ -39,6 +39,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: sample only among these ids (every other logit -inf before sampling).
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words never to generate; the engine tokenizes them (runner/bad_words.py).
+    bad_words: list[str] | None = None
     # Scheduling, not sampling: under scheduling_policy "priority" a lower value runs
     # first (vLLM's `priority`, which it passes beside the params; here it travels in them
     # so that every hop of a PD request carries it). Must be 0 under "fcfs".
@@ -59,6 +61,8 @@ class SamplingParams:
             self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words) or None
 
     def _validate(self) -> None:
         def rule(ok: bool, msg: str) -> None:
@@ -137,6 +141,15 @@ class SamplingParams:
             or (isinstance(allowed, (list, tuple)) and allowed and all(map(_is_id, allowed))),
             "allowed_token_ids must be a non-empty list of non-negative integer token ids "
             f"(got {allowed!r})",
+        )
+        words = self.bad_words
+        rule(
+            words is None
+            or (
+                isinstance(words, (list, tuple))
+                and all(isinstance(w, str) and w.strip() for w in words)
+            ),
+            f"bad_words must be a list of strings with a non-space character each (got {words!r})",
         )
 
     @property

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from pdserve.runner.bad_words import ban_values
 from pdserve.runner.sampler import SamplingMetadata
 from pdserve.runner.sampling_params import SamplingParams
 
@@ -42,8 +43,18 @@ class SamplingState:
         self.allowed: list[np.ndarray] = [none_i] * n
         self.has_bias = np.zeros(n, dtype=bool)
         self.has_allowed = np.zeros(n, dtype=bool)
+        # bad_words as token sequences (runner/bad_words.py), read for `has_bad_words` slots.
+        self.bad_words: list[tuple[tuple[int, ...], ...]] = [()] * n
+        self.has_bad_words = np.zeros(n, dtype=bool)
 
-    def add(self, slot: int, params: SamplingParams, seed: int, stop_ids: tuple[int, ...]) -> None:
+    def add(
+        self,
+        slot: int,
+        params: SamplingParams,
+        seed: int,
+        stop_ids: tuple[int, ...],
+        bad_words: tuple[tuple[int, ...], ...] = (),
+    ) -> None:
         """Overwrite every per-slot field (a reused slot must not inherit anything)."""
         self.temperature[slot] = params.temperature
         self.top_k[slot] = params.top_k
@@ -68,6 +79,8 @@ class SamplingState:
         self.allowed[slot] = np.asarray(params.allowed_token_ids or (), dtype=np.int64)
         self.has_bias[slot] = bool(bias)
         self.has_allowed[slot] = len(self.allowed[slot]) > 0
+        self.bad_words[slot] = bad_words
+        self.has_bad_words[slot] = bool(bad_words)
 
     def metadata(
         self,
@@ -78,9 +91,13 @@ class SamplingState:
         # ^ per penalty row (in the order of `penalty_rows`): (prompt ids, output ids) as
         #   device tensors, so building penalty tables never reads the device
         to_device: Callable[[np.ndarray], torch.Tensor] | None = None,
+        recent_tokens: Callable[[np.ndarray, int], torch.Tensor] | None = None,
+        # ^ (batch rows, W) -> [len(rows), W] device tensor: each row's last W tokens
+        #   before the one it samples (read where bad_words need the output's tail)
     ) -> SamplingMetadata:
         """Gather the batch's rows; packed host->device copies (floats, ints, and where
-        used banned pairs, logit_bias entries, allowed ids), never one per field."""
+        used banned pairs, logit_bias entries, allowed ids, bad-word sequences), never
+        one per field."""
         dev = self.device
         to_device = to_device or (lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev))
         temp = self.temperature[slots]
@@ -91,8 +108,16 @@ class SamplingState:
         pairs = [(row, tok) for row in blocked.tolist() for tok in self.stop_ids[slots[row]]]
         biased = np.nonzero(self.has_bias[slots])[0].tolist()
         restricted = np.nonzero(self.has_allowed[slots])[0].tolist()
+        # A sequence of k tokens needs k - 1 generated ones before it can complete.
+        bad = [
+            (row, seq)
+            for row in np.nonzero(self.has_bad_words[slots])[0].tolist()
+            for seq in self.bad_words[slots[row]]
+            if len(seq) - 1 <= num_outputs[row]
+        ]
         all_greedy = bool((temp == 0).all())
-        if all_greedy and not len(pen_rows) and not pairs and not biased and not restricted:
+        extras = pairs or biased or restricted or bad
+        if all_greedy and not len(pen_rows) and not extras:
             # Plain argmax reads none of the per-row settings: skip their two copies (a
             # greedy batch's host step is launch-bound; each copy costs tens of us there).
             return SamplingMetadata.greedy(
@@ -121,6 +146,7 @@ class SamplingState:
             banned_rows, banned_tokens = packed[0], packed[1]
         bias = self._bias_triples(slots, biased, to_device) if biased else None
         allowed_mask = self._allowed_mask(slots, restricted, to_device) if restricted else None
+        bans = self._bad_word_bans(bad, recent_tokens, to_device) if bad else None
         prompt_mask = output_counts = None
         if len(pen_rows):
             assert penalty_tokens is not None and len(penalty_tokens) == len(pen_rows), (
@@ -157,6 +183,9 @@ class SamplingState:
             bias_tokens=None if bias is None else bias[1],
             bias_values=None if bias is None else bias[2],
             allowed_mask=allowed_mask,
+            bad_word_rows=None if bans is None else bans[0],
+            bad_word_tokens=None if bans is None else bans[1],
+            bad_word_values=None if bans is None else bans[2],
             max_num_logprobs=int(num_lp.max()) if (num_lp >= 0).any() else None,
             all_greedy=all_greedy,
             any_penalties=bool(len(pen_rows)),
@@ -197,6 +226,21 @@ class SamplingState:
         # A device scalar: a host one would be a blocking copy on a GPU.
         no = torch.zeros((), dtype=torch.bool, device=self.device)
         return forbidden.index_put_((packed[a : a + k], packed[a + k :]), no)
+
+    def _bad_word_bans(
+        self,
+        entries: list[tuple[int, tuple[int, ...]]],
+        recent_tokens: Callable[[np.ndarray, int], torch.Tensor] | None,
+        to_device: Callable[[np.ndarray], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        width = max(len(seq) for _, seq in entries) - 1
+        if width == 0:  # one-token words only: nothing of the output is read
+            recent = torch.zeros(len(entries), 0, dtype=torch.int64, device=self.device)
+        else:
+            assert recent_tokens is not None, "multi-token bad_words need the rows' tokens"
+            rows = np.fromiter((row for row, _ in entries), dtype=np.int64, count=len(entries))
+            recent = recent_tokens(rows, width)
+        return ban_values(entries, recent, to_device)
 
     def penalty_rows(self, slots: np.ndarray) -> np.ndarray:
         """Batch rows (indices into `slots`) whose request uses any penalty."""

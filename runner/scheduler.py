@@ -219,6 +219,7 @@ class Scheduler:
                     params=req.params,
                     seed=req.seed,
                     stop_ids=self._suppressed_ids(req),
+                    bad_words=req.bad_words,
                 )
             )
             self._in_runner.add(req.request_id)

@@ -23,6 +23,7 @@ class NewRequestData:
     params: SamplingParams
     seed: int
     stop_ids: tuple[int, ...] = ()  # EOS + stop_token_ids, suppressed until min_tokens
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
 
 
 @dataclass

@@ -53,7 +53,8 @@ def test_async_equals_sync_under_preemption(tiny_llama_dir):
 
 
 def test_async_stop_strings_and_eos(smollm_dir):
-    """Stops discovered one step late must still cut text and tokens at the same place."""
+    """Stops discovered one step late must still cut text and tokens at the same place,
+    and bad words banned from the device's history ban the same tokens."""
     prompts = ["The three primary colors are", "Once upon a time"]
     params = [
         SamplingParams(temperature=0, max_tokens=30, stop=[" and"]),
@@ -70,5 +71,15 @@ def test_async_stop_strings_and_eos(smollm_dir):
             y.outputs[0].token_ids,
             y.outputs[0].finish_reason,
         )
+    # bad_words: a ban reads the device's token history, where under async scheduling
+    # the newest token is still in flight when the next step is planned.
+    tok = sync_llm.get_tokenizer()
+    plain = a[1].outputs[0].token_ids
+    banned = SamplingParams(
+        temperature=0, max_tokens=30, bad_words=[tok.decode(plain[4:6]), tok.decode(plain[9:10])]
+    )
+    c, d = (llm.generate(prompts[1], banned, use_tqdm=False)[0].outputs[0]
+            for llm in (sync_llm, async_llm))  # fmt: skip
+    assert c.token_ids == d.token_ids != plain
     assert not async_llm.engine.has_unfinished()
     assert async_llm.engine.runner.state.num_live <= 2  # freed on the next step

@@ -155,6 +155,52 @@ def test_logit_bias_and_allowed_ids_match_transformers(smol, hf_smol):
         smol.generate(PROMPT, SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
 
 
+def _contains(tokens: list[int], seq: tuple[int, ...]) -> bool:
+    return any(tuple(tokens[i : i + len(seq)]) == seq for i in range(len(tokens)))
+
+
+def test_bad_words_match_transformers(smol, hf_smol):
+    """Guards bad_words through the engine against transformers' `bad_words_ids` with the
+    same token sequences, greedy, in one batch with a plain request: a one-token word
+    (the plain answer's first) is banned from the start, a two-token word (the plain
+    answer's 4th and 5th tokens) only where its first token was just generated; no banned
+    sequence is generated, and the plain request beside them is unchanged."""
+    from pdserve.runner.bad_words import bad_word_ids
+
+    tok = smol.get_tokenizer()
+    ids = tok(PROMPT).input_ids
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = smol.generate({"prompt_token_ids": ids}, plain, use_tqdm=False)[0].outputs[0]
+    one_token = tok.decode(alone.token_ids[:1])
+    two_tokens = tok.decode(alone.token_ids[3:5])
+    cases = [[one_token], [two_tokens]]
+    seqs = [bad_word_ids(tok, words) for words in cases]
+    assert [len(s) for s in seqs[1]] == [2, 2]  # bare and spaced forms, two tokens each
+    assert tuple(alone.token_ids[3:5]) in seqs[1]
+    outs = smol.generate(
+        [{"prompt_token_ids": ids}] * 3,
+        [*(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=words)
+           for words in cases), plain],
+        use_tqdm=False,
+    )  # fmt: skip
+    got = [o.outputs[0].token_ids for o in outs]
+    with torch.inference_mode():
+        common = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
+        want = [
+            hf_smol.generate(torch.tensor([ids]), bad_words_ids=[list(s) for s in seq], **common)[
+                0, len(ids) :
+            ].tolist()
+            for seq in seqs
+        ]
+    assert got[:2] == want
+    for tokens, seq in zip(got, seqs):
+        assert tokens != alone.token_ids and not any(_contains(tokens, s) for s in seq)
+    assert got[1][:3] == alone.token_ids[:3]  # the ban acts only once its start is there
+    assert got[2] == alone.token_ids
+    with pytest.raises(ValueError, match="bad_words must be a list of strings"):
+        SamplingParams(bad_words=["ok", "  "])
+
+
 def test_stop_strings_stop_ids_and_lengths(smol):
     base = smol.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[
         0

@@ -5,6 +5,7 @@ persistent buffers, padded graph rows write nothing to the KV cache."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,22 @@ from pdserve.kernels.input_prep import post_update_triton
 from pdserve.runner.engine import Engine
 from pdserve.runner.mrv2.step_mailbox import StepMailbox
 from pdserve.runner.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def qwen3_with_words(qwen3_shaped_dir, tmp_path_factory) -> str:
+    """The Qwen3-shaped model with a word-level tokenizer ("w0".."w999" are ids 0..999),
+    so that requests can name bad_words on the GPU machine, which has no real one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("qwen3-words")
+    for f in Path(qwen3_shaped_dir).iterdir():
+        (path / f.name).symlink_to(f)
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1000)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0").save_pretrained(path)
+    return str(path)
 
 
 def _engine(model_dir: str, decode_attention: str = "auto", **kwargs) -> Engine:
@@ -35,9 +52,9 @@ def _engine(model_dir: str, decode_attention: str = "auto", **kwargs) -> Engine:
     [("per_head", "layers"), ("packed", "layers"), ("flat", "layers"), ("per_head", "step")],
 )
 def test_step_loop_never_syncs_and_graphs_keep_their_buffers(
-    qwen3_shaped_dir, decode_attention, scope
+    qwen3_with_words, decode_attention, scope
 ):
-    eng = _engine(qwen3_shaped_dir, decode_attention, cuda_graph_scope=scope)
+    eng = _engine(qwen3_with_words, decode_attention, cuda_graph_scope=scope)
     assert eng.config.runner.async_scheduling and eng.runner.graphs is not None
     buf = eng.runner.buffers
     ptrs = {
@@ -56,10 +73,14 @@ def test_step_loop_never_syncs_and_graphs_keep_their_buffers(
         SamplingParams(temperature=t, top_p=p, max_tokens=24, ignore_eos=True, seed=i)
         for i, (t, p) in enumerate([(0.0, 1.0), (0.8, 0.9), (1.0, 1.0)] * 4)
     ]
-    # logit_bias and allowed_token_ids rows: their tables are built and applied each step
-    # without a sync too, and hold on the GPU.
+    # logit_bias, allowed_token_ids and bad_words rows: their tables are built and
+    # applied each step without a sync too, and hold on the GPU. The bad-words row is
+    # biased to 5, then 6, and bans 5 always and 6 after a 6 (read from the device's
+    # token history, where the last token may be in flight): 6 every other token.
     allowed = [11, 12, 500, 149_999]
     params += [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                       logit_bias={5: 100.0, 6: 50.0}, bad_words=["w5", "w6 w6"]),
         SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True, seed=99,
                        logit_bias={5: 100.0, 77: -100.0}),
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, allowed_token_ids=allowed),
@@ -87,8 +108,9 @@ def test_step_loop_never_syncs_and_graphs_keep_their_buffers(
     assert steps > 10
     while eng.has_unfinished():
         step()
-    biased, restricted = out[f"r{len(params) - 2}"], out[f"r{len(params) - 1}"]
+    words, biased, restricted = (out[f"r{len(params) - k}"] for k in (3, 2, 1))
     assert biased == [5] * 24 and len(restricted) == 24 and set(restricted) <= set(allowed)
+    assert words[0::2] == [6] * 12 and not {5, 6} & set(words[1::2]), words
     assert {n: getattr(buf, n).data_ptr() for n in ptrs} == ptrs, "persistent buffers moved"
     # Pad rows (slot -1) wrote nothing: block 0 (the null block) is untouched by decoding.
     assert torch.equal(eng.runner.kv_cache[:, 0], kv_before[:, 0])

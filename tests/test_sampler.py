@@ -306,6 +306,57 @@ def test_logit_bias_and_allowed_ids_equal_the_logits_changed_by_hand() -> None:
     )  # fmt: skip
 
 
+def test_bad_words_ban_a_last_token_only_after_the_rest_of_its_word() -> None:
+    """Guards bad_words in SamplingState and the sampler: each row equals sampling the
+    logits banned by hand, greedy and random rows alike (same seeds, same noise). A
+    one-token word is banned outright; a longer one only where the output's last tokens
+    are the rest of it; two words ending in one token, one matched and one not, still
+    ban it; the prompt's tokens never count toward a match; rows sit out of slot order."""
+    from pdserve.runner.sampling_params import SamplingParams
+    from pdserve.runner.sampling_state import SamplingState
+
+    vocab, hot = 40, 9  # token 9 is every row's favourite
+    # slot: (prompt, output so far, bad words as token sequences, banned by hand?)
+    rows = {
+        0: ([3, 4], [5], ((hot,),), True),  # one token: always
+        1: ([3], [8, 5], ((5, hot), (6, hot)), True),  # matched, then an unmatched twin
+        2: ([3], [8, 6, 4], ((5, hot),), False),  # the output ends elsewhere
+        3: ([3, 1], [2], ((1, 2, hot),), False),  # 1 is the prompt's: no match
+        4: ([3], [1, 2], ((1, 2, hot),), True),  # the output ends with 1, 2
+        5: ([3], [2, 7, 2], ((7, 1, hot), (2, 2, hot)), False),  # near misses
+    }
+    state = SamplingState(8, vocab, torch.device("cpu"))
+    slots = np.array([5, 3, 1, 0, 4, 2])
+    for slot in rows:
+        temperature = 0.0 if slot % 2 == 0 else 0.8
+        state.add(slot, SamplingParams(temperature=temperature, seed=slot), slot, (), rows[slot][2])
+    history = [rows[s][0] + rows[s][1] for s in slots.tolist()]
+
+    def recent_tokens(batch_rows: np.ndarray, width: int) -> torch.Tensor:
+        return torch.tensor([([-1] * width + history[r])[-width:] for r in batch_rows.tolist()])
+
+    logits = torch.randn(len(slots), vocab, generator=torch.Generator().manual_seed(5))
+    logits[:, hot] = 8.0
+    positions = np.array([len(h) for h in history])
+    outputs = np.array([len(rows[s][1]) for s in slots.tolist()])
+    meta = state.metadata(slots, positions, outputs, recent_tokens=recent_tokens)
+    got = Sampler()(logits, meta).sampled_token_ids
+    by_hand = logits.clone()
+    for row, slot in enumerate(slots.tolist()):
+        if rows[slot][3]:
+            by_hand[row, hot] = float("-inf")
+    plain = state.metadata(slots, positions, outputs, recent_tokens=recent_tokens)
+    plain.bad_word_rows = plain.bad_word_tokens = plain.bad_word_values = None
+    want = Sampler()(by_hand, plain).sampled_token_ids
+    assert torch.equal(got, want)
+    banned = [rows[s][3] for s in slots.tolist()]
+    assert [int(t) != hot for t in got] == banned
+    # A reused slot forgets its words, and a plain greedy batch is argmax-only again.
+    state.add(0, SamplingParams(temperature=0.0), 0, ())
+    again = state.metadata(np.array([0]), np.array([3]), np.array([1]))
+    assert again.temperature is None and int(Sampler()(logits[3:4], again).sampled_token_ids) == hot
+
+
 def test_sampling_state_ships_each_rows_bias_and_allowed_ids() -> None:
     """Guards SamplingState's side: a slot's logit_bias / allowed_token_ids reach the batch
     row the slot sits in (rows out of slot order), a reused slot forgets them, and an

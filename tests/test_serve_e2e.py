@@ -291,11 +291,12 @@ def test_prefix_cached_on_decode_prefills_locally(pd):
     assert delta("remote_prefill") == 1 and delta("prefix_hit_on_decode") == 1
 
 
-def test_logit_bias_and_allowed_ids_hold_from_the_first_token_in_pd(pd, smollm_dir):
-    """Guards logit_bias and allowed_token_ids over HTTP in PD mode: the first token,
-    sampled on the prefill worker (a remote prefill), follows the bias the wire carried,
-    and so do the decode worker's; allowed ids hold a random chat answer; ids past the
-    vocabulary are a 400 naming the field."""
+def test_logit_bias_allowed_ids_and_bad_words_hold_from_the_first_token_in_pd(pd, smollm_dir):
+    """Guards logit_bias, allowed_token_ids and bad_words over HTTP in PD mode: the first
+    token, sampled on the prefill worker (a remote prefill), follows the bias the wire
+    carried, and so do the decode worker's; a two-token bad word is banned across the
+    hand-over; allowed ids hold a random chat answer; ids past the vocabulary and
+    malformed words are a 400 naming the field."""
     from pdserve.runner.tokenizer import load_tokenizer
 
     tok = load_tokenizer(smollm_dir)
@@ -314,6 +315,17 @@ def test_logit_bias_and_allowed_ids_hold_from_the_first_token_in_pd(pd, smollm_d
         == 1
     )
     assert r.choices[0].text == " Paris" * 4
+    # bad_words on the same route: " Paris" may not follow " Paris", so the biased
+    # answer alternates with the next-favoured ","; the decode worker's second token
+    # reads the prefill worker's first as output, not prompt.
+    r = c.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Bad words check. " + LONG * 2 + "My city is",
+        max_tokens=4, temperature=0, logit_bias={str(paris[0]): 100, str(comma[0]): 50},
+        extra_body={"bad_words": ["Paris Paris"]},
+    )  # fmt: skip
+    assert r.choices[0].text == " Paris, Paris,"
+    after = _metric(pd.metrics(), name, reason="remote_prefill")
+    assert after - _metric(before, name, reason="remote_prefill") == 2
     chat = c.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=6, temperature=1.0,
         seed=3, extra_body={"allowed_token_ids": paris + comma},
@@ -324,6 +336,8 @@ def test_logit_bias_and_allowed_ids_hold_from_the_first_token_in_pd(pd, smollm_d
         ({"logit_bias": {"49152": 1}}, "logit_bias"),
         ({"allowed_token_ids": [5, 10**9]}, "allowed_token_ids"),
         ({"logit_bias": {"5": 500}}, "logit_bias"),
+        ({"bad_words": ["fine", " "]}, "bad_words"),
+        ({"bad_words": "word"}, "bad_words"),
     ):
         with pytest.raises(openai.BadRequestError) as e:
             c.completions.create(

@@ -255,7 +255,6 @@ def test_special_tokens_follow_vllm(bos_tokenizer):
         ("response_format", {"type": "json_schema", "json_schema": {}}, "completion"),
         ("tools", [{"type": "function", "function": {"name": "f"}}], "chat"),
         ("tool_choice", "required", "chat"),
-        ("bad_words", ["never"], "completion"),
         ("guided_json", {"type": "object"}, "completion"),
         ("use_beam_search", True, "completion"),
         ("suffix", "end", "completion"),

@@ -49,10 +49,12 @@ def test_a_work_request_carries_logit_bias_and_allowed_ids():
     a prefill worker samples the first token with the bias the decode worker uses; a
     malformed pair list, or a bias SamplingParams would refuse, is refused on arrival."""
     params = SamplingParams(
-        logit_bias={5: 2.5, 49_000: -100}, allowed_token_ids=[5, 9], priority=-3
-    )
+        logit_bias={5: 2.5, 49_000: -100}, allowed_token_ids=[5, 9], priority=-3,
+        bad_words=["never", "say never"],
+    )  # fmt: skip
     back = WorkRequest.decode(WorkRequest("r-4", [1], params).encode())
     assert back.params.priority == -3  # each hop of a PD request schedules by it
+    assert back.params.bad_words == ["never", "say never"]  # each worker tokenizes them
     assert back.params.logit_bias == {5: 2.5, 49_000: -100.0}
     assert back.params.allowed_token_ids == [5, 9]
     assert WorkRequest.decode(WorkRequest("r-5", [1], SamplingParams()).encode()).params == (

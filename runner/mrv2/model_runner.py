@@ -211,6 +211,9 @@ class MRV2ModelRunner:
             num_tokens - st.num_prompt_tokens[slots],
             [st.token_history(int(slots[r])) for r in penalty_rows] or None,
             to_device=self.ring.to_device,
+            recent_tokens=lambda rows, width: st.recent_tokens(
+                slots[rows], width, self.ring.to_device
+            ),
         )
         logprobs = None
         pending = None  # the sampled ids' host copy, when the mailbox has them

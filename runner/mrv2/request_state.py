@@ -8,6 +8,8 @@ and are gathered per step. Per-slot sampling settings are in `SamplingState`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -66,7 +68,7 @@ class RequestState:
         self.num_tokens[slot] = len(new.token_ids)
         self.num_computed_tokens[slot] = new.num_computed_tokens
         self.num_blocks[slot] = len(new.block_ids)
-        self.sampling.add(slot, new.params, new.seed, new.stop_ids)
+        self.sampling.add(slot, new.params, new.seed, new.stop_ids, new.bad_words)
         return slot
 
     def update(self, cached: CachedRequestData) -> None:
@@ -88,6 +90,17 @@ class RequestState:
     def apply_staged_writes(self) -> None:
         self.token_writes.apply()
         self.block_writes.apply()
+
+    def recent_tokens(
+        self, slots: np.ndarray, width: int, to_device: Callable[[np.ndarray], torch.Tensor]
+    ) -> torch.Tensor:
+        """[len(slots), width] int64: each slot's last `width` tokens, gathered on the
+        device (the newest may still be in flight there). Columns before a slot's first
+        token read its first token; callers compare only what the slot has."""
+        ends = self.num_tokens[slots]
+        cols = np.maximum(ends[:, None] - width + np.arange(width), 0)
+        index = to_device(np.stack([np.repeat(slots, width), cols.ravel()]))
+        return self.token_ids[index[0], index[1]].view(len(slots), width).long()
 
     def token_history(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt ids, output ids) of a slot as device views of the token table; the bounds
