@@ -57,6 +57,13 @@ def _wait(cond, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def _routed(server, role: str) -> bool:
+    """Every worker of `role` is ready and polled by the router, so it takes requests
+    (a restarted worker's process exists well before that, on a loaded machine seconds)."""
+    workers = httpx.get(server.url + "/ops/pools", timeout=30).json()["pools"][role]["workers"]
+    return bool(workers) and all(w["state"] == "ready" and "num_blocks" in w for w in workers)
+
+
 def _usage(server, role: str) -> float:
     return _metric(server.metrics(), "pdserve:kv_cache_usage_perc", role=role)
 
@@ -119,6 +126,7 @@ def test_kill_prefill_worker_mid_request_recomputes(server):
     fallbacks = delta("pdserve:kv_recompute_fallbacks_total")
     assert failures + fallbacks == 1, (failures, fallbacks)
     _wait(lambda: _actor_pids(server, "PrefillService") not in ([], [old]), 60, "prefill restart")
+    _wait(lambda: _routed(server, "prefill"), 60, "the restarted prefill worker routed")
     assert ask(prompt) == result["text"]  # the same answer from the decode worker's cache
     before = server.metrics()
     ask("Question C. " + LONG * 2 + "Name a river.")
