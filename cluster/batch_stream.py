@@ -87,8 +87,8 @@ def echo_of(req: ParsedRequest, first: StreamDelta) -> Echo | None:
     """The echo of a choice whose first delta is `first` (None without `echo`)."""
     if req.echo_text is None:
         return None
-    if req.echo_logprobs is None or first.finish_reason == "error":
-        return Echo(req.echo_text, [], None)
+    if req.kind == "chat" or req.echo_logprobs is None or first.finish_reason == "error":
+        return Echo(req.echo_text, [], None)  # a chat echo is text only, as in vLLM
     rows = first.prompt_logprobs
     if rows is None or len(rows) != len(req.prompt_token_ids):
         raise ApiError("the worker sent no logprobs for the echoed prompt", 500, "server_error")

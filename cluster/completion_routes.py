@@ -21,7 +21,9 @@ from pdserve.cluster.http_app import AppState, check_model, json_object, read_bo
 from pdserve.cluster.openai_api import (
     ApiError,
     ParsedRequest,
+    chat_echo,
     chat_logprobs,
+    chat_role,
     check_priority,
     check_token_ids,
     completion_logprobs,
@@ -46,7 +48,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
         """One ParsedRequest per prompt (a completion may carry a batch of them)."""
         body = json_object(await read_body(request, state.max_body_bytes))
         check_model(state, body)
-        refuse_unsupported(body, kind)
+        refuse_unsupported(body)
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ApiError("'seed' must be an integer", param="seed")
@@ -62,7 +64,8 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                 (ids[-keep:], None if text is None else state.tokenizer.decode(ids[-keep:]))
                 for ids, text in prompts
             ]  # fmt: skip
-        echo = kind == "completion" and wants_echo(body)
+        role = chat_role(body) if kind == "chat" else "assistant"
+        echo = chat_echo(body, role) if kind == "chat" else None
         opts = body.get("stream_options") or {}
         if not isinstance(opts, dict):
             raise ApiError("'stream_options' must be an object", param="stream_options")
@@ -92,9 +95,10 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                     bool(opts.get("include_usage")),
                     bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
                     k,
-                    text if echo else None,
+                    echo if kind == "chat" else (text if wants_echo(body) else None),
                     body.get("prompt_logprobs") is not None,
                     typed(body, "return_tokens_as_token_ids", (bool,), False),
+                    role,
                 )
             )
         return out
@@ -114,7 +118,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
             if delta:
                 body["delta"] = {"content": text} if text or toks else {}
             else:
-                body["message"] = {"role": "assistant", "content": text}
+                body["message"] = {"role": req.role, "content": text}
             body["logprobs"] = (
                 {"content": chat_logprobs(toks, lps, req.echo_logprobs or 0, name)}
                 if lps is not None
@@ -224,7 +228,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
             for i in range(req.params.n):
                 head = {
                     "index": i,
-                    "delta": {"role": "assistant", "content": ""},
+                    "delta": {"role": req.role, "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
                 }

@@ -59,11 +59,14 @@ class ParsedRequest:
     # stream_options.continuous_usage_stats (with include_usage): usage on every chunk
     continuous_usage: bool
     echo_logprobs: int | None  # completions: logprobs=k; chat: top_logprobs when logprobs
-    echo_text: str | None = None  # completions with `echo`: the prompt, put before the output
+    # `echo`, put before the output: a completion's prompt; in chat the last message's
+    # content when it has the reply's role (`chat_echo`), with no tokens or logprobs
+    echo_text: str | None = None
     # vLLM's `prompt_logprobs` field was given: the response carries the prompt's logprobs.
     show_prompt_logprobs: bool = False
     # vLLM's `return_tokens_as_token_ids`: logprobs name tokens as "token_id:{id}".
     tokens_as_ids: bool = False
+    role: str = "assistant"  # chat: the reply's role (`chat_role`)
 
 
 def typed(body: dict, name: str, types: tuple, default: Any = None) -> Any:
@@ -156,6 +159,24 @@ def chat_messages(body: dict) -> list[dict]:
 def wants_echo(body: dict) -> bool:
     """Completions' `echo`: the prompt goes before each choice's text (and logprobs)."""
     return typed(body, "echo", (bool,), False)
+
+
+def chat_role(body: dict) -> str:
+    """The role of a chat reply (vLLM's rule): the assistant's, or with
+    `add_generation_prompt: false` the last message's, whose turn the reply continues."""
+    if typed(body, "add_generation_prompt", (bool,), True):
+        return "assistant"
+    return chat_messages(body)[-1]["role"]
+
+
+def chat_echo(body: dict, role: str) -> str | None:
+    """Chat's `echo` (vLLM's): the last message's content, put before each choice's, when
+    that message has the reply's role, as when `continue_final_message` continues an
+    answer the client began; None otherwise (nothing to join)."""
+    if not wants_echo(body):
+        return None
+    last = chat_messages(body)[-1]
+    return (last["content"] or None) if last["role"] == role else None
 
 
 def _text_part(part: Any) -> str:

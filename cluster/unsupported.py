@@ -34,13 +34,11 @@ _RULES: dict[str, tuple[Any, str]] = {
     "prompt_embeds": (lambda v: v is not None, "prompt embeddings are not supported"),
     "suffix": (bool, "suffix (insertion) is not supported"),
 }
-_CHAT_ONLY = {"echo": (bool, "echo in chat (joining the last message) is not supported")}
 
 
-def refuse_unsupported(body: dict, kind: str) -> None:
+def refuse_unsupported(body: dict) -> None:
     """Raise a 400 naming the first field `body` uses that pdserve does not carry out."""
-    rules = {**_RULES, **_CHAT_ONLY} if kind == "chat" else _RULES
-    for name, (in_use, why) in rules.items():
+    for name, (in_use, why) in _RULES.items():
         if name in body and in_use(body[name]):
             raise ApiError(
                 f"'{name}': {why} by this server; leave it out", param=name, code="unsupported"

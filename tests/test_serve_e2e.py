@@ -346,6 +346,43 @@ def test_logit_bias_allowed_ids_and_bad_words_hold_from_the_first_token_in_pd(pd
         assert e.value.body.get("param") == param, e.value.body
 
 
+def test_chat_echo_joins_the_answer_the_client_began(pd):
+    """Guards chat `echo` (vLLM's): with `continue_final_message` the reply starts with the
+    assistant words the client sent, followed by exactly what the same request without
+    echo generates (same usage, logprobs for those tokens only); streamed deltas join to the same content under one role
+    chunk; a last message of another role is not echoed; with `add_generation_prompt:
+    false` the reply takes the last message's role and echoes it."""
+    c = pd.client()
+    began = "The capital of France is"
+    messages = [*QUESTION, {"role": "assistant", "content": began}]
+    go_on = {"continue_final_message": True, "add_generation_prompt": False}
+    kw = dict(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=6, temperature=0)
+    plain = c.chat.completions.create(**kw, extra_body=go_on)
+    echoed = c.chat.completions.create(**kw, logprobs=True, extra_body={**go_on, "echo": True})
+    rest = plain.choices[0].message.content
+    assert rest and echoed.choices[0].message.content == began + rest
+    assert echoed.choices[0].message.role == "assistant"
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens
+    # Logprobs are the generated tokens' only: the echo is text, as in vLLM.
+    assert len(echoed.choices[0].logprobs.content) == echoed.usage.completion_tokens
+    chunks = list(c.chat.completions.create(**kw, stream=True, extra_body={**go_on, "echo": True}))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert [d.role for d in deltas if d.role] == ["assistant"]
+    assert "".join(d.content or "" for d in deltas) == began + rest
+    asked = c.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=4, temperature=0,
+        extra_body={"echo": True},
+    )  # fmt: skip
+    assert not asked.choices[0].message.content.startswith(QUESTION[0]["content"])
+    r = httpx.post(
+        pd.url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"}, timeout=60,
+        json={"messages": QUESTION, "max_tokens": 2, "temperature": 0, "echo": True,
+              "add_generation_prompt": False},
+    )  # fmt: skip
+    message = r.json()["choices"][0]["message"]
+    assert message["role"] == "user" and message["content"].startswith(QUESTION[0]["content"])
+
+
 @pytest.fixture(scope="module")
 def pd_busy(tmp_path_factory):
     # Conditional disaggregation at its tightest: one prompt token in flight on the prefill

@@ -249,26 +249,24 @@ def test_special_tokens_follow_vllm(bos_tokenizer):
 
 
 @pytest.mark.parametrize(
-    "field, value, kind",
+    "field, value",
     [
-        ("response_format", {"type": "json_object"}, "chat"),
-        ("response_format", {"type": "json_schema", "json_schema": {}}, "completion"),
-        ("tools", [{"type": "function", "function": {"name": "f"}}], "chat"),
-        ("tool_choice", "required", "chat"),
-        ("guided_json", {"type": "object"}, "completion"),
-        ("use_beam_search", True, "completion"),
-        ("suffix", "end", "completion"),
-        ("echo", True, "chat"),
-        ("best_of", 3, "completion"),
-        ("prompt_embeds", "AAAA", "completion"),
-        ("use_beam_search", True, "chat"),
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {}}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "required"),
+        ("guided_json", {"type": "object"}),
+        ("use_beam_search", True),
+        ("suffix", "end"),
+        ("best_of", 3),
+        ("prompt_embeds", "AAAA"),
     ],
 )
-def test_fields_that_would_be_silently_ignored_are_refused(field, value, kind):
+def test_fields_that_would_be_silently_ignored_are_refused(field, value):
     from pdserve.cluster.unsupported import refuse_unsupported
 
     with pytest.raises(ApiError, match=f"'{field}'") as e:
-        refuse_unsupported({field: value}, kind)
+        refuse_unsupported({field: value})
     assert e.value.status == 400 and e.value.code == "unsupported"
 
 
@@ -348,8 +346,8 @@ def test_neutral_values_of_those_fields_pass():
         "best_of": 2, "n": 2, "guided_json": None, "user": "u", "service_tier": "auto",
         "priority": 0, "return_tokens_as_token_ids": False,
     }  # fmt: skip
-    refuse_unsupported(neutral, "chat")
-    refuse_unsupported({"echo": True}, "completion")  # completions' echo is carried out
+    refuse_unsupported(neutral)
+    refuse_unsupported({"echo": True})  # carried out: completions' prompt, chat's last turn
 
 
 # ---- seeds -------------------------------------------------------------------------------
@@ -413,3 +411,26 @@ def test_offline_llm_takes_the_generation_config(tmp_path, smollm_dir):
     assert implicit.token_ids == explicit.token_ids and len(implicit.token_ids) == 5
     with pytest.raises(ValueError, match="not auto, vllm or a folder"):
         LLM(model=smollm_dir, device="cpu", generation_config=str(tmp_path / "none"))
+
+
+def test_chat_echo_and_the_reply_role_follow_vllm():
+    """Guards chat `echo`'s rules without a server: the last message is echoed (text parts
+    joined) only when its role is the reply's, which is the assistant's unless
+    `add_generation_prompt` is false; nothing when echo is off, an empty content gives
+    nothing, and a non-boolean echo is a 400."""
+    from pdserve.cluster.openai_api import chat_echo, chat_role
+
+    parts = [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]
+    began = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": parts}]
+    assert chat_role({"messages": began}) == "assistant"
+    assert chat_echo({"messages": began, "echo": True}, "assistant") == "A\nB"
+    assert chat_echo({"messages": began}, "assistant") is None
+    empty = [began[0], {"role": "assistant", "content": ""}]
+    assert chat_echo({"messages": empty, "echo": True}, "assistant") is None
+    asked = {"messages": began[:1], "echo": True}
+    assert chat_echo(asked, chat_role(asked)) is None
+    continued = {**asked, "add_generation_prompt": False}
+    assert chat_role(continued) == "user" and chat_echo(continued, "user") == "Q"
+    with pytest.raises(ApiError, match="'echo' must be a boolean") as e:
+        chat_echo({"messages": began, "echo": "yes"}, "assistant")
+    assert e.value.param == "echo"
