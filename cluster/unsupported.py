@@ -4,7 +4,7 @@ the client gets without a word (JSON mode answering free text, tool calls that n
 come), so a request that uses one is refused (400) by name.
 
 A field at its neutral value (`response_format` of type text, an empty `tools` list,
-`echo: false`, ...) is accepted: clients that always send the defaults keep working.
+`suffix: ""`, ...) is accepted: clients that always send the defaults keep working.
 """
 
 from __future__ import annotations
