@@ -65,7 +65,9 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                 for ids, text in prompts
             ]  # fmt: skip
         role = chat_role(body) if kind == "chat" else "assistant"
-        echo = chat_echo(body, role) if kind == "chat" else None
+        # What `echo` puts before each output: chat's continued turn, a completion's prompt.
+        chat_echoed = chat_echo(body, role) if kind == "chat" else None
+        prompt_echoed = kind == "completion" and wants_echo(body)
         opts = body.get("stream_options") or {}
         if not isinstance(opts, dict):
             raise ApiError("'stream_options' must be an object", param="stream_options")
@@ -95,7 +97,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                     bool(opts.get("include_usage")),
                     bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
                     k,
-                    echo if kind == "chat" else (text if wants_echo(body) else None),
+                    chat_echoed if kind == "chat" else (text if prompt_echoed else None),
                     body.get("prompt_logprobs") is not None,
                     typed(body, "return_tokens_as_token_ids", (bool,), False),
                     role,

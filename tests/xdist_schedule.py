@@ -4,7 +4,8 @@ the session's `pd` and `colocated` servers together, so that those start once to
 
 pytest-xdist's own `--dist loadgroup` would express this with marks, but under pytest 9.2
 it no longer groups (it renames `item._nodeid`, which pytest stopped reading), so the
-grouping is this scheduler's."""
+grouping is this scheduler's. It overrides `_split_scope`, the method xdist's own file
+and group schedulers override (pyproject.toml keeps xdist below 4 for it)."""
 
 from __future__ import annotations
 
