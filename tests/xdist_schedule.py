@@ -3,8 +3,8 @@ workers: by whole files, so that a module's server starts once, with the files t
 the session's `pd` and `colocated` servers together, so that those start once too.
 
 pytest-xdist's own `--dist loadgroup` would express this with marks, but under pytest 9.2
-it no longer groups (it renames `item._nodeid`, which pytest stopped reading), so the
-grouping is this scheduler's. It overrides `_split_scope`, the method xdist's own file
+it no longer groups (it renames `item._nodeid`, which pytest stopped reading; xdist issue
+#1386), so the grouping is this scheduler's. It overrides `_split_scope`, the method xdist's own file
 and group schedulers override (pyproject.toml keeps xdist below 4 for it)."""
 
 from __future__ import annotations
