@@ -60,6 +60,11 @@ def test_defaults_and_names_as_vllm_picks_them():
     cfg = _args()
     assert (cfg.enable_prefix_caching, cfg.enforce_eager, cfg.seed) == (True, False, None)
     assert cfg.scheduling_policy == "fcfs"
+    # serve_args keeps its own copy of the engine's policy names (it imports no torch).
+    from pdserve.cluster import serve_args
+    from pdserve.runner import config
+
+    assert serve_args.SCHEDULING_POLICIES == config.SCHEDULING_POLICIES
     assert cfg.generation_config == "auto"
     assert served_names(cfg) == ("SmolLM2-135M-Instruct",)
     # The model as given, not its last path part: what a vLLM client already sends.
