@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 
 
 def _cuda_present() -> bool:
@@ -113,11 +114,11 @@ def smollm_dir() -> str:
     return str(resolve_model_dir(None)[0])
 
 
-def _save_tiny(tmp_factory, name: str, config) -> str:
+def _save_tiny(tmp_factory, name: str, config, dtype: torch.dtype = torch.float32) -> str:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)
     path = tmp_factory.mktemp(name)
     model.save_pretrained(path)
     return str(path)
@@ -232,9 +233,12 @@ def tiny_mistral_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def qwen3_shaped_dir(tmp_path_factory) -> str:
+def qwen3_shaped_dir(tmp_path_factory):
     """Qwen3-0.6B's shape (hidden 1024, 16 q / 8 kv heads of 128, vocab 151,936, tied) with
-    4 of its 28 layers: the real kernel shapes at a size CI can afford."""
+    4 of its 28 layers: the real kernel shapes at a size CI can afford. Stored in bf16
+    (435 MB, not 870: a CI run once ran out of disk writing it) and loaded in whatever
+    dtype a test asks for, so a float32 test runs on bf16-valued weights on both sides;
+    removed when the session ends."""
     from transformers import Qwen3Config
 
     cfg = Qwen3Config(
@@ -254,7 +258,9 @@ def qwen3_shaped_dir(tmp_path_factory) -> str:
         eos_token_id=2,
         architectures=["Qwen3ForCausalLM"],
     )
-    return _save_tiny(tmp_path_factory, "qwen3-shaped", cfg)
+    path = _save_tiny(tmp_path_factory, "qwen3-shaped", cfg, dtype=torch.bfloat16)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
