@@ -74,8 +74,9 @@ class Controller:
         infos = await asyncio.wait_for(
             asyncio.gather(*(m.actor.info.remote() for m in self.members_.values())), timeout_s
         )
+        now = time.time()  # "ready N s" counts from here, not from the actor's creation
         for m, info in zip(self.members_.values(), infos, strict=True):
-            m.startup = info.get("startup")
+            m.startup, m.since = info.get("startup"), now
         hashes = {i["layout_hash"] for i in infos}
         if len(hashes) > 1:
             raise RuntimeError(f"workers disagree on the KV layout: {sorted(hashes)}")
@@ -196,6 +197,7 @@ class Controller:
                     logger.exception("restart of %s failed; will retry", m.worker_id)
                     continue
                 self.restarts += 1
+                m.since = time.time()
                 self._event(f"restarted {m.worker_id}")
                 logger.warning("restarted %s worker %s", m.role, m.worker_id)
 

@@ -92,6 +92,10 @@ def test_pools_view_lists_the_workers_and_bounds(ops_server):
     assert decode["bounds"] == [1, 2] and decode["ready"] == 1
     (w,) = decode["workers"]
     assert w["worker_id"] == "decode-0" and w["state"] == "ready"
+    # "ready N s" counts from when it came up (the pool's start event), not from when its
+    # actor was created several seconds before.
+    started = next(e["time"] for e in d["events"] if e["text"].startswith("started"))
+    assert started - 1.0 <= w["since"] <= started
     assert w["num_blocks"] > 0 and 0 <= w["kv_cache_usage_perc"] <= 1
     assert w["kernel_compiles"] == 0  # a CPU worker compiles nothing (no Triton launches)
     assert w["startup"]["kv_tokens"] == (w["num_blocks"] - 1) * 16

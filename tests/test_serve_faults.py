@@ -64,6 +64,12 @@ def _routed(server, role: str) -> bool:
     return bool(workers) and all(w["state"] == "ready" and "num_blocks" in w for w in workers)
 
 
+def _restarted_at(server, role: str) -> float | None:
+    events = httpx.get(server.url + "/ops/pools", timeout=30).json()["events"]
+    times = [e["time"] for e in events if e["text"].startswith(f"restarted {role}")]
+    return times[-1] if times else None
+
+
 def _usage(server, role: str) -> float:
     return _metric(server.metrics(), "pdserve:kv_cache_usage_perc", role=role)
 
@@ -127,6 +133,10 @@ def test_kill_prefill_worker_mid_request_recomputes(server):
     assert failures + fallbacks == 1, (failures, fallbacks)
     _wait(lambda: _actor_pids(server, "PrefillService") not in ([], [old]), 60, "prefill restart")
     _wait(lambda: _routed(server, "prefill"), 60, "the restarted prefill worker routed")
+    _wait(lambda: _restarted_at(server, "prefill") is not None, 60, "the restart event")
+    (w,) = httpx.get(server.url + "/ops/pools", timeout=30).json()["pools"]["prefill"]["workers"]
+    restarted = _restarted_at(server, "prefill")
+    assert restarted - 1.0 <= w["since"] <= restarted  # "ready N s" counts from the restart
     assert ask(prompt) == result["text"]  # the same answer from the decode worker's cache
     before = server.metrics()
     ask("Question C. " + LONG * 2 + "Name a river.")
