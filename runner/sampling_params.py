@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 
 # The widest top-k logprobs we return per token; vLLM's default cap is 20.
 MAX_LOGPROBS = 20
+# The most parallel samples one request may ask for (OpenAI's own bound on `n`): each is
+# a sequence of its own on a decode worker.
+MAX_N = 128
+# Integers travel to the workers as msgpack and into int64 tensors there: every integer
+# field (a seed, top_k, token ids, lengths, priority) must fit a signed 64-bit integer.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass
@@ -70,22 +76,25 @@ class SamplingParams:
                 raise ValueError(msg)
 
         rule(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-            f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})",
+            _is_int(self.max_tokens) and 1 <= self.max_tokens <= INT64_MAX,
+            f"max_tokens must be an integer >= 1 and < 2**63 (got {self.max_tokens!r})",
         )
-        rule(self.temperature >= 0.0, f"temperature must be >= 0 (got {self.temperature})")
+        rule(
+            _is_number(self.temperature) and self.temperature >= 0.0,
+            f"temperature must be >= 0 and finite (got {self.temperature})",
+        )
         rule(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1] (got {self.top_p})")
         rule(
-            isinstance(self.top_k, int) and self.top_k >= -1,
-            f"top_k must be an integer >= -1; 0 or -1 disable it (got {self.top_k!r})",
+            _is_int(self.top_k) and -1 <= self.top_k <= INT64_MAX,
+            f"top_k must be an integer >= -1 and < 2**63; 0 or -1 disable it (got {self.top_k!r})",
         )
         rule(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1] (got {self.min_p})")
         rule(
-            self.seed is None or isinstance(self.seed, int),
-            f"seed must be an integer or None (got {self.seed!r})",
+            self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
+            f"seed must be an integer in [-2**63, 2**63) or None (got {self.seed!r})",
         )
         rule(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
             f"min_tokens must be an integer >= 0 (got {self.min_tokens!r})",
         )
         rule(
@@ -99,8 +108,8 @@ class SamplingParams:
                 f"{name} must be None or an integer in [0, {MAX_LOGPROBS}] (got {v!r})",
             )
         rule(
-            self.repetition_penalty > 0.0,
-            f"repetition_penalty must be > 0 (got {self.repetition_penalty})",
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0.0,
+            f"repetition_penalty must be > 0 and finite (got {self.repetition_penalty})",
         )
         rule(
             -2.0 <= self.presence_penalty <= 2.0,
@@ -110,19 +119,22 @@ class SamplingParams:
             -2.0 <= self.frequency_penalty <= 2.0,
             f"frequency_penalty must be in [-2, 2] (got {self.frequency_penalty})",
         )
-        rule(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1 (got {self.n!r})")
+        rule(
+            _is_int(self.n) and 1 <= self.n <= MAX_N,
+            f"n must be an integer >= 1 and <= {MAX_N} (got {self.n!r})",
+        )
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         rule(
             all(isinstance(s, str) and s for s in stops),
             f"stop must be a non-empty string or a list of non-empty strings (got {self.stop!r})",
         )
         rule(
-            all(isinstance(t, int) and t >= 0 for t in (self.stop_token_ids or [])),
-            f"stop_token_ids must be non-negative integers (got {self.stop_token_ids!r})",
+            all(map(_is_id, self.stop_token_ids or [])),
+            f"stop_token_ids must be non-negative integer token ids (got {self.stop_token_ids!r})",
         )
         rule(
-            isinstance(self.priority, int) and not isinstance(self.priority, bool),
-            f"priority must be an integer (got {self.priority!r})",
+            _is_int(self.priority) and INT64_MIN <= self.priority <= INT64_MAX,
+            f"priority must be an integer in [-2**63, 2**63) (got {self.priority!r})",
         )
         bias = self.logit_bias
         rule(
@@ -175,8 +187,12 @@ class SamplingParams:
         )
 
 
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _is_id(t: object) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+    return _is_int(t) and 0 <= t <= INT64_MAX
 
 
 def _is_number(x: object) -> bool:

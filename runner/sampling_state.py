@@ -57,14 +57,16 @@ class SamplingState:
     ) -> None:
         """Overwrite every per-slot field (a reused slot must not inherit anything)."""
         self.temperature[slot] = params.temperature
-        self.top_k[slot] = params.top_k
+        # int32 slots: a top_k of the vocabulary or more keeps every token, as 0 does, and
+        # no sequence reaches 2**31 tokens, so neither substitution changes a sample.
+        self.top_k[slot] = params.top_k if params.top_k < self.vocab_size else 0
         self.top_p[slot] = params.top_p
         self.min_p[slot] = params.min_p
         self.seeds[slot] = _fold_seed(seed)
         self.repetition_penalty[slot] = params.repetition_penalty
         self.presence_penalty[slot] = params.presence_penalty
         self.frequency_penalty[slot] = params.frequency_penalty
-        self.min_tokens[slot] = params.min_tokens
+        self.min_tokens[slot] = min(params.min_tokens, np.iinfo(np.int32).max)
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self.num_prompt_logprobs[slot] = (
             -1 if params.prompt_logprobs is None else params.prompt_logprobs

@@ -25,6 +25,18 @@ def engine(tiny_qwen3_dir) -> Engine:
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens must be <= max_tokens"),
         ({"logprobs": 50}, "logprobs must be None or an integer in"),
         ({"stop": [""]}, "stop must be a non-empty string"),
+        # Every integer must fit int64 (msgpack to the workers, int64 tensors there).
+        ({"seed": 2**63}, r"seed must be an integer in \[-2\*\*63, 2\*\*63\)"),
+        ({"seed": -(2**63) - 1}, "seed must be an integer in"),
+        ({"top_k": 2**63}, "top_k must be an integer >= -1 and < 2"),
+        ({"max_tokens": 2**63}, "max_tokens must be an integer >= 1 and < 2"),
+        ({"stop_token_ids": [2**63]}, "stop_token_ids must be non-negative integer token ids"),
+        ({"priority": 10**30}, r"priority must be an integer in \[-2\*\*63"),
+        ({"logit_bias": {2**64: 1.0}}, "logit_bias must map non-negative integer token ids"),
+        ({"n": 129}, "n must be an integer >= 1 and <= 128"),
+        ({"n": True}, "n must be an integer"),
+        ({"temperature": float("inf")}, "temperature must be >= 0 and finite"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty must be > 0 and finite"),
     ],
 )
 def test_bad_sampling_params(kwargs, rule):
@@ -59,6 +71,35 @@ def test_bad_requests_do_not_disturb_a_running_one(engine):
     assert engine.kv.num_free_blocks == free_before
     assert set(engine.scheduler.requests) == {"good"}
     assert first + _drain(engine)["good"] == alone
+
+
+def test_integers_past_int32_run_as_their_meaning(engine):
+    """Guards a worker crash (fuzzing found it: top_k 3e9 killed the decode worker's
+    loop): a top_k of the vocabulary or more samples as top_k 0 does, and a min_tokens no
+    sequence can reach runs to the context's end, both beside a request that keeps going."""
+    tokens: dict[str, list[int]] = {}
+    engine.add_request("bystander", [9, 8, 7], SamplingParams(temperature=0, max_tokens=50))
+    for k in (0, 997, 3_000_000_000, 2**63 - 1):
+        params = SamplingParams(temperature=1.0, seed=7, top_k=k, max_tokens=12)
+        engine.add_request(f"k{k}", [5, 6, 7, 8], params)
+        _step_until(engine, f"k{k}", tokens)
+    assert tokens["k0"] == tokens["k997"] == tokens["k3000000000"] == tokens[f"k{2**63 - 1}"]
+    engine.add_request("long", [5, 6, 7, 8], SamplingParams(max_tokens=2**41, min_tokens=2**40))
+    _step_until(engine, "long", tokens)
+    assert len(tokens["long"]) == 64 - 4  # to max_model_len
+    _step_until(engine, "bystander", tokens)
+    assert len(tokens["bystander"]) == 50
+
+
+def _step_until(engine: Engine, rid: str, tokens: dict[str, list[int]]) -> None:
+    """Step until `rid` has finished (it may have already), collecting every request's
+    tokens into `tokens`."""
+    for _ in range(1000):
+        if rid in tokens and rid not in engine.scheduler.requests:
+            return
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+    raise AssertionError(f"{rid} did not finish within 1000 steps")
 
 
 def test_abort_frees_blocks_and_reports(engine):

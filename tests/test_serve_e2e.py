@@ -148,6 +148,13 @@ def test_seed_reproducible(pd):
 
     assert sample(1234) == sample(1234)
     assert len({sample(s) for s in (1, 2, 3)}) > 1
+    # A top_k past the vocabulary (past int32 here, which once killed the decode worker's
+    # loop) keeps every token, as top_k 0 does: the same sample.
+    wide = c.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=LONG, max_tokens=16, temperature=1.0, seed=1234,
+        extra_body={"top_k": 3_000_000_000},
+    )  # fmt: skip
+    assert wide.choices[0].text == sample(1234)
 
 
 def test_32_concurrent_streams(pd):
@@ -210,6 +217,15 @@ def test_shared_prefix_shows_prefix_hits(colocated):
         (b'{"prompt": [5, 49152], "max_tokens": 2}', 400, "vocabulary"),
         (b'{"prompt": [5, 1099511627776], "max_tokens": 2, "echo": true}', 400, "vocabulary"),
         (json.dumps({"prompt": "word " * 1100, "max_tokens": 4}).encode(), 400, "context length"),
+        # Integers msgpack cannot carry to a worker were a 500 (fuzzing found them).
+        (b'{"prompt": "hi", "max_tokens": 2, "top_k": 1000000000000000000000}', 400, "top_k"),
+        (b'{"prompt": "hi", "max_tokens": 2, "seed": 1000000000000000000000}', 400, "seed"),
+        (
+            b'{"prompt": "hi", "max_tokens": 2, "stop_token_ids": [1000000000000000000000]}',
+            400,
+            "stop_token_ids",
+        ),
+        (b'{"prompt": "hi", "max_tokens": 2, "n": 100000}', 400, "n must be an integer"),
     ],
 )
 def test_bad_input_gets_openai_errors(colocated, body, status, fragment):
