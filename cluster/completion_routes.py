@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from pdserve.cluster.batch_stream import merged
+from pdserve.cluster.disconnect import unless_disconnected
 from pdserve.cluster.http_app import AppState, check_model, json_object, read_body
 from pdserve.cluster.openai_api import (
     ApiError,
@@ -181,7 +182,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                 cached = max(cached, d.num_cached_tokens)
                 if d.finish_reason is not None:
                     finish[c], stop[c] = d.finish_reason, d.stop_reason
-            _check_errors(finish)
+            _check_errors(finish, stop)
         prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
         m.finish(req, start, completion_tokens, prompt_tokens, finish)
         if log is not None:
@@ -278,11 +279,11 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await run(await parse(request, "completion"))
+        return await unless_disconnected(request, run(await parse(request, "completion")))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await run(await parse(request, "chat"))
+        return await unless_disconnected(request, run(await parse(request, "chat")))
 
 
 def _watched(log: RequestLog | None, api_id: str, start: float):
@@ -297,9 +298,12 @@ def _finish(reason: str | None) -> str | None:
     return None if reason is None else {"abort": "abort", "error": "error"}.get(reason, reason)
 
 
-def _check_errors(finish: list[str | None]) -> None:
-    if any(f == "error" for f in finish):
-        raise ApiError("the request failed in a worker (KV transfer)", 500, "server_error")
+def _check_errors(finish: list[str | None], why: list[Any]) -> None:
+    """A 500 naming the worker's reason (as a stream's error event does) when any choice
+    ended in an error."""
+    for f, reason in zip(finish, why, strict=True):
+        if f == "error":
+            raise ApiError(f"the request failed in a worker: {reason}", 500, "server_error")
 
 
 def _sse(obj: dict) -> str:

@@ -100,6 +100,23 @@ def test_client_disconnect_frees_the_decode_request(server, prompt, n):
     _wait(lambda: _running(server, "decode") == 0 and _usage(server, "decode") == 0, 10, "abort")
 
 
+def test_client_giving_up_on_a_plain_response_stops_its_generations(server):
+    """Guards the same leak without a stream (found by fuzzing: a request for n=100000
+    whose client timed out kept 80,000 generations queued ahead of every other request
+    for minutes). A JSON response is written once, at the end, so the server must watch
+    the connection itself (cluster/disconnect.py)."""
+    body = {
+        "model": MODEL, "prompt": [LONG, "Once more: " + LONG], "max_tokens": 800,
+        "temperature": 0, "ignore_eos": True, "n": 8,
+    }  # fmt: skip
+    headers = {"authorization": f"Bearer {KEY}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=3)
+    _wait(lambda: _running(server, "decode") == 0 and _usage(server, "decode") == 0, 10, "abort")
+    queued = _metric(server.metrics(), "pdserve:router_requests_queued")
+    assert queued == 0
+
+
 def test_kill_prefill_worker_mid_request_recomputes(server):
     """Guards policy `recompute`: a prefill worker dying under a request must not fail it
     or hang it; the answer is the one a healthy cluster gives; the worker comes back.
