@@ -237,7 +237,7 @@ def parse_sampling(
             presence_penalty=number("presence_penalty", 0.0),
             frequency_penalty=number("frequency_penalty", 0.0),
             repetition_penalty=number("repetition_penalty", 1.0),
-            n=typed(body, "n", (int,), 1),
+            n=_n(body),
             skip_special_tokens=typed(body, "skip_special_tokens", (bool,), True),
             include_stop_str_in_output=typed(body, "include_stop_str_in_output", (bool,), False),
             logit_bias=_logit_bias(body),
@@ -253,6 +253,18 @@ def parse_sampling(
 
 
 _PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams) if f.init)
+
+# The most completions one HTTP request may ask for per prompt: OpenAI's own bound (vLLM
+# sets none). Each is a sequence of its own on a decode worker; the offline API, where
+# the caller owns the machine, has no such bound.
+MAX_N = 128
+
+
+def _n(body: dict) -> int:
+    n = typed(body, "n", (int,), 1)
+    if n > MAX_N:
+        raise ApiError(f"'n' must be at most {MAX_N} (OpenAI's bound), got {n}", param="n")
+    return n
 
 
 def _logit_bias(body: dict) -> dict[int, Any] | None:

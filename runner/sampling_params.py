@@ -12,9 +12,6 @@ from dataclasses import dataclass, field
 
 # The widest top-k logprobs we return per token; vLLM's default cap is 20.
 MAX_LOGPROBS = 20
-# The most parallel samples one request may ask for (OpenAI's own bound on `n`): each is
-# a sequence of its own on a decode worker.
-MAX_N = 128
 # Integers travel to the workers as msgpack and into int64 tensors there: every integer
 # field (a seed, top_k, token ids, lengths, priority) must fit a signed 64-bit integer.
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -120,8 +117,8 @@ class SamplingParams:
             f"frequency_penalty must be in [-2, 2] (got {self.frequency_penalty})",
         )
         rule(
-            _is_int(self.n) and 1 <= self.n <= MAX_N,
-            f"n must be an integer >= 1 and <= {MAX_N} (got {self.n!r})",
+            _is_int(self.n) and 1 <= self.n <= INT64_MAX,
+            f"n must be an integer >= 1 and < 2**63 (got {self.n!r})",
         )
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         rule(

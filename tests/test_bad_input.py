@@ -33,7 +33,7 @@ def engine(tiny_qwen3_dir) -> Engine:
         ({"stop_token_ids": [2**63]}, "stop_token_ids must be non-negative integer token ids"),
         ({"priority": 10**30}, r"priority must be an integer in \[-2\*\*63"),
         ({"logit_bias": {2**64: 1.0}}, "logit_bias must map non-negative integer token ids"),
-        ({"n": 129}, "n must be an integer >= 1 and <= 128"),
+        ({"n": 2**63}, "n must be an integer >= 1 and < 2"),
         ({"n": True}, "n must be an integer"),
         ({"temperature": float("inf")}, "temperature must be >= 0 and finite"),
         ({"repetition_penalty": float("inf")}, "repetition_penalty must be > 0 and finite"),

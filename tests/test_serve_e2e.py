@@ -225,7 +225,7 @@ def test_shared_prefix_shows_prefix_hits(colocated):
             400,
             "stop_token_ids",
         ),
-        (b'{"prompt": "hi", "max_tokens": 2, "n": 100000}', 400, "n must be an integer"),
+        (b'{"prompt": "hi", "max_tokens": 2, "n": 129}', 400, "'n' must be at most 128"),
     ],
 )
 def test_bad_input_gets_openai_errors(colocated, body, status, fragment):
