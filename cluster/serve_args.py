@@ -192,6 +192,12 @@ class ServeConfig:
             )
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        for name in ("api_key", "admin_key"):  # an unset variable in a launch script
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag} is empty: give a key, or leave {flag} out to run without one"
+                )
         if self.worker_start_timeout_s <= 0:
             raise ValueError(
                 f"worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}"

@@ -36,6 +36,9 @@ from pdserve.cluster.serve_placement import Placement, join_auth_env, pool_bound
         (dict(worker_start_timeout_s=0), "worker_start_timeout_s"),
         (dict(max_waiting_per_decode_worker=-1), "--max-waiting-per-decode-worker"),
         (dict(max_num_seqs=0), "--max-num-seqs"),
+        # vLLM serves with no key when given an empty one; here it is a start-up error.
+        (dict(api_key=""), "--api-key is empty"),
+        (dict(admin_key=" "), "--admin-key is empty"),
     ],
 )
 def test_bad_scaling_config_is_refused(kwargs, message):
