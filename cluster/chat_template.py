@@ -42,7 +42,7 @@ def render_chat(body: dict, tok: Any, template: str | None = None) -> str:
     extra = body.get("chat_template_kwargs") or {}
     if not isinstance(extra, dict):
         raise ApiError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    taken = sorted(set(extra) & set(inspect.signature(tok.apply_chat_template).parameters))
+    taken = sorted(set(extra) & (_rendered_names() | _parameters(tok)))
     if taken:
         raise ApiError(
             f"chat_template_kwargs may not set {taken}: they are request fields or fixed here",
@@ -65,7 +65,20 @@ def render_chat(body: dict, tok: Any, template: str | None = None) -> str:
             continue_final_message=continue_final,
             **extra,
         )
-    except TemplateError as e:
+    except (TemplateError, TypeError) as e:  # a TypeError: the template tripped on a value
         raise ApiError(f"the chat template refused the conversation: {e}") from e
     except ValueError as e:  # transformers' own checks (e.g. no final message to continue)
         raise ApiError(str(e), param="messages") from e
+
+
+def _parameters(tok: Any) -> set[str]:
+    return set(inspect.signature(tok.apply_chat_template).parameters)
+
+
+def _rendered_names() -> set[str]:
+    """Names the renderer binds itself: the conversation, and the functions a template
+    calls (Jinja's `range`, `namespace`, ...; transformers' `raise_exception`,
+    `strftime_now`). A kwarg by one of those names would replace it (a 500 before)."""
+    from jinja2.defaults import DEFAULT_NAMESPACE
+
+    return {"messages", "raise_exception", "strftime_now", *DEFAULT_NAMESPACE}

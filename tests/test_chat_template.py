@@ -48,6 +48,10 @@ def test_kwargs_reach_the_template(tok):
     for kwargs, message in (
         ({"add_generation_prompt": False}, "may not set \\['add_generation_prompt'\\]"),
         ({"chat_template": "x"}, "may not set"),
+        # Names the renderer binds itself: replacing one was a 500 (fuzzing found it).
+        ({"messages": Q}, "may not set \\['messages'\\]"),
+        ({"raise_exception": 1}, "may not set \\['raise_exception'\\]"),
+        ({"namespace": 1, "range": 2}, "may not set \\['namespace', 'range'\\]"),
         ([1], "must be an object"),
     ):
         with pytest.raises(ApiError, match=message):
@@ -58,6 +62,11 @@ def test_template_and_model_refusals_are_400s(tok):
     strict = "{{ raise_exception('roles must alternate user/assistant') }}"
     with pytest.raises(ApiError, match="refused the conversation: roles must alternate") as e:
         render_chat({"messages": Q}, tok, strict)
+    assert e.value.status == 400
+    # A template that trips on what the request holds (a number where it adds strings).
+    adds = "{% for m in messages %}{{ m.content + '|' }}{% endfor %}"
+    with pytest.raises(ApiError, match="refused the conversation") as e:
+        render_chat({"messages": Q, "chat_template_kwargs": {"x": 1}}, tok, adds + "{{ x + 'a' }}")
     assert e.value.status == 400
     bare = copy.deepcopy(tok)
     bare.chat_template = None

@@ -1,8 +1,9 @@
 """Seeded random requests with extreme field values against the README's PD server: each
 answer is a 200 with choices (a stream's every event too) or an OpenAI-shaped 4xx, never
-a 5xx, and the server keeps answering. Found this way, and fixed: a top_k of 3e9 killed
-the decode worker's loop, and integers past 64 bits (which msgpack cannot carry to a
-worker) were 500s."""
+a 5xx, and the server keeps answering. Found by fuzzing like this, and fixed: a top_k of
+3e9 killed the decode worker's loop, integers past 64 bits (which msgpack cannot carry to
+a worker) were 500s, and so were chat_template_kwargs naming what the renderer binds
+(`messages`, `raise_exception`; test_chat_template.py checks those directly)."""
 
 from __future__ import annotations
 
@@ -45,9 +46,12 @@ def _body(rng: random.Random, chat: bool) -> str:
         parts.append('"stream": true')
     for f in rng.sample(INT_FIELDS, rng.randrange(4)):
         value = rng.choice(INTS)
-        # Valid lengths and counts kept small, so that the run stays short.
+        # Valid lengths and counts kept small, so that the run stays short (a null length
+        # runs to the end of the context).
         if f in ("max_tokens", "max_completion_tokens", "n") and value.isdigit():
             value = str(min(int(value), 3)) if int(value) <= 2**63 else value
+        elif f in ("max_tokens", "max_completion_tokens") and value == "null":
+            value = "2"
         parts.append(f'"{f}": {value}')
     for f in rng.sample(FLOAT_FIELDS, rng.randrange(3)):
         parts.append(f'"{f}": {rng.choice(FLOATS)}')
@@ -56,6 +60,9 @@ def _body(rng: random.Random, chat: bool) -> str:
     if rng.random() < 0.3:
         token = rng.choice(("5", "49152", "99999999999999999999999"))
         parts.append(f'"logit_bias": {{"{token}": {rng.choice(FLOATS)}}}')
+    if chat and rng.random() < 0.5:  # names the renderer binds itself, and free ones
+        name = rng.choice(("messages", "raise_exception", "range", "bos_token", "shout"))
+        parts.append(f'"chat_template_kwargs": {{"{name}": {rng.choice(INTS)}}}')
     if not any(p.startswith(('"max_tokens"', '"max_completion_tokens"')) for p in parts):
         parts.append('"max_tokens": 3')
     rng.shuffle(parts)
