@@ -87,7 +87,7 @@ class SamplingParams:
         )
         rule(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1] (got {self.min_p})")
         rule(
-            self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
+            self.seed is None or _is_int64(self.seed),
             f"seed must be an integer in [-2**63, 2**63) or None (got {self.seed!r})",
         )
         rule(
@@ -130,7 +130,7 @@ class SamplingParams:
             f"stop_token_ids must be non-negative integer token ids (got {self.stop_token_ids!r})",
         )
         rule(
-            _is_int(self.priority) and INT64_MIN <= self.priority <= INT64_MAX,
+            _is_int64(self.priority),
             f"priority must be an integer in [-2**63, 2**63) (got {self.priority!r})",
         )
         bias = self.logit_bias
@@ -186,6 +186,10 @@ class SamplingParams:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_int64(x: object) -> bool:
+    return _is_int(x) and INT64_MIN <= x <= INT64_MAX
 
 
 def _is_id(t: object) -> bool:
