@@ -43,6 +43,35 @@ def kv_bytes_per_worker(model_dir: Path, num_workers: int, utilization: float) -
     return budget
 
 
+def check_kv_bytes_fit(model_dir: Path, num_workers: int, kv_bytes: int) -> None:
+    """Refuse an explicit per-worker KV size that `num_workers` workers on one GPU cannot
+    all allocate beside their weights and activation reserves."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    need = num_workers * (kv_bytes + weights + ACTIVATION_RESERVE_BYTES)
+    if need > total:
+        raise ValueError(
+            f"--kv-cache-memory-bytes {kv_bytes:,}: {num_workers} worker(s) on one GPU need "
+            f"{need / 2**30:.1f} GiB with their weights ({weights / 2**30:.1f} GiB each) and "
+            f"activation reserve ({ACTIVATION_RESERVE_BYTES / 2**30:.0f} GiB each); the GPU "
+            f"has {total / 2**30:.1f} GiB"
+        )
+
+
+def check_kv_bytes_in_ram(num_workers: int, kv_bytes: int) -> None:
+    """Refuse CPU workers' explicit KV sizes that this machine's memory cannot hold (the
+    kernel would kill a worker mid-start instead)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if num_workers * kv_bytes > ram:
+        raise ValueError(
+            f"--kv-cache-memory-bytes {kv_bytes:,}: {num_workers} CPU worker(s) need "
+            f"{num_workers * kv_bytes / 2**30:.1f} GiB of KV cache; this machine has "
+            f"{ram / 2**30:.1f} GiB of memory"
+        )
+
+
 def default_batched_tokens(ecfg) -> int:
     """vLLM's server default: 8,192 tokens per step on GPUs of >= 70 GiB (an H200 measured
     well with it: benchmarks/pd_vs_colocated.py), 2,048 elsewhere and on the CPU."""
@@ -143,7 +172,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         cuda_graph_scope=cfg.cuda_graph_scope, enforce_eager=cfg.enforce_eager,
         enable_prefix_caching=cfg.enable_prefix_caching,
         max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(ecfg),
-        scheduling_policy=cfg.scheduling_policy,
+        scheduling_policy=cfg.scheduling_policy, num_gpu_blocks=cfg.num_gpu_blocks_override,
     )  # fmt: skip
     local_gpu = torch.cuda.is_available() and cfg.device != "cpu" and cfg.ray_address is None
     transport = kv_transport(cfg, local_gpu)
@@ -164,6 +193,15 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             # whole GPUs: its engine sizes its KV cache from its own GPU.
             engine_kwargs["model"] = cfg.model
             engine_kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            engine_kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+        elif cfg.kv_cache_memory_bytes is not None:
+            if placement.num_gpus:
+                check_kv_bytes_fit(
+                    Path(ecfg.model.path), placement.workers_per_gpu, cfg.kv_cache_memory_bytes
+                )
+            else:
+                check_kv_bytes_in_ram(num_workers, cfg.kv_cache_memory_bytes)
+            engine_kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
         elif placement.num_gpus:
             # Workers sharing a GPU each get an explicit KV budget, since a memory fraction
             # read by each engine at its own start would count the others' allocations.

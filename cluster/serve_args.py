@@ -7,11 +7,15 @@ import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from pdserve.sizes import parse_size, size_arg
+
 # Keys that may come from the environment when neither a flag nor the config file gives
 # them (a Helm chart passes them from a Secret, never through the ConfigMap).
 ENV_KEYS = {"api_key": "PDSERVE_API_KEY", "admin_key": "PDSERVE_ADMIN_KEY"}
 UVICORN_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # runner/config.py's, without importing torch
+# Keys that take human-readable sizes ("32k", "4G"; pdserve/sizes.py), as vLLM's flags do.
+SIZE_KEYS = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes")
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,11 @@ class ServeConfig:
     # forward writes it (tcp only).
     kv_layer_wise: bool = False
     gpu_memory_utilization: float = 0.9  # of one GPU, shared by all its workers
+    # vLLM's explicit KV sizes, per worker: bytes (then gpu_memory_utilization is not
+    # used) or a number of blocks; None: sized from gpu_memory_utilization (GPU) or
+    # 0.5 GiB (CPU).
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
     # Ray: None starts a local instance (and stops it at the end); "auto" or "HOST:PORT"
     # joins a running cluster (the Helm chart's head pod). Joined, the workers bind their
     # sockets to their node's address and resolve the model themselves.
@@ -113,6 +122,22 @@ class ServeConfig:
     disable_uvicorn_access_log: bool = False
 
     def __post_init__(self) -> None:
+        for name in SIZE_KEYS:  # a config file's "32k" or "4G"; flags arrive parsed
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    object.__setattr__(self, name, parse_size(value))
+                except ValueError as e:
+                    raise ValueError(f"--{name.replace('_', '-')}: {e}") from None
+        for name in SIZE_KEYS:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(
+                "--num-gpu-blocks-override must be >= 2 (block 0 is the reserved null "
+                f"block), got {self.num_gpu_blocks_override}"
+            )
         if isinstance(self.served_model_name, str):  # one name, from a config file
             object.__setattr__(self, "served_model_name", (self.served_model_name,))
         elif self.served_model_name is not None:
@@ -176,10 +201,6 @@ class ServeConfig:
             raise ValueError(
                 "--max-waiting-per-decode-worker must be >= 0, got "
                 f"{self.max_waiting_per_decode_worker}"
-            )
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
         if self.pd_max_prefill_queue_tokens < 0:
             raise ValueError(
@@ -298,7 +319,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1 (env PDSERVE_API_KEY)",
     )
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=size_arg, default=None,
+                   help="longest prompt + output, e.g. 4096 or 32k (= 32,000) or 32K "
+                   "(= 32,768) (default 4096, at most the model's)")  # fmt: skip
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-waiting-per-decode-worker", type=int, default=None, metavar="N",
@@ -311,7 +334,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "the workers' schedulers (default fcfs)")  # fmt: skip
     p.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=size_arg,
         default=None,
         help="tokens per engine step (default: 8192 on GPUs of >= 70 GiB, else 2048)",
     )
@@ -321,6 +344,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"share of each GPU for weights + KV cache (default {d.gpu_memory_utilization})",
     )
+    p.add_argument("--kv-cache-memory-bytes", type=size_arg, default=None, metavar="SIZE",
+                   help="each worker's KV cache in bytes, e.g. 8G (= 8 GiB); then "
+                   "--gpu-memory-utilization is not used (default: sized from it on a GPU, "
+                   "0.5 GiB on the CPU)")  # fmt: skip
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
+                   help="each worker's KV cache in blocks of --block-size tokens, whatever "
+                   "the memory (default: sized from memory)")  # fmt: skip
     p.add_argument("--runner", choices=["auto", "mrv2", "reference"], default=None)
     p.add_argument("--decode-attention", choices=["auto", "per_head", "packed", "flat"],
                    default=None,
@@ -378,6 +408,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{args.config}: unknown keys {unknown}; known: {sorted(known)}")
+        for key, value in data.items():
+            check_file_value(args.config, key, value)
         values.update(data)
     for f in fields(ServeConfig):
         v = getattr(args, f.name, None)
@@ -389,6 +421,37 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             raise ValueError(f"the model is given twice: {tag!r} and --model {args.model!r}")
         values["model"] = tag
     return with_env(ServeConfig(**values), os.environ)
+
+
+# What each annotation of ServeConfig takes from a YAML file (sizes may also be strings).
+_FILE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "bool": ((bool,), "true or false"),
+    "str": ((str,), "a string"),
+    "dict": ((dict,), "a mapping"),
+    "tuple[str, ...]": ((str, list), "a name or a list of names"),
+}
+
+
+def check_file_value(path: str, key: str, value) -> None:
+    """Refuse a config file's value whose YAML type the key cannot take (`port: "80"`,
+    `autoscale: yes please`), naming the key, before anything compares it to a number."""
+    annotation = next(f.type for f in fields(ServeConfig) if f.name == key)
+    kinds = [k.strip() for k in str(annotation).split("|")]
+    if value is None and "None" in kinds:
+        return
+    base = next(k for k in kinds if k != "None")
+    types, described = _FILE_TYPES[base]
+    if key in SIZE_KEYS:
+        types, described = (int, str), "an integer or a size like 32k"
+    if isinstance(value, bool) and bool not in types:  # YAML's true is not the number 1
+        ok = False
+    else:
+        ok = isinstance(value, types)
+    if not ok:
+        none = " or null" if "None" in kinds else ""
+        raise ValueError(f"{path}: {key} must be {described}{none}, got {value!r}")
 
 
 def with_env(cfg: ServeConfig, env) -> ServeConfig:

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+from pdserve.sizes import size_arg
 from pdserve.version import __version__
 
 DEFAULT_PROMPT = "What is the capital of France?"
@@ -29,10 +30,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=size_arg, default=None, help="e.g. 4096 or 32k")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=size_arg, default=2048)
+    p.add_argument("--kv-cache-memory-bytes", type=size_arg, default=None, metavar="SIZE",
+                   help="KV cache size, e.g. 1G (default: from --gpu-memory-utilization on a "
+                   "GPU, 0.5 GiB on the CPU)")  # fmt: skip
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument(
         "--runner",
@@ -140,6 +146,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             enable_prefix_caching=args.enable_prefix_caching,
             runner=args.runner,
             seed=args.seed,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            gpu_memory_utilization=args.gpu_memory_utilization,
         )
     tok = llm.get_tokenizer()
     use_chat = not args.raw and tok is not None and getattr(tok, "chat_template", None)

@@ -70,6 +70,7 @@ def resolve_engine_config(
     runner: str = "auto",
     seed: int = 0,
     num_gpu_blocks: int | None = None,
+    num_gpu_blocks_override: int | None = None,  # vLLM's name for num_gpu_blocks
     kv_cache_memory_bytes: int | None = None,
     gpu_memory_utilization: float = 0.9,
     async_scheduling: bool | None = None,
@@ -80,6 +81,11 @@ def resolve_engine_config(
     scheduling_policy: str = "fcfs",
 ) -> EngineConfig:
     from transformers import AutoConfig
+
+    if num_gpu_blocks is not None and num_gpu_blocks_override is not None:
+        raise ValueError("give num_gpu_blocks or num_gpu_blocks_override, not both")
+    if num_gpu_blocks is None:
+        num_gpu_blocks = num_gpu_blocks_override
 
     path, name = resolve_model_dir(model)
     hf_config = AutoConfig.from_pretrained(path)

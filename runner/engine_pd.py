@@ -144,7 +144,15 @@ class PDRoles:
         if req is None:
             return
         if result.error is not None:
-            logger.warning("KV load of %s failed: %s", result.request_id, result.error)
+            logger.warning(
+                "KV load of %s failed: %s; %s",
+                result.request_id,
+                result.error,
+                "the request ends with an error (policy fail)"
+                if result.fail
+                else f"its prompt is computed here from token {req.num_computed_tokens} "
+                "(policy recompute)",
+            )
         if result.fail:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
             self._tracks.pop(req.request_id, None)

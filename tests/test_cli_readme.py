@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -28,6 +29,20 @@ def test_generate_with_no_arguments_answers_on_the_bundled_model():
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "The capital of France is Paris."
     assert "runner mrv2" in res.stderr and "loading model" in res.stderr
+
+
+def test_generate_takes_vllms_sizes(smollm_dir):
+    """`--max-model-len 0.5k --kv-cache-memory-bytes 64M`: 500 tokens, and as many KV
+    blocks as 64 MiB holds in the model's float32 geometry."""
+    cfg = json.loads((Path(smollm_dir) / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_block = cfg["num_hidden_layers"] * 2 * 16 * cfg["num_key_value_heads"] * head_dim * 4
+    res = _run("-v", "generate", "--device", "cpu", "--max-model-len", "0.5k",
+               "--kv-cache-memory-bytes", "64M", "--max-tokens", "4")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert f"mrv2 runner: {(64 << 20) // per_block} KV blocks of 16 tokens" in res.stderr
+    res = _run("generate", "--max-model-len", "1.5K")
+    assert res.returncode == 2 and "a binary suffix (K) takes a whole number" in res.stderr
 
 
 def test_cli_errors_are_clear_and_nonzero():

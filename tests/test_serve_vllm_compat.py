@@ -2,12 +2,13 @@
 SmolLM2, colocated), driven with the official `openai` client: the model given as a
 positional argument, two served names, a generation config whose defaults (greedy, a
 48-token cap) requests that leave the fields out take, chat without max_tokens, text
-content parts, and prefix caching turned off."""
+content parts, prefix caching turned off and the KV cache sized in bytes."""
 
 from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -17,6 +18,7 @@ from serve_server import Server
 STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to bake."}]
 MAX_MODEL_LEN = 384
 CAP = 48  # the generation config's max_new_tokens
+KV_SIZE = "128M"  # 128 MiB of KV cache: --kv-cache-memory-bytes takes vLLM's size suffixes
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,8 @@ def server(tmp_path_factory, smollm_dir):
         "SmolLM2", "--chat-template", str(template), "--mode", "colocated", "--max-model-len",
         str(MAX_MODEL_LEN),
         "--generation-config", str(gen), "--seed", "3", "--no-enable-prefix-caching",
-        "--enforce-eager", "-tp", "1", "--kv-cache-dtype", "auto",
+        "--enforce-eager", "-tp", "1", "--kv-cache-dtype", "auto", "--kv-cache-memory-bytes",
+        KV_SIZE,
     )  # fmt: skip
     yield srv
     srv.stop()
@@ -217,3 +220,16 @@ def test_prefix_caching_is_off(server, colocated):
     for _ in range(2):
         r = off.completions.create(model="smol", prompt=prompt, max_tokens=2)
         assert _cached(r) == 0, r.usage
+
+
+def test_the_kv_cache_has_the_size_given(server, smollm_dir):
+    """--kv-cache-memory-bytes 128M: as many whole blocks as 128 MiB holds, in the model's
+    geometry (float32 on the CPU), in /ops/pools and the worker's startup line."""
+    cfg = json.loads((Path(smollm_dir) / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_block = cfg["num_hidden_layers"] * 2 * 16 * cfg["num_key_value_heads"] * head_dim * 4
+    pools = httpx.get(server.url + "/ops/pools", timeout=30).json()["pools"]
+    (worker,) = pools["decode"]["workers"]
+    assert worker["num_blocks"] == (128 << 20) // per_block
+    assert worker["startup"]["kv_bytes"] == worker["num_blocks"] * per_block
+    assert f"KV cache {(worker['num_blocks'] - 1) * 16:,} tokens" in server.log.read_text()

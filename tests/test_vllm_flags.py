@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -87,6 +88,65 @@ def test_defaults_and_names_as_vllm_picks_them():
 def test_bad_flags_are_refused(argv, message):
     with pytest.raises(ValueError, match=message):
         _args(*argv)
+
+
+def test_sizes_take_vllms_suffixes(monkeypatch):
+    """Lower case is decimal and may take a fraction; upper case is binary and may not."""
+    from pdserve.sizes import parse_size
+
+    assert [parse_size(t) for t in ("4096", "32k", "32K", "25.6k", "2.3k", "1.5m", " 4G ")] == [
+        4096, 32000, 32768, 25600, 2300, 1500000, 4 << 30,
+    ]  # fmt: skip
+    for bad, message in (("1.5K", "whole number; 1.5k is the decimal"),
+                         ("1.0005k", "not a whole number"), ("4 GB", "not an integer or a size"),
+                         ("1e3", "not an integer or a size"), (True, "an integer or a size")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            parse_size(bad)
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    cfg = _args("--max-model-len", "2k", "--max-num-batched-tokens", "8K",
+                "--kv-cache-memory-bytes", "96M", "--num-gpu-blocks-override", "300")  # fmt: skip
+    assert (cfg.max_model_len, cfg.max_num_batched_tokens) == (2000, 8192)
+    assert (cfg.kv_cache_memory_bytes, cfg.num_gpu_blocks_override) == (96 << 20, 300)
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    with pytest.raises(SystemExit):  # argparse's usage error, naming the flag
+        p.parse_args(["--kv-cache-memory-bytes", "1.5G"])
+
+
+def test_a_config_file_takes_sizes_and_refuses_wrong_types(tmp_path, monkeypatch):
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    path = tmp_path / "serve.yaml"
+    path.write_text("max-model-len: 32K\nkv_cache_memory_bytes: 1G\nlease_s: 30\nmodel: null\n")
+    cfg = _args("--config", str(path))
+    assert (cfg.max_model_len, cfg.kv_cache_memory_bytes, cfg.lease_s) == (32768, 1 << 30, 30)
+    for text, message in (
+        ('port: "8080"', "port must be an integer, got '8080'"),
+        ("max_num_seqs: 1.5", "max_num_seqs must be an integer"),
+        ("autoscale: 1", "autoscale must be true or false, got 1"),
+        ("lease_s: true", "lease_s must be a number, got True"),
+        ("kv_cache_memory_bytes: [1]", "must be an integer or a size like 32k or null"),
+        ("max_model_len: lots", "--max-model-len: 'lots' is not an integer or a size"),
+        ("api_key: 123", "api_key must be a string or null"),
+        ("autoscale_policy: [1]", "autoscale_policy must be a mapping or null"),
+        ("host: null", "host must be a string, got None"),
+    ):
+        path.write_text(text + "\n")
+        with pytest.raises(ValueError, match=re.escape(message)):
+            _args("--config", str(path))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kv_cache_memory_bytes=0), "--kv-cache-memory-bytes must be >= 1, got 0"),
+        (dict(max_model_len=-2), "--max-model-len must be >= 1, got -2"),
+        (dict(max_num_batched_tokens=0), "--max-num-batched-tokens must be >= 1"),
+        (dict(num_gpu_blocks_override=1), "block 0 is the reserved null block"),
+    ],
+)
+def test_bad_sizes_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServeConfig(**kwargs)
 
 
 def test_empty_served_names_are_refused():
