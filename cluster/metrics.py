@@ -43,6 +43,11 @@ _WORKER_SERIES = {
     "recompute_fallbacks": ("kv_recompute_fallbacks", "counter", "Failed pulls recomputed"),
     "transfer_failures": ("kv_transfer_failures", "counter", "Failed pulls failed (policy fail)"),
     "lease_expiries": ("kv_lease_expiries", "counter", "Leases that expired unclaimed"),
+    "lease_extensions": (
+        "kv_lease_extensions",
+        "counter",
+        "Leases a decode worker extended for requests queued on it",
+    ),
     "early_tickets": (
         "kv_early_tickets",
         "counter",

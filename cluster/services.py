@@ -217,6 +217,7 @@ class DecodeService(_Service):
                 transfer_seconds=ls.seconds,
                 recompute_fallbacks=ls.recomputes,
                 transfer_failures=ls.fails,
+                lease_extensions=w.lease_keeper.extended,
                 pulls_by_transport=dict(ls.pulls),
                 first_tokens_by_source=dict(w.engine.first_tokens_by_source),
             )

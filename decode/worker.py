@@ -13,6 +13,7 @@ It knows nothing about routing or HTTP.
 from __future__ import annotations
 
 from pdserve.decode.kv_loader import TransferLoader, logprobs_from_rows
+from pdserve.decode.lease_keeper import EVERY_S, LeaseKeeper
 from pdserve.kvtransfer.layout import GroupStorage, paged_cache_storage
 from pdserve.kvtransfer.protocol import Ticket
 from pdserve.kvtransfer.tier import HostKVTier
@@ -34,11 +35,15 @@ class DecodeWorker:
         timeout_s: float = 30.0,
         tier: HostKVTier | None = None,
         engine: Engine | None = None,
+        keep_leases_s: float | None = EVERY_S,
     ) -> None:
         """`transports` maps an endpoint scheme ("tcp", "local", ...) to a transport built
-        for this worker's layout (`self.layout`, known once the engine exists)."""
+        for this worker's layout (`self.layout`, known once the engine exists).
+        `keep_leases_s`: how often the leases of queued requests' tickets are extended
+        (decode/lease_keeper.py); None leaves them to expire."""
         self.worker_id = worker_id
         self.loader = TransferLoader(transports, "", policy, timeout_s, tier)
+        self.lease_keeper = LeaseKeeper(transports, keep_leases_s)
         self.engine = engine or Engine.from_args(kv_loader=self.loader, **engine_kwargs)
         # A runner without a paged cache (the reference runner) can still decode what it
         # prefills itself (colocated mode); it only cannot import KV.
@@ -116,7 +121,14 @@ class DecodeWorker:
         return self.engine.has_unfinished()
 
     def step(self) -> list[RequestDelta]:
+        if self.lease_keeper.due():
+            scheduler = self.engine.scheduler
+            self.lease_keeper.start(
+                [r.kv_ticket for r in scheduler.waiting]
+                + [r.kv_ticket for r in scheduler.loading.values()]
+            )
         return self.engine.step()
 
     def close(self) -> None:
+        self.lease_keeper.close()
         self.loader.close()

@@ -282,6 +282,50 @@ def test_lease_expiry_frees_prefill_blocks(tiny_qwen3_dir):
     assert got["0"] == _colocated(tiny_qwen3_dir, prompts[:1])["0"]
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_request_queued_on_decode_keeps_its_lease(tiny_qwen3_dir, keep):
+    """Guards a wasted prefill: a request that waits on the decode worker (its one slot
+    busy) for twice the prefill side's lease must still find its KV there, because the
+    decode worker extends the lease while it waits; without the keeper the lease expires
+    and the decode worker computes the prompt again (the case the keeper is for)."""
+    registry = LocalRegistry()
+    prefill = PrefillWorker(
+        Engine.from_args(**_kw(tiny_qwen3_dir)), "P0", lease_s=1.0, registry=registry
+    )
+    transport = LocalTransport(registry, prefill.source.layout_hash)
+    decode = DecodeWorker(
+        _kw(tiny_qwen3_dir, max_num_seqs=1), "D0", {"local": transport},
+        keep_leases_s=0.2 if keep else None,
+    )  # fmt: skip
+    try:
+        prompts = _prompts(2, 990, seed=8, lo=40, hi=40)
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            prefill.submit(str(i), p, params)
+        for r in wait_for_tickets(prefill, 2, 60):
+            decode.submit(r.request_id, prompts[int(r.request_id)], params, r.ticket)
+
+        def step():
+            time.sleep(0.05)  # the first request's 40 steps: ~2 s, twice the lease
+            prefill.step()  # where leases expire
+            return decode.step()
+
+        got = _run(step, decode.has_work)
+        assert got == _colocated(tiny_qwen3_dir, prompts, params)
+        stats = decode.loader.stats
+        if keep:
+            assert prefill.leases.counts["expired"] == 0
+            assert (stats.loads, stats.recomputes) == (2, 0), stats
+            assert decode.lease_keeper.extended >= 3
+        else:
+            assert prefill.leases.counts["expired"] == 1
+            assert (stats.loads, stats.recomputes) == (1, 1), stats
+        assert prefill.engine.num_held == 0
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def test_abort_while_loading_frees_blocks_after_the_load(tiny_qwen3_dir):
     """Guards a use-after-free: a request aborted while its KV is being written must keep
     its blocks until the loader stops, then free all of them."""

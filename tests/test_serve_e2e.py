@@ -492,6 +492,8 @@ def test_the_log_says_where_each_request_ran_and_what_the_pools_did(pd_busy):
     workers = _metric(text, "pdserve:worker_generation_tokens_total")
     assert workers == _metric(text, "pdserve:generation_tokens_total") > 0
     assert _metric(text, "pdserve:worker_prompt_tokens_computed_total", role="prefill") > 0
+    # The decode worker's lease keeper is exported (how many it extended depends on timing).
+    assert 'pdserve:kv_lease_extensions_total{role="decode",worker="decode-0"}' in text
     # One series per worker; on the CPU nothing is compiled (Triton runs on a GPU only).
     compiles = [x for x in text.splitlines() if x.startswith("pdserve:worker_kernel_compiles")]
     assert len(compiles) == 2 and all(x.endswith(" 0.0") for x in compiles), compiles
