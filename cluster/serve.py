@@ -72,15 +72,20 @@ def check_kv_bytes_in_ram(num_workers: int, kv_bytes: int) -> None:
         )
 
 
-def default_batched_tokens(ecfg) -> int:
+def default_batched_tokens(cfg: ServeConfig, ecfg) -> int:
     """vLLM's server default: 8,192 tokens per step on GPUs of >= 70 GiB (an H200 measured
-    well with it: benchmarks/pd_vs_colocated.py), 2,048 elsewhere and on the CPU."""
+    well with it: benchmarks/pd_vs_colocated.py), 2,048 elsewhere and on the CPU; without
+    chunked prefill at least max_model_len, so that every prompt fits a step."""
     import torch
 
     if not ecfg.runner.device.startswith("cuda"):
-        return 2048
-    big = torch.cuda.get_device_properties(0).total_memory >= 70 * 2**30
-    return 8192 if big else 2048
+        budget = 2048
+    else:
+        big = torch.cuda.get_device_properties(0).total_memory >= 70 * 2**30
+        budget = 8192 if big else 2048
+    if not cfg.enable_chunked_prefill:
+        budget = max(budget, ecfg.model.max_model_len)
+    return budget
 
 
 def _free_port(host: str) -> int:
@@ -141,6 +146,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.cluster.stats_log import stats_log_loop
     from pdserve.cluster.tier_actor import TierService
     from pdserve.cluster.token_stream import TokenSubscriber
+    from pdserve.runner.config import SchedulerConfig
     from pdserve.runner.config_resolve import resolve_engine_config
     from pdserve.runner.generation_defaults import sampling_defaults
     from pdserve.runner.tokenizer import load_tokenizer
@@ -171,9 +177,19 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         max_num_seqs=cfg.max_num_seqs, runner=cfg.runner, decode_attention=cfg.decode_attention,
         cuda_graph_scope=cfg.cuda_graph_scope, enforce_eager=cfg.enforce_eager,
         enable_prefix_caching=cfg.enable_prefix_caching,
-        max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(ecfg),
+        max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(cfg, ecfg),
         scheduling_policy=cfg.scheduling_policy, num_gpu_blocks=cfg.num_gpu_blocks_override,
+        enable_chunked_prefill=cfg.enable_chunked_prefill, async_scheduling=cfg.async_scheduling,
     )  # fmt: skip
+    # The step budget's rules (e.g. no chunking needs a budget of max_model_len), refused
+    # here rather than in every worker's start.
+    SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=engine_kwargs["max_num_batched_tokens"],
+        max_model_len=ecfg.model.max_model_len,
+        enable_chunked_prefill=cfg.enable_chunked_prefill,
+        policy=cfg.scheduling_policy,
+    )
     local_gpu = torch.cuda.is_available() and cfg.device != "cpu" and cfg.ray_address is None
     transport = kv_transport(cfg, local_gpu)
     if transport == "cuda_ipc" and not (local_gpu or cfg.ray_address):

@@ -38,7 +38,8 @@ class ServeConfig:
     # router's queue and in every worker's scheduler.
     scheduling_policy: str = "fcfs"
     # Tokens per engine step (prefill chunks + decodes); None: vLLM's server default, 8,192
-    # on GPUs of >= 70 GiB, else 2,048 (serve.default_batched_tokens).
+    # on GPUs of >= 70 GiB, else 2,048, and without chunked prefill at least max_model_len
+    # (serve.default_batched_tokens).
     max_num_batched_tokens: int | None = None
     runner: str = "auto"
     # The Triton decode attention kernel: auto | per_head | packed | flat (runner/config.py)
@@ -99,6 +100,11 @@ class ServeConfig:
     # the seed of the seeds the router picks for requests that give none (None: random);
     seed: int | None = None
     enable_prefix_caching: bool = True
+    # Prompts longer than a step's token budget run in chunks (off: the budget must hold
+    # max_model_len, as in vLLM); the CPU plans step N+1 while the GPU runs step N (None:
+    # on a GPU, off on the CPU).
+    enable_chunked_prefill: bool = True
+    async_scheduling: bool | None = None
     enforce_eager: bool = False  # no CUDA graphs
     # where requests' default sampling parameters come from: auto (the model's
     # generation_config.json), vllm (none) or a folder; the override's keys win
@@ -281,6 +287,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the sampling seeds for requests that give none "
                    "(default: random)")  # fmt: skip
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=None, help="prefill long prompts in chunks of the step budget; "
+                   "off needs --max-num-batched-tokens >= --max-model-len (default on)")  # fmt: skip
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan step N+1 while the GPU runs step N (default: on a GPU)")  # fmt: skip
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="reuse cached KV blocks of shared prompt prefixes "
                    "(default on)")  # fmt: skip

@@ -33,6 +33,7 @@ def startup_report(engine: Engine, seconds: dict[str, float]) -> dict[str, Any]:
         "weights_bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
         "kv_tokens": (runner.num_blocks - 1) * block_size,  # block 0 is the null block
         "max_model_len": engine.config.model.max_model_len,
+        "engine": engine_settings(engine),
     }
     kv_cache = getattr(runner, "kv_cache", None)  # the reference runner keeps no paged tensor
     if kv_cache is not None:
@@ -43,6 +44,24 @@ def startup_report(engine: Engine, seconds: dict[str, float]) -> dict[str, Any]:
         report["graph_capture_s"] = round(graphs.capture_seconds, 2)
         report["graph_bytes"] = graphs.memory_bytes
     return report
+
+
+def engine_settings(engine: Engine) -> dict[str, Any]:
+    """The settings a worker's engine runs with, as vLLM names them: what the flags and
+    the defaults came to on this worker (e.g. async scheduling is on only on a GPU)."""
+    c = engine.config
+    return {
+        "runner": c.runner.runner,
+        "device": c.runner.device,
+        "dtype": str(c.model.dtype).removeprefix("torch."),
+        "block_size": c.cache.block_size,
+        "max_num_seqs": c.scheduler.max_num_seqs,
+        "max_num_batched_tokens": c.scheduler.max_num_batched_tokens,
+        "enable_chunked_prefill": c.scheduler.enable_chunked_prefill,
+        "enable_prefix_caching": c.cache.enable_prefix_caching,
+        "async_scheduling": c.runner.async_scheduling,
+        "scheduling_policy": c.scheduler.policy,
+    }
 
 
 def format_startup(worker_id: str, report: dict[str, Any]) -> str:

@@ -58,6 +58,10 @@ def test_cli_errors_are_clear_and_nonzero():
     )
     res = _run("serve", "--port", port, "--mode", "pd", "--runner", "reference")
     assert res.returncode == 2 and "--mode pd moves paged KV blocks" in res.stderr
+    res = _run("serve", "--port", port, "--no-enable-chunked-prefill", "--max-num-batched-tokens",
+               "1k", "--max-model-len", "2k")  # fmt: skip
+    assert res.returncode == 2 and "max_num_batched_tokens must be >= max_model_len" in res.stderr
+    assert "Ray" not in res.stderr  # refused before Ray starts
     res = _run("--help")
     assert res.returncode == 0 and "generate" in res.stdout
 

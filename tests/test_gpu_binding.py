@@ -111,10 +111,19 @@ def test_auto_kv_transport(kwargs, local_gpu, expected):
 
 def test_serve_batched_tokens_default_follows_vllm_on_cpu():
     """On the CPU the serve default stays at 2,048 tokens per step (vLLM's for small
-    devices); the GPU branch (8,192 on >= 70 GiB) runs in the two-GPU benchmarks."""
+    devices), and without chunked prefill it grows to max_model_len (vLLM's rule: every
+    prompt must fit a step); the GPU branch (8,192 on >= 70 GiB) runs in the two-GPU
+    benchmarks."""
     from types import SimpleNamespace
 
     from pdserve.cluster.serve import default_batched_tokens
 
+    ecfg = SimpleNamespace(
+        runner=SimpleNamespace(device="cpu"), model=SimpleNamespace(max_model_len=4096)
+    )
     assert ServeConfig().max_num_batched_tokens is None
-    assert default_batched_tokens(SimpleNamespace(runner=SimpleNamespace(device="cpu"))) == 2048
+    assert default_batched_tokens(ServeConfig(), ecfg) == 2048
+    unchunked = ServeConfig(enable_chunked_prefill=False)
+    assert default_batched_tokens(unchunked, ecfg) == 4096
+    ecfg.model.max_model_len = 1024
+    assert default_batched_tokens(unchunked, ecfg) == 2048

@@ -2,7 +2,8 @@
 SmolLM2, colocated), driven with the official `openai` client: the model given as a
 positional argument, two served names, a generation config whose defaults (greedy, a
 48-token cap) requests that leave the fields out take, chat without max_tokens, text
-content parts, prefix caching turned off and the KV cache sized in bytes."""
+content parts, prefix caching and chunked prefill turned off, async scheduling on and the
+KV cache sized in bytes."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def server(tmp_path_factory, smollm_dir):
         str(MAX_MODEL_LEN),
         "--generation-config", str(gen), "--seed", "3", "--no-enable-prefix-caching",
         "--enforce-eager", "-tp", "1", "--kv-cache-dtype", "auto", "--kv-cache-memory-bytes",
-        KV_SIZE,
+        KV_SIZE, "--no-enable-chunked-prefill", "--async-scheduling",
     )  # fmt: skip
     yield srv
     srv.stop()
@@ -233,3 +234,15 @@ def test_the_kv_cache_has_the_size_given(server, smollm_dir):
     assert worker["num_blocks"] == (128 << 20) // per_block
     assert worker["startup"]["kv_bytes"] == worker["num_blocks"] * per_block
     assert f"KV cache {(worker['num_blocks'] - 1) * 16:,} tokens" in server.log.read_text()
+
+
+def test_the_workers_report_the_engine_settings_the_flags_gave(server):
+    """--no-enable-chunked-prefill, --async-scheduling (off by default on the CPU) and
+    --no-enable-prefix-caching reach the worker's engine, and /ops/pools says so."""
+    pools = httpx.get(server.url + "/ops/pools", timeout=30).json()["pools"]
+    (worker,) = pools["decode"]["workers"]
+    assert worker["startup"]["engine"] == {
+        "runner": "mrv2", "device": "cpu", "dtype": "float32", "block_size": 16,
+        "max_num_seqs": 64, "max_num_batched_tokens": 2048, "enable_chunked_prefill": False,
+        "enable_prefix_caching": False, "async_scheduling": True, "scheduling_policy": "fcfs",
+    }  # fmt: skip

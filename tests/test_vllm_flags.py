@@ -46,7 +46,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
         "1", "--kv-cache-dtype", "auto", "--generation-config", "vllm",
         "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 99}',
         "--max-model-len", "2048", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "32",
-        "--scheduling-policy", "priority",
+        "--scheduling-policy", "priority", "--no-enable-chunked-prefill", "--no-async-scheduling",
     )  # fmt: skip
     assert cfg.model == "Qwen/Qwen3-0.6B"
     assert served_names(cfg) == ("qwen", "qwen3")
@@ -55,11 +55,13 @@ def test_a_vllm_command_line_parses(monkeypatch):
     assert cfg.override_generation_config == {"temperature": 0.5, "max_new_tokens": 99}
     assert (cfg.max_model_len, cfg.gpu_memory_utilization, cfg.max_num_seqs) == (2048, 0.8, 32)
     assert cfg.scheduling_policy == "priority"
+    assert (cfg.enable_chunked_prefill, cfg.async_scheduling) == (False, False)
 
 
 def test_defaults_and_names_as_vllm_picks_them():
     cfg = _args()
     assert (cfg.enable_prefix_caching, cfg.enforce_eager, cfg.seed) == (True, False, None)
+    assert (cfg.enable_chunked_prefill, cfg.async_scheduling) == (True, None)  # None: GPU only
     assert cfg.scheduling_policy == "fcfs"
     # serve_args keeps its own copy of the engine's policy names (it imports no torch).
     from pdserve.cluster import serve_args
