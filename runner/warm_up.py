@@ -20,9 +20,14 @@ from pdserve.runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Two steps of two prompts each: one batch whose token count is a multiple of 16 and one
-# whose count is not (Triton specializes integer arguments on divisibility by 16).
-_BATCHES = ((48, 32), (37, 21))
+# Batches of prompts, each run to its one decode step. Triton compiles a kernel per
+# specialization: integer arguments equal to 1 or divisible by 16 or neither, and the
+# skinny linears' row pad (16, 32 or 64 rows; more rows go to cuBLAS). With CUDA graphs
+# the capture compiles every decode size, but eager (--enforce-eager, and every prefill)
+# meets them in its requests, so the batches' token counts and decode rows cover them all:
+# 80 (cuBLAS) and 58 (pad 64) tokens then 2 rows; 64, 32 and 16 tokens (divisible, pads
+# 64 / 32 / 16) then 1 row; 23 tokens (pad 32).
+_BATCHES = ((48, 32), (37, 21), (64,), (32,), (23,), (16,))
 _MAX_STEPS = 64
 
 
