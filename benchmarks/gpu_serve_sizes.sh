@@ -5,8 +5,11 @@
 #     each worker's blocks and engine settings from /ops/pools, and a greedy completion;
 #   - `--kv-cache-memory-bytes 100G`: two workers cannot both hold it beside their weights
 #     on one H200, so serve must refuse it at start, naming the sizes;
-#   - `--no-enable-chunked-prefill --no-async-scheduling --enforce-eager`: the settings the
-#     workers report, and a completion.
+#   - `--no-enable-chunked-prefill --no-async-scheduling --enforce-eager` with an empty
+#     Triton cache: the settings the workers report, a completion, then 48 concurrent
+#     requests of 1-100 prompt tokens and six of 300-340 (decode batches of every size up
+#     to 48 rows, long contexts split), and
+#     the kernels the workers compiled while serving (the warm-up should leave none).
 source benchmarks/gpu_serve_setup.sh
 
 serve_check() {  # $1 name, $2 port, then serve flags
@@ -32,6 +35,23 @@ PY
       -d '{"prompt": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], "temperature": 0, "max_tokens": 16, "ignore_eos": true}' \
       | tee "$OUT/greedy_$name.json"
     echo
+    python3 - "$port" <<'PY'
+import json, sys, urllib.request
+from concurrent.futures import ThreadPoolExecutor
+url = f"http://127.0.0.1:{sys.argv[1]}/v1/completions"
+def ask(i):
+    n = 300 + i if i % 8 == 0 else 1 + (i * 37) % 100  # a few past 256 keys: split decodes
+    body = {"prompt": [(31 * i + j) % 1000 + 3 for j in range(n)],
+            "temperature": 0, "max_tokens": 8 + i % 24, "ignore_eos": True}
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)["usage"]["completion_tokens"]
+with ThreadPoolExecutor(48) as pool:
+    got = list(pool.map(ask, range(48)))
+print("48 concurrent requests:", sum(got), "tokens; all full:", got == [8 + i % 24 for i in range(48)])
+PY
+    curl -s "localhost:$port/metrics" | grep -E "^pdserve:worker_kernel_compiles"
+    grep "while serving" "$OUT/serve_$name.log" | head -5
   fi
   kill -INT $pid 2> /dev/null; wait $pid; echo "serve exit $?"; tail -2 "$OUT/serve_$name.log"
 }
@@ -41,4 +61,5 @@ echo "== too big: pdserve serve /tmp/pdserve-model --kv-cache-memory-bytes 100G"
 timeout 300 python3 -m pdserve.cli serve /tmp/pdserve-model --port 8311 \
   --kv-cache-memory-bytes 100G > "$OUT/serve_too_big.log" 2>&1
 echo "exit $?"; tail -3 "$OUT/serve_too_big.log"
-serve_check unchunked 8312 --no-enable-chunked-prefill --no-async-scheduling --enforce-eager
+TRITON_CACHE_DIR=$(mktemp -d) serve_check unchunked 8312 --no-enable-chunked-prefill \
+  --no-async-scheduling --enforce-eager

@@ -91,6 +91,7 @@ _DECODE_16BIT = TileConfig(block_m=0, block_n=64, num_warps=4, num_stages=3)
 _DECODE_16BIT_FEW = TileConfig(block_m=0, block_n=64, num_warps=2, num_stages=5)
 _DECODE_WIDE = TileConfig(block_m=0, block_n=32, num_warps=4, num_stages=2)  # fp32, D 256
 _FEW_PROGRAMS = 256
+FEW_DECODE_PAIRS = _FEW_PROGRAMS  # unsplit grids of up to this many pairs take the 5-stage tile
 
 # Split-K only for batches of fewer (row, kv head) pairs than _TARGET_DECODE_PROGRAMS: 8 rows
 # of 1,024 / 4,096 tokens ran best at 4 / 8 slices (256 / 512 programs): 15.2 / 39.8 us a

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
+from pdserve.kernels.paged_attention_triton import FEW_DECODE_PAIRS, MIN_SPLIT_KEYS
 from pdserve.runner.engine import Engine
 from pdserve.runner.sampling_params import SamplingParams
 
@@ -31,6 +32,23 @@ _BATCHES = ((48, 32), (37, 21), (64,), (32,), (23,), (16,))
 _MAX_STEPS = 64
 
 
+def decode_variant_batches(engine: Engine) -> list[tuple[int, ...]]:
+    """Batches whose decode step meets the decode attention's other compiled variants
+    (kernels/paged_attention_triton.py), which short prompts of a row or two never reach:
+    one row whose context passes MIN_SPLIT_KEYS (a split grid), and more rows than fit
+    FEW_DECODE_PAIRS (row, kv head) pairs (the wide tile), each where the engine's limits
+    allow it. Graph capture compiles both; eager steps met them in requests."""
+    out: list[tuple[int, ...]] = []
+    if engine.config.model.max_model_len - 2 > MIN_SPLIT_KEYS + 16:
+        out.append((MIN_SPLIT_KEYS + 16,))
+    hf = engine.config.model.hf_config
+    kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    rows = FEW_DECODE_PAIRS // kv_heads + 1
+    if rows <= engine.config.scheduler.max_num_seqs:
+        out.append((3,) * rows)
+    return out
+
+
 def warm_up(engine: Engine) -> float:
     """Run the warm-up prompts to completion and reset what they touched. Returns its
     seconds. Call it before the engine serves (nothing else may be queued)."""
@@ -39,7 +57,7 @@ def warm_up(engine: Engine) -> float:
     vocab = engine.config.model.vocab_size
     limit = engine.config.model.max_model_len - 2
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, seed=0)
-    for b, lengths in enumerate(_BATCHES):
+    for b, lengths in enumerate(_BATCHES + tuple(decode_variant_batches(engine))):
         for i, n in enumerate(lengths):
             prompt = [(7 * b + 3 * i + j) % vocab for j in range(min(n, limit))]
             engine.add_request(f"warm-up-{b}-{i}", prompt, params)

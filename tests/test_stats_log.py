@@ -160,3 +160,22 @@ def test_warm_up_leaves_no_trace(tiny_qwen3_dir):
     assert sample(warm) == sample(fresh)
     assert warm.kv.prefix_cache_hits == 0  # the first warm-up prompt starts 0, 1, 2, ...: gone
     assert warm.stats.generation_tokens == 6
+
+
+def test_the_warm_up_reaches_every_decode_attention_variant(tiny_qwen3_dir):
+    """An eager worker must not compile the decode attention's split or wide-tile variant
+    in a request (seen on the H200: 402 ms): where the engine's limits allow those shapes,
+    the warm-up runs a split context (past MIN_SPLIT_KEYS) and more rows than fit
+    FEW_DECODE_PAIRS pairs (this model has one kv head), and still leaves nothing behind;
+    where they do not (a short model length, few slots) it runs neither."""
+    from pdserve.kernels.paged_attention_triton import FEW_DECODE_PAIRS, MIN_SPLIT_KEYS
+    from pdserve.runner.warm_up import decode_variant_batches, warm_up
+
+    def engine(**kw) -> Engine:
+        return Engine.from_args(model=tiny_qwen3_dir, device=DEVICE, dtype="float32", **kw)
+
+    big = engine(max_model_len=512, max_num_seqs=FEW_DECODE_PAIRS + 8)
+    assert decode_variant_batches(big) == [(MIN_SPLIT_KEYS + 16,), (3,) * (FEW_DECODE_PAIRS + 1)]
+    assert warm_up(big) > 0
+    assert not big.scheduler.requests and big.kv.num_free_blocks == big.kv.num_blocks - 1
+    assert decode_variant_batches(engine(max_model_len=128, max_num_seqs=64)) == []
