@@ -48,6 +48,7 @@ class LeaseKeeper:
         self._round: Future | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-lease-keeper")
         self._lock = threading.Lock()
+        self._stop = threading.Event()
         self.extended = 0  # leases extended, over all rounds
         self.errors: Counter = Counter()  # by TransferError code
 
@@ -69,13 +70,18 @@ class LeaseKeeper:
             self._round = self._pool.submit(self._extend_all, wanted, 3 * self.every_s)
 
     def _extend_all(self, tickets: list[Ticket], extend_s: float) -> None:
+        silent: set[str] = set()  # endpoints that did not answer: the rest of theirs wait
         for ticket in tickets:
+            if self._stop.is_set():
+                return
             transport = self.transports.get(scheme_of(ticket.endpoint))
-            if transport is None:
+            if transport is None or ticket.endpoint in silent:
                 continue
             try:
                 transport.heartbeat(ticket, extend_s, HEARTBEAT_TIMEOUT_S)
             except TransferError as e:  # gone already: its load will say so
+                if e.code == "timeout":  # a dead or stuck prefill worker
+                    silent.add(ticket.endpoint)
                 with self._lock:
                     self.errors[e.code] += 1
                 logger.debug("lease of %s not extended: %s", ticket.request_id, e)
@@ -89,4 +95,6 @@ class LeaseKeeper:
                 self.extended += 1
 
     def close(self) -> None:
+        """Stop after the heartbeat in flight (at most HEARTBEAT_TIMEOUT_S)."""
+        self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -6,12 +6,15 @@ Real engines, real weights (the bundled SmolLM2 and a random tiny Qwen3), real t
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
 import pytest
 from conftest import DEVICE
 
+from pdserve.cluster.serve_process import free_port
+from pdserve.decode.lease_keeper import HEARTBEAT_TIMEOUT_S, LeaseKeeper
 from pdserve.decode.worker import DecodeWorker
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.tier import HostKVTier
@@ -323,6 +326,43 @@ def test_a_request_queued_on_decode_keeps_its_lease(tiny_qwen3_dir, keep):
         assert prefill.engine.num_held == 0
     finally:
         decode.close()
+        prefill.close()
+
+
+def test_the_lease_keeper_waits_for_a_silent_prefill_worker_once(tiny_qwen3_dir):
+    """Guards against one dead prefill worker starving the others' leases: a round with
+    five tickets of a tcp endpoint nobody answers and one live local ticket waits out one
+    heartbeat timeout, not five, and still extends the live lease; close returns at once."""
+    registry = LocalRegistry()
+    prefill = PrefillWorker(
+        Engine.from_args(**_kw(tiny_qwen3_dir)), "P0", lease_s=30.0, registry=registry
+    )
+    keeper = LeaseKeeper(
+        {"local": LocalTransport(registry, prefill.source.layout_hash),
+         "tcp": TcpTransport("D0", prefill.source.layout)},
+        every_s=20.0,
+    )  # fmt: skip
+    try:
+        prefill.submit("live", _prompts(1, 990, seed=9)[0], GREEDY)
+        (result,) = wait_for_tickets(prefill, 1, 60)
+        dead = f"tcp://127.0.0.1:{free_port()}"
+        ghosts = [
+            dataclasses.replace(result.ticket, request_id=f"ghost-{i}", endpoint=dead)
+            for i in range(5)
+        ]
+        expiry = prefill.leases.extend("live", 0.0)
+        start = time.monotonic()
+        assert keeper.due()
+        keeper.start([*ghosts, None, "tier-only", result.ticket])  # not tickets: skipped
+        assert not keeper.due()  # the next round is every_s away
+        keeper._round.result(timeout=30)
+        assert time.monotonic() - start < 2 * HEARTBEAT_TIMEOUT_S
+        assert (keeper.extended, dict(keeper.errors)) == (1, {"timeout": 1})
+        assert prefill.leases.extend("live", 0.0) >= expiry + 25  # now + 3 x every_s
+    finally:
+        start = time.monotonic()
+        keeper.close()
+        assert time.monotonic() - start < 1.0
         prefill.close()
 
 
