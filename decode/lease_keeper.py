@@ -7,9 +7,11 @@ wait used to end in a lease expiry: the pull failed, and the decode worker compu
 whole prompt again (policy recompute) on the GPU the split was meant to keep free of
 prefills, after the prefill worker had already done it.
 
-So every `every_s` the worker's step hands the keeper the tickets of its queued and
-loading requests, and the keeper extends each lease to `3 × every_s` from now (a
-heartbeat over the ticket's transport) on its own thread. The prefill worker then keeps
+So every `every_s` the worker's step hands the keeper the tickets of its queued requests,
+and the keeper extends each lease with less than `2 × every_s` left to `3 × every_s` from
+now (a heartbeat over the ticket's transport) on its own thread. Fresh tickets are left
+alone: a request that waits only briefly costs no message, and a heartbeat racing its
+release is rare (the prefill side answers it with an error that is not logged as one). The prefill worker then keeps
 those blocks while the decode worker is alive and still wants them (backpressure: its
 cache fills with prompts waiting for decode, and further prefills wait); a decode worker
 that dies stops the heartbeats, and its leases expire within three intervals. A ticket
@@ -49,6 +51,9 @@ class LeaseKeeper:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-lease-keeper")
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # request id -> the lease's expiry as last known (the ticket's, then the prefill
+        # side's replies); written by a round, read between rounds, never during one.
+        self._expiry: dict[str, float] = {}
         self.extended = 0  # leases extended, over all rounds
         self.errors: Counter = Counter()  # by TransferError code
 
@@ -60,12 +65,17 @@ class LeaseKeeper:
         return self._round is None or self._round.done()
 
     def start(self, tickets: Sequence[object]) -> None:
-        """Start a round for the tickets still wanted (on the keeper's thread: it never
-        blocks the caller); the next is due `every_s` from now."""
+        """Start a round for the tickets still wanted whose leases end soon (on the
+        keeper's thread: it never blocks the caller); the next is due `every_s` from now."""
         if self.every_s is None:
             return
         self._next = time.monotonic() + self.every_s
-        wanted = [t for t in tickets if isinstance(t, Ticket)]
+        current = [t for t in tickets if isinstance(t, Ticket)]
+        self._expiry = {
+            t.request_id: self._expiry.get(t.request_id, t.lease_expiry) for t in current
+        }
+        soon = time.time() + 2 * self.every_s  # unix time, as the prefill side's expiries
+        wanted = [t for t in current if self._expiry[t.request_id] < soon]
         if wanted:
             self._round = self._pool.submit(self._extend_all, wanted, 3 * self.every_s)
 
@@ -78,7 +88,9 @@ class LeaseKeeper:
             if transport is None or ticket.endpoint in silent:
                 continue
             try:
-                transport.heartbeat(ticket, extend_s, HEARTBEAT_TIMEOUT_S)
+                self._expiry[ticket.request_id] = transport.heartbeat(
+                    ticket, extend_s, HEARTBEAT_TIMEOUT_S
+                )
             except TransferError as e:  # gone already: its load will say so
                 if e.code == "timeout":  # a dead or stuck prefill worker
                     silent.add(ticket.endpoint)

@@ -121,12 +121,8 @@ class DecodeWorker:
         return self.engine.has_unfinished()
 
     def step(self) -> list[RequestDelta]:
-        if self.lease_keeper.due():
-            scheduler = self.engine.scheduler
-            self.lease_keeper.start(
-                [r.kv_ticket for r in scheduler.waiting]
-                + [r.kv_ticket for r in scheduler.loading.values()]
-            )
+        if self.lease_keeper.due():  # queued requests' tickets (a load pins its own lease)
+            self.lease_keeper.start([r.kv_ticket for r in self.engine.scheduler.waiting])
         return self.engine.step()
 
     def close(self) -> None:

@@ -185,8 +185,10 @@ class KVSourceServer:
         if isinstance(msg, Heartbeat):
             try:
                 expiry = src.leases.extend(rid, msg.extend_s)
-            except LeaseError as e:
-                return self._error(identity, rid, e.code, str(e))
+            except LeaseError as e:  # a keeper's round met a release or an expiry: counted,
+                self.counts["errors"] += 1  # answered, but no warning in the log
+                logger.debug("kv source %s: heartbeat: %s", src.worker_id, e)
+                return self._send(identity, Error(rid, e.code, str(e)))
             return self._send(identity, LeaseInfo(rid, expiry))
         self._error(identity, rid, "unexpected", f"a {msg.TYPE} message is not a request")
 

@@ -359,6 +359,11 @@ def test_the_lease_keeper_waits_for_a_silent_prefill_worker_once(tiny_qwen3_dir)
         assert time.monotonic() - start < 2 * HEARTBEAT_TIMEOUT_S
         assert (keeper.extended, dict(keeper.errors)) == (1, {"timeout": 1})
         assert prefill.leases.extend("live", 0.0) >= expiry + 25  # now + 3 x every_s
+        # A lease with more than 2 x every_s left is not worth a message yet.
+        patient = LeaseKeeper({"local": LocalTransport(registry, prefill.source.layout_hash)}, 1.0)
+        patient.start([result.ticket])
+        assert patient._round is None and patient.extended == 0
+        patient.close()
     finally:
         start = time.monotonic()
         keeper.close()
