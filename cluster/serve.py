@@ -190,6 +190,12 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         enable_chunked_prefill=cfg.enable_chunked_prefill,
         policy=cfg.scheduling_policy,
     )
+    if engine_kwargs["max_num_batched_tokens"] < cfg.max_num_seqs:  # vLLM's rule
+        raise ValueError(
+            f"--max-num-batched-tokens ({engine_kwargs['max_num_batched_tokens']}) must be >= "
+            f"--max-num-seqs ({cfg.max_num_seqs}): each running request decodes a token of "
+            "every step's budget"
+        )
     local_gpu = torch.cuda.is_available() and cfg.device != "cpu" and cfg.ray_address is None
     transport = kv_transport(cfg, local_gpu)
     if transport == "cuda_ipc" and not (local_gpu or cfg.ray_address):

@@ -62,6 +62,8 @@ def test_cli_errors_are_clear_and_nonzero():
                "1k", "--max-model-len", "2k")  # fmt: skip
     assert res.returncode == 2 and "max_num_batched_tokens must be >= max_model_len" in res.stderr
     assert "Ray" not in res.stderr  # refused before Ray starts
+    res = _run("serve", "--port", port, "--max-num-batched-tokens", "32")  # 64 slots
+    assert res.returncode == 2 and "(32) must be >= --max-num-seqs (64)" in res.stderr
     res = _run("--help")
     assert res.returncode == 0 and "generate" in res.stdout
 
