@@ -9,13 +9,15 @@ prefills, after the prefill worker had already done it.
 
 So every `every_s` the worker's step hands the keeper the tickets of its queued requests,
 and the keeper extends each lease with less than `2 × every_s` left to `3 × every_s` from
-now (a heartbeat over the ticket's transport) on its own thread. Fresh tickets are left
-alone: a request that waits only briefly costs no message, and a heartbeat racing its
-release is rare (the prefill side answers it with an error that is not logged as one). The prefill worker then keeps
-those blocks while the decode worker is alive and still wants them (backpressure: its
-cache fills with prompts waiting for decode, and further prefills wait); a decode worker
-that dies stops the heartbeats, and its leases expire within three intervals. A ticket
-whose lease is already gone is left to its load, which fails and falls back as before.
+now (a heartbeat over the ticket's transport) on its own thread. The prefill worker then
+keeps those blocks while the decode worker is alive and still wants them (backpressure:
+its cache fills with prompts waiting for decode, and further prefills wait); a decode
+worker that dies stops the heartbeats, and its leases expire within three intervals.
+
+Fresh tickets are left alone: a request that waits only briefly costs no message, and a
+heartbeat racing its release is rare (the prefill side answers it with an error it does
+not log as a fault). A ticket whose lease is already gone is left to its load, which
+fails and falls back as before.
 
 It knows nothing about scheduling: the worker says which tickets are still wanted.
 """
@@ -67,8 +69,8 @@ class LeaseKeeper:
     def start(self, tickets: Sequence[object]) -> None:
         """Start a round for the tickets still wanted whose leases end soon (on the
         keeper's thread: it never blocks the caller); the next is due `every_s` from now."""
-        if self.every_s is None:
-            return
+        if self.every_s is None or (self._round is not None and not self._round.done()):
+            return  # off, or a round still runs (it owns `_expiry` until it ends)
         self._next = time.monotonic() + self.every_s
         current = [t for t in tickets if isinstance(t, Ticket)]
         self._expiry = {
