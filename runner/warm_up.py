@@ -37,14 +37,17 @@ def decode_variant_batches(engine: Engine) -> list[tuple[int, ...]]:
     (kernels/paged_attention_triton.py), which short prompts of a row or two never reach:
     one row whose context passes MIN_SPLIT_KEYS (a split grid), and more rows than fit
     FEW_DECODE_PAIRS (row, kv head) pairs (the wide tile), each where the engine's limits
-    allow it. Graph capture compiles both; eager steps met them in requests."""
+    (model length, slots, free blocks) allow it. Graph capture compiles both; eager steps met them in requests."""
     out: list[tuple[int, ...]] = []
-    if engine.config.model.max_model_len - 2 > MIN_SPLIT_KEYS + 16:
-        out.append((MIN_SPLIT_KEYS + 16,))
+    blocks = engine.kv.num_free_blocks  # each batch must run at once, in one wave
+    long = MIN_SPLIT_KEYS + 16
+    if engine.config.model.max_model_len - 2 > long and long + 2 <= blocks * engine.kv.block_size:
+        out.append((long,))
     hf = engine.config.model.hf_config
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     rows = FEW_DECODE_PAIRS // kv_heads + 1
-    if rows <= engine.config.scheduler.max_num_seqs:
+    per_row = -(-5 // engine.kv.block_size)  # 3 prompt tokens, 2 outputs
+    if rows <= engine.config.scheduler.max_num_seqs and rows * per_row <= blocks:
         out.append((3,) * rows)
     return out
 

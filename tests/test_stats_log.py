@@ -167,7 +167,7 @@ def test_the_warm_up_reaches_every_decode_attention_variant(tiny_qwen3_dir):
     in a request (seen on the H200: 402 ms): where the engine's limits allow those shapes,
     the warm-up runs a split context (past MIN_SPLIT_KEYS) and more rows than fit
     FEW_DECODE_PAIRS pairs (this model has one kv head), and still leaves nothing behind;
-    where they do not (a short model length, few slots) it runs neither."""
+    where they do not (a short model length, few slots or blocks) it skips them."""
     from pdserve.kernels.paged_attention_triton import FEW_DECODE_PAIRS, MIN_SPLIT_KEYS
     from pdserve.runner.warm_up import decode_variant_batches, warm_up
 
@@ -179,3 +179,7 @@ def test_the_warm_up_reaches_every_decode_attention_variant(tiny_qwen3_dir):
     assert warm_up(big) > 0
     assert not big.scheduler.requests and big.kv.num_free_blocks == big.kv.num_blocks - 1
     assert decode_variant_batches(engine(max_model_len=128, max_num_seqs=64)) == []
+    # Only what the cache holds at once: 40 blocks of 16 take the long prompt, not 257 rows.
+    few_blocks = engine(max_model_len=512, max_num_seqs=FEW_DECODE_PAIRS + 8, num_gpu_blocks=40)
+    assert decode_variant_batches(few_blocks) == [(MIN_SPLIT_KEYS + 16,)]
+    assert warm_up(few_blocks) > 0
