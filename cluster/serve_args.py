@@ -456,6 +456,8 @@ def check_file_value(path: str, key: str, value) -> None:
     types, described = _FILE_TYPES[base]
     if key in SIZE_KEYS:
         types, described = (int, str), "an integer or a size like 32k"
+    elif key == "override_generation_config":  # as the flag takes it, or as YAML
+        types, described = (dict, str), "a mapping or a JSON object"
     if isinstance(value, bool) and bool not in types:  # YAML's true is not the number 1
         ok = False
     else:

@@ -121,6 +121,10 @@ def test_a_config_file_takes_sizes_and_refuses_wrong_types(tmp_path, monkeypatch
     path.write_text("max-model-len: 32K\nkv_cache_memory_bytes: 1G\nlease_s: 30\nmodel: null\n")
     cfg = _args("--config", str(path))
     assert (cfg.max_model_len, cfg.kv_cache_memory_bytes, cfg.lease_s) == (32768, 1 << 30, 30)
+    for text in ('override_generation_config: \'{"temperature": 0.5}\'',  # the flag's JSON
+                 "override_generation_config: {temperature: 0.5}"):  # fmt: skip
+        path.write_text(text + "\n")
+        assert _args("--config", str(path)).override_generation_config == {"temperature": 0.5}
     for text, message in (
         ('port: "8080"', "port must be an integer, got '8080'"),
         ("max_num_seqs: 1.5", "max_num_seqs must be an integer"),
