@@ -15,12 +15,7 @@ IDS=$(python3 -c "print([[i for i in range(100 + 7 * p, 160 + 7 * p)] for p in r
 
 run_one() {  # $1 name, $2 port, then serve flags
   local name=$1 port=$2
-  shift 2
-  echo "== $name: pdserve serve /tmp/pdserve-model $*"
-  timeout 400 python3 -m pdserve.cli serve /tmp/pdserve-model --port "$port" "$@" \
-    > "$OUT/serve_$name.log" 2>&1 &
-  local pid=$!
-  if wait_up "$port" "$OUT/serve_$name.log" $pid; then
+  if serve_up "$@"; then
     grep "pdserve:" "$OUT/serve_$name.log"
     curl -s -m 120 "localhost:$port/v1/completions" -H 'content-type: application/json' \
       -d "{\"model\": \"/tmp/pdserve-model\", \"prompt\": $IDS, \"temperature\": 0, \"max_tokens\": 1, \"logprobs\": 1, \"echo\": true}" \
@@ -30,7 +25,7 @@ run_one() {  # $1 name, $2 port, then serve flags
       > "$OUT/greedy_$name.json"
     curl -s "localhost:$port/metrics" | grep -E "engine_steps_total|pd_decisions_total" | tee "$OUT/metrics_$name.txt"
   fi
-  kill -INT $pid; wait $pid; echo "serve exit $?"; tail -1 "$OUT/serve_$name.log"
+  serve_down "$name"
 }
 
 run_one graphs 8300

@@ -14,12 +14,7 @@ source benchmarks/gpu_serve_setup.sh
 
 serve_check() {  # $1 name, $2 port, then serve flags
   local name=$1 port=$2
-  shift 2
-  echo "== $name: pdserve serve /tmp/pdserve-model $*"
-  timeout 400 python3 -m pdserve.cli serve /tmp/pdserve-model --port "$port" "$@" \
-    > "$OUT/serve_$name.log" 2>&1 &
-  local pid=$!
-  if wait_up "$port" "$OUT/serve_$name.log" $pid; then
+  if serve_up "$@"; then
     grep "pdserve:" "$OUT/serve_$name.log"
     curl -s "localhost:$port/ops/pools" > "$OUT/pools_$name.json"
     python3 - "$OUT/pools_$name.json" <<'PY'
@@ -53,7 +48,7 @@ PY
     curl -s "localhost:$port/metrics" | grep -E "^pdserve:worker_kernel_compiles"
     grep "while serving" "$OUT/serve_$name.log" | head -5
   fi
-  kill -INT $pid 2> /dev/null; wait $pid; echo "serve exit $?"; tail -2 "$OUT/serve_$name.log"
+  serve_down "$name"
 }
 
 serve_check sized 8310 --kv-cache-memory-bytes 4G --max-model-len 8k

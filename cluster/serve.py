@@ -27,13 +27,18 @@ logger = logging.getLogger(__name__)
 ACTIVATION_RESERVE_BYTES = 2 << 30  # per worker: activations, graphs, sampler buffers
 
 
-def kv_bytes_per_worker(model_dir: Path, num_workers: int, utilization: float) -> int:
-    """Each worker's KV cache budget on one shared GPU: its share of `utilization` of the
-    GPU's memory, less the weights (their file size) and an activation reserve."""
+def _gpu_and_weight_bytes(model_dir: Path) -> tuple[int, int]:
+    """GPU 0's memory and one worker's weights (their files' size)."""
     import torch
 
     total = torch.cuda.get_device_properties(0).total_memory
-    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    return total, sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+
+
+def kv_bytes_per_worker(model_dir: Path, num_workers: int, utilization: float) -> int:
+    """Each worker's KV cache budget on one shared GPU: its share of `utilization` of the
+    GPU's memory, less the weights (their file size) and an activation reserve."""
+    total, weights = _gpu_and_weight_bytes(model_dir)
     budget = int(total * utilization / num_workers) - weights - ACTIVATION_RESERVE_BYTES
     if budget <= 0:
         raise ValueError(
@@ -46,10 +51,7 @@ def kv_bytes_per_worker(model_dir: Path, num_workers: int, utilization: float) -
 def check_kv_bytes_fit(model_dir: Path, num_workers: int, kv_bytes: int) -> None:
     """Refuse an explicit per-worker KV size that `num_workers` workers on one GPU cannot
     all allocate beside their weights and activation reserves."""
-    import torch
-
-    total = torch.cuda.get_device_properties(0).total_memory
-    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    total, weights = _gpu_and_weight_bytes(model_dir)
     need = num_workers * (kv_bytes + weights + ACTIVATION_RESERVE_BYTES)
     if need > total:
         raise ValueError(
