@@ -75,6 +75,11 @@ def time_per_layer_us(inputs: list[dict], replays: int = 30, **kw) -> float:
         for inp in inputs:
             pat.paged_attention_triton(**inp, workspace=ws, **kw)
 
+    return graph_time_us(step, len(inputs), replays)
+
+
+def graph_time_us(step, layers: int, replays: int = 30) -> float:
+    """`step` captured as one CUDA graph: the median replay's µs over `layers` calls."""
     step()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -90,7 +95,7 @@ def time_per_layer_us(inputs: list[dict], replays: int = 30, **kw) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times) * 1e3 / len(inputs)
+    return statistics.median(times) * 1e3 / layers
 
 
 def row(batch: int, ctx: int, kernel: str, us: float, **extra) -> dict:

@@ -26,7 +26,15 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_attention_bench import HKV, HQ, D, layer_inputs, row, time_per_layer_us  # noqa: E402
+from decode_attention_bench import (  # noqa: E402
+    HKV,
+    HQ,
+    D,
+    graph_time_us,
+    layer_inputs,
+    row,
+    time_per_layer_us,
+)
 from run_meta import git_commit  # noqa: E402
 
 from pdserve.kernels import paged_attention_triton as pat  # noqa: E402
@@ -178,7 +186,7 @@ def chain_us(inputs: list[dict], splits: int, tile: tuple[int, int, int]) -> flo
                 num_warps=4, num_stages=4,
             )  # fmt: skip
 
-    return _graph_time_us(step, len(inputs))
+    return graph_time_us(step, len(inputs))
 
 
 def time_slices_us(inputs: list[dict], splits: int, tile: tuple[int, int, int]) -> float:
@@ -201,28 +209,7 @@ def time_slices_us(inputs: list[dict], splits: int, tile: tuple[int, int, int]) 
         for inp in inputs:
             call(inp)
 
-    return _graph_time_us(step, len(inputs))
-
-
-def _graph_time_us(step, layers: int, replays: int = 30) -> float:
-    import statistics
-
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) * 1e3 / layers
+    return graph_time_us(step, len(inputs))
 
 
 def main() -> None:
