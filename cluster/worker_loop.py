@@ -3,9 +3,12 @@
 Callers never call the worker directly: `call(fn)` runs `fn(worker)` on the loop thread
 between steps and returns a future, so submits, aborts and stats reads are serialized
 with `step()` without locks in the engine. The loop steps while the worker has work and
-otherwise sleeps on its inbox (bounded wait). It records forward progress (steps done,
-time of the last step that had work), which is what "healthy" means for the controller:
-a loop that is alive but stuck stops advancing `last_progress`.
+otherwise sleeps on its inbox (bounded wait). A worker whose last step had nothing to run
+(`stalled()`: its requests wait on KV loads) sleeps too, until the next call, the bounded
+wait, or the `wake()` it was handed with `set_waker` (a load ended): stepping it again
+would only spin, and take the GIL from the loading threads. The loop records forward
+progress (steps done, time of the last step that had work), which is what "healthy" means
+for the controller: a loop that is alive but stuck stops advancing `last_progress`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ class WorkerLoop:
         self.error: BaseException | None = None
         # Optional housekeeping while idle (a prefill worker expires leases in it).
         self._idle: Callable[[], None] | None = getattr(worker, "idle", None)
+        self._stalled: Callable[[], bool] | None = getattr(worker, "stalled", None)
+        self.num_stalls = 0  # sleeps of a stalled worker (each one a step not spun)
+        if hasattr(worker, "set_waker"):
+            worker.set_waker(self.wake)
 
     def start(self) -> WorkerLoop:
         self._thread.start()
@@ -52,12 +59,17 @@ class WorkerLoop:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
+        self.wake()
         self._thread.join(timeout_s)
         assert not self._thread.is_alive(), "worker loop did not stop in time"
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def wake(self) -> None:
+        """End a stalled (or idle) wait now; safe from any thread."""
+        self._inbox.put((_nothing, Future()))
 
     def call(self, fn: Callable[[Any], Any]) -> Future:
         """Run `fn(worker)` on the loop thread; its result or exception lands in the future."""
@@ -89,6 +101,9 @@ class WorkerLoop:
         try:
             while not self._stop.is_set():
                 busy = self.worker.has_work()
+                if busy and self._stalled is not None and self._stalled():
+                    busy = False
+                    self.num_stalls += 1
                 self._drain(0 if busy else self.idle_wait_s)
                 if not self.worker.has_work():
                     self.last_progress = time.monotonic()  # idle is not stuck
@@ -111,3 +126,7 @@ class WorkerLoop:
                     break
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(RuntimeError("worker loop stopped"))
+
+
+def _nothing(worker: Any) -> None:
+    """What `wake()` runs: the call itself is the point (it ends the inbox wait)."""

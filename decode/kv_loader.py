@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -97,6 +98,9 @@ class TransferLoader:
         self._cancel: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
         self._copies = CopyStreams()
+        # Called on the loading thread after each result is queued for `poll` (the worker's
+        # loop sleeps while its engine only waits on loads, and this wakes it).
+        self.on_done: Callable[[], None] | None = None
 
     def attach(self, dst: tuple[GroupStorage, ...]) -> None:
         """The engine's KV storage the loads write into (known once the engine exists)."""
@@ -151,6 +155,8 @@ class TransferLoader:
         with self._lock:
             self._cancel.pop(spec.request_id, None)
         self._done.put(result)
+        if self.on_done is not None:
+            self.on_done()
 
     def _load(self, spec: KVLoadSpec, cancel: threading.Event) -> KVLoadResult:
         assert self._dst is not None

@@ -12,6 +12,8 @@ It knows nothing about routing or HTTP.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pdserve.decode.kv_loader import TransferLoader, logprobs_from_rows
 from pdserve.decode.lease_keeper import EVERY_S, LeaseKeeper
 from pdserve.kvtransfer.layout import GroupStorage, paged_cache_storage
@@ -119,6 +121,14 @@ class DecodeWorker:
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished()
+
+    def stalled(self) -> bool:
+        """The last step had nothing to run: the requests left wait on KV loads."""
+        return self.engine.stalled
+
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        """`wake` is called when a KV load ends (what a stalled engine waits for)."""
+        self.loader.on_done = wake
 
     def step(self) -> list[RequestDelta]:
         if self.lease_keeper.due():  # queued requests' tickets (a load pins its own lease)

@@ -67,6 +67,10 @@ class Engine(PDRoles):
         self.kv = KVCacheManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.runner.async_scheduling)
         self._inflight: tuple[SchedulerOutput, Any] | None = None  # async: step N on device
+        # The last step ran, launched and emitted nothing: whatever is unfinished waits on
+        # something outside the engine (a KV load), so stepping again changes nothing until
+        # that ends. The worker's loop then sleeps instead of spinning (cluster/worker_loop.py).
+        self.stalled = False
         self.stats = StepStats()
         self._tracks: dict[str, Track] = {}
         self._pending: list[RequestDelta] = []
@@ -235,6 +239,7 @@ class Engine(PDRoles):
             out = ready[1].get()
             wait = time.perf_counter() - t
             deltas += self._process(ready[0], out)
+        self.stalled = handle is None and ready is None and not deltas and self._inflight is None
         self.stats.num_steps += 1
         self.stats.wait_s += wait
         self.stats.cpu_s += time.perf_counter() - start - wait
