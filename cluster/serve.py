@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from pdserve.cluster.serve_args import ServeConfig, decode_capacity, served_names
-from pdserve.cluster.serve_placement import join_auth_env
+from pdserve.cluster.serve_placement import Placement, join_auth_env
 from pdserve.cluster.startup_report import StartupLines
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,24 @@ def check_kv_bytes_in_ram(num_workers: int, kv_bytes: int) -> None:
             f"{num_workers * kv_bytes / 2**30:.1f} GiB of KV cache; this machine has "
             f"{ram / 2**30:.1f} GiB of memory"
         )
+
+
+def local_kv_bytes(
+    cfg: ServeConfig, model_dir: Path, local: Placement, num_workers: int
+) -> int | None:
+    """Each local worker's KV budget, checked against what it shares: the explicit
+    `--kv-cache-memory-bytes` if it fits, on a GPU otherwise the worker's share of the
+    memory fraction (a fraction read by each engine at its own start would count the
+    others' allocations); None on the CPU without an explicit size (the engine's default)."""
+    if cfg.kv_cache_memory_bytes is not None:
+        if local.num_gpus:
+            check_kv_bytes_fit(model_dir, local.workers_per_gpu, cfg.kv_cache_memory_bytes)
+        else:
+            check_kv_bytes_in_ram(num_workers, cfg.kv_cache_memory_bytes)
+        return cfg.kv_cache_memory_bytes
+    if local.num_gpus:
+        return kv_bytes_per_worker(model_dir, local.workers_per_gpu, cfg.gpu_memory_utilization)
+    return None
 
 
 def default_batched_tokens(cfg: ServeConfig, ecfg) -> int:
@@ -142,6 +160,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.cluster.serve_placement import (
         actor_resources,
         kv_transport,
+        local_placement,
         pool_bounds,
         start_ray,
     )
@@ -203,7 +222,13 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     if transport == "cuda_ipc" and not (local_gpu or cfg.ray_address):
         raise ValueError("--kv-transport cuda_ipc needs the workers on a GPU (this runs on CPU)")
     num_workers = cfg.decode_workers + (cfg.prefill_workers if cfg.mode == "pd" else 0)
-    placement = start_ray(cfg, torch.cuda.device_count() if local_gpu else 0, num_workers)
+    local = None
+    if cfg.ray_address is None:  # sizes that cannot fit are refused before Ray starts
+        local = local_placement(cfg, torch.cuda.device_count() if local_gpu else 0, num_workers)
+        kv_bytes = local_kv_bytes(cfg, Path(ecfg.model.path), local, num_workers)
+        if kv_bytes is not None:
+            engine_kwargs["kv_cache_memory_bytes"] = kv_bytes
+    placement = start_ray(cfg, local)
     if placement.joined and transport == "cuda_ipc":
         print(
             "pdserve: warning: --kv-transport cuda_ipc moves KV only between workers on one "
@@ -218,20 +243,6 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             engine_kwargs["model"] = cfg.model
             engine_kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             engine_kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
-        elif cfg.kv_cache_memory_bytes is not None:
-            if placement.num_gpus:
-                check_kv_bytes_fit(
-                    Path(ecfg.model.path), placement.workers_per_gpu, cfg.kv_cache_memory_bytes
-                )
-            else:
-                check_kv_bytes_in_ram(num_workers, cfg.kv_cache_memory_bytes)
-            engine_kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
-        elif placement.num_gpus:
-            # Workers sharing a GPU each get an explicit KV budget, since a memory fraction
-            # read by each engine at its own start would count the others' allocations.
-            engine_kwargs["kv_cache_memory_bytes"] = kv_bytes_per_worker(
-                Path(ecfg.model.path), placement.workers_per_gpu, cfg.gpu_memory_utilization
-            )
         host = placement.host
         stream_bind = f"tcp://{host}:{_free_port(host)}"
         tier = None

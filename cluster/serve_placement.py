@@ -36,22 +36,30 @@ def _per_worker(cfg: ServeConfig, num_gpus: int, num_workers: int) -> float:
     return min(1.0, num_gpus / num_workers) if num_gpus else 0.0
 
 
-def start_ray(cfg: ServeConfig, local_gpus: int, num_workers: int) -> Placement:
-    """`ray.init` for this run and where its workers go. `local_gpus`: this machine's
-    GPUs the workers may use (0 on the CPU); ignored when joining a cluster. Every
-    refusal comes before Ray starts."""
+def local_placement(cfg: ServeConfig, local_gpus: int, num_workers: int) -> Placement:
+    """Where the workers of a Ray of our own go, known before it starts (so that sizes
+    that cannot fit are refused before it does). `local_gpus`: this machine's GPUs the
+    workers may use (0 on the CPU)."""
+    per = _per_worker(cfg, local_gpus, num_workers)
+    if local_gpus and per <= 0:
+        raise ValueError("--gpus-per-worker 0 on a GPU machine: use --device cpu instead")
+    shared = -(-num_workers // local_gpus) if local_gpus and per < 1 else 1
+    return Placement(False, local_gpus, per, "127.0.0.1", shared)
+
+
+def start_ray(cfg: ServeConfig, local: Placement | None) -> Placement:
+    """`ray.init` for this run and where its workers go: `local` (from `local_placement`)
+    for a Ray of our own, None to join `cfg.ray_address`. Every refusal comes before Ray
+    starts."""
     import ray
 
-    if cfg.ray_address is None:
-        per = _per_worker(cfg, local_gpus, num_workers)
-        if local_gpus and per <= 0:
-            raise ValueError("--gpus-per-worker 0 on a GPU machine: use --device cpu instead")
+    if local is not None:
+        assert cfg.ray_address is None, "a local placement is for a Ray of our own"
         ray.init(
             include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
-            num_gpus=local_gpus, runtime_env={"env_vars": dict(_ENV)},
+            num_gpus=local.num_gpus, runtime_env={"env_vars": dict(_ENV)},
         )  # fmt: skip
-        shared = -(-num_workers // local_gpus) if local_gpus and per < 1 else 1
-        return Placement(False, local_gpus, per, "127.0.0.1", shared)
+        return local
     if cfg.gpus_per_worker is not None and 0 < cfg.gpus_per_worker < 1:
         raise ValueError(
             "with --ray-address each worker takes whole GPUs or none (--gpus-per-worker "

@@ -64,6 +64,10 @@ def test_cli_errors_are_clear_and_nonzero():
     assert "Ray" not in res.stderr  # refused before Ray starts
     res = _run("serve", "--port", port, "--max-num-batched-tokens", "32")  # 64 slots
     assert res.returncode == 2 and "(32) must be >= --max-num-seqs (64)" in res.stderr
+    res = _run("serve", "--port", port, "--device", "cpu", "--kv-cache-memory-bytes", "1000G")
+    assert res.returncode == 2, res.stderr
+    assert "2 CPU worker(s) need 2000.0 GiB of KV cache" in res.stderr, res.stderr
+    assert "Ray" not in res.stderr and "starting" not in res.stderr  # refused before Ray
     res = _run("--help")
     assert res.returncode == 0 and "generate" in res.stdout
 
