@@ -97,6 +97,7 @@ def random_model_engine(
     max_num_batched_tokens: int = 16384,
     decode_attention: str = "auto",
     gpu_memory_utilization: float = 0.8,
+    max_num_seqs: int = 512,
     **engine_args,
 ):
     """The profiling scripts' engine: a fresh random Qwen3-0.6B-shaped model directory and
@@ -108,7 +109,7 @@ def random_model_engine(
     build_model_dir(model_dir)  # the in-memory copy it returns is dropped here
     torch.cuda.empty_cache()
     return Engine.from_args(
-        model=str(model_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=512,
+        model=str(model_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=gpu_memory_utilization,
         decode_attention=decode_attention, **engine_args,
