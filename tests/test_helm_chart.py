@@ -186,6 +186,18 @@ def test_default_render_objects(helm: str) -> None:
         ),
         ("rayAuth.existingSecret=mine",),
         ("rayAuth.mode=disabled",),
+        (
+            "cache.type=hostPath",
+            "head.volumes[0].name=m",
+            "head.volumes[0].persistentVolumeClaim.claimName=m",
+            "head.volumeMounts[0].name=m",
+            "head.volumeMounts[0].mountPath=/models",
+            "decode.volumes[0].name=m",
+            "decode.volumes[0].persistentVolumeClaim.claimName=m",
+            "decode.volumeMounts[0].name=m",
+            "decode.volumeMounts[0].mountPath=/models",
+        ),
+        ("cache.type=existingClaim", "cache.existingClaim=kernels"),
     ],
     ids=[
         "default",
@@ -196,6 +208,8 @@ def test_default_render_objects(helm: str) -> None:
         "extras",
         "ray-token-secret",
         "ray-auth-disabled",
+        "cache-on-the-node-and-a-model-volume",
+        "cache-on-a-claim",
     ],
 )
 def test_raycluster_matches_kuberay_crd_schema(helm: str, crd_schema: dict, sets: tuple) -> None:

@@ -135,6 +135,69 @@ def test_worker_groups(helm: str) -> None:
     )
 
 
+CACHE_ENV = {
+    "TRITON_CACHE_DIR": "/var/cache/pdserve/triton",
+    "HF_HOME": "/var/cache/pdserve/huggingface",
+    "PDSERVE_CACHE_DIR": "/var/cache/pdserve/pdserve",
+}
+
+
+@pytest.mark.parametrize(
+    ("sets", "volume"),
+    [
+        ((), {"emptyDir": {}}),
+        (("cache.type=hostPath",), {"hostPath": {"path": "/var/cache/pdserve", "type": "DirectoryOrCreate"}}),
+        (("cache.type=existingClaim", "cache.existingClaim=kernels"), {"persistentVolumeClaim": {"claimName": "kernels"}}),
+        (("cache.type=none",), None),
+    ],
+    ids=["emptyDir", "hostPath", "existingClaim", "none"],
+)  # fmt: skip
+def test_prefill_and_decode_pods_keep_their_caches(helm: str, sets: tuple, volume) -> None:
+    """Prefill and decode pods mount the cache volume at /var/cache/pdserve and point
+    Triton's kernel cache, Hugging Face's and pdserve's model caches into it (a restarted
+    worker then loads its compiled kernels instead of compiling them); the tier pod, which
+    loads no model, does not; cache.type none mounts nothing."""
+    g = groups(render(helm, *sets))
+    for name in ("prefill", "decode", "tier"):
+        spec = g[name]["template"]["spec"]
+        c = spec["containers"][0]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        if volume is None or name == "tier":
+            assert "volumes" not in spec and "volumeMounts" not in c
+            assert not set(CACHE_ENV) & set(env)
+            continue
+        assert spec["volumes"] == [{"name": "pdserve-cache", **volume}]
+        assert c["volumeMounts"] == [{"name": "pdserve-cache", "mountPath": "/var/cache/pdserve"}]
+        assert {k: env[k] for k in CACHE_ENV} == CACHE_ENV
+
+
+def test_extra_volumes_reach_the_pods(helm: str) -> None:
+    """A model on a claim: head.volumes / volumeMounts reach the router container (it reads
+    the model's config and tokenizer), prefill's and decode's their Ray containers, next to
+    the cache volume."""
+    claim = {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    mount = {"name": "models", "mountPath": "/models", "readOnly": True}
+    sets = []
+    for where in ("head", "prefill", "decode"):
+        sets += [f"{where}.volumes[0].name=models",
+                 f"{where}.volumes[0].persistentVolumeClaim.claimName=models",
+                 f"{where}.volumes[0].persistentVolumeClaim.readOnly=true",
+                 f"{where}.volumeMounts[0].name=models", f"{where}.volumeMounts[0].mountPath=/models",
+                 f"{where}.volumeMounts[0].readOnly=true"]  # fmt: skip
+    objs = render(helm, *sets, "serve.model=/models/qwen3-8b")
+    head = head_pod(objs)["spec"]
+    assert head["volumes"][-1] == claim
+    assert container(head_pod(objs), "router")["volumeMounts"][-1] == mount
+    assert mount not in container(head_pod(objs), "ray-head").get("volumeMounts", [])
+    g = groups(objs)
+    for name in ("prefill", "decode"):
+        spec = g[name]["template"]["spec"]
+        assert [v["name"] for v in spec["volumes"]] == ["pdserve-cache", "models"]
+        assert spec["volumes"][1] == claim
+        assert spec["containers"][0]["volumeMounts"][1] == mount
+    assert "volumes" not in g["tier"]["template"]["spec"]
+
+
 def test_ray_start_reads_pool_resources(helm: str) -> None:
     """Each pod's `ray start` (as KubeRay's shell line hands it over, parsed by Ray's own
     CLI) advertises one pdserve_<role> unit per worker; the head advertises none and no GPU.
@@ -300,6 +363,26 @@ def test_colocated(helm: str) -> None:
             "router.env sets RAY_AUTH_TOKEN",
         ),
         (("tier.env[0].name=RAY_AUTH_MODE", "tier.env[0].value=x"), "tier.env sets RAY_AUTH_MODE"),
+        (("cache.type=pvc",), "at '/cache/type': value must be one of 'none', 'emptyDir'"),
+        (("cache.type=hostPath", "cache.hostPath="), "cache.type hostPath needs cache.hostPath"),
+        (("cache.type=existingClaim",), "cache.type existingClaim needs cache.existingClaim"),
+        (
+            ("decode.env[0].name=TRITON_CACHE_DIR", "decode.env[0].value=/t"),
+            "decode.env sets TRITON_CACHE_DIR, which the chart points at the cache volume",
+        ),
+        (
+            (
+                "prefill.volumes[0].name=c",
+                "prefill.volumes[0].emptyDir.medium=Memory",
+                "prefill.volumeMounts[0].name=c",
+                "prefill.volumeMounts[0].mountPath=/var/cache/pdserve",
+            ),
+            "prefill.volumeMounts mounts /var/cache/pdserve, where the chart mounts the cache",
+        ),
+        (
+            ("head.volumeMounts[0].name=m",),
+            "at '/head/volumeMounts/0': missing property 'mountPath'",
+        ),
     ],
 )
 def test_bad_values_are_refused(helm: str, sets: tuple, message: str) -> None:

@@ -115,3 +115,31 @@ its first and last character (autoscaling_config._get_custom_resources). */}}
 {{ $k }}: {{ $v | toString | quote }}
 {{- end }}
 {{- end }}
+
+{{/* The cache volume (values `cache`) of prefill and decode pods: mounted at
+/var/cache/pdserve, and the env that points Triton, Hugging Face and pdserve at it. Empty
+with cache.type none. */}}
+{{- define "pdserve.cacheOn" -}}
+{{- if ne .Values.cache.type "none" }}1{{ end }}
+{{- end }}
+
+{{- define "pdserve.cacheEnv" -}}
+- name: TRITON_CACHE_DIR
+  value: /var/cache/pdserve/triton
+- name: HF_HOME
+  value: /var/cache/pdserve/huggingface
+- name: PDSERVE_CACHE_DIR
+  value: /var/cache/pdserve/pdserve
+{{- end }}
+
+{{- define "pdserve.cacheVolume" -}}
+{{- $c := .Values.cache }}
+- name: pdserve-cache
+{{- if eq $c.type "emptyDir" }}
+  emptyDir: {}
+{{- else if eq $c.type "hostPath" }}
+  hostPath: {path: {{ $c.hostPath | quote }}, type: DirectoryOrCreate}
+{{- else }}
+  persistentVolumeClaim: {claimName: {{ $c.existingClaim | quote }}}
+{{- end }}
+{{- end }}

@@ -52,6 +52,31 @@ raycluster.yaml includes this first, so a bad install renders nothing. */}}
 {{- end }}
 {{- end }}
 
+{{- $cacheType := $v.cache.type | toString }}
+{{- if not (has $cacheType (list "none" "emptyDir" "hostPath" "existingClaim")) }}
+{{- fail (printf "cache.type must be none, emptyDir, hostPath or existingClaim, got %q" $cacheType) }}
+{{- end }}
+{{- if and (eq $cacheType "hostPath") (not $v.cache.hostPath) }}
+{{- fail "cache.type hostPath needs cache.hostPath (the node's folder)" }}
+{{- end }}
+{{- if and (eq $cacheType "existingClaim") (not $v.cache.existingClaim) }}
+{{- fail "cache.type existingClaim needs cache.existingClaim (the PersistentVolumeClaim's name)" }}
+{{- end }}
+{{- if ne $cacheType "none" }}
+{{- range $role := list "prefill" "decode" }}
+{{- range $e := (index $v $role).env }}
+{{- if has $e.name (list "TRITON_CACHE_DIR" "HF_HOME" "PDSERVE_CACHE_DIR") }}
+{{- fail (printf "%s.env sets %s, which the chart points at the cache volume (cache.type %s); remove it, or set cache.type=none" $role $e.name $cacheType) }}
+{{- end }}
+{{- end }}
+{{- range $m := (index $v $role).volumeMounts }}
+{{- if eq $m.mountPath "/var/cache/pdserve" }}
+{{- fail (printf "%s.volumeMounts mounts %s, where the chart mounts the cache volume (cache.type %s); set cache.type=none to mount your own there" $role $m.mountPath $cacheType) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- $owned := dict
   "prefill_workers" "prefill.replicas x prefill.gpusPerPod"
   "decode_workers" "decode.replicas x decode.gpusPerPod"

@@ -1,8 +1,10 @@
 {{/* One entry of workerGroupSpecs (dict: root, name, g = the group's values, gpus, memory,
-replicas, min, max, resources = the `resources` rayStartParam). */}}
+replicas, min, max, resources = the `resources` rayStartParam, cache = whether its pods
+mount the cache volume). */}}
 {{- define "pdserve.workerGroup" -}}
 {{- $root := .root }}
 {{- $g := .g }}
+{{- $cache := and .cache (include "pdserve.cacheOn" $root) }}
 {{- $own := dict "num-cpus" $g.cpu "num-gpus" .gpus "resources" .resources }}
 {{- if eq .name "tier" }}
 {{- /* The tier's KV lives in the actor's heap, not in Ray's object store: Ray's default
@@ -47,12 +49,33 @@ replicas, min, max, resources = the `resources` rayStartParam). */}}
               {{- end }}
           env:
             {{- include "pdserve.rayAuthEnv" $root | nindent 12 }}
+            {{- if $cache }}
+            {{- include "pdserve.cacheEnv" $root | nindent 12 }}
+            {{- end }}
             {{- with $g.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
+          {{- if or $cache $g.volumeMounts }}
+          volumeMounts:
+            {{- if $cache }}
+            - {name: pdserve-cache, mountPath: /var/cache/pdserve}
+            {{- end }}
+            {{- with $g.volumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          {{- end }}
           lifecycle:
             preStop:
               exec: {command: ["/bin/sh", "-c", "ray stop"]}
+      {{- if or $cache $g.volumes }}
+      volumes:
+        {{- if $cache }}
+        {{- include "pdserve.cacheVolume" $root | nindent 8 }}
+        {{- end }}
+        {{- with $g.volumes }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- end }}
       {{- with $g.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}
