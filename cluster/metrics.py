@@ -48,6 +48,11 @@ _WORKER_SERIES = {
         "counter",
         "Leases a decode worker extended for requests queued on it",
     ),
+    "lease_extension_failures": (
+        "kv_lease_extension_failures",
+        "counter",
+        "Heartbeats of a decode worker that did not extend a queued request's lease",
+    ),
     "early_tickets": (
         "kv_early_tickets",
         "counter",

@@ -218,6 +218,7 @@ class DecodeService(_Service):
                 recompute_fallbacks=ls.recomputes,
                 transfer_failures=ls.fails,
                 lease_extensions=w.lease_keeper.extended,
+                lease_extension_failures=w.lease_keeper.num_errors(),
                 pulls_by_transport=dict(ls.pulls),
                 first_tokens_by_source=dict(w.engine.first_tokens_by_source),
             )

@@ -4,9 +4,10 @@ Callers never call the worker directly: `call(fn)` runs `fn(worker)` on the loop
 between steps and returns a future, so submits, aborts and stats reads are serialized
 with `step()` without locks in the engine. The loop steps while the worker has work and
 otherwise sleeps on its inbox (bounded wait). A worker whose last step had nothing to run
-(`stalled()`: its requests wait on KV loads) sleeps too, until the next call, the bounded
-wait, or the `wake()` it was handed with `set_waker` (a load ended): stepping it again
-would only spin, and take the GIL from the loading threads. The loop records forward
+(`stalled()`: a decode worker's requests wait on KV loads, a prefill worker's prompts on
+blocks that held prompts keep) sleeps too, until the next call, the bounded wait, or the
+`wake()` it was handed with `set_waker` (a load ended, a lease freed blocks): stepping it
+again would only spin, and take the GIL from the threads it waits on. The loop records forward
 progress (steps done, time of the last step that had work), which is what "healthy" means
 for the controller: a loop that is alive but stuck stops advancing `last_progress`.
 """

@@ -108,6 +108,11 @@ class LeaseKeeper:
             with self._lock:
                 self.extended += 1
 
+    def num_errors(self) -> int:
+        """Heartbeats that extended nothing, over all rounds (any thread may ask)."""
+        with self._lock:
+            return sum(self.errors.values())
+
     def close(self) -> None:
         """Stop after the heartbeat in flight (at most HEARTBEAT_TIMEOUT_S)."""
         self._stop.set()

@@ -61,6 +61,10 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._to_free: list[str] = []
         self.counts = {"added": 0, "released": 0, "aborted": 0, "expired": 0}
+        # Called (under the table's lock: it must not block) whenever blocks become
+        # freeable, from whichever thread ended the lease: the owner's loop, stalled on a
+        # cache full of held prompts, wakes to free them (cluster/worker_loop.py).
+        self.on_freeable: Callable[[], None] | None = None
 
     def add(
         self,
@@ -181,3 +185,5 @@ class LeaseTable:
     def _end_now(self, lease: Lease) -> None:
         del self._leases[lease.request_id]
         self._to_free.append(lease.request_id)
+        if self.on_freeable is not None:
+            self.on_freeable()

@@ -158,6 +158,15 @@ class PrefillWorker:
     def has_work(self) -> bool:
         return self.engine.has_unfinished()
 
+    def stalled(self) -> bool:
+        """The last step had nothing to run: its prompts wait for blocks that held prompts
+        keep until the decode side releases them (or their leases expire)."""
+        return self.engine.stalled
+
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        """`wake` is called when a lease ends and its blocks can be freed."""
+        self.leases.on_freeable = wake
+
     def idle(self) -> None:
         """Housekeeping with no prompt running: expire leases, free released blocks."""
         self.leases.expire()

@@ -68,8 +68,9 @@ class Engine(PDRoles):
         self.scheduler = Scheduler(config.scheduler, self.kv, config.runner.async_scheduling)
         self._inflight: tuple[SchedulerOutput, Any] | None = None  # async: step N on device
         # The last step ran, launched and emitted nothing: whatever is unfinished waits on
-        # something outside the engine (a KV load), so stepping again changes nothing until
-        # that ends. The worker's loop then sleeps instead of spinning (cluster/worker_loop.py).
+        # something outside the engine (a KV load; blocks that held prompts keep until their
+        # release), so stepping again changes nothing until that ends. The worker's loop
+        # then sleeps instead of spinning (cluster/worker_loop.py).
         self.stalled = False
         self.stats = StepStats()
         self._tracks: dict[str, Track] = {}

@@ -494,6 +494,7 @@ def test_the_log_says_where_each_request_ran_and_what_the_pools_did(pd_busy):
     assert _metric(text, "pdserve:worker_prompt_tokens_computed_total", role="prefill") > 0
     # The decode worker's lease keeper is exported (how many it extended depends on timing).
     assert 'pdserve:kv_lease_extensions_total{role="decode",worker="decode-0"}' in text
+    assert 'pdserve:kv_lease_extension_failures_total{role="decode",worker="decode-0"}' in text
     # One series per worker; on the CPU nothing is compiled (Triton runs on a GPU only).
     compiles = [x for x in text.splitlines() if x.startswith("pdserve:worker_kernel_compiles")]
     assert len(compiles) == 2 and all(x.endswith(" 0.0") for x in compiles), compiles

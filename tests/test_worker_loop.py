@@ -78,3 +78,47 @@ def test_a_decode_loop_sleeps_while_its_requests_wait_on_loads(tiny_qwen3_dir):
     finally:
         loop.stop()
         decode.close()
+
+
+def test_a_prefill_loop_sleeps_while_held_prompts_fill_its_cache(tiny_qwen3_dir):
+    """A prefill worker whose cache is full of prompts held for the decode side cannot
+    start the next one until a lease ends. Its loop must sleep meanwhile (before, it spun:
+    16.7 million empty steps in a 7-minute CPU stress), and the release must wake it: the
+    idle wait is 30 s here, so a loop that only polled would miss the deadline."""
+    engine = Engine.from_args(
+        model=tiny_qwen3_dir, dtype="float32", device=DEVICE, max_model_len=128,
+        num_gpu_blocks_override=12,  # 11 usable blocks of 16 tokens
+    )  # fmt: skip
+    prefill = PrefillWorker(engine, "P0")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 990) for _ in range(100)] for _ in range(2)]  # 7 blocks each
+    tickets: dict[str, object] = {}
+    ticketed = threading.Event()
+
+    def on_outputs(results) -> None:
+        for r in results:
+            tickets[r.request_id] = r.ticket
+        if "B" in tickets:
+            ticketed.set()
+
+    loop = WorkerLoop(prefill, on_outputs, idle_wait_s=30.0).start()
+    try:
+        loop.call(lambda w: w.submit("A", prompts[0], GREEDY)).result(10)
+        deadline = time.monotonic() + 30
+        while "A" not in tickets:
+            assert time.monotonic() < deadline, "A was not prefilled"
+            time.sleep(0.01)
+        loop.call(lambda w: w.submit("B", prompts[1], GREEDY)).result(10)
+        time.sleep(1.0)  # B waits for A's blocks
+        assert "B" not in tickets and prefill.engine.num_held == 1
+        steps = loop.num_steps
+        assert steps < 20, steps  # a spinning loop steps thousands of times a second
+        assert loop.num_stalls >= 1
+        released = time.monotonic()
+        assert prefill.leases.release("A")  # as the decode side's release does
+        assert ticketed.wait(5.0), "the release did not wake the stalled loop"
+        assert time.monotonic() - released < 5.0
+        assert tickets["B"] is not None
+    finally:
+        loop.stop()
+        prefill.close()
