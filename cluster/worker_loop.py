@@ -7,9 +7,10 @@ otherwise sleeps on its inbox (bounded wait). A worker whose last step had nothi
 (`stalled()`: a decode worker's requests wait on KV loads, a prefill worker's prompts on
 blocks that held prompts keep) sleeps too, until the next call, the bounded wait, or the
 `wake()` it was handed with `set_waker` (a load ended, a lease freed blocks): stepping it
-again would only spin, and take the GIL from the threads it waits on. The loop records forward
-progress (steps done, time of the last step that had work), which is what "healthy" means
-for the controller: a loop that is alive but stuck stops advancing `last_progress`.
+again would only spin, and take the GIL from the threads it waits on. The loop records
+forward progress (steps done, time of the last step that had work), which is what
+"healthy" means for the controller: a loop that is alive but stuck stops advancing
+`last_progress`.
 """
 
 from __future__ import annotations

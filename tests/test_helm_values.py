@@ -142,16 +142,20 @@ CACHE_ENV = {
 }
 
 
+HOST_PATH = {"hostPath": {"path": "/var/cache/pdserve", "type": "DirectoryOrCreate"}}
+CLAIM = {"persistentVolumeClaim": {"claimName": "kernels"}}
+
+
 @pytest.mark.parametrize(
     ("sets", "volume"),
     [
         ((), {"emptyDir": {}}),
-        (("cache.type=hostPath",), {"hostPath": {"path": "/var/cache/pdserve", "type": "DirectoryOrCreate"}}),
-        (("cache.type=existingClaim", "cache.existingClaim=kernels"), {"persistentVolumeClaim": {"claimName": "kernels"}}),
+        (("cache.type=hostPath",), HOST_PATH),
+        (("cache.type=existingClaim", "cache.existingClaim=kernels"), CLAIM),
         (("cache.type=none",), None),
     ],
     ids=["emptyDir", "hostPath", "existingClaim", "none"],
-)  # fmt: skip
+)
 def test_prefill_and_decode_pods_keep_their_caches(helm: str, sets: tuple, volume) -> None:
     """Prefill and decode pods mount the cache volume at /var/cache/pdserve and point
     Triton's kernel cache, Hugging Face's and pdserve's model caches into it (a restarted
@@ -179,11 +183,14 @@ def test_extra_volumes_reach_the_pods(helm: str) -> None:
     mount = {"name": "models", "mountPath": "/models", "readOnly": True}
     sets = []
     for where in ("head", "prefill", "decode"):
-        sets += [f"{where}.volumes[0].name=models",
-                 f"{where}.volumes[0].persistentVolumeClaim.claimName=models",
-                 f"{where}.volumes[0].persistentVolumeClaim.readOnly=true",
-                 f"{where}.volumeMounts[0].name=models", f"{where}.volumeMounts[0].mountPath=/models",
-                 f"{where}.volumeMounts[0].readOnly=true"]  # fmt: skip
+        sets += [
+            f"{where}.volumes[0].name=models",
+            f"{where}.volumes[0].persistentVolumeClaim.claimName=models",
+            f"{where}.volumes[0].persistentVolumeClaim.readOnly=true",
+            f"{where}.volumeMounts[0].name=models",
+            f"{where}.volumeMounts[0].mountPath=/models",
+            f"{where}.volumeMounts[0].readOnly=true",
+        ]
     objs = render(helm, *sets, "serve.model=/models/qwen3-8b")
     head = head_pod(objs)["spec"]
     assert head["volumes"][-1] == claim
