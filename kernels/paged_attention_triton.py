@@ -90,8 +90,7 @@ _PREFILL_WIDE = TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 _DECODE_16BIT = TileConfig(block_m=0, block_n=64, num_warps=4, num_stages=3)
 _DECODE_16BIT_FEW = TileConfig(block_m=0, block_n=64, num_warps=2, num_stages=5)
 _DECODE_WIDE = TileConfig(block_m=0, block_n=32, num_warps=4, num_stages=2)  # fp32, D 256
-_FEW_PROGRAMS = 256
-FEW_DECODE_PAIRS = _FEW_PROGRAMS  # unsplit grids of up to this many pairs take the 5-stage tile
+FEW_DECODE_PAIRS = 256  # unsplit grids of up to this many pairs take the 5-stage tile
 
 # Split-K only for batches of fewer (row, kv head) pairs than _TARGET_DECODE_PROGRAMS: 8 rows
 # of 1,024 / 4,096 tokens ran best at 4 / 8 slices (256 / 512 programs): 15.2 / 39.8 us a
@@ -126,7 +125,7 @@ def _tiles(dtype: torch.dtype, d_pad: int, narrow: TileConfig, wide: TileConfig)
 def decode_tiles(dtype: torch.dtype, d_pad: int, num_pairs: int, num_splits: int) -> TileConfig:
     """The decode tile for `num_pairs` (row, kv head) pairs cut into `num_splits` slices:
     the 5-stage tile only for an unsplit grid of few programs (with splits it lost)."""
-    few = num_splits == 1 and num_pairs <= _FEW_PROGRAMS
+    few = num_splits == 1 and num_pairs <= FEW_DECODE_PAIRS
     return _tiles(dtype, d_pad, _DECODE_16BIT_FEW if few else _DECODE_16BIT, _DECODE_WIDE)
 
 

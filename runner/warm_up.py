@@ -37,7 +37,8 @@ def decode_variant_batches(engine: Engine) -> list[tuple[int, ...]]:
     (kernels/paged_attention_triton.py), which short prompts of a row or two never reach:
     one row whose context passes MIN_SPLIT_KEYS (a split grid), and more rows than fit
     FEW_DECODE_PAIRS (row, kv head) pairs (the wide tile), each where the engine's limits
-    (model length, slots, free blocks) allow it. Graph capture compiles both; eager steps met them in requests."""
+    (model length, slots, free blocks) allow it. Graph capture compiles both; eager steps
+    met them in requests."""
     out: list[tuple[int, ...]] = []
     blocks = engine.kv.num_free_blocks  # each batch must run at once, in one wave
     long = MIN_SPLIT_KEYS + 16
