@@ -217,6 +217,9 @@ def parse_sampling(
         prompt_logprobs = typed(body, "prompt_logprobs", (int,))
         if prompt_logprobs is None and wants_echo(body):
             prompt_logprobs = logprobs
+    from pdserve.cluster.structured_api import parse_structured  # it raises ApiError (cycle)
+
+    structured = parse_structured(body)
     stop = typed(body, "stop", (str, list))
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
         raise ApiError("'stop' must be a string or an array of strings", param="stop")
@@ -244,6 +247,7 @@ def parse_sampling(
             priority=typed(body, "priority", (int,), 0),
             allowed_token_ids=typed(body, "allowed_token_ids", (list,)),
             bad_words=typed(body, "bad_words", (list,)),
+            structured_outputs=structured,
         )
     except (ValueError, TypeError) as e:
         # SamplingParams' rules start with the field they break: name it as `param`.

@@ -3,7 +3,7 @@ are ignored, as OpenAI's API does; these are known, and ignoring them would chan
 the client gets without a word (JSON mode answering free text, tool calls that never
 come), so a request that uses one is refused (400) by name.
 
-A field at its neutral value (`response_format` of type text, an empty `tools` list,
+A field at its neutral value (an empty `tools` list,
 `suffix: ""`, ...) is accepted: clients that always send the defaults keep working.
 """
 
@@ -15,15 +15,9 @@ from pdserve.cluster.openai_api import ApiError
 
 # field -> (is it in use?, why it is refused)
 _RULES: dict[str, tuple[Any, str]] = {
-    "response_format": (
-        lambda v: not (isinstance(v, dict) and v.get("type", "text") == "text"),
-        "structured output (JSON mode, JSON schema) is not supported",
-    ),
-    "structured_outputs": (bool, "structured output is not supported"),
-    "guided_json": (lambda v: v is not None, "guided decoding is not supported"),
-    "guided_regex": (lambda v: v is not None, "guided decoding is not supported"),
-    "guided_choice": (lambda v: v is not None, "guided decoding is not supported"),
-    "guided_grammar": (lambda v: v is not None, "guided decoding is not supported"),
+    # Structured output (response_format, structured_outputs, guided_json/regex/choice)
+    # is carried out (cluster/structured_api.py); grammars are not.
+    "guided_grammar": (lambda v: v is not None, "grammar-guided decoding is not supported"),
     "tools": (bool, "tool calling is not supported"),
     "functions": (bool, "function calling is not supported"),
     "tool_choice": (

@@ -41,6 +41,8 @@ class WorkRequest:
         params = {k: getattr(self.params, k) for k in PARAM_FIELDS}
         if params["logit_bias"] is not None:  # msgpack map keys are strings here
             params["logit_bias"] = [[t, b] for t, b in params["logit_bias"].items()]
+        if params["structured_outputs"] is not None:
+            params["structured_outputs"] = params["structured_outputs"].to_wire()
         body = {
             "v": WIRE_VERSION,
             "id": self.request_id,

@@ -35,6 +35,7 @@ from pdserve.runner.scheduler import Scheduler
 from pdserve.runner.scheduler_output import SchedulerOutput
 from pdserve.runner.seeding import derive_seed
 from pdserve.runner.stop_checker import check_stop
+from pdserve.runner.structured.grammar_cache import GrammarCache
 from pdserve.runner.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,10 @@ class Engine(PDRoles):
         else:
             from pdserve.runner.reference_runner import ReferenceRunner as runner_cls
         self.runner = runner_cls(config)
+        self.grammars = GrammarCache(
+            self.tokenizer, config.model.vocab_size, self.eos_token_ids,
+            config.runner.torch_device,
+        )  # fmt: skip
         bs = config.cache.block_size
         need = -(-(config.model.max_model_len + 1) // bs)
         if self.runner.num_blocks - 1 < need:
@@ -138,6 +143,8 @@ class Engine(PDRoles):
             self.config, self.tokenizer, self.scheduler.requests, request_id, prompt_token_ids,
             params,
         )  # fmt: skip
+        if params.structured_outputs is not None:
+            self.grammars.get(params.structured_outputs)  # compiled (or refused) here, once
 
     def add_request(
         self,
@@ -179,6 +186,11 @@ class Engine(PDRoles):
             seed=seed,
             eos_token_ids=self.eos_token_ids,
             bad_words=bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else (),
+            grammar=(
+                self.grammars.get(params.structured_outputs)
+                if params.structured_outputs is not None
+                else None
+            ),
             **pd,
         )
         detok = (

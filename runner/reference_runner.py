@@ -83,7 +83,10 @@ class ReferenceRunner:
         for new in so.new_requests:
             slot = self._free_slots.pop()
             self.live[new.req_id] = _Live(new, slot)
-            self.sampling.add(slot, new.params, new.seed, new.stop_ids, new.bad_words)
+            self.sampling.add(
+                slot, new.params, new.seed, new.stop_ids, new.bad_words, new.grammar,
+                new.token_ids[new.num_prompt_tokens :],
+            )  # fmt: skip
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
             return ModelRunnerOutput([], [])
@@ -131,8 +134,11 @@ class ReferenceRunner:
                 [([-1] * width + lives[r].tokens)[-width:] for r in rows.tolist()],
                 device=self.device,
             ),
+            keep=sample_mask,
         )  # fmt: skip
         out = self.sampler(torch.stack(last_logits), meta)
+        if meta.grammar is not None:
+            meta.grammar.advance(out.sampled_token_ids)
         sampled = out.sampled_token_ids.tolist()
         for lv, tok, keep in zip(lives, sampled, sample_mask):
             if keep:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.runner.sampling_params import SamplingParams
+from pdserve.runner.structured.token_table import TokenGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +55,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     # params.bad_words as token sequences (runner/bad_words.py), by the engine's tokenizer.
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # params.structured_outputs lifted to the engine's tokenizer (runner/structured/).
+    grammar: TokenGrammar | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)

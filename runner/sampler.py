@@ -27,6 +27,7 @@ from pdserve.kernels.sampling import (
     gumbel_argmax,
     topk_logprobs,
 )
+from pdserve.runner.structured.grammar_step import GrammarStep
 
 
 @dataclass
@@ -67,6 +68,9 @@ class SamplingMetadata:
     bad_word_rows: Tensor | None = None  # [E] int64
     bad_word_tokens: Tensor | None = None  # [E] int64
     bad_word_values: Tensor | None = None  # [E] float32
+    # Structured output: the rows under a grammar (already folded into allowed_mask); the
+    # runner advances their automaton states with the sampled tokens (`advance_grammar`).
+    grammar: GrammarStep | None = None
 
     @classmethod
     def greedy(cls, num_rows: int, max_num_logprobs: int | None) -> SamplingMetadata:

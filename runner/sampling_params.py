@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pdserve.runner.structured.spec import StructuredOutputs
+
 # The widest top-k logprobs we return per token; vLLM's default cap is 20.
 MAX_LOGPROBS = 20
 # Integers travel to the workers as msgpack and into int64 tensors there: every integer
@@ -48,10 +50,16 @@ class SamplingParams:
     # first (vLLM's `priority`, which it passes beside the params; here it travels in them
     # so that every hop of a PD request carries it). Must be 0 under "fcfs".
     priority: int = 0
+    # vLLM's `structured_outputs`: the output follows a JSON schema, a regex, one of a few
+    # strings, or is any JSON object (runner/structured/). A map with one of those keys is
+    # taken as well.
+    structured_outputs: StructuredOutputs | None = None
     # Filled in by the engine, not by callers: the stop strings as a list.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs.from_wire(self.structured_outputs)
         self._validate()
         if self.top_k < 0:
             self.top_k = 0
@@ -150,6 +158,12 @@ class SamplingParams:
             or (isinstance(allowed, (list, tuple)) and allowed and all(map(_is_id, allowed))),
             "allowed_token_ids must be a non-empty list of non-negative integer token ids "
             f"(got {allowed!r})",
+        )
+        rule(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputs),
+            "structured_outputs must be a StructuredOutputs or a map with one of json, regex, "
+            f"choice, json_object (got {self.structured_outputs!r})",
         )
         words = self.bad_words
         rule(

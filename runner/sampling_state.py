@@ -16,6 +16,8 @@ import torch
 from pdserve.runner.bad_words import ban_values
 from pdserve.runner.sampler import SamplingMetadata
 from pdserve.runner.sampling_params import SamplingParams
+from pdserve.runner.structured.grammar_step import GrammarStep
+from pdserve.runner.structured.token_table import TokenGrammar
 
 
 class SamplingState:
@@ -46,6 +48,11 @@ class SamplingState:
         # bad_words as token sequences (runner/bad_words.py), read for `has_bad_words` slots.
         self.bad_words: list[tuple[tuple[int, ...], ...]] = [()] * n
         self.has_bad_words = np.zeros(n, dtype=bool)
+        # Structured output: each slot's grammar (runner/structured/) and, on the device,
+        # its automaton state, which the step advances after sampling (grammar_step.py).
+        self.grammar: list[TokenGrammar | None] = [None] * n
+        self.has_grammar = np.zeros(n, dtype=bool)
+        self.grammar_state = torch.zeros(n, dtype=torch.int32, device=device)
 
     def add(
         self,
@@ -54,8 +61,12 @@ class SamplingState:
         seed: int,
         stop_ids: tuple[int, ...],
         bad_words: tuple[tuple[int, ...], ...] = (),
+        grammar: TokenGrammar | None = None,
+        output_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
-        """Overwrite every per-slot field (a reused slot must not inherit anything)."""
+        """Overwrite every per-slot field (a reused slot must not inherit anything).
+        `output_ids`: what the request has generated already (a resumed request, or a
+        decode worker's whose first token came from prefill); its grammar starts after it."""
         self.temperature[slot] = params.temperature
         # int32 slots: a top_k of the vocabulary or more keeps every token, as 0 does, and
         # no sequence reaches 2**31 tokens, so neither substitution changes a sample.
@@ -83,6 +94,13 @@ class SamplingState:
         self.has_allowed[slot] = len(self.allowed[slot]) > 0
         self.bad_words[slot] = bad_words
         self.has_bad_words[slot] = bool(bad_words)
+        self.grammar[slot] = grammar
+        self.has_grammar[slot] = grammar is not None
+        if grammar is not None:
+            # fill_ is a kernel with the value as its argument: no blocking copy, and it
+            # runs after every step already queued (which may still move the slot's last
+            # owner's state).
+            self.grammar_state[slot].fill_(grammar.state_after(list(output_ids)))
 
     def metadata(
         self,
@@ -96,6 +114,7 @@ class SamplingState:
         recent_tokens: Callable[[np.ndarray, int], torch.Tensor] | None = None,
         # ^ (batch rows, W) -> [len(rows), W] device tensor: each row's last W tokens
         #   before the one it samples (read where bad_words need the output's tail)
+        keep: np.ndarray | None = None,  # [R] bool: rows whose sample is kept (all if None)
     ) -> SamplingMetadata:
         """Gather the batch's rows; packed host->device copies (floats, ints, and where
         used banned pairs, logit_bias entries, allowed ids, bad-word sequences), never
@@ -117,8 +136,9 @@ class SamplingState:
             for seq in self.bad_words[slots[row]]
             if len(seq) - 1 <= num_outputs[row]
         ]
+        grammar_rows = np.nonzero(self.has_grammar[slots])[0]
         all_greedy = bool((temp == 0).all())
-        extras = pairs or biased or restricted or bad
+        extras = pairs or biased or restricted or bad or len(grammar_rows)
         if all_greedy and not len(pen_rows) and not extras:
             # Plain argmax reads none of the per-row settings: skip their two copies (a
             # greedy batch's host step is launch-bound; each copy costs tens of us there).
@@ -148,6 +168,11 @@ class SamplingState:
             banned_rows, banned_tokens = packed[0], packed[1]
         bias = self._bias_triples(slots, biased, to_device) if biased else None
         allowed_mask = self._allowed_mask(slots, restricted, to_device) if restricted else None
+        grammar = None
+        if len(grammar_rows):
+            grammar = self._grammar_step(slots, grammar_rows, keep, to_device)
+            forbidden = grammar.forbidden(len(slots))
+            allowed_mask = forbidden if allowed_mask is None else allowed_mask | forbidden
         bans = self._bad_word_bans(bad, recent_tokens, to_device) if bad else None
         prompt_mask = output_counts = None
         if len(pen_rows):
@@ -188,6 +213,7 @@ class SamplingState:
             bad_word_rows=None if bans is None else bans[0],
             bad_word_tokens=None if bans is None else bans[1],
             bad_word_values=None if bans is None else bans[2],
+            grammar=grammar,
             max_num_logprobs=int(num_lp.max()) if (num_lp >= 0).any() else None,
             all_greedy=all_greedy,
             any_penalties=bool(len(pen_rows)),
@@ -228,6 +254,29 @@ class SamplingState:
         # A device scalar: a host one would be a blocking copy on a GPU.
         no = torch.zeros((), dtype=torch.bool, device=self.device)
         return forbidden.index_put_((packed[a : a + k], packed[a + k :]), no)
+
+    def _grammar_step(
+        self,
+        slots: np.ndarray,
+        rows: np.ndarray,
+        keep: np.ndarray | None,
+        to_device: Callable[[np.ndarray], torch.Tensor],
+    ) -> GrammarStep:
+        """The rows under a grammar, grouped by grammar, from one host copy."""
+        by_grammar: dict[int, list[int]] = {}
+        grammars: dict[int, TokenGrammar] = {}
+        for row in rows.tolist():
+            g = self.grammar[slots[row]]
+            by_grammar.setdefault(id(g), []).append(row)
+            grammars[id(g)] = g
+        ordered = np.asarray([r for group in by_grammar.values() for r in group], dtype=np.int64)
+        kept = np.ones(len(ordered), dtype=np.int64) if keep is None else keep[ordered]
+        index = to_device(np.stack([ordered, slots[ordered], kept.astype(np.int64)]))
+        groups, start = [], 0
+        for key, group in by_grammar.items():
+            groups.append((grammars[key], slice(start, start + len(group))))
+            start += len(group)
+        return GrammarStep.build(groups, index, self.grammar_state)
 
     def _bad_word_bans(
         self,

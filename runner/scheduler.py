@@ -220,6 +220,7 @@ class Scheduler:
                     seed=req.seed,
                     stop_ids=self._suppressed_ids(req),
                     bad_words=req.bad_words,
+                    grammar=req.grammar,
                 )
             )
             self._in_runner.add(req.request_id)

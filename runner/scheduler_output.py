@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pdserve.runner.kv_hooks import KVLoadSpec
 from pdserve.runner.sampling_params import SamplingParams
+from pdserve.runner.structured.token_table import TokenGrammar
 
 
 @dataclass
@@ -24,6 +25,7 @@ class NewRequestData:
     seed: int
     stop_ids: tuple[int, ...] = ()  # EOS + stop_token_ids, suppressed until min_tokens
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
+    grammar: TokenGrammar | None = None  # structured output: what the output must follow
 
 
 @dataclass

@@ -84,6 +84,10 @@ def test_step_loop_never_syncs_and_graphs_keep_their_buffers(
         SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True, seed=99,
                        logit_bias={5: 100.0, 77: -100.0}),
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, allowed_token_ids=allowed),
+        # Structured output: the row's automaton state is read, masked and advanced on the
+        # device each step; only "w1" and "w2" (ids 1, 2) spell the pattern.
+        SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=5,
+                       structured_outputs={"regex": "(w1|w2){0,100}"}),
     ]  # fmt: skip
     for i, p in enumerate(params):
         eng.add_request(f"r{i}", [rng.randrange(3, 150_000) for _ in range(rng.randint(5, 90))], p)
@@ -108,7 +112,9 @@ def test_step_loop_never_syncs_and_graphs_keep_their_buffers(
     assert steps > 10
     while eng.has_unfinished():
         step()
-    words, biased, restricted = (out[f"r{len(params) - k}"] for k in (3, 2, 1))
+    words, biased, restricted = (out[f"r{len(params) - k}"] for k in (4, 3, 2))
+    structured = out[f"r{len(params) - 1}"]
+    assert len(structured) == 24 and set(structured) <= {1, 2, *eng.eos_token_ids}, structured
     assert biased == [5] * 24 and len(restricted) == 24 and set(restricted) <= set(allowed)
     assert words[0::2] == [6] * 12 and not {5, 6} & set(words[1::2]), words
     assert {n: getattr(buf, n).data_ptr() for n in ptrs} == ptrs, "persistent buffers moved"

@@ -362,6 +362,61 @@ def test_logit_bias_allowed_ids_and_bad_words_hold_from_the_first_token_in_pd(pd
         assert e.value.body.get("param") == param, e.value.body
 
 
+def test_structured_output_over_http_in_pd_equals_colocated(pd, colocated):
+    """Guards structured output through the router and both PD workers: the prefill
+    worker samples the first token under the schema and the decode worker continues from
+    the state that token leads to, so PD's greedy answer equals colocated's and validates;
+    JSON mode and a choice hold over chat; a bad constraint is a 400 naming its field."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 24},
+                       "population": {"type": "integer"}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    msgs = [{"role": "user", "content": LONG + "Name one large city and its population."}]
+    before = _metric(pd.metrics(), "pdserve:pd_decisions_total", reason="remote_prefill")
+    texts = []
+    for server in (pd, colocated):
+        r = server.client().chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=40, temperature=0,
+            response_format=fmt,
+        )  # fmt: skip
+        assert r.choices[0].finish_reason == "stop"
+        texts.append(r.choices[0].message.content)
+    after = _metric(pd.metrics(), "pdserve:pd_decisions_total", reason="remote_prefill")
+    assert after - before == 1  # the PD answer's first token came from the prefill worker
+    assert texts[0] == texts[1]
+    jsonschema.validate(json.loads(texts[0]), schema)
+    c = pd.client()
+    r = c.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=60, temperature=0.7,
+        seed=5, response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = c.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=LONG + "The best season to visit Rome is",
+        max_tokens=5, temperature=1.0, n=3, seed=2,
+        extra_body={"structured_outputs": {"choice": [" spring", " summer", " autumn"]}},
+    )  # fmt: skip
+    assert {ch.text for ch in r.choices} <= {" spring", " summer", " autumn"}
+    for extra, param in (
+        ({"guided_regex": "a{2,1}"}, "guided_regex"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+            "type": "string", "format": "ipv9"}}}}, "response_format"),
+        ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    ):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(
+                model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2, extra_body=extra
+            )
+        assert e.value.body.get("param") == param, e.value.body
+
+
 def test_chat_echo_joins_the_answer_the_client_began(pd):
     """Guards chat `echo` (vLLM's): with `continue_final_message` the reply starts with the
     assistant words the client sent, followed by exactly what the same request without

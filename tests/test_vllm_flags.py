@@ -322,11 +322,9 @@ def test_special_tokens_follow_vllm(bos_tokenizer):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("response_format", {"type": "json_object"}),
-        ("response_format", {"type": "json_schema", "json_schema": {}}),
+        ("guided_grammar", "root ::= 'a'"),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "required"),
-        ("guided_json", {"type": "object"}),
         ("use_beam_search", True),
         ("suffix", "end"),
         ("best_of", 3),
@@ -505,3 +503,47 @@ def test_chat_echo_and_the_reply_role_follow_vllm():
     with pytest.raises(ApiError, match="'echo' must be a boolean") as e:
         chat_echo({"messages": began, "echo": "yes"}, "assistant")
     assert e.value.param == "echo"
+
+
+def test_structured_output_fields_parse_as_openai_and_vllm_send_them():
+    """Guards the request shapes of structured output: OpenAI's response_format (text,
+    json_object, json_schema), vLLM's structured_outputs and guided_* fields; each becomes
+    one StructuredOutputs, and a bad pattern, an unsupported schema keyword, a grammar or
+    two constraints at once are a 400 naming the field before any worker sees them."""
+    from pdserve.runner.structured.spec import StructuredOutputs
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cases = [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, StructuredOutputs(json_object=True)),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+            StructuredOutputs(json=schema),
+        ),
+        ({"structured_outputs": {"regex": "[ab]+"}}, StructuredOutputs(regex="[ab]+")),
+        ({"structured_outputs": {"choice": ["x", "y"]}}, StructuredOutputs(choice=("x", "y"))),
+        ({"guided_json": schema}, StructuredOutputs(json=schema)),
+        ({"guided_json": json.dumps(schema)}, StructuredOutputs(json=schema)),
+        ({"guided_regex": r"\d+"}, StructuredOutputs(regex=r"\d+")),
+        ({"guided_choice": ["x"]}, StructuredOutputs(choice=("x",))),
+    ]  # fmt: skip
+    for body, want in cases:
+        for kind in ("chat", "completion"):
+            params, _ = parse_sampling(body, kind, None, 4)
+            assert params.structured_outputs == want, body
+    for body, param, fragment in (
+        ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format",
+         "'schema'"),
+        ({"guided_regex": "(a"}, "guided_regex", "("),
+        ({"guided_json": {"type": "number", "minimum": 0}}, "guided_json", "minimum"),
+        ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "grammar"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+         "exactly one"),
+        ({"guided_choice": [], }, "guided_choice", "choice"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
+         "at most one"),
+    ):  # fmt: skip
+        with pytest.raises(ApiError, match=re.escape(fragment)) as e:
+            parse_sampling(body, "chat", None, 4)
+        assert e.value.param == param and e.value.status == 400, (body, e.value.param)

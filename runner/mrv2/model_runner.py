@@ -214,6 +214,7 @@ class MRV2ModelRunner:
             recent_tokens=lambda rows, width: st.recent_tokens(
                 slots[rows], width, self.ring.to_device
             ),
+            keep=sample_mask,
         )
         logprobs = None
         pending = None  # the sampled ids' host copy, when the mailbox has them
@@ -241,6 +242,8 @@ class MRV2ModelRunner:
                 logits = self.model.compute_logits(hidden[batch.logits_indices], float32=False)
             self.model_state.post_forward(batch, hidden)
             out = self.sampler(logits, meta)
+            if meta.grammar is not None:
+                meta.grammar.advance(out.sampled_token_ids)
             mail = None
             if prep_in_graph and self.mailbox is not None:
                 mail = self.mailbox.mail_out(self.buffers.mailbox_slot, False)

@@ -68,7 +68,10 @@ class RequestState:
         self.num_tokens[slot] = len(new.token_ids)
         self.num_computed_tokens[slot] = new.num_computed_tokens
         self.num_blocks[slot] = len(new.block_ids)
-        self.sampling.add(slot, new.params, new.seed, new.stop_ids, new.bad_words)
+        self.sampling.add(
+            slot, new.params, new.seed, new.stop_ids, new.bad_words, new.grammar,
+            new.token_ids[new.num_prompt_tokens :],
+        )  # fmt: skip
         return slot
 
     def update(self, cached: CachedRequestData) -> None:

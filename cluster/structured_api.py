@@ -1,0 +1,93 @@
+"""Structured output as clients ask for it: OpenAI's `response_format` and vLLM's fields.
+
+- `response_format`: `{"type": "text"}` (nothing), `{"type": "json_object"}` (JSON mode:
+  any JSON object), `{"type": "json_schema", "json_schema": {"schema": {...}}}`.
+- vLLM's `structured_outputs`: `{"json": schema}`, `{"regex": "..."}`,
+  `{"choice": [...]}` or `{"json_object": true}`; and its older `guided_json`,
+  `guided_regex`, `guided_choice`.
+
+At most one may be given. The pattern is compiled here (the byte DFA, cached), so a bad
+regex or an unsupported schema keyword is a 400 naming it before any worker sees the
+request; grammars (`guided_grammar`, `structured_outputs.grammar`) are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.cluster.openai_api import ApiError
+from pdserve.runner.structured.patterns import compile_spec
+from pdserve.runner.structured.spec import StructuredOutputs
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
+
+
+def parse_structured(body: dict) -> StructuredOutputs | None:
+    asked = [(name, value) for name, value in _candidates(body) if value is not None]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        names = ", ".join(f"'{n}'" for n, _ in asked)
+        raise ApiError(f"give at most one structured output constraint (got {names})",
+                       param=asked[1][0])  # fmt: skip
+    param, spec = asked[0]
+    try:
+        compile_spec(spec)
+    except ValueError as e:
+        raise ApiError(f"'{param}': {e}", param=param) from e
+    return spec
+
+
+def _candidates(body: dict) -> list[tuple[str, StructuredOutputs | None]]:
+    out = [("response_format", _response_format(body.get("response_format")))]
+    if body.get("structured_outputs") is not None:
+        out.append(("structured_outputs", _structured_outputs(body["structured_outputs"])))
+    for name, key in _GUIDED.items():
+        if body.get(name) is not None:
+            out.append((name, _spec(name, {key: body[name]})))
+    return out
+
+
+def _response_format(value: Any) -> StructuredOutputs | None:
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        inner = value.get("json_schema")
+        schema = inner.get("schema") if isinstance(inner, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise ApiError(
+                "'response_format' of type json_schema needs 'json_schema': {'name': ..., "
+                "'schema': {...}}",
+                param="response_format",
+            )
+        return _spec("response_format", {"json": schema})
+    raise ApiError(
+        f"'response_format' must have 'type' text, json_object or json_schema (got {kind!r})",
+        param="response_format",
+    )
+
+
+def _structured_outputs(value: Any) -> StructuredOutputs:
+    if not isinstance(value, dict):
+        raise ApiError("'structured_outputs' must be an object", param="structured_outputs")
+    if value.get("grammar") is not None:
+        raise ApiError(
+            "'structured_outputs': grammars are not supported by this server; use json, "
+            "regex, choice or json_object",
+            param="structured_outputs",
+            code="unsupported",
+        )
+    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    return _spec("structured_outputs", given)
+
+
+def _spec(param: str, fields: dict) -> StructuredOutputs:
+    try:
+        return StructuredOutputs.from_wire(fields)
+    except (ValueError, TypeError) as e:
+        raise ApiError(f"'{param}': {e}", param=param) from e

@@ -1,0 +1,90 @@
+"""What a request constrains its output to (vLLM's `StructuredOutputsParams`), and its DFA.
+
+One of: `json` (a JSON schema, as JSON text so it travels and hashes as one string; its
+property order is kept, since the output follows it), `regex`, `choice` (one of these
+strings, exactly) or `json_object` (any JSON object: OpenAI's JSON mode). The router
+compiles the byte DFA (`patterns.py`) to refuse a bad pattern with a 400 before anything
+runs; each worker compiles it again (cached by `key`) and lifts it to its tokenizer
+(`token_table.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+MAX_CHOICES = 1024
+MAX_PATTERN_CHARS = 64 << 10
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("json", "regex", "choice") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, json_object "
+                f"(got {given or 'none'})"
+            )
+        if self.json is not None and not isinstance(self.json, str):
+            object.__setattr__(self, "json", json.dumps(self.json))
+        if self.choice is not None:
+            choice = self.choice
+            if not (
+                isinstance(choice, (list, tuple))
+                and 0 < len(choice) <= MAX_CHOICES
+                and all(isinstance(c, str) and c for c in choice)
+            ):
+                raise ValueError(
+                    f"structured_outputs choice must be 1 to {MAX_CHOICES} non-empty strings "
+                    f"(got {choice!r})"
+                )
+            object.__setattr__(self, "choice", tuple(choice))
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError(f"structured_outputs regex must be a string (got {self.regex!r})")
+        if len(self.key) > MAX_PATTERN_CHARS:
+            raise ValueError(f"structured_outputs is longer than {MAX_PATTERN_CHARS} characters")
+
+    @property
+    def key(self) -> str:
+        """One string per constraint: the caches' key and the wire form's content."""
+        return json.dumps(self.to_wire(), ensure_ascii=False)
+
+    def to_wire(self) -> dict[str, Any]:
+        if self.json is not None:
+            return {"json": self.json}
+        if self.regex is not None:
+            return {"regex": self.regex}
+        if self.choice is not None:
+            return {"choice": list(self.choice)}
+        return {"json_object": True}
+
+    @classmethod
+    def from_wire(cls, body: Any) -> StructuredOutputs:
+        if not isinstance(body, dict) or not set(body) <= {
+            "json",
+            "regex",
+            "choice",
+            "json_object",
+        }:
+            raise ValueError(
+                "structured_outputs must be a map with one of json, regex, choice, json_object"
+            )
+        choice = body.get("choice")
+        return cls(
+            json=body.get("json"),
+            regex=body.get("regex"),
+            choice=tuple(choice) if isinstance(choice, list) else choice,
+            json_object=body.get("json_object") is True,
+        )
+
+    def describe(self) -> str:
+        """A short name for logs and errors."""
+        return next(iter(self.to_wire()))

@@ -1,0 +1,224 @@
+"""Structured output through the engine on the bundled SmolLM2: the token tables against a
+token-by-token walk of the byte DFA, greedy decoding against transformers constrained by
+brute force, and the constraint holding under sampling, async scheduling and batching."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from conftest import DEVICE
+
+from pdserve import LLM, SamplingParams
+from pdserve.runner.structured.byte_dfa import compile_dfa
+from pdserve.runner.structured.patterns import compile_spec
+from pdserve.runner.structured.regex_parse import parse_regex
+from pdserve.runner.structured.spec import StructuredOutputs
+from pdserve.runner.structured.token_bytes import token_byte_strings
+from pdserve.runner.structured.token_table import build_token_grammar
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer"},
+        "city": {"type": "string", "maxLength": 20},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def smol(smollm_dir) -> LLM:
+    return LLM(
+        model=smollm_dir, device=DEVICE, dtype="float32", max_model_len=512,
+        kv_cache_memory_bytes=64 << 20,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tok(smol):
+    return smol.get_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def vocab(smol, tok) -> list[bytes | None]:
+    return token_byte_strings(tok, smol.engine.config.model.vocab_size)
+
+
+def _chat(tok, text: str) -> list[int]:
+    msgs = [{"role": "user", "content": text}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False).input_ids
+
+
+def test_token_bytes_spell_what_the_tokenizer_encodes(tok, vocab):
+    """Guards the byte-level alphabet: a wrong map (a space, a control byte, a byte past
+    0x7F) would make the grammar walk other bytes than the detokenizer prints."""
+    texts = ["Hello, world!", ' {"a": [1, 2.5e-3, null]}\n\ttabs', "naïve café – 東京 🙂",
+             "\x00\x07 ctrl", "  leading spaces and trailing  "]  # fmt: skip
+    for text in texts:
+        ids = tok(text, add_special_tokens=False).input_ids
+        assert b"".join(vocab[t] for t in ids) == text.encode(), text
+    special = set(tok.all_special_ids)
+    assert all(vocab[t] is None for t in special)
+    assert sum(v is None for v in vocab) == len(
+        special | {i for i, v in enumerate(vocab) if v is None}
+    )
+
+
+def test_token_table_is_the_walk_of_every_token_from_every_state(smol, vocab):
+    """Guards the vectorised table build (spelling dedup, length buckets, state chunks,
+    column classes) against a plain walk of each token's bytes: a token allowed where its
+    bytes leave the language, or a wrong next state, breaks the output silently."""
+    dfa = compile_dfa(
+        parse_regex(r'(yes|no|maybe)( - [a-z ]{2,12}\.)?|-?\d{1,4}(\.\d+)?|"[^"\\]{0,6}"')
+    )
+    eos = frozenset(smol.engine.eos_token_ids)
+    grammar = build_token_grammar(dfa, vocab, eos, torch.device("cpu"))
+    table = grammar.table.numpy()
+    klass = grammar.token_class.numpy()
+    assert table.shape[0] == dfa.num_states + 1 and table.shape[1] < len(vocab) // 10
+    for state in range(dfa.num_states):
+        got = table[state][klass]
+        for t, data in enumerate(vocab):
+            if t in eos:
+                want = state if dfa.accept[state] else -1
+            elif data is None:
+                want = -1
+            else:
+                want = dfa.walk(data, state)
+            assert got[t] == want, (state, t, data)
+    finish = table[grammar.finish][klass]
+    assert {t for t in range(len(vocab)) if finish[t] >= 0} == set(eos)
+    # A resumed request is placed where its output leads.
+    ids = [vocab.index(b) for b in (b"yes", b" -", b" ok")]
+    assert grammar.state_after(ids) == dfa.walk(b"yes - ok") >= 0
+    # ... and one whose output left the language (it cannot, when every step was masked)
+    # is placed where only EOS is allowed.
+    assert grammar.state_after([vocab.index(b"no"), vocab.index(b"yes")]) == grammar.finish
+
+
+def _constrained_greedy(hf, prompt: list[int], dfa, vocab, eos, max_tokens: int) -> list[int]:
+    """The spec of constrained greedy decoding: at each step the argmax of the model's
+    logits over the tokens whose bytes keep the output in the language (EOS where it may
+    end), found by walking every token."""
+    ids, out, state = list(prompt), [], dfa.start
+    for _ in range(max_tokens):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+        allowed = torch.zeros_like(logits, dtype=torch.bool)
+        for t, data in enumerate(vocab):
+            if t in eos:
+                allowed[t] = bool(dfa.accept[state])
+            elif data is not None:
+                allowed[t] = dfa.walk(data, state) >= 0
+        t = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+        out.append(t)
+        if t in eos:
+            break
+        state = dfa.walk(vocab[t], state)
+        ids.append(t)
+    return out
+
+
+def test_greedy_under_a_schema_equals_transformers_constrained_by_brute_force(
+    smol, tok, vocab, smollm_dir
+):
+    """Guards the whole path (engine cache, device state, mask, advance) against the spec
+    above on transformers' float32 logits: token for token, EOS included. A second,
+    unconstrained request in the same batch must come out as it does alone."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+    prompt = _chat(tok, "Describe a person as JSON with a name, an age and a city.")
+    spec = StructuredOutputs(json=PERSON)
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec)
+    free = SamplingParams(temperature=0, max_tokens=12)
+    got, free_out = smol.generate(
+        [{"prompt_token_ids": prompt}, {"prompt_token_ids": prompt}], [params, free],
+        use_tqdm=False,
+    )  # fmt: skip
+    eos = frozenset(smol.engine.eos_token_ids)
+    want = _constrained_greedy(hf, prompt, compile_spec(spec), vocab, eos, 40)
+    out = got.outputs[0]
+    assert list(out.token_ids) == want
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), PERSON)
+    alone = smol.generate({"prompt_token_ids": prompt}, free, use_tqdm=False)[0]
+    assert free_out.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sampled_outputs_all_follow_the_pattern(smollm_dir, async_scheduling):
+    """Guards the constraint under random sampling (every token of every sample, n=6) and
+    under async scheduling, where the host queues step N+1's mask before step N's token
+    is known: the device-side state must have moved on by then. Greedy outputs must be
+    the same with and without async scheduling."""
+    llm = LLM(model=smollm_dir, device=DEVICE, dtype="float32", max_model_len=256,
+              kv_cache_memory_bytes=32 << 20, async_scheduling=async_scheduling)  # fmt: skip
+    tok = llm.get_tokenizer()
+    pattern = r"(Yes|No)\. The answer is [0-9]{1,3}( (apples|pears))?\."
+    spec = StructuredOutputs(regex=pattern)
+    prompt = {"prompt_token_ids": _chat(tok, "How many apples are in the basket?")}
+    sampled = SamplingParams(temperature=1.0, seed=11, n=6, max_tokens=30,
+                             structured_outputs=spec)  # fmt: skip
+    for comp in llm.generate(prompt, sampled, use_tqdm=False)[0].outputs:
+        assert comp.finish_reason == "stop" and re.fullmatch(pattern, comp.text), comp.text
+    greedy = SamplingParams(temperature=0, max_tokens=30, structured_outputs=spec)
+    text = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text
+    assert re.fullmatch(pattern, text), text
+    test_sampled_outputs_all_follow_the_pattern.texts[async_scheduling] = text
+    if len(test_sampled_outputs_all_follow_the_pattern.texts) == 2:
+        assert len(set(test_sampled_outputs_all_follow_the_pattern.texts.values())) == 1
+
+
+test_sampled_outputs_all_follow_the_pattern.texts = {}
+
+
+def test_json_mode_and_choice(smol, tok):
+    """Guards JSON mode (any object, nested) and a choice list through the engine: each
+    ends on EOS with a text that parses / is one of the choices."""
+    json_mode = {"json_object": True}
+    prompt = {"prompt_token_ids": _chat(tok, "What is the capital of Spain? Answer as JSON.")}
+    out = smol.generate(prompt, SamplingParams(
+        temperature=0, max_tokens=80, structured_outputs=json_mode), use_tqdm=False
+    )[0].outputs[0]  # fmt: skip
+    assert out.finish_reason == "stop", out.text
+    assert isinstance(json.loads(out.text), dict)
+    # A model that loops inside an array runs out of tokens, but never out of the language.
+    prompt = {"prompt_token_ids": _chat(tok, "Give me a JSON object describing a cat.")}
+    out = smol.generate(prompt, SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=json_mode), use_tqdm=False
+    )[0].outputs[0]  # fmt: skip
+    dfa = compile_spec(StructuredOutputs(json_object=True))
+    assert out.finish_reason == "length" and dfa.walk(out.text.encode()) >= 0, out.text
+    choices = ["red", "green", "blue", "light blue"]
+    prompt = {"prompt_token_ids": _chat(tok, "What colour is the sky? Answer in one word.")}
+    for seed in range(4):
+        out = smol.generate(prompt, SamplingParams(
+            temperature=1.0, seed=seed, max_tokens=8, structured_outputs={"choice": choices}
+        ), use_tqdm=False)[0].outputs[0]  # fmt: skip
+        assert out.text in choices and out.finish_reason == "stop", out.text
+
+
+def test_bad_constraints_are_refused_before_anything_is_queued(smol):
+    """Guards the engine's edge: a bad regex or an unsupported schema keyword raises
+    ValueError naming it, and the engine keeps serving."""
+    for so, fragment in (
+        ({"regex": "(a"}, "("),
+        ({"regex": r"(a)\1"}, "\\1"),
+        ({"json": {"type": "integer", "minimum": 3}}, "minimum"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"choice": []}, "choice"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            smol.generate("Hi", SamplingParams(max_tokens=2, structured_outputs=so),
+                          use_tqdm=False)  # fmt: skip
+    assert not smol.engine.has_unfinished()
+    assert smol.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].text
