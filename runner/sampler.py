@@ -68,8 +68,8 @@ class SamplingMetadata:
     bad_word_rows: Tensor | None = None  # [E] int64
     bad_word_tokens: Tensor | None = None  # [E] int64
     bad_word_values: Tensor | None = None  # [E] float32
-    # Structured output: the rows under a grammar (already folded into allowed_mask); the
-    # runner advances their automaton states with the sampled tokens (`advance_grammar`).
+    # Structured output: the rows under a grammar, masked here by their automaton states;
+    # the runner advances the states with the sampled tokens (`grammar.advance`).
     grammar: GrammarStep | None = None
 
     @classmethod
@@ -112,7 +112,7 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Order: float32 → allowed_token_ids → banned tokens (min_tokens, then bad_words) →
+    """Order: float32 → allowed_token_ids → structured output's grammar → banned tokens (min_tokens, then bad_words) →
     logit_bias → penalties → greedy argmax | temperature → min_p → top-k/top-p → + Gumbel
     noise → argmax (vLLM's order: its logits processors before its penalties). Logprobs
     come from the float32 logits before any of it (vLLM's default "raw" logprobs); rows
@@ -130,6 +130,7 @@ class Sampler:
             and meta.bias_rows is None
             and meta.allowed_mask is None
             and meta.bad_word_rows is None
+            and meta.grammar is None
             and not meta.any_penalties
         )
         if plain_argmax and meta.max_num_logprobs is None:
@@ -143,6 +144,8 @@ class Sampler:
         x = raw
         if meta.allowed_mask is not None:
             x = x.masked_fill(meta.allowed_mask, float("-inf"))
+        if meta.grammar is not None:
+            x = meta.grammar.mask(x)
         if meta.banned_rows is not None:
             assert meta.banned_tokens is not None, "banned_rows given without banned_tokens"
             # torch.full, not new_tensor: a host scalar copied to the GPU is a blocking copy.

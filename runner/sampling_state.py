@@ -168,11 +168,9 @@ class SamplingState:
             banned_rows, banned_tokens = packed[0], packed[1]
         bias = self._bias_triples(slots, biased, to_device) if biased else None
         allowed_mask = self._allowed_mask(slots, restricted, to_device) if restricted else None
-        grammar = None
-        if len(grammar_rows):
-            grammar = self._grammar_step(slots, grammar_rows, keep, to_device)
-            forbidden = grammar.forbidden(len(slots))
-            allowed_mask = forbidden if allowed_mask is None else allowed_mask | forbidden
+        grammar = (
+            self._grammar_step(slots, grammar_rows, keep, to_device) if len(grammar_rows) else None
+        )
         bans = self._bad_word_bans(bad, recent_tokens, to_device) if bad else None
         prompt_mask = output_counts = None
         if len(pen_rows):
@@ -269,14 +267,12 @@ class SamplingState:
             g = self.grammar[slots[row]]
             by_grammar.setdefault(id(g), []).append(row)
             grammars[id(g)] = g
-        ordered = np.asarray([r for group in by_grammar.values() for r in group], dtype=np.int64)
-        kept = np.ones(len(ordered), dtype=np.int64) if keep is None else keep[ordered]
-        index = to_device(np.stack([ordered, slots[ordered], kept.astype(np.int64)]))
-        groups, start = [], 0
+        kept = np.ones(len(slots), dtype=bool) if keep is None else keep
+        groups = []
         for key, group in by_grammar.items():
-            groups.append((grammars[key], slice(start, start + len(group))))
-            start += len(group)
-        return GrammarStep.build(groups, index, self.grammar_state)
+            r = np.asarray(group, dtype=np.int64)
+            groups.append((grammars[key], r, slots[r].astype(np.int64), kept[r]))
+        return GrammarStep.build(len(slots), groups, self.grammar_state, to_device)
 
     def _bad_word_bans(
         self,
