@@ -77,8 +77,13 @@ def main() -> None:
 
             def params(n: int, spec=spec, temperature=temperature) -> list[SamplingParams]:
                 return [
-                    SamplingParams(temperature=temperature, seed=i, max_tokens=n,
-                                   ignore_eos=True, structured_outputs=spec)  # fmt: skip
+                    SamplingParams(
+                        temperature=temperature,
+                        seed=i,
+                        max_tokens=n,
+                        ignore_eos=True,
+                        structured_outputs=spec,
+                    )  # fmt: skip
                     for i in range(args.rows)
                 ]
 

@@ -38,6 +38,21 @@ _WORKER_SERIES = {
         "counter",
         "Triton kernels compiled after the warm-up (a request waited for each)",
     ),
+    "structured_requests": (
+        "worker_structured_requests",
+        "counter",
+        "Requests under structured output (JSON schema, JSON mode, regex, choice)",
+    ),
+    "grammar_compiles": (
+        "worker_grammar_compiles",
+        "counter",
+        "Structured-output constraints compiled for the worker's tokenizer (new ones only)",
+    ),
+    "grammar_compile_seconds": (
+        "worker_grammar_compile_seconds",
+        "counter",
+        "Seconds the worker's loop spent compiling them",
+    ),
     "transfer_bytes": ("kv_transfer_bytes", "counter", "KV bytes pulled"),
     "transfer_seconds": ("kv_transfer_seconds", "counter", "Seconds spent pulling KV"),
     "recompute_fallbacks": ("kv_recompute_fallbacks", "counter", "Failed pulls recomputed"),

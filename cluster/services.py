@@ -53,6 +53,9 @@ def _engine_stats(engine: Engine, compiles: CompileWatch | None) -> dict[str, An
         "execution_path": engine.execution_path,
         "steps_by_path": engine.steps_by_path(),
         "kernel_compiles": compiles.count if compiles is not None else 0,
+        "structured_requests": engine.grammars.requests,
+        "grammar_compiles": engine.grammars.compiles,
+        "grammar_compile_seconds": engine.grammars.compile_seconds,
     }
 
 

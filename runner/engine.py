@@ -125,6 +125,7 @@ class Engine(PDRoles):
         self.scheduler.num_prompt_tokens_computed = self.scheduler.num_preemptions = 0
         self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
         self.first_tokens_by_source.clear()
+        self.grammars.reset_counters()
         self._num_arrivals = 0
         self.runner.reset_step_counts()
 
@@ -187,7 +188,7 @@ class Engine(PDRoles):
             eos_token_ids=self.eos_token_ids,
             bad_words=bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else (),
             grammar=(
-                self.grammars.get(params.structured_outputs)
+                self.grammars.get(params.structured_outputs, for_request=True)
                 if params.structured_outputs is not None
                 else None
             ),

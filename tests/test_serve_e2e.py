@@ -391,6 +391,10 @@ def test_structured_output_over_http_in_pd_equals_colocated(pd, colocated):
     assert after - before == 1  # the PD answer's first token came from the prefill worker
     assert texts[0] == texts[1]
     jsonschema.validate(json.loads(texts[0]), schema)
+    text = colocated.metrics()
+    assert _metric(text, "pdserve:worker_structured_requests_total") >= 1, text
+    assert _metric(text, "pdserve:worker_grammar_compiles_total") >= 1
+    assert _metric(text, "pdserve:worker_grammar_compile_seconds_total") > 0
     c = pd.client()
     r = c.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=60, temperature=0.7,
@@ -687,3 +691,16 @@ def test_pd_with_layer_wise_early_tickets(layer_wise_pd, pd):
     firsts = _metric(text, "pdserve:kv_early_first_tokens_total")
     assert firsts == _metric(text, "pdserve:kv_early_tickets_total"), text
     assert _metric(pd.metrics(), "pdserve:kv_early_tickets_total") == 0
+    # Structured output over an early ticket: the decode worker learns the first token
+    # after it queued the request, and its grammar must start after that token.
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+        "type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}},
+        "required": ["capital"]}}}  # fmt: skip
+    answers = [
+        server.client().chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=20, temperature=0,
+            response_format=fmt,
+        ).choices[0].message.content
+        for server in (layer_wise_pd, pd)
+    ]  # fmt: skip
+    assert answers[0] == answers[1] and "capital" in json.loads(answers[0]), answers

@@ -153,3 +153,28 @@ def test_sampled_rows_hold_their_patterns_in_a_mixed_async_batch(tiny_dir, dtype
             assert re.fullmatch(SPECS[0].regex, comp.text)
     if DEVICE == "cuda":
         assert llm.engine.steps_by_path().get("cuda_graph", 0) > 0
+
+
+def test_preempted_rows_resume_in_the_state_their_output_left(tiny_dir):
+    """Guards resumption: a request preempted mid-output comes back in a fresh slot whose
+    automaton state is rebuilt on the host from the tokens it had (`state_after`), with
+    and without async scheduling (where one of its tokens may still be in flight when it
+    is preempted). Greedy outputs must equal those of a cache that never preempts."""
+    spec = StructuredOutputs(regex=r"([a-z]{1,6} ){5,40}[a-z]{1,6}\.")
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec)
+    g = torch.Generator().manual_seed(4)
+    prompts = [
+        {"prompt_token_ids": torch.randint(3, 600, (int(n),), generator=g).tolist()}
+        for n in torch.randint(20, 40, (8,), generator=g)
+    ]
+    want = [o.outputs[0].token_ids for o in _llm(tiny_dir, "float32").generate(
+        prompts, params, use_tqdm=False)]  # fmt: skip
+    for async_scheduling in (False, True):
+        llm = LLM(model=tiny_dir, device=DEVICE, dtype="float32", max_model_len=128,
+                  num_gpu_blocks=24, block_size=8, async_scheduling=async_scheduling)  # fmt: skip
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert [o.outputs[0].token_ids for o in outs] == want
+        for o in outs:
+            comp = o.outputs[0]
+            assert _in_language(spec, comp.text, comp.finish_reason == "stop"), comp.text

@@ -39,9 +39,19 @@ class GrammarCache:
         self._max_entries = max_entries
         self._token_bytes: list[bytes | None] | None = None
         self._grammars: OrderedDict[str, TokenGrammar] = OrderedDict()
+        # For /metrics: requests that took a grammar, compiles, and their seconds.
+        self.requests = 0
+        self.compiles = 0
+        self.compile_seconds = 0.0
 
-    def get(self, spec: StructuredOutputs) -> TokenGrammar:
-        """The spec's grammar; ValueError if the spec is bad or there is no tokenizer."""
+    def reset_counters(self) -> None:
+        self.requests = self.compiles = 0
+        self.compile_seconds = 0.0
+
+    def get(self, spec: StructuredOutputs, for_request: bool = False) -> TokenGrammar:
+        """The spec's grammar; ValueError if the spec is bad or there is no tokenizer.
+        `for_request`: a request is queued with it (counted; a validation is not)."""
+        self.requests += for_request
         key = spec.key
         grammar = self._grammars.get(key)
         if grammar is not None:
@@ -54,6 +64,8 @@ class GrammarCache:
         if self._token_bytes is None:
             self._token_bytes = token_byte_strings(self._tokenizer, self._vocab_size)
         grammar = build_token_grammar(dfa, self._token_bytes, self._eos_ids, self._device)
+        self.compiles += 1
+        self.compile_seconds += time.perf_counter() - start
         logger.info(
             "structured output (%s): %d states, %d token classes, %.1f MB, compiled in %.2f s",
             spec.describe(),
