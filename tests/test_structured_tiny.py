@@ -178,3 +178,20 @@ def test_preempted_rows_resume_in_the_state_their_output_left(tiny_dir):
         for o in outs:
             comp = o.outputs[0]
             assert _in_language(spec, comp.text, comp.finish_reason == "stop"), comp.text
+
+
+def test_the_reference_runner_keeps_the_same_contract(tiny_dir):
+    """Guards the fallback runner (transformers, no paging): it masks and advances through
+    the same sampling state, so its constrained greedy outputs equal the MRV2 runner's."""
+    outs = []
+    for runner in ("reference", "mrv2"):
+        llm = LLM(model=tiny_dir, device=DEVICE, dtype="float32", max_model_len=256,
+                  kv_cache_memory_bytes=16 << 20, runner=runner)  # fmt: skip
+        assert llm.engine.runner_name == runner
+        prompt = {"prompt_token_ids": llm.get_tokenizer()("yes no").input_ids}
+        outs.append([
+            llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24,
+                         structured_outputs=spec), use_tqdm=False)[0].outputs[0].token_ids
+            for spec in SPECS
+        ])  # fmt: skip
+    assert outs[0] == outs[1]

@@ -10,6 +10,7 @@ in the batch, usually one).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,7 +43,7 @@ class GrammarStep:
         groups: list[tuple[TokenGrammar, np.ndarray, np.ndarray, np.ndarray]],
         # ^ each grammar with its rows, their slots and keep flags (host arrays)
         states: Tensor,
-        to_device,
+        to_device: Callable[[np.ndarray], Tensor],
     ) -> GrammarStep:
         """Every group's index arrays in one host copy."""
         parts = []

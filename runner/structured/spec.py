@@ -68,14 +68,15 @@ class StructuredOutputs:
 
     @classmethod
     def from_wire(cls, body: Any) -> StructuredOutputs:
-        if not isinstance(body, dict) or not set(body) <= {
-            "json",
-            "regex",
-            "choice",
-            "json_object",
-        }:
+        if not isinstance(body, dict):
             raise ValueError(
                 "structured_outputs must be a map with one of json, regex, choice, json_object"
+            )
+        unknown = sorted(set(body) - {"json", "regex", "choice", "json_object"})
+        if unknown:
+            raise ValueError(
+                f"structured_outputs field(s) {unknown} are not supported here (supported: "
+                "json, regex, choice, json_object)"
             )
         choice = body.get("choice")
         return cls(

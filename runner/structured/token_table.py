@@ -15,9 +15,11 @@ no way on ends there instead of sampling from an all -inf row.
 
 EOS is allowed exactly in accepting states. Special tokens are never allowed.
 
-Building it walks every distinct token spelling (as a string of the DFA's byte classes)
-from every state at once, one byte position at a time: states x the vocabulary's total
-length in gathers (JSON mode on SmolLM2: see `tests/test_structured_tokens.py`).
+Building it walks every distinct token spelling (a string of the DFA's byte classes)
+from every state at once, as a trie, one depth at a time: states x trie nodes in gathers.
+JSON mode (831 states) on SmolLM2's vocabulary: 34k spellings, 69k trie nodes, ~3 s on a
+2-core CPU (0.9 s on the H200's host for a 151,936-id model); tests/test_structured_output.py
+checks the table against a plain walk of every token from every state.
 """
 
 from __future__ import annotations
