@@ -45,7 +45,7 @@ FIRST=(tests/test_gpu_step_loop.py tests/test_gpu_attention.py tests/test_gpu_ke
 SECOND=(tests/test_paged_attention_triton.py tests/test_skinny_linear.py
     tests/test_parity_hf.py tests/test_self_consistency.py tests/test_async_scheduling.py
     tests/test_layer_wise.py tests/test_norm_fold.py tests/test_gpu_norm_fold.py
-    tests/test_sampling_triton.py)
+    tests/test_sampling_triton.py tests/test_grammar_kernels.py tests/test_structured_tiny.py)
 case "${TESTS:-all}" in
   1) FILES=("${FIRST[@]}") ;;
   2) FILES=("${SECOND[@]}") ;;
