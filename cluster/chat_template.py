@@ -56,6 +56,9 @@ def render_chat(body: dict, tok: Any, template: str | None = None) -> str:
         )
     from jinja2 import TemplateError
 
+    # Tools reach the template whatever tool_choice says, as on vLLM (templates that know
+    # tools describe them to the model; the others ignore them).
+    tools = body.get("tools") or None
     try:
         return tok.apply_chat_template(
             messages,
@@ -63,6 +66,7 @@ def render_chat(body: dict, tok: Any, template: str | None = None) -> str:
             chat_template=template,
             add_generation_prompt=add_prompt and not continue_final,
             continue_final_message=continue_final,
+            tools=tools,
             **extra,
         )
     except (TemplateError, TypeError) as e:  # a TypeError: the template tripped on a value

@@ -41,6 +41,7 @@ from pdserve.cluster.openai_api import (
 )
 from pdserve.cluster.prompts import completion_prompts, prompt_token_ids
 from pdserve.cluster.request_log import RequestLog
+from pdserve.cluster.tool_calls import ToolStream, parse_tool_choice
 from pdserve.cluster.unsupported import refuse_unsupported
 
 
@@ -80,12 +81,14 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                 "'prompt_logprobs' are not available when 'stream' is true (as in vLLM)",
                 param="prompt_logprobs",
             )
+        tools = parse_tool_choice(body) if kind == "chat" else None
+        constraint = tools.constraint() if tools is not None else None
         defaults, out = state.sampling_defaults, []
         for ids, text in prompts:
             max_tokens = resolve_max_tokens(
                 requested, len(ids), state.max_model_len, defaults.get("max_tokens")
             )
-            params, k = parse_sampling(body, kind, seed, max_tokens, defaults)
+            params, k = parse_sampling(body, kind, seed, max_tokens, defaults, constraint)
             check_token_ids(params, state.vocab_size)
             check_priority(params, state.scheduling_policy)
             out.append(
@@ -102,6 +105,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                     body.get("prompt_logprobs") is not None,
                     typed(body, "return_tokens_as_token_ids", (bool,), False),
                     role,
+                    tools,
                 )
             )
         return out
@@ -137,6 +141,16 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
         body["finish_reason"] = _finish(finish)
         if finish is not None and stop_reason is not None:
             body["stop_reason"] = stop_reason
+        return body
+
+    def tool_reply(req: ParsedRequest, body: dict, text: str) -> dict:
+        """A whole chat choice under tool_choice required or named: its text as tool calls
+        (content null, finish_reason tool_calls), or as text when it is not whole."""
+        calls = req.tool_choice.calls(text) if req.tool_choice is not None else None
+        if calls is not None:
+            body["message"] = {"role": req.role, "content": None, "tool_calls": calls}
+            if body["finish_reason"] == "stop":
+                body["finish_reason"] = "tool_calls"
         return body
 
     async def run(reqs: list[ParsedRequest]):
@@ -191,6 +205,8 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
             choice(req, c, texts[c], echo_toks[c] + toks[c], lps[c], finish[c], stop[c], False)
             for c in range(total)
         ]
+        if req.kind == "chat" and req.tool_choice is not None:
+            choices = [tool_reply(req, body, texts[c]) for c, body in enumerate(choices)]
         out = {
             "id": cid,
             "object": kind,
@@ -217,6 +233,10 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
         completion_tokens, first_token, last = 0, None, None
         prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
         reasons: list[str | None] = [None] * (len(reqs) * req.params.n)
+        tc = req.tool_choice
+        tools = (
+            ToolStream(tc) if req.kind == "chat" and tc is not None and tc.kind != "none" else None
+        )
 
         def chunk(choices: list[dict], final_usage: bool = False) -> str:
             body = {
@@ -265,6 +285,10 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                     body = choice(
                         req, c, text, ids, rows, d.finish_reason, d.stop_reason, delta=True
                     )
+                    if tools is not None:
+                        body = tools.delta(c, body, text, d.finish_reason)
+                        if body is None:
+                            continue
                     yield chunk([body])
         except ApiError as e:
             yield _sse(e.body())

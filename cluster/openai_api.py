@@ -14,9 +14,13 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.runner.sampling_params import SamplingParams
+from pdserve.runner.structured.spec import StructuredOutputs
+
+if TYPE_CHECKING:  # it imports this module
+    from pdserve.cluster.tool_calls import ToolChoice
 
 
 class ApiError(Exception):
@@ -67,6 +71,8 @@ class ParsedRequest:
     # vLLM's `return_tokens_as_token_ids`: logprobs name tokens as "token_id:{id}".
     tokens_as_ids: bool = False
     role: str = "assistant"  # chat: the reply's role (`chat_role`)
+    # chat: tools and tool_choice (cluster/tool_calls.py), None without tools
+    tool_choice: ToolChoice | None = None
 
 
 def typed(body: dict, name: str, types: tuple, default: Any = None) -> Any:
@@ -192,12 +198,18 @@ def _text_part(part: Any) -> str:
 
 
 def parse_sampling(
-    body: dict, kind: str, seed: int | None, max_tokens: int, defaults: dict | None = None
+    body: dict,
+    kind: str,
+    seed: int | None,
+    max_tokens: int,
+    defaults: dict | None = None,
+    tool_constraint: StructuredOutputs | None = None,
 ) -> tuple[SamplingParams, int | None]:
     """SamplingParams from OpenAI fields; a field left out takes the server's default
     (`defaults`, runner/generation_defaults.py), then OpenAI's. The seed is resolved by
     the caller (the router picks one when the client gives none, so prefill and decode
-    sample alike), and so is `max_tokens` (`resolve_max_tokens`)."""
+    sample alike), and so is `max_tokens` (`resolve_max_tokens`). `tool_constraint`: what
+    a chat's tool_choice makes the reply follow (cluster/tool_calls.py)."""
     defaults = defaults or {}
 
     def number(name: str, openai_default: float) -> float:
@@ -220,6 +232,14 @@ def parse_sampling(
     from pdserve.cluster.structured_api import parse_structured  # it raises ApiError (cycle)
 
     structured = parse_structured(body)
+    if tool_constraint is not None:
+        if structured is not None:
+            raise ApiError(
+                "'tool_choice' required or named already constrains the reply; leave out "
+                "response_format, structured_outputs and guided_*",
+                param="tool_choice",
+            )
+        structured = tool_constraint
     stop = typed(body, "stop", (str, list))
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
         raise ApiError("'stop' must be a string or an array of strings", param="stop")

@@ -3,7 +3,7 @@ are ignored, as OpenAI's API does; these are known, and ignoring them would chan
 the client gets without a word (JSON mode answering free text, tool calls that never
 come), so a request that uses one is refused (400) by name.
 
-A field at its neutral value (an empty `tools` list,
+A field at its neutral value (an empty `functions` list,
 `suffix: ""`, ...) is accepted: clients that always send the defaults keep working.
 """
 
@@ -18,12 +18,9 @@ _RULES: dict[str, tuple[Any, str]] = {
     # Structured output (response_format, structured_outputs, guided_json/regex/choice)
     # is carried out (cluster/structured_api.py); grammars are not.
     "guided_grammar": (lambda v: v is not None, "grammar-guided decoding is not supported"),
-    "tools": (bool, "tool calling is not supported"),
-    "functions": (bool, "function calling is not supported"),
-    "tool_choice": (
-        lambda v: v not in (None, "none", "auto"),
-        "tool calling is not supported",
-    ),
+    # tools and tool_choice are carried out where structured output can promise the call
+    # (cluster/tool_calls.py); the deprecated functions field is not.
+    "functions": (bool, "function calling is not supported; use tools"),
     "use_beam_search": (bool, "beam search is not supported"),
     "prompt_embeds": (lambda v: v is not None, "prompt embeddings are not supported"),
     "suffix": (bool, "suffix (insertion) is not supported"),

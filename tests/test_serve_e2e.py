@@ -421,6 +421,59 @@ def test_structured_output_over_http_in_pd_equals_colocated(pd, colocated):
         assert e.value.body.get("param") == param, e.value.body
 
 
+def test_tool_calls_named_and_required_over_http(pd):
+    """Guards tool calling through the router and both PD workers: a named function comes
+    back as one tool call whose arguments validate against its parameters (streamed, the
+    same arguments in pieces), `required` as one or more calls of the given tools, `none`
+    as text; `auto` is refused by name rather than answered with text."""
+    import jsonschema
+
+    params = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20},
+                       "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"],
+    }  # fmt: skip
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": params}},
+        {"type": "function", "function": {"name": "get_time"}},
+    ]
+    msgs = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    c = pd.client()
+    kw = dict(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=40, temperature=0,
+              tools=tools)  # fmt: skip
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(**kw, tool_choice=named)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "get_weather" and call.type == "function"
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    pieces, names, finish = [], set(), None
+    for chunk in c.chat.completions.create(**kw, tool_choice=named, stream=True):
+        for choice in chunk.choices:
+            for tc in choice.delta.tool_calls or []:
+                pieces.append(tc.function.arguments or "")
+                names.add(tc.function.name)
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == call.function.arguments and finish == "tool_calls"
+    assert names - {None} == {"get_weather"}
+    r = c.chat.completions.create(**kw, tool_choice="required")
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch
+    for tc in ch.message.tool_calls:
+        assert tc.function.name in ("get_weather", "get_time")
+        args = json.loads(tc.function.arguments)
+        jsonschema.validate(
+            args, params if tc.function.name == "get_weather" else {"type": "object"}
+        )
+    r = c.chat.completions.create(**kw, tool_choice="none")
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(**kw)  # tool_choice auto, OpenAI's default with tools
+    assert e.value.body.get("param") == "tool_choice" and "parser" in e.value.body["message"]
+
+
 def test_chat_echo_joins_the_answer_the_client_began(pd):
     """Guards chat `echo` (vLLM's): with `continue_final_message` the reply starts with the
     assistant words the client sent, followed by exactly what the same request without

@@ -323,8 +323,7 @@ def test_special_tokens_follow_vllm(bos_tokenizer):
     "field, value",
     [
         ("guided_grammar", "root ::= 'a'"),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "required"),
+        ("functions", [{"name": "f", "parameters": {}}]),
         ("use_beam_search", True),
         ("suffix", "end"),
         ("best_of", 3),

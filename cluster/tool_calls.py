@@ -1,0 +1,172 @@
+"""Tool calling in chat, where structured output can promise it: a named function and
+`tool_choice: "required"` (as vLLM does them), and `"none"`.
+
+- A named function (`{"type": "function", "function": {"name": ...}}`): the reply is the
+  function's `parameters` schema as JSON, returned as one tool call whose `arguments` is
+  that text.
+- `"required"`: the reply is a JSON array of one or more `{"name": ..., "parameters":
+  {...}}` objects, each naming one of the tools with its parameters; each becomes a tool
+  call.
+- `"none"`: the tools reach the chat template and the reply is text.
+
+`"auto"` (OpenAI's default once tools are given) needs a parser of each model family's
+own tool-call syntax, which pdserve does not have: it is refused by name rather than
+answered with text that was meant to be a call. Tools go to the chat template in every
+case, as vLLM does by default.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.cluster.openai_api import ApiError, new_id
+from pdserve.runner.structured.spec import StructuredOutputs
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    kind: str  # "named" | "required" | "none"
+    name: str | None  # the named function
+    tools: tuple[dict, ...]  # the request's tools, checked
+
+    def constraint(self) -> StructuredOutputs | None:
+        """What the reply must follow (None for "none")."""
+        schemas = {t["function"]["name"]: _parameters(t) for t in self.tools}
+        if self.kind == "named":
+            return StructuredOutputs(json=schemas[self.name])
+        if self.kind == "required":
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "parameters": schema},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for name, schema in schemas.items()
+            ]
+            item = calls[0] if len(calls) == 1 else {"anyOf": calls}
+            return StructuredOutputs(json={"type": "array", "minItems": 1, "items": item})
+        return None
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The reply as OpenAI tool calls; None when it is not whole (cut by max_tokens or
+        a stop string), so the caller returns it as text."""
+        if self.kind == "none":
+            return None
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if self.kind == "named":
+            return [_call(self.name, text)]
+        return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+
+
+class ToolStream:
+    """A streamed chat's tool calls, choice by choice. A named function's arguments
+    stream as they come (the first delta carries the call's id and name); `required`
+    replies are held until whole, then sent as one delta of calls (or as text if cut)."""
+
+    def __init__(self, choice: ToolChoice) -> None:
+        self.choice = choice
+        self._ids: dict[int, str] = {}  # choice index -> the id of its named call
+        self._held: dict[int, str] = {}  # choice index -> text so far (required)
+
+    def delta(self, index: int, body: dict, text: str, finish: str | None) -> dict | None:
+        """The chunk body for this piece of a choice's text; None to send nothing yet."""
+        if self.choice.kind == "named":
+            if text:
+                entry: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+                if index not in self._ids:
+                    self._ids[index] = new_id("chatcmpl-tool")
+                    entry.update(id=self._ids[index], type="function")
+                    entry["function"]["name"] = self.choice.name
+                body["delta"] = {"tool_calls": [entry]}
+            else:
+                body["delta"] = {}
+        else:
+            self._held[index] = self._held.get(index, "") + text
+            if finish is None:
+                return None
+            held = self._held.pop(index)
+            calls = self.choice.calls(held)
+            if calls is None:  # cut short: the text as it is
+                body["delta"] = {"content": held} if held else {}
+                return body
+            body["delta"] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        if finish == "stop":
+            body["finish_reason"] = "tool_calls"
+        return body
+
+
+def parse_tool_choice(body: dict) -> ToolChoice | None:
+    """The request's tools and tool_choice, checked; None when there is nothing to do."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice in (None, "none", "auto"):
+            return None
+        raise ApiError("'tool_choice' names a tool, but the request has no 'tools'",
+                       param="tool_choice")  # fmt: skip
+    checked = tuple(_check_tool(t) for t in _list(tools))
+    names = [t["function"]["name"] for t in checked]
+    if len(set(names)) != len(names):
+        raise ApiError(f"'tools' names a function twice: {names}", param="tools")
+    if choice is None or choice == "auto":
+        raise ApiError(
+            "'tool_choice' auto (the default when tools are given) needs a parser of the "
+            "model's own tool-call syntax, which this server does not have; ask for "
+            "'required', a named function, or 'none'",
+            param="tool_choice",
+            code="unsupported",
+        )
+    if choice in ("none", "required"):
+        return ToolChoice(choice, None, checked)
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and name in names):
+        raise ApiError(
+            "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', "
+            f"'function': {{'name': one of {names}}}}}",
+            param="tool_choice",
+        )
+    return ToolChoice("named", name, checked)
+
+
+def _list(tools: Any) -> list:
+    if not isinstance(tools, list):
+        raise ApiError("'tools' must be an array", param="tools")
+    return tools
+
+
+def _check_tool(tool: Any) -> dict:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)):
+        raise ApiError("each tool must be {'type': 'function', 'function': {...}}", param="tools")
+    name = fn.get("name")
+    if not (isinstance(name, str) and _NAME.fullmatch(name)):
+        raise ApiError(
+            f"a function's name must be 1-64 letters, digits, _ or - (got {name!r})",
+            param="tools",
+        )
+    params = fn.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ApiError(f"function {name!r}: 'parameters' must be a JSON schema object",
+                       param="tools")  # fmt: skip
+    return tool
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or _NO_PARAMETERS
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {
+        "id": new_id("chatcmpl-tool"),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
