@@ -99,7 +99,8 @@ def main() -> None:
         port_file = f"/tmp/tcp_probe_port_{t}"
         Path(port_file).unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--serve", port_file, "--src", args.src,
-               "--io-threads", str(t), "--mib", str(args.mib), "--chunk-mib", str(args.chunk_mib)]  # fmt: skip
+               "--io-threads", str(t), "--mib", str(args.mib),
+               "--chunk-mib", str(args.chunk_mib)]  # fmt: skip
         server = subprocess.Popen(cmd)
         deadline = time.monotonic() + 120
         while not Path(port_file).exists() or not Path(port_file).read_text():

@@ -112,11 +112,12 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Order: float32 → allowed_token_ids → structured output's grammar → banned tokens (min_tokens, then bad_words) →
-    logit_bias → penalties → greedy argmax | temperature → min_p → top-k/top-p → + Gumbel
-    noise → argmax (vLLM's order: its logits processors before its penalties). Logprobs
-    come from the float32 logits before any of it (vLLM's default "raw" logprobs); rows
-    wanting fewer than `max_num_logprobs` are trimmed by the caller.
+    """Order: float32 → allowed_token_ids → structured output's grammar → banned tokens
+    (min_tokens, then bad_words) → logit_bias → penalties → greedy argmax | temperature →
+    min_p → top-k/top-p → + Gumbel noise → argmax (vLLM's order: its logits processors
+    before its penalties). Logprobs come from the float32 logits before any of it (vLLM's
+    default "raw" logprobs); rows wanting fewer than `max_num_logprobs` are trimmed by the
+    caller.
     """
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:

@@ -52,7 +52,10 @@ def test_named_and_required_constrain_the_reply_to_their_calls():
     required = parse_tool_choice({"tools": [WEATHER, TIME], "tool_choice": "required"})
     spec = required.constraint()
     dfa = compile_spec(spec)
-    reply = '[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"city":"Rome","unit":"fahrenheit"}}]'  # noqa: E501
+    reply = (
+        '[{"name":"get_time","parameters":{}},'
+        '{"name":"get_weather","parameters":{"city":"Rome","unit":"fahrenheit"}}]'
+    )
     assert dfa.matches(reply.encode())
     jsonschema.validate(json.loads(reply), json.loads(spec.json))
     for bad in (b"[]", b'[{"name":"get_date","parameters":{}}]',
@@ -97,9 +100,8 @@ def test_a_stream_sends_named_arguments_as_they_come_and_required_calls_whole():
     """Guards the SSE shapes: a named call's first delta carries its id, type and name,
     later ones only argument text, and the last says finish_reason tool_calls; a required
     reply sends nothing until whole, then every call at once (or its text, if cut)."""
-    named = ToolStream(parse_tool_choice(
-        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-    ))  # fmt: skip
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    named = ToolStream(parse_tool_choice({"tools": [WEATHER], "tool_choice": forced}))
     pieces = ['{"city": ', '"Oslo", "unit": ', '"celsius"}']
     bodies = [
         named.delta(0, {"index": 0, "finish_reason": None}, p, "stop" if i == 2 else None)

@@ -516,7 +516,8 @@ def test_structured_output_fields_parse_as_openai_and_vllm_send_them():
         ({"response_format": {"type": "text"}}, None),
         ({"response_format": {"type": "json_object"}}, StructuredOutputs(json_object=True)),
         (
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+            {"response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": schema}}},
             StructuredOutputs(json=schema),
         ),
         ({"structured_outputs": {"regex": "[ab]+"}}, StructuredOutputs(regex="[ab]+")),
