@@ -396,6 +396,17 @@ def test_structured_output_over_http_in_pd_equals_colocated(pd, colocated):
     assert _metric(text, "pdserve:worker_grammar_compiles_total") >= 1
     assert _metric(text, "pdserve:worker_grammar_compile_seconds_total") > 0
     c = pd.client()
+    # The README's example, answer and all.
+    place = {"type": "object", "required": ["city", "country"],
+             "properties": {"city": {"type": "string"}, "country": {"type": "string"}}}  # fmt: skip
+    r = c.chat.completions.create(
+        model="SmolLM2-135M-Instruct", max_tokens=40, temperature=0,
+        messages=[{"role": "user",
+                   "content": "Which city is the capital of France? Answer as JSON."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "place", "schema": place}},
+    )  # fmt: skip
+    assert r.choices[0].message.content == '{"city": "Paris", "country": "FRANCE"}'
     r = c.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=60, temperature=0.7,
         seed=5, response_format={"type": "json_object"},
