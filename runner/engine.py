@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from concurrent.futures import Future
 from typing import Any
 
 from pdserve.runner.bad_words import bad_word_ids
@@ -81,6 +82,8 @@ class Engine(PDRoles):
         self._tracks: dict[str, Track] = {}
         self._pending: list[RequestDelta] = []
         self._held: dict[str, tuple[int, ...]] = {}  # prefill role: blocks under a lease
+        # Requests whose structured-output grammar is still being built (grammar_cache.py)
+        self._awaiting_grammar: dict[str, tuple[Request, Future]] = {}
         # decode role: how early tickets' first tokens arrived (`add_first_token`)
         self.first_tokens_by_source: Counter[str] = Counter()
         self._num_arrivals = 0
@@ -145,7 +148,7 @@ class Engine(PDRoles):
             params,
         )  # fmt: skip
         if params.structured_outputs is not None:
-            self.grammars.get(params.structured_outputs)  # compiled (or refused) here, once
+            self.grammars.check(params.structured_outputs)  # its DFA; the table is built apart
 
     def add_request(
         self,
@@ -187,13 +190,13 @@ class Engine(PDRoles):
             seed=seed,
             eos_token_ids=self.eos_token_ids,
             bad_words=bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else (),
-            grammar=(
-                self.grammars.get(params.structured_outputs, for_request=True)
-                if params.structured_outputs is not None
-                else None
-            ),
             **pd,
         )
+        compiling = None
+        if params.structured_outputs is not None:
+            compiling = self.grammars.prepare(params.structured_outputs)
+            if compiling.done():  # cached: no wait
+                req.grammar, compiling = compiling.result(), None
         detok = (
             IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
             if self.tokenizer is not None
@@ -201,12 +204,45 @@ class Engine(PDRoles):
         )
         hold = max((len(s) for s in params.stop_strings), default=1) - 1
         self._tracks[request_id] = Track(detok=detok, hold_back=hold)
-        self.scheduler.add_request(req)
+        if compiling is not None:  # queued once its grammar is built (`_admit_compiled`)
+            self._awaiting_grammar[request_id] = (req, compiling)
+        else:
+            self.scheduler.add_request(req)
         return req
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is built; one whose build failed ends with an
+        error. A request that ended meanwhile (aborted, or finished by its first token)
+        has no track left and is dropped."""
+        for rid, (req, future) in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[rid]
+            if rid not in self._tracks:
+                continue
+            try:
+                req.grammar = future.result()
+            except Exception as e:  # the build's own failure: this request ends with it
+                logger.warning("structured output for %s failed to compile: %s", rid, e)
+                del self._tracks[rid]
+                self._pending.append(RequestDelta(
+                    rid, [], "", finish_reason="error", stop_reason=f"structured output: {e}",
+                    num_prompt_tokens=req.num_prompt_tokens,
+                ))  # fmt: skip
+                continue
+            self.scheduler.add_request(req)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request at any point; its blocks are freed now and the next `step()`
         returns its final delta (finish_reason "abort"). False if it was not live."""
+        waiting = self._awaiting_grammar.pop(request_id, None)
+        if waiting is not None:  # its grammar is still being built: nothing else to free
+            self._tracks.pop(request_id, None)
+            self._pending.append(RequestDelta(
+                request_id, [], "", finish_reason="abort",
+                num_prompt_tokens=waiting[0].num_prompt_tokens,
+            ))  # fmt: skip
+            return True
         loading = request_id in self.scheduler.loading
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         if req is None:
@@ -223,7 +259,12 @@ class Engine(PDRoles):
 
     def has_unfinished(self) -> bool:
         """Work left for `step()` (held blocks are not work: they wait for a release)."""
-        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._inflight)
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self._pending)
+            or bool(self._inflight)
+            or bool(self._awaiting_grammar)
+        )
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -232,6 +273,8 @@ class Engine(PDRoles):
         N+1, then wait for step N's tokens and emit them, so the device is never idle while
         the host plans (outputs arrive one step later)."""
         start = time.perf_counter()
+        if self._awaiting_grammar:
+            self._admit_compiled()
         if self.kv_loader is not None:
             for result in self.kv_loader.poll():
                 self._finish_load(result)

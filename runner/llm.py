@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -171,7 +172,12 @@ class LLM:
             bar = tqdm(total=remaining, desc="Generating", unit="req", dynamic_ncols=True)
         try:
             while remaining:
-                for delta in self.engine.step():
+                deltas = self.engine.step()
+                if self.engine.stalled:
+                    # Nothing ran (e.g. a structured-output grammar is still being built
+                    # on its thread): yield the GIL to it instead of spinning.
+                    time.sleep(0.001)
+                for delta in deltas:
                     if delta.request_id not in child_to_parent:
                         continue
                     parent, index = child_to_parent[delta.request_id]

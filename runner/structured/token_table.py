@@ -110,12 +110,21 @@ def build_token_grammar(
         if 0 <= t < len(token_bytes):
             token_class[t] = col_class[num_spellings]
     return TokenGrammar(
-        table=torch.from_numpy(table).to(device),
-        token_class=torch.from_numpy(token_class).to(device),
+        table=_to_device(table, device),
+        token_class=_to_device(token_class, device),
         dfa=dfa,
         token_bytes=token_bytes,
         eos_ids=eos_ids,
     )
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """On CUDA through pinned memory, without a host sync: the table is built on a thread
+    beside the engine's steps (grammar_cache.py), which must not stall them."""
+    t = torch.from_numpy(array)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _walk_spellings(
