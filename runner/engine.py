@@ -147,6 +147,8 @@ class Engine(PDRoles):
             self.config, self.tokenizer, self.scheduler.requests, request_id, prompt_token_ids,
             params,
         )  # fmt: skip
+        if request_id in self._awaiting_grammar:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)  # its DFA; the table is built apart
 

@@ -244,6 +244,8 @@ def test_a_new_grammar_is_built_beside_the_steps(smol, tok):
     assert eng.abort("gone")
     eng.add_request("s", prompt, SamplingParams(temperature=0, max_tokens=30,
                                                 structured_outputs=spec))  # fmt: skip
+    with pytest.raises(ValueError, match="already in use"):  # its id is taken while it waits
+        eng.add_request("s", prompt, SamplingParams(max_tokens=2))
     free_tokens, text, finished, started_after = 0, "", {}, None
     while "s" not in finished:
         for d in eng.step():
