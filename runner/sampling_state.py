@@ -261,17 +261,15 @@ class SamplingState:
         to_device: Callable[[np.ndarray], torch.Tensor],
     ) -> GrammarStep:
         """The rows under a grammar, grouped by grammar, from one host copy."""
-        by_grammar: dict[int, list[int]] = {}
-        grammars: dict[int, TokenGrammar] = {}
+        by_grammar: dict[int, tuple[TokenGrammar, list[int]]] = {}
         for row in rows.tolist():
             g = self.grammar[slots[row]]
-            by_grammar.setdefault(id(g), []).append(row)
-            grammars[id(g)] = g
+            by_grammar.setdefault(id(g), (g, []))[1].append(row)
         kept = np.ones(len(slots), dtype=bool) if keep is None else keep
         groups = []
-        for key, group in by_grammar.items():
+        for grammar, group in by_grammar.values():
             r = np.asarray(group, dtype=np.int64)
-            groups.append((grammars[key], r, slots[r].astype(np.int64), kept[r]))
+            groups.append((grammar, r, slots[r].astype(np.int64), kept[r]))
         return GrammarStep.build(len(slots), groups, self.grammar_state, to_device)
 
     def _bad_word_bans(

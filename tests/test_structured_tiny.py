@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 from conftest import DEVICE
+from structured_spec import constrained_greedy
 
 from pdserve import LLM, SamplingParams
 from pdserve.runner.structured.patterns import compile_spec
@@ -86,9 +87,9 @@ def _in_language(spec: StructuredOutputs, text: str, finished: bool) -> bool:
 
 
 def test_constrained_greedy_equals_the_brute_force_spec(tiny_dir):
-    """Guards the device tables, mask and advance against the spec in float32: at each
-    step the argmax of transformers' logits over the tokens whose bytes stay in the
-    language (EOS where the pattern may end), found by walking every token."""
+    """Guards the device tables, mask and advance against the spec in float32
+    (tests/structured_spec.py: transformers' argmax over the tokens whose bytes stay in
+    the language, EOS where the pattern may end)."""
     from transformers import AutoModelForCausalLM
 
     llm = _llm(tiny_dir, "float32")
@@ -102,21 +103,7 @@ def test_constrained_greedy_equals_the_brute_force_spec(tiny_dir):
         got = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
             temperature=0, max_tokens=24, structured_outputs=spec), use_tqdm=False
         )[0].outputs[0]  # fmt: skip
-        ids, want, state = list(prompt), [], dfa.start
-        for _ in range(24):
-            with torch.no_grad():
-                logits = hf(torch.tensor([ids], device=DEVICE)).logits[0, -1].float().cpu()
-            allowed = torch.tensor([
-                bool(dfa.accept[state]) if t in eos
-                else data is not None and dfa.walk(data, state) >= 0
-                for t, data in enumerate(vocab)
-            ])  # fmt: skip
-            t = int(logits.masked_fill(~allowed, float("-inf")).argmax())
-            want.append(t)
-            if t in eos:
-                break
-            state = dfa.walk(vocab[t], state)
-            ids.append(t)
+        want = constrained_greedy(hf, prompt, dfa, vocab, eos, 24, DEVICE)
         assert list(got.token_ids) == want, spec.describe()
         assert _in_language(spec, got.text, got.finish_reason == "stop"), got.text
 
