@@ -113,7 +113,8 @@ class SamplerOutput:
 
 class Sampler:
     """Order: float32 → allowed_token_ids → structured output's grammar → banned tokens
-    (min_tokens, then bad_words) → logit_bias → penalties → greedy argmax | temperature →
+    (min_tokens, which yields on a grammar or allowed_token_ids row that would be left with
+    no token; then bad_words) → logit_bias → penalties → greedy argmax | temperature →
     min_p → top-k/top-p → + Gumbel noise → argmax (vLLM's order: its logits processors
     before its penalties). Logprobs come from the float32 logits before any of it (vLLM's
     default "raw" logprobs); rows wanting fewer than `max_num_logprobs` are trimmed by the
@@ -151,7 +152,14 @@ class Sampler:
             assert meta.banned_tokens is not None, "banned_rows given without banned_tokens"
             # torch.full, not new_tensor: a host scalar copied to the GPU is a blocking copy.
             minus_inf = torch.full((), float("-inf"), device=x.device)
-            x = x.index_put((meta.banned_rows, meta.banned_tokens), minus_inf)
+            banned = x.index_put((meta.banned_rows, meta.banned_tokens), minus_inf)
+            if meta.grammar is not None or meta.allowed_mask is not None:
+                # min_tokens yields where a restricted row would have no token left (a
+                # grammar whose only way on is EOS, allowed_token_ids of stop ids only):
+                # the row keeps its stop tokens and ends there (runner/stop_checker.py).
+                alive = banned.amax(dim=-1, keepdim=True) > float("-inf")
+                banned = torch.where(alive, banned, x)
+            x = banned
         if meta.bad_word_rows is not None:
             # Accumulated: two sequences ending in one token, one matched and one not, add
             # -inf and 0, where a plain write would keep either.

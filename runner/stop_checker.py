@@ -15,6 +15,8 @@ its scheduler and then lets a stop string override it; EOS on the max_tokens-th 
 
 What it does not know: the tokenizer (text arrives decoded) or the sampler, which already
 suppresses EOS and stop ids before `min_tokens`; the check here is a defensive second line.
+Except for a restricted row (a grammar or allowed_token_ids): the sampler lets its stop
+through before `min_tokens` only when nothing else is allowed, and then the request ends.
 """
 
 from __future__ import annotations
@@ -59,10 +61,13 @@ def check_stop(
     # (ignore_eos benchmarks) skips the per-token loop, ~0.15 us of every step's check.
     token_stops = (request.eos_token_ids and not params.ignore_eos) or params.stop_token_ids
     if token_stops:
+        # A restricted row (a grammar, allowed_token_ids) samples a stop before min_tokens
+        # only where the sampler found no other token allowed: min_tokens yields there.
+        restricted = request.grammar is not None or params.allowed_token_ids is not None
         for i, token_id in enumerate(new_token_ids):
             # min_tokens counts outputs before the stop, as the sampler does: a stop can be
             # output number min_tokens + 1 at the earliest.
-            if num_output - len(new_token_ids) + i < params.min_tokens:
+            if num_output - len(new_token_ids) + i < params.min_tokens and not restricted:
                 continue
             if token_id in request.eos_token_ids and not params.ignore_eos:
                 stop_reason = None

@@ -264,6 +264,25 @@ def test_banned_tokens_are_never_sampled() -> None:
     assert sampled[-1] == eos, "the unbanned last row must still pick the dominant token"
 
 
+def test_a_ban_yields_only_where_a_restricted_row_has_nothing_else() -> None:
+    """Guards min_tokens against allowed_token_ids (the grammar mask is the same case):
+    a row allowed only its stop tokens keeps them under the ban and samples one; a row
+    allowed a stop and another token samples the other; an unrestricted row's ban holds
+    even where its other logits are all -inf but one."""
+    rows, vocab, eos = 60, 31, 4
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3))
+    logits[:, eos] = 20.0
+    temperature = torch.where(torch.arange(rows) % 2 == 0, 0.0, 1.0)
+    allowed = {r: [eos] if r % 3 == 0 else [eos, 7] for r in range(rows - 1)}
+    meta = make_meta(rows, vocab, temperature=temperature, seeds=torch.arange(rows),
+                     positions=torch.arange(rows), allowed=allowed,
+                     banned=[(r, eos) for r in range(rows)])  # fmt: skip
+    sampled = Sampler()(logits, meta).sampled_token_ids
+    for r in range(rows - 1):
+        assert int(sampled[r]) == (eos if r % 3 == 0 else 7), r
+    assert int(sampled[-1]) != eos
+
+
 def test_logit_bias_and_allowed_ids_equal_the_logits_changed_by_hand() -> None:
     """Guards logit_bias and allowed_token_ids: sampling with them equals sampling the same
     rows (same seeds, so the same noise) from logits biased and masked by hand, token for

@@ -181,6 +181,32 @@ def test_json_mode_and_choice(smol, tok):
         assert out.text in choices and out.finish_reason == "stop", out.text
 
 
+def test_min_tokens_yields_where_the_grammar_allows_only_eos(smol, tok):
+    """Guards min_tokens against a finished grammar: once a choice is complete its only way
+    on is EOS, which min_tokens bans; the row then keeps EOS and the request ends there
+    (before, it had every logit at -inf and emitted token 0 until min_tokens). The same for
+    allowed_token_ids that hold only stop tokens."""
+    eos = set(smol.engine.eos_token_ids)
+    choices = ["red", "green", "blue", "light blue"]
+    prompt = {"prompt_token_ids": _chat(tok, "What colour is the sky? Answer in one word.")}
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=1, max_tokens=12, min_tokens=10,
+                                structured_outputs={"choice": choices})  # fmt: skip
+        out = smol.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        ids = list(out.token_ids)
+        assert out.text in choices and out.finish_reason == "stop", (out.text, ids)
+        assert ids[-1] in eos and len(ids) < 10, ids
+        assert tok.decode(ids[:-1]) == out.text, ids
+    # Without a restriction min_tokens still holds: EOS is banned until 10 tokens exist.
+    out = smol.generate(prompt, SamplingParams(temperature=0, max_tokens=12, min_tokens=10),
+                        use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert len(out.token_ids) >= 10 and not eos & set(out.token_ids[:10]), out.token_ids
+    stop_only = SamplingParams(temperature=0, max_tokens=12, min_tokens=5,
+                               allowed_token_ids=sorted(eos))  # fmt: skip
+    out = smol.generate(prompt, stop_only, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) == 1, out.token_ids
+
+
 def test_bad_constraints_are_refused_before_anything_is_queued(smol):
     """Guards the engine's edge: a bad regex or an unsupported schema keyword raises
     ValueError naming it, and the engine keeps serving."""
