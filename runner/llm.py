@@ -24,6 +24,7 @@ from pdserve.runner.generation_defaults import sampling_defaults
 from pdserve.runner.outputs import CompletionOutput, RequestDelta, RequestOutput
 from pdserve.runner.parallel_sampling import child_params
 from pdserve.runner.sampling_params import SamplingParams
+from pdserve.runner.structured.patterns import compile_spec
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,10 @@ class LLM:
             children = [(f"{parent}#{i}", p) for i, p in enumerate(child_params(params, base_seed))]
             for child_id, p in children:
                 self.engine.validate(child_id, ids, p)
+                if p.structured_outputs is not None:
+                    # The DFA now (cached), so that one that cannot be built raises here;
+                    # a serving engine builds it beside its steps.
+                    compile_spec(p.structured_outputs)
             jobs.append((parent, text, ids, children))
         outputs: dict[str, RequestOutput] = {}
         child_to_parent: dict[str, tuple[str, int]] = {}

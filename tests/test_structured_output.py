@@ -225,6 +225,29 @@ def test_bad_constraints_are_refused_before_anything_is_queued(smol):
     assert smol.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].text
 
 
+def test_an_automaton_that_cannot_be_built_fails_its_request_not_the_loop(smol, tok):
+    """Guards where a DFA is compiled: a regex that parses but needs more automaton states
+    than allowed is not built in `add_request` (the serving loop only parses; the DFA is
+    built on the grammar thread), so the request ends with an error naming the cause while
+    the engine keeps serving; `LLM.generate` still raises it before queuing anything."""
+    spec = {"regex": "(a|b)*a(a|b){16}"}
+    with pytest.raises(ValueError, match="more than 20000 automaton states"):
+        smol.generate("Hi", SamplingParams(max_tokens=4, structured_outputs=spec),
+                      use_tqdm=False)  # fmt: skip
+    assert not smol.engine.has_unfinished()
+    eng = smol.engine
+    prompt = _chat(tok, "Say hello.")
+    eng.add_request("big", prompt, SamplingParams(max_tokens=4, structured_outputs=spec))
+    eng.add_request("free", prompt, SamplingParams(temperature=0, max_tokens=6))
+    finished = {}
+    while eng.has_unfinished():
+        for d in eng.step():
+            if d.finished:
+                finished[d.request_id] = (d.finish_reason, d.stop_reason)
+    assert finished["big"][0] == "error" and "automaton states" in finished["big"][1]
+    assert finished["free"][0] in ("stop", "length")
+
+
 def test_a_new_grammar_is_built_beside_the_steps(smol, tok):
     """Guards the build thread: while a new constraint's token table is built, a request
     already decoding keeps getting tokens (before, the build ran on the engine's loop and

@@ -1,11 +1,14 @@
 """An engine's token grammars, compiled once per distinct constraint and kept a while.
 
 Requests with the same schema (the usual case: one application, one schema) share one
-table. A new constraint's byte DFA is compiled when its first request is validated, on
-the engine's loop (cached per process; a bad constraint fails there, before anything is
-queued); its token table, the expensive part (JSON mode: ~0.9 s on the H200's host, ~3 s
-on 2 CPU cores), is built on a thread of its own, so the engine keeps stepping the other
-requests meanwhile and admits the waiting ones once it is done (`Engine._admit_compiled`).
+table. A new constraint is parsed when its first request is validated, on the engine's loop
+(well under a millisecond; a bad regex or an unsupported schema keyword fails there, before
+anything is queued). Its byte DFA (up to ~0.2 s for a schema with long strings) and token
+table (JSON mode: ~0.9 s on the H200's host, ~3 s on 2 CPU cores) are built on a thread of
+their own, so the engine keeps stepping the other requests meanwhile and admits the waiting
+ones once it is done (`Engine._admit_compiled`); a DFA that fails (too many states, or no
+string matches) ends its requests with an error. The router and `LLM.generate` compile the
+DFA before they queue a request, so their callers get that error up front.
 At most `max_entries` stay; the least recently used goes first.
 """
 
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pdserve.runner.structured.patterns import compile_spec
+from pdserve.runner.structured.patterns import compile_spec, pattern_node
 from pdserve.runner.structured.spec import StructuredOutputs
 from pdserve.runner.structured.token_bytes import token_byte_strings
 from pdserve.runner.structured.token_table import TokenGrammar, build_token_grammar
@@ -59,11 +62,11 @@ class GrammarCache:
             self.compile_seconds = 0.0
 
     def check(self, spec: StructuredOutputs) -> None:
-        """ValueError if the spec is bad or there is no tokenizer (its DFA is compiled and
-        cached here; the token table is left to `prepare`)."""
+        """ValueError if the spec does not parse or there is no tokenizer (its DFA and token
+        table are left to `prepare`'s thread)."""
         if self._tokenizer is None:
             raise ValueError("structured_outputs need a tokenizer; this model directory has none")
-        compile_spec(spec)
+        pattern_node(spec)
 
     def prepare(self, spec: StructuredOutputs) -> Future[TokenGrammar]:
         """The spec's grammar for a request being queued: a done future when cached, else
@@ -86,6 +89,7 @@ class GrammarCache:
         """The spec's grammar, built now if needed (tests and tools; the engine uses
         `prepare`)."""
         self.check(spec)
+        compile_spec(spec)  # its errors raise here, not from the builder's future
         return self.prepare(spec).result(timeout_s)
 
     def _build(self, spec: StructuredOutputs) -> TokenGrammar:
