@@ -114,12 +114,20 @@ def test_sampled_rows_hold_their_patterns_in_a_mixed_async_batch(tiny_dir, dtype
     patterns and 8 free rows in one batch, async scheduling (each step's mask queued
     before the last token is known), CUDA graphs for the forward on a GPU. Every
     constrained text stays in its language (and is a whole word of it when it stopped);
-    the free rows come out as they do alone."""
+    the free rows come out as they do alone. The choice rows ask for min_tokens past any
+    choice's length: min_tokens yields once a choice is whole (its only way on is EOS), so
+    each ends right after its choice."""
     llm = _llm(tiny_dir, dtype, async_scheduling=True)
     tok = llm.get_tokenizer()
     prompt = {"prompt_token_ids": tok('{"name": "', add_special_tokens=False).input_ids}
     params = [
-        SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured_outputs=SPECS[i % 4])
+        SamplingParams(
+            temperature=1.0,
+            seed=i,
+            max_tokens=40,
+            structured_outputs=SPECS[i % 4],
+            min_tokens=30 if i % 4 == 3 else 0,
+        )  # fmt: skip
         for i in range(24)
     ] + [SamplingParams(temperature=0, max_tokens=20) for _ in range(8)]
     outs = llm.generate([prompt] * 32, params, use_tqdm=False)
@@ -128,6 +136,12 @@ def test_sampled_rows_hold_their_patterns_in_a_mixed_async_batch(tiny_dir, dtype
         assert _in_language(SPECS[i % 4], comp.text, comp.finish_reason == "stop"), (
             SPECS[i % 4].describe(), comp.text, comp.finish_reason,
         )  # fmt: skip
+    eos = set(llm.engine.eos_token_ids)
+    for out in outs[3:24:4]:
+        comp = out.outputs[0]
+        ids = list(comp.token_ids)
+        assert comp.finish_reason == "stop" and comp.text in SPECS[3].choice, (comp.text, ids)
+        assert ids[-1] in eos and tok.decode(ids[:-1]) == comp.text, ids
     alone = llm.generate(prompt, params[24], use_tqdm=False)[0].outputs[0].token_ids
     for out in outs[24:]:
         assert out.outputs[0].token_ids == alone
