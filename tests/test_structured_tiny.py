@@ -127,7 +127,7 @@ def test_sampled_rows_hold_their_patterns_in_a_mixed_async_batch(tiny_dir, dtype
             max_tokens=40,
             structured_outputs=SPECS[i % 4],
             min_tokens=30 if i % 4 == 3 else 0,
-        )  # fmt: skip
+        )
         for i in range(24)
     ] + [SamplingParams(temperature=0, max_tokens=20) for _ in range(8)]
     outs = llm.generate([prompt] * 32, params, use_tqdm=False)
