@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from pdserve.cluster.auto_tools import AutoToolStream, auto_reply
 from pdserve.cluster.batch_stream import merged
 from pdserve.cluster.disconnect import unless_disconnected
 from pdserve.cluster.http_app import AppState, check_model, json_object, read_body
@@ -81,7 +82,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                 "'prompt_logprobs' are not available when 'stream' is true (as in vLLM)",
                 param="prompt_logprobs",
             )
-        tools = parse_tool_choice(body) if kind == "chat" else None
+        tools = parse_tool_choice(body, state.auto_tool_parser) if kind == "chat" else None
         constraint = tools.constraint() if tools is not None else None
         defaults, out = state.sampling_defaults, []
         for ids, text in prompts:
@@ -143,10 +144,13 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
             body["stop_reason"] = stop_reason
         return body
 
-    def tool_reply(req: ParsedRequest, body: dict, text: str) -> dict:
-        """A whole chat choice under tool_choice required or named: its text as tool calls
-        (content null, finish_reason tool_calls), or as text when it is not whole."""
-        calls = req.tool_choice.calls(text) if req.tool_choice is not None else None
+    def tool_reply(req: ParsedRequest, body: dict, echoed: str, text: str) -> dict:
+        """A whole chat choice with tools: under auto, the calls the parser reads in the
+        generated `text`; under required or named, its text as tool calls (content null,
+        finish_reason tool_calls), or as text when it is not whole."""
+        if req.tool_choice.kind == "auto":
+            return auto_reply(req.tool_choice, body, echoed, text)
+        calls = req.tool_choice.calls(echoed + text)
         if calls is not None:
             body["message"] = {"role": req.role, "content": None, "tool_calls": calls}
             if body["finish_reason"] == "stop":
@@ -168,6 +172,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
             )  # fmt: skip
         total = len(reqs) * req.params.n
         texts, toks = [""] * total, [[] for _ in range(total)]
+        echoed = [""] * total  # the start of texts[c] that chat's echo put there
         want_lps = req.echo_logprobs is not None
         lps: list[list | None] = [[] if want_lps else None for _ in range(total)]
         finish: list[str | None] = [None] * total
@@ -183,6 +188,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                     m.ttft.observe(first_token - start)
                 if echo is not None:
                     texts[c] += echo.text
+                    echoed[c] = echo.text
                     echo_toks[c] = echo.token_ids
                     if lps[c] is not None and echo.logprobs is not None:
                         lps[c] += echo.logprobs
@@ -206,7 +212,10 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
             for c in range(total)
         ]
         if req.kind == "chat" and req.tool_choice is not None:
-            choices = [tool_reply(req, body, texts[c]) for c, body in enumerate(choices)]
+            choices = [
+                tool_reply(req, body, echoed[c], texts[c][len(echoed[c]) :])
+                for c, body in enumerate(choices)
+            ]
         out = {
             "id": cid,
             "object": kind,
@@ -234,9 +243,9 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
         prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
         reasons: list[str | None] = [None] * (len(reqs) * req.params.n)
         tc = req.tool_choice
-        tools = (
-            ToolStream(tc) if req.kind == "chat" and tc is not None and tc.kind != "none" else None
-        )
+        tools: ToolStream | AutoToolStream | None = None
+        if req.kind == "chat" and tc is not None and tc.kind != "none":
+            tools = AutoToolStream(tc) if tc.kind == "auto" else ToolStream(tc)
 
         def chunk(choices: list[dict], final_usage: bool = False) -> str:
             body = {
@@ -286,7 +295,8 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                         req, c, text, ids, rows, d.finish_reason, d.stop_reason, delta=True
                     )
                     if tools is not None:
-                        body = tools.delta(c, body, text, d.finish_reason)
+                        echoed = echo.text if echo is not None else ""
+                        body = tools.delta(c, body, echoed, d.text, d.finish_reason)
                         if body is None:
                             continue
                     yield chunk([body])

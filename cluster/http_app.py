@@ -46,6 +46,7 @@ class AppState:
         request_log: RequestLog | None = None,
         vocab_size: int | None = None,
         scheduling_policy: str = "fcfs",
+        auto_tool_parser: str | None = None,
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -60,6 +61,9 @@ class AppState:
         self.request_log = request_log  # `--enable-log-requests`
         self.vocab_size = vocab_size  # the model's; token ids past it are refused (400)
         self.scheduling_policy = scheduling_policy  # `priority` fields need "priority"
+        # `--tool-call-parser` when `--enable-auto-tool-choice`: tool_choice auto is
+        # answered, its calls read by this parser; None: auto is refused (400).
+        self.auto_tool_parser = auto_tool_parser
 
     @property
     def model_name(self) -> str:

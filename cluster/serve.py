@@ -17,7 +17,12 @@ import socket
 import sys
 from pathlib import Path
 
-from pdserve.cluster.serve_args import ServeConfig, decode_capacity, served_names
+from pdserve.cluster.serve_args import (
+    ServeConfig,
+    auto_tool_parser,
+    decode_capacity,
+    served_names,
+)
 from pdserve.cluster.serve_placement import Placement, join_auth_env
 from pdserve.cluster.startup_report import StartupLines
 
@@ -192,6 +197,9 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     )
     if defaults:
         print(f"pdserve: default sampling parameters (generation config): {defaults}", flush=True)
+    if auto_tool_parser(cfg) is not None:
+        print(f"pdserve: tool_choice auto: calls read by the {cfg.tool_call_parser} parser",
+              flush=True)  # fmt: skip
     engine_kwargs = dict(
         model=ecfg.model.path, dtype=cfg.dtype, device=cfg.device,
         max_model_len=ecfg.model.max_model_len, block_size=cfg.block_size,
@@ -306,7 +314,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             router, tokenizer, list(model_names), ecfg.model.max_model_len, Metrics(),
             cfg.api_key, cfg.max_body_bytes, ecfg.runner.runner, defaults, chat_template,
             RequestLog(_print) if cfg.enable_log_requests else None, ecfg.model.vocab_size,
-            cfg.scheduling_policy,
+            cfg.scheduling_policy, auto_tool_parser(cfg),
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from pdserve.sizes import parse_size, size_arg
 
 # Keys that may come from the environment when neither a flag nor the config file gives
@@ -117,6 +118,10 @@ class ServeConfig:
     kv_cache_dtype: str = "auto"  # the KV cache is in the model's dtype
     # A Jinja chat template (a file, or the template itself) instead of the tokenizer's.
     chat_template: str | None = None
+    # vLLM's: tool_choice auto (OpenAI's default with tools) is answered only with both,
+    # the reply's calls read by the parser (cluster/tool_parsers/); otherwise a 400.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     # The log: a line per pool every `log_stats_interval_s` (cluster/stats_log.py) unless
     # disabled; with enable_log_requests, lines for each request's arrival, route and end
     # (token counts, never text; cluster/request_log.py); uvicorn's own level and its
@@ -171,6 +176,17 @@ class ServeConfig:
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype}: only auto (the model's dtype) is "
                 "supported"
+            )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                f"{self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser "
+                f"({' or '.join(TOOL_CALL_PARSERS)}): the syntax the model writes its tool "
+                "calls in"
             )
         if not self.log_stats_interval_s > 0:
             raise ValueError(f"--log-stats-interval must be > 0, got {self.log_stats_interval_s}")
@@ -260,6 +276,12 @@ class ServeConfig:
                 )
 
 
+def auto_tool_parser(cfg: ServeConfig) -> str | None:
+    """The parser that reads tool_choice auto's calls; None: auto is refused. As in vLLM, a
+    parser without --enable-auto-tool-choice does not answer auto."""
+    return cfg.tool_call_parser if cfg.enable_auto_tool_choice else None
+
+
 def decode_capacity(cfg: ServeConfig) -> int:
     """The router's slots per decode worker: its max_num_seqs running requests and
     max_waiting_per_decode_worker more (default as many again) waiting on it."""
@@ -311,6 +333,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or the template itself) to use instead "
                    "of the tokenizer's")  # fmt: skip
+    p.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                   help="answer tool_choice auto (OpenAI's default with tools): the model "
+                   "answers freely and --tool-call-parser reads its calls (needs it)")  # fmt: skip
+    p.add_argument("--tool-call-parser", choices=tuple(TOOL_CALL_PARSERS), default=None,
+                   help="the syntax of the model's tool calls: hermes (<tool_call> blocks: "
+                   "Hermes, Qwen2.5, Qwen3) or llama3_json (JSON objects: Llama 3.1, 3.2)")  # fmt: skip
     p.add_argument("--disable-log-stats", action="store_true", default=None,
                    help="no periodic per-pool stats lines in the log")  # fmt: skip
     p.add_argument("--log-stats-interval", type=float, default=None, dest="log_stats_interval_s",

@@ -1,5 +1,6 @@
-"""Tool calling in chat, where structured output can promise it: a named function and
-`tool_choice: "required"` (as vLLM does them), and `"none"`.
+"""Tool calling in chat: a named function and `tool_choice: "required"` where structured
+output can promise the call (as vLLM does them), `"none"`, and `"auto"` read by the
+server's tool-call parser.
 
 - A named function (`{"type": "function", "function": {"name": ...}}`): the reply is the
   function's `parameters` schema as JSON, returned as one tool call whose `arguments` is
@@ -8,11 +9,13 @@
   {...}}` objects, each naming one of the tools with its parameters; each becomes a tool
   call.
 - `"none"`: the tools reach the chat template and the reply is text.
+- `"auto"` (OpenAI's default once tools are given): the model writes text, calls in its
+  family's own syntax, or both, unconstrained; the parser the server was started with
+  (`--enable-auto-tool-choice --tool-call-parser NAME`, cluster/tool_parsers/) reads the
+  calls out (cluster/auto_tools.py). Without those flags it is refused by name, with
+  vLLM's message, rather than answered with text that was meant to be a call.
 
-`"auto"` (OpenAI's default once tools are given) needs a parser of each model family's
-own tool-call syntax, which pdserve does not have: it is refused by name rather than
-answered with text that was meant to be a call. Tools go to the chat template in every
-case, as vLLM does by default.
+Tools go to the chat template in every case, as vLLM does by default.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.cluster.openai_api import ApiError, new_id
+from pdserve.cluster.tool_parsers import ToolParser, make_parser
 from pdserve.runner.structured.spec import StructuredOutputs
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
@@ -31,12 +35,18 @@ _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 @dataclass(frozen=True)
 class ToolChoice:
-    kind: str  # "named" | "required" | "none"
+    kind: str  # "named" | "required" | "none" | "auto"
     name: str | None  # the named function
     tools: tuple[dict, ...]  # the request's tools, checked
+    parser: str | None = None  # auto: the server's --tool-call-parser
+
+    def reader(self) -> ToolParser:
+        """auto: the server's parser, for this request's tools."""
+        assert self.kind == "auto" and self.parser is not None, self
+        return make_parser(self.parser, (t["function"]["name"] for t in self.tools))
 
     def constraint(self) -> StructuredOutputs | None:
-        """What the reply must follow (None for "none")."""
+        """What the reply must follow (None for "none" and "auto")."""
         schemas = {t["function"]["name"]: _parameters(t) for t in self.tools}
         if self.kind == "named":
             return StructuredOutputs(json=schemas[self.name])
@@ -57,6 +67,7 @@ class ToolChoice:
     def calls(self, text: str) -> list[dict] | None:
         """The reply as OpenAI tool calls; None when it is not whole (cut by max_tokens or
         a stop string), so the caller returns it as text."""
+        assert self.kind != "auto", "auto replies are read by the parser (auto_tools.py)"
         if self.kind == "none":
             return None
         try:
@@ -64,8 +75,10 @@ class ToolChoice:
         except json.JSONDecodeError:
             return None
         if self.kind == "named":
-            return [_call(self.name, text)]
-        return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+            return [tool_call(self.name, text)]
+        return [
+            tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value
+        ]
 
 
 class ToolStream:
@@ -78,8 +91,12 @@ class ToolStream:
         self._ids: dict[int, str] = {}  # choice index -> the id of its named call
         self._held: dict[int, str] = {}  # choice index -> text so far (required)
 
-    def delta(self, index: int, body: dict, text: str, finish: str | None) -> dict | None:
-        """The chunk body for this piece of a choice's text; None to send nothing yet."""
+    def delta(
+        self, index: int, body: dict, echoed: str, text: str, finish: str | None
+    ) -> dict | None:
+        """The chunk body for this piece of a choice's text (after `echoed`, the turn the
+        client began); None to send nothing yet."""
+        text = echoed + text
         if self.choice.kind == "named":
             if text:
                 entry: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
@@ -105,8 +122,9 @@ class ToolStream:
         return body
 
 
-def parse_tool_choice(body: dict) -> ToolChoice | None:
-    """The request's tools and tool_choice, checked; None when there is nothing to do."""
+def parse_tool_choice(body: dict, auto_parser: str | None = None) -> ToolChoice | None:
+    """The request's tools and tool_choice, checked; None when there is nothing to do.
+    `auto_parser`: the server's tool-call parser when it answers "auto", else None."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         if choice in (None, "none", "auto"):
@@ -118,13 +136,16 @@ def parse_tool_choice(body: dict) -> ToolChoice | None:
     if len(set(names)) != len(names):
         raise ApiError(f"'tools' names a function twice: {names}", param="tools")
     if choice is None or choice == "auto":
-        raise ApiError(
-            "'tool_choice' auto (the default when tools are given) needs a parser of the "
-            "model's own tool-call syntax, which this server does not have; ask for "
-            "'required', a named function, or 'none'",
-            param="tool_choice",
-            code="unsupported",
-        )
+        if auto_parser is None:
+            raise ApiError(
+                # vLLM's words first: clients recognise them and fall back.
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set; this server was started without them ('auto' is the default when "
+                "tools are given). Ask for 'required', a named function, or 'none'",
+                param="tool_choice",
+                code="unsupported",
+            )
+        return ToolChoice("auto", None, checked, auto_parser)
     if choice in ("none", "required"):
         return ToolChoice(choice, None, checked)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
@@ -164,7 +185,8 @@ def _parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or _NO_PARAMETERS
 
 
-def _call(name: str, arguments: str) -> dict:
+def tool_call(name: str, arguments: str) -> dict:
+    """One OpenAI tool call, with a new id."""
     return {
         "id": new_id("chatcmpl-tool"),
         "type": "function",

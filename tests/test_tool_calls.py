@@ -1,6 +1,7 @@
-"""Tool calling's request rules and reply shapes (cluster/tool_calls.py), without a server:
-what each tool_choice constrains the reply to, how replies become OpenAI tool calls, and
-how a stream sends them. tests/test_serve_e2e.py runs them through the real router."""
+"""Tool calling's request rules and reply shapes (cluster/tool_calls.py, cluster/auto_tools.py),
+without a server: what each tool_choice constrains the reply to, how replies become OpenAI
+tool calls, and how a stream sends them. The parsers of "auto" are tests/test_tool_parsers.py's;
+tests/test_serve_e2e.py runs all of it through the real router."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import jsonschema
 import pytest
 
+from pdserve.cluster.auto_tools import AutoToolStream, auto_reply
 from pdserve.cluster.openai_api import ApiError, parse_sampling
 from pdserve.cluster.tool_calls import ToolStream, parse_tool_choice
 from pdserve.runner.structured.patterns import compile_spec
@@ -68,14 +70,20 @@ def test_named_and_required_constrain_the_reply_to_their_calls():
 
 
 def test_tool_choice_rules_are_400s_naming_the_field():
-    """Guards the edges: auto (the default with tools) is refused as unsupported rather
-    than answered with text; malformed tools, unknown or duplicate names, a named choice
+    """Guards the edges: auto (the default with tools) on a server without a parser is
+    refused in vLLM's words, naming both flags, rather than answered with text; with one
+    it constrains nothing; malformed tools, unknown or duplicate names, a named choice
     without tools, and tools beside another structured constraint are 400s."""
     assert parse_tool_choice({}) is None
     assert parse_tool_choice({"tools": [], "tool_choice": "auto"}) is None
+    flags = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'
+    for body in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "auto"}):
+        with pytest.raises(ApiError) as e:
+            parse_tool_choice(body)
+        assert e.value.message.startswith(flags) and e.value.code == "unsupported"
+        auto = parse_tool_choice(body, "hermes")
+        assert (auto.kind, auto.parser, auto.constraint()) == ("auto", "hermes", None)
     for body, param, fragment in (
-        ({"tools": [WEATHER]}, "tool_choice", "auto"),
-        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "parser"),
         ({"tool_choice": "required"}, "tool_choice", "no 'tools'"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
          "tool_choice", "get_weather"),
@@ -84,9 +92,10 @@ def test_tool_choice_rules_are_400s_naming_the_field():
           "tool_choice": "required"}, "tools", "name"),
         ({"tools": [{"type": "code_interpreter"}], "tool_choice": "required"}, "tools", "each"),
         ({"tools": "get_weather", "tool_choice": "required"}, "tools", "array"),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "twice"),
     ):  # fmt: skip
         with pytest.raises(ApiError, match=fragment) as e:
-            parse_tool_choice(body)
+            parse_tool_choice(body, "hermes")
         assert e.value.param == param and e.value.status == 400
     constraint = parse_tool_choice({"tools": [WEATHER], "tool_choice": "required"}).constraint()
     with pytest.raises(ApiError, match="already constrains") as e:
@@ -104,7 +113,7 @@ def test_a_stream_sends_named_arguments_as_they_come_and_required_calls_whole():
     named = ToolStream(parse_tool_choice({"tools": [WEATHER], "tool_choice": forced}))
     pieces = ['{"city": ', '"Oslo", "unit": ', '"celsius"}']
     bodies = [
-        named.delta(0, {"index": 0, "finish_reason": None}, p, "stop" if i == 2 else None)
+        named.delta(0, {"index": 0, "finish_reason": None}, "", p, "stop" if i == 2 else None)
         for i, p in enumerate(pieces)
     ]
     first = bodies[0]["delta"]["tool_calls"][0]
@@ -115,10 +124,97 @@ def test_a_stream_sends_named_arguments_as_they_come_and_required_calls_whole():
     assert [b["finish_reason"] for b in bodies] == [None, None, "tool_calls"]
 
     required = ToolStream(parse_tool_choice({"tools": [WEATHER, TIME], "tool_choice": "required"}))
-    assert required.delta(1, {"index": 1}, '[{"name":"get_time",', None) is None
-    body = required.delta(1, {"index": 1, "finish_reason": "stop"}, '"parameters":{}}]', "stop")
+    assert required.delta(1, {"index": 1}, "", '[{"name":"get_time",', None) is None
+    body = required.delta(1, {"index": 1, "finish_reason": "stop"}, "", '"parameters":{}}]', "stop")
     assert body["finish_reason"] == "tool_calls"
     assert [c["function"]["name"] for c in body["delta"]["tool_calls"]] == ["get_time"]
-    assert required.delta(2, {"index": 2}, '[{"name":', None) is None
-    cut = required.delta(2, {"index": 2, "finish_reason": "length"}, '"get_ti', "length")
+    assert required.delta(2, {"index": 2}, "", '[{"name":', None) is None
+    cut = required.delta(2, {"index": 2, "finish_reason": "length"}, "", '"get_ti', "length")
     assert cut["delta"] == {"content": '[{"name":"get_ti'} and cut["finish_reason"] == "length"
+
+
+AUTO = parse_tool_choice({"tools": [WEATHER, TIME]}, "hermes")
+CALLS = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "celsius"}}'
+    '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+
+
+def _whole(text: str, finish: str = "stop", echoed: str = "") -> dict:
+    body = {"index": 0, "message": {"role": "assistant", "content": echoed + text},
+            "logprobs": None, "finish_reason": finish}  # fmt: skip
+    return auto_reply(AUTO, body, echoed, text)
+
+
+def _function(call: dict) -> tuple[str, str]:
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-"), call
+    return call["function"]["name"], call["function"]["arguments"]
+
+
+def test_auto_replies_carry_the_parsers_calls_in_openais_shape():
+    """Guards the whole-reply shape: calls as tool_calls with ids and JSON-text arguments
+    (non-ASCII kept), content null beside them, finish_reason tool_calls when the model
+    stopped and length when it was cut; a reply without calls, or whose call was cut, is
+    left as its text; an echoed turn stays in front of the content and is not parsed."""
+    body = _whole("Checking.\n" + CALLS)
+    message = body["message"]
+    assert message["content"] == "Checking." and body["finish_reason"] == "tool_calls"
+    assert [_function(c) for c in message["tool_calls"]] == [
+        ("get_weather", '{"city": "Zürich", "unit": "celsius"}'),
+        ("get_time", "{}"),
+    ]
+    assert len({c["id"] for c in message["tool_calls"]}) == 2
+    assert _whole(CALLS)["message"]["content"] is None
+    assert _whole(CALLS, "length")["finish_reason"] == "length"
+    plain = _whole("It is sunny.")
+    assert plain["message"] == {"role": "assistant", "content": "It is sunny."}
+    assert plain["finish_reason"] == "stop"
+    cut = _whole(CALLS[:60], "length")
+    assert cut["message"]["content"] == CALLS[:60] and "tool_calls" not in cut["message"]
+    echoed = _whole(CALLS, echoed="Let me look. ")
+    assert echoed["message"]["content"] == "Let me look. "
+    assert _whole('{"city": "Oslo"}\n</tool_call>', echoed="<tool_call>\n")["message"] == {
+        "role": "assistant", "content": '<tool_call>\n{"city": "Oslo"}\n</tool_call>'
+    }  # fmt: skip
+
+
+def _stream(pieces: list[str], finish: str = "stop", logprobs=None) -> list[dict]:
+    tools, bodies = AutoToolStream(AUTO), []
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        body = {"index": 3, "delta": {"content": piece}, "logprobs": logprobs,
+                "finish_reason": finish if last else None}  # fmt: skip
+        body = tools.delta(3, body, "", piece, finish if last else None)
+        if body is not None:
+            bodies.append(body)
+    return bodies
+
+
+@pytest.mark.parametrize(
+    "reply, finish",
+    [("Checking.\n" + CALLS, "stop"), ("It is <b>sunny</b>. ", "stop"), (CALLS[:70], "length")],
+)
+def test_an_auto_stream_cut_anywhere_sends_what_the_whole_reply_holds(reply, finish):
+    """Guards the SSE shapes of auto against chunk boundaries: joined content and the
+    calls (index counting up, the first delta of each with id, type and name, arguments
+    whole) equal the unstreamed reply's, and so does the finish reason."""
+    whole = _whole(reply, finish)
+    want_calls = [_function(c) for c in whole["message"].get("tool_calls", [])]
+    for cut in range(len(reply) + 1):
+        pieces = [reply[:cut], reply[cut:]] if cut else list(reply)
+        bodies = _stream(pieces, finish)
+        content = "".join(b["delta"].get("content", "") for b in bodies)
+        calls = [c for b in bodies for c in b["delta"].get("tool_calls", [])]
+        assert content == (whole["message"]["content"] or ""), pieces
+        assert [c["index"] for c in calls] == list(range(len(calls)))
+        assert [_function(c) for c in calls] == want_calls
+        assert bodies[-1]["finish_reason"] == whole["finish_reason"]
+
+
+def test_an_auto_stream_holds_quietly_but_keeps_logprobs():
+    """Guards what a held piece sends: nothing, or, when the client asked for logprobs,
+    the chunk with an empty delta so no token's logprobs are lost."""
+    quiet = _stream(["<tool", "_call>", CALLS[11:]])
+    assert len(quiet) == 1 and len(quiet[0]["delta"]["tool_calls"]) == 2
+    held = _stream(["<tool", "_call>", CALLS[11:]], logprobs={"content": []})
+    assert [b["delta"] for b in held[:2]] == [{}, {}] and len(held) == 3

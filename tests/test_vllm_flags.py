@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -20,7 +22,13 @@ from pdserve.cluster.openai_api import (
 )
 from pdserve.cluster.prompts import prompt_token_ids
 from pdserve.cluster.router import Router, RouterConfig
-from pdserve.cluster.serve_args import ServeConfig, add_serve_args, config_from_args, served_names
+from pdserve.cluster.serve_args import (
+    ServeConfig,
+    add_serve_args,
+    auto_tool_parser,
+    config_from_args,
+    served_names,
+)
 from pdserve.runner.generation_defaults import from_file, parse_override, sampling_defaults
 
 
@@ -158,6 +166,38 @@ def test_bad_sizes_are_refused(kwargs, message):
 def test_empty_served_names_are_refused():
     with pytest.raises(ValueError, match="non-empty names"):
         ServeConfig(served_model_name=["ok", ""])
+
+
+def test_auto_tool_choice_takes_vllms_two_flags(tmp_path, monkeypatch):
+    """Guards the flags of tool_choice auto: with both, the router reads calls with the
+    parser; a parser alone parses (vLLM allows it) but does not answer auto; the enable
+    flag alone, or a parser pdserve lacks, stops `pdserve serve` at start naming the rule."""
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    cfg = _args("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert (cfg.enable_auto_tool_choice, cfg.tool_call_parser) == (True, "hermes")
+    assert auto_tool_parser(cfg) == "hermes"
+    assert auto_tool_parser(_args("--tool-call-parser", "llama3_json")) is None
+    assert auto_tool_parser(_args()) is None
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        _args("--enable-auto-tool-choice")
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    with pytest.raises(SystemExit):  # argparse's choices
+        p.parse_args(["--tool-call-parser", "mistral"])
+    path = tmp_path / "serve.yaml"
+    path.write_text("enable-auto-tool-choice: true\ntool-call-parser: llama3_json\n")
+    assert auto_tool_parser(_args("--config", str(path))) == "llama3_json"
+    path.write_text("enable_auto_tool_choice: true\ntool_call_parser: mistral\n")
+    with pytest.raises(ValueError, match="must be one of hermes, llama3_json, got 'mistral'"):
+        _args("--config", str(path))
+    res = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--enable-auto-tool-choice"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)" in (
+        res.stderr
+    )
 
 
 # ---- generation config -------------------------------------------------------------------

@@ -1,0 +1,171 @@
+"""The tool-call parsers of `tool_choice: "auto"` (cluster/tool_parsers/) on strings: what
+each reads as calls and what as content, and that a stream of the same reply, cut
+anywhere, lets out exactly that. The HTTP path is in tests/test_serve_e2e.py."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pdserve.cluster.tool_parsers import PARSERS, make_parser
+from pdserve.cluster.tool_parsers.base import Call, ParsedReply, StreamStep, ToolParser
+
+TOOLS = ("get_weather", "get_time")
+
+
+def _block(name: str, arguments: object) -> str:
+    call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+OSLO = _block("get_weather", {"city": "Oslo", "unit": "celsius"})
+TIME = _block("get_time", {})
+OSLO_CALL = Call("get_weather", '{"city": "Oslo", "unit": "celsius"}')
+TIME_CALL = Call("get_time", "{}")
+BAD_JSON = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}\n</tool_call>'
+UNKNOWN = _block("get_date", {"day": 1})
+UNICODE_ARGS = {"city": "Zürich", "note": '晴れ ☀ "quoted"\n'}
+
+# reply -> (content, calls), as the hermes parser reads it
+HERMES = {
+    "The weather in Oslo is mild.": ("The weather in Oslo is mild.", ()),
+    OSLO: (None, (OSLO_CALL,)),
+    OSLO + "\n" + TIME: (None, (OSLO_CALL, TIME_CALL)),
+    "Let me check.\n\n" + OSLO + "\n" + TIME + "\n": ("Let me check.", (OSLO_CALL, TIME_CALL)),
+    "\n " + OSLO: (None, (OSLO_CALL,)),  # whitespace-only content is null
+    BAD_JSON: (BAD_JSON, ()),  # the reply as plain text
+    UNKNOWN: (UNKNOWN, ()),
+    "Checking. " + UNKNOWN: ("Checking. " + UNKNOWN, ()),
+    # A call the client can use is a call; the malformed block beside it stays text.
+    OSLO + "\n" + BAD_JSON: ("\n" + BAD_JSON, (OSLO_CALL,)),
+    OSLO + "\nDone, ask again.": ("\nDone, ask again.", (OSLO_CALL,)),
+    _block("get_weather", "Oslo"): (_block("get_weather", "Oslo"), ()),  # arguments: an object
+    _block("get_weather", UNICODE_ARGS): (
+        None,
+        (Call("get_weather", json.dumps(UNICODE_ARGS, ensure_ascii=False)),),
+    ),
+    "I will call <tool_c": ("I will call <tool_c", ()),  # a tag's beginning, cut at the end
+    "I will call <tool_call>": ("I will call <tool_call>", ()),
+    "Cut: " + OSLO[:40]: ("Cut: " + OSLO[:40], ()),  # an open block (max_tokens)
+    "a < b, <b>bold</b> and </tool_call>": ("a < b, <b>bold</b> and </tool_call>", ()),
+    "<tool_call><tool_call>" + OSLO[11:]: ("<tool_call><tool_call>" + OSLO[11:], ()),
+    "<tool_call></tool_call>" + TIME: ("<tool_call></tool_call>", (TIME_CALL,)),
+    "  \n": ("  \n", ()),
+    "": ("", ()),
+}
+
+# reply -> (content, calls), as the llama3_json parser reads it
+LLAMA_OSLO = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}'
+LLAMA_TIME = '{"name": "get_time", "parameters": {}}'
+LLAMA3 = {
+    "The weather in Oslo is mild.": ("The weather in Oslo is mild.", ()),
+    LLAMA_OSLO: (None, (OSLO_CALL,)),
+    "<|python_tag|>" + LLAMA_OSLO: (None, (OSLO_CALL,)),
+    " \n" + LLAMA_OSLO + "\n": (None, (OSLO_CALL,)),
+    LLAMA_OSLO + "; " + LLAMA_TIME: (None, (OSLO_CALL, TIME_CALL)),
+    '{"name": "get_time", "arguments": {}}': (None, (TIME_CALL,)),  # vLLM takes both keys
+    LLAMA_OSLO[:-1]: (LLAMA_OSLO[:-1], ()),  # cut short
+    '{"name": "get_date", "parameters": {}}': ('{"name": "get_date", "parameters": {}}', ()),
+    LLAMA_OSLO + "; " + LLAMA_TIME[:-2]: (LLAMA_OSLO + "; " + LLAMA_TIME[:-2], ()),  # all or none
+    '{"answer": 42}': ('{"answer": 42}', ()),
+    LLAMA_OSLO + " and then": (LLAMA_OSLO + " and then", ()),
+    "Sure: " + LLAMA_OSLO: ("Sure: " + LLAMA_OSLO, ()),  # calls only open a reply
+    '{"name": "get_weather", "parameters": {"city": "Zürich", "note": "晴れ ☀ \\"quoted\\"\\n"}}': (
+        None,
+        (Call("get_weather", json.dumps(UNICODE_ARGS, ensure_ascii=False)),),
+    ),
+    "<|python": ("<|python", ()),
+    "<|python_tag|>print(1)": ("<|python_tag|>print(1)", ()),
+    "[" * 100_000: ("[" * 100_000, ()),  # past the JSON decoder's recursion limit
+    " \n": (" \n", ()),
+    "": ("", ()),
+}
+CASES = {"hermes": HERMES, "llama3_json": LLAMA3}
+
+
+def test_every_parser_has_cases():
+    """Guards the registry against a parser added without its cases here."""
+    assert set(PARSERS) == set(CASES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_whole_reply_reads_into_content_and_calls(name):
+    """Guards each parser's reading: content only, one call, two calls, content before
+    calls, malformed JSON and unknown names returned as text, unicode arguments kept as
+    written (ensure_ascii off), a call's start cut at the end left as text."""
+    parser = make_parser(name, TOOLS)
+    for reply, (content, calls) in CASES[name].items():
+        got = parser.parse(reply)
+        assert got == ParsedReply(content, calls), reply[:200]
+        for call in got.calls:
+            assert isinstance(json.loads(call.arguments), dict)
+    assert "Zürich" in parser.parse(_unicode_reply(name)).calls[0].arguments
+
+
+def _unicode_reply(name: str) -> str:
+    return next(r for r, (_, calls) in CASES[name].items() if calls and "Z\u00fcrich" in r)
+
+
+def _streamed(parser: ToolParser, pieces: list[str]) -> tuple[str, tuple[Call, ...]]:
+    stream = parser.stream()
+    content, calls = "", []
+    for piece in pieces:
+        step = stream.feed(piece)
+        content += step.content
+        calls += step.calls
+    step = stream.finish()
+    return content + step.content, tuple(calls + step.calls)
+
+
+def _cuts(reply: str, rng: random.Random):
+    """The reply in pieces: cut once at every position, into single characters, and at
+    random places (seeded)."""
+    for i in range(len(reply) + 1):
+        yield [reply[:i], reply[i:]]
+    yield list(reply)
+    for _ in range(30):
+        points = sorted(rng.sample(range(len(reply) + 1), min(len(reply) + 1, rng.randint(2, 8))))
+        yield [reply[a:b] for a, b in zip([0, *points], [*points, len(reply)], strict=True)]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_stream_cut_anywhere_equals_the_whole_reply(name):
+    """Guards streaming against chunk boundaries: a tag split across pieces, a block's
+    close arriving in pieces, whitespace held before a call and let out before text. The
+    content a stream lets out, joined, and its calls equal the whole reply's reading."""
+    parser = make_parser(name, TOOLS)
+    rng = random.Random(7)
+    for reply, (content, calls) in CASES[name].items():
+        if len(reply) > 1000:  # the recursion case: cut once, not at every position
+            assert _streamed(parser, [reply[:500], reply[500:]]) == (reply, ())
+            continue
+        for pieces in _cuts(reply, rng):
+            assert _streamed(parser, pieces) == (content or "", calls), (reply, pieces)
+
+
+def test_hermes_lets_text_out_as_it_comes_and_holds_only_a_possible_call():
+    """Guards the stream's latency: text goes out at once, only a tag's possible
+    beginning (and trailing whitespace) is held, a block goes out as its call the moment
+    its `</tool_call>` arrives, and text that proves not to be a tag is let out."""
+    stream = make_parser("hermes", TOOLS).stream()
+    assert stream.feed("It is sunny. <").content == "It is sunny."
+    assert stream.feed("b>").content == " <b>"
+    assert stream.feed(" Now <tool_").content == " Now"  # " " held, and a tag's beginning
+    assert stream.feed(OSLO[6:-5]) == StreamStep()  # an open block: nothing out
+    assert stream.feed(OSLO[-5:] + "\n") == StreamStep("", [OSLO_CALL])
+    assert stream.feed("Bye") == StreamStep(" \nBye")  # the held whitespace, before text
+    assert stream.finish() == StreamStep()
+
+
+def test_llama3_json_decides_at_the_first_character():
+    """Guards the llama3_json stream: text starting otherwise than `{` or the tag goes out
+    as it comes; a reply that may be calls is held whole to its end."""
+    stream = make_parser("llama3_json", TOOLS).stream()
+    assert stream.feed("  ").content == "" and stream.feed("Hi").content == "  Hi"
+    assert stream.feed(" {").content == " {"
+    stream = make_parser("llama3_json", TOOLS).stream()
+    assert stream.feed(" <|py").content == "" and stream.feed("thon_tag|>{").content == ""
+    assert stream.feed(LLAMA_OSLO[1:]).calls == []
+    assert stream.finish().calls == [OSLO_CALL]
