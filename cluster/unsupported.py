@@ -18,8 +18,8 @@ _RULES: dict[str, tuple[Any, str]] = {
     # Structured output (response_format, structured_outputs, guided_json/regex/choice)
     # is carried out (cluster/structured_api.py); grammars are not.
     "guided_grammar": (lambda v: v is not None, "grammar-guided decoding is not supported"),
-    # tools and tool_choice are carried out where structured output can promise the call
-    # (cluster/tool_calls.py); the deprecated functions field is not.
+    # tools and tool_choice are carried out (cluster/tool_calls.py: auto needs the
+    # server's tool-call parser); the deprecated functions field is not.
     "functions": (bool, "function calling is not supported; use tools"),
     "use_beam_search": (bool, "beam search is not supported"),
     "prompt_embeds": (lambda v: v is not None, "prompt embeddings are not supported"),

@@ -100,9 +100,13 @@ def pd(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def colocated(tmp_path_factory):
+    """Colocated mode, and it answers tool_choice auto (hermes calls); `pd` refuses it."""
     from serve_server import Server
 
-    server = Server(tmp_path_factory.mktemp("co"), "--mode", "colocated", "--max-model-len", "1024")
+    server = Server(
+        tmp_path_factory.mktemp("co"), "--mode", "colocated", "--max-model-len", "1024",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    )  # fmt: skip
     yield server
     server.stop()
 

@@ -1,7 +1,8 @@
 """`pdserve serve` in a subprocess, used with the official `openai` client.
 
-Two real servers (PD mode with an API key, and colocated), each a local Ray instance
-with real workers on the bundled SmolLM2. Everything goes over HTTP.
+Two real servers (PD mode with an API key, and colocated, which also answers tool_choice
+auto), each a local Ray instance with real workers on the bundled SmolLM2. Everything goes
+over HTTP.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 import time
 
 import httpx
@@ -482,7 +484,76 @@ def test_tool_calls_named_and_required_over_http(pd):
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(**kw)  # tool_choice auto, OpenAI's default with tools
-    assert e.value.body.get("param") == "tool_choice" and "parser" in e.value.body["message"]
+    assert e.value.body.get("param") == "tool_choice"
+    # vLLM's words, which clients look for; this server has neither flag.
+    assert e.value.body["message"].startswith(
+        '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'
+    )
+
+
+def _streamed_chat(client: openai.OpenAI, **kw) -> tuple[str, list[tuple[str, str]], str]:
+    """A streamed chat's joined content, its tool calls as (name, arguments) and its last
+    finish reason; each call's first delta must carry its id and type."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                if tc.index not in calls:
+                    assert tc.id and tc.type == "function", tc
+                    calls[tc.index] = [tc.function.name, ""]
+                calls[tc.index][1] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_tool_choice_auto_reads_hermes_calls_over_http(colocated):
+    """Guards tool_choice auto through the real router (the colocated server runs with
+    --enable-auto-tool-choice --tool-call-parser hermes). SmolLM2's chat template ignores
+    tools and the model answers in text: the reply equals the one without tools, with no
+    tool_calls, streamed and whole alike. A reply that structured output forces into a
+    hermes block comes back as that call (content null, finish_reason tool_calls), the
+    same streamed. The parser reads only what the model generated, as vLLM's does: a
+    block the client opened with continue_final_message is not completed into a call."""
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}},
+            "required": ["city"]}}},
+        {"type": "function", "function": {"name": "get_time"}},
+    ]  # fmt: skip
+    msgs = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    kw = dict(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=30, temperature=0)
+    c = colocated.client()
+    plain = c.chat.completions.create(**kw).choices[0]
+    auto = c.chat.completions.create(**kw, tools=tools).choices[0]  # auto: the default
+    assert auto.message.content and auto.message.content == plain.message.content
+    assert auto.message.tool_calls is None
+    assert auto.finish_reason == plain.finish_reason and auto.finish_reason in ("stop", "length")
+    streamed = _streamed_chat(c, **kw, tools=tools, tool_choice="auto")
+    assert streamed == (auto.message.content, [], auto.finish_reason)
+
+    city = "[A-Z][a-z]{2,8}"
+    call_rx = (
+        r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "' + city +
+        r'"\}\}\n</tool_call>'
+    )  # fmt: skip
+    forced = dict(
+        kw, max_tokens=60, tools=tools, extra_body={"structured_outputs": {"regex": call_rx}}
+    )
+    r = c.chat.completions.create(**forced).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content is None, r
+    (call,) = r.message.tool_calls
+    assert call.type == "function" and call.id and call.function.name == "get_weather"
+    assert re.fullmatch(city, json.loads(call.function.arguments)["city"]), call
+    got = _streamed_chat(c, **forced)
+    assert got == ("", [("get_weather", call.function.arguments)], "tool_calls")
+
+    began = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "'
+    go_on = dict(kw, messages=[*msgs, {"role": "assistant", "content": began}], tools=tools,
+                 extra_body={"continue_final_message": True, "add_generation_prompt": False})  # fmt: skip
+    rest = c.chat.completions.create(**go_on, tool_choice="auto").choices[0]
+    as_text = c.chat.completions.create(**go_on, tool_choice="none").choices[0]
+    assert rest.message.tool_calls is None and rest.message.content == as_text.message.content
 
 
 def test_chat_echo_joins_the_answer_the_client_began(pd):
