@@ -4,7 +4,8 @@ into its text and its calls, and the same reading done piece by piece as a reply
 A parser knows one model family's tool-call syntax and the names of the request's tools;
 it knows nothing of OpenAI's message shapes, ids or finish reasons (cluster/auto_tools.py
 puts its findings into those). Its one promise: whatever the pieces, a stream's content
-joined and its calls in order equal what `parse` finds in the whole text.
+joined and its calls in order equal what `parse` finds in the whole text (null content
+joins as "").
 """
 
 from __future__ import annotations
