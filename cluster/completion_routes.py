@@ -42,6 +42,7 @@ from pdserve.cluster.openai_api import (
 )
 from pdserve.cluster.prompts import completion_prompts, prompt_token_ids
 from pdserve.cluster.request_log import RequestLog
+from pdserve.cluster.structured_api import compile_checked, structured_param
 from pdserve.cluster.tool_calls import ToolStream, parse_tool_choice
 from pdserve.cluster.unsupported import refuse_unsupported
 
@@ -108,6 +109,11 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                     role,
                     tools,
                 )
+            )
+        spec = out[0].params.structured_outputs if out else None
+        if spec is not None:  # a tool's parameters or the client's own constraint
+            await compile_checked(
+                spec, "tools" if constraint is not None else structured_param(body)
             )
         return out
 

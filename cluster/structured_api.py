@@ -6,18 +6,24 @@
   `{"choice": [...]}` or `{"json_object": true}`; and its older `guided_json`,
   `guided_regex`, `guided_choice`.
 
-At most one may be given. The pattern is compiled here (the byte DFA, cached), so a bad
-regex or an unsupported schema keyword is a 400 naming it before any worker sees the
-request; grammars (`guided_grammar`, `structured_outputs.grammar`) are refused by name.
+At most one may be given. The pattern is parsed as the request is read, so a bad regex
+or an unsupported schema keyword is a 400 naming it; then `compile_checked` builds its byte
+DFA (cached per process) on a thread, so a new schema's 0.01-0.5 s of compiling does not
+hold the router's event loop and every stream on it, and a pattern that cannot become an
+automaton (too many states, or no string matches) is a 400 too, before any worker sees the
+request. Grammars (`guided_grammar`, `structured_outputs.grammar`) are refused by name.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from pdserve.cluster.openai_api import ApiError
-from pdserve.runner.structured.patterns import compile_spec
+from pdserve.runner.structured.patterns import compile_spec, pattern_node
 from pdserve.runner.structured.spec import StructuredOutputs
+
+COMPILE_TIMEOUT_S = 60.0  # a DFA is bounded at 20,000 states: ~1 s at worst
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
 
@@ -32,10 +38,28 @@ def parse_structured(body: dict) -> StructuredOutputs | None:
                        param=asked[1][0])  # fmt: skip
     param, spec = asked[0]
     try:
-        compile_spec(spec)
+        pattern_node(spec)
     except ValueError as e:
         raise ApiError(f"'{param}': {e}", param=param) from e
     return spec
+
+
+def structured_param(body: dict) -> str:
+    """The field a request's structured output constraint came from."""
+    return next(name for name, value in _candidates(body) if value is not None)
+
+
+async def compile_checked(
+    spec: StructuredOutputs, param: str, timeout_s: float = COMPILE_TIMEOUT_S
+) -> None:
+    """`spec`'s byte DFA, compiled on a thread (or found in the cache); a 400 naming
+    `param` when it cannot be built."""
+    try:
+        await asyncio.wait_for(asyncio.to_thread(compile_spec, spec), timeout_s)
+    except ValueError as e:
+        raise ApiError(f"'{param}': {e}", param=param) from e
+    except TimeoutError as e:
+        raise ApiError(f"'{param}': not compiled within {timeout_s:.0f} s", param=param) from e
 
 
 def _candidates(body: dict) -> list[tuple[str, StructuredOutputs | None]]:
