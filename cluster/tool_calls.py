@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.cluster.openai_api import ApiError, new_id
+from pdserve.cluster.required_calls import CallPiece, RequiredReader, read_required
 from pdserve.cluster.tool_parsers import ToolParser, make_parser
 from pdserve.runner.structured.spec import StructuredOutputs
 
@@ -71,25 +72,28 @@ class ToolChoice:
         if self.kind == "none":
             return None
         try:
-            value = json.loads(text)
+            json.loads(text)  # whole: not cut short
         except json.JSONDecodeError:
             return None
         if self.kind == "named":
             return [tool_call(self.name, text)]
-        return [
-            tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value
-        ]
+        # Each call's arguments as the model wrote them, as a stream sends them.
+        return [tool_call(name, arguments) for name, arguments in read_required(text)]
 
 
 class ToolStream:
-    """A streamed chat's tool calls, choice by choice. A named function's arguments
-    stream as they come (the first delta carries the call's id and name); `required`
-    replies are held until whole, then sent as one delta of calls (or as text if cut)."""
+    """A streamed chat's tool calls, choice by choice. Arguments stream as they come: a
+    named function's from the first piece, a `required` reply's call by call
+    (cluster/required_calls.py), each call's first delta carrying its id, type and name.
+    A required reply cut before its first call's name is whole is sent as its text, as
+    the unstreamed reply is; calls already sent stay (finish_reason says length)."""
 
     def __init__(self, choice: ToolChoice) -> None:
         self.choice = choice
         self._ids: dict[int, str] = {}  # choice index -> the id of its named call
-        self._held: dict[int, str] = {}  # choice index -> text so far (required)
+        self._readers: dict[int, RequiredReader] = {}  # choice index -> its reader
+        self._before: dict[int, str] = {}  # choice index -> its text before any call began
+        self._began: set[int] = set()  # choice indexes whose first call was sent
 
     def delta(
         self, index: int, body: dict, echoed: str, text: str, finish: str | None
@@ -108,18 +112,39 @@ class ToolStream:
             else:
                 body["delta"] = {}
         else:
-            self._held[index] = self._held.get(index, "") + text
-            if finish is None:
-                return None
-            held = self._held.pop(index)
-            calls = self.choice.calls(held)
-            if calls is None:  # cut short: the text as it is
-                body["delta"] = {"content": held} if held else {}
+            reader = self._readers.setdefault(index, RequiredReader())
+            entries = [_entry(p) for p in reader.feed(text)]
+            if finish is not None:
+                del self._readers[index]
+            if not entries and index not in self._began:  # no call has begun yet
+                before = self._before.pop(index, "") + text
+                if finish is None:
+                    self._before[index] = before
+                    return None
+                body["delta"] = {"content": before} if before else {}  # cut: its text
                 return body
-            body["delta"] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+            self._before.pop(index, None)
+            self._began.add(index)
+            if not entries and finish is None:
+                return None
+            body["delta"] = {"tool_calls": entries} if entries else {}
+            if finish is not None:
+                self._began.discard(index)
+                if not reader.closed:
+                    return body
         if finish == "stop":
             body["finish_reason"] = "tool_calls"
         return body
+
+
+def _entry(piece: CallPiece) -> dict[str, Any]:
+    """A tool_calls delta entry: the first one of a call names it and gives its id."""
+    if piece.name is None:
+        return {"index": piece.index, "function": {"arguments": piece.arguments}}
+    return {
+        "index": piece.index, "id": new_id("chatcmpl-tool"), "type": "function",
+        "function": {"name": piece.name, "arguments": piece.arguments},
+    }  # fmt: skip
 
 
 def parse_tool_choice(body: dict, auto_parser: str | None = None) -> ToolChoice | None:

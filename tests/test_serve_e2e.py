@@ -439,7 +439,8 @@ def test_structured_output_over_http_in_pd_equals_colocated(pd, colocated):
 def test_tool_calls_named_and_required_over_http(pd):
     """Guards tool calling through the router and both PD workers: a named function comes
     back as one tool call whose arguments validate against its parameters (streamed, the
-    same arguments in pieces), `required` as one or more calls of the given tools, `none`
+    same arguments in pieces), `required` as one or more calls of the given tools (streamed,
+    call by call, the same calls), `none`
     as text; `auto` is refused by name rather than answered with text."""
     import jsonschema
 
@@ -482,6 +483,9 @@ def test_tool_calls_named_and_required_over_http(pd):
         jsonschema.validate(
             args, params if tc.function.name == "get_weather" else {"type": "object"}
         )
+    # Streamed, each call goes out as it comes; joined, the same calls.
+    whole = [(tc.function.name, tc.function.arguments) for tc in ch.message.tool_calls]
+    assert _streamed_chat(c, **kw, tool_choice="required") == ("", whole, "tool_calls")
     r = c.chat.completions.create(**kw, tool_choice="none")
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls
     # A tool whose parameters use a keyword structured output does not carry out: a 400

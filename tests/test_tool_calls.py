@@ -105,10 +105,9 @@ def test_tool_choice_rules_are_400s_naming_the_field():
     assert params.structured_outputs == constraint
 
 
-def test_a_stream_sends_named_arguments_as_they_come_and_required_calls_whole():
+def test_a_stream_sends_named_arguments_as_they_come():
     """Guards the SSE shapes: a named call's first delta carries its id, type and name,
-    later ones only argument text, and the last says finish_reason tool_calls; a required
-    reply sends nothing until whole, then every call at once (or its text, if cut)."""
+    later ones only argument text, and the last says finish_reason tool_calls."""
     forced = {"type": "function", "function": {"name": "get_weather"}}
     named = ToolStream(parse_tool_choice({"tools": [WEATHER], "tool_choice": forced}))
     pieces = ['{"city": ', '"Oslo", "unit": ', '"celsius"}']
@@ -123,14 +122,77 @@ def test_a_stream_sends_named_arguments_as_they_come_and_required_calls_whole():
     assert json.loads(args) == {"city": "Oslo", "unit": "celsius"}
     assert [b["finish_reason"] for b in bodies] == [None, None, "tool_calls"]
 
-    required = ToolStream(parse_tool_choice({"tools": [WEATHER, TIME], "tool_choice": "required"}))
-    assert required.delta(1, {"index": 1}, "", '[{"name":"get_time",', None) is None
-    body = required.delta(1, {"index": 1, "finish_reason": "stop"}, "", '"parameters":{}}]', "stop")
-    assert body["finish_reason"] == "tool_calls"
-    assert [c["function"]["name"] for c in body["delta"]["tool_calls"]] == ["get_time"]
-    assert required.delta(2, {"index": 2}, "", '[{"name":', None) is None
-    cut = required.delta(2, {"index": 2, "finish_reason": "length"}, "", '"get_ti', "length")
-    assert cut["delta"] == {"content": '[{"name":"get_ti'} and cut["finish_reason"] == "length"
+
+REQUIRED = parse_tool_choice({"tools": [WEATHER, TIME], "tool_choice": "required"})
+REPLIES = [
+    '[{"name":"get_time","parameters":{}}]',
+    '[{"name": "get_weather", "parameters": {"city": "Zürich \\"old town}", "unit": '
+    '"celsius"}}, {"name": "get_time", "parameters": {}}]',
+    '[ { "name" : "get_time" , "parameters" : { } } , {"name":"get_weather","parameters":'
+    '{"city":"a,b}c","unit":"fahrenheit"}} ]',
+]
+
+
+def _required_stream(
+    pieces: list[str], finish: str
+) -> tuple[list[tuple[str, str]], str, str | None]:
+    """A required reply streamed in `pieces` -> its calls as (name, arguments joined), its
+    content joined, its last finish_reason; every call's first entry carries its id."""
+    stream = ToolStream(REQUIRED)
+    calls: dict[int, list[str]] = {}
+    content, reason = "", None
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        body = stream.delta(0, {"index": 0, "finish_reason": finish if last else None}, "",
+                            piece, finish if last else None)  # fmt: skip
+        if body is None:
+            continue
+        content += body["delta"].get("content", "")
+        for entry in body["delta"].get("tool_calls", []):
+            fn = entry["function"]
+            if entry["index"] not in calls:
+                assert entry["id"].startswith("chatcmpl-tool-") and entry["type"] == "function"
+                calls[entry["index"]] = [fn["name"], ""]
+            else:
+                assert "id" not in entry and "name" not in fn, entry
+            calls[entry["index"]][1] += fn["arguments"]
+        reason = body["finish_reason"]
+    return [tuple(calls[i]) for i in sorted(calls)], content, reason
+
+
+@pytest.mark.parametrize("reply", REPLIES)
+def test_a_required_stream_cut_anywhere_sends_the_whole_replys_calls(reply):
+    """Guards required streaming: each call is sent as it comes (its name once whole, then
+    its arguments in pieces), and whatever the pieces the calls joined equal the whole
+    reply's, whose arguments parse to the parameters the reply holds."""
+    whole = REQUIRED.calls(reply)
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in whole]
+    assert all(a == a.strip() for _, a in want), want  # the value only, no spaces around
+    assert [(n, json.loads(a)) for n, a in want] == [
+        (c["name"], c["parameters"]) for c in json.loads(reply)
+    ]
+    for cut in range(len(reply) + 1):
+        got = _required_stream([reply[:cut], reply[cut:]], "stop")
+        assert got == (want, "", "tool_calls"), cut
+    assert _required_stream(list(reply), "stop") == (want, "", "tool_calls")
+
+
+def test_a_cut_required_stream_keeps_what_it_sent():
+    """A reply cut by max_tokens: before its first call's name is whole it is sent as text
+    (as the whole reply is); after, the calls sent so far stay, their arguments a prefix
+    of the uncut ones, and finish_reason stays length."""
+    reply = REPLIES[1]
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in REQUIRED.calls(reply)]
+    first_name = reply.index('"get_weather"') + len('"get_weather"')
+    for cut in range(len(reply)):
+        calls, content, reason = _required_stream(list(reply[:cut]) or [""], "length")
+        assert reason == "length"
+        if cut < first_name:
+            assert calls == [] and content == reply[:cut] and REQUIRED.calls(reply[:cut]) is None
+        else:
+            assert content == "" and len(calls) <= len(want), cut
+            for (name, args), (want_name, want_args) in zip(calls, want):
+                assert name == want_name and want_args.startswith(args), (cut, args)
 
 
 AUTO = parse_tool_choice({"tools": [WEATHER, TIME]}, "hermes")
