@@ -41,6 +41,12 @@ from pdserve.cluster.openai_api import (
     wants_echo,
 )
 from pdserve.cluster.prompts import completion_prompts, prompt_token_ids
+from pdserve.cluster.reasoning_api import (
+    ReasoningSplits,
+    request_parser,
+    split_message,
+    with_reasoning,
+)
 from pdserve.cluster.request_log import RequestLog
 from pdserve.cluster.structured_api import compile_checked, structured_param
 from pdserve.cluster.tool_calls import ToolStream, parse_tool_choice
@@ -108,6 +114,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                     typed(body, "return_tokens_as_token_ids", (bool,), False),
                     role,
                     tools,
+                    request_parser(state.reasoning_parser, kind, params),
                 )
             )
         spec = out[0].params.structured_outputs if out else None
@@ -148,6 +155,18 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
         body["finish_reason"] = _finish(finish)
         if finish is not None and stop_reason is not None:
             body["stop_reason"] = stop_reason
+        return body
+
+    def chat_reply(req: ParsedRequest, body: dict, echoed: str, text: str) -> dict:
+        """A whole chat choice: its reasoning split off (`--reasoning-parser`), then the
+        tool calls of its answer."""
+        reasoning = None
+        if req.reasoning is not None:
+            reasoning, text = split_message(req.reasoning, body, echoed, text)
+        if req.tool_choice is not None:
+            body = tool_reply(req, body, echoed, text)
+        if req.reasoning is not None:
+            body["message"]["reasoning"] = reasoning
         return body
 
     def tool_reply(req: ParsedRequest, body: dict, echoed: str, text: str) -> dict:
@@ -217,9 +236,9 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
             choice(req, c, texts[c], echo_toks[c] + toks[c], lps[c], finish[c], stop[c], False)
             for c in range(total)
         ]
-        if req.kind == "chat" and req.tool_choice is not None:
+        if req.kind == "chat" and (req.tool_choice is not None or req.reasoning is not None):
             choices = [
-                tool_reply(req, body, echoed[c], texts[c][len(echoed[c]) :])
+                chat_reply(req, body, echoed[c], texts[c][len(echoed[c]) :])
                 for c, body in enumerate(choices)
             ]
         out = {
@@ -252,6 +271,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
         tools: ToolStream | AutoToolStream | None = None
         if req.kind == "chat" and tc is not None and tc.kind != "none":
             tools = AutoToolStream(tc) if tc.kind == "auto" else ToolStream(tc)
+        splits = ReasoningSplits(req.reasoning) if req.reasoning is not None else None
 
         def chunk(choices: list[dict], final_usage: bool = False) -> str:
             body = {
@@ -289,23 +309,31 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                         raise ApiError(
                             f"the request failed in a worker: {d.stop_reason}", 500, "server_error"
                         )
-                    text, ids = d.text, d.token_ids
+                    # The generated piece; with a reasoning parser, its answer's part.
+                    generated, reasoning = d.text, ""
+                    if splits is not None:
+                        step = splits.feed(c, d.text, d.finish_reason is not None)
+                        generated, reasoning = step.content, step.reasoning
+                    text, ids = generated, d.token_ids
                     rows = d.logprobs if req.echo_logprobs is not None and d.logprobs else None
                     if echo is not None:
                         text, ids = echo.text + text, echo.token_ids + ids
                         if rows is not None and echo.logprobs is not None:
                             rows = echo.logprobs + rows
-                    if not ids and not text and d.finish_reason is None:
+                    if not ids and not text and not reasoning and d.finish_reason is None:
                         continue
                     body = choice(
                         req, c, text, ids, rows, d.finish_reason, d.stop_reason, delta=True
                     )
+                    sent: dict | None = body
                     if tools is not None:
                         echoed = echo.text if echo is not None else ""
-                        body = tools.delta(c, body, echoed, d.text, d.finish_reason)
-                        if body is None:
-                            continue
-                    yield chunk([body])
+                        sent = tools.delta(c, body, echoed, generated, d.finish_reason)
+                    if splits is not None:
+                        sent = with_reasoning(sent, body, reasoning)
+                    if sent is None:
+                        continue
+                    yield chunk([sent])
         except ApiError as e:
             yield _sse(e.body())
             yield "data: [DONE]\n\n"

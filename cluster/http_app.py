@@ -47,6 +47,7 @@ class AppState:
         vocab_size: int | None = None,
         scheduling_policy: str = "fcfs",
         auto_tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -64,6 +65,8 @@ class AppState:
         # `--tool-call-parser` when `--enable-auto-tool-choice`: tool_choice auto is
         # answered, its calls read by this parser; None: auto is refused (400).
         self.auto_tool_parser = auto_tool_parser
+        # `--reasoning-parser`: chat replies' thinking split from their answer; None: not.
+        self.reasoning_parser = reasoning_parser
 
     @property
     def model_name(self) -> str:

@@ -20,6 +20,7 @@ from pdserve.runner.sampling_params import SamplingParams
 from pdserve.runner.structured.spec import StructuredOutputs
 
 if TYPE_CHECKING:  # it imports this module
+    from pdserve.cluster.reasoning.base import ReasoningParser
     from pdserve.cluster.tool_calls import ToolChoice
 
 
@@ -73,6 +74,9 @@ class ParsedRequest:
     role: str = "assistant"  # chat: the reply's role (`chat_role`)
     # chat: tools and tool_choice (cluster/tool_calls.py), None without tools
     tool_choice: ToolChoice | None = None
+    # chat with `--reasoning-parser`: splits the reply's thinking from its answer
+    # (cluster/reasoning_api.py); None otherwise
+    reasoning: ReasoningParser | None = None
 
 
 def typed(body: dict, name: str, types: tuple, default: Any = None) -> Any:

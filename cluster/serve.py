@@ -200,6 +200,9 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     if auto_tool_parser(cfg) is not None:
         print(f"pdserve: tool_choice auto: calls read by the {cfg.tool_call_parser} parser",
               flush=True)  # fmt: skip
+    if cfg.reasoning_parser is not None:
+        print(f"pdserve: chat replies' reasoning split off by the {cfg.reasoning_parser} "
+              "parser", flush=True)  # fmt: skip
     engine_kwargs = dict(
         model=ecfg.model.path, dtype=cfg.dtype, device=cfg.device,
         max_model_len=ecfg.model.max_model_len, block_size=cfg.block_size,
@@ -314,7 +317,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             router, tokenizer, list(model_names), ecfg.model.max_model_len, Metrics(),
             cfg.api_key, cfg.max_body_bytes, ecfg.runner.runner, defaults, chat_template,
             RequestLog(_print) if cfg.enable_log_requests else None, ecfg.model.vocab_size,
-            cfg.scheduling_policy, auto_tool_parser(cfg),
+            cfg.scheduling_policy, auto_tool_parser(cfg), cfg.reasoning_parser,
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)

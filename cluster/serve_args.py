@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from pdserve.sizes import parse_size, size_arg
 
@@ -122,6 +123,9 @@ class ServeConfig:
     # the reply's calls read by the parser (cluster/tool_parsers/); otherwise a 400.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # vLLM's: chat replies' thinking (`<think>` ... `</think>`) comes back as `reasoning`,
+    # apart from the answer (cluster/reasoning/); None: replies are left as they are.
+    reasoning_parser: str | None = None
     # The log: a line per pool every `log_stats_interval_s` (cluster/stats_log.py) unless
     # disabled; with enable_log_requests, lines for each request's arrival, route and end
     # (token counts, never text; cluster/request_log.py); uvicorn's own level and its
@@ -181,6 +185,11 @@ class ServeConfig:
             raise ValueError(
                 f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
                 f"{self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                f"{self.reasoning_parser!r}"
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(
@@ -339,6 +348,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=tuple(TOOL_CALL_PARSERS), default=None,
                    help="the syntax of the model's tool calls: hermes (<tool_call> blocks: "
                    "Hermes, Qwen2.5, Qwen3) or llama3_json (JSON objects: Llama 3.1, 3.2)")  # fmt: skip
+    p.add_argument("--reasoning-parser", choices=tuple(REASONING_PARSERS), default=None,
+                   help="return chat replies' thinking (<think> ... </think>) as 'reasoning', "
+                   "apart from the answer: qwen3 (Qwen3; a reply not opening with <think> is "
+                   "all answer) or deepseek_r1 (DeepSeek-R1, Qwen3 Thinking-2507: the reply "
+                   "opens in the thinking)")  # fmt: skip
     p.add_argument("--disable-log-stats", action="store_true", default=None,
                    help="no periodic per-pool stats lines in the log")  # fmt: skip
     p.add_argument("--log-stats-interval", type=float, default=None, dest="log_stats_interval_s",

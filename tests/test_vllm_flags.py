@@ -200,6 +200,35 @@ def test_auto_tool_choice_takes_vllms_two_flags(tmp_path, monkeypatch):
     )
 
 
+def test_reasoning_parser_takes_vllms_names(tmp_path, monkeypatch):
+    """Guards `--reasoning-parser`: off by default, qwen3 and deepseek_r1 taken from the flag
+    or the config file; a name pdserve lacks stops `pdserve serve` at start naming the
+    choices, from the flag (argparse's choices) or the file (the config's own check)."""
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    assert _args().reasoning_parser is None
+    assert _args("--reasoning-parser", "qwen3").reasoning_parser == "qwen3"
+    path = tmp_path / "serve.yaml"
+    path.write_text("reasoning-parser: deepseek_r1\n")
+    assert _args("--config", str(path)).reasoning_parser == "deepseek_r1"
+    assert _args("--config", str(path), "--reasoning-parser", "qwen3").reasoning_parser == "qwen3"
+    path.write_text("reasoning_parser: bogus\n")
+    with pytest.raises(ValueError, match="must be one of qwen3, deepseek_r1, got 'bogus'"):
+        _args("--config", str(path))
+    for argv, named in (
+        (["--reasoning-parser", "bogus"],
+         r"argument --reasoning-parser: invalid choice: 'bogus' \(choose from '?qwen3'?, "
+         r"'?deepseek_r1'?\)"),
+        (["--config", str(path)],
+         r"--reasoning-parser must be one of qwen3, deepseek_r1, got 'bogus'"),
+    ):  # fmt: skip
+        res = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "serve", *argv],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert res.returncode == 2, res.stderr
+        assert re.search(named, res.stderr), res.stderr
+
+
 # ---- generation config -------------------------------------------------------------------
 
 

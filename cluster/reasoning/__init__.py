@@ -1,0 +1,21 @@
+"""Reasoning parsers for chat, by vLLM's `--reasoning-parser` names: each splits a reply's
+thinking from its answer (base.py says how). Light on imports: cluster/serve_args.py
+checks the flag against PARSERS."""
+
+from __future__ import annotations
+
+from pdserve.cluster.reasoning.base import ReasoningParser
+from pdserve.cluster.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from pdserve.cluster.reasoning.qwen3 import Qwen3ReasoningParser
+
+PARSERS: dict[str, type[ReasoningParser]] = {
+    "qwen3": Qwen3ReasoningParser,  # opens in the answer unless the reply opens <think>
+    "deepseek_r1": DeepSeekR1ReasoningParser,  # opens in the reasoning (<think> in prompt)
+}
+
+
+def make_parser(name: str, constrained: bool = False) -> ReasoningParser:
+    """`constrained`: the reply is held to a grammar from its first token (structured
+    output, tool_choice named or required)."""
+    assert name in PARSERS, f"unknown reasoning parser {name!r}; known: {sorted(PARSERS)}"
+    return PARSERS[name](constrained)

@@ -1,0 +1,133 @@
+"""What every reasoning parser gives (`--reasoning-parser`, vLLM's names): a chat reply's
+generated text read into its reasoning and its answer, whole or piece by piece as it
+streams.
+
+The reading, for a model that thinks in a `<think>` ... `</think>` block:
+- A `<think>` at the very start of the text opens the reasoning and is not part of it
+  (anywhere else it is plain text).
+- Without it, the text opens in the answer, except for parsers whose models' chat
+  templates write `<think>` into the prompt (`starts_in_reasoning`), where it opens in
+  the reasoning; under a constraint (structured output, tool_choice named or required)
+  it opens in the answer for every parser, since the grammar holds the reply from its
+  first token and the model cannot go on with a block the prompt opened.
+- Reasoning runs to the first `</think>` (dropped), verbatim; the answer is what follows,
+  less its leading newline characters (`\\n` only: not spaces, not `\\r`). Reasoning with
+  no `</think>` (cut by max_tokens) leaves no answer.
+- Text that opens in the answer is the answer, whole and verbatim: a `</think>` in it is
+  text, since a stream has sent what came before it as answer already.
+- Empty reasoning or answer is None.
+
+A parser knows nothing of OpenAI's message shapes, tool calls or echo (cluster/
+reasoning_api.py puts its findings into those). Its one promise: whatever the pieces, a
+stream's reasoning and answer joined equal what `parse` finds in the whole text (None
+joins as ""), and it holds back only what may be the start of a tag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class Reasoned:
+    reasoning: str | None  # the think block's text; None when there is none or it is empty
+    content: str | None  # the answer; None when empty
+
+
+@dataclass
+class ReasoningStep:
+    """What a piece of a streamed reply lets out."""
+
+    reasoning: str = ""
+    content: str = ""
+
+    def then(self, later: ReasoningStep) -> ReasoningStep:
+        return ReasoningStep(self.reasoning + later.reasoning, self.content + later.content)
+
+
+class ReasoningParser:
+    # Whether text that does not open with `<think>` opens in the reasoning: the chat
+    # template writes `<think>` into the prompt (DeepSeek-R1's does).
+    starts_in_reasoning = False
+
+    def __init__(self, constrained: bool = False) -> None:
+        """`constrained`: the reply is held to a grammar from its first token."""
+        self.opens_in_reasoning = self.starts_in_reasoning and not constrained
+
+    def parse(self, text: str) -> Reasoned:
+        """A whole reply."""
+        thinking = self.opens_in_reasoning
+        if text.startswith(OPEN):
+            text, thinking = text[len(OPEN) :], True
+        if not thinking:
+            return Reasoned(None, text or None)
+        reasoning, closed, answer = text.partition(CLOSE)
+        answer = answer.lstrip("\n") if closed else ""
+        return Reasoned(reasoning or None, answer or None)
+
+    def stream(self) -> ReasoningStream:
+        """A reader for one reply that arrives in pieces."""
+        return ReasoningStream(self.opens_in_reasoning)
+
+
+class ReasoningStream:
+    """One streamed reply. Held back: the start of the text while it may be `<think>`,
+    the end of the reasoning while it may be the start of `</think>`, and newlines right
+    after `</think>` (dropped once the answer's first other character comes)."""
+
+    def __init__(self, opens_in_reasoning: bool) -> None:
+        self._opens_in_reasoning = opens_in_reasoning
+        self._phase = "start"  # start | reasoning | after_close | answer
+        self._held = ""
+
+    def feed(self, text: str) -> ReasoningStep:
+        """The next piece of the reply; what it lets out."""
+        step = ReasoningStep()
+        if self._phase == "answer":
+            step.content = text
+            return step
+        self._held += text
+        if self._phase == "start":
+            if OPEN.startswith(self._held) and self._held != OPEN:
+                return step  # "", "<", "<th", ...: may still be `<think>`
+            if self._held.startswith(OPEN):
+                self._held, self._phase = self._held[len(OPEN) :], "reasoning"
+            else:
+                self._phase = "reasoning" if self._opens_in_reasoning else "answer"
+        if self._phase == "reasoning":
+            end = self._held.find(CLOSE)
+            if end < 0:
+                keep = _tag_start(self._held, CLOSE)
+                step.reasoning = self._held[: len(self._held) - keep]
+                self._held = self._held[len(self._held) - keep :]
+                return step
+            step.reasoning = self._held[:end]
+            self._held, self._phase = self._held[end + len(CLOSE) :], "after_close"
+        if self._phase == "after_close":
+            self._held = self._held.lstrip("\n")
+            if not self._held:
+                return step
+            self._phase = "answer"
+        step.content, self._held = self._held, ""
+        return step
+
+    def finish(self) -> ReasoningStep:
+        """The reply has ended: what was held back. The start of a tag that never came
+        whole is text of the part it was held in; newlines after `</think>` are dropped."""
+        held, self._held = self._held, ""
+        if self._phase == "start":
+            thinking = self._opens_in_reasoning
+            return ReasoningStep(held, "") if thinking else ReasoningStep("", held)
+        if self._phase == "reasoning":
+            return ReasoningStep(held, "")
+        return ReasoningStep()  # after_close holds only newlines; answer holds nothing
+
+
+def _tag_start(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (0 if none)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

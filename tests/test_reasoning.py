@@ -1,0 +1,289 @@
+"""The reasoning parsers of `--reasoning-parser` (cluster/reasoning/) on strings: what each
+reads as reasoning and what as the answer, that a stream of the same reply, cut anywhere,
+lets out exactly that, and how the split meets tool calls (cluster/reasoning_api.py with
+cluster/auto_tools.py and cluster/tool_calls.py, composed in completion_routes' order).
+The HTTP path is in tests/test_serve_e2e.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.cluster.auto_tools import AutoToolStream, auto_reply
+from pdserve.cluster.reasoning import PARSERS, make_parser
+from pdserve.cluster.reasoning.base import Reasoned, ReasoningParser, ReasoningStep
+from pdserve.cluster.reasoning_api import (
+    ReasoningSplits,
+    request_parser,
+    split_message,
+    with_reasoning,
+)
+from pdserve.cluster.tool_calls import ToolStream, parse_tool_choice
+from pdserve.runner.sampling_params import SamplingParams
+from pdserve.runner.structured.spec import StructuredOutputs
+
+UNICODE = "<think>Zürich oder 東京? 晴れ ☀ \U0001f5fc</think>\n答え: 東京 🗼"
+UNICODE_SPLIT = ("Zürich oder 東京? 晴れ ☀ \U0001f5fc", "答え: 東京 🗼")
+
+# reply -> (reasoning, content), as the qwen3 parser reads it
+QWEN3 = {
+    "The capital is Paris.": (None, "The capital is Paris."),  # no tags: all answer
+    "<think>\nThe user asks.\n</think>\n\nParis.": ("\nThe user asks.\n", "Paris."),
+    # Only `</think>`: the reply did not open a block, so it is all answer.
+    "The user asks.</think>Paris.": (None, "The user asks.</think>Paris."),
+    "<think>I am still thinking": ("I am still thinking", None),  # cut inside reasoning
+    "<think>Almost done</thi": ("Almost done</thi", None),  # cut inside the closing tag
+    "<thi": (None, "<thi"),  # cut inside the opening tag: it never opened
+    "<think>": (None, None),
+    "<think></think>Paris.": (None, "Paris."),  # empty reasoning
+    "<think>\n\n</think>\n\nParis.": ("\n\n", "Paris."),  # Qwen3's /no_think, verbatim
+    "<think>Done</think>": ("Done", None),
+    "<think>Done</think>\n\n": ("Done", None),
+    "<think>Done</think> \nParis.": ("Done", " \nParis."),  # only \n is dropped
+    "<think>Done</think>\r\nParis.": ("Done", "\r\nParis."),
+    UNICODE: UNICODE_SPLIT,
+    " <think>a</think>b": (None, " <think>a</think>b"),  # a tag not at the very start
+    "<think>a</think>b</think>c": ("a", "b</think>c"),  # the first close ends it
+    "<think><think>a</think>\nb": ("<think>a", "b"),
+    "<thinking>a</think>b": (None, "<thinking>a</think>b"),  # not the tag
+    "a < b and <thin": (None, "a < b and <thin"),
+    "": (None, None),
+}
+
+# reply -> (reasoning, content), as the deepseek_r1 parser reads it
+DEEPSEEK_R1 = {
+    "The capital is Paris.": ("The capital is Paris.", None),  # no tags: all reasoning
+    "<think>\nThe user asks.\n</think>\n\nParis.": ("\nThe user asks.\n", "Paris."),
+    "The user asks.\n</think>\n\nParis.": ("The user asks.\n", "Paris."),  # <think> in prompt
+    "<think>I am still thinking": ("I am still thinking", None),
+    "Almost done</thi": ("Almost done</thi", None),
+    "<thi": ("<thi", None),
+    "<think>": (None, None),
+    "</think>Paris.": (None, "Paris."),  # empty reasoning
+    "<think></think>\nParis.": (None, "Paris."),
+    "Done</think>": ("Done", None),
+    "Done</think>\n\n\n": ("Done", None),
+    "Done</think> \nParis.": ("Done", " \nParis."),
+    UNICODE: UNICODE_SPLIT,
+    UNICODE[len("<think>") :]: UNICODE_SPLIT,
+    " <think>a</think>b": (" <think>a", "b"),
+    "<thinking>a</think>b": ("<thinking>a", "b"),
+    "a</think>b</think>c": ("a", "b</think>c"),
+    "": (None, None),
+}
+CASES = {"qwen3": QWEN3, "deepseek_r1": DEEPSEEK_R1}
+
+# reply -> (reasoning, content) under a grammar from the first token, for both parsers
+CONSTRAINED = {
+    '{"city": "Paris"}': (None, '{"city": "Paris"}'),
+    "<think>why not</think>\nParis": ("why not", "Paris"),  # a block the grammar spells
+    "why not</think>Paris": (None, "why not</think>Paris"),
+    "<think>cut": ("cut", None),
+    "<": (None, "<"),
+    "": (None, None),
+}
+
+
+def test_every_parser_has_cases():
+    """Guards the registry against a parser added without its cases here."""
+    assert set(PARSERS) == set(CASES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_whole_reply_reads_into_reasoning_and_answer(name):
+    """Guards each parser's reading: no tags, both tags, only the close, cut inside the
+    reasoning or inside a tag, empty reasoning, leading newlines of the answer (only
+    those), a tag not at the start, unicode; and that a grammar from the first token makes
+    every parser open in the answer."""
+    for reply, want in CASES[name].items():
+        assert make_parser(name).parse(reply) == Reasoned(*want), reply
+    for reply, want in CONSTRAINED.items():
+        assert make_parser(name, constrained=True).parse(reply) == Reasoned(*want), reply
+
+
+def _streamed(parser: ReasoningParser, pieces: list[str]) -> tuple[str, str]:
+    stream = parser.stream()
+    reasoning = content = ""
+    for piece in pieces:
+        step = stream.feed(piece)
+        reasoning, content = reasoning + step.reasoning, content + step.content
+    step = stream.finish()
+    return reasoning + step.reasoning, content + step.content
+
+
+def _cuts(reply: str, rng: random.Random):
+    """The reply in pieces: cut once at every position, into single characters, and at
+    random places (seeded), empty pieces included."""
+    for i in range(len(reply) + 1):
+        yield [reply[:i], reply[i:]]
+    yield list(reply)
+    for _ in range(30):
+        points = sorted(rng.choices(range(len(reply) + 1), k=rng.randint(2, 8)))
+        yield [reply[a:b] for a, b in zip([0, *points], [*points, len(reply)], strict=True)]
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_stream_cut_anywhere_equals_the_whole_reply(name, constrained):
+    """Guards streaming against chunk boundaries: `<think>` or `</think>` split across
+    pieces, newlines after the close arriving alone, a tag's start that never completes.
+    The reasoning and answer a stream lets out, joined, equal the whole reply's."""
+    parser = make_parser(name, constrained)
+    rng = random.Random(11)
+    for reply in [*CASES[name], *CONSTRAINED]:
+        whole = parser.parse(reply)
+        want = (whole.reasoning or "", whole.content or "")
+        for pieces in _cuts(reply, rng):
+            assert _streamed(parser, pieces) == want, (reply, pieces)
+
+
+def test_a_stream_holds_only_what_may_be_a_tag():
+    """Guards the stream's latency: reasoning and answer go out as they come; held are
+    only the reply's start while it may be `<think>`, a possible `</think>` at the end of
+    the reasoning, and newlines right after `</think>`."""
+    stream = make_parser("qwen3").stream()
+    assert stream.feed("<thi") == ReasoningStep()
+    assert stream.feed("nk>I wonder") == ReasoningStep("I wonder")
+    assert stream.feed(" if a < b</thi") == ReasoningStep(" if a < b")
+    assert stream.feed("s>") == ReasoningStep("</this>")  # not the tag after all
+    assert stream.feed("</think>\n") == ReasoningStep()
+    assert stream.feed("\nParis") == ReasoningStep("", "Paris")
+    assert stream.feed("</think>") == ReasoningStep("", "</think>")  # the answer's text
+    assert stream.finish() == ReasoningStep()
+    stream = make_parser("qwen3").stream()
+    assert stream.feed("<b") == ReasoningStep("", "<b")  # cannot be <think>: answer at once
+    stream = make_parser("deepseek_r1").stream()
+    assert stream.feed("Hmm") == ReasoningStep("Hmm")
+    assert stream.finish() == ReasoningStep()
+
+
+def test_only_chat_is_parsed_and_a_grammar_opens_in_the_answer():
+    """Guards which requests are split: chat with the flag, never completions (raw text,
+    as in vLLM); a request under structured output (the client's or a tool choice's) gets
+    a parser that opens in the answer, so deepseek_r1 does not call its JSON reasoning."""
+    plain = SamplingParams()
+    json_mode = SamplingParams(structured_outputs=StructuredOutputs(json_object=True))
+    assert request_parser(None, "chat", plain) is None
+    assert request_parser("deepseek_r1", "completion", plain) is None
+    assert request_parser("deepseek_r1", "chat", plain).parse("{}") == Reasoned("{}", None)
+    assert request_parser("deepseek_r1", "chat", json_mode).parse("{}") == Reasoned(None, "{}")
+
+
+# ---- with tool calls, as completion_routes composes them -----------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+AUTO = parse_tool_choice({"tools": [WEATHER]}, "hermes")
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+ARGS = '{"city": "Oslo"}'
+
+
+def _whole(parser: ReasoningParser, text: str, echoed: str = "", choice=AUTO) -> dict:
+    """completion_routes' chat_reply: split, the answer's tool calls, then `reasoning`."""
+    body = {"index": 0, "message": {"role": "assistant", "content": echoed + text},
+            "logprobs": None, "finish_reason": "stop"}  # fmt: skip
+    reasoning, answer = split_message(parser, body, echoed, text)
+    if choice.kind == "auto":
+        body = auto_reply(choice, body, echoed, answer)
+    else:
+        calls = choice.calls(echoed + answer)
+        body["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+        body["finish_reason"] = "tool_calls"
+    body["message"]["reasoning"] = reasoning
+    return body
+
+
+def _stream(parser: ReasoningParser, pieces: list[str], echoed: str = "", choice=AUTO):
+    """completion_routes' sse loop for one choice -> (reasoning, content, calls as (name,
+    arguments), finish_reason), with every chunk's delta checked to carry something."""
+    splits = ReasoningSplits(parser)
+    tools = AutoToolStream(choice) if choice.kind == "auto" else ToolStream(choice)
+    reasoning = content = ""
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for i, piece in enumerate(pieces):
+        last = "stop" if i == len(pieces) - 1 else None
+        step = splits.feed(0, piece, last is not None)
+        first = echoed if i == 0 else ""
+        text = first + step.content
+        body = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": last}
+        sent = with_reasoning(tools.delta(0, body, first, step.content, last), body,
+                              step.reasoning)  # fmt: skip
+        if sent is None:
+            continue
+        delta = sent["delta"]
+        assert delta or sent["finish_reason"], sent
+        assert delta.get("content") != "", sent
+        reasoning += delta.get("reasoning", "")
+        content += delta.get("content", "")
+        for entry in delta.get("tool_calls", []):
+            fn = entry["function"]
+            if entry["index"] not in calls:
+                calls[entry["index"]] = [fn["name"], ""]
+            calls[entry["index"]][1] += fn["arguments"]
+        finish = sent["finish_reason"] or finish
+    return reasoning, content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def _calls(message: dict) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in message.get(
+        "tool_calls") or []]  # fmt: skip
+
+
+AUTO_REPLIES = [
+    # thinking, then the call: the tool parser reads only the answer
+    ("<think>I need the weather.</think>\n\n" + CALL, ("I need the weather.", None, [ARGS])),
+    # a call written inside the thinking is reasoning, not a call
+    ("<think>Maybe " + CALL + "? No.</think>\nIt is sunny.",
+     ("Maybe " + CALL + "? No.", "It is sunny.", [])),
+    ("<think>Hmm</think>Checking.\n" + CALL, ("Hmm", "Checking.", [ARGS])),
+    ("It is sunny.", (None, "It is sunny.", [])),
+    ("<think>cut before the call" , ("cut before the call", None, [])),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("reply, want", AUTO_REPLIES)
+def test_auto_tool_calls_read_only_the_answer_whole_and_streamed(reply, want):
+    """Guards the interplay with tool_choice auto: the hermes parser sees the answer only,
+    so a block inside the thinking stays reasoning and a call after it is a call; a stream
+    cut anywhere sends the whole reply's reasoning, content and calls, finish_reason
+    tool_calls exactly when there are calls."""
+    parser = make_parser("qwen3")
+    whole = _whole(parser, reply)
+    message = whole["message"]
+    reasoning, content, args = want
+    assert (message["reasoning"], message["content"]) == (reasoning, content)
+    assert _calls(message) == [("get_weather", a) for a in args]
+    assert whole["finish_reason"] == ("tool_calls" if args else "stop")
+    expected = (reasoning or "", content or "", _calls(message), whole["finish_reason"])
+    for pieces in _cuts(reply, random.Random(3)):
+        assert _stream(parser, pieces) == expected, pieces
+
+
+def test_an_echoed_turn_is_content_and_not_parsed():
+    """Guards echo with continue_final_message: the words the client began the turn with
+    are content, in front, never read for `<think>` (as the tool parsers skip them)."""
+    parser = make_parser("qwen3")
+    began = "<think>I began "
+    whole = _whole(parser, "this</think>\nParis.", echoed=began)["message"]
+    assert (whole["reasoning"], whole["content"]) == (None, began + "this</think>\nParis.")
+    got = _stream(parser, ["this</thi", "nk>\nParis."], echoed=began)
+    assert got == ("", began + "this</think>\nParis.", [], "stop")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_named_tool_choice_keeps_its_call_under_either_parser(name):
+    """Guards tool_choice named with the flag on: the grammar holds the reply from its
+    first token, so its JSON is the answer (deepseek_r1 would otherwise read a reply with
+    no `</think>` as all reasoning) and comes back as the call, reasoning null, whole and
+    streamed alike."""
+    named = parse_tool_choice({"tools": [WEATHER], "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}})  # fmt: skip
+    parser = make_parser(name, constrained=True)
+    whole = _whole(parser, ARGS, choice=named)
+    assert whole["message"]["reasoning"] is None
+    assert _calls(whole["message"]) == [("get_weather", ARGS)]
+    want = ("", "", [("get_weather", ARGS)], "tool_calls")
+    for pieces in _cuts(ARGS, random.Random(5)):
+        assert _stream(parser, pieces, choice=named) == want, pieces
