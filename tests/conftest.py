@@ -100,12 +100,15 @@ def pd(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def colocated(tmp_path_factory):
-    """Colocated mode, and it answers tool_choice auto (hermes calls); `pd` refuses it."""
+    """Colocated mode, and it answers tool_choice auto (hermes calls; `pd` refuses it) and
+    splits chat replies' reasoning with the qwen3 parser. That parser leaves a reply that
+    does not open with `<think>` as it is, so SmolLM2's replies, which never do, come back
+    as without it (deepseek_r1 would read every such reply as reasoning)."""
     from serve_server import Server
 
     server = Server(
         tmp_path_factory.mktemp("co"), "--mode", "colocated", "--max-model-len", "1024",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
     )  # fmt: skip
     yield server
     server.stop()

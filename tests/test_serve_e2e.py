@@ -1,8 +1,8 @@
 """`pdserve serve` in a subprocess, used with the official `openai` client.
 
 Two real servers (PD mode with an API key, and colocated, which also answers tool_choice
-auto), each a local Ray instance with real workers on the bundled SmolLM2. Everything goes
-over HTTP.
+auto and splits chat replies' reasoning), each a local Ray instance with real workers on
+the bundled SmolLM2. Everything goes over HTTP.
 """
 
 from __future__ import annotations
@@ -567,6 +567,83 @@ def test_tool_choice_auto_reads_hermes_calls_over_http(colocated):
     rest = c.chat.completions.create(**go_on, tool_choice="auto").choices[0]
     as_text = c.chat.completions.create(**go_on, tool_choice="none").choices[0]
     assert rest.message.tool_calls is None and rest.message.content == as_text.message.content
+
+
+def _streamed_reasoning(client: openai.OpenAI, **kw) -> tuple[str, str, list, str]:
+    """A streamed chat's joined reasoning and content, its tool calls as (name, arguments),
+    its last finish reason; every reasoning delta must come before the first content."""
+    reasoning, content, calls, finish = "", "", {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for choice in chunk.choices:
+            piece = (choice.delta.model_extra or {}).get("reasoning")
+            if piece:
+                assert not content, (content, piece)  # thinking, then answering
+                reasoning += piece
+            content += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                calls.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments
+            finish = choice.finish_reason or finish
+    return reasoning, content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_reasoning_parser_splits_thinking_over_http(colocated):
+    """Guards --reasoning-parser through the real router (the colocated server runs with
+    --reasoning-parser qwen3). SmolLM2 does not think: its reply is plain content, reasoning
+    null, the raw text /v1/completions gives for the same prompt. A reply that structured
+    output forces into `<think>...</think>` comes back split, reasoning the block's text and
+    content the answer, streamed alike (reasoning deltas, then content), while completions
+    keep the raw text. With tool_choice auto the hermes parser reads only the answer (a
+    think block, then a call: the call); a named tool choice still comes back as its call."""
+    kw = dict(model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0)
+    ids = httpx.post(colocated.url + "/tokenize", json={"messages": QUESTION},
+                     timeout=30).json()["tokens"]  # fmt: skip
+    c = colocated.client()
+
+    def raw(**extra) -> str:  # the same prompt and decoding, unparsed
+        return c.completions.create(model=kw["model"], prompt=ids, temperature=0,
+                                    **extra).choices[0].text  # fmt: skip
+
+    r = httpx.post(colocated.url + "/v1/chat/completions", json={**kw, "max_tokens": 12},
+                   timeout=120).json()["choices"][0]  # fmt: skip
+    plain, finish = r["message"]["content"], r["finish_reason"]
+    assert r["message"]["reasoning"] is None and plain == raw(max_tokens=12)
+    assert _streamed_reasoning(c, **kw, max_tokens=12) == ("", plain, [], finish)
+
+    think = "<think>[a-z ]{1,30}</think>\n?[A-Za-z ]{1,30}"
+    forced = dict(kw, max_tokens=100, extra_body={"structured_outputs": {"regex": think}})
+    r = c.chat.completions.create(**forced).choices[0]
+    reasoning = r.message.model_extra["reasoning"]
+    assert r.finish_reason == "stop", r
+    assert re.fullmatch("[a-z ]{1,30}", reasoning), r
+    assert re.fullmatch("[A-Za-z ]{1,30}", r.message.content), r
+    text = raw(max_tokens=100, extra_body=forced["extra_body"])
+    assert text in (f"<think>{reasoning}</think>{r.message.content}",
+                    f"<think>{reasoning}</think>\n{r.message.content}"), text  # fmt: skip
+    assert _streamed_reasoning(c, **forced) == (reasoning, r.message.content, [], "stop")
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"]}}}]  # fmt: skip
+    call_rx = (
+        r'<think>[a-z ]{1,30}</think>\n<tool_call>\n\{"name": "get_weather", "arguments": '
+        r'\{"city": "[A-Z][a-z]{2,8}"\}\}\n</tool_call>'
+    )
+    auto = dict(forced, tools=tools, extra_body={"structured_outputs": {"regex": call_rx}})
+    r = c.chat.completions.create(**auto).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content is None, r
+    (call,) = r.message.tool_calls
+    reasoning = r.message.model_extra["reasoning"]
+    assert re.fullmatch("[a-z ]{1,30}", reasoning) and call.function.name == "get_weather"
+    got = _streamed_reasoning(c, **auto)
+    assert got == (reasoning, "", [("get_weather", call.function.arguments)], "tool_calls")
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(**kw, max_tokens=40, tools=tools, tool_choice=named).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.model_extra["reasoning"] is None, r
+    (call,) = r.message.tool_calls
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    got = _streamed_reasoning(c, **kw, max_tokens=40, tools=tools, tool_choice=named)
+    assert got == ("", "", [("get_weather", call.function.arguments)], "tool_calls")
 
 
 def test_chat_echo_joins_the_answer_the_client_began(pd):
