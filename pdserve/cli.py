@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the prompt as is instead of through the chat template",
     )
     _add_engine_args(gen)
-    from pdserve.cluster.serve_args import add_serve_args
+    from pdserve.cluster.serve_flags import add_serve_args
 
     serve = sub.add_parser(
         "serve",
@@ -166,7 +166,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.cluster.serve import run_serve
-    from pdserve.cluster.serve_args import config_from_args
+    from pdserve.cluster.serve_flags import config_from_args
 
     return run_serve(config_from_args(args))
 

@@ -40,7 +40,8 @@ from test_helm_chart import (
     router_script,
 )
 
-from pdserve.cluster.serve_args import ServeConfig, add_serve_args, config_from_args
+from pdserve.cluster.serve_args import ServeConfig
+from pdserve.cluster.serve_flags import add_serve_args, config_from_args
 
 
 @pytest.fixture(scope="session")

@@ -9,13 +9,8 @@ import argparse
 import pytest
 
 from pdserve.cluster.metrics import Metrics
-from pdserve.cluster.serve_args import (
-    ServeConfig,
-    add_serve_args,
-    config_from_args,
-    decode_capacity,
-    with_env,
-)
+from pdserve.cluster.serve_args import ServeConfig, decode_capacity
+from pdserve.cluster.serve_flags import add_serve_args, config_from_args, with_env
 from pdserve.cluster.serve_placement import Placement, join_auth_env, pool_bounds
 
 

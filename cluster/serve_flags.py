@@ -1,0 +1,230 @@
+"""`pdserve serve`'s flags and its YAML config file (the same keys), read into a
+`ServeConfig` (cluster/serve_args.py): flags win over the file, the file over the
+environment's keys (ENV_KEYS), and those over the defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields, replace
+from pathlib import Path
+
+from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
+from pdserve.cluster.serve_args import (
+    ENV_KEYS,
+    SCHEDULING_POLICIES,
+    SIZE_KEYS,
+    UVICORN_LEVELS,
+    ServeConfig,
+)
+from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
+from pdserve.sizes import size_arg
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    d = ServeConfig()
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (same as --model)")  # fmt: skip
+    p.add_argument("--config", default=None, help="YAML file with the same keys (flags win)")
+    p.add_argument("--model", default=None, help="default: bundled SmolLM2-135M-Instruct")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names requests may give as 'model'; responses carry the first "
+                   "(default: the model as given)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling seeds for requests that give none "
+                   "(default: random)")  # fmt: skip
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=None, help="prefill long prompts in chunks of the step budget; "
+                   "off needs --max-num-batched-tokens >= --max-model-len (default on)")  # fmt: skip
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan step N+1 while the GPU runs step N (default: on a GPU)")  # fmt: skip
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="reuse cached KV blocks of shared prompt prefixes "
+                   "(default on)")  # fmt: skip
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="GPU: run without CUDA graphs")  # fmt: skip
+    p.add_argument("--generation-config", default=None,
+                   help="requests' default sampling parameters: auto (the model's "
+                   "generation_config.json), vllm (none) or a folder (default auto)")  # fmt: skip
+    p.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help='default sampling parameters over the generation config\'s, e.g. '
+                   '\'{"temperature": 0.7}\'')  # fmt: skip
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=None,
+                   help="1 only: a worker runs on one GPU")  # fmt: skip
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None,
+                   help="1 only: a worker runs on one GPU")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", default=None, help="auto only: the model's dtype")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (or the template itself) to use instead "
+                   "of the tokenizer's")  # fmt: skip
+    p.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                   help="answer tool_choice auto (OpenAI's default with tools): the model "
+                   "answers freely and --tool-call-parser reads its calls (needs it)")  # fmt: skip
+    p.add_argument("--tool-call-parser", choices=tuple(TOOL_CALL_PARSERS), default=None,
+                   help="the syntax of the model's tool calls: hermes (<tool_call> blocks: "
+                   "Hermes, Qwen2.5, Qwen3) or llama3_json (JSON objects: Llama 3.1, 3.2)")  # fmt: skip
+    p.add_argument("--reasoning-parser", choices=tuple(REASONING_PARSERS), default=None,
+                   help="return chat replies' thinking (<think> ... </think>) as 'reasoning', "
+                   "apart from the answer: qwen3 (Qwen3; a reply not opening with <think> is "
+                   "all answer) or deepseek_r1 (DeepSeek-R1, Qwen3 Thinking-2507: the reply "
+                   "opens in the thinking)")  # fmt: skip
+    p.add_argument("--disable-log-stats", action="store_true", default=None,
+                   help="no periodic per-pool stats lines in the log")  # fmt: skip
+    p.add_argument("--log-stats-interval", type=float, default=None, dest="log_stats_interval_s",
+                   metavar="SECONDS", help=f"default {d.log_stats_interval_s:g}")  # fmt: skip
+    p.add_argument("--enable-log-requests", action="store_true", default=None,
+                   help="log each request's arrival, route and end (token counts, not text)")  # fmt: skip
+    p.add_argument("--uvicorn-log-level", choices=UVICORN_LEVELS, default=None,
+                   help=f"default {d.uvicorn_log_level}")  # fmt: skip
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", default=None)
+    p.add_argument("--host", default=None, help=f"default {d.host}")
+    p.add_argument("--port", type=int, default=None, help=f"default {d.port}")
+    p.add_argument("--mode", choices=["pd", "colocated"], default=None, help="default pd")
+    p.add_argument("--prefill-workers", type=int, default=None)
+    p.add_argument("--decode-workers", type=int, default=None)
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 (env PDSERVE_API_KEY)",
+    )
+    p.add_argument("--max-model-len", type=size_arg, default=None,
+                   help="longest prompt + output, e.g. 4096 or 32k (= 32,000) or 32K "
+                   "(= 32,768) (default 4096, at most the model's)")  # fmt: skip
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-waiting-per-decode-worker", type=int, default=None, metavar="N",
+                   help="requests the router may queue on a decode worker beyond its "
+                   "--max-num-seqs running ones; more wait in the router for the first "
+                   "worker with room, a newly scaled one included (default: --max-num-seqs)")  # fmt: skip
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=None,
+                   help="fcfs: requests in arrival order; priority: by each request's "
+                   "'priority' field (lower first, then arrival), in the router's queue and "
+                   "the workers' schedulers (default fcfs)")  # fmt: skip
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=size_arg,
+        default=None,
+        help="tokens per engine step (default: 8192 on GPUs of >= 70 GiB, else 2048)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help=f"share of each GPU for weights + KV cache (default {d.gpu_memory_utilization})",
+    )
+    p.add_argument("--kv-cache-memory-bytes", type=size_arg, default=None, metavar="SIZE",
+                   help="each worker's KV cache in bytes, e.g. 8G (= 8 GiB); then "
+                   "--gpu-memory-utilization is not used (default: sized from it on a GPU, "
+                   "0.5 GiB on the CPU)")  # fmt: skip
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
+                   help="each worker's KV cache in blocks of --block-size tokens, whatever "
+                   "the memory (default: sized from memory)")  # fmt: skip
+    p.add_argument("--runner", choices=["auto", "mrv2", "reference"], default=None)
+    p.add_argument("--decode-attention", choices=["auto", "per_head", "packed", "flat"],
+                   default=None,
+                   help="GPU decode attention kernel: a program per kv head, all heads packed "
+                   "in one, or per kv head with one program per SM walking several (flat: "
+                   "slower at small batches on an H200) (default auto: chosen by batch shape)")  # fmt: skip
+    p.add_argument("--cuda-graph-scope", choices=["layers", "step"], default=None,
+                   help="GPU: what a decode CUDA graph holds: the layers, or the whole step "
+                   "(input prep and, for greedy steps, LM head, argmax and token update: about "
+                   "half the host time a step) (default step)")  # fmt: skip
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--kv-transport", choices=["auto", "tcp", "cuda_ipc", "nccl"], default=None,
+                   help="how decode workers pull KV from prefill workers (default auto: "
+                   "cuda_ipc when the workers are on this node's GPUs, else tcp)")  # fmt: skip
+    p.add_argument("--kv-layer-wise", action="store_true", default=None,
+                   help="pd mode, tcp: stream each layer's KV to the decode worker as the "
+                   "prefill forward writes it, with the ticket sent before the forward")  # fmt: skip
+    p.add_argument("--pd-max-prefill-queue-tokens", type=int, default=None,
+                   help="pd mode: when every prefill worker has this many prompt tokens in "
+                   "flight, prefill on the decode worker instead (default 0: always remote)")  # fmt: skip
+    p.add_argument("--policy", choices=["recompute", "fail"], default=None,
+                   help="when a remote prefill or KV pull fails (default recompute)")  # fmt: skip
+    p.add_argument("--ray-address", default=None,
+                   help="join a running Ray cluster ('auto' or HOST:PORT) instead of starting "
+                   "a local one")  # fmt: skip
+    p.add_argument("--pool-resources", action="store_true", default=None,
+                   help="workers ask for the Ray resources pdserve_prefill / pdserve_decode / "
+                   "pdserve_tier, so node groups decide where each pool runs")  # fmt: skip
+    p.add_argument("--gpus-per-worker", type=float, default=None,
+                   help="GPUs each worker takes (default: whole GPUs where there are enough, "
+                   "else equal shares)")  # fmt: skip
+    p.add_argument("--admin-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /ops/scale and /ops/drain "
+                   "(env PDSERVE_ADMIN_KEY; without one they are open only on a loopback host)")  # fmt: skip
+    p.add_argument("--autoscale", action="store_true", default=None,
+                   help="scale the pools with load, within the --min/--max-*-workers bounds")  # fmt: skip
+    for role in ("prefill", "decode"):
+        for bound in ("min", "max"):
+            p.add_argument(f"--{bound}-{role}-workers", type=int, default=None,
+                           help=f"--autoscale and /ops/scale bound (default "
+                           f"{getattr(d, f'{bound}_{role}_workers')})")  # fmt: skip
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    values: dict = {}
+    if args.config:
+        import yaml
+
+        data = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{args.config}: the config file must be a mapping")
+        data = {k.replace("-", "_"): v for k, v in data.items()}
+        known = {f.name for f in fields(ServeConfig)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{args.config}: unknown keys {unknown}; known: {sorted(known)}")
+        for key, value in data.items():
+            check_file_value(args.config, key, value)
+        values.update(data)
+    for f in fields(ServeConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            values[f.name] = v
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ValueError(f"the model is given twice: {tag!r} and --model {args.model!r}")
+        values["model"] = tag
+    return with_env(ServeConfig(**values), os.environ)
+
+
+# What each annotation of ServeConfig takes from a YAML file (sizes may also be strings).
+_FILE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "bool": ((bool,), "true or false"),
+    "str": ((str,), "a string"),
+    "dict": ((dict,), "a mapping"),
+    "tuple[str, ...]": ((str, list), "a name or a list of names"),
+}
+
+
+def check_file_value(path: str, key: str, value) -> None:
+    """Refuse a config file's value whose YAML type the key cannot take (`port: "80"`,
+    `autoscale: yes please`), naming the key, before anything compares it to a number."""
+    annotation = next(f.type for f in fields(ServeConfig) if f.name == key)
+    kinds = [k.strip() for k in str(annotation).split("|")]
+    if value is None and "None" in kinds:
+        return
+    base = next(k for k in kinds if k != "None")
+    types, described = _FILE_TYPES[base]
+    if key in SIZE_KEYS:
+        types, described = (int, str), "an integer or a size like 32k"
+    elif key == "override_generation_config":  # as the flag takes it, or as YAML
+        types, described = (dict, str), "a mapping or a JSON object"
+    if isinstance(value, bool) and bool not in types:  # YAML's true is not the number 1
+        ok = False
+    else:
+        ok = isinstance(value, types)
+    if not ok:
+        none = " or null" if "None" in kinds else ""
+        raise ValueError(f"{path}: {key} must be {described}{none}, got {value!r}")
+
+
+def with_env(cfg: ServeConfig, env) -> ServeConfig:
+    """`cfg` with the keys of ENV_KEYS that flags and file left unset taken from `env`."""
+    found = {k: env[v] for k, v in ENV_KEYS.items() if getattr(cfg, k) is None and env.get(v)}
+    return replace(cfg, **found) if found else cfg
