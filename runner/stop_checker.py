@@ -63,7 +63,7 @@ def check_stop(
     if token_stops:
         # A restricted row (a grammar, allowed_token_ids) samples a stop before min_tokens
         # only where the sampler found no other token allowed: min_tokens yields there.
-        restricted = request.grammar is not None or params.allowed_token_ids is not None
+        restricted = params.structured_outputs is not None or params.allowed_token_ids is not None
         for i, token_id in enumerate(new_token_ids):
             # min_tokens counts outputs before the stop, as the sampler does: a stop can be
             # output number min_tokens + 1 at the earliest.

@@ -130,6 +130,18 @@ def test_min_tokens_blocks_eos_stop_ids_and_stop_strings():
         assert step == 3
 
 
+def test_a_restricted_request_ends_on_a_stop_before_min_tokens():
+    """Guards the yield: under a grammar or allowed_token_ids the sampler lets EOS through
+    before min_tokens only where nothing else is allowed, and the request then ends on it
+    (an unrestricted one still goes on)."""
+    for restriction in ({"structured_outputs": {"choice": ["a"]}}, {"allowed_token_ids": [EOS]}):
+        request = make_request(min_tokens=5, **restriction)
+        decision, step, _ = run(request, [(PLAIN, "a"), (EOS, "")] * 3)
+        assert decision is not None and decision.finish_reason == "stop" and step == 1
+    decision, step, _ = run(make_request(min_tokens=5), [(PLAIN, "a"), (EOS, "")] * 3)
+    assert decision.finish_reason == "stop" and step == 5
+
+
 def test_ignore_eos():
     """Guards against EOS ending a request that asked to ignore it; stop ids still count."""
     request = make_request(ignore_eos=True, max_tokens=5, stop_token_ids=[7])
