@@ -40,7 +40,7 @@ from pdserve.cluster.openai_api import (
     usage,
     wants_echo,
 )
-from pdserve.cluster.prompts import completion_prompts, prompt_token_ids
+from pdserve.cluster.prompts import completion_prompts, off_loop, prompt_token_ids
 from pdserve.cluster.reasoning_api import (
     ReasoningSplits,
     request_parser,
@@ -64,9 +64,10 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
             raise ApiError("'seed' must be an integer", param="seed")
         requested = requested_max_tokens(body, kind)
         if kind == "chat":
-            prompts = [(prompt_token_ids(body, kind, state.tokenizer, state.chat_template), None)]
+            ids = await off_loop(prompt_token_ids, body, kind, state.tokenizer, state.chat_template)
+            prompts = [(ids, None)]
         else:
-            prompts = completion_prompts(body, state.tokenizer, state.vocab_size)
+            prompts = await off_loop(completion_prompts, body, state.tokenizer, state.vocab_size)
         keep = prompt_truncation(body, state.max_model_len)
         if keep is not None:  # the last `keep` tokens; an echo shows what was kept
             prompts = [

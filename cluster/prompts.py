@@ -1,13 +1,24 @@
 """A request's prompts as token ids: a chat through its template (cluster/chat_template.py),
 a completion's prompt or batch of prompts as given, with vLLM's special-token rules.
+
+The routes call them through `off_loop`: encoding runs on a thread (the fast tokenizer
+lets go of the GIL while it works), so one long prompt does not stall every stream the
+router relays: a 4 MB body, the most `max_body_bytes` lets in by default, takes ~3 s to
+encode on one core here, and a 1 MB one ~0.7 s. Encoding only reads the tokenizer's state
+(no truncation or padding is ever set on it), so calls on several threads do not clash.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pdserve.cluster.chat_template import render_chat
 from pdserve.cluster.openai_api import ApiError, check_vocab, typed
+
+ENCODE_TIMEOUT_S = 120.0  # far past what the largest body allowed takes to encode
+T = TypeVar("T")
 
 
 def prompt_token_ids(
@@ -50,3 +61,11 @@ def completion_prompts(
         check_vocab("prompt", ids, vocab_size)
         out.append((ids, one if isinstance(one, str) else tok.decode(ids)))
     return out
+
+
+async def off_loop(fn: Callable[..., T], *args: Any, timeout_s: float = ENCODE_TIMEOUT_S) -> T:
+    """`fn(*args)` on a thread, awaited for at most `timeout_s`; its ApiError passes through."""
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout_s)
+    except TimeoutError as e:
+        raise ApiError(f"the prompt was not tokenized within {timeout_s:.0f} s") from e

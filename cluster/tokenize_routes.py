@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 
 from pdserve.cluster.http_app import AppState, check_model, json_object, read_body
 from pdserve.cluster.openai_api import ApiError
-from pdserve.cluster.prompts import prompt_token_ids
+from pdserve.cluster.prompts import off_loop, prompt_token_ids
 
 
 def add_tokenize_routes(app: FastAPI, state: AppState) -> None:
@@ -27,7 +27,7 @@ def add_tokenize_routes(app: FastAPI, state: AppState) -> None:
     async def tokenize(request: Request) -> dict:
         body = await body_of(request)
         kind = "chat" if "messages" in body else "completion"
-        ids = prompt_token_ids(body, kind, state.tokenizer, state.chat_template)
+        ids = await off_loop(prompt_token_ids, body, kind, state.tokenizer, state.chat_template)
         want_strs = body.get("return_token_strs", False)
         if not isinstance(want_strs, bool):
             raise ApiError("'return_token_strs' must be a boolean", param="return_token_strs")
