@@ -64,10 +64,10 @@ class RequiredReader:
             return
         if ch in " \t\r\n" and self._depth <= 2:
             return  # between tokens (inside the parameters value, depth > 2, it is kept)
-        if self._value_of is not None:  # the first character of a value at depth 2
-            if self._value_of == "parameters":
-                self._in_arguments = True
-            self._value_of = self._value_of if self._value_of == "name" else None
+        if self._value_of not in (None, "name"):  # a value's first character (depth 2);
+            # the name's value is read as a string literal, which `_end_literal` ends
+            self._in_arguments = self._value_of == "parameters"
+            self._value_of = None
         if self._in_arguments and self._depth == 2 and ch in ",}":
             self._in_arguments = False  # the parameters value ended before this
         if self._in_arguments:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from loop_ticks import ticks_while
 
 from pdserve.cluster.openai_api import ApiError
 from pdserve.cluster.prompts import completion_prompts, off_loop, prompt_token_ids
@@ -22,40 +23,15 @@ def tok(smollm_dir):
     return load_tokenizer(smollm_dir)
 
 
-def _ticks_while(coro_fn) -> tuple[int, object]:
-    """How often a 10 ms ticker on the loop ran while `coro_fn()` was awaited, and what it
-    returned."""
-
-    async def run():
-        ticks = 0
-
-        async def tick() -> None:
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
-        try:
-            result = await coro_fn()
-        finally:
-            ticker.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await ticker
-        return ticks, result
-
-    return asyncio.run(run())
-
-
 def test_a_long_prompt_is_encoded_while_the_loop_runs(tok):
     """Guards the router's loop: it ticks on while a ~1 MB chat and completion are encoded
     (on the loop, it ticked 0 times), and the ids equal those encoded on the loop."""
     chat = {"messages": [{"role": "user", "content": LONG}]}
-    ticks, ids = _ticks_while(lambda: off_loop(prompt_token_ids, chat, "chat", tok, None))
+    ticks, ids = ticks_while(lambda: off_loop(prompt_token_ids, chat, "chat", tok, None))
     assert ticks >= 5, f"the loop ticked {ticks} times while the chat was encoded"
     assert ids == prompt_token_ids(chat, "chat", tok) and len(ids) > 100_000
     body = {"prompt": [LONG, "short"]}
-    ticks, prompts = _ticks_while(lambda: off_loop(completion_prompts, body, tok, 49_152))
+    ticks, prompts = ticks_while(lambda: off_loop(completion_prompts, body, tok, 49_152))
     assert ticks >= 5 and prompts == completion_prompts(body, tok, 49_152)
 
 

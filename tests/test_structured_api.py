@@ -4,9 +4,8 @@ field."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
+from loop_ticks import ticks_while
 
 from pdserve.cluster.openai_api import ApiError
 from pdserve.cluster.structured_api import compile_checked, parse_structured, structured_param
@@ -19,32 +18,20 @@ def test_the_loop_keeps_running_while_a_constraint_compiles():
     """Guards the event loop: a 10 ms ticker on the loop keeps ticking while a pattern
     that takes ~1 s to fail compiles (compiled on the loop, it ticked 0 times), and the
     failure is a 400 naming the field it came from."""
+    body = {"guided_regex": TOO_BIG}
+    spec = parse_structured(body)  # parsing alone is fine
 
-    async def run() -> tuple[int, ApiError]:
-        ticks = 0
-
-        async def tick() -> None:
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
-        body = {"guided_regex": TOO_BIG}
-        spec = parse_structured(body)  # parsing alone is fine
+    async def attempt() -> ApiError | None:
         try:
             await compile_checked(spec, structured_param(body))
         except ApiError as e:
-            error = e
-        finally:
-            ticker.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await ticker
-        return ticks, error
+            return e
+        return None
 
-    ticks, error = asyncio.run(run())
+    ticks, error = ticks_while(attempt)
     assert ticks >= 5, f"the loop ticked {ticks} times during the compile"
-    assert error.param == "guided_regex" and "20000 automaton states" in str(error)
+    assert error is not None and error.param == "guided_regex"
+    assert "20000 automaton states" in str(error)
 
 
 def test_a_constraint_that_does_not_parse_is_refused_as_it_is_read():
