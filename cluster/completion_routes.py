@@ -42,6 +42,7 @@ from pdserve.cluster.openai_api import (
 )
 from pdserve.cluster.prompts import completion_prompts, off_loop, prompt_token_ids
 from pdserve.cluster.reasoning_api import (
+    PROMPT_TAIL_TOKENS,
     ReasoningSplits,
     request_parser,
     split_message,
@@ -115,7 +116,7 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                     typed(body, "return_tokens_as_token_ids", (bool,), False),
                     role,
                     tools,
-                    request_parser(state.reasoning_parser, kind, params),
+                    request_parser(state.reasoning_parser, kind, params, tail(ids)),
                 )
             )
         spec = out[0].params.structured_outputs if out else None
@@ -124,6 +125,12 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
                 spec, "tools" if constraint is not None else structured_param(body)
             )
         return out
+
+    def tail(ids: list[int]) -> str:
+        """The text of a chat prompt's last tokens, read for a `<think>` left open."""
+        if state.reasoning_parser is None:
+            return ""
+        return state.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:])
 
     def decode_tok(t: int) -> str:
         return state.tokenizer.decode([t])

@@ -15,16 +15,36 @@ grammar itself spells a `<think>` block.
 from __future__ import annotations
 
 from pdserve.cluster.reasoning import make_parser
-from pdserve.cluster.reasoning.base import ReasoningParser, ReasoningStep, ReasoningStream
+from pdserve.cluster.reasoning.base import (
+    OPEN,
+    ReasoningParser,
+    ReasoningStep,
+    ReasoningStream,
+)
 from pdserve.runner.sampling_params import SamplingParams
 
+# How many of a chat prompt's last tokens are read for a `<think>` left open: the tag and
+# the whitespace after it are a few tokens in every tokenizer these templates come with.
+PROMPT_TAIL_TOKENS = 8
 
-def request_parser(name: str | None, kind: str, params: SamplingParams) -> ReasoningParser | None:
+
+def request_parser(
+    name: str | None, kind: str, params: SamplingParams, prompt_tail: str = ""
+) -> ReasoningParser | None:
     """A request's reasoning parser: the server's (`name`, None without the flag), for chat
-    only."""
+    only. `prompt_tail`: the text of the prompt's last few tokens."""
     if name is None or kind != "chat":
         return None
-    return make_parser(name, constrained=params.structured_outputs is not None)
+    constrained = params.structured_outputs is not None
+    return make_parser(name, constrained, prompt_opens_block(prompt_tail))
+
+
+def prompt_opens_block(prompt_tail: str) -> bool:
+    """Whether a prompt ends inside a `<think>` block, so the reply opens in the reasoning:
+    its text ends with the tag, whitespace aside (Qwen3 Thinking-2507's, Qwen3.5's and
+    DeepSeek-R1's templates end with `<think>\\n`; Qwen3's with thinking switched off
+    closes the block it writes)."""
+    return prompt_tail.rstrip().endswith(OPEN)
 
 
 def split_message(

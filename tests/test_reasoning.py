@@ -102,6 +102,52 @@ def test_a_whole_reply_reads_into_reasoning_and_answer(name):
         assert make_parser(name, constrained=True).parse(reply) == Reasoned(*want), reply
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_prompt_that_opens_a_block_opens_the_reply_in_the_reasoning(name):
+    """Guards Qwen3 Thinking-2507 / Qwen3.5 templates, which end the prompt with
+    `<think>\\n`: their replies carry only `</think>`, and with the prompt's block open
+    every parser reads them as deepseek_r1 does (reasoning up to `</think>`; no close: all
+    reasoning), whole and streamed; a grammar still opens the reply in the answer."""
+    parser = make_parser(name, prompt_opens_block=True)
+    rng = random.Random(13)
+    for reply, want in DEEPSEEK_R1.items():
+        assert parser.parse(reply) == Reasoned(*want), reply
+        for pieces in _cuts(reply, rng):
+            assert _streamed(parser, pieces) == (want[0] or "", want[1] or ""), pieces
+    held = make_parser(name, constrained=True, prompt_opens_block=True)
+    for reply, want in CONSTRAINED.items():
+        assert held.parse(reply) == Reasoned(*want), reply
+
+
+def test_a_prompt_opens_a_block_only_when_it_ends_with_the_tag():
+    """Guards the prompt reading: the text of its last tokens must end with `<think>`,
+    whitespace aside; a block the prompt closes (Qwen3 with thinking switched off), a tag
+    earlier in the prompt or a near-miss does not open the reply in the reasoning."""
+    plain = SamplingParams()
+    opens = [
+        "<|im_start|>assistant\n<think>\n",
+        "<｜Assistant｜><think>\n",
+        "<think>",
+        "<think>\n\n \t",
+    ]
+    closes = [
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        "<|im_start|>assistant\n",
+        "<think> and more",
+        "<thinking>\n",
+        "",
+    ]
+    for tail in opens:
+        assert request_parser("qwen3", "chat", plain, tail).parse("a</think>b") == Reasoned(
+            "a", "b"
+        ), tail
+    for tail in closes:
+        assert request_parser("qwen3", "chat", plain, tail).parse("a</think>b") == Reasoned(
+            None, "a</think>b"
+        ), tail
+    assert request_parser("qwen3", "completion", plain, opens[0]) is None
+
+
 def _streamed(parser: ReasoningParser, pieces: list[str]) -> tuple[str, str]:
     stream = parser.stream()
     reasoning = content = ""

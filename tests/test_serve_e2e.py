@@ -645,6 +645,19 @@ def test_reasoning_parser_splits_thinking_over_http(colocated):
     got = _streamed_reasoning(c, **kw, max_tokens=40, tools=tools, tool_choice=named)
     assert got == ("", "", [("get_weather", call.function.arguments)], "tool_calls")
 
+    # A prompt that ends inside an open `<think>` (as Qwen3 Thinking-2507's template writes
+    # it): the reply, which SmolLM2 does not close, is all reasoning, content null.
+    opened = [*QUESTION, {"role": "assistant", "content": "<think>\n"}]
+    go_on = {"continue_final_message": True, "add_generation_prompt": False}
+    ids = httpx.post(colocated.url + "/tokenize", json={"messages": opened, **go_on},  # raw's
+                     timeout=30).json()["tokens"]  # fmt: skip
+    text = raw(max_tokens=12)
+    assert "</think>" not in text and text, text
+    inside = dict(kw, messages=opened, max_tokens=12, extra_body=go_on)
+    r = c.chat.completions.create(**inside).choices[0]
+    assert (r.message.model_extra["reasoning"], r.message.content) == (text, None), r
+    assert _streamed_reasoning(c, **inside) == (text, "", [], r.finish_reason)
+
 
 def test_chat_echo_joins_the_answer_the_client_began(pd):
     """Guards chat `echo` (vLLM's): with `continue_final_message` the reply starts with the

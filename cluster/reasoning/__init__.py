@@ -9,13 +9,16 @@ from pdserve.cluster.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
 from pdserve.cluster.reasoning.qwen3 import Qwen3ReasoningParser
 
 PARSERS: dict[str, type[ReasoningParser]] = {
-    "qwen3": Qwen3ReasoningParser,  # opens in the answer unless the reply opens <think>
+    "qwen3": Qwen3ReasoningParser,  # opens in the answer unless the reply or prompt opens <think>
     "deepseek_r1": DeepSeekR1ReasoningParser,  # opens in the reasoning (<think> in prompt)
 }
 
 
-def make_parser(name: str, constrained: bool = False) -> ReasoningParser:
+def make_parser(
+    name: str, constrained: bool = False, prompt_opens_block: bool = False
+) -> ReasoningParser:
     """`constrained`: the reply is held to a grammar from its first token (structured
-    output, tool_choice named or required)."""
+    output, tool_choice named or required); `prompt_opens_block`: the prompt ends inside
+    a `<think>` block."""
     assert name in PARSERS, f"unknown reasoning parser {name!r}; known: {sorted(PARSERS)}"
-    return PARSERS[name](constrained)
+    return PARSERS[name](constrained, prompt_opens_block)

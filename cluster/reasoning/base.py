@@ -5,11 +5,13 @@ streams.
 The reading, for a model that thinks in a `<think>` ... `</think>` block:
 - A `<think>` at the very start of the text opens the reasoning and is not part of it
   (anywhere else it is plain text).
-- Without it, the text opens in the answer, except for parsers whose models' chat
-  templates write `<think>` into the prompt (`starts_in_reasoning`), where it opens in
-  the reasoning; under a constraint (structured output, tool_choice named or required)
-  it opens in the answer for every parser, since the grammar holds the reply from its
-  first token and the model cannot go on with a block the prompt opened.
+- Without it, the text opens in the answer, except where the prompt leaves a block open
+  (it ends with `<think>`, as Qwen3 Thinking-2507's and Qwen3.5's templates write it:
+  `prompt_opens_block`) or the parser's models' templates always do so
+  (`starts_in_reasoning`, DeepSeek-R1's), where it opens in the reasoning; under a
+  constraint (structured output, tool_choice named or required) it opens in the answer
+  for every parser, since the grammar holds the reply from its first token and the model
+  cannot go on with a block the prompt opened.
 - Reasoning runs to the first `</think>` (dropped), verbatim; the answer is what follows,
   less its leading newline characters (`\\n` only: not spaces, not `\\r`). Reasoning with
   no `</think>` (cut by max_tokens) leaves no answer.
@@ -52,9 +54,11 @@ class ReasoningParser:
     # template writes `<think>` into the prompt (DeepSeek-R1's does).
     starts_in_reasoning = False
 
-    def __init__(self, constrained: bool = False) -> None:
-        """`constrained`: the reply is held to a grammar from its first token."""
-        self.opens_in_reasoning = self.starts_in_reasoning and not constrained
+    def __init__(self, constrained: bool = False, prompt_opens_block: bool = False) -> None:
+        """`constrained`: the reply is held to a grammar from its first token;
+        `prompt_opens_block`: the prompt ends inside a `<think>` block it opened."""
+        thinks = self.starts_in_reasoning or prompt_opens_block
+        self.opens_in_reasoning = thinks and not constrained
 
     def parse(self, text: str) -> Reasoned:
         """A whole reply."""

@@ -7,8 +7,10 @@ and the reply is a plain answer. So a reply that does not open with `<think>` is
 answer, and one that opens with it but has no `</think>` is reasoning cut short
 (max_tokens). base.py has the full reading.
 
-Qwen3 "Thinking-2507" models' templates write `<think>` into the prompt themselves, so
-their replies open inside the block: serve them with `deepseek_r1`, which reads that.
+Qwen3 "Thinking-2507" and Qwen3.5 templates write `<think>\\n` into the prompt themselves,
+so their replies open inside the block with no tag: the router sees the prompt end with
+`<think>` (cluster/reasoning_api.py `prompt_opens_block`) and reads them as reasoning
+up to `</think>`, as vLLM does.
 """
 
 from __future__ import annotations
