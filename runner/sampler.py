@@ -113,8 +113,8 @@ class SamplerOutput:
 
 class Sampler:
     """Order: float32 → allowed_token_ids → structured output's grammar → banned tokens
-    (min_tokens, which yields on a grammar or allowed_token_ids row that would be left with
-    no token; then bad_words) → logit_bias → penalties → greedy argmax | temperature →
+    (min_tokens, then bad_words; each yields on a grammar or allowed_token_ids row it would
+    leave with no token) → logit_bias → penalties → greedy argmax | temperature →
     min_p → top-k/top-p → + Gumbel noise → argmax (vLLM's order: its logits processors
     before its penalties). Logprobs come from the float32 logits before any of it (vLLM's
     default "raw" logprobs); rows wanting fewer than `max_num_logprobs` are trimmed by the
@@ -148,24 +148,27 @@ class Sampler:
             x = x.masked_fill(meta.allowed_mask, float("-inf"))
         if meta.grammar is not None:
             x = meta.grammar.mask(x)
+        # A ban yields where a restricted row (a grammar, allowed_token_ids) would be left
+        # with no token: the restriction is the promise kept, then min_tokens, then
+        # bad_words. An unrestricted row always keeps some token.
+        restricted = meta.grammar is not None or meta.allowed_mask is not None
         if meta.banned_rows is not None:
             assert meta.banned_tokens is not None, "banned_rows given without banned_tokens"
             # torch.full, not new_tensor: a host scalar copied to the GPU is a blocking copy.
             minus_inf = torch.full((), float("-inf"), device=x.device)
             banned = x.index_put((meta.banned_rows, meta.banned_tokens), minus_inf)
-            if meta.grammar is not None or meta.allowed_mask is not None:
-                # min_tokens yields where a restricted row would have no token left (a
-                # grammar whose only way on is EOS, allowed_token_ids of stop ids only):
-                # the row keeps its stop tokens and ends there (runner/stop_checker.py).
-                alive = banned.amax(dim=-1, keepdim=True) > float("-inf")
-                banned = torch.where(alive, banned, x)
-            x = banned
+            # min_tokens on a grammar whose only way on is EOS, or allowed_token_ids of stop
+            # ids only: the row keeps its stop tokens and ends there (runner/stop_checker.py).
+            x = _unless_emptied(banned, x) if restricted else banned
         if meta.bad_word_rows is not None:
             # Accumulated: two sequences ending in one token, one matched and one not, add
             # -inf and 0, where a plain write would keep either.
-            x = x.index_put(
+            banned = x.index_put(
                 (meta.bad_word_rows, meta.bad_word_tokens), meta.bad_word_values, accumulate=True
             )
+            # A bad word that is every token the grammar or allowed ids leave: the row
+            # samples it rather than a token outside them.
+            x = _unless_emptied(banned, x) if restricted else banned
         if meta.bias_rows is not None:
             assert meta.bias_tokens is not None and meta.bias_values is not None
             # Each (row, token) once per request; a banned one stays -inf (-inf + b).
@@ -210,3 +213,10 @@ class Sampler:
         # greedy rows keep 0. Every mask keeps the tokens tied with the row max, so a
         # greedy row's argmax is the same as on the unmasked logits.
         return gumbel_argmax(x, is_random.to(x.dtype), meta.seeds, meta.positions)
+
+
+def _unless_emptied(banned: Tensor, before: Tensor) -> Tensor:
+    """`banned` where a row keeps some finite logit, else the row as it was `before` the
+    ban (one amax and one where, no host sync)."""
+    alive = banned.amax(dim=-1, keepdim=True) > float("-inf")
+    return torch.where(alive, banned, before)

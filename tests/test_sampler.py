@@ -44,6 +44,7 @@ def make_meta(rows: int, vocab: int, **settings: object) -> SamplingMetadata:
     frequency = per_row("frequency_penalty", 0.0, torch.float32)
     any_penalties = bool((rep != 1).any() or (presence != 0).any() or (frequency != 0).any())
     banned = settings.get("banned")  # list of (row, token)
+    bad = settings.get("bad")  # list of (row, token): a bad word's last token, matched
     bias = settings.get("bias")  # list of (row, token, bias)
     allowed = settings.get("allowed")  # {row: allowed token ids}
     allowed_mask = None
@@ -66,6 +67,9 @@ def make_meta(rows: int, vocab: int, **settings: object) -> SamplingMetadata:
         output_counts=settings.get("output_counts") if any_penalties else None,
         banned_rows=torch.tensor([r for r, _ in banned]) if banned else None,
         banned_tokens=torch.tensor([t for _, t in banned]) if banned else None,
+        bad_word_rows=torch.tensor([r for r, _ in bad]) if bad else None,
+        bad_word_tokens=torch.tensor([t for _, t in bad]) if bad else None,
+        bad_word_values=torch.full((len(bad),), float("-inf")) if bad else None,
         bias_rows=torch.tensor([r for r, _, _ in bias]) if bias else None,
         bias_tokens=torch.tensor([t for _, t, _ in bias]) if bias else None,
         bias_values=torch.tensor([b for _, _, b in bias], dtype=torch.float32) if bias else None,
@@ -281,6 +285,33 @@ def test_a_ban_yields_only_where_a_restricted_row_has_nothing_else() -> None:
     for r in range(rows - 1):
         assert int(sampled[r]) == (eos if r % 3 == 0 else 7), r
     assert int(sampled[-1]) != eos
+
+
+def test_bad_words_yield_only_where_a_restricted_row_has_nothing_else() -> None:
+    """Guards bad_words against allowed_token_ids (the grammar mask is the same case): a
+    row whose allowed tokens are all bad words samples among them rather than a token
+    outside them (it sampled token 0 before); a row with one good token left samples it;
+    with min_tokens too, the stop stays banned and the bad word is what yields; an
+    unrestricted row's bad word holds."""
+    rows, vocab, eos = 48, 29, 3
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(8))
+    logits[:, 0] = 30.0  # the token an emptied row's argmax would fall on
+    temperature = torch.where(torch.arange(rows) % 2 == 0, 0.0, 1.0)
+    allowed, bad, banned = {}, [], []
+    for r in range(rows - 1):
+        kind = r % 3
+        allowed[r] = [5, 6] if kind < 2 else [eos, 6]
+        bad += [(r, 6)] + ([(r, 5)] if kind == 0 else [])
+        banned += [(r, eos)] if kind == 2 else []
+    bad += [(rows - 1, 0)]
+    meta = make_meta(rows, vocab, temperature=temperature, seeds=torch.arange(rows),
+                     positions=torch.arange(rows), allowed=allowed, bad=bad,
+                     banned=banned)  # fmt: skip
+    sampled = Sampler()(logits, meta).sampled_token_ids.tolist()
+    for r in range(rows - 1):
+        want = {0: {5, 6}, 1: {5}, 2: {6}}[r % 3]
+        assert sampled[r] in want, (r, sampled[r])
+    assert sampled[-1] != 0
 
 
 def test_logit_bias_and_allowed_ids_equal_the_logits_changed_by_hand() -> None:

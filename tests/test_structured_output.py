@@ -207,6 +207,25 @@ def test_min_tokens_yields_where_the_grammar_allows_only_eos(smol, tok):
     assert out.finish_reason == "stop" and len(out.token_ids) == 1, out.token_ids
 
 
+def test_bad_words_yield_where_the_grammar_allows_nothing_else(smol, tok):
+    """Guards bad_words against a grammar: a regex that only the banned word spells (as
+    one token) still comes back matched, then EOS (before, every logit was -inf and the
+    reply was token 0 until max_tokens, matching nothing); allowed_token_ids that are all
+    bad words likewise keep to the allowed token."""
+    word = tok.decode([100])
+    assert tok(word, add_special_tokens=False).input_ids == [100], word
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=2, max_tokens=6,
+                                structured_outputs={"regex": re.escape(word)},
+                                bad_words=[word])  # fmt: skip
+        out = smol.generate("Say:", params, use_tqdm=False)[0].outputs[0]
+        assert (out.text, out.finish_reason) == (word, "stop"), out.token_ids
+    only_bad = SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[100],
+                              bad_words=[word])  # fmt: skip
+    out = smol.generate("Say:", only_bad, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids) == [100] * 3, out.token_ids
+
+
 def test_bad_constraints_are_refused_before_anything_is_queued(smol):
     """Guards the engine's edge: a bad regex or an unsupported schema keyword raises
     ValueError naming it, and the engine keeps serving."""
