@@ -5,7 +5,8 @@ its calls become `tool_calls` (ids made here), the rest `content`.
 Only the generated text is read, as in vLLM: with `continue_final_message` the words the
 client began the turn with are not part of it (with `echo` they go before the content,
 untouched). `finish_reason` is `tool_calls` when calls were found and the model stopped;
-a reply cut by max_tokens stays `length`, its unfinished call returned as text.
+a reply cut by max_tokens stays `length`: a call whose JSON it cut short is returned as
+text, and one cut after its JSON (a hermes block left open) is a call, as in vLLM.
 """
 
 from __future__ import annotations

@@ -216,8 +216,9 @@ def _function(call: dict) -> tuple[str, str]:
 def test_auto_replies_carry_the_parsers_calls_in_openais_shape():
     """Guards the whole-reply shape: calls as tool_calls with ids and JSON-text arguments
     (non-ASCII kept), content null beside them, finish_reason tool_calls when the model
-    stopped and length when it was cut; a reply without calls, or whose call was cut, is
-    left as its text; an echoed turn stays in front of the content and is not parsed."""
+    stopped (a last block left open read too) and length when it was cut; a reply without
+    calls, or whose call was cut, is left as its text; an echoed turn stays in front of the
+    content and is not parsed."""
     body = _whole("Checking.\n" + CALLS)
     message = body["message"]
     assert message["content"] == "Checking." and body["finish_reason"] == "tool_calls"
@@ -228,6 +229,8 @@ def test_auto_replies_carry_the_parsers_calls_in_openais_shape():
     assert len({c["id"] for c in message["tool_calls"]}) == 2
     assert _whole(CALLS)["message"]["content"] is None
     assert _whole(CALLS, "length")["finish_reason"] == "length"
+    opened = _whole(CALLS.removesuffix("\n</tool_call>"))  # stopped in its last block
+    assert opened["finish_reason"] == "tool_calls" and len(opened["message"]["tool_calls"]) == 2
     plain = _whole("It is sunny.")
     assert plain["message"] == {"role": "assistant", "content": "It is sunny."}
     assert plain["finish_reason"] == "stop"
@@ -254,12 +257,19 @@ def _stream(pieces: list[str], finish: str = "stop", logprobs=None) -> list[dict
 
 @pytest.mark.parametrize(
     "reply, finish",
-    [("Checking.\n" + CALLS, "stop"), ("It is <b>sunny</b>. ", "stop"), (CALLS[:70], "length")],
+    [
+        ("Checking.\n" + CALLS, "stop"),
+        ("It is <b>sunny</b>. ", "stop"),
+        (CALLS[:70], "length"),
+        (CALLS.removesuffix("\n</tool_call>"), "stop"),  # stopped in its last block
+        (CALLS.removesuffix("\n</tool_call>"), "length"),  # cut right after its JSON
+    ],
 )
 def test_an_auto_stream_cut_anywhere_sends_what_the_whole_reply_holds(reply, finish):
     """Guards the SSE shapes of auto against chunk boundaries: joined content and the
     calls (index counting up, the first delta of each with id, type and name, arguments
-    whole) equal the unstreamed reply's, and so does the finish reason."""
+    whole) equal the unstreamed reply's, and so does the finish reason (tool_calls when
+    the model stopped, the last call read from a block it left open; length stays)."""
     whole = _whole(reply, finish)
     want_calls = [_function(c) for c in whole["message"].get("tool_calls", [])]
     for cut in range(len(reply) + 1):

@@ -27,6 +27,10 @@ TIME_CALL = Call("get_time", "{}")
 BAD_JSON = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}\n</tool_call>'
 UNKNOWN = _block("get_date", {"day": 1})
 UNICODE_ARGS = {"city": "Zürich", "note": '晴れ ☀ "quoted"\n'}
+# Blocks left open at the end of the reply (the model stopped right after the JSON)
+OPEN_OSLO = OSLO.removesuffix("\n</tool_call>")
+OPEN_TIME = '<tool_call>{"name": "get_time", "arguments": {}}'
+OPEN_UNKNOWN = UNKNOWN.removesuffix("\n</tool_call>")
 
 # reply -> (content, calls), as the hermes parser reads it
 HERMES = {
@@ -54,11 +58,31 @@ HERMES = {
     "<tool_call></tool_call>" + TIME: ("<tool_call></tool_call>", (TIME_CALL,)),
     "  \n": ("  \n", ()),
     "": ("", ()),
+    # A block left open at the end is a call when what follows `<tool_call>` is one.
+    OPEN_OSLO: (None, (OSLO_CALL,)),
+    OPEN_TIME: (None, (TIME_CALL,)),
+    OPEN_OSLO + "\n\n": (None, (OSLO_CALL,)),
+    "Let me check.\n\n" + OPEN_OSLO: ("Let me check.", (OSLO_CALL,)),
+    OSLO + "\n" + OPEN_TIME: (None, (OSLO_CALL, TIME_CALL)),
+    BAD_JSON + "\n" + OPEN_OSLO: (BAD_JSON, (OSLO_CALL,)),
+    "Checking. " + OPEN_UNKNOWN: ("Checking. " + OPEN_UNKNOWN, ()),
+    OPEN_OSLO + "\n</tool_": (OPEN_OSLO + "\n</tool_", ()),  # a piece of the close: not JSON
+    OPEN_OSLO + " Done.": (OPEN_OSLO + " Done.", ()),
+    OSLO + "\nDone. " + OPEN_UNKNOWN: ("\nDone. " + OPEN_UNKNOWN, (OSLO_CALL,)),
+    '<tool_call>{"name": "get_weather", "arguments": "Oslo"}': (
+        '<tool_call>{"name": "get_weather", "arguments": "Oslo"}',
+        (),
+    ),
+    "<tool_call>" + OPEN_OSLO: ("<tool_call>" + OPEN_OSLO, ()),  # it opens at the first tag
 }
 
 # reply -> (content, calls), as the llama3_json parser reads it
 LLAMA_OSLO = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}'
 LLAMA_TIME = '{"name": "get_time", "parameters": {}}'
+LLAMA_DATE = '{"name": "get_date", "parameters": {}}'  # a tool the request lacks
+BRACKETS_ARGS = {"city": '}{][ "Oslo" \\', "list": [{"a": [1, "]"]}]}
+LLAMA_BRACKETS = json.dumps({"name": "get_weather", "parameters": BRACKETS_ARGS})
+DEEP = '{"name": "get_time", "parameters": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}"
 LLAMA3 = {
     "The weather in Oslo is mild.": ("The weather in Oslo is mild.", ()),
     LLAMA_OSLO: (None, (OSLO_CALL,)),
@@ -67,7 +91,7 @@ LLAMA3 = {
     LLAMA_OSLO + "; " + LLAMA_TIME: (None, (OSLO_CALL, TIME_CALL)),
     '{"name": "get_time", "arguments": {}}': (None, (TIME_CALL,)),  # vLLM takes both keys
     LLAMA_OSLO[:-1]: (LLAMA_OSLO[:-1], ()),  # cut short
-    '{"name": "get_date", "parameters": {}}': ('{"name": "get_date", "parameters": {}}', ()),
+    LLAMA_DATE: (LLAMA_DATE, ()),
     LLAMA_OSLO + "; " + LLAMA_TIME[:-2]: (LLAMA_OSLO + "; " + LLAMA_TIME[:-2], ()),  # all or none
     '{"answer": 42}': ('{"answer": 42}', ()),
     LLAMA_OSLO + " and then": (LLAMA_OSLO + " and then", ()),
@@ -81,6 +105,21 @@ LLAMA3 = {
     "[" * 100_000: ("[" * 100_000, ()),  # past the JSON decoder's recursion limit
     " \n": (" \n", ()),
     "": ("", ()),
+    # Where the stream reads an object's end: brackets, quotes and escapes inside strings
+    LLAMA_BRACKETS: (None, (Call("get_weather", json.dumps(BRACKETS_ARGS)),)),
+    LLAMA_OSLO + ";" + LLAMA_TIME + "\n": (None, (OSLO_CALL, TIME_CALL)),
+    LLAMA_OSLO + "\u00a0;\u2003" + LLAMA_TIME: (None, (OSLO_CALL, TIME_CALL)),  # unicode spaces
+    "<|python_tag|> " + LLAMA_OSLO + "; " + LLAMA_TIME: (None, (OSLO_CALL, TIME_CALL)),
+    # JSON keeps a key's last value: the first "name" does not decide
+    '{"name": "get_date", "name": "get_time", "parameters": {}}': (None, (TIME_CALL,)),
+    LLAMA_OSLO + ";": (LLAMA_OSLO + ";", ()),  # a `;` promises another call
+    LLAMA_OSLO + "; [1]": (LLAMA_OSLO + "; [1]", ()),
+    LLAMA_DATE + "; " + LLAMA_TIME: (LLAMA_DATE + "; " + LLAMA_TIME, ()),
+    '{"a" 1} ' + LLAMA_TIME: ('{"a" 1} ' + LLAMA_TIME, ()),  # closed, not JSON
+    '{"name": "get_time", "parameters": {]}}': ('{"name": "get_time", "parameters": {]}}', ()),
+    "<|python_tag|>": ("<|python_tag|>", ()),
+    "{" * 100_000: ("{" * 100_000, ()),  # never closed
+    DEEP: (DEEP, ()),  # closed, past the decoder's recursion limit
 }
 CASES = {"hermes": HERMES, "llama3_json": LLAMA3}
 
@@ -161,7 +200,7 @@ def test_hermes_lets_text_out_as_it_comes_and_holds_only_a_possible_call():
 
 def test_llama3_json_decides_at_the_first_character():
     """Guards the llama3_json stream: text starting otherwise than `{` or the tag goes out
-    as it comes; a reply that may be calls is held whole to its end."""
+    as it comes; a reply that may be calls is held while it may be."""
     stream = make_parser("llama3_json", TOOLS).stream()
     assert stream.feed("  ").content == "" and stream.feed("Hi").content == "  Hi"
     assert stream.feed(" {").content == " {"
@@ -169,3 +208,53 @@ def test_llama3_json_decides_at_the_first_character():
     assert stream.feed(" <|py").content == "" and stream.feed("thon_tag|>{").content == ""
     assert stream.feed(LLAMA_OSLO[1:]).calls == []
     assert stream.finish().calls == [OSLO_CALL]
+
+
+def test_hermes_holds_a_block_left_open_to_the_end_then_reads_it():
+    """Guards the open block at the end of a streamed reply (the model stopped right after
+    the JSON): held, not let out as text, while `</tool_call>` may still come; at the end a
+    call when its JSON is one (the whitespace before it dropped), else text, tag and all."""
+    stream = make_parser("hermes", TOOLS).stream()
+    assert stream.feed("Sure.\n" + OPEN_OSLO) == StreamStep("Sure.")
+    assert stream.finish() == StreamStep("", [OSLO_CALL])
+    stream = make_parser("hermes", TOOLS).stream()
+    assert stream.feed("Sure. " + OPEN_UNKNOWN) == StreamStep("Sure.")
+    assert stream.finish() == StreamStep(" " + OPEN_UNKNOWN)
+
+
+# reply -> how much of it must have come for it to be text for sure
+LLAMA3_TEXT_AT = {
+    LLAMA_OSLO + " and then": len(LLAMA_OSLO) + 2,  # the "a"
+    '{"answer": 42} more': len('{"answer": 42}'),  # an object that is not a call
+    LLAMA_DATE + "; " + LLAMA_TIME: len(LLAMA_DATE),
+    LLAMA_OSLO + "; [1]": len(LLAMA_OSLO) + 3,  # the "["
+    '{"a" 1} ' + LLAMA_TIME: len('{"a" 1}'),  # its brackets closed, not JSON
+    "<|python_tag|>print(1)": len("<|python_tag|>p"),
+}
+
+
+def test_llama3_json_lets_text_out_once_it_cannot_be_calls():
+    """Guards the llama3_json stream's latency: a reply that opens like calls goes out as
+    text the moment it cannot be calls (an object that is not a call, once its brackets
+    close; a character after an object other than `;`; a value after `;` other than an
+    object), then as it comes; before that moment nothing of it goes out."""
+    parser = make_parser("llama3_json", TOOLS)
+    for reply, text_at in LLAMA3_TEXT_AT.items():
+        assert parser.parse(reply) == ParsedReply(reply, ())
+        for cut in range(len(reply) + 1):
+            stream = parser.stream()
+            got = stream.feed(reply[:cut])
+            assert got == StreamStep(reply[:cut] if cut >= text_at else ""), (reply, cut)
+            assert got.content + stream.feed(reply[cut:]).content == reply  # all before the end
+            assert stream.finish() == StreamStep()
+
+
+def test_llama3_json_holds_whole_calls_to_the_end():
+    """Guards the all-or-nothing rule in a stream: a call whole, even a `;` and a second
+    call whole, is not sent before the reply ends, since text after it would make the whole
+    reply text; at the end the calls go together."""
+    reply = LLAMA_OSLO + "; " + LLAMA_TIME
+    for cut in range(len(reply) + 1):
+        stream = make_parser("llama3_json", TOOLS).stream()
+        assert stream.feed(reply[:cut]) == StreamStep() == stream.feed(reply[cut:])
+        assert stream.finish() == StreamStep("", [OSLO_CALL, TIME_CALL])

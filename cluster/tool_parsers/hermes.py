@@ -6,22 +6,25 @@ block of its own:
     </tool_call>
 
 What is read (the whole reply, or a stream of it, alike):
-- A block runs from `<tool_call>` to the first `</tool_call>` after it. It is a call when
-  what it holds is one JSON object whose "name" is one of the request's tools and whose
-  "arguments" is an object.
+- A block runs from `<tool_call>` to the first `</tool_call>` after it, or to the end of the
+  reply when none follows (the model stopped at EOS or a stop string right after the JSON,
+  as vLLM reads it too). It is a call when what it holds is one JSON object whose "name" is
+  one of the request's tools and whose "arguments" is an object.
 - Every other part of the reply is content, in order: the text before the first block,
   between blocks and after the last, and, verbatim with their tags, blocks that are not
-  calls (JSON that does not parse, a name the request's tools lack, arguments that are
-  not an object) and a block left open at the end (cut by max_tokens). Nothing the model
-  wrote is dropped, and a call the client cannot use is never sent as one.
+  calls: JSON that does not parse (an open block cut by max_tokens mid-JSON, or with text
+  or a piece of `</tool_call>` after its JSON), a name the request's tools lack, arguments
+  that are not an object. Nothing the model wrote is dropped, and a call the client cannot
+  use is never sent as one.
 - With calls, the content's trailing whitespace goes (the newlines before a block) and
   content that is only whitespace is null. A reply without calls is its text, unchanged:
   one whose only block is malformed comes back whole, as plain text.
 
 Streamed, content goes out as it comes until a `<tool_call>` may be starting (the tag, or
 a piece of it at the end of the text so far); the block is held until its `</tool_call>`,
-then sent as a call, or as content if it is not one. Trailing whitespace is held until
-text follows it, since a call after it would drop it.
+then sent as a call, or as content if it is not one. A block still open when the reply ends
+can be read only then: it goes out at the end, as a call or as content. Trailing whitespace
+is held until text follows it, since a call after it would drop it.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ _BLOCK = re.compile(f"({re.escape(OPEN)}.*?{re.escape(CLOSE)})", re.DOTALL)
 class HermesParser(ToolParser):
     def parse(self, text: str) -> ParsedReply:
         parts = _BLOCK.split(text)  # text, block, text, block, ..., text
+        opened = parts[-1].find(OPEN)
+        if opened >= 0:  # a block left open at the end: text, block, "" in place of the text
+            parts[-1:] = [parts[-1][:opened], parts[-1][opened:], ""]
         calls: list[Call] = []
         rest: list[str] = []
         for i, part in enumerate(parts):
@@ -60,8 +66,10 @@ class HermesParser(ToolParser):
         return _HermesStream(self)
 
     def block_call(self, block: str) -> Call | None:
-        """A whole `<tool_call>...</tool_call>` block as a call, or None."""
-        ok, value = loads(block[len(OPEN) : -len(CLOSE)])
+        """A `<tool_call>...</tool_call>` block, or one left open at the end of the reply
+        (no `</tool_call>` in it), as a call; None when it is not one."""
+        assert block.startswith(OPEN), block[:20]
+        ok, value = loads(block[len(OPEN) :].removesuffix(CLOSE))
         return self.call(value, ("arguments",)) if ok else None
 
 
@@ -104,7 +112,12 @@ class _HermesStream(ReplyStream):
 
     def finish(self) -> StreamStep:
         step = StreamStep()
-        self._content(self._held, step)  # an open block or a tag's beginning: text
+        call = self._parser.block_call(self._held) if self._held.startswith(OPEN) else None
+        if call is None:
+            self._content(self._held, step)  # an open block that is no call, a tag's beginning
+        else:
+            step.calls.append(call)
+            self._calls += 1
         if not self._calls:  # a reply without calls is its text, whole
             step.content += self._space
         self._held, self._space = "", ""
