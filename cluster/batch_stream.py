@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
-from pdserve.cluster.router import Route
+from pdserve.cluster.route_policy import Route
 from pdserve.cluster.token_stream import StreamDelta
 
 _END = object()

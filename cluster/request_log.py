@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import fields
 
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
-from pdserve.cluster.router import Route
+from pdserve.cluster.route_policy import Route
 from pdserve.runner.sampling_params import SamplingParams
 
 _DEFAULTS = {f.name: f.default for f in fields(SamplingParams) if f.init}

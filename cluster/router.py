@@ -14,8 +14,9 @@ policy `recompute` lets the decode worker prefill itself and `fail` ends the req
 an error; both are counted. When the consumer stops early (client disconnect) every
 worker that may hold the request is told to abort it.
 
-Workers are reached through handles (`WorkerHandle`) so the same flow drives Ray actors
-and in-process services.
+Workers are reached through handles (`WorkerHandle`, cluster/worker_handle.py) so the
+same flow drives Ray actors and in-process services. Where a prompt prefills is decided
+by cluster/route_policy.py, from the loads and cached prefixes this router tracks.
 """
 
 from __future__ import annotations
@@ -27,80 +28,25 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
-from typing import NamedTuple, Protocol
+from dataclasses import replace
 
 from pdserve.cluster.decode_admission import DecodeAdmission
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
 from pdserve.cluster.prefix_index import PrefixIndex
+from pdserve.cluster.route_policy import Route, RouterConfig, decide
 from pdserve.cluster.token_stream import StreamDelta
 from pdserve.cluster.wire import WorkRequest
+from pdserve.cluster.worker_handle import (
+    STATS_TIMEOUT_S,
+    WorkerHandle,
+    abort_quietly,
+    ask_stats,
+    relay_first_token,
+)
 from pdserve.kvtransfer.protocol import Ticket, decode, ticket_to_wire
 from pdserve.runner.parallel_sampling import child_params
 
 logger = logging.getLogger(__name__)
-# A stats poll waits this long for each worker (all at once): a worker's loop answers
-# between steps, and on a loaded CPU host a step can take seconds.
-STATS_TIMEOUT_S = 10.0
-
-
-class WorkerHandle(Protocol):
-    worker_id: str
-
-    async def submit(self, payload: bytes) -> None: ...
-    async def prefill(self, payload: bytes) -> bytes: ...
-    # --kv-layer-wise: a prefill worker's early ticket's first token (`wire.FirstToken`),
-    # and its delivery to the decode worker loading the KV (False: it came too late).
-    async def first_token(self, request_id: str) -> bytes: ...
-    async def deliver_first_token(self, payload: bytes) -> bool: ...
-    async def abort(self, request_id: str) -> bool: ...
-    async def stats(self) -> dict: ...
-
-
-class Route(NamedTuple):
-    """Where one generation went: `decision` is the router's reason (`remote_prefill`,
-    `short_prompt`, `prefix_hit_on_decode`, ...); `prefill` is the worker that computed
-    its prompt, None when the decode worker did."""
-
-    choice: int
-    request_id: str  # the workers' id for it (their logs and aborts use it)
-    decision: str
-    prefill: str | None
-    decode: str
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    mode: str = "pd"  # "pd" | "colocated"
-    pd_min_prompt_tokens: int = 16  # shorter prompts (or uncached tails) prefill on D
-    # When every prefill worker already has this many prompt tokens in flight, a new prompt
-    # prefills on its decode worker instead ("prefill_busy"); 0 = never (always remote).
-    pd_max_prefill_queue_tokens: int = 0
-    block_size: int = 16  # the workers' KV block size: prefix hashes are per full block
-    policy: str = "recompute"  # prefill failure: "recompute" | "fail"
-    prefill_timeout_s: float = 120.0
-    stream_idle_timeout_s: float = 300.0  # no token for this long -> the request errors
-    # `--seed`: the seeds of unseeded requests come from a generator seeded with it, so a
-    # restarted server given the same requests in the same order samples the same; None:
-    # from the OS's randomness.
-    seed: int | None = None
-    # Slots per decode worker: the requests the router has on one at a time (prefilling
-    # for it, running or waiting on it). More wait in the router, in arrival order, for the
-    # first slot to free anywhere, a new worker's included (cluster/decode_admission.py);
-    # a wait is bounded by stream_idle_timeout_s. 0: no limit, every request goes at once.
-    decode_capacity: int = 0
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("pd", "colocated"):
-            raise ValueError(f"mode must be 'pd' or 'colocated', got {self.mode!r}")
-        if self.policy not in ("recompute", "fail"):
-            raise ValueError(f"policy must be 'recompute' or 'fail', got {self.policy!r}")
-        if self.pd_max_prefill_queue_tokens < 0:
-            raise ValueError(
-                f"pd_max_prefill_queue_tokens must be >= 0, got {self.pd_max_prefill_queue_tokens}"
-            )
-        if self.decode_capacity < 0:
-            raise ValueError(f"decode_capacity must be >= 0, got {self.decode_capacity}")
 
 
 class Router:
@@ -200,24 +146,6 @@ class Router:
         self._inflight[worker.worker_id] -= 1
         self._admission.wake()
 
-    def _decide(
-        self, num_prompt_tokens: int, decode_hit_tokens: int, prompt_logprobs: bool = False
-    ) -> str:
-        if self.config.mode == "colocated":
-            return "colocated"
-        if prompt_logprobs:  # computed by the prefill's forward: the decode worker runs it
-            return "prompt_logprobs"
-        if num_prompt_tokens < self.config.pd_min_prompt_tokens:
-            return "short_prompt"
-        if num_prompt_tokens - decode_hit_tokens < self.config.pd_min_prompt_tokens:
-            return "prefix_hit_on_decode"  # D has the prefix: only a short tail to compute
-        if not self.prefill_workers:
-            return "no_prefill_worker"
-        cap = self.config.pd_max_prefill_queue_tokens
-        if cap and min(self._prefill_tokens[w.worker_id] for w in self.prefill_workers) >= cap:
-            return "prefill_busy"  # the prefill pool is backed up: D prefills this one
-        return "remote_prefill"
-
     def _pick_prefill(self, hashes: list[int]) -> WorkerHandle:
         """Most cached prefix first, then the fewest requests in flight."""
 
@@ -282,7 +210,10 @@ class Router:
             ticket = prefill_w = None
             hashes = self.prefix_index.hashes(prompt)
             hits = self.prefix_index.hit_tokens(decode_w.worker_id, hashes)
-            decision = self._decide(len(prompt), hits, params.prompt_logprobs is not None)
+            loads = [self._prefill_tokens[w.worker_id] for w in self.prefill_workers]
+            decision = decide(
+                self.config, len(prompt), hits, params.prompt_logprobs is not None, loads
+            )
             self.decisions[decision] += 1
             work = WorkRequest(request_id, prompt, params)
             if decision == "remote_prefill":
@@ -300,7 +231,9 @@ class Router:
                 on_route(Route(index, request_id, decision, prefilled_by, decode_w.worker_id))
             if ticket is not None and ticket.first_token is None:  # an early ticket
                 relay = asyncio.create_task(
-                    self._relay_first_token(prefill_w, decode_w, request_id)
+                    relay_first_token(
+                        prefill_w, decode_w, request_id, self.config.prefill_timeout_s
+                    )
                 )
             while True:
                 delta = await asyncio.wait_for(queue.get(), self.config.stream_idle_timeout_s)
@@ -321,27 +254,9 @@ class Router:
             self._release_decode(decode_w)
             if not finished:
                 for w in holders:  # client gone or error: nothing may keep its blocks
-                    task = asyncio.create_task(self._abort_quietly(w, request_id))
+                    task = asyncio.create_task(abort_quietly(w, request_id))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
-
-    async def _relay_first_token(
-        self, prefill_w: WorkerHandle, decode_w: WorkerHandle, request_id: str
-    ) -> None:
-        """An early ticket's first token, from the prefill worker to the decode worker as
-        soon as the forward has sampled it, instead of at the end of the layer stream,
-        which over tcp can be seconds later. The stream still ends with the token, so a
-        relay that fails or loses the race only costs that time (logged, not an error)."""
-        try:
-            raw = await asyncio.wait_for(
-                prefill_w.first_token(request_id), self.config.prefill_timeout_s
-            )
-            # False: the pull's end brought it first (counted by the decode worker).
-            await asyncio.wait_for(decode_w.deliver_first_token(raw), 30.0)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            logger.info("first token of %s not relayed: %r", request_id, e)
 
     async def _remote_prefill(
         self, prefill_w: WorkerHandle, work: WorkRequest, holders: list, hashes: list[int]
@@ -381,23 +296,10 @@ class Router:
             self._inflight[prefill_w.worker_id] -= 1
             self._prefill_tokens[prefill_w.worker_id] -= len(work.prompt_token_ids)
 
-    @staticmethod
-    async def _abort_quietly(worker: WorkerHandle, request_id: str) -> None:
-        try:
-            await asyncio.wait_for(worker.abort(request_id), 10.0)
-        except Exception as e:  # the worker may be dead; its leases expire on their own
-            logger.info("abort of %s on %s: %s", request_id, worker.worker_id, e)
-
     async def poll_stats(self) -> None:
         """Fresh stats from the tier and every worker, all asked at once. A worker that does
         not answer within STATS_TIMEOUT_S keeps its last stats, marked with the error, so
         its counters do not vanish from /metrics; its failures are counted."""
-
-        async def ask(w: WorkerHandle) -> tuple[str, dict | None, str | None]:
-            try:
-                return w.worker_id, await asyncio.wait_for(w.stats(), STATS_TIMEOUT_S), None
-            except Exception as e:  # a slow or dead worker: keep what it said last
-                return w.worker_id, None, repr(e)
 
         async def ask_tier() -> None:
             try:
@@ -406,7 +308,7 @@ class Router:
                 self.tier_stats = {"error": repr(e)}
 
         workers = [*self.decode_workers, *self.prefill_workers]
-        polls = [ask(w) for w in workers] + ([ask_tier()] if self.tier is not None else [])
+        polls = [ask_stats(w) for w in workers] + ([ask_tier()] if self.tier is not None else [])
         answers = await asyncio.gather(*polls)
         for worker_id, stats, error in answers[: len(workers)]:
             if error is None:

@@ -161,7 +161,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.cluster.pool_control import PoolControl
     from pdserve.cluster.ray_pool import PoolSpec
     from pdserve.cluster.request_log import RequestLog
-    from pdserve.cluster.router import Router, RouterConfig
+    from pdserve.cluster.route_policy import RouterConfig
+    from pdserve.cluster.router import Router
     from pdserve.cluster.serve_placement import (
         actor_resources,
         kv_transport,

@@ -17,7 +17,8 @@ from pdserve.cluster.membership import sync_members
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
 from pdserve.cluster.pool_control import PoolControl
-from pdserve.cluster.router import Router, RouterConfig
+from pdserve.cluster.route_policy import RouterConfig
+from pdserve.cluster.router import Router
 from pdserve.cluster.token_stream import TokenSubscriber
 from pdserve.runner.sampling_params import SamplingParams
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.cluster.metrics import Metrics
-from pdserve.cluster.router import Router, RouterConfig
+from pdserve.cluster.route_policy import RouterConfig
+from pdserve.cluster.router import Router
 
 
 class _Worker:

@@ -21,7 +21,8 @@ from pdserve.cluster.openai_api import (
     resolve_max_tokens,
 )
 from pdserve.cluster.prompts import prompt_token_ids
-from pdserve.cluster.router import Router, RouterConfig
+from pdserve.cluster.route_policy import RouterConfig
+from pdserve.cluster.router import Router
 from pdserve.cluster.serve_args import ServeConfig, auto_tool_parser, served_names
 from pdserve.cluster.serve_flags import add_serve_args, config_from_args
 from pdserve.runner.generation_defaults import from_file, parse_override, sampling_defaults
