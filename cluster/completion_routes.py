@@ -24,20 +24,11 @@ from pdserve.cluster.openai_api import (
     ApiError,
     ParsedRequest,
     chat_echo,
-    chat_logprobs,
     chat_role,
-    check_priority,
-    check_token_ids,
-    completion_logprobs,
-    new_id,
-    now,
-    parse_sampling,
-    prompt_logprobs_entries,
     prompt_truncation,
     requested_max_tokens,
     resolve_max_tokens,
     typed,
-    usage,
     wants_echo,
 )
 from pdserve.cluster.prompts import completion_prompts, off_loop, prompt_token_ids
@@ -49,6 +40,15 @@ from pdserve.cluster.reasoning_api import (
     with_reasoning,
 )
 from pdserve.cluster.request_log import RequestLog
+from pdserve.cluster.response_shapes import (
+    chat_logprobs,
+    completion_logprobs,
+    new_id,
+    now,
+    prompt_logprobs_entries,
+    usage,
+)
+from pdserve.cluster.sampling_api import check_priority, check_token_ids, parse_sampling
 from pdserve.cluster.structured_api import compile_checked, structured_param
 from pdserve.cluster.tool_calls import ToolStream, parse_tool_choice
 from pdserve.cluster.unsupported import refuse_unsupported

@@ -22,8 +22,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pdserve.cluster.metrics import Metrics
-from pdserve.cluster.openai_api import ApiError, new_id, now
+from pdserve.cluster.openai_api import ApiError
 from pdserve.cluster.request_log import RequestLog
+from pdserve.cluster.response_shapes import new_id, now
 from pdserve.cluster.router import Router
 from pdserve.version import __version__
 

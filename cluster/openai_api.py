@@ -1,7 +1,11 @@
-"""The OpenAI-compatible surface: request parsing and response shapes, nothing else.
+"""The OpenAI-compatible surface's request side: `ApiError`, `ParsedRequest`, and the
+reading of the fields every route shares (typed fields, output length, prompt
+truncation, chat messages, echo and role), nothing else.
 
 Parsing turns a JSON body into a `ParsedRequest` (prompt token ids, `SamplingParams`,
-stream options) or raises `ApiError` with OpenAI's error fields and an HTTP status.
+stream options) or raises `ApiError` with OpenAI's error fields and an HTTP status; the
+sampling fields are read by cluster/sampling_api.py, and the pieces of a response body
+are built by cluster/response_shapes.py.
 Field names follow OpenAI (and vLLM where OpenAI is silent: `top_k`, `min_tokens`,
 `ignore_eos`, `stop_token_ids`, `repetition_penalty`, `skip_special_tokens`,
 `include_stop_str_in_output`). Unknown fields are ignored like OpenAI does; known ones
@@ -11,13 +15,10 @@ workers or transfer parameters: nothing here reads routing from the client.
 
 from __future__ import annotations
 
-import time
-import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve.runner.sampling_params import SamplingParams
-from pdserve.runner.structured.spec import StructuredOutputs
 
 if TYPE_CHECKING:  # it imports this module
     from pdserve.cluster.reasoning.base import ReasoningParser
@@ -199,213 +200,3 @@ def _text_part(part: Any) -> str:
             param="messages",
         )
     raise ApiError("a content part must be {'type': 'text', 'text': <string>}", param="messages")
-
-
-def parse_sampling(
-    body: dict,
-    kind: str,
-    seed: int | None,
-    max_tokens: int,
-    defaults: dict | None = None,
-    tool_constraint: StructuredOutputs | None = None,
-) -> tuple[SamplingParams, int | None]:
-    """SamplingParams from OpenAI fields; a field left out takes the server's default
-    (`defaults`, runner/generation_defaults.py), then OpenAI's. The seed is resolved by
-    the caller (the router picks one when the client gives none, so prefill and decode
-    sample alike), and so is `max_tokens` (`resolve_max_tokens`). `tool_constraint`: what
-    a chat's tool_choice makes the reply follow (cluster/tool_calls.py)."""
-    defaults = defaults or {}
-
-    def number(name: str, openai_default: float) -> float:
-        return float(typed(body, name, (int, float), defaults.get(name, openai_default)))
-
-    if kind == "chat":
-        want_lp = typed(body, "logprobs", (bool,), False)
-        top = typed(body, "top_logprobs", (int,), 0)
-        logprobs = top if want_lp else None
-        if top and not want_lp:
-            raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        prompt_logprobs = typed(body, "prompt_logprobs", (int,))
-    else:
-        logprobs = typed(body, "logprobs", (int,))
-        # `echo` with logprobs: the prompt's tokens get theirs too (vLLM's and the legacy
-        # OpenAI API's rule; how lm-eval's loglikelihood scores a continuation).
-        prompt_logprobs = typed(body, "prompt_logprobs", (int,))
-        if prompt_logprobs is None and wants_echo(body):
-            prompt_logprobs = logprobs
-    from pdserve.cluster.structured_api import parse_structured  # it raises ApiError (cycle)
-
-    structured = parse_structured(body)
-    if tool_constraint is not None:
-        if structured is not None:
-            raise ApiError(
-                "'tool_choice' required or named already constrains the reply; leave out "
-                "response_format, structured_outputs and guided_*",
-                param="tool_choice",
-            )
-        structured = tool_constraint
-    stop = typed(body, "stop", (str, list))
-    if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
-        raise ApiError("'stop' must be a string or an array of strings", param="stop")
-    try:
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=number("temperature", 1.0),
-            top_p=number("top_p", 1.0),
-            top_k=typed(body, "top_k", (int,), defaults.get("top_k", 0)),
-            min_p=number("min_p", 0.0),
-            seed=seed,
-            stop=stop,
-            stop_token_ids=typed(body, "stop_token_ids", (list,)),
-            ignore_eos=typed(body, "ignore_eos", (bool,), False),
-            min_tokens=typed(body, "min_tokens", (int,), 0),
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            presence_penalty=number("presence_penalty", 0.0),
-            frequency_penalty=number("frequency_penalty", 0.0),
-            repetition_penalty=number("repetition_penalty", 1.0),
-            n=_n(body),
-            skip_special_tokens=typed(body, "skip_special_tokens", (bool,), True),
-            include_stop_str_in_output=typed(body, "include_stop_str_in_output", (bool,), False),
-            logit_bias=_logit_bias(body),
-            priority=typed(body, "priority", (int,), 0),
-            allowed_token_ids=typed(body, "allowed_token_ids", (list,)),
-            bad_words=typed(body, "bad_words", (list,)),
-            structured_outputs=structured,
-        )
-    except (ValueError, TypeError) as e:
-        # SamplingParams' rules start with the field they break: name it as `param`.
-        field = str(e).split(" ", 1)[0]
-        raise ApiError(str(e), param=field if field in _PARAM_NAMES else None) from e
-    return params, logprobs
-
-
-_PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams) if f.init)
-
-# The most completions one HTTP request may ask for per prompt: OpenAI's own bound (vLLM
-# sets none). Each is a sequence of its own on a decode worker; the offline API, where
-# the caller owns the machine, has no such bound.
-MAX_N = 128
-
-
-def _n(body: dict) -> int:
-    n = typed(body, "n", (int,), 1)
-    if n > MAX_N:
-        raise ApiError(f"'n' must be at most {MAX_N} (OpenAI's bound), got {n}", param="n")
-    return n
-
-
-def _logit_bias(body: dict) -> dict[int, Any] | None:
-    """OpenAI's `logit_bias`: an object from token ids (as strings, JSON keys are) to a
-    bias; SamplingParams checks the biases' range."""
-    bias = typed(body, "logit_bias", (dict,))
-    if bias is None:
-        return None
-    out = {}
-    for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()):
-            raise ApiError(f"'logit_bias' keys must be token ids (got {key!r})", param="logit_bias")
-        out[int(key)] = value
-    return out
-
-
-def check_priority(params: SamplingParams, policy: str) -> None:
-    """vLLM's rule: a `priority` other than 0 needs a server scheduling by priority."""
-    if params.priority != 0 and policy != "priority":
-        raise ApiError(
-            f"'priority' {params.priority} needs a server started with --scheduling-policy "
-            f"priority (this one schedules {policy})",
-            param="priority",
-        )
-
-
-def check_token_ids(params: SamplingParams, vocab_size: int | None) -> None:
-    """A 400 for a token id outside the model's vocabulary in logit_bias or
-    allowed_token_ids, before the request reaches a worker."""
-    check_vocab("logit_bias", list(params.logit_bias or ()), vocab_size)
-    check_vocab("allowed_token_ids", params.allowed_token_ids or [], vocab_size)
-
-
-def check_vocab(name: str, ids: list[int], vocab_size: int | None) -> None:
-    """A 400 naming field `name` when one of `ids` is outside the model's vocabulary
-    (nothing to check when the vocabulary size is unknown)."""
-    bad = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
-    if bad:
-        raise ApiError(
-            f"'{name}': token ids must be in [0, {vocab_size}), the model's vocabulary "
-            f"(got {bad[:3]})",
-            param=name,
-        )
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    if cached:
-        out["prompt_tokens_details"] = {"cached_tokens": cached}
-    return out
-
-
-def _split(token_id: int, rows: list, k: int) -> tuple[list, list]:
-    """(the sampled token's row, the top-k rows in rank order) of one position. Rows are
-    [token_id, logprob, rank]: the top-k first, then the sampled token if not among them."""
-    chosen = next(r for r in rows if int(r[0]) == token_id)
-    top = sorted((r for r in rows if int(r[2]) <= k), key=lambda r: int(r[2]))
-    return chosen, top
-
-
-def completion_logprobs(token_ids: list[int], rows_per_token: list, k: int, decode) -> dict:
-    """OpenAI completions `logprobs`: tokens, token_logprobs, top_logprobs (k per position)."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
-    for tok, rows in zip(token_ids, rows_per_token, strict=True):
-        if rows is None:  # an echoed prompt's first token: nothing before it to predict it
-            out["tokens"].append(decode(tok))
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
-            continue
-        chosen, top = _split(tok, rows, k)
-        out["tokens"].append(decode(tok))
-        out["token_logprobs"].append(float(chosen[1]))
-        out["top_logprobs"].append({decode(int(r[0])): float(r[1]) for r in top})
-    return out
-
-
-def prompt_logprobs_entries(rows: list, decode) -> list[dict | None]:
-    """vLLM's `prompt_logprobs`: per prompt position (the first null), token id (a string
-    key) -> logprob, rank and decoded token, the prompt's own token among them."""
-    return [
-        None
-        if pos is None
-        else {
-            str(int(t)): {"logprob": float(lp), "rank": int(rank), "decoded_token": decode(int(t))}
-            for t, lp, rank in pos
-        }
-        for pos in rows
-    ]
-
-
-def chat_logprobs(token_ids: list[int], rows_per_token: list, k: int, decode) -> list[dict]:
-    """OpenAI chat `logprobs.content` entries."""
-
-    def entry(tok: int, logprob: float) -> dict:
-        text = decode(tok)
-        return {"token": text, "logprob": float(logprob), "bytes": list(text.encode())}
-
-    content = []
-    for tok, rows in zip(token_ids, rows_per_token, strict=True):
-        chosen, top = _split(tok, rows, k)
-        item = entry(tok, chosen[1])
-        item["top_logprobs"] = [entry(int(r[0]), r[1]) for r in top]
-        content.append(item)
-    return content

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pdserve.cluster.chat_template import render_chat
-from pdserve.cluster.openai_api import ApiError, check_vocab, typed
+from pdserve.cluster.openai_api import ApiError, typed
+from pdserve.cluster.sampling_api import check_vocab
 
 ENCODE_TIMEOUT_S = 120.0  # far past what the largest body allowed takes to encode
 T = TypeVar("T")

@@ -25,8 +25,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.cluster.openai_api import ApiError, new_id
+from pdserve.cluster.openai_api import ApiError
 from pdserve.cluster.required_calls import CallPiece, RequiredReader, read_required
+from pdserve.cluster.response_shapes import new_id
 from pdserve.cluster.tool_parsers import ToolParser, make_parser
 from pdserve.runner.structured.spec import StructuredOutputs
 

@@ -11,7 +11,8 @@ import jsonschema
 import pytest
 
 from pdserve.cluster.auto_tools import AutoToolStream, auto_reply
-from pdserve.cluster.openai_api import ApiError, parse_sampling
+from pdserve.cluster.openai_api import ApiError
+from pdserve.cluster.sampling_api import parse_sampling
 from pdserve.cluster.tool_calls import ToolStream, parse_tool_choice
 from pdserve.runner.structured.patterns import compile_spec
 

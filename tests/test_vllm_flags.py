@@ -16,13 +16,13 @@ import pytest
 from pdserve.cluster.openai_api import (
     ApiError,
     chat_messages,
-    parse_sampling,
     requested_max_tokens,
     resolve_max_tokens,
 )
 from pdserve.cluster.prompts import prompt_token_ids
 from pdserve.cluster.route_policy import RouterConfig
 from pdserve.cluster.router import Router
+from pdserve.cluster.sampling_api import parse_sampling
 from pdserve.cluster.serve_args import ServeConfig, auto_tool_parser, served_names
 from pdserve.cluster.serve_flags import add_serve_args, config_from_args
 from pdserve.runner.generation_defaults import from_file, parse_override, sampling_defaults
@@ -408,7 +408,7 @@ def test_logit_bias_and_allowed_token_ids_parse_as_openai_and_vllm_send_them():
     as string keys, vLLM's `allowed_token_ids` array; each malformed form is a 400 naming
     the field, and ids past the model's vocabulary are refused before any worker sees
     them (`check_token_ids`)."""
-    from pdserve.cluster.openai_api import check_token_ids
+    from pdserve.cluster.sampling_api import check_token_ids
 
     body = {"logit_bias": {"5": 2.5, "17": -100}, "allowed_token_ids": [5, 9]}
     params, _ = parse_sampling(body, "chat", None, 4)
@@ -457,7 +457,7 @@ def test_priority_needs_a_server_that_schedules_by_it():
     """Guards vLLM's rule at the router: `priority` travels in the params, and a value
     other than 0 is a 400 naming --scheduling-policy unless the server schedules by it;
     a non-integer is a 400 whatever the policy."""
-    from pdserve.cluster.openai_api import check_priority
+    from pdserve.cluster.sampling_api import check_priority
 
     params, _ = parse_sampling({"priority": -2}, "completion", None, 4)
     assert params.priority == -2
