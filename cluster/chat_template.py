@@ -14,7 +14,8 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from pdserve.cluster.openai_api import ApiError, chat_messages, typed
+from pdserve.cluster.chat_messages import chat_messages
+from pdserve.cluster.openai_api import ApiError, typed
 
 
 def load_chat_template(arg: str | None) -> str | None:

@@ -18,13 +18,12 @@ from fastapi.responses import StreamingResponse
 
 from pdserve.cluster.auto_tools import AutoToolStream, auto_reply
 from pdserve.cluster.batch_stream import merged
+from pdserve.cluster.chat_messages import chat_echo, chat_role
 from pdserve.cluster.disconnect import unless_disconnected
 from pdserve.cluster.http_app import AppState, check_model, json_object, read_body
 from pdserve.cluster.openai_api import (
     ApiError,
     ParsedRequest,
-    chat_echo,
-    chat_role,
     prompt_truncation,
     requested_max_tokens,
     resolve_max_tokens,

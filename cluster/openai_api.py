@@ -148,55 +148,6 @@ def prompt_truncation(body: dict, max_model_len: int) -> int | None:
     return k
 
 
-def chat_messages(body: dict) -> list[dict]:
-    """`messages` with each content as one string: a string, or an array of text parts
-    (joined by newlines, as vLLM does); other parts are refused (the models are text only)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError("'messages' must be a non-empty array", param="messages")
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError("each message needs a string 'role' and 'content'", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "\n".join(_text_part(part) for part in content)
-        if not isinstance(content, str):
-            raise ApiError("each message needs a string 'role' and 'content'", param="messages")
-        out.append({**m, "content": content})
-    return out
-
-
 def wants_echo(body: dict) -> bool:
     """Completions' `echo`: the prompt goes before each choice's text (and logprobs)."""
     return typed(body, "echo", (bool,), False)
-
-
-def chat_role(body: dict) -> str:
-    """The role of a chat reply (vLLM's rule): the assistant's, or with
-    `add_generation_prompt: false` the last message's, whose turn the reply continues."""
-    if typed(body, "add_generation_prompt", (bool,), True):
-        return "assistant"
-    return chat_messages(body)[-1]["role"]
-
-
-def chat_echo(body: dict, role: str) -> str | None:
-    """Chat's `echo` (vLLM's): the last message's content, put before each choice's, when
-    that message has the reply's role, as when `continue_final_message` continues an
-    answer the client began; None otherwise (nothing to join)."""
-    if not wants_echo(body):
-        return None
-    last = chat_messages(body)[-1]
-    return (last["content"] or None) if last["role"] == role else None
-
-
-def _text_part(part: Any) -> str:
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind == "text" and isinstance(part.get("text"), str):
-        return part["text"]
-    if isinstance(kind, str) and kind != "text":
-        raise ApiError(
-            f"content parts of type {kind!r} are not supported: the model reads text only",
-            param="messages",
-        )
-    raise ApiError("a content part must be {'type': 'text', 'text': <string>}", param="messages")

@@ -85,3 +85,41 @@ def test_the_flag_takes_a_file_or_a_template(tmp_path):
     assert load_chat_template(None) is None
     with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+CALLS = (
+    "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call {{ c.function.name }}>"
+    "{{ c.function.arguments | tojson }}{% endfor %}"
+    "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}|{% endfor %}"
+)
+
+
+def test_an_assistant_turn_of_tool_calls_renders(tok):
+    """Guards multi-turn tool use as OpenAI's clients send it: the assistant's turn with
+    `content: null` and `tool_calls` (a 400 before), its arguments (JSON text on the wire)
+    reaching the template as the object, the tool's result turn with its call id; and the
+    400s for calls the template cannot use."""
+    turn = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "now", "arguments": ""}}]}  # fmt: skip
+    result = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    body = {"messages": [*Q, turn, result], "add_generation_prompt": False}
+    text = render_chat(body, tok, CALLS)
+    assert text == (
+        f"user:{Q[0]['content']}|"
+        'assistant:<call get_weather>{"city": "Zürich"}<call now>{}|'
+        "tool:sunny[c1]|"
+    )
+    assert body["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Zürich"}'
+    bad = copy.deepcopy(turn)
+    bad["tool_calls"][0]["function"]["arguments"] = '{"city": '
+    with pytest.raises(ApiError, match="'arguments' is not valid JSON") as e:
+        render_chat({"messages": [*Q, bad]}, tok, CALLS)
+    assert e.value.param == "messages"
+    for calls in ("x", [{"function": {"arguments": "{}"}}]):
+        with pytest.raises(ApiError, match="tool_calls|'name'"):
+            render_chat({"messages": [*Q, {**turn, "tool_calls": calls}]}, tok, CALLS)
+    with pytest.raises(ApiError, match="string 'role' and 'content'"):
+        render_chat({"messages": [*Q, {"role": "user", "content": None}]}, tok, CALLS)

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
+from pdserve.cluster.chat_messages import chat_messages
 from pdserve.cluster.openai_api import (
     ApiError,
-    chat_messages,
     requested_max_tokens,
     resolve_max_tokens,
 )
@@ -551,7 +551,7 @@ def test_chat_echo_and_the_reply_role_follow_vllm():
     joined) only when its role is the reply's, which is the assistant's unless
     `add_generation_prompt` is false; nothing when echo is off, an empty content gives
     nothing, and a non-boolean echo is a 400."""
-    from pdserve.cluster.openai_api import chat_echo, chat_role
+    from pdserve.cluster.chat_messages import chat_echo, chat_role
 
     parts = [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]
     began = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": parts}]
