@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import sys
 from collections import Counter
 
 from pdserve.cluster.ray_pool import RayWorkerHandle
+
+logger = logging.getLogger(__name__)
 
 
 def sync_members(router, members: list[dict]) -> list[str]:
@@ -33,3 +38,18 @@ def sync_members(router, members: list[dict]) -> list[str]:
         router.prefix_index.forget(gone)
     router.workers_changed()  # a new worker's slots go to requests queued in the router
     return failed
+
+
+async def membership_loop(controller, router, interval_s: float, announced) -> None:
+    """Follow the controller: restarted workers fail their requests here and get their
+    new actor; drained ones leave routing; new and restarted ones get their startup line."""
+    while True:
+        await asyncio.sleep(interval_s / 2)
+        try:
+            members = await asyncio.wait_for(controller.members.remote(), 10)
+        except Exception:  # a slow or failing read must not end the loop
+            logger.exception("reading pool membership failed")
+            continue
+        for worker_id in sync_members(router, members):
+            print(f"pdserve: {worker_id} failed; restarting it", file=sys.stderr, flush=True)
+        announced.update(members)

@@ -39,7 +39,7 @@ class ServeConfig:
     scheduling_policy: str = "fcfs"
     # Tokens per engine step (prefill chunks + decodes); None: vLLM's server default, 8,192
     # on GPUs of >= 70 GiB, else 2,048, and without chunked prefill at least max_model_len
-    # (serve.default_batched_tokens).
+    # (serve_sizing.default_batched_tokens).
     max_num_batched_tokens: int | None = None
     runner: str = "auto"
     # The Triton decode attention kernel: auto | per_head | packed | flat (runner/config.py)

@@ -116,7 +116,7 @@ def test_serve_batched_tokens_default_follows_vllm_on_cpu():
     benchmarks."""
     from types import SimpleNamespace
 
-    from pdserve.cluster.serve import default_batched_tokens
+    from pdserve.cluster.serve_sizing import default_batched_tokens
 
     ecfg = SimpleNamespace(
         runner=SimpleNamespace(device="cpu"), model=SimpleNamespace(max_model_len=4096)
