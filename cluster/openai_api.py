@@ -1,11 +1,12 @@
 """The OpenAI-compatible surface's request side: `ApiError`, `ParsedRequest`, and the
 reading of the fields every route shares (typed fields, output length, prompt
-truncation, chat messages, echo and role), nothing else.
+truncation, echo), nothing else.
 
 Parsing turns a JSON body into a `ParsedRequest` (prompt token ids, `SamplingParams`,
-stream options) or raises `ApiError` with OpenAI's error fields and an HTTP status; the
-sampling fields are read by cluster/sampling_api.py, and the pieces of a response body
-are built by cluster/response_shapes.py.
+stream options) or raises `ApiError` with OpenAI's error fields and an HTTP status; chat
+messages are read by cluster/chat_messages.py, the sampling fields by
+cluster/sampling_api.py, and the pieces of a response body are built by
+cluster/response_shapes.py.
 Field names follow OpenAI (and vLLM where OpenAI is silent: `top_k`, `min_tokens`,
 `ignore_eos`, `stop_token_ids`, `repetition_penalty`, `skip_special_tokens`,
 `include_stop_str_in_output`). Unknown fields are ignored like OpenAI does; known ones
