@@ -94,3 +94,13 @@ class RequestLog:
         except (asyncio.CancelledError, GeneratorExit):
             self.ended(api_id, time.monotonic() - start, "cancelled (the client went away)")
             raise
+
+
+def watched(log: RequestLog | None, api_id: str, start: float):
+    """`log.watch(...)`, or nothing to watch with the log off."""
+    return log.watch(api_id, start) if log is not None else contextlib.nullcontext()
+
+
+def route_hook(log: RequestLog | None, api_id: str) -> Callable[[Route], None] | None:
+    """What hears where each of the request's generations went: the log, when it is on."""
+    return (lambda route: log.route(api_id, route)) if log is not None else None

@@ -1,4 +1,4 @@
-"""A streamed Responses API reply: the chat stream's chunks (cluster/completion_routes.py, one
+"""A streamed Responses API reply: the chat stream's chunks (cluster/completion_stream.py, one
 choice) turned into the Responses API's semantic events, in OpenAI's order.
 
     response.created, response.in_progress

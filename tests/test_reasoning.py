@@ -1,7 +1,7 @@
 """The reasoning parsers of `--reasoning-parser` (cluster/reasoning/) on strings: what each
 reads as reasoning and what as the answer, that a stream of the same reply, cut anywhere,
 lets out exactly that, and how the split meets tool calls (cluster/reasoning_api.py with
-cluster/auto_tools.py and cluster/tool_calls.py, composed in completion_routes' order).
+cluster/auto_tools.py and cluster/tool_calls.py, composed in completion_choices' order).
 The HTTP path is in tests/test_serve_e2e.py."""
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def test_only_chat_is_parsed_and_a_grammar_opens_in_the_answer():
     assert request_parser("deepseek_r1", "chat", json_mode).parse("{}") == Reasoned(None, "{}")
 
 
-# ---- with tool calls, as completion_routes composes them -----------------------------
+# ---- with tool calls, as the completion routes compose them -------------------------
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
@@ -226,7 +226,7 @@ ARGS = '{"city": "Oslo"}'
 
 
 def _whole(parser: ReasoningParser, text: str, echoed: str = "", choice=AUTO) -> dict:
-    """completion_routes' chat_reply: split, the answer's tool calls, then `reasoning`."""
+    """completion_choices' chat_reply: split, the answer's tool calls, then `reasoning`."""
     body = {"index": 0, "message": {"role": "assistant", "content": echoed + text},
             "logprobs": None, "finish_reason": "stop"}  # fmt: skip
     reasoning, answer = split_message(parser, body, echoed, text)
@@ -241,7 +241,7 @@ def _whole(parser: ReasoningParser, text: str, echoed: str = "", choice=AUTO) ->
 
 
 def _stream(parser: ReasoningParser, pieces: list[str], echoed: str = "", choice=AUTO):
-    """completion_routes' sse loop for one choice -> (reasoning, content, calls as (name,
+    """completion_stream's sse loop for one choice -> (reasoning, content, calls as (name,
     arguments), finish_reason), with every chunk's delta checked to carry something."""
     splits = ReasoningSplits(parser)
     tools = AutoToolStream(choice) if choice.kind == "auto" else ToolStream(choice)
