@@ -13,7 +13,7 @@ shuffled over the cache. Reported per case:
 
 Times are CUDA-graph replays (`triton.testing.do_bench_cudagraph`), so launch overhead is
 excluded as it is in the engine's graphed decode. `--sweep` also times alternative tile
-configs by patching the module's constants, to choose them on the real GPU.
+configs by patching the kernel modules' constants, to choose them on the real GPU.
 
     python benchmarks/attention_bench.py [--sweep decode|prefill|all] [--out results.json]
 """
@@ -31,6 +31,9 @@ import triton
 import triton.testing
 
 from pdserve.kernels import paged_attention_triton as pat
+from pdserve.kernels import paged_decode_split as pds
+from pdserve.kernels import paged_prefill as ppf
+from pdserve.kernels.attention_parts import TileConfig
 
 HQ, HKV, D, BS = 16, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -74,7 +77,7 @@ def bench_decode(batch: int, ctx: int) -> dict:
     gbs = kv_bytes / ms / 1e6
     return {
         "case": "decode", "batch": batch, "ctx": ctx, "ms": round(ms, 4),
-        "splits": pat.decode_num_splits(batch, HKV, ctx), "kv_GBps": round(gbs, 1),
+        "splits": pds.decode_num_splits(batch, HKV, ctx), "kv_GBps": round(gbs, 1),
         "frac_hbm": round(gbs * 1e9 / HBM_BYTES_PER_S, 3),
     }  # fmt: skip
 
@@ -85,16 +88,16 @@ def bench_decode_in_graph(batch: int, ctx: int, limit: int = 4096) -> list[dict]
     inp = make_inputs([(ctx, 1)] * batch)
     inp["max_seq_len"] = limit
     kv_bytes = batch * ctx * HKV * D * 2 * 2
-    base, rows = pat.MIN_SPLIT_KEYS, []
+    base, rows = pds.MIN_SPLIT_KEYS, []
     for min_keys in (64, 128, 256, 512):
-        pat.MIN_SPLIT_KEYS = min_keys
+        pds.MIN_SPLIT_KEYS = min_keys
         ms = time_ms(lambda: pat.paged_attention_triton(**inp))
         rows.append({
             "case": "decode_graph", "batch": batch, "ctx": ctx, "limit": limit,
-            "min_split_keys": min_keys, "splits": pat.decode_num_splits(batch, HKV, limit),
+            "min_split_keys": min_keys, "splits": pds.decode_num_splits(batch, HKV, limit),
             "ms": round(ms, 4), "kv_GBps": round(kv_bytes / ms / 1e6, 1),
         })  # fmt: skip
-    pat.MIN_SPLIT_KEYS = base
+    pds.MIN_SPLIT_KEYS = base
     return rows
 
 
@@ -135,29 +138,29 @@ def bench_mixed(prompt: int = 2048, decodes: int = 255, ctx: int = 1024) -> dict
 def sweep(which: str) -> list[dict]:
     """Alternative tile configs, one module constant at a time (restored afterwards)."""
     results = []
-    base_decode, base_prefill = pat._DECODE_16BIT, pat._PREFILL_16BIT
+    base_decode, base_prefill = pds._DECODE_16BIT, ppf._PREFILL_16BIT
     for block_n in (32, 64, 128) if which in ("decode", "all") else ():
         for warps in (4, 8):
             for stages in (2, 3, 4):
-                pat._DECODE_16BIT = pat.TileConfig(0, block_n, warps, stages)
+                pds._DECODE_16BIT = TileConfig(0, block_n, warps, stages)
                 for batch, ctx in ((256, 2048), (512, 256), (32, 2048)):
                     try:
                         r = bench_decode(batch, ctx)
                     except Exception as exc:  # out of shared memory etc.: report, go on
                         r = {"case": "decode", "error": str(exc)[:200]}
-                    results.append({**r, "cfg": list(pat._DECODE_16BIT)})
-    pat._DECODE_16BIT = base_decode
+                    results.append({**r, "cfg": list(pds._DECODE_16BIT)})
+    pds._DECODE_16BIT = base_decode
     for block_m in (64, 128) if which in ("prefill", "all") else ():
         for block_n in (32, 64, 128):
             for warps in (4, 8):
                 for stages in (2, 3, 4):
-                    pat._PREFILL_16BIT = pat.TileConfig(block_m, block_n, warps, stages)
+                    ppf._PREFILL_16BIT = TileConfig(block_m, block_n, warps, stages)
                     try:
                         r = bench_prefill(8, 2048, with_sdpa=False)
                     except Exception as exc:
                         r = {"case": "prefill", "error": str(exc)[:200]}
-                    results.append({**r, "cfg": list(pat._PREFILL_16BIT)})
-    pat._PREFILL_16BIT = base_prefill
+                    results.append({**r, "cfg": list(ppf._PREFILL_16BIT)})
+    ppf._PREFILL_16BIT = base_prefill
     return results
 
 
@@ -166,11 +169,11 @@ def sweep_small_batch() -> list[dict]:
     (max_seq_len at the model's 4,096 limit): the in-kernel split merge changed the cost
     of a split, so the 256-key minimum chosen with a reduce launch is re-measured."""
     results = []
-    base_cfg, base_keys = pat._DECODE_16BIT, pat.MIN_SPLIT_KEYS
+    base_cfg, base_keys = pds._DECODE_16BIT, pds.MIN_SPLIT_KEYS
     for block_n, warps, stages in itertools.product((32, 64), (4, 8), (2, 3, 4)):
-        pat._DECODE_16BIT = pat.TileConfig(0, block_n, warps, stages)
+        pds._DECODE_16BIT = TileConfig(0, block_n, warps, stages)
         for min_keys in (64, 128, 256):
-            pat.MIN_SPLIT_KEYS = min_keys
+            pds.MIN_SPLIT_KEYS = min_keys
             for ctx in (256, 384, 512):
                 inp = make_inputs([(ctx, 1)] * 32)
                 inp["max_seq_len"] = 4096
@@ -179,7 +182,7 @@ def sweep_small_batch() -> list[dict]:
                     "case": "decode_small", "ctx": ctx, "cfg": [block_n, warps, stages],
                     "min_split_keys": min_keys, "us": round(ms * 1e3, 2),
                 })  # fmt: skip
-    pat._DECODE_16BIT, pat.MIN_SPLIT_KEYS = base_cfg, base_keys
+    pds._DECODE_16BIT, pds.MIN_SPLIT_KEYS = base_cfg, base_keys
     return results
 
 
@@ -200,7 +203,7 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "block_size": BS, "dtype": "bf16"},
-        "config": {"decode": list(pat._DECODE_16BIT), "prefill": list(pat._PREFILL_16BIT)},
+        "config": {"decode": list(pds._DECODE_16BIT), "prefill": list(ppf._PREFILL_16BIT)},
         "decode": [bench_decode(b, c) for b in (1, 32, 256, 512) for c in (256, 1024, 2048)],
         "prefill": [
             bench_prefill(1, 2048),

@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from run_meta import git_commit  # noqa: E402
 
 from pdserve.kernels import paged_attention_triton as pat  # noqa: E402
+from pdserve.kernels import paged_decode_split as pds  # noqa: E402
+from pdserve.kernels.attention_parts import TileConfig  # noqa: E402
 from pdserve.kernels.paged_decode_packed import PackedConfig  # noqa: E402
 from pdserve.kernels.workspace import KernelWorkspace  # noqa: E402
 
@@ -131,12 +133,12 @@ def sweep_per_head(layers: int, emit, cases, tiles, splits_list) -> None:
     """The per-head kernel's tile (keys a loop step, warps, pipeline stages) against the
     number of slices each row's context is cut into (explicit num_splits: every row takes
     them all), where the engine's heuristic only sets how many."""
-    base = pat._DECODE_16BIT, pat._DECODE_16BIT_FEW
+    base = pds._DECODE_16BIT, pds._DECODE_16BIT_FEW
     for batch, ctx in cases:
         inputs = layer_inputs(batch, ctx, layers)
         for block_n, warps, stages in tiles:
-            tile = pat.TileConfig(0, block_n, warps, stages)
-            pat._DECODE_16BIT = pat._DECODE_16BIT_FEW = tile
+            tile = TileConfig(0, block_n, warps, stages)
+            pds._DECODE_16BIT = pds._DECODE_16BIT_FEW = tile
             for splits in splits_list:
                 if splits * block_n > ctx:
                     continue
@@ -147,7 +149,7 @@ def sweep_per_head(layers: int, emit, cases, tiles, splits_list) -> None:
                 except Exception as e:  # out of shared memory etc.: report, go on
                     emit({"batch": batch, "ctx": ctx, "cfg": cfg, "error": str(e)[:200]})
         del inputs
-    pat._DECODE_16BIT, pat._DECODE_16BIT_FEW = base
+    pds._DECODE_16BIT, pds._DECODE_16BIT_FEW = base
 
 
 def sweep_groups(layers: int, emit) -> None:

@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pdserve.kernels import paged_attention_triton as pat
+from pdserve.kernels import paged_decode_split as pds
 from pdserve.kernels import skinny_linear as sl
 
 INT_PTRS = {"bt_ptr", "qsl_ptr", "seq_lens_ptr", "count_ptr"}
@@ -79,7 +79,7 @@ def cases():
     for warps, stages in ((2, 5), (4, 3)):
         yield (
             f"decode_per_head_{warps}w{stages}s",
-            pat._decode_split_kernel,
+            pds._decode_split_kernel,
             attn,
             warps,
             stages,

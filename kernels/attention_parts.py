@@ -1,12 +1,31 @@
-"""What the Triton attention kernels share (paged_attention_triton, paged_decode_packed,
-paged_decode_flat): their dot, one key tile's online-softmax step over a paged cache, and
-the decode kernels' cut of a row's context into split-K slices, and the merge of those
-slices' partial outputs."""
+"""What the Triton attention kernels share (paged_prefill, paged_decode_split,
+paged_decode_packed, paged_decode_flat): their tile config and its choice by dtype and
+head dim, their dot, one key tile's online-softmax step over a paged cache, and the decode
+kernels' cut of a row's context into split-K slices, and the merge of those slices'
+partial outputs."""
 
 from __future__ import annotations
 
+from typing import NamedTuple, TypeVar
+
+import torch
 import triton
 import triton.language as tl
+
+C = TypeVar("C")
+
+
+class TileConfig(NamedTuple):
+    block_m: int  # queries per program (prefill); unused by decode
+    block_n: int  # keys per loop iteration
+    num_warps: int
+    num_stages: int
+
+
+def tile_for(dtype: torch.dtype, d_pad: int, narrow: C, wide: C) -> C:
+    """`narrow` for 16-bit inputs of (padded) head dim <= 128; `wide` otherwise (fp32, where
+    tiles are twice the bytes, or head dim 256): the wide configs take fewer keys a tile."""
+    return narrow if dtype in (torch.bfloat16, torch.float16) and d_pad <= 128 else wide
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Unsplit decode attention with one program per SM walking several (row, kv head) pairs.
 
-The per-head kernel (kernels/paged_attention_triton.py) runs one program per (row, kv head)
+The per-head kernel (kernels/paged_decode_split.py) runs one program per (row, kv head)
 pair, and each program starts its K/V pipeline cold. (This kernel was written believing its
 5-stage tile took one program per SM, so that a 32-row step ran in two waves; compiled for
 sm_90 it takes 72 KB and 214 registers, three programs an SM: one wave.) Here the grid is

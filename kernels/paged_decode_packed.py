@@ -1,11 +1,12 @@
 """Decode attention with a row's heads (all, or a group) in one program: keys are
 (token, kv head) pairs.
 
-`paged_attention_triton`'s other decode kernel gives each (row, kv head, split) a program,
-which reads its head's 256 B of each token (a 16-token block holds a token's heads side by
-side: K of one block is [16, Hkv, D] contiguous), so the eight programs of a row read
-interleaved slivers of the same pages. At 32 rows that kernel read K/V at ~2.1-2.8 TB/s of
-the H200's 4.28 (profile_step_32_cdd5afb: 16.2 us a layer at ~260 tokens of context).
+`paged_attention_triton`'s other decode kernel (kernels/paged_decode_split.py) gives
+each (row, kv head, split) a program, which reads its head's 256 B of each token (a
+16-token block holds a token's heads side by side: K of one block is [16, Hkv, D]
+contiguous), so the eight programs of a row read interleaved slivers of the same pages.
+At 32 rows that kernel read K/V at ~2.1-2.8 TB/s of the H200's 4.28
+(profile_step_32_cdd5afb: 16.2 us a layer at ~260 tokens of context).
 
 Here a program owns one row, one slice of its context and a group of `heads` adjacent kv
 heads (all of them by default; `PackedConfig.heads`). Its key tile is TOKENS consecutive

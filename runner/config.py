@@ -146,7 +146,7 @@ class RunnerConfig:
     # Uniform-decode batch sizes captured as FULL CUDA graphs; () = always eager.
     cuda_graph_sizes: tuple[int, ...] = ()
     # The Triton decode attention kernel: "auto" (by batch shape), "per_head", "packed" or
-    # "flat" (kernels/paged_attention_triton.py, paged_decode_packed.py, paged_decode_flat.py).
+    # "flat" (kernels/paged_decode_split.py, paged_decode_packed.py, paged_decode_flat.py).
     decode_attention: str = "auto"
     # What a decode graph holds (runner/mrv2/cuda_graphs.py): "layers" (embedding ->
     # layers) or "step" (also the input prep before them and, for steps where every row

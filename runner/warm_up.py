@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
-from pdserve.kernels.paged_attention_triton import FEW_DECODE_PAIRS, MIN_SPLIT_KEYS
+from pdserve.kernels.paged_decode_split import FEW_DECODE_PAIRS, MIN_SPLIT_KEYS
 from pdserve.runner.engine import Engine
 from pdserve.runner.sampling_params import SamplingParams
 
@@ -34,7 +34,7 @@ _MAX_STEPS = 64
 
 def decode_variant_batches(engine: Engine) -> list[tuple[int, ...]]:
     """Batches whose decode step meets the decode attention's other compiled variants
-    (kernels/paged_attention_triton.py), which short prompts of a row or two never reach:
+    (kernels/paged_decode_split.py), which short prompts of a row or two never reach:
     one row whose context passes MIN_SPLIT_KEYS (a split grid), and more rows than fit
     FEW_DECODE_PAIRS (row, kv head) pairs (the wide tile), each where the engine's limits
     (model length, slots, free blocks) allow it. Graph capture compiles both; eager steps

@@ -1,4 +1,5 @@
-"""Parity of the Triton paged attention (`kernels/paged_attention_triton.py`) with the spec.
+"""Parity of the Triton paged attention (`kernels/paged_attention_triton.py` and the kernels
+it launches) with the spec.
 
 The spec is `paged_attention_ref`, itself checked against dense causal attention written
 with plain matmuls in float64. Every batch is built on a cache poisoned with NaN: the null
@@ -33,13 +34,9 @@ import pytest
 import torch
 
 from pdserve.kernels.attention import paged_attention, paged_attention_ref
-from pdserve.kernels.paged_attention_triton import (
-    choose_decode_kernel,
-    decode_num_splits,
-    decode_tiles,
-    paged_attention_triton,
-)
+from pdserve.kernels.paged_attention_triton import choose_decode_kernel, paged_attention_triton
 from pdserve.kernels.paged_decode_packed import packed_num_splits
+from pdserve.kernels.paged_decode_split import decode_num_splits, decode_tiles
 from pdserve.kernels.workspace import KernelWorkspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

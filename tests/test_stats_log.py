@@ -168,7 +168,7 @@ def test_the_warm_up_reaches_every_decode_attention_variant(tiny_qwen3_dir):
     the warm-up runs a split context (past MIN_SPLIT_KEYS) and more rows than fit
     FEW_DECODE_PAIRS pairs (this model has one kv head), and still leaves nothing behind;
     where they do not (a short model length, few slots or blocks) it skips them."""
-    from pdserve.kernels.paged_attention_triton import FEW_DECODE_PAIRS, MIN_SPLIT_KEYS
+    from pdserve.kernels.paged_decode_split import FEW_DECODE_PAIRS, MIN_SPLIT_KEYS
     from pdserve.runner.warm_up import decode_variant_batches, warm_up
 
     def engine(**kw) -> Engine:

@@ -16,6 +16,6 @@ class AttentionMetadata:
     max_query_len: int  # host-known bounds, so kernels size grids without a device read
     max_seq_len: int
     # The decode attention kernel ("per_head" | "packed" | "flat",
-    # kernels/paged_attention_triton.py);
+    # kernels/paged_attention_triton.py chooses);
     # None: the kernels' own choice by batch shape.
     decode_kernel: str | None = None
