@@ -32,7 +32,12 @@ from pdserve.cluster.unsupported import refuse_unsupported
 
 async def parse_request(state: AppState, request: Request, kind: str) -> list[ParsedRequest]:
     """One ParsedRequest per prompt (a completion may carry a batch of them)."""
-    body = json_object(await read_body(request, state.max_body_bytes))
+    return await parse_body(state, json_object(await read_body(request, state.max_body_bytes)),
+                            kind)  # fmt: skip
+
+
+async def parse_body(state: AppState, body: dict, kind: str) -> list[ParsedRequest]:
+    """`parse_request` on a body already read (the Responses API reads its own)."""
     check_model(state, body)
     refuse_unsupported(body)
     seed = body.get("seed")

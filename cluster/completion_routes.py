@@ -11,6 +11,7 @@ counters are observed here (cluster/metrics.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -34,90 +35,15 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
     async def run(reqs: list[ParsedRequest]):
         start = time.monotonic()
         req = reqs[0]  # the fields every prompt shares
-        kind = "chat.completion" if req.kind == "chat" else "text_completion"
         cid = new_id("chatcmpl" if req.kind == "chat" else "cmpl")
-        m, log = state.metrics, state.request_log
-        if log is not None:
-            log.received(cid, reqs)
+        if state.request_log is not None:
+            state.request_log.received(cid, reqs)
         if req.stream:
             return StreamingResponse(
                 sse_stream(state, reqs, cid, start, decode_tok), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )  # fmt: skip
-        total = len(reqs) * req.params.n
-        texts, toks = [""] * total, [[] for _ in range(total)]
-        echoed = [""] * total  # the start of texts[c] that chat's echo put there
-        want_lps = req.echo_logprobs is not None
-        lps: list[list | None] = [[] if want_lps else None for _ in range(total)]
-        finish: list[str | None] = [None] * total
-        stop: list[Any] = [None] * total
-        echo_toks: list[list[int]] = [[] for _ in range(total)]
-        prompt_rows: dict[int, list] = {}  # prompt index -> its prompt logprobs rows
-        cached = completion_tokens = 0
-        first_token = None
-        with watched(log, cid, start):
-            async for c, d, echo in merged(state.router, reqs, route_hook(log, cid)):
-                if d.token_ids and first_token is None:
-                    first_token = time.monotonic()
-                    m.ttft.observe(first_token - start)
-                if echo is not None:
-                    texts[c] += echo.text
-                    echoed[c] = echo.text
-                    echo_toks[c] = echo.token_ids
-                    if lps[c] is not None and echo.logprobs is not None:
-                        lps[c] += echo.logprobs
-                if d.prompt_logprobs is not None:
-                    prompt_rows.setdefault(c // req.params.n, d.prompt_logprobs)
-                texts[c] += d.text
-                toks[c] += d.token_ids
-                completion_tokens += len(d.token_ids)
-                if lps[c] is not None and d.logprobs:
-                    lps[c] += d.logprobs
-                cached = max(cached, d.num_cached_tokens)
-                if d.finish_reason is not None:
-                    finish[c], stop[c] = d.finish_reason, d.stop_reason
-            _check_errors(finish, stop)
-        prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
-        m.finish(req, start, completion_tokens, prompt_tokens, finish)
-        if log is not None:
-            log.finished(cid, start, first_token, completion_tokens, finish)
-        choices = [
-            choice(
-                req,
-                c,
-                texts[c],
-                echo_toks[c] + toks[c],
-                lps[c],
-                finish[c],
-                stop[c],
-                False,
-                decode_tok,
-            )
-            for c in range(total)
-        ]
-        if req.kind == "chat" and (req.tool_choice is not None or req.reasoning is not None):
-            choices = [
-                chat_reply(req, body, echoed[c], texts[c][len(echoed[c]) :])
-                for c, body in enumerate(choices)
-            ]
-        out = {
-            "id": cid,
-            "object": kind,
-            "created": now(),
-            "model": state.model_name,
-            "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens, cached),
-        }
-        if req.show_prompt_logprobs:  # vLLM's places: per choice, or the chat response's
-            entries = {
-                p: prompt_logprobs_entries(rows, decode_tok) for p, rows in prompt_rows.items()
-            }
-            if req.kind == "chat":
-                out["prompt_logprobs"] = entries.get(0)
-            for c, body in enumerate(choices):
-                if req.kind != "chat":
-                    body["prompt_logprobs"] = entries.get(c // req.params.n)
-        return out
+        return await whole_reply(state, reqs, cid, start, decode_tok)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -128,6 +54,91 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         return await unless_disconnected(request, run(await parse_request(state, request, "chat")))
+
+
+async def whole_reply(
+    state: AppState,
+    reqs: list[ParsedRequest],
+    cid: str,
+    start: float,
+    decode_tok: Callable[[int], str],
+) -> dict[str, Any]:
+    """The whole (unstreamed) response: every choice collected from the router."""
+    req = reqs[0]  # the fields every prompt shares
+    kind = "chat.completion" if req.kind == "chat" else "text_completion"
+    m, log = state.metrics, state.request_log
+    total = len(reqs) * req.params.n
+    texts, toks = [""] * total, [[] for _ in range(total)]
+    echoed = [""] * total  # the start of texts[c] that chat's echo put there
+    want_lps = req.echo_logprobs is not None
+    lps: list[list | None] = [[] if want_lps else None for _ in range(total)]
+    finish: list[str | None] = [None] * total
+    stop: list[Any] = [None] * total
+    echo_toks: list[list[int]] = [[] for _ in range(total)]
+    prompt_rows: dict[int, list] = {}  # prompt index -> its prompt logprobs rows
+    cached = completion_tokens = 0
+    first_token = None
+    with watched(log, cid, start):
+        async for c, d, echo in merged(state.router, reqs, route_hook(log, cid)):
+            if d.token_ids and first_token is None:
+                first_token = time.monotonic()
+                m.ttft.observe(first_token - start)
+            if echo is not None:
+                texts[c] += echo.text
+                echoed[c] = echo.text
+                echo_toks[c] = echo.token_ids
+                if lps[c] is not None and echo.logprobs is not None:
+                    lps[c] += echo.logprobs
+            if d.prompt_logprobs is not None:
+                prompt_rows.setdefault(c // req.params.n, d.prompt_logprobs)
+            texts[c] += d.text
+            toks[c] += d.token_ids
+            completion_tokens += len(d.token_ids)
+            if lps[c] is not None and d.logprobs:
+                lps[c] += d.logprobs
+            cached = max(cached, d.num_cached_tokens)
+            if d.finish_reason is not None:
+                finish[c], stop[c] = d.finish_reason, d.stop_reason
+        _check_errors(finish, stop)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
+    m.finish(req, start, completion_tokens, prompt_tokens, finish)
+    if log is not None:
+        log.finished(cid, start, first_token, completion_tokens, finish)
+    choices = [
+        choice(
+            req,
+            c,
+            texts[c],
+            echo_toks[c] + toks[c],
+            lps[c],
+            finish[c],
+            stop[c],
+            False,
+            decode_tok,
+        )
+        for c in range(total)
+    ]
+    if req.kind == "chat" and (req.tool_choice is not None or req.reasoning is not None):
+        choices = [
+            chat_reply(req, body, echoed[c], texts[c][len(echoed[c]) :])
+            for c, body in enumerate(choices)
+        ]
+    out = {
+        "id": cid,
+        "object": kind,
+        "created": now(),
+        "model": state.model_name,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens, cached),
+    }
+    if req.show_prompt_logprobs:  # vLLM's places: per choice, or the chat response's
+        entries = {p: prompt_logprobs_entries(rows, decode_tok) for p, rows in prompt_rows.items()}
+        if req.kind == "chat":
+            out["prompt_logprobs"] = entries.get(0)
+        for c, body in enumerate(choices):
+            if req.kind != "chat":
+                body["prompt_logprobs"] = entries.get(c // req.params.n)
+    return out
 
 
 def _check_errors(finish: list[str | None], why: list[Any]) -> None:

@@ -32,13 +32,30 @@ async def sse_stream(
     start: float,
     decode_tok: Callable[[int], str],
 ) -> AsyncIterator[str]:
-    """The response's SSE events: chat's role chunks, a chunk per piece of each choice
-    (tool calls and reasoning split off as they become known), an error event if a
-    worker fails, the usage chunk when asked for, then `[DONE]`."""
+    """The response's SSE events: its chunks (`chunk_stream`), an error event if a worker
+    fails, then `[DONE]`."""
+    try:
+        async for body in chunk_stream(state, reqs, cid, start, decode_tok):
+            yield _sse(body)
+    except ApiError as e:
+        yield _sse(e.body())
+    yield "data: [DONE]\n\n"
+
+
+async def chunk_stream(
+    state: AppState,
+    reqs: list[ParsedRequest],
+    cid: str,
+    start: float,
+    decode_tok: Callable[[int], str],
+) -> AsyncIterator[dict]:
+    """The response's chunks: chat's role chunks, a chunk per piece of each choice (tool
+    calls and reasoning split off as they become known), the usage chunk when asked for;
+    an ApiError when a worker fails."""
     req = reqs[0]
     chunk_kind = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     created, m, log = now(), state.metrics, state.request_log
-    completion_tokens, first_token, last = 0, None, None
+    completion_tokens, cached, first_token, last = 0, 0, None, None
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
     reasons: list[str | None] = [None] * (len(reqs) * req.params.n)
     tc = req.tool_choice
@@ -47,14 +64,14 @@ async def sse_stream(
         tools = AutoToolStream(tc) if tc.kind == "auto" else ToolStream(tc)
     splits = ReasoningSplits(req.reasoning) if req.reasoning is not None else None
 
-    def chunk(choices: list[dict], final_usage: bool = False) -> str:
+    def chunk(choices: list[dict], final_usage: bool = False) -> dict:
         body = {
             "id": cid, "object": chunk_kind, "created": created, "model": state.model_name,
             "choices": choices,
         }  # fmt: skip
         if final_usage or req.continuous_usage:  # vLLM's continuous_usage_stats: so far
-            body["usage"] = usage(prompt_tokens, completion_tokens)
-        return _sse(body)
+            body["usage"] = usage(prompt_tokens, completion_tokens, cached)
+        return body
 
     if req.kind == "chat":
         for i in range(req.params.n):
@@ -65,59 +82,52 @@ async def sse_stream(
                 "finish_reason": None,
             }
             yield chunk([head])
-    try:
-        with watched(log, cid, start):
-            async for c, d, echo in merged(state.router, reqs, route_hook(log, cid)):
-                t = time.monotonic()
-                if d.token_ids:
-                    if first_token is None:
-                        first_token = t
-                        m.ttft.observe(t - start)
-                    elif last is not None:
-                        m.itl.observe((t - last) / len(d.token_ids))
-                    last = t
-                completion_tokens += len(d.token_ids)
-                if d.finish_reason is not None:
-                    reasons[c] = d.finish_reason
-                if d.finish_reason == "error":
-                    raise ApiError(
-                        f"the request failed in a worker: {d.stop_reason}", 500, "server_error"
-                    )
-                # The generated piece; with a reasoning parser, its answer's part.
-                generated, reasoning = d.text, ""
-                if splits is not None:
-                    step = splits.feed(c, d.text, d.finish_reason is not None)
-                    generated, reasoning = step.content, step.reasoning
-                text, ids = generated, d.token_ids
-                rows = d.logprobs if req.echo_logprobs is not None and d.logprobs else None
-                if echo is not None:
-                    text, ids = echo.text + text, echo.token_ids + ids
-                    if rows is not None and echo.logprobs is not None:
-                        rows = echo.logprobs + rows
-                if not ids and not text and not reasoning and d.finish_reason is None:
-                    continue
-                body = choice(
-                    req, c, text, ids, rows, d.finish_reason, d.stop_reason, True, decode_tok
+    with watched(log, cid, start):
+        async for c, d, echo in merged(state.router, reqs, route_hook(log, cid)):
+            t = time.monotonic()
+            if d.token_ids:
+                if first_token is None:
+                    first_token = t
+                    m.ttft.observe(t - start)
+                elif last is not None:
+                    m.itl.observe((t - last) / len(d.token_ids))
+                last = t
+            completion_tokens += len(d.token_ids)
+            cached = max(cached, d.num_cached_tokens)
+            if d.finish_reason is not None:
+                reasons[c] = d.finish_reason
+            if d.finish_reason == "error":
+                raise ApiError(
+                    f"the request failed in a worker: {d.stop_reason}", 500, "server_error"
                 )
-                sent: dict | None = body
-                if tools is not None:
-                    echoed = echo.text if echo is not None else ""
-                    sent = tools.delta(c, body, echoed, generated, d.finish_reason)
-                if splits is not None:
-                    sent = with_reasoning(sent, body, reasoning)
-                if sent is None:
-                    continue
-                yield chunk([sent])
-    except ApiError as e:
-        yield _sse(e.body())
-        yield "data: [DONE]\n\n"
-        return
+            # The generated piece; with a reasoning parser, its answer's part.
+            generated, reasoning = d.text, ""
+            if splits is not None:
+                step = splits.feed(c, d.text, d.finish_reason is not None)
+                generated, reasoning = step.content, step.reasoning
+            text, ids = generated, d.token_ids
+            rows = d.logprobs if req.echo_logprobs is not None and d.logprobs else None
+            if echo is not None:
+                text, ids = echo.text + text, echo.token_ids + ids
+                if rows is not None and echo.logprobs is not None:
+                    rows = echo.logprobs + rows
+            if not ids and not text and not reasoning and d.finish_reason is None:
+                continue
+            body = choice(req, c, text, ids, rows, d.finish_reason, d.stop_reason, True, decode_tok)
+            sent: dict | None = body
+            if tools is not None:
+                echoed = echo.text if echo is not None else ""
+                sent = tools.delta(c, body, echoed, generated, d.finish_reason)
+            if splits is not None:
+                sent = with_reasoning(sent, body, reasoning)
+            if sent is None:
+                continue
+            yield chunk([sent])
     m.finish(req, start, completion_tokens, prompt_tokens, reasons)
     if log is not None:
         log.finished(cid, start, first_token, completion_tokens, reasons)
     if req.include_usage:
         yield chunk([], final_usage=True)
-    yield "data: [DONE]\n\n"
 
 
 def _sse(obj: dict) -> str:

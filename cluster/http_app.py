@@ -135,8 +135,9 @@ GUARDED = ("/v1", "/tokenize", "/detokenize")
 
 
 def build_app(state: AppState) -> FastAPI:
-    # Both import this module (its body reading and checks).
+    # They import this module (its body reading and checks).
     from pdserve.cluster.completion_routes import add_completion_routes
+    from pdserve.cluster.responses_routes import add_responses_routes
     from pdserve.cluster.tokenize_routes import add_tokenize_routes
 
     app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
@@ -210,5 +211,6 @@ def build_app(state: AppState) -> FastAPI:
         }
 
     add_completion_routes(app, state)
+    add_responses_routes(app, state)
 
     return app

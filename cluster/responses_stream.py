@@ -74,10 +74,9 @@ class ResponseEvents:
 
     def finish(self, usage: dict | None) -> list[dict]:
         """The reply has ended: the open item closes and the response is whole."""
-        out = self._close()
         status, why = status_of(self._finish)
-        if why == "max_output_tokens" and self.items and self.items[-1]["type"] == "message":
-            self.items[-1]["status"] = "incomplete"
+        cut = why == "max_output_tokens" and self._open == "message"  # the text the limit cut
+        out = self._close("incomplete" if cut else "completed")
         final = self._response(status, self.items, usage, why)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return [*out, self._event(kind, response=final)]
@@ -113,7 +112,7 @@ class ResponseEvents:
                                          part=text_part("", None)))  # fmt: skip
         return out
 
-    def _close(self) -> list[dict]:
+    def _close(self, status: str = "completed") -> list[dict]:
         if self._open is None:
             return []
         item, text, out = self.items[-1], self._text, []
@@ -132,7 +131,7 @@ class ResponseEvents:
             item["arguments"] = text
             out.append(self._piece_event("response.function_call_arguments.done",
                                          arguments=text, name=item["name"]))  # fmt: skip
-        item["status"] = "completed"
+        item["status"] = status
         out.append(self._event("response.output_item.done", output_index=len(self.items) - 1,
                                item=json.loads(json.dumps(item))))  # fmt: skip
         self._open = None

@@ -213,6 +213,7 @@ def test_a_stream_of_events_ends_in_the_whole_replys_response(reply):
         added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
         done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
         assert added == [i["type"] for i in whole] == [i["type"] for i in done]
+        assert done == final["response"]["output"]  # each item as its done event gave it
         deltas: dict[str, str] = {}
         for e in events:
             if e["type"].endswith(".delta"):

@@ -17,6 +17,7 @@ SHARED_SERVER_FILES = frozenset(
         "test_serve_batch_echo.py",
         "test_serve_e2e.py",
         "test_serve_fuzz.py",
+        "test_serve_responses.py",
         "test_serve_vllm_compat.py",
     }
 )

@@ -1,0 +1,127 @@
+"""`POST /v1/responses`: OpenAI's Responses API (vLLM 0.25 serves it too), answered by the
+chat path. The request is read as its chat completion (cluster/responses_input.py), runs
+exactly as /v1/chat/completions would (the same template, constraints, tool-call and
+reasoning parsers, metrics and request log), and its reply is put into the Responses
+shapes: a response object (cluster/responses_output.py) or, with `stream: true`, the
+semantic events (cluster/responses_stream.py).
+
+Responses are not stored, so `GET` and `DELETE /v1/responses/{id}` are a 404 that says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from pdserve.cluster.completion_request import parse_body
+from pdserve.cluster.completion_routes import whole_reply
+from pdserve.cluster.completion_stream import chunk_stream
+from pdserve.cluster.disconnect import unless_disconnected
+from pdserve.cluster.http_app import AppState, json_object, read_body
+from pdserve.cluster.openai_api import ApiError, ParsedRequest
+from pdserve.cluster.response_shapes import now
+from pdserve.cluster.responses_input import chat_body, responses_param
+from pdserve.cluster.responses_output import (
+    item_id,
+    output_items,
+    response_object,
+    response_usage,
+    status_of,
+)
+from pdserve.cluster.responses_stream import ResponseEvents, sse_event
+
+
+def add_responses_routes(app: FastAPI, state: AppState) -> None:
+    def decode_tok(t: int) -> str:
+        return state.tokenizer.decode([t])
+
+    def reasoning_tokens(text: str) -> int:
+        """The reasoning's text counted in tokens (encoded again: the parser splits text,
+        not the reply's tokens)."""
+        return len(state.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        body = json_object(await read_body(request, state.max_body_bytes))
+        reqs = await _chat_requests(state, body)
+        start, rid, created = time.monotonic(), item_id("resp"), now()
+        if state.request_log is not None:
+            state.request_log.received(rid, reqs)
+        if reqs[0].stream:
+            events = _events(state, body, reqs, rid, created, start, decode_tok, reasoning_tokens)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+        return await unless_disconnected(
+            request, _whole(state, body, reqs, rid, created, start, decode_tok, reasoning_tokens)
+        )
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        raise _not_stored(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        raise _not_stored(response_id)
+
+
+async def _chat_requests(state: AppState, body: dict) -> list[ParsedRequest]:
+    """The chat requests a Responses body stands for; a check's 400 names the Responses
+    field (`input` for `messages`, `max_output_tokens` for `max_tokens`, ...)."""
+    try:
+        chat = chat_body(body)
+        if chat.get("stream"):  # the usage the final event carries
+            chat["stream_options"] = {"include_usage": True}
+        return await parse_body(state, chat, "chat")
+    except ApiError as e:
+        e.param = responses_param(e.param)
+        raise
+
+
+async def _whole(
+    state: AppState, body: dict, reqs: list[ParsedRequest], rid: str, created: int,
+    start: float, decode_tok: Callable[[int], str], count: Callable[[str], int],
+) -> dict[str, Any]:  # fmt: skip
+    out = await whole_reply(state, reqs, rid, start, decode_tok)
+    choice = out["choices"][0]
+    items = output_items(choice)
+    status, why = status_of(choice["finish_reason"])
+    usage = response_usage(out["usage"], count(choice["message"].get("reasoning") or ""))
+    return response_object(body, rid, created, state.model_name, status, items, usage, why)
+
+
+async def _events(
+    state: AppState, body: dict, reqs: list[ParsedRequest], rid: str, created: int,
+    start: float, decode_tok: Callable[[int], str], count: Callable[[str], int],
+) -> AsyncIterator[str]:  # fmt: skip
+    stream = ResponseEvents(body, rid, created, state.model_name)
+    for event in stream.start():
+        yield sse_event(event)
+    usage, reasoning = None, ""
+    try:
+        async for chunk in chunk_stream(state, reqs, rid, start, decode_tok):
+            for choice in chunk["choices"]:
+                reasoning += (choice.get("delta") or {}).get("reasoning") or ""
+                for event in stream.feed(choice):
+                    yield sse_event(event)
+            if chunk.get("usage") is not None:
+                usage = chunk["usage"]
+    except ApiError as e:
+        yield sse_event(stream.error(e.body()))
+        return
+    assert usage is not None, "the chat stream ends with its usage chunk"
+    for event in stream.finish(response_usage(usage, count(reasoning))):
+        yield sse_event(event)
+
+
+def _not_stored(response_id: str) -> ApiError:
+    return ApiError(
+        f"response {response_id!r} not found: this server does not store responses (send the "
+        "conversation in 'input')",
+        404,
+        param="response_id",
+        code="not_found",
+    )

@@ -1,0 +1,131 @@
+"""`POST /v1/responses` on the session's real servers (Ray workers, the bundled SmolLM2),
+through the openai SDK's `client.responses`: a response equals the chat completion its
+request stands for, streamed events end in the same response, tools and multi-turn
+function calls work, and what is not carried out is a 400 naming the field. The pieces
+on plain dicts are in tests/test_responses_api.py."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = "What is the capital of France?"
+WEATHER = {"type": "function", "name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"]}}  # fmt: skip
+
+
+def _streamed(client: openai.OpenAI, **kw):
+    """The events of a streamed response, and the response the last one carries."""
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[1].type == "response.in_progress"
+    return events, events[-1].response
+
+
+@pytest.mark.parametrize("server", ["pd", "colocated"])
+def test_a_response_is_the_chat_completion_it_stands_for(server, request):
+    """Guards the translation end to end in both modes: greedy, the response's text
+    equals the chat completion's for the same messages (instructions as the system
+    message, max_output_tokens as max_tokens), its usage equals the chat's, a cut reply
+    is `incomplete` with reason max_output_tokens; streamed, the text deltas join to the
+    same text and the final event's response equals the unstreamed one, ids aside."""
+    c = request.getfixturevalue(server).client()
+    chat = c.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=12,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}],
+    )  # fmt: skip
+    kw = dict(model=MODEL, instructions="Be brief.", input=QUESTION, max_output_tokens=12,
+              temperature=0)  # fmt: skip
+    r = c.responses.create(**kw)
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.output_text == chat.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (
+        chat.usage.prompt_tokens, chat.usage.completion_tokens)  # fmt: skip
+    cut = chat.choices[0].finish_reason == "length"
+    assert r.status == ("incomplete" if cut else "completed"), r
+    if cut:
+        assert r.incomplete_details.reason == "max_output_tokens"
+    assert (r.instructions, r.max_output_tokens, r.temperature, r.store) == (
+        "Be brief.", 12, 0, False)  # fmt: skip
+    events, final = _streamed(c, **kw)
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == r.output_text
+    assert events[-1].type == ("response.incomplete" if cut else "response.completed")
+    strip = lambda items: [{k: v for k, v in i.model_dump().items() if k != "id"} for i in items]  # noqa: E731
+    assert strip(final.output) == strip(r.output)
+    assert final.usage.output_tokens == r.usage.output_tokens
+
+
+def test_function_tools_and_a_multi_turn_exchange(colocated):
+    """Guards tools: a named function tool comes back as a `function_call` item (call id,
+    name, JSON arguments), streamed as argument deltas that join to the same arguments;
+    the next turn sends that call and its output back as input items and gets a text
+    reply (the chat path renders the assistant's tool-call turn and the tool's result)."""
+    c = colocated.client()
+    kw = dict(model=MODEL, input="Weather in Paris?", tools=[WEATHER], temperature=0,
+              tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40)  # fmt: skip
+    r = c.responses.create(**kw)
+    (call,) = [i for i in r.output if i.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id and call.status == "completed"
+    assert isinstance(json.loads(call.arguments)["city"], str)
+    events, final = _streamed(c, **kw)
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == call.arguments == final.output[-1].arguments
+    follow = c.responses.create(
+        model=MODEL, tools=[WEATHER], temperature=0, max_output_tokens=8,
+        input=[{"role": "user", "content": "Weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny."}],
+    )  # fmt: skip
+    assert follow.output_text and follow.output[-1].type == "message", follow
+
+
+def test_a_json_schema_and_a_reply_that_thinks(colocated):
+    """Guards text.format and the reasoning parser: a json_schema format holds the text
+    to the schema; a reply forced into a think block (the colocated server runs qwen3)
+    comes back as a reasoning item then the message, whole and streamed, with its
+    reasoning tokens counted."""
+    c = colocated.client()
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    r = c.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=30,
+                           text={"format": {"type": "json_schema", "name": "place",
+                                            "schema": schema, "strict": True}})  # fmt: skip
+    assert set(json.loads(r.output_text)) == {"city"}, r.output_text
+    think = {"structured_outputs": {"regex": "<think>[a-z ]{1,20}</think>\n[A-Za-z ]{1,20}"}}
+    kw = dict(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=60, extra_body=think)
+    r = c.responses.create(**kw)
+    reasoning, message = r.output
+    assert reasoning.type == "reasoning" and message.type == "message", r.output
+    assert reasoning.content[0].text and r.output_text
+    assert r.usage.output_tokens_details.reasoning_tokens > 0
+    events, final = _streamed(c, **kw)
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == reasoning.content[0].text
+    assert final.output_text == r.output_text
+
+
+def test_what_is_not_done_is_refused_by_name(pd):
+    """Guards the edges: stored-response features and built-in tools are 400s naming the
+    field (code unsupported), a bad field a 400 naming the Responses field it came from,
+    and fetching a response a 404 that says none are stored; the server serves on."""
+    c = pd.client()
+    for kw, param in (
+        (dict(previous_response_id="resp_1"), "previous_response_id"),
+        (dict(tools=[{"type": "web_search"}]), "tools"),
+        (dict(max_output_tokens=0), "max_output_tokens"),
+        (dict(input=[]), "input"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(**{"model": MODEL, "input": QUESTION, **kw})
+        assert e.value.body["param"] == param, e.value.body
+    r = httpx.get(pd.url + "/v1/responses/resp_1", timeout=30,
+                  headers={"Authorization": f"Bearer {c.api_key}"})  # fmt: skip
+    assert r.status_code == 404 and "does not store" in r.json()["error"]["message"]
+    assert c.responses.create(model=MODEL, input="Hi", max_output_tokens=2).output_text
