@@ -71,14 +71,19 @@ def chat_reply(req: ParsedRequest, body: dict, echoed: str, text: str) -> dict:
 
 def tool_reply(req: ParsedRequest, body: dict, echoed: str, text: str) -> dict:
     """A whole chat choice with tools: under auto, the calls the parser reads in the
-    generated `text`; under required or named, its text as tool calls (content null,
-    finish_reason tool_calls), or as text when it is not whole."""
-    if req.tool_choice.kind == "auto":
-        return auto_reply(req.tool_choice, body, echoed, text)
-    calls = req.tool_choice.calls(echoed + text)
+    generated `text`; under required or named, its text as tool calls (content null), as a
+    stream sends them: when cut short, the calls so far with finish_reason length (a named
+    call's arguments cut, as on OpenAI's API and vLLM), or the text when no call began;
+    finish_reason tool_calls when the model ended the calls itself."""
+    choice = req.tool_choice
+    if choice.kind == "auto":
+        return auto_reply(choice, body, echoed, text)
+    reply = echoed + text
+    calls = choice.calls(reply)
     if calls is not None:
         body["message"] = {"role": req.role, "content": None, "tool_calls": calls}
-        if body["finish_reason"] == "stop":
+        # A named reply ended by a stop string counts as ended, as in the stream.
+        if body["finish_reason"] == "stop" and (choice.kind == "named" or choice.whole(reply)):
             body["finish_reason"] = "tool_calls"
     return body
 

@@ -67,19 +67,26 @@ class ToolChoice:
         return None
 
     def calls(self, text: str) -> list[dict] | None:
-        """The reply as OpenAI tool calls; None when it is not whole (cut by max_tokens or
-        a stop string), so the caller returns it as text."""
+        """The reply as OpenAI tool calls, as a stream sends them, whole or cut short (by
+        max_tokens or a stop string; `whole` tells): a named function's call with the
+        text as its arguments; a required reply's calls whose names are whole, each with
+        its arguments as the model wrote them. None when there is none (an empty named
+        reply, a required one cut before its first name), so the caller returns text."""
         assert self.kind != "auto", "auto replies are read by the parser (auto_tools.py)"
         if self.kind == "none":
             return None
-        try:
-            json.loads(text)  # whole: not cut short
-        except json.JSONDecodeError:
-            return None
         if self.kind == "named":
-            return [tool_call(self.name, text)]
-        # Each call's arguments as the model wrote them, as a stream sends them.
-        return [tool_call(name, arguments) for name, arguments in read_required(text)]
+            return [tool_call(self.name, text)] if text else None
+        return [tool_call(name, arguments) for name, arguments in read_required(text)] or None
+
+    @staticmethod
+    def whole(text: str) -> bool:
+        """Whether a named or required reply is whole JSON, not cut short."""
+        try:
+            json.loads(text)
+        except json.JSONDecodeError:
+            return False
+        return True
 
 
 class ToolStream:

@@ -50,7 +50,11 @@ def test_named_and_required_constrain_the_reply_to_their_calls():
         {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}
     ]
     assert calls[0]["type"] == "function" and calls[0]["id"].startswith("chatcmpl-tool-")
-    assert named.calls('{"city": "Os') is None  # cut by max_tokens: returned as text
+    # Cut by max_tokens: the call with its arguments cut, as a stream has sent them (as on
+    # OpenAI's API and vLLM); an empty reply has no call.
+    cut = named.calls('{"city": "Os')
+    assert [c["function"] for c in cut] == [{"name": "get_weather", "arguments": '{"city": "Os'}]
+    assert named.calls("") is None
 
     required = parse_tool_choice({"tools": [WEATHER, TIME], "tool_choice": "required"})
     spec = required.constraint()
@@ -188,12 +192,15 @@ def test_a_cut_required_stream_keeps_what_it_sent():
     for cut in range(len(reply)):
         calls, content, reason = _required_stream(list(reply[:cut]) or [""], "length")
         assert reason == "length"
+        whole = REQUIRED.calls(reply[:cut])
         if cut < first_name:
-            assert calls == [] and content == reply[:cut] and REQUIRED.calls(reply[:cut]) is None
+            assert calls == [] and content == reply[:cut] and whole is None
         else:
             assert content == "" and len(calls) <= len(want), cut
             for (name, args), (want_name, want_args) in zip(calls, want):
                 assert name == want_name and want_args.startswith(args), (cut, args)
+            # The unstreamed reply cut at the same point holds the same calls.
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole] == calls
 
 
 AUTO = parse_tool_choice({"tools": [WEATHER, TIME]}, "hermes")
