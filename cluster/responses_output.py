@@ -104,6 +104,6 @@ def output_items(choice: dict) -> list[dict]:
         fn = call["function"]
         items.append(call_item(call["id"], fn["name"], fn["arguments"]))
     cut = status_of(choice.get("finish_reason"))[1] == "max_output_tokens"
-    if cut and items and items[-1]["type"] == "message":  # the text the limit cut
+    if cut and items:  # the item the limit cut: text, a call's arguments or the thinking
         items[-1]["status"] = "incomplete"
     return items

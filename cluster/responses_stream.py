@@ -75,7 +75,7 @@ class ResponseEvents:
     def finish(self, usage: dict | None) -> list[dict]:
         """The reply has ended: the open item closes and the response is whole."""
         status, why = status_of(self._finish)
-        cut = why == "max_output_tokens" and self._open == "message"  # the text the limit cut
+        cut = why == "max_output_tokens"  # the open item is the one the limit cut
         out = self._close("incomplete" if cut else "completed")
         final = self._response(status, self.items, usage, why)
         kind = "response.completed" if status == "completed" else "response.incomplete"

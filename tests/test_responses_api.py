@@ -138,6 +138,7 @@ REPLIES = [
      "tool_calls", None),
     (None, "Hi th", [], "length", None),
     ("cut in the thinking", None, [], "length", None),
+    (None, None, [("get_weather", '{"city": "Os')], "length", None),  # a call cut short
     (None, None, [], "stop", None),
 ]  # fmt: skip
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
