@@ -257,6 +257,12 @@ def output_logprobs(body: dict) -> int | None:
     return 0 if top is None else top
 
 
-def responses_param(param: str | None) -> str | None:
-    """The Responses field a chat check's `param` stands for."""
-    return CHAT_TO_RESPONSES_PARAM.get(param, param) if param is not None else None
+def in_responses_terms(e: ApiError) -> ApiError:
+    """A chat check's 400 in the Responses API's words: its `param`, and the field names
+    its message quotes, the Responses fields they came from."""
+    if e.param is not None:
+        e.param = CHAT_TO_RESPONSES_PARAM.get(e.param, e.param)
+    for chat, field in CHAT_TO_RESPONSES_PARAM.items():
+        e.message = e.message.replace(f"'{chat}'", f"'{field}'")
+    e.args = (e.message,)
+    return e

@@ -24,7 +24,7 @@ from pdserve.cluster.disconnect import unless_disconnected
 from pdserve.cluster.http_app import AppState, json_object, read_body
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
 from pdserve.cluster.response_shapes import now
-from pdserve.cluster.responses_input import chat_body, responses_param
+from pdserve.cluster.responses_input import chat_body, in_responses_terms
 from pdserve.cluster.responses_output import (
     item_id,
     output_items,
@@ -77,8 +77,7 @@ async def _chat_requests(state: AppState, body: dict) -> list[ParsedRequest]:
             chat["stream_options"] = {"include_usage": True}
         return await parse_body(state, chat, "chat")
     except ApiError as e:
-        e.param = responses_param(e.param)
-        raise
+        raise in_responses_terms(e) from None
 
 
 async def _whole(

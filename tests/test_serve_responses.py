@@ -125,6 +125,8 @@ def test_what_is_not_done_is_refused_by_name(pd):
         with pytest.raises(openai.BadRequestError) as e:
             c.responses.create(**{"model": MODEL, "input": QUESTION, **kw})
         assert e.value.body["param"] == param, e.value.body
+        if param == "max_output_tokens":  # said in the Responses API's words
+            assert e.value.body["message"] == "'max_output_tokens' must be at least 1, got 0"
     r = httpx.get(pd.url + "/v1/responses/resp_1", timeout=30,
                   headers={"Authorization": f"Bearer {c.api_key}"})  # fmt: skip
     assert r.status_code == 404 and "does not store" in r.json()["error"]["message"]
