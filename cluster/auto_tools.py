@@ -4,7 +4,8 @@ its calls become `tool_calls` (ids made here), the rest `content`.
 
 Only the generated text is read, as in vLLM: with `continue_final_message` the words the
 client began the turn with are not part of it (with `echo` they go before the content,
-untouched). `finish_reason` is `tool_calls` when calls were found and the model stopped;
+untouched). With `parallel_tool_calls: false` only the first call is returned, as on
+vLLM. `finish_reason` is `tool_calls` when calls were found and the model stopped;
 a reply cut by max_tokens stays `length`: a call whose JSON it cut short is returned as
 text, and one cut after its JSON (a hermes block left open) is a call, as in vLLM.
 """
@@ -26,7 +27,7 @@ def auto_reply(choice: ToolChoice, body: dict, echoed: str, text: str) -> dict:
         body["message"] = {
             "role": body["message"]["role"],
             "content": (echoed + (reply.content or "")) or None,
-            "tool_calls": _calls(reply.calls),
+            "tool_calls": _calls(reply.calls if choice.parallel else reply.calls[:1]),
         }
         if body["finish_reason"] == "stop":
             body["finish_reason"] = "tool_calls"
@@ -40,6 +41,7 @@ class AutoToolStream:
 
     def __init__(self, choice: ToolChoice) -> None:
         self._parser = choice.reader()
+        self._most = None if choice.parallel else 1  # calls a reply may return
         self._streams: dict[int, ReplyStream] = {}  # choice index -> its reader
         self._sent: Counter[int] = Counter()  # choice index -> calls sent
 
@@ -57,11 +59,11 @@ class AutoToolStream:
         delta: dict[str, Any] = {}
         if echoed + step.content:
             delta["content"] = echoed + step.content
-        if step.calls:
-            first = self._sent[index]
-            self._sent[index] += len(step.calls)
-            calls = _calls(step.calls)
-            delta["tool_calls"] = [{"index": first + i, **c} for i, c in enumerate(calls)]
+        first = self._sent[index]
+        kept = step.calls if self._most is None else step.calls[: max(0, self._most - first)]
+        if kept:
+            self._sent[index] += len(kept)
+            delta["tool_calls"] = [{"index": first + i, **c} for i, c in enumerate(_calls(kept))]
         if not delta and finish is None and body.get("logprobs") is None:
             return None  # held: nothing to say yet (a chunk with logprobs still goes)
         body["delta"] = delta

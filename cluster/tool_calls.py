@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.cluster.openai_api import ApiError
+from pdserve.cluster.openai_api import ApiError, typed
 from pdserve.cluster.required_calls import CallPiece, RequiredReader, read_required
 from pdserve.cluster.response_shapes import new_id
 from pdserve.cluster.tool_parsers import ToolParser, make_parser
@@ -41,6 +41,9 @@ class ToolChoice:
     name: str | None  # the named function
     tools: tuple[dict, ...]  # the request's tools, checked
     parser: str | None = None  # auto: the server's --tool-call-parser
+    # `parallel_tool_calls`: false allows one call a reply (required: the array holds one;
+    # auto: calls after the first are not returned, as on vLLM)
+    parallel: bool = True
 
     def reader(self) -> ToolParser:
         """auto: the server's parser, for this request's tools."""
@@ -63,7 +66,10 @@ class ToolChoice:
                 for name, schema in schemas.items()
             ]
             item = calls[0] if len(calls) == 1 else {"anyOf": calls}
-            return StructuredOutputs(json={"type": "array", "minItems": 1, "items": item})
+            array = {"type": "array", "minItems": 1, "items": item}
+            if not self.parallel:
+                array["maxItems"] = 1
+            return StructuredOutputs(json=array)
         return None
 
     def calls(self, text: str) -> list[dict] | None:
@@ -165,6 +171,7 @@ def parse_tool_choice(body: dict, auto_parser: str | None = None) -> ToolChoice 
         raise ApiError("'tool_choice' names a tool, but the request has no 'tools'",
                        param="tool_choice")  # fmt: skip
     checked = tuple(_check_tool(t) for t in _list(tools))
+    parallel = typed(body, "parallel_tool_calls", (bool,), True)
     names = [t["function"]["name"] for t in checked]
     if len(set(names)) != len(names):
         raise ApiError(f"'tools' names a function twice: {names}", param="tools")
@@ -178,9 +185,9 @@ def parse_tool_choice(body: dict, auto_parser: str | None = None) -> ToolChoice 
                 param="tool_choice",
                 code="unsupported",
             )
-        return ToolChoice("auto", None, checked, auto_parser)
+        return ToolChoice("auto", None, checked, auto_parser, parallel)
     if choice in ("none", "required"):
-        return ToolChoice(choice, None, checked)
+        return ToolChoice(choice, None, checked, None, parallel)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not (isinstance(choice, dict) and choice.get("type") == "function" and name in names):
         raise ApiError(
@@ -188,7 +195,7 @@ def parse_tool_choice(body: dict, auto_parser: str | None = None) -> ToolChoice 
             f"'function': {{'name': one of {names}}}}}",
             param="tool_choice",
         )
-    return ToolChoice("named", name, checked)
+    return ToolChoice("named", name, checked, None, parallel)
 
 
 def _list(tools: Any) -> list:

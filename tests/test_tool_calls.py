@@ -298,3 +298,34 @@ def test_an_auto_stream_holds_quietly_but_keeps_logprobs():
     assert len(quiet) == 1 and len(quiet[0]["delta"]["tool_calls"]) == 2
     held = _stream(["<tool", "_call>", CALLS[11:]], logprobs={"content": []})
     assert [b["delta"] for b in held[:2]] == [{}, {}] and len(held) == 3
+
+
+def test_parallel_tool_calls_false_allows_one_call():
+    """Guards `parallel_tool_calls: false` (ignored before): `required` holds the array to
+    one call (maxItems 1), and `auto` returns the parser's first call only, whole and
+    streamed alike at every cut; true or absent keeps every call; not a boolean is a 400."""
+    body = {"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False}
+    dfa = compile_spec(parse_tool_choice(body).constraint())
+    one = '[{"name":"get_time","parameters":{}}]'
+    assert dfa.matches(one.encode()) and not dfa.matches(f"[{one[1:-1]},{one[1:-1]}]".encode())
+    many = compile_spec(parse_tool_choice({**body, "parallel_tool_calls": True}).constraint())
+    assert many.matches(f"[{one[1:-1]},{one[1:-1]}]".encode())
+    single = parse_tool_choice({"tools": [WEATHER, TIME], "parallel_tool_calls": False}, "hermes")
+    reply = "Checking.\n" + CALLS
+    whole = auto_reply(single, {"index": 0, "message": {"role": "assistant", "content": reply},
+                                "logprobs": None, "finish_reason": "stop"}, "", reply)  # fmt: skip
+    assert [_function(c) for c in whole["message"]["tool_calls"]] == [
+        ("get_weather", '{"city": "Zürich", "unit": "celsius"}')]  # fmt: skip
+    assert (whole["message"]["content"], whole["finish_reason"]) == ("Checking.", "tool_calls")
+    for cut in range(len(reply) + 1):
+        tools, calls = AutoToolStream(single), []
+        pieces = [reply[:cut], reply[cut:]]
+        for i, piece in enumerate(pieces):
+            finish = "stop" if i == 1 else None
+            b = tools.delta(0, {"index": 0, "logprobs": None, "finish_reason": finish}, "",
+                            piece, finish)  # fmt: skip
+            calls += [] if b is None else b["delta"].get("tool_calls", [])
+        assert [(c["index"], *_function(c)) for c in calls] == [
+            (0, "get_weather", '{"city": "Zürich", "unit": "celsius"}')], cut  # fmt: skip
+    with pytest.raises(ApiError, match="parallel_tool_calls"):
+        parse_tool_choice({**body, "parallel_tool_calls": "no"})
