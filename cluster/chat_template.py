@@ -58,8 +58,14 @@ def render_chat(body: dict, tok: Any, template: str | None = None) -> str:
     from jinja2 import TemplateError
 
     # Tools reach the template whatever tool_choice says, as on vLLM (templates that know
-    # tools describe them to the model; the others ignore them).
+    # tools describe them to the model; the others ignore them); so do vLLM's `documents`
+    # (for templates that ground answers in them) and `reasoning_effort` (for templates
+    # that take it), unless chat_template_kwargs sets it.
     tools = body.get("tools") or None
+    documents = typed(body, "documents", (list,)) or None
+    effort = typed(body, "reasoning_effort", (str,))
+    if effort is not None:
+        extra = {"reasoning_effort": effort, **extra}
     try:
         return tok.apply_chat_template(
             messages,
@@ -68,6 +74,7 @@ def render_chat(body: dict, tok: Any, template: str | None = None) -> str:
             add_generation_prompt=add_prompt and not continue_final,
             continue_final_message=continue_final,
             tools=tools,
+            documents=documents,
             **extra,
         )
     except (TemplateError, TypeError) as e:  # a TypeError: the template tripped on a value

@@ -64,8 +64,8 @@ def chat_reply(req: ParsedRequest, body: dict, echoed: str, text: str) -> dict:
         reasoning, text = split_message(req.reasoning, body, echoed, text)
     if req.tool_choice is not None:
         body = tool_reply(req, body, echoed, text)
-    if req.reasoning is not None:
-        body["message"]["reasoning"] = reasoning
+    if req.reasoning is not None:  # `include_reasoning: false`: parsed off, not returned
+        body["message"]["reasoning"] = reasoning if req.include_reasoning else None
     return body
 
 

@@ -104,7 +104,9 @@ async def chunk_stream(
             generated, reasoning = d.text, ""
             if splits is not None:
                 step = splits.feed(c, d.text, d.finish_reason is not None)
-                generated, reasoning = step.content, step.reasoning
+                # `include_reasoning: false`: the thinking is parsed off and not sent.
+                generated = step.content
+                reasoning = step.reasoning if req.include_reasoning else ""
             text, ids = generated, d.token_ids
             rows = d.logprobs if req.echo_logprobs is not None and d.logprobs else None
             if echo is not None:

@@ -79,6 +79,8 @@ class ParsedRequest:
     # chat with `--reasoning-parser`: splits the reply's thinking from its answer
     # (cluster/reasoning_api.py); None otherwise
     reasoning: ReasoningParser | None = None
+    # vLLM's `include_reasoning`: false parses the thinking off the answer and drops it
+    include_reasoning: bool = True
 
 
 def typed(body: dict, name: str, types: tuple, default: Any = None) -> Any:

@@ -77,9 +77,8 @@ def chat_body(body: dict) -> dict:
     if fmt is not None:
         chat["response_format"] = fmt
     effort = reasoning_effort(body.get("reasoning"))
-    if effort is not None:  # read by templates that take it (vLLM passes it the same way)
-        chat["chat_template_kwargs"] = {**(chat.get("chat_template_kwargs") or {}),
-                                        "reasoning_effort": effort}  # fmt: skip
+    if effort is not None:  # chat's field: read by templates that take it, as on vLLM
+        chat["reasoning_effort"] = effort
     top = output_logprobs(body)
     if top is not None:
         chat["logprobs"], chat["top_logprobs"] = True, top

@@ -123,3 +123,27 @@ def test_an_assistant_turn_of_tool_calls_renders(tok):
             render_chat({"messages": [*Q, {**turn, "tool_calls": calls}]}, tok, CALLS)
     with pytest.raises(ApiError, match="string 'role' and 'content'"):
         render_chat({"messages": [*Q, {"role": "user", "content": None}]}, tok, CALLS)
+
+
+def test_reasoning_effort_and_documents_reach_the_template(tok):
+    """Guards vLLM's chat fields for templates: `reasoning_effort` becomes the template
+    variable (chat_template_kwargs' own value wins), `documents` the template's documents;
+    wrong types are 400s naming the field."""
+    t = ("{{ reasoning_effort | default('unset') }}|"
+         "{% for d in documents or [] %}{{ d.title }}:{{ d.text }};{% endfor %}")  # fmt: skip
+    assert render_chat({"messages": Q}, tok, t) == "unset|"
+    assert render_chat({"messages": Q, "reasoning_effort": "low"}, tok, t) == "low|"
+    both = {
+        "messages": Q,
+        "reasoning_effort": "low",
+        "chat_template_kwargs": {"reasoning_effort": "high"},
+    }
+    assert render_chat(both, tok, t) == "high|"
+    docs = [{"title": "Paris", "text": "capital"}, {"title": "Oslo", "text": "north"}]
+    assert (
+        render_chat({"messages": Q, "documents": docs}, tok, t) == "unset|Paris:capital;Oslo:north;"
+    )
+    for field, value in (("reasoning_effort", 3), ("documents", "x")):
+        with pytest.raises(ApiError) as e:
+            render_chat({"messages": Q, field: value}, tok, t)
+        assert e.value.param == field

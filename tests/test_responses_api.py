@@ -26,8 +26,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in
 def test_a_request_reads_as_its_chat_completion():
     """Guards the translation: instructions first as a system message, a string input as
     the user's turn, max_output_tokens as max_tokens, flat tools nested, a named tool
-    choice nested, text.format as response_format, reasoning.effort as a template
-    variable, logprobs only when `include` asks; the sampling fields pass as they are."""
+    choice nested, text.format as response_format, reasoning.effort as chat's
+    reasoning_effort, logprobs only when `include` asks; the sampling fields pass as they are."""
     body = {
         "model": "m", "instructions": "Be brief.", "input": "Hi", "max_output_tokens": 9,
         "temperature": 0.5, "top_p": 0.9, "seed": 3, "stream": True, "tools": [WEATHER],
@@ -48,7 +48,7 @@ def test_a_request_reads_as_its_chat_completion():
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
         "response_format": {"type": "json_schema", "json_schema": {
             "name": "w", "schema": {"type": "object"}, "strict": True}},
-        "chat_template_kwargs": {"reasoning_effort": "low"},
+        "reasoning_effort": "low",
         "logprobs": True, "top_logprobs": 2,
     }  # fmt: skip
     assert "logprobs" not in chat_body({"input": "Hi", "top_logprobs": 2})

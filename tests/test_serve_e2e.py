@@ -659,6 +659,22 @@ def test_reasoning_parser_splits_thinking_over_http(colocated):
     assert _streamed_reasoning(c, **inside) == (text, "", [], r.finish_reason)
 
 
+def test_include_reasoning_false_drops_the_thinking(colocated):
+    """Guards vLLM's `include_reasoning: false`: a reply forced into a think block comes
+    back as its answer only, reasoning null, and a stream sends no reasoning delta; the
+    answer is the same as with the thinking returned."""
+    c = colocated.client()
+    think = {"regex": "<think>[a-z ]{1,30}</think>\n?[A-Za-z ]{1,30}"}
+    kw = dict(model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0, max_tokens=100)
+    shown = c.chat.completions.create(**kw, extra_body={"structured_outputs": think})
+    assert shown.choices[0].message.model_extra["reasoning"], shown
+    hidden = {"structured_outputs": think, "include_reasoning": False}
+    r = c.chat.completions.create(**kw, extra_body=hidden).choices[0]
+    assert r.message.model_extra["reasoning"] is None
+    assert r.message.content == shown.choices[0].message.content
+    assert _streamed_reasoning(c, **kw, extra_body=hidden) == ("", r.message.content, [], "stop")
+
+
 def test_chat_echo_joins_the_answer_the_client_began(pd):
     """Guards chat `echo` (vLLM's): with `continue_final_message` the reply starts with the
     assistant words the client sent, followed by exactly what the same request without
