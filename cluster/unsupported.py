@@ -24,6 +24,16 @@ _RULES: dict[str, tuple[Any, str]] = {
     "use_beam_search": (bool, "beam search is not supported"),
     "prompt_embeds": (lambda v: v is not None, "prompt embeddings are not supported"),
     "suffix": (bool, "suffix (insertion) is not supported"),
+    # Templates are the operator's (--chat-template), never the client's: vLLM too refuses
+    # one sent with a request unless its server trusts request templates.
+    "chat_template": (
+        lambda v: v is not None,
+        "a chat template sent with the request is not used; the server's (--chat-template) is",
+    ),
+    "guided_whitespace_pattern": (
+        lambda v: v is not None,
+        "a whitespace pattern for JSON output is not supported",
+    ),
 }
 
 

@@ -393,6 +393,8 @@ def test_special_tokens_follow_vllm(bos_tokenizer):
         ("suffix", "end"),
         ("best_of", 3),
         ("prompt_embeds", "AAAA"),
+        ("chat_template", "{{ messages }}"),
+        ("guided_whitespace_pattern", " ?"),
     ],
 )
 def test_fields_that_would_be_silently_ignored_are_refused(field, value):
@@ -477,7 +479,7 @@ def test_neutral_values_of_those_fields_pass():
         "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
         "logit_bias": {}, "use_beam_search": False, "suffix": "", "echo": False,
         "best_of": 2, "n": 2, "guided_json": None, "user": "u", "service_tier": "auto",
-        "priority": 0, "return_tokens_as_token_ids": False,
+        "priority": 0, "return_tokens_as_token_ids": False, "chat_template": None,
     }  # fmt: skip
     refuse_unsupported(neutral)
     refuse_unsupported({"echo": True})  # carried out: completions' prompt, chat's last turn
