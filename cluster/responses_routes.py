@@ -11,7 +11,8 @@ Responses are not stored, so `GET` and `DELETE /v1/responses/{id}` are a 404 tha
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,28 +37,16 @@ from pdserve.cluster.responses_stream import ResponseEvents, sse_event
 
 
 def add_responses_routes(app: FastAPI, state: AppState) -> None:
-    def decode_tok(t: int) -> str:
-        return state.tokenizer.decode([t])
-
-    def reasoning_tokens(text: str) -> int:
-        """The reasoning's text counted in tokens (encoded again: the parser splits text,
-        not the reply's tokens)."""
-        return len(state.tokenizer.encode(text, add_special_tokens=False)) if text else 0
-
     @app.post("/v1/responses")
     async def responses(request: Request):
         body = json_object(await read_body(request, state.max_body_bytes))
-        reqs = await _chat_requests(state, body)
-        start, rid, created = time.monotonic(), item_id("resp"), now()
+        reply = _Reply(state, body, await _chat_requests(state, body))
         if state.request_log is not None:
-            state.request_log.received(rid, reqs)
-        if reqs[0].stream:
-            events = _events(state, body, reqs, rid, created, start, decode_tok, reasoning_tokens)
-            return StreamingResponse(events, media_type="text/event-stream",
+            state.request_log.received(reply.rid, reply.reqs)
+        if reply.reqs[0].stream:
+            return StreamingResponse(reply.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
-        return await unless_disconnected(
-            request, _whole(state, body, reqs, rid, created, start, decode_tok, reasoning_tokens)
-        )
+        return await unless_disconnected(request, reply.whole())
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
@@ -80,40 +69,57 @@ async def _chat_requests(state: AppState, body: dict) -> list[ParsedRequest]:
         raise in_responses_terms(e) from None
 
 
-async def _whole(
-    state: AppState, body: dict, reqs: list[ParsedRequest], rid: str, created: int,
-    start: float, decode_tok: Callable[[int], str], count: Callable[[str], int],
-) -> dict[str, Any]:  # fmt: skip
-    out = await whole_reply(state, reqs, rid, start, decode_tok)
-    choice = out["choices"][0]
-    items = output_items(choice)
-    status, why = status_of(choice["finish_reason"])
-    usage = response_usage(out["usage"], count(choice["message"].get("reasoning") or ""))
-    return response_object(body, rid, created, state.model_name, status, items, usage, why)
+@dataclass
+class _Reply:
+    """One Responses request's answer, from the chat path's reply."""
 
+    state: AppState
+    body: dict  # the Responses request
+    reqs: list[ParsedRequest]  # the chat request it stands for (one prompt)
+    rid: str = field(default_factory=lambda: item_id("resp"))
+    created: int = field(default_factory=now)
+    start: float = field(default_factory=time.monotonic)
 
-async def _events(
-    state: AppState, body: dict, reqs: list[ParsedRequest], rid: str, created: int,
-    start: float, decode_tok: Callable[[int], str], count: Callable[[str], int],
-) -> AsyncIterator[str]:  # fmt: skip
-    stream = ResponseEvents(body, rid, created, state.model_name)
-    for event in stream.start():
-        yield sse_event(event)
-    usage, reasoning = None, ""
-    try:
-        async for chunk in chunk_stream(state, reqs, rid, start, decode_tok):
-            for choice in chunk["choices"]:
-                reasoning += (choice.get("delta") or {}).get("reasoning") or ""
-                for event in stream.feed(choice):
-                    yield sse_event(event)
-            if chunk.get("usage") is not None:
-                usage = chunk["usage"]
-    except ApiError as e:
-        yield sse_event(stream.error(e.body()))
-        return
-    assert usage is not None, "the chat stream ends with its usage chunk"
-    for event in stream.finish(response_usage(usage, count(reasoning))):
-        yield sse_event(event)
+    async def whole(self) -> dict[str, Any]:
+        out = await whole_reply(self.state, self.reqs, self.rid, self.start, self._decode)
+        choice = out["choices"][0]
+        status, why = status_of(choice["finish_reason"])
+        usage = response_usage(out["usage"], self._count(choice["message"].get("reasoning")))
+        return self._response(status, output_items(choice), usage, why)
+
+    async def events(self) -> AsyncIterator[str]:
+        stream = ResponseEvents(self.body, self.rid, self.created, self.state.model_name)
+        for event in stream.start():
+            yield sse_event(event)
+        usage, reasoning = None, ""
+        try:
+            async for chunk in chunk_stream(self.state, self.reqs, self.rid, self.start,
+                                            self._decode):  # fmt: skip
+                for choice in chunk["choices"]:
+                    reasoning += (choice.get("delta") or {}).get("reasoning") or ""
+                    for event in stream.feed(choice):
+                        yield sse_event(event)
+                if chunk.get("usage") is not None:
+                    usage = chunk["usage"]
+        except ApiError as e:
+            yield sse_event(stream.error(e.body()))
+            return
+        assert usage is not None, "the chat stream ends with its usage chunk"
+        for event in stream.finish(response_usage(usage, self._count(reasoning))):
+            yield sse_event(event)
+
+    def _response(self, status: str, items: list, usage: dict, why: str | None) -> dict:
+        return response_object(self.body, self.rid, self.created, self.state.model_name,
+                               status, items, usage, why)  # fmt: skip
+
+    def _decode(self, t: int) -> str:
+        return self.state.tokenizer.decode([t])
+
+    def _count(self, reasoning: str | None) -> int:
+        """The reasoning's text counted in tokens (encoded again: the parser splits text,
+        not the reply's tokens)."""
+        tok = self.state.tokenizer
+        return len(tok.encode(reasoning, add_special_tokens=False)) if reasoning else 0
 
 
 def _not_stored(response_id: str) -> ApiError:
