@@ -20,9 +20,11 @@ class PrefixIndex:
         self.max_blocks = max_blocks_per_worker
         self._by_worker: dict[str, OrderedDict[int, None]] = {}
 
-    def hashes(self, prompt: Sequence[int]) -> list[int]:
+    def hashes(self, prompt: Sequence[int], salt: str | None = None) -> list[int]:
+        """The prompt's block hashes under the request's `cache_salt`, as its workers'
+        KV cache managers compute them (a salted prompt never matches an unsalted one)."""
         out: list[int] = []
-        extend_block_hashes(out, prompt, self.block_size)
+        extend_block_hashes(out, prompt, self.block_size, salt)
         return out
 
     def hit_tokens(self, worker_id: str, hashes: list[int]) -> int:

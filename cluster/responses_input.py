@@ -23,7 +23,7 @@ _SAME = (
     "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
     "ignore_eos", "priority", "user", "parallel_tool_calls", "structured_outputs",
     "skip_special_tokens", "include_stop_str_in_output", "min_tokens", "bad_words",
-    "stop_token_ids", "chat_template_kwargs",
+    "stop_token_ids", "chat_template_kwargs", "cache_salt",
 )  # fmt: skip
 
 # field -> why it is refused when set (not null, not false)

@@ -208,7 +208,7 @@ class Router:
         relay: asyncio.Task | None = None
         try:
             ticket = prefill_w = None
-            hashes = self.prefix_index.hashes(prompt)
+            hashes = self.prefix_index.hashes(prompt, params.cache_salt)
             hits = self.prefix_index.hit_tokens(decode_w.worker_id, hashes)
             loads = [self._prefill_tokens[w.worker_id] for w in self.prefill_workers]
             decision = decide(

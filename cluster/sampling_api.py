@@ -87,6 +87,7 @@ def parse_sampling(
             allowed_token_ids=typed(body, "allowed_token_ids", (list,)),
             bad_words=typed(body, "bad_words", (list,)),
             structured_outputs=structured,
+            cache_salt=typed(body, "cache_salt", (str,)),
         )
     except (ValueError, TypeError) as e:
         # SamplingParams' rules start with the field they break: name it as `param`.

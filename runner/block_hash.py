@@ -8,7 +8,13 @@ the same value in every process and on every machine: no Python `hash()` (salted
 process by PYTHONHASHSEED), no native byte order. Changing it invalidates every index
 and tier store at once, so treat the byte layout below as a wire format.
 
-This module does not know about block ids, requests or eviction; only tokens.
+A request's `cache_salt` (vLLM's, for multi-tenant isolation) moves its whole chain: block
+0's parent is `salt_root(salt)` instead of none, so a salted block never equals an
+unsalted one or one under another salt, and a tenant cannot learn from the cache timing
+whether another tenant sent a prefix. Unsalted chains hash exactly as they did before
+salts existed.
+
+This module does not know about block ids, requests or eviction; only tokens and salts.
 """
 
 from __future__ import annotations
@@ -21,6 +27,19 @@ from collections.abc import Sequence
 # collision chance of ~n^2 / 2^65 — about 3e-8 for 1e6 cached blocks.
 HASH_BYTES = 8
 _MAX_HASH = 1 << (8 * HASH_BYTES)
+# Prefixed to a salt's bytes so its root is not the hash of some other input of this
+# module, and so a future kind of root (e.g. per adapter) can take another prefix.
+_SALT_DOMAIN = b"pdserve.cache_salt.v1\0"
+
+
+def salt_root(salt: str | None) -> int | None:
+    """The parent of block 0 under `salt`: None (today's chains) for no salt, else the
+    8-byte blake2b of the domain prefix and the salt's UTF-8, read little-endian."""
+    if salt is None:
+        return None
+    assert isinstance(salt, str) and salt, f"cache_salt must be a non-empty string, got {salt!r}"
+    digest = hashlib.blake2b(_SALT_DOMAIN + salt.encode("utf-8"), digest_size=HASH_BYTES)
+    return int.from_bytes(digest.digest(), "little")
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -39,16 +58,19 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(hasher.digest(), "little")
 
 
-def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int) -> None:
+def extend_block_hashes(
+    hashes: list[int], token_ids: Sequence[int], block_size: int, salt: str | None = None
+) -> None:
     """Append the hash of every full block of `token_ids` that `hashes` does not cover yet.
 
     `hashes` already holds the first len(hashes) blocks; they are trusted, not recomputed,
     so the cost is proportional to the new blocks only (a decoding request completes one
-    block every `block_size` steps). A trailing partial block is never hashed.
+    block every `block_size` steps). A trailing partial block is never hashed. `salt`
+    (the request's `cache_salt`) only matters for block 0: later blocks chain from it.
     """
     assert block_size >= 1, f"block_size must be >= 1, got {block_size}"
     num_full_blocks = len(token_ids) // block_size
-    parent = hashes[-1] if hashes else None
+    parent = hashes[-1] if hashes else salt_root(salt)
     for i in range(len(hashes), num_full_blocks):
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(parent)

@@ -184,4 +184,9 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         if len(request.block_hashes) < request.num_tokens // self.block_size:
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+            extend_block_hashes(
+                request.block_hashes,
+                request.all_token_ids,
+                self.block_size,
+                request.params.cache_salt,
+            )

@@ -54,6 +54,10 @@ class SamplingParams:
     # strings, or is any JSON object (runner/structured/). A map with one of those keys is
     # taken as well.
     structured_outputs: StructuredOutputs | None = None
+    # Not sampling either: vLLM's `cache_salt`. Requests reuse each other's cached prefix
+    # blocks only under the same salt (runner/block_hash.py `salt_root`), so tenants given
+    # different salts cannot hit, and so time, each other's prompts.
+    cache_salt: str | None = None
     # Filled in by the engine, not by callers: the stop strings as a list.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -174,6 +178,11 @@ class SamplingParams:
             ),
             f"bad_words must be a list of strings with a non-space character each (got {words!r})",
         )
+        salt = self.cache_salt
+        rule(
+            salt is None or (isinstance(salt, str) and salt != "" and _is_utf8(salt)),
+            f"cache_salt must be a non-empty string (valid UTF-8) or None (got {salt!r})",
+        )
 
     @property
     def token_ids_used(self) -> list[int]:
@@ -208,6 +217,16 @@ def _is_int64(x: object) -> bool:
 
 def _is_id(t: object) -> bool:
     return _is_int(t) and 0 <= t <= INT64_MAX
+
+
+def _is_utf8(s: str) -> bool:
+    """False for a string with a lone surrogate (JSON's "\\ud800" reads as one): it has no
+    UTF-8, so it could be neither hashed nor sent to a worker as msgpack."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_number(x: object) -> bool:

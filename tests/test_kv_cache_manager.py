@@ -11,7 +11,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pdserve.runner.block_hash import extend_block_hashes, hash_block_tokens
+from pdserve.cluster.prefix_index import PrefixIndex
+from pdserve.runner.block_hash import extend_block_hashes, hash_block_tokens, salt_root
 from pdserve.runner.block_pool import NULL_BLOCK_ID
 from pdserve.runner.kv_cache_manager import KVCacheManager
 from pdserve.runner.request import Request
@@ -20,8 +21,8 @@ from pdserve.runner.sampling_params import SamplingParams
 BS = 4
 
 
-def make_request(request_id: str, prompt: list[int]) -> Request:
-    return Request(request_id, list(prompt), SamplingParams(), seed=0)
+def make_request(request_id: str, prompt: list[int], salt: str | None = None) -> Request:
+    return Request(request_id, list(prompt), SamplingParams(cache_salt=salt), seed=0)
 
 
 def run_prefill(kv: KVCacheManager, req: Request) -> list[int]:
@@ -223,6 +224,66 @@ def test_extend_block_hashes_is_incremental() -> None:
     sentinel = [12345]  # a fake block-0 hash: must be kept and used as the parent
     extend_block_hashes(sentinel, tokens, BS)
     assert sentinel == [12345, hash_block_tokens(12345, tokens[4:8])]
+
+
+# blake2b-64(b"pdserve.cache_salt.v1\0" ++ UTF-8 "tenant-a"), LE: block 0's parent under it.
+ROOT_TENANT_A = 14758683799293028993
+
+
+def test_unsalted_chains_hash_as_before_salts() -> None:
+    """Guards the wire format: the router's index, the workers and the KV tier of a fleet
+    mid-upgrade share hashes, so an unsalted request's chain must stay bit-identical to
+    the one from before cache_salt existed (the pinned values)."""
+    assert salt_root(None) is None
+    hashes: list[int] = []
+    extend_block_hashes(hashes, [1, 2, 3, 4, 5, 6, 7, 8, 9], BS)
+    assert hashes == [HASH_1234, 7641984106258271874]
+    unsalted: list[int] = []
+    extend_block_hashes(unsalted, [1, 2, 3, 4, 5, 6, 7, 8], BS, None)
+    assert unsalted == hashes
+
+
+def test_a_salt_moves_every_block_of_the_chain() -> None:
+    """Guards tenant isolation (vLLM's cache_salt): salted and unsalted chains, and chains
+    under two salts, share no block hash, not even the later blocks; equal salts agree
+    (in any process: the salt's hash is pinned)."""
+    assert salt_root("tenant-a") == ROOT_TENANT_A
+    assert hash_block_tokens(ROOT_TENANT_A, [1, 2, 3, 4]) == 3743580026118566204
+    tokens = list(range(3, 3 + 5 * BS))
+    chains = {}
+    for salt in (None, "tenant-a", "tenant-b", "tenant-a ", "é"):
+        chains[salt] = []
+        extend_block_hashes(chains[salt], tokens, BS, salt)
+        assert len(chains[salt]) == 5
+    all_hashes = [h for chain in chains.values() for h in chain]
+    assert len(set(all_hashes)) == len(all_hashes), "two chains share a block hash"
+    again: list[int] = []
+    extend_block_hashes(again, tokens, BS, "tenant-a")
+    assert again == chains["tenant-a"]
+    # Incremental extension of a salted chain keeps it: later blocks chain from block 0.
+    grown = chains["tenant-a"][:2]
+    extend_block_hashes(grown, tokens, BS, "tenant-a")
+    assert grown == chains["tenant-a"]
+
+
+def test_a_salted_request_hits_only_blocks_of_its_own_salt() -> None:
+    """Guards the KV cache manager's use of the salt: a prompt cached unsalted (or under
+    another salt) is a miss for a salted request, and the same salt hits it."""
+    kv = KVCacheManager(num_blocks=32, block_size=BS, enable_prefix_caching=True)
+    prompt = list(range(10, 10 + 3 * BS + 1))  # 3 full blocks, and a token to compute
+    run_prefill(kv, make_request("plain", prompt))
+    assert kv.get_computed_blocks(make_request("plain-again", prompt))[1] == 3 * BS
+    salted = make_request("a1", prompt, "tenant-a")
+    assert kv.get_computed_blocks(salted) == ([], 0)
+    run_prefill(kv, salted)
+    assert kv.get_computed_blocks(make_request("a2", prompt, "tenant-a"))[1] == 3 * BS
+    assert kv.get_computed_blocks(make_request("b1", prompt, "tenant-b")) == ([], 0)
+    # The unsalted blocks are still there, and still the unsalted request's only.
+    assert kv.get_computed_blocks(make_request("plain-3", prompt))[1] == 3 * BS
+    # The router's index routes by the hashes the workers cache under (DESIGN §2).
+    index = PrefixIndex(BS)
+    for salt in (None, "tenant-a"):
+        assert index.hashes(prompt, salt) == kv.block_hashes(make_request("h", prompt, salt))
 
 
 def test_cache_blocks_skips_tokens_not_known_yet() -> None:

@@ -55,6 +55,13 @@ def test_a_request_reads_as_its_chat_completion():
     assert "response_format" not in chat_body({"input": "x", "text": {"format": {"type": "text"}}})
 
 
+def test_the_cache_salt_rides_the_chat_field():
+    """Guards vLLM's `cache_salt` on /v1/responses: dropped here, a tenant's responses
+    would share the prefix cache with every other tenant's requests."""
+    assert chat_body({"input": "Hi", "cache_salt": "tenant-a"})["cache_salt"] == "tenant-a"
+    assert "cache_salt" not in chat_body({"input": "Hi"})
+
+
 def test_input_items_read_as_turns():
     """Guards multi-turn input: messages with text parts (developer read as system), the
     model's function calls of one turn joined into one assistant message, their outputs as

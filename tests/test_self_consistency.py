@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from conftest import DEVICE
@@ -54,6 +55,22 @@ def test_prefix_cache_hit_equals_miss(tiny_qwen3_dir):
     assert all(o.num_cached_tokens >= 64 for o in hits), [o.num_cached_tokens for o in hits]
     assert warm.engine.kv.prefix_cache_hits > 0
     assert _tokens(hits) == _tokens(cold.generate(prompts, GREEDY, use_tqdm=False))
+
+
+def test_cache_salt_separates_prefix_hits_offline(tiny_qwen3_dir):
+    """Guards `cache_salt` in `LLM.generate` (it travels in SamplingParams): a prompt
+    cached unsalted is not a hit under a salt, the same salt hits it, and the answer is
+    the same either way."""
+    prompt = [{"prompt_token_ids": [random.Random(7).randrange(3, 990) for _ in range(70)]}]
+    llm = _llm(tiny_qwen3_dir, enable_prefix_caching=True)
+    salted = replace(GREEDY, cache_salt="tenant-a")
+    plain = llm.generate(prompt, GREEDY, use_tqdm=False)
+    first = llm.generate(prompt, salted, use_tqdm=False)
+    again = llm.generate(prompt, salted, use_tqdm=False)
+    other = llm.generate(prompt, replace(GREEDY, cache_salt="tenant-b"), use_tqdm=False)
+    cached = [o[0].num_cached_tokens for o in (plain, first, again, other)]
+    assert cached[0] == cached[1] == cached[3] == 0 and cached[2] >= 64, cached
+    assert _tokens(plain) == _tokens(first) == _tokens(again) == _tokens(other)
 
 
 def test_preemption_equals_no_preemption(tiny_llama_dir):

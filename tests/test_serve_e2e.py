@@ -309,6 +309,50 @@ def test_prefix_cached_on_decode_prefills_locally(pd):
     assert delta("remote_prefill") == 1 and delta("prefix_hit_on_decode") == 1
 
 
+def test_cache_salt_keeps_prefix_hits_within_one_salt(pd):
+    """Guards vLLM's `cache_salt` end to end (it was ignored, so tenants hit, and could
+    time, each other's prompts): a prompt cached unsalted is a miss under a salt, on the
+    workers and in the router's index (sent to a prefill worker, not prefilled on the
+    decode worker as a hit); the same salt hits it the second time, another salt does
+    not; the answers agree; an empty or non-string salt is a 400 naming it."""
+    c = pd.client()
+    prompt = LONG * 3 + "Which museum in Paris holds the Mona Lisa?"
+
+    def ask(salt: str | None):
+        # min_tokens: each reply decodes on the decode worker, whose cache a2 must hit
+        # (SmolLM2 may end this one at its first token, sampled by the prefill worker).
+        return c.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=4, temperature=0,
+            extra_body={"min_tokens": 4, **({"cache_salt": salt} if salt is not None else {})},
+        )  # fmt: skip
+
+    def cached(r) -> int:
+        details = r.usage.prompt_tokens_details
+        return (details.cached_tokens or 0) if details is not None else 0
+
+    plain = ask(None)
+    before = pd.metrics()
+    a1, a2, b1 = ask("tenant-a"), ask("tenant-a"), ask("tenant-b")
+    after = pd.metrics()
+    assert [cached(r) for r in (a1, b1)] == [0, 0], (a1.usage, b1.usage)
+    assert cached(a2) >= 64, a2.usage
+    assert plain.choices[0].text == a1.choices[0].text == a2.choices[0].text == b1.choices[0].text
+
+    def delta(reason: str) -> float:
+        name = "pdserve:pd_decisions_total"
+        return _metric(after, name, reason=reason) - _metric(before, name, reason=reason)
+
+    assert delta("remote_prefill") == 2 and delta("prefix_hit_on_decode") == 1
+    for bad in ("", 5):
+        r = httpx.post(
+            pd.url + "/v1/chat/completions",
+            json={"messages": QUESTION, "max_tokens": 2, "cache_salt": bad},
+            headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+        )  # fmt: skip
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "cache_salt", r.text
+
+
 def test_logit_bias_allowed_ids_and_bad_words_hold_from_the_first_token_in_pd(pd, smollm_dir):
     """Guards logit_bias, allowed_token_ids and bad_words over HTTP in PD mode: the first
     token, sampled on the prefill worker (a remote prefill), follows the bias the wire

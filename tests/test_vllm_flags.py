@@ -472,6 +472,20 @@ def test_priority_needs_a_server_that_schedules_by_it():
         parse_sampling({"priority": 1.5}, "chat", None, 4)
 
 
+def test_cache_salt_is_read_and_a_bad_one_is_a_400():
+    """Guards vLLM's `cache_salt`: it reaches SamplingParams from both APIs (it was
+    dropped, so tenants shared the prefix cache without a word); an empty string (vLLM
+    refuses it too), a non-string and a lone surrogate are 400s naming the field."""
+    for kind in ("chat", "completion"):
+        assert parse_sampling({"cache_salt": "t-1"}, kind, None, 4)[0].cache_salt == "t-1"
+        assert parse_sampling({"cache_salt": None}, kind, None, 4)[0].cache_salt is None
+        assert parse_sampling({}, kind, None, 4)[0].cache_salt is None
+    for bad in ("", 5, True, ["t"], "\ud800"):
+        with pytest.raises(ApiError, match="cache_salt") as e:
+            parse_sampling({"cache_salt": bad}, "chat", None, 4)
+        assert e.value.param == "cache_salt" and e.value.status == 400, bad
+
+
 def test_neutral_values_of_those_fields_pass():
     from pdserve.cluster.unsupported import refuse_unsupported
 

@@ -70,3 +70,20 @@ def test_a_work_request_carries_logit_bias_and_allowed_ids():
                     params={**good, "logit_bias": bias})  # fmt: skip
         with pytest.raises(ValueError, match=fragment):
             WorkRequest.decode(_packed(**body))
+
+
+def test_a_work_request_carries_the_cache_salt():
+    """Guards tenant isolation across the PD hops: a salt dropped on the way to a worker
+    would make that worker hash the prompt unsalted and hit another tenant's blocks; a
+    salt SamplingParams would refuse is refused on arrival."""
+    params = SamplingParams(cache_salt="tenant-é")
+    back = WorkRequest.decode(WorkRequest("r-6", [1], params).encode())
+    assert back.params.cache_salt == "tenant-é"
+    assert WorkRequest.decode(WorkRequest("r-7", [1], SamplingParams()).encode()).params == (
+        SamplingParams(cache_salt=None)
+    )
+    for salt in ("", 5):
+        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None,
+                    params={"max_tokens": 2, "cache_salt": salt})  # fmt: skip
+        with pytest.raises(ValueError, match="cache_salt"):
+            WorkRequest.decode(_packed(**body))
