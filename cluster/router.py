@@ -221,7 +221,11 @@ class Router:
                 ticket = await self._remote_prefill(prefill_w, work, holders, hashes)
                 if ticket is None:  # failed; policy recompute: the decode worker prefills
                     decision = "recompute_after_prefill_failure"
-            self.prefix_index.remember(decode_w.worker_id, hashes)
+            # The decode worker holds the prompt's KV once it computes it (no ticket) or
+            # pulls it, which it does only for a request its first token did not end.
+            on_decode, emitted = ticket is None, 0
+            if on_decode:
+                self.prefix_index.remember(decode_w.worker_id, hashes)
             work = replace(work, ticket=ticket_to_wire(ticket) if ticket is not None else None)
             holders.append(decode_w)
             self._assigned[request_id] = decode_w.worker_id
@@ -237,6 +241,10 @@ class Router:
                 )
             while True:
                 delta = await asyncio.wait_for(queue.get(), self.config.stream_idle_timeout_s)
+                emitted += len(delta.token_ids)
+                if not on_decode and (delta.finish_reason is None or emitted > 1):
+                    on_decode = True  # it went on past its first token: the KV is pulled
+                    self.prefix_index.remember(decode_w.worker_id, hashes)
                 await out.put((index, delta))
                 if delta.finish_reason is not None:
                     finished = True

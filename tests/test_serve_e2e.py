@@ -292,9 +292,12 @@ def test_prefix_cached_on_decode_prefills_locally(pd):
     prompt = LONG * 3 + "Which river runs through Paris?"
 
     def ask() -> str:
+        # min_tokens: SmolLM2 ends this prompt at its first token, which leaves the KV on
+        # the prefill worker (the next test); here the decode worker must pull it.
         r = c.completions.create(
-            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0
-        )
+            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0,
+            extra_body={"min_tokens": 4},
+        )  # fmt: skip
         return r.choices[0].text
 
     before = pd.metrics()
@@ -307,6 +310,35 @@ def test_prefix_cached_on_decode_prefills_locally(pd):
 
     assert first == second
     assert delta("remote_prefill") == 1 and delta("prefix_hit_on_decode") == 1
+
+
+def test_a_reply_that_ends_at_its_first_token_leaves_no_prefix_on_decode(pd):
+    """Guards the router's prefix index: a remotely prefilled request whose first token
+    ends it (max_tokens 1, as in classification loads) leaves its KV on the prefill
+    worker, never pulled, so the same prompt again goes to the prefill worker (which hits
+    its cache) rather than to the decode worker as a prefix hit it would compute whole
+    (before: prefix_hit_on_decode, and the decode worker computed every prompt token)."""
+    c = pd.client()
+    prompt = LONG * 3 + "Which bridge in Paris is the oldest?"
+
+    def ask():
+        return c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=1,
+                                    temperature=0)  # fmt: skip
+
+    before = pd.metrics()
+    first, second = ask(), ask()
+    after = pd.metrics()
+
+    def delta(name: str, **labels) -> float:
+        return _metric(after, name, **labels) - _metric(before, name, **labels)
+
+    decisions = "pdserve:pd_decisions_total"
+    assert delta(decisions, reason="remote_prefill") == 2
+    assert delta(decisions, reason="prefix_hit_on_decode") == 0
+    computed = "pdserve:worker_prompt_tokens_computed_total"
+    assert delta(computed, role="decode") == 0
+    assert delta(computed, role="prefill") < 2 * first.usage.prompt_tokens  # a hit there
+    assert first.choices[0].text == second.choices[0].text
 
 
 def test_cache_salt_keeps_prefix_hits_within_one_salt(pd):
