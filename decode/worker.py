@@ -97,6 +97,7 @@ class DecodeWorker:
             ticket.first_token,
             logprobs_from_rows(ticket.first_logprobs),
             ticket,
+            ticket.num_cached_tokens,
         )
         if not continues:
             self.loader.finish_ticket(ticket, release=True)

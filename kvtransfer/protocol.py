@@ -31,7 +31,8 @@ import msgpack
 
 # 2: a Ticket's first token may be None (an early ticket, issued when the prompt's last
 # chunk is scheduled), and PullDone carries the first token and its logprobs.
-PROTOCOL_VERSION = 2
+# 3: a Ticket says how many prompt tokens the prefill worker found in its prefix cache.
+PROTOCOL_VERSION = 3
 # Control messages are small: the largest, a Ticket, carries one int per KV block
 # (~9 bytes each), so 1 MiB covers ~100k blocks — far beyond any prompt.
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
@@ -99,10 +100,18 @@ class Ticket(Message):
     first_token: int | None  # None: an early ticket
     first_logprobs: list[list[float]] | None  # rows of [token_id, logprob, rank]
     finish_reason: str | None
+    # prompt tokens the prefill worker did not compute (its prefix-cache hits): the
+    # request's `cached_tokens` in the API's usage
+    num_cached_tokens: int = 0
 
     def _check(self) -> None:
         if not math.isfinite(self.lease_expiry):
             raise _schema_error(self, "lease_expiry", f"must be finite, got {self.lease_expiry}")
+        if not 0 <= self.num_cached_tokens <= self.num_tokens:
+            raise _schema_error(
+                self, "num_cached_tokens", f"must be in [0, {self.num_tokens}], got "
+                f"{self.num_cached_tokens}",
+            )  # fmt: skip
         for i, row in enumerate(self.first_logprobs or ()):
             if len(row) != 3:
                 raise _schema_error(

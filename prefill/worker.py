@@ -180,10 +180,11 @@ class PrefillWorker:
             lease = self.leases.add(s.request_id, [list(s.block_ids)], s.num_tokens, marks)
             self._early[s.request_id] = s.block_ids
             self.num_early_tickets += 1
-            result = PrefillResult(
-                s.request_id,
-                self._ticket(s.request_id, s.block_ids, s.num_tokens, lease.expiry, None, None),
-            )
+            ticket = self._ticket(
+                s.request_id, s.block_ids, s.num_tokens, lease.expiry, None, None,
+                s.num_cached_tokens,
+            )  # fmt: skip
+            result = PrefillResult(s.request_id, ticket)
             if self.on_early_ticket is not None:
                 self.on_early_ticket(result)
             else:
@@ -223,7 +224,7 @@ class PrefillWorker:
             lease = self.leases.add(delta.request_id, [list(held.block_ids)], held.num_tokens)
             ticket = self._ticket(
                 rid, held.block_ids, held.num_tokens, lease.expiry, delta.new_token_ids[0],
-                ticket_logprobs(delta),
+                ticket_logprobs(delta), delta.num_cached_tokens,
             )  # fmt: skip
             out.append(PrefillResult(rid, ticket))
         out += self._early_out  # issued inside this step, before its forward
@@ -238,6 +239,7 @@ class PrefillWorker:
         expiry: float,
         first_token: int | None,
         first_logprobs: list[list[float]] | None,
+        num_cached_tokens: int,
     ) -> Ticket:
         return Ticket(
             request_id=request_id,
@@ -250,6 +252,7 @@ class PrefillWorker:
             first_token=first_token,
             first_logprobs=first_logprobs,
             finish_reason=None,
+            num_cached_tokens=min(num_cached_tokens, num_tokens),
         )
 
     def _free_released(self) -> None:

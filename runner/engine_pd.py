@@ -60,6 +60,7 @@ class PDRoles:
         first_token: int | None,
         first_logprobs: TopLogprobs | None,
         ticket: object,
+        num_cached_tokens: int = 0,
     ) -> bool:
         """Decode role: a request whose prompt ran elsewhere. Its first token is emitted on
         the next step (stop checks applied here); if that token does not end it, the
@@ -67,7 +68,8 @@ class PDRoles:
         False when the first token already finished it (nothing will be loaded).
         `first_token=None` (an early ticket): the token comes later through
         `add_first_token` (relayed, or with the load result); a failed load leaves this
-        engine to compute it."""
+        engine to compute it. `num_cached_tokens`: the prompt tokens the prefill side
+        found cached, which the request reports as its cached tokens."""
         self.validate(request_id, prompt_token_ids, params)
         self.require_paged("add_prefilled_request")
         if self.kv_loader is None:
@@ -76,6 +78,7 @@ class PDRoles:
             vocab = self.config.model.vocab_size
             raise ValueError(f"first_token must be an integer in [0, {vocab}) (got {first_token})")
         req = self._new_request(request_id, prompt_token_ids, params, kv_ticket=ticket)
+        req.num_cached_tokens = num_cached_tokens
         if first_token is None:
             return True
         req.append_output_token(first_token)
@@ -110,7 +113,8 @@ class PDRoles:
             ):
                 req.kv_pinned = True
                 block_ids = tuple(self.kv.get_block_ids(rid))
-                scheduled.append(KVPromptScheduled(rid, block_ids, req.num_prompt_tokens))
+                cached = max(req.num_cached_tokens, 0)
+                scheduled.append(KVPromptScheduled(rid, block_ids, req.num_prompt_tokens, cached))
         return self.kv_publisher.step_started(scheduled) if scheduled else None
 
     def add_first_token(

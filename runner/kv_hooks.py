@@ -73,6 +73,7 @@ class KVPromptScheduled:
     request_id: str
     block_ids: tuple[int, ...]
     num_tokens: int  # prompt tokens
+    num_cached_tokens: int = 0  # of them, found in the prefix cache (not computed)
 
 
 class KVPublisher(Protocol):

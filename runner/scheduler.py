@@ -283,7 +283,8 @@ class Scheduler:
         self.waiting.popleft()
         self.loading[req.request_id] = req
         req.status = RequestStatus.WAITING_FOR_KV
-        req.num_cached_tokens = num_hit
+        if req.num_cached_tokens < 0:  # a pulled prompt's count came with its ticket
+            req.num_cached_tokens = num_hit
         num_full = req.num_prompt_tokens // self.kv.block_size
         return KVLoadSpec(
             request_id=req.request_id,

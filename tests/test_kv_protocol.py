@@ -48,6 +48,7 @@ TICKET = Ticket(
     first_token=9906,
     first_logprobs=[[9906, -0.125, 1], [13, -2.5, 2]],
     finish_reason=None,
+    num_cached_tokens=16,
 )
 ONE_OF_EACH = [
     Handshake("decode-3", {"kind": "paged_gqa", "num_layers": 30, "shape": [2, 16, 3, 64]}, "a1"),
@@ -209,6 +210,9 @@ def test_missing_and_extra_fields_are_named():
         (dict(request_id=b"req-1"), "Ticket.request_id: expected str, got bytes"),
         (dict(num_tokens=-1), "Ticket.num_tokens: must be >= 0, got -1"),
         (dict(group_unit_ids=[[-3]]), "Ticket.group_unit_ids[0][0]: must be >= 0"),
+        (dict(num_cached_tokens=38), "Ticket.num_cached_tokens: must be in [0, 37], got 38"),
+        (dict(num_cached_tokens=-1), "Ticket.num_cached_tokens: must be >= 0, got -1"),
+        (dict(num_cached_tokens=1.0), "Ticket.num_cached_tokens: expected int, got float"),
     ],
 )
 def test_wrong_field_types_and_values_are_named(changes, problem):
