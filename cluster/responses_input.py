@@ -43,7 +43,6 @@ CHAT_TO_RESPONSES_PARAM = {
     "max_completion_tokens": "max_output_tokens",
     "response_format": "text",
     "logprobs": "include",
-    "top_logprobs": "top_logprobs",
 }
 
 
