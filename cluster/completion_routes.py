@@ -4,8 +4,8 @@ collected (or streamed as SSE) from the router, in OpenAI's response shapes.
 A completion may carry a batch of prompts; every prompt runs `n` generations, and the
 choices are numbered `prompt index * n + i` (cluster/batch_stream.py). The body is read
 by cluster/completion_request.py, each choice shaped by cluster/completion_choices.py,
-and a stream sent by cluster/completion_stream.py; a whole response's latency and token
-counters are observed here (cluster/metrics.py).
+and a stream sent by cluster/completion_stream.py; a whole response's timing
+(cluster/request_timing.py) and token counters are observed here (cluster/metrics.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pdserve.cluster.disconnect import unless_disconnected
 from pdserve.cluster.http_app import AppState
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
 from pdserve.cluster.request_log import route_hook, watched
+from pdserve.cluster.request_timing import RequestTiming
 from pdserve.cluster.response_shapes import new_id, now, prompt_logprobs_entries, usage
 
 
@@ -77,12 +78,10 @@ async def whole_reply(
     echo_toks: list[list[int]] = [[] for _ in range(total)]
     prompt_rows: dict[int, list] = {}  # prompt index -> its prompt logprobs rows
     cached = completion_tokens = 0
-    first_token = None
+    timing = RequestTiming(start, total)
     with watched(log, cid, start):
         async for c, d, echo in merged(state.router, reqs, route_hook(log, cid)):
-            if d.token_ids and first_token is None:
-                first_token = time.monotonic()
-                m.ttft.observe(first_token - start)
+            timing.on_delta(m, c, d)
             if echo is not None:
                 texts[c] += echo.text
                 echoed[c] = echo.text
@@ -101,9 +100,9 @@ async def whole_reply(
                 finish[c], stop[c] = d.finish_reason, d.stop_reason
         _check_errors(finish, stop)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
-    m.finish(req, start, completion_tokens, prompt_tokens, finish)
+    m.finish(req, timing, completion_tokens, prompt_tokens, finish)
     if log is not None:
-        log.finished(cid, start, first_token, completion_tokens, finish)
+        log.finished(cid, start, timing.first_token, completion_tokens, finish)
     choices = [
         choice(
             req,

@@ -3,15 +3,14 @@ shapes, relayed from the router as the tokens arrive.
 
 Each choice's pieces go out as they come; with tools or a reasoning parser a piece may
 be held back until it is known to be a call, reasoning or answer text (cluster/tool_calls.py,
-cluster/auto_tools.py, cluster/reasoning_api.py). Time to first token and inter-token
-latency are observed here (cluster/metrics.py). A worker's error ends the stream with an
+cluster/auto_tools.py, cluster/reasoning_api.py). Each delta's timing goes to the
+request's `RequestTiming` (cluster/request_timing.py). A worker's error ends the stream with an
 error event and `[DONE]`: the 200 has already gone.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncIterator, Callable
 
 from pdserve.cluster.auto_tools import AutoToolStream
@@ -21,6 +20,7 @@ from pdserve.cluster.http_app import AppState
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
 from pdserve.cluster.reasoning_api import ReasoningSplits, with_reasoning
 from pdserve.cluster.request_log import route_hook, watched
+from pdserve.cluster.request_timing import RequestTiming
 from pdserve.cluster.response_shapes import now, usage
 from pdserve.cluster.tool_calls import ToolStream
 
@@ -55,9 +55,10 @@ async def chunk_stream(
     req = reqs[0]
     chunk_kind = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     created, m, log = now(), state.metrics, state.request_log
-    completion_tokens, cached, first_token, last = 0, 0, None, None
+    completion_tokens, cached = 0, 0
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
     reasons: list[str | None] = [None] * (len(reqs) * req.params.n)
+    timing = RequestTiming(start, len(reasons))
     tc = req.tool_choice
     tools: ToolStream | AutoToolStream | None = None
     if req.kind == "chat" and tc is not None and tc.kind != "none":
@@ -84,14 +85,7 @@ async def chunk_stream(
             yield chunk([head])
     with watched(log, cid, start):
         async for c, d, echo in merged(state.router, reqs, route_hook(log, cid)):
-            t = time.monotonic()
-            if d.token_ids:
-                if first_token is None:
-                    first_token = t
-                    m.ttft.observe(t - start)
-                elif last is not None:
-                    m.itl.observe((t - last) / len(d.token_ids))
-                last = t
+            timing.on_delta(m, c, d)
             completion_tokens += len(d.token_ids)
             cached = max(cached, d.num_cached_tokens)
             if d.finish_reason is not None:
@@ -125,9 +119,9 @@ async def chunk_stream(
             if sent is None:
                 continue
             yield chunk([sent])
-    m.finish(req, start, completion_tokens, prompt_tokens, reasons)
+    m.finish(req, timing, completion_tokens, prompt_tokens, reasons)
     if log is not None:
-        log.finished(cid, start, first_token, completion_tokens, reasons)
+        log.finished(cid, start, timing.first_token, completion_tokens, reasons)
     if req.include_usage:
         yield chunk([], final_usage=True)
 

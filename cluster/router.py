@@ -193,6 +193,7 @@ class Router:
             await out.put((index, ApiError("no decode worker is available", 503, "server_error")))
             return
         timeout_s = self.config.stream_idle_timeout_s
+        arrived = time.monotonic()
         try:
             decode_w = await self._admission.acquire(
                 timeout_s, self._release_decode, params.priority
@@ -201,6 +202,7 @@ class Router:
             message = f"no decode slot was free within {timeout_s:g} s ({self.queued()} queued)"
             await out.put((index, ApiError(message, 503, "server_error")))
             return
+        waited = time.monotonic() - arrived  # for a decode slot: part of its queue time
         queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
         self._queues[request_id] = queue
         holders: list[WorkerHandle] = []
@@ -241,6 +243,8 @@ class Router:
                 )
             while True:
                 delta = await asyncio.wait_for(queue.get(), self.config.stream_idle_timeout_s)
+                # The first delta carries the queue time: add the wait for a decode slot.
+                delta.queue_s, waited = delta.queue_s + waited, 0.0
                 emitted += len(delta.token_ids)
                 if not on_decode and (delta.finish_reason is None or emitted > 1):
                     on_decode = True  # it went on past its first token: the KV is pulled

@@ -230,7 +230,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         sync_members(router, members)
         router.tier = tier
         state = AppState(
-            router, tokenizer, list(model_names), ecfg.model.max_model_len, Metrics(),
+            router, tokenizer, list(model_names), ecfg.model.max_model_len,
+            Metrics(model_names[0], cfg.metrics_prefix),
             cfg.api_key, cfg.max_body_bytes, ecfg.runner.runner, defaults, chat_template,
             RequestLog(_print) if cfg.enable_log_requests else None, ecfg.model.vocab_size,
             cfg.scheduling_policy, auto_tool_parser(cfg), cfg.reasoning_parser,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.cluster.metrics import check_prefix
 from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from pdserve.sizes import parse_size
@@ -133,6 +134,9 @@ class ServeConfig:
     enable_log_requests: bool = False
     uvicorn_log_level: str = "warning"
     disable_uvicorn_access_log: bool = False
+    # /metrics names its series `<prefix>name`; "vllm:" lets vLLM's Grafana dashboards
+    # and alerts read them unchanged (cluster/metrics.py).
+    metrics_prefix: str = "pdserve:"
 
     def __post_init__(self) -> None:
         for name in SIZE_KEYS:  # a config file's "32k" or "4G"; flags arrive parsed
@@ -195,6 +199,7 @@ class ServeConfig:
                 f"({' or '.join(TOOL_CALL_PARSERS)}): the syntax the model writes its tool "
                 "calls in"
             )
+        check_prefix(self.metrics_prefix)
         if not self.log_stats_interval_s > 0:
             raise ValueError(f"--log-stats-interval must be > 0, got {self.log_stats_interval_s}")
         if self.uvicorn_log_level not in UVICORN_LEVELS:

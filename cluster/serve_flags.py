@@ -77,6 +77,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", choices=UVICORN_LEVELS, default=None,
                    help=f"default {d.uvicorn_log_level}")  # fmt: skip
     p.add_argument("--disable-uvicorn-access-log", action="store_true", default=None)
+    p.add_argument("--metrics-prefix", default=None,
+                   help=f"/metrics series names start with it (default {d.metrics_prefix}; "
+                   "vllm: lets vLLM's Grafana dashboards read them)")  # fmt: skip
     p.add_argument("--host", default=None, help=f"default {d.host}")
     p.add_argument("--port", type=int, default=None, help=f"default {d.port}")
     p.add_argument("--mode", choices=["pd", "colocated"], default=None, help="default pd")

@@ -20,7 +20,8 @@ import zmq.asyncio
 
 logger = logging.getLogger(__name__)
 
-STREAM_VERSION = 2  # 2: deltas carry the prompt's logprobs ("q")
+# 2: deltas carry the prompt's logprobs ("q"); 3: the prompt's queue time ("u")
+STREAM_VERSION = 3
 MAX_FRAME_BYTES = 64 << 20
 
 
@@ -37,6 +38,9 @@ class StreamDelta:
     # Per prompt position (the first is None), rows as in `logprobs`: on the delta of the
     # step that finished the prompt, when the request asked for prompt logprobs.
     prompt_logprobs: list[list[list[float]] | None] | None = None
+    # On a request's first delta: seconds its prompt waited before it was scheduled, on
+    # the worker that prefilled it. The router adds its own wait for a decode slot.
+    queue_s: float = 0.0
 
     def to_wire(self) -> dict:
         return {
@@ -49,11 +53,12 @@ class StreamDelta:
             "p": self.num_prompt_tokens,
             "c": self.num_cached_tokens,
             "q": self.prompt_logprobs,
+            "u": self.queue_s,
         }
 
     @classmethod
     def from_wire(cls, d: dict) -> StreamDelta:
-        if not isinstance(d, dict) or set(d) != {"r", "t", "x", "f", "s", "l", "p", "c", "q"}:
+        if not isinstance(d, dict) or set(d) != {"r", "t", "x", "f", "s", "l", "p", "c", "q", "u"}:
             raise ValueError(f"bad stream delta keys: {sorted(d) if isinstance(d, dict) else d}")
         if not isinstance(d["r"], str) or not isinstance(d["x"], str):
             raise ValueError("stream delta: request id and text must be strings")
@@ -63,7 +68,12 @@ class StreamDelta:
             raise ValueError("stream delta: finish reason must be a string or null")
         if d["q"] is not None and not isinstance(d["q"], list):
             raise ValueError("stream delta: prompt logprobs must be a list or null")
-        return cls(d["r"], d["t"], d["x"], d["f"], d["s"], d["l"], int(d["p"]), int(d["c"]), d["q"])
+        if type(d["u"]) not in (int, float) or not 0 <= d["u"] < float("inf"):
+            raise ValueError("stream delta: queue time must be a finite number >= 0")
+        return cls(
+            d["r"], d["t"], d["x"], d["f"], d["s"], d["l"], int(d["p"]), int(d["c"]), d["q"],
+            float(d["u"]),
+        )  # fmt: skip
 
 
 def _rows(pos) -> list[list[float]]:
@@ -84,6 +94,7 @@ def delta_from_engine(delta) -> StreamDelta:
         delta.num_prompt_tokens,
         delta.num_cached_tokens,
         None if prompt is None else [None if pos is None else _rows(pos) for pos in prompt],
+        delta.queue_s,
     )
 
 

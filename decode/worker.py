@@ -98,6 +98,7 @@ class DecodeWorker:
             logprobs_from_rows(ticket.first_logprobs),
             ticket,
             ticket.num_cached_tokens,
+            ticket.queue_s,
         )
         if not continues:
             self.loader.finish_ticket(ticket, release=True)

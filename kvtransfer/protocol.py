@@ -32,7 +32,8 @@ import msgpack
 # 2: a Ticket's first token may be None (an early ticket, issued when the prompt's last
 # chunk is scheduled), and PullDone carries the first token and its logprobs.
 # 3: a Ticket says how many prompt tokens the prefill worker found in its prefix cache.
-PROTOCOL_VERSION = 3
+# 4: and how long the prompt waited there before it was scheduled (`queue_s`).
+PROTOCOL_VERSION = 4
 # Control messages are small: the largest, a Ticket, carries one int per KV block
 # (~9 bytes each), so 1 MiB covers ~100k blocks — far beyond any prompt.
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
@@ -103,10 +104,15 @@ class Ticket(Message):
     # prompt tokens the prefill worker did not compute (its prefix-cache hits): the
     # request's `cached_tokens` in the API's usage
     num_cached_tokens: int = 0
+    # seconds the prompt waited on the prefill worker before it was scheduled: the
+    # request's queue time in the metrics
+    queue_s: float = 0.0
 
     def _check(self) -> None:
         if not math.isfinite(self.lease_expiry):
             raise _schema_error(self, "lease_expiry", f"must be finite, got {self.lease_expiry}")
+        if not (math.isfinite(self.queue_s) and self.queue_s >= 0):
+            raise _schema_error(self, "queue_s", f"must be finite and >= 0, got {self.queue_s}")
         if not 0 <= self.num_cached_tokens <= self.num_tokens:
             raise _schema_error(
                 self, "num_cached_tokens", f"must be in [0, {self.num_tokens}], got "

@@ -182,7 +182,7 @@ class PrefillWorker:
             self.num_early_tickets += 1
             ticket = self._ticket(
                 s.request_id, s.block_ids, s.num_tokens, lease.expiry, None, None,
-                s.num_cached_tokens,
+                s.num_cached_tokens, s.queue_s,
             )  # fmt: skip
             result = PrefillResult(s.request_id, ticket)
             if self.on_early_ticket is not None:
@@ -224,7 +224,7 @@ class PrefillWorker:
             lease = self.leases.add(delta.request_id, [list(held.block_ids)], held.num_tokens)
             ticket = self._ticket(
                 rid, held.block_ids, held.num_tokens, lease.expiry, delta.new_token_ids[0],
-                ticket_logprobs(delta), delta.num_cached_tokens,
+                ticket_logprobs(delta), delta.num_cached_tokens, delta.queue_s,
             )  # fmt: skip
             out.append(PrefillResult(rid, ticket))
         out += self._early_out  # issued inside this step, before its forward
@@ -240,6 +240,7 @@ class PrefillWorker:
         first_token: int | None,
         first_logprobs: list[list[float]] | None,
         num_cached_tokens: int,
+        queue_s: float,
     ) -> Ticket:
         return Ticket(
             request_id=request_id,
@@ -253,6 +254,7 @@ class PrefillWorker:
             first_logprobs=first_logprobs,
             finish_reason=None,
             num_cached_tokens=min(num_cached_tokens, num_tokens),
+            queue_s=queue_s,
         )
 
     def _free_released(self) -> None:

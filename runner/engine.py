@@ -346,6 +346,7 @@ class Engine(PDRoles):
             track.first_delta_sent = True
             delta.prompt_logprobs = track.prompt_logprobs
             delta.num_cached_tokens = max(req.num_cached_tokens, 0)
+            delta.queue_s = max(req.queue_s, 0.0)
         if decision is not None:
             req.stop_reason = stop_reason
             status = (

@@ -61,6 +61,7 @@ class PDRoles:
         first_logprobs: TopLogprobs | None,
         ticket: object,
         num_cached_tokens: int = 0,
+        queue_s: float = 0.0,
     ) -> bool:
         """Decode role: a request whose prompt ran elsewhere. Its first token is emitted on
         the next step (stop checks applied here); if that token does not end it, the
@@ -69,7 +70,8 @@ class PDRoles:
         `first_token=None` (an early ticket): the token comes later through
         `add_first_token` (relayed, or with the load result); a failed load leaves this
         engine to compute it. `num_cached_tokens`: the prompt tokens the prefill side
-        found cached, which the request reports as its cached tokens."""
+        found cached, which the request reports as its cached tokens; `queue_s`: the seconds
+        its prompt waited there before it was scheduled (its queue time)."""
         self.validate(request_id, prompt_token_ids, params)
         self.require_paged("add_prefilled_request")
         if self.kv_loader is None:
@@ -79,6 +81,7 @@ class PDRoles:
             raise ValueError(f"first_token must be an integer in [0, {vocab}) (got {first_token})")
         req = self._new_request(request_id, prompt_token_ids, params, kv_ticket=ticket)
         req.num_cached_tokens = num_cached_tokens
+        req.queue_s = queue_s
         if first_token is None:
             return True
         req.append_output_token(first_token)
@@ -114,7 +117,11 @@ class PDRoles:
                 req.kv_pinned = True
                 block_ids = tuple(self.kv.get_block_ids(rid))
                 cached = max(req.num_cached_tokens, 0)
-                scheduled.append(KVPromptScheduled(rid, block_ids, req.num_prompt_tokens, cached))
+                scheduled.append(
+                    KVPromptScheduled(
+                        rid, block_ids, req.num_prompt_tokens, cached, max(req.queue_s, 0.0)
+                    )
+                )
         return self.kv_publisher.step_started(scheduled) if scheduled else None
 
     def add_first_token(
@@ -184,6 +191,7 @@ class PDRoles:
             num_prompt_tokens=req.num_prompt_tokens,
             prompt_logprobs=track.prompt_logprobs,
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            queue_s=max(req.queue_s, 0.0),
             kv_held=KVHeld(
                 block_ids,
                 req.num_prompt_tokens,

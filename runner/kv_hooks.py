@@ -74,6 +74,7 @@ class KVPromptScheduled:
     block_ids: tuple[int, ...]
     num_tokens: int  # prompt tokens
     num_cached_tokens: int = 0  # of them, found in the prefix cache (not computed)
+    queue_s: float = 0.0  # seconds the request waited before its first schedule
 
 
 class KVPublisher(Protocol):

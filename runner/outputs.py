@@ -38,6 +38,7 @@ class RequestDelta:
     prompt_logprobs: list[LogprobDict | None] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    queue_s: float = 0.0  # on the first delta: seconds the prompt waited to be scheduled
     # Prefill role: the request left this engine with its prompt's blocks held.
     kv_held: KVHeld | None = None
     first_top_logprobs: TopLogprobs | None = None  # the raw row, for a transfer ticket

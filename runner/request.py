@@ -62,6 +62,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens hit in the prefix cache at first schedule
+    # Seconds from arrival to its first schedule (vLLM's queue time); -1 until then. A
+    # pulled prompt's comes with its ticket: the wait on the worker that prefilled it.
+    queue_s: float = -1.0
     num_preemptions: int = 0
     # Async scheduling: tokens sampled on the device but not yet seen by the host. The
     # scheduler counts them as present, so the next step is planned before they arrive.

@@ -23,6 +23,7 @@ the loaded tokens computed.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 
@@ -209,6 +210,8 @@ class Scheduler:
             req.num_computed_tokens = num_hit + loaded
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+            if req.queue_s < 0:
+                req.queue_s = time.monotonic() - req.arrival_time
             out.new_requests.append(
                 NewRequestData(
                     req_id=req.request_id,
@@ -285,6 +288,8 @@ class Scheduler:
         req.status = RequestStatus.WAITING_FOR_KV
         if req.num_cached_tokens < 0:  # a pulled prompt's count came with its ticket
             req.num_cached_tokens = num_hit
+        if req.queue_s < 0:  # so did its queue time
+            req.queue_s = time.monotonic() - req.arrival_time
         num_full = req.num_prompt_tokens // self.kv.block_size
         return KVLoadSpec(
             request_id=req.request_id,

@@ -10,6 +10,7 @@ import json
 import re
 
 import pytest
+import yaml
 from test_helm_chart import NAMESPACE, helm_binary, one, render
 
 METRIC = re.compile(r"pdserve:[a-z0-9_]+")
@@ -56,6 +57,14 @@ def test_dashboard_configmap(helm: str) -> None:
     )
     assert one({"ConfigMap": [o for o in custom["ConfigMap"] if "dashboard" in o["metadata"]["name"]]},
                "ConfigMap")["metadata"]["labels"]["x"] == "y"  # fmt: skip
+    # Under serve.metrics_prefix the queries name the series as the server exports them.
+    vllm = render(helm, "monitoring.grafanaDashboard.enabled=true", "serve.metrics_prefix=vllm:")
+    (cm,) = [o for o in vllm["ConfigMap"] if o["metadata"]["name"].endswith("-dashboard")]
+    exprs = [t["expr"] for p in json.loads(cm["data"]["pdserve.json"])["panels"]
+             for t in p["targets"]]  # fmt: skip
+    assert all("vllm:" in e and "pdserve:" not in e for e in exprs), exprs
+    (config,) = [o for o in vllm["ConfigMap"] if "config.yaml" in o["data"]]
+    assert yaml.safe_load(config["data"]["config.yaml"])["metrics_prefix"] == "vllm:"
 
 
 def test_every_query_reads_exported_series(helm: str, pd) -> None:

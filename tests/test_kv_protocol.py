@@ -49,6 +49,7 @@ TICKET = Ticket(
     first_logprobs=[[9906, -0.125, 1], [13, -2.5, 2]],
     finish_reason=None,
     num_cached_tokens=16,
+    queue_s=0.25,
 )
 ONE_OF_EACH = [
     Handshake("decode-3", {"kind": "paged_gqa", "num_layers": 30, "shape": [2, 16, 3, 64]}, "a1"),
@@ -213,6 +214,10 @@ def test_missing_and_extra_fields_are_named():
         (dict(num_cached_tokens=38), "Ticket.num_cached_tokens: must be in [0, 37], got 38"),
         (dict(num_cached_tokens=-1), "Ticket.num_cached_tokens: must be >= 0, got -1"),
         (dict(num_cached_tokens=1.0), "Ticket.num_cached_tokens: expected int, got float"),
+        (dict(queue_s=-0.5), "Ticket.queue_s: must be finite and >= 0, got -0.5"),
+        (dict(queue_s=float("nan")), "Ticket.queue_s: must not be NaN"),
+        (dict(queue_s=float("inf")), "Ticket.queue_s: must be finite and >= 0, got inf"),
+        (dict(queue_s="1"), "Ticket.queue_s: expected float, got str"),
     ],
 )
 def test_wrong_field_types_and_values_are_named(changes, problem):

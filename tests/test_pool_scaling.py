@@ -162,7 +162,8 @@ def test_a_request_queued_for_a_decode_slot_goes_to_a_worker_added_by_scaling(
     slot per decode worker, a second request waits in the router while a long one runs on
     the only routed worker (queued 1, also on /metrics); once the member list brings a
     second ready worker, the waiting request runs there at once, while the first still
-    holds its slot, and both end with every token they asked for."""
+    holds its slot, and both end with every token they asked for. The wait in the router
+    is part of the second's queue time (its first delta's `queue_s`)."""
     new = ray.get(pools.scale.remote("decode", 2), timeout=30)["started"][0]
     _wait(pools, lambda ms: ms.get(new, {}).get("state") == "ready", "bring-up")
     router = Router(RouterConfig(mode="colocated", decode_capacity=1), [], [])
@@ -176,11 +177,12 @@ def test_a_request_queued_for_a_decode_slot_goes_to_a_worker_added_by_scaling(
 
         return hear
 
-    async def tokens(stream) -> tuple[int, str | None]:
-        n, reason = 0, None
+    async def tokens(stream) -> tuple[int, str | None, float | None]:
+        n, reason, queued = 0, None, None
         async for _, delta in stream:
             n, reason = n + len(delta.token_ids), delta.finish_reason or reason
-        return n, reason
+            queued = delta.queue_s if queued is None else queued
+        return n, reason, queued
 
     async def scenario() -> None:
         members = await PoolControl(pools).members()
@@ -192,15 +194,23 @@ def test_a_request_queued_for_a_decode_slot_goes_to_a_worker_added_by_scaling(
             _, delta = await anext(first)  # running on its worker
             second = asyncio.create_task(tokens(router.generate(_request(8), on_route("b"))))
             await _until(lambda: router.queued() == 1, "the second request queues")
+            waiting = time.monotonic()
             assert "b" not in routes
-            assert "pdserve:router_requests_queued 1.0" in Metrics().render(router)
+            await asyncio.sleep(0.05)  # still queued: part of its queue time
+            assert 'pdserve:router_requests_queued{model_name="m"} 1.0' in Metrics("m").render(
+                router
+            )
+            waited = time.monotonic() - waiting  # at least: it was queued before and after
             sync_members(router, members)  # the new worker joins the router
             await _until(lambda: "b" in routes, "the queued request starts")
             assert routes["b"].decode == new and routes["a"].decode != new
             assert busy_when_routed == {"a": 1} and router.queued() == 0
-            n, reason = await tokens(first)
+            assert delta.queue_s < waited  # the first one did not wait in the router
+            n, reason, _ = await tokens(first)
             assert (n + len(delta.token_ids), reason) == (240, "length")
-            assert await second == (8, "length")
+            n, reason, queued = await second
+            assert (n, reason) == (8, "length")
+            assert waited <= queued < waited + 5.0, (queued, waited)
             assert all(router.load_of(m["worker_id"])["inflight"] == 0 for m in members)
         finally:
             await router.close()

@@ -42,7 +42,7 @@ def test_a_worker_missing_a_poll_keeps_its_last_stats_and_is_counted():
     replaces the marked stats."""
     slow, fine = _Worker("d0", pulls=3), _Worker("p0", pulls=5)
     router = Router(RouterConfig(), [slow], [fine])
-    metrics = Metrics()
+    metrics = Metrics("m")
     asyncio.run(router.poll_stats())
     slow.answers, slow.pulls, fine.pulls = False, 9, 6
     asyncio.run(router.poll_stats())
@@ -52,11 +52,15 @@ def test_a_worker_missing_a_poll_keeps_its_last_stats_and_is_counted():
     text = metrics.render(router)
     pulls = _series(text, "pdserve:kv_transfer_pulls_total")
     assert pulls == {
-        'pdserve:kv_transfer_pulls_total{role="decode",transport="tcp",worker="d0"}': 3.0,
-        'pdserve:kv_transfer_pulls_total{role="prefill",transport="tcp",worker="p0"}': 6.0,
+        'pdserve:kv_transfer_pulls_total{model_name="m",role="decode",transport="tcp",'
+        'worker="d0"}': 3.0,
+        'pdserve:kv_transfer_pulls_total{model_name="m",role="prefill",transport="tcp",'
+        'worker="p0"}': 6.0,
     }
     failures = _series(text, "pdserve:worker_stats_failures_total")
-    assert failures == {'pdserve:worker_stats_failures_total{role="decode",worker="d0"}': 1.0}
+    assert failures == {
+        'pdserve:worker_stats_failures_total{model_name="m",role="decode",worker="d0"}': 1.0
+    }
     slow.answers = True
     asyncio.run(router.poll_stats())
     assert router.worker_stats["d0"] == {"num_requests": 1, "pulls_by_transport": {"tcp": 9}}

@@ -59,6 +59,20 @@ def test_chat_answers_and_counts_usage(pd):
     assert _metric(text, "pdserve:engine_steps_total", path="cuda_graph_whole_step") == 0
     for role in ("prefill", "decode"):
         assert _metric(text, "pdserve:engine_info", role=role, graph_scope="none") == 1, role
+    # vLLM's request phases, one each per request that had a token: queue (the router's
+    # and the prefill worker's waits) and prefill split the TTFT; inference is prefill and
+    # decode. Every series carries the model's name.
+    phases = {name: (_metric(text, f"pdserve:request_{name}_time_seconds_count"),
+                     _metric(text, f"pdserve:request_{name}_time_seconds_sum"))
+              for name in ("queue", "prefill", "decode", "inference")}  # fmt: skip
+    ttft = (_metric(text, "pdserve:time_to_first_token_seconds_count"),
+            _metric(text, "pdserve:time_to_first_token_seconds_sum"))  # fmt: skip
+    assert {count for count, _ in phases.values()} == {ttft[0]} and ttft[0] >= 1, phases
+    assert phases["queue"][1] > 0
+    assert phases["queue"][1] + phases["prefill"][1] == pytest.approx(ttft[1])
+    assert phases["prefill"][1] + phases["decode"][1] == pytest.approx(phases["inference"][1])
+    samples = [x for x in text.splitlines() if x.startswith("pdserve:")]
+    assert all('model_name="SmolLM2-135M-Instruct"' in x for x in samples)
 
 
 def test_streamed_equals_unstreamed_with_usage(pd):
@@ -887,8 +901,9 @@ def test_the_log_says_where_each_request_ran_and_what_the_pools_did(pd_busy):
     assert workers == _metric(text, "pdserve:generation_tokens_total") > 0
     assert _metric(text, "pdserve:worker_prompt_tokens_computed_total", role="prefill") > 0
     # The decode worker's lease keeper is exported (how many it extended depends on timing).
-    assert 'pdserve:kv_lease_extensions_total{role="decode",worker="decode-0"}' in text
-    assert 'pdserve:kv_lease_extension_failures_total{role="decode",worker="decode-0"}' in text
+    labels = '{model_name="SmolLM2-135M-Instruct",role="decode",worker="decode-0"}'
+    assert "pdserve:kv_lease_extensions_total" + labels in text
+    assert "pdserve:kv_lease_extension_failures_total" + labels in text
     # One series per worker; on the CPU nothing is compiled (Triton runs on a GPU only).
     compiles = [x for x in text.splitlines() if x.startswith("pdserve:worker_kernel_compiles")]
     assert len(compiles) == 2 and all(x.endswith(" 0.0") for x in compiles), compiles

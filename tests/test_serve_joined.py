@@ -73,7 +73,7 @@ def test_serve_joins_a_cluster_and_leaves_it_clean(head, tmp_path):
         assert out.usage.completion_tokens >= 1
         metrics = server.metrics()
         # remote: the KV came over tcp from the prefill worker's node address
-        assert 'pdserve:pd_decisions_total{reason="remote_prefill"} 1.0' in metrics
+        assert 'pdserve:pd_decisions_total{model_name="SmolLM2-135M-Instruct",reason="remote_prefill"} 1.0' in metrics  # fmt: skip
         # Listening on every address without --admin-key: scaling is refused.
         r = httpx.post(
             server.url + "/ops/scale", json={"role": "decode", "replicas": 2}, timeout=30

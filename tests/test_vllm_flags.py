@@ -529,7 +529,7 @@ def test_health_is_503_without_a_ready_decode_worker():
     from pdserve.cluster.metrics import Metrics
 
     router = Router(RouterConfig(mode="colocated"), [], [])
-    app = build_app(AppState(router, None, "m", 64, Metrics()))
+    app = build_app(AppState(router, None, "m", 64, Metrics("m")))
 
     async def get(path: str) -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
