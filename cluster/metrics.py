@@ -144,7 +144,14 @@ class Metrics:
         hold the median and the 90th percentile (what the dashboard shows)."""
         return {
             name: histogram_summary(h)
-            for name, h in (("ttft", self.ttft), ("itl", self.itl), ("e2e", self.e2e))
+            for name, h in (
+                ("queue", self.queue),
+                ("prefill", self.prefill),
+                ("ttft", self.ttft),
+                ("itl", self.itl),
+                ("decode", self.decode),
+                ("e2e", self.e2e),
+            )  # fmt: skip
         }
 
 
