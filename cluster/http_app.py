@@ -7,7 +7,8 @@ is refused (413) from its Content-Length or as it arrives, and a gzip body is in
 in bounded steps, refused as soon as it passes the limit (a gzip bomb never inflates
 past `max_body_bytes`). `--api-key` guards every /v1 route and vLLM's /tokenize and
 /detokenize (Bearer); /health (503 while no decode worker is ready), /metrics and
-/version stay open. Every response carries a server-made X-Request-Id.
+/version stay open. Every response carries a server-made X-Request-Id. Browsers get
+vLLM's CORS answers on every route but the operator's (cluster/cors.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from pdserve.cluster.cors import ApiCors, CorsConfig
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.openai_api import ApiError
 from pdserve.cluster.request_log import RequestLog
@@ -49,6 +51,7 @@ class AppState:
         scheduling_policy: str = "fcfs",
         auto_tool_parser: str | None = None,
         reasoning_parser: str | None = None,
+        cors: CorsConfig | None = None,
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -68,6 +71,7 @@ class AppState:
         self.auto_tool_parser = auto_tool_parser
         # `--reasoning-parser`: chat replies' thinking split from their answer; None: not.
         self.reasoning_parser = reasoning_parser
+        self.cors = cors or CorsConfig()  # vLLM's CORS flags (cluster/cors.py)
 
     @property
     def model_name(self) -> str:
@@ -212,5 +216,6 @@ def build_app(state: AppState) -> FastAPI:
 
     add_completion_routes(app, state)
     add_responses_routes(app, state)
-
+    # Added last, so outermost: a preflight is answered before the API key is asked for.
+    app.add_middleware(ApiCors, config=state.cors)
     return app

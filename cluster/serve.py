@@ -234,7 +234,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             Metrics(model_names[0], cfg.metrics_prefix),
             cfg.api_key, cfg.max_body_bytes, ecfg.runner.runner, defaults, chat_template,
             RequestLog(_print) if cfg.enable_log_requests else None, ecfg.model.vocab_size,
-            cfg.scheduling_policy, auto_tool_parser(cfg), cfg.reasoning_parser,
+            cfg.scheduling_policy, auto_tool_parser(cfg), cfg.reasoning_parser, cfg.cors,
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)

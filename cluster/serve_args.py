@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.cluster.cors import CorsConfig
 from pdserve.cluster.metrics import check_prefix
 from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
@@ -137,6 +138,18 @@ class ServeConfig:
     # /metrics names its series `<prefix>name`; "vllm:" lets vLLM's Grafana dashboards
     # and alerts read them unchanged (cluster/metrics.py).
     metrics_prefix: str = "pdserve:"
+    # vLLM's CORS flags (cluster/cors.py): which browser origins may call the API.
+    allowed_origins: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+
+    @property
+    def cors(self) -> CorsConfig:
+        return CorsConfig(
+            self.allowed_origins, self.allow_credentials, self.allowed_methods,
+            self.allowed_headers,
+        )  # fmt: skip
 
     def __post_init__(self) -> None:
         for name in SIZE_KEYS:  # a config file's "32k" or "4G"; flags arrive parsed
@@ -200,6 +213,11 @@ class ServeConfig:
                 "calls in"
             )
         check_prefix(self.metrics_prefix)
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)  # a config file's one string, or its list
+            if isinstance(value, str | list):
+                object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        _ = self.cors  # CorsConfig checks them
         if not self.log_stats_interval_s > 0:
             raise ValueError(f"--log-stats-interval must be > 0, got {self.log_stats_interval_s}")
         if self.uvicorn_log_level not in UVICORN_LEVELS:

@@ -9,6 +9,7 @@ import os
 from dataclasses import fields, replace
 from pathlib import Path
 
+from pdserve.cluster.cors import json_list
 from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.cluster.serve_args import (
     ENV_KEYS,
@@ -77,6 +78,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", choices=UVICORN_LEVELS, default=None,
                    help=f"default {d.uvicorn_log_level}")  # fmt: skip
     p.add_argument("--disable-uvicorn-access-log", action="store_true", default=None)
+    for flag, what in (
+        ("origins", "browser origins"),
+        ("methods", "HTTP methods"),
+        ("headers", "request headers"),
+    ):
+        p.add_argument(f"--allowed-{flag}", type=_json_list, default=None, metavar="JSON",
+                       help=f"CORS: the {what} the API allows, a JSON list (default "
+                       "[\"*\"], as vLLM)")  # fmt: skip
+    p.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        default=None,
+        help="CORS: allow credentials (default off, as vLLM)",
+    )
     p.add_argument("--metrics-prefix", default=None,
                    help=f"/metrics series names start with it (default {d.metrics_prefix}; "
                    "vllm: lets vLLM's Grafana dashboards read them)")  # fmt: skip
@@ -164,6 +179,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
             p.add_argument(f"--{bound}-{role}-workers", type=int, default=None,
                            help=f"--autoscale and /ops/scale bound (default "
                            f"{getattr(d, f'{bound}_{role}_workers')})")  # fmt: skip
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        return json_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:

@@ -206,3 +206,11 @@ def test_api_key_required_when_set(server):
     assert httpx.get(server.url + "/metrics", timeout=30).status_code == 200
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    # CORS as vLLM: a browser's preflight passes without the key; the operator's routes
+    # answer none (a page of another site cannot send them its JSON POST).
+    preflight = {"origin": "https://ui.example", "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization,content-type"}  # fmt: skip
+    r = httpx.options(server.url + "/v1/chat/completions", headers=preflight, timeout=10)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    r = httpx.options(server.url + "/ops/scale", headers=preflight, timeout=10)
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
