@@ -98,6 +98,7 @@ async def parse_body(state: AppState, body: dict, kind: str) -> list[ParsedReque
                 tools,
                 request_parser(state.reasoning_parser, kind, params, _tail(state, ids)),
                 typed(body, "include_reasoning", (bool,), True),
+                typed(body, "return_token_ids", (bool,), False),
             )
         )
     spec = out[0].params.structured_outputs if out else None

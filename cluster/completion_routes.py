@@ -137,6 +137,13 @@ async def whole_reply(
         for c, body in enumerate(choices):
             if req.kind != "chat":
                 body["prompt_logprobs"] = entries.get(c // req.params.n)
+    if req.return_token_ids:  # vLLM's places: chat's prompt once, a completion's per choice
+        if req.kind == "chat":
+            out["prompt_token_ids"] = req.prompt_token_ids
+        for c, body in enumerate(choices):
+            body["token_ids"] = toks[c]
+            if req.kind != "chat":
+                body["prompt_token_ids"] = reqs[c // req.params.n].prompt_token_ids
     return out
 
 

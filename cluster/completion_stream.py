@@ -82,7 +82,11 @@ async def chunk_stream(
                 "logprobs": None,
                 "finish_reason": None,
             }
-            yield chunk([head])
+            first = chunk([head])
+            if req.return_token_ids and i == 0:  # vLLM's: the prompt's, on the first chunk
+                first["prompt_token_ids"] = req.prompt_token_ids
+            yield first
+    started: set[int] = set()  # choices that have sent a chunk
     with watched(log, cid, start):
         async for c, d, echo in merged(state.router, reqs, route_hook(log, cid)):
             timing.on_delta(m, c, d)
@@ -116,14 +120,38 @@ async def chunk_stream(
                 sent = tools.delta(c, body, echoed, generated, d.finish_reason)
             if splits is not None:
                 sent = with_reasoning(sent, body, reasoning)
+            if req.return_token_ids:
+                sent = _with_token_ids(sent, req, reqs, c, d.token_ids, c not in started)
             if sent is None:
                 continue
+            started.add(c)
             yield chunk([sent])
     m.finish(req, timing, completion_tokens, prompt_tokens, reasons)
     if log is not None:
         log.finished(cid, start, timing.first_token, completion_tokens, reasons)
     if req.include_usage:
         yield chunk([], final_usage=True)
+
+
+def _with_token_ids(
+    sent: dict | None,
+    req: ParsedRequest,
+    reqs: list[ParsedRequest],
+    c: int,
+    token_ids: list[int],
+    first: bool,
+) -> dict | None:
+    """vLLM's `return_token_ids` in a stream: each chunk's choice carries the tokens it
+    came from, even where a parser holds their text back (then with an empty delta), and
+    a completion choice's first chunk carries its prompt's."""
+    if sent is None:
+        if not token_ids:
+            return None
+        sent = {"index": c, "delta": {}, "logprobs": None, "finish_reason": None}
+    sent["token_ids"] = token_ids
+    if first and req.kind != "chat":
+        sent["prompt_token_ids"] = reqs[c // req.params.n].prompt_token_ids
+    return sent
 
 
 def _sse(obj: dict) -> str:

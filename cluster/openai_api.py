@@ -81,6 +81,10 @@ class ParsedRequest:
     reasoning: ReasoningParser | None = None
     # vLLM's `include_reasoning`: false parses the thinking off the answer and drops it
     include_reasoning: bool = True
+    # vLLM's `return_token_ids`: choices carry their output's token ids, and the prompt's
+    # come with them (chat: once, at the top; completions: per choice), in a stream on
+    # each choice's first chunk
+    return_token_ids: bool = False
 
 
 def typed(body: dict, name: str, types: tuple, default: Any = None) -> Any:

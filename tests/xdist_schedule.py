@@ -18,6 +18,7 @@ SHARED_SERVER_FILES = frozenset(
         "test_serve_e2e.py",
         "test_serve_fuzz.py",
         "test_serve_responses.py",
+        "test_serve_token_ids.py",
         "test_serve_vllm_compat.py",
     }
 )
