@@ -24,6 +24,7 @@ from pdserve.cluster.openai_api import (
 )
 from pdserve.cluster.prompts import completion_prompts, off_loop, prompt_token_ids
 from pdserve.cluster.reasoning_api import PROMPT_TAIL_TOKENS, request_parser
+from pdserve.cluster.response_shapes import client_request_id
 from pdserve.cluster.sampling_api import check_priority, check_token_ids, parse_sampling
 from pdserve.cluster.structured_api import compile_checked, structured_param
 from pdserve.cluster.tool_calls import parse_tool_choice
@@ -32,14 +33,18 @@ from pdserve.cluster.unsupported import refuse_unsupported
 
 async def parse_request(state: AppState, request: Request, kind: str) -> list[ParsedRequest]:
     """One ParsedRequest per prompt (a completion may carry a batch of them)."""
-    return await parse_body(state, json_object(await read_body(request, state.max_body_bytes)),
-                            kind)  # fmt: skip
+    body = json_object(await read_body(request, state.max_body_bytes))
+    return await parse_body(state, body, kind, getattr(request.state, "client_request_id", None))
 
 
-async def parse_body(state: AppState, body: dict, kind: str) -> list[ParsedRequest]:
-    """`parse_request` on a body already read (the Responses API reads its own)."""
+async def parse_body(
+    state: AppState, body: dict, kind: str, header_id: str | None = None
+) -> list[ParsedRequest]:
+    """`parse_request` on a body already read (the Responses API reads its own);
+    `header_id`: the client's X-Request-Id, which goes before a `request_id` field."""
     check_model(state, body)
     refuse_unsupported(body)
+    request_id = header_id or client_request_id(body.get("request_id"), "'request_id'")
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ApiError("'seed' must be an integer", param="seed")
@@ -99,6 +104,7 @@ async def parse_body(state: AppState, body: dict, kind: str) -> list[ParsedReque
                 request_parser(state.reasoning_parser, kind, params, _tail(state, ids)),
                 typed(body, "include_reasoning", (bool,), True),
                 typed(body, "return_token_ids", (bool,), False),
+                request_id,
             )
         )
     spec = out[0].params.structured_outputs if out else None

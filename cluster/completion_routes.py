@@ -36,7 +36,8 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
     async def run(reqs: list[ParsedRequest]):
         start = time.monotonic()
         req = reqs[0]  # the fields every prompt shares
-        cid = new_id("chatcmpl" if req.kind == "chat" else "cmpl")
+        prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
+        cid = f"{prefix}-{req.request_id}" if req.request_id else new_id(prefix)
         if state.request_log is not None:
             state.request_log.received(cid, reqs)
         if req.stream:

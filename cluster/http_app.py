@@ -7,7 +7,8 @@ is refused (413) from its Content-Length or as it arrives, and a gzip body is in
 in bounded steps, refused as soon as it passes the limit (a gzip bomb never inflates
 past `max_body_bytes`). `--api-key` guards every /v1 route and vLLM's /tokenize and
 /detokenize (Bearer); /health (503 while no decode worker is ready), /metrics and
-/version stay open. Every response carries a server-made X-Request-Id. Browsers get
+/version stay open. Every response carries an X-Request-Id: the client's, as vLLM takes
+it (then also in the response's id), or one made here. Browsers get
 vLLM's CORS answers on every route but the operator's (cluster/cors.py).
 """
 
@@ -26,7 +27,7 @@ from pdserve.cluster.cors import ApiCors, CorsConfig
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.openai_api import ApiError
 from pdserve.cluster.request_log import RequestLog
-from pdserve.cluster.response_shapes import new_id, now
+from pdserve.cluster.response_shapes import client_request_id, new_id, now
 from pdserve.cluster.router import Router
 from pdserve.version import __version__
 
@@ -149,8 +150,14 @@ def build_app(state: AppState) -> FastAPI:
 
     @app.middleware("http")
     async def request_id(request: Request, call_next):
-        rid = new_id("req")
-        request.state.request_id = rid
+        # The client's X-Request-Id (an operator's gateway sets one to trace a request
+        # through) is the request's id, as on vLLM; else one of ours.
+        try:
+            given = client_request_id(request.headers.get("x-request-id"), "X-Request-Id")
+        except ApiError as e:
+            return error_response(e)
+        rid = given or new_id("req")
+        request.state.request_id, request.state.client_request_id = rid, given
         if request.url.path.startswith(GUARDED) and state.api_key is not None:
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given, f"Bearer {state.api_key}"):

@@ -85,6 +85,9 @@ class ParsedRequest:
     # come with them (chat: once, at the top; completions: per choice), in a stream on
     # each choice's first chunk
     return_token_ids: bool = False
+    # the client's id for it (vLLM's X-Request-Id header, else its `request_id` field):
+    # the response's id is then `chatcmpl-<id>` (or `cmpl-`), and the log names it so
+    request_id: str | None = None
 
 
 def typed(body: dict, name: str, types: tuple, default: Any = None) -> Any:

@@ -7,13 +7,34 @@ is the caller's token-to-text function, so nothing here knows a tokenizer.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any
 
+from pdserve.cluster.openai_api import ApiError
+
+# A client's request id: what ids, UUIDs and trace ids are made of, and nothing that could
+# break a log line (it is written into the request log).
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def client_request_id(value: Any, where: str) -> str | None:
+    """A request id the client chose (vLLM's `X-Request-Id` header or `request_id` field),
+    checked; None when not given; a 400 naming `where` when it is not an id."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _CLIENT_ID.fullmatch(value):
+        raise ApiError(
+            f"{where} must be 1-128 characters of letters, digits and ._:/+=@- , got "
+            f"{str(value)[:40]!r}",
+            param="request_id" if where == "'request_id'" else None,
+        )
+    return value
 
 
 def now() -> int:

@@ -860,6 +860,37 @@ def _log_lines(server: Server, needle: str, count: int = 1, timeout_s: float = 1
         time.sleep(0.2)
 
 
+def test_a_clients_request_id_names_the_request(pd_busy):
+    """vLLM's request ids: the client's X-Request-Id header (an operator's gateway sets one
+    to trace a request), else the body's `request_id`, names the response (`chatcmpl-<id>`,
+    every chunk of a stream too), comes back in the header and is what the request log
+    says, so the gateway's id finds the server's lines. Ids that could break a log line
+    are a 400; the server keeps its own id when none is given."""
+    url = pd_busy.url
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3, "temperature": 0}  # fmt: skip
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "request_id": "body-1"},
+                   headers={"X-Request-Id": "trace-42"}, timeout=60)  # fmt: skip
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-trace-42"
+    assert r.headers["x-request-id"] == "trace-42"
+    assert _log_lines(pd_busy, "request chatcmpl-trace-42: finished")
+    r = httpx.post(url + "/v1/completions", json={"model": body["model"], "prompt": "Hi",
+                   "max_tokens": 2, "stream": True, "request_id": "job.7"}, timeout=60)  # fmt: skip
+    ids = {json.loads(x[6:])["id"] for x in r.text.splitlines() if x.startswith("data: {")}
+    assert ids == {"cmpl-job.7"}
+    assert r.headers["x-request-id"].startswith("req-")  # no header: the server's own
+    for headers, extra, where in (
+        ({"X-Request-Id": "a b"}, {}, "X-Request-Id"),
+        ({}, {"request_id": "x\ninjected line"}, "'request_id'"),
+        ({}, {"request_id": 7}, "'request_id'"),
+        ({"X-Request-Id": "z" * 129}, {}, "X-Request-Id"),
+    ):
+        r = httpx.post(url + "/v1/chat/completions", json={**body, **extra}, headers=headers,
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 400 and where in r.json()["error"]["message"], r.text
+    assert "injected line" not in pd_busy.log.read_text()
+
+
 def test_the_log_says_where_each_request_ran_and_what_the_pools_did(pd_busy):
     """Guards `--enable-log-requests` and the stats lines: a long prompt alone is prefilled
     on the prefill worker, a short one with n=2 on the decode worker, both choices logged;
