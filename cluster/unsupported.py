@@ -34,6 +34,13 @@ _RULES: dict[str, tuple[Any, str]] = {
         lambda v: v is not None,
         "a whitespace pattern for JSON output is not supported",
     ),
+    # vLLM's extension points: code the server would load, and its arguments.
+    "logits_processors": (bool, "custom logits processors are not supported"),
+    "vllm_xargs": (bool, "extension arguments (for custom logits processors) are not supported"),
+    "repetition_detection": (
+        lambda v: v is not None,
+        "stopping on detected repetition is not supported",
+    ),
 }
 
 

@@ -395,6 +395,9 @@ def test_special_tokens_follow_vllm(bos_tokenizer):
         ("prompt_embeds", "AAAA"),
         ("chat_template", "{{ messages }}"),
         ("guided_whitespace_pattern", " ?"),
+        ("logits_processors", ["my_module.MyProcessor"]),
+        ("vllm_xargs", {"target_token": 5}),
+        ("repetition_detection", {"max_pattern_size": 4}),
     ],
 )
 def test_fields_that_would_be_silently_ignored_are_refused(field, value):
@@ -403,6 +406,9 @@ def test_fields_that_would_be_silently_ignored_are_refused(field, value):
     with pytest.raises(ApiError, match=f"'{field}'") as e:
         refuse_unsupported({field: value})
     assert e.value.status == 400 and e.value.code == "unsupported"
+    neutral = {"logits_processors": [], "vllm_xargs": {}, "repetition_detection": None}
+    if field in neutral:  # what a client sending every default sends: accepted
+        refuse_unsupported({field: neutral[field]})
 
 
 def test_logit_bias_and_allowed_token_ids_parse_as_openai_and_vllm_send_them():
