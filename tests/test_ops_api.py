@@ -103,9 +103,9 @@ def test_pools_view_lists_the_workers_and_bounds(ops_server):
                                      "starting": 0, "draining": 0}  # fmt: skip
     assert d["latency"]["ttft"]["count"] >= 1 and d["latency"]["e2e"]["mean_s"] > 0
     assert list(d["latency"]) == ["queue", "prefill", "ttft", "itl", "decode", "e2e"]
-    lat = d["latency"]
-    assert lat["queue"]["count"] == lat["prefill"]["count"] == lat["ttft"]["count"]
-    assert lat["queue"]["mean_s"] + lat["prefill"]["mean_s"] == pytest.approx(lat["ttft"]["mean_s"])
+    lat = d["latency"]  # the phases of the requests that ended (a client gone: none)
+    assert lat["queue"]["count"] == lat["prefill"]["count"] == lat["decode"]["count"] >= 1
+    assert lat["queue"]["count"] <= lat["ttft"]["count"]
     assert d["decisions"]["colocated"] >= 1
     assert d["totals"]["requests"] >= 1 and d["totals"]["generation_tokens"] >= 1
     assert d["admin_key_required"] and d["scaling_open"]

@@ -38,6 +38,7 @@ def _metric(text: str, name: str, **labels: str) -> float:
 def test_chat_answers_and_counts_usage(pd):
     """Guards the whole PD path (prefill worker, ticket, KV pull, decode, ZMQ stream):
     the bundled model's known answer, and usage that adds up."""
+    before = pd.metrics()
     r = pd.client().chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=20, temperature=0
     )
@@ -59,16 +60,20 @@ def test_chat_answers_and_counts_usage(pd):
     assert _metric(text, "pdserve:engine_steps_total", path="cuda_graph_whole_step") == 0
     for role in ("prefill", "decode"):
         assert _metric(text, "pdserve:engine_info", role=role, graph_scope="none") == 1, role
-    # vLLM's request phases, one each per request that had a token: queue (the router's
-    # and the prefill worker's waits) and prefill split the TTFT; inference is prefill and
-    # decode. Every series carries the model's name.
-    phases = {name: (_metric(text, f"pdserve:request_{name}_time_seconds_count"),
-                     _metric(text, f"pdserve:request_{name}_time_seconds_sum"))
-              for name in ("queue", "prefill", "decode", "inference")}  # fmt: skip
-    ttft = (_metric(text, "pdserve:time_to_first_token_seconds_count"),
-            _metric(text, "pdserve:time_to_first_token_seconds_sum"))  # fmt: skip
-    assert {count for count, _ in phases.values()} == {ttft[0]} and ttft[0] >= 1, phases
-    assert phases["queue"][1] > 0
+
+    # vLLM's request phases, observed when a request ends (not for one whose client went
+    # away): this request's queue (the router's and the prefill worker's waits) and
+    # prefill split its TTFT; inference is prefill and decode. Every series carries the
+    # model's name.
+    def grew(name: str) -> tuple[float, float]:
+        return tuple(_metric(text, f"pdserve:{name}_{x}") - _metric(before, f"pdserve:{name}_{x}")
+                     for x in ("count", "sum"))  # fmt: skip
+
+    phases = {x: grew(f"request_{x}_time_seconds") for x in ("queue", "prefill", "decode",
+                                                              "inference")}  # fmt: skip
+    ttft = grew("time_to_first_token_seconds")
+    assert {count for count, _ in phases.values()} == {ttft[0]} == {1}, phases
+    assert 0 < phases["queue"][1] < ttft[1]
     assert phases["queue"][1] + phases["prefill"][1] == pytest.approx(ttft[1])
     assert phases["prefill"][1] + phases["decode"][1] == pytest.approx(phases["inference"][1])
     samples = [x for x in text.splitlines() if x.startswith("pdserve:")]
