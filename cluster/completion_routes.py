@@ -103,7 +103,7 @@ async def whole_reply(
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
     m.finish(req, timing, completion_tokens, prompt_tokens, finish)
     if log is not None:
-        log.finished(cid, start, timing.first_token, completion_tokens, finish)
+        log.finished(cid, timing, completion_tokens, finish)
     choices = [
         choice(
             req,

@@ -128,7 +128,7 @@ async def chunk_stream(
             yield chunk([sent])
     m.finish(req, timing, completion_tokens, prompt_tokens, reasons)
     if log is not None:
-        log.finished(cid, start, timing.first_token, completion_tokens, reasons)
+        log.finished(cid, timing, completion_tokens, reasons)
     if req.include_usage:
         yield chunk([], final_usage=True)
 

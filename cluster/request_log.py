@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import fields
 
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
+from pdserve.cluster.request_timing import RequestTiming
 from pdserve.cluster.route_policy import Route
 from pdserve.runner.sampling_params import SamplingParams
 
@@ -67,17 +68,20 @@ class RequestLog:
     def finished(
         self,
         api_id: str,
-        start: float,
-        first_token: float | None,
+        timing: RequestTiming,
         completion_tokens: int,
         reasons: list[str | None],
     ) -> None:
-        """`start`, `first_token`: time.monotonic() at arrival and at the first token."""
-        ttft = f"{first_token - start:.3f} s" if first_token is not None else "-"
+        """The request's end: how each choice ended, its tokens, its TTFT with the part
+        of it spent queued, and its latency."""
+        phases = timing.phases()
+        ttft = "-"
+        if timing.first_token is not None and phases is not None:
+            ttft = f"{timing.first_token - timing.start:.3f} s (queued {phases['queue']:.3f} s)"
         self.write(
             f"pdserve: request {api_id}: finished ({', '.join(str(r) for r in reasons)}), "
             f"{completion_tokens} output tokens, TTFT {ttft}, "
-            f"e2e {time.monotonic() - start:.3f} s"
+            f"e2e {timing.now() - timing.start:.3f} s"
         )
 
     def ended(self, api_id: str, elapsed_s: float, why: str) -> None:
