@@ -28,6 +28,11 @@ _WORKER_SERIES = {
         "Prompt tokens the worker computed (prefix-cache hits and pulled KV not counted)",
     ),
     "generation_tokens": ("worker_generation_tokens", "counter", "Tokens the worker sampled"),
+    "prefix_waits": (
+        "worker_prefix_waits",
+        "counter",
+        "Steps a prompt waited for the same prefix being computed beside it, to hit it",
+    ),
     "kernel_compiles": (
         "worker_kernel_compiles",
         "counter",

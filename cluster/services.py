@@ -48,6 +48,7 @@ def _engine_stats(engine: Engine, compiles: CompileWatch | None) -> dict[str, An
         "prefix_cache_hits": engine.kv.prefix_cache_hits,
         "num_preemptions": s.num_preemptions,
         "prompt_tokens_computed": s.num_prompt_tokens_computed,
+        "prefix_waits": s.num_prefix_waits,
         "generation_tokens": engine.stats.generation_tokens,
         "runner": engine.runner_name,
         "execution_path": engine.execution_path,

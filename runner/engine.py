@@ -126,6 +126,7 @@ class Engine(PDRoles):
         fresh engine's zeros (after a warm-up, runner/warm_up.py)."""
         self.stats = StepStats()
         self.scheduler.num_prompt_tokens_computed = self.scheduler.num_preemptions = 0
+        self.scheduler.num_prefix_waits = 0
         self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
         self.first_tokens_by_source.clear()
         self.grammars.reset_counters()

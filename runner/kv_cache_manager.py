@@ -133,6 +133,11 @@ class KVCacheManager:
         self._req_blocks.setdefault(request.request_id, []).extend(new_blocks)
         return new_blocks
 
+    def num_cached_blocks(self, request_id: str) -> int:
+        """How many of the request's leading blocks are in the prefix cache (hit, or
+        published by `cache_blocks`)."""
+        return self._num_cached_blocks.get(request_id, 0)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish every full block of the request whose tokens are all computed and known.
 

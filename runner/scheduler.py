@@ -3,7 +3,8 @@
 Each request is `num_computed_tokens` catching up with `num_tokens`. Running requests
 are served first, decodes (one token behind) before partial prefills, then waiting
 requests in arrival order (under the priority policy: by priority, then arrival) while
-budget, `max_num_seqs` and KV blocks last. A prompt longer than the remaining budget is
+budget, `max_num_seqs` and KV blocks last; a waiting prompt whose prefix is being computed
+for another waits for it (runner/prefix_sharing.py). A prompt longer than the remaining budget is
 chunked. When blocks run out, the most recently admitted request (under the priority
 policy: the last by priority, then arrival) that is not already in this step is preempted
 by recompute: its blocks are freed (they stay in the prefix cache) and it waits again
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 from pdserve.runner.config import SchedulerConfig
 from pdserve.runner.kv_cache_manager import KVCacheManager
 from pdserve.runner.kv_hooks import KVLoadResult, KVLoadSpec
+from pdserve.runner.prefix_sharing import PromptsInFlight
 from pdserve.runner.request import Request, RequestStatus
 from pdserve.runner.runner_output import ModelRunnerOutput
 from pdserve.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -58,6 +60,10 @@ class Scheduler:
         # Prompt tokens put in steps (prefix-cache hits and loaded KV are not computed, so
         # not counted): the worker's prompt throughput.
         self.num_prompt_tokens_computed = 0
+        # Prompts being computed, which the same prompt arriving beside them waits for
+        # (runner/prefix_sharing.py), and how many steps a waiting prompt was held so.
+        self._in_flight = PromptsInFlight(kv)
+        self.num_prefix_waits = 0
 
     # ---- membership -----------------------------------------------------------------------
 
@@ -175,6 +181,9 @@ class Scheduler:
             self._take(out, req, num_new, samples=num_new == behind)
             budget -= num_new
 
+        share = self.kv.enable_prefix_caching and bool(self.waiting)
+        in_flight = self._in_flight.hashes() if share else set()
+        held: list[Request] = []  # waiting for a prompt in flight: back to the front after
         while (
             self.waiting
             and budget > 0
@@ -185,16 +194,26 @@ class Scheduler:
             if req.num_output_placeholders:
                 break  # preempted with a token in flight: re-admit once its value is known
             if req.kv_ticket is not None:
+                if self._in_flight.should_wait(req, in_flight):
+                    held.append(self.waiting.popleft())
+                    self.num_prefix_waits += 1
+                    continue
                 spec = self._start_load(req)
                 if spec is None:
                     if self._take_blocks_from_waiting(req):
                         continue
                     break
                 out.kv_loads.append(spec)
+                if share:
+                    self._in_flight.admitted(req, in_flight)
                 continue
             hit_blocks, num_hit = [], 0
             loaded = req.num_computed_tokens  # > 0: its KV was loaded into blocks it holds
             if not loaded and req.params.prompt_logprobs is None:  # those need every position
+                if self._in_flight.should_wait(req, in_flight):
+                    held.append(self.waiting.popleft())
+                    self.num_prefix_waits += 1
+                    continue
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             behind = req.num_tokens - num_hit - loaded
             if behind > budget and not self.config.enable_chunked_prefill:
@@ -229,6 +248,9 @@ class Scheduler:
             self._in_runner.add(req.request_id)
             self._take(out, req, num_new, samples=num_new == behind)
             budget -= num_new
+            if share:
+                self._in_flight.admitted(req, in_flight)
+        self.waiting.extendleft(reversed(held))
 
         out.finished_req_ids = self._free_in_runner
         self._free_in_runner = set()

@@ -365,6 +365,29 @@ def test_a_reply_that_ends_at_its_first_token_leaves_no_prefix_on_decode(pd):
     assert cached[1] >= max(64, cached[0]), cached
 
 
+def test_a_requests_choices_compute_its_prompt_once(pd):
+    """Guards prefix sharing on the PD path (runner/prefix_sharing.py): the n=4 choices of
+    a request go to the prefill worker together; one computes the prompt, the other three
+    wait for it and hit its blocks, so the worker computes the prompt once plus three
+    tails of under a block each (before: four times). Each choice reports the hit as its
+    cached tokens."""
+    prompt = "Tell me four facts about lighthouses on rocky coasts. " + LONG * 6
+    before = pd.metrics()
+    r = pd.client().completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
+                                       max_tokens=4, n=4, temperature=1.0, seed=5)  # fmt: skip
+    after = pd.metrics()
+
+    def delta(name: str, **labels) -> float:
+        return _metric(after, name, **labels) - _metric(before, name, **labels)
+
+    n_prompt = r.usage.prompt_tokens  # a request's prompt is counted once, whatever its n
+    assert len(r.choices) == 4 and n_prompt > 150
+    assert delta("pdserve:pd_decisions_total", reason="remote_prefill") == 4
+    computed = delta("pdserve:worker_prompt_tokens_computed_total", role="prefill")
+    assert computed < n_prompt + 3 * 16, (computed, n_prompt)
+    assert r.usage.prompt_tokens_details.cached_tokens >= n_prompt - 16
+
+
 def test_cache_salt_keeps_prefix_hits_within_one_salt(pd):
     """Guards vLLM's `cache_salt` end to end (it was ignored, so tenants hit, and could
     time, each other's prompts): a prompt cached unsalted is a miss under a salt, on the
