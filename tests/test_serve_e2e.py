@@ -366,11 +366,11 @@ def test_a_reply_that_ends_at_its_first_token_leaves_no_prefix_on_decode(pd):
 
 
 def test_a_requests_choices_compute_its_prompt_once(pd):
-    """Guards prefix sharing on the PD path (runner/prefix_sharing.py): the n=4 choices of
-    a request go to the prefill worker together; one computes the prompt, the other three
-    wait for it and hit its blocks, so the worker computes the prompt once plus three
-    tails of under a block each (before: four times). Each choice reports the hit as its
-    cached tokens."""
+    """The n=4 choices of a request on the PD path: one computes the prompt on the prefill
+    worker; the other three hit its blocks (arriving in the same step they wait for them,
+    runner/prefix_sharing.py, whose engine tests pin that case; arriving later they find
+    them cached), so the worker computes the prompt once plus three tails of under a block
+    each. Each choice reports the hit as its cached tokens."""
     prompt = "Tell me four facts about lighthouses on rocky coasts. " + LONG * 6
     before = pd.metrics()
     r = pd.client().completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
