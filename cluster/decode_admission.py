@@ -29,8 +29,9 @@ W = TypeVar("W")
 class DecodeAdmission(Generic[W]):
     def __init__(self, grant: Callable[[], W | None]) -> None:
         self._grant = grant
-        # (priority, arrival number, future): a heap, so the first is the next to serve.
-        self._waiters: list[tuple[int, int, asyncio.Future[W]]] = []
+        # (priority, arrival number, future, its grant): a heap, so the first is the next
+        # to serve.
+        self._waiters: list[tuple[int, int, asyncio.Future[W], Callable[[], W | None]]] = []
         self._arrivals = itertools.count()
         # Waiters not yet granted, timed out or cancelled. The heap also holds the ended
         # ones until `wake` reaches them; counting apart keeps `queued` O(1) under a
@@ -42,18 +43,26 @@ class DecodeAdmission(Generic[W]):
         """Requests waiting for a slot now."""
         return self._pending
 
-    async def acquire(self, timeout_s: float, release: Callable[[W], None], priority: int = 0) -> W:
+    async def acquire(
+        self,
+        timeout_s: float,
+        release: Callable[[W], None],
+        priority: int = 0,
+        grant: Callable[[], W | None] | None = None,
+    ) -> W:
         """A slot's worker: at once when nobody waits and a worker has room, else after
         the requests ahead (those of a lower `priority`, then earlier arrivals).
         TimeoutError after `timeout_s`. A wait that ends (timeout, cancel) just as a slot
-        was granted gives that slot back through `release`."""
+        was granted gives that slot back through `release`. `grant`: this request's own
+        choice among the free slots (its prompt's cached prefix), else the default."""
+        grant = grant or self._grant
         if not self.queued:
-            worker = self._grant()
+            worker = grant()
             if worker is not None:
                 return worker
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[W] = loop.create_future()
-        heapq.heappush(self._waiters, (priority, next(self._arrivals), fut))
+        heapq.heappush(self._waiters, (priority, next(self._arrivals), fut, grant))
         self._pending += 1
         # Not asyncio.wait_for: on 3.11 it can swallow a cancel that lands as the slot is
         # granted, and the router's task would then run a request nobody waits for.
@@ -77,7 +86,7 @@ class DecodeAdmission(Generic[W]):
             if self._waiters[0][2].done():
                 heapq.heappop(self._waiters)
                 continue
-            worker = self._grant()
+            worker = self._waiters[0][3]()
             if worker is None:
                 return
             heapq.heappop(self._waiters)[2].set_result(worker)

@@ -1,16 +1,20 @@
 """The router's routing policy as data (DESIGN §2): its knobs, its decision, its record.
 
-`RouterConfig` holds the knobs; `decide` says where one prompt prefills and why (the
-reason is what the router counts: `remote_prefill`, `short_prompt`,
-`prefix_hit_on_decode`, ...); `Route` records where one generation went. Nothing here
+`RouterConfig` holds the knobs; `prefer_cached` picks a prompt's decode worker;
+`decide` says where one prompt prefills and why (the reason is what the router counts:
+`remote_prefill`, `short_prompt`, `prefix_hit_on_decode`, ...); `Route` records where
+one generation went. Nothing here
 knows workers, handles or the event loop: the router (cluster/router.py) supplies the
 cached prefix and the prefill pool's load it measured.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
+
+W = TypeVar("W")
 
 
 class Route(NamedTuple):
@@ -45,6 +49,11 @@ class RouterConfig:
     # first slot to free anywhere, a new worker's included (cluster/decode_admission.py);
     # a wait is bounded by stream_idle_timeout_s. 0: no limit, every request goes at once.
     decode_capacity: int = 0
+    # A prompt goes to the decode worker holding most of it in its prefix cache among the
+    # workers within this many requests in flight (or a quarter, if more) of the least
+    # busy: a conversation's next turn finds its KV, and a hot prefix cannot pile load
+    # on one worker past that band (`prefer_cached`).
+    decode_prefix_slack: int = 8
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):
@@ -57,6 +66,26 @@ class RouterConfig:
             )
         if self.decode_capacity < 0:
             raise ValueError(f"decode_capacity must be >= 0, got {self.decode_capacity}")
+        if self.decode_prefix_slack < 0:
+            raise ValueError(f"decode_prefix_slack must be >= 0, got {self.decode_prefix_slack}")
+
+
+def prefer_cached(
+    workers: list[W],
+    inflight: Callable[[W], int],
+    hit_tokens: Callable[[W], int],
+    usage: Callable[[W], float],
+    slack: int,
+) -> W:
+    """The decode worker for a prompt: among those within `slack` requests in flight (or
+    a quarter, if more) of the least busy, the one with the most of the prompt cached,
+    then the least busy, then the most KV headroom."""
+    least = min(inflight(w) for w in workers)
+    band = least + max(slack, least // 4)
+    return min(
+        (w for w in workers if inflight(w) <= band),
+        key=lambda w: (-hit_tokens(w), inflight(w), usage(w)),
+    )
 
 
 def decide(

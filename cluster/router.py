@@ -1,9 +1,10 @@
 """The router's request flow (DESIGN §2), independent of HTTP and of Ray.
 
 `Router.generate` takes a parsed request and yields `(index, StreamDelta)` for each of
-its `n` completions: it picks a decode worker with a free slot (fewest requests in
-flight, then KV headroom; with `decode_capacity` and every worker full, the request
-waits in the router's queue, cluster/decode_admission.py), decides whether remote
+its `n` completions: it picks a decode worker with a free slot (the one holding most of
+the prompt among those near the least busy, route_policy.prefer_cached; with
+`decode_capacity` and every worker full, the request waits in the router's queue,
+cluster/decode_admission.py), decides whether remote
 prefill pays (`pd` mode, a prompt whose part not already cached on the decode worker is
 long enough, a prefill worker up and, with `pd_max_prefill_queue_tokens`, not backed up;
 a request that wants its prompt's logprobs prefills where they are computed, on the
@@ -33,7 +34,7 @@ from dataclasses import replace
 from pdserve.cluster.decode_admission import DecodeAdmission
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
 from pdserve.cluster.prefix_index import PrefixIndex
-from pdserve.cluster.route_policy import Route, RouterConfig, decide
+from pdserve.cluster.route_policy import Route, RouterConfig, decide, prefer_cached
 from pdserve.cluster.token_stream import StreamDelta
 from pdserve.cluster.wire import WorkRequest
 from pdserve.cluster.worker_handle import (
@@ -133,12 +134,23 @@ class Router:
 
         return min(workers, key=load)
 
-    def _grant_decode(self) -> WorkerHandle | None:
+    def _grant_decode(self, hashes: list[int] | None = None) -> WorkerHandle | None:
+        """A free slot: on the worker holding most of the prompt (its block `hashes`)
+        within the load band (`prefer_cached`), else the least busy."""
         cap = self.config.decode_capacity
         free = [w for w in self.decode_workers if not cap or self._inflight[w.worker_id] < cap]
         if not free:
             return None
-        worker = self._pick(free)
+        if hashes:
+            worker = prefer_cached(
+                free,
+                lambda w: self._inflight[w.worker_id],
+                lambda w: self.prefix_index.hit_tokens(w.worker_id, hashes),
+                lambda w: self.worker_stats.get(w.worker_id, {}).get("kv_cache_usage_perc", 0.0),
+                self.config.decode_prefix_slack,
+            )
+        else:
+            worker = self._pick(free)
         self._inflight[worker.worker_id] += 1
         return worker
 
@@ -194,10 +206,12 @@ class Router:
             return
         timeout_s = self.config.stream_idle_timeout_s
         arrived = time.monotonic()
+        hashes = self.prefix_index.hashes(prompt, params.cache_salt)
         try:
             decode_w = await self._admission.acquire(
-                timeout_s, self._release_decode, params.priority
-            )
+                timeout_s, self._release_decode, params.priority,
+                lambda: self._grant_decode(hashes),
+            )  # fmt: skip
         except TimeoutError:
             message = f"no decode slot was free within {timeout_s:g} s ({self.queued()} queued)"
             await out.put((index, ApiError(message, 503, "server_error")))
@@ -210,7 +224,6 @@ class Router:
         relay: asyncio.Task | None = None
         try:
             ticket = prefill_w = None
-            hashes = self.prefix_index.hashes(prompt, params.cache_salt)
             hits = self.prefix_index.hit_tokens(decode_w.worker_id, hashes)
             loads = [self._prefill_tokens[w.worker_id] for w in self.prefill_workers]
             decision = decide(

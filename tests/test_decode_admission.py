@@ -192,3 +192,29 @@ def test_under_priorities_the_lowest_value_is_served_first():
         assert order == ["c", "e", "a", "d", "b"]
 
     asyncio.run(run())
+
+
+def test_a_waiter_takes_its_own_choice_of_slot():
+    """Guards the per-request grant (the router's prefix-aware pick): a waiter that asked
+    for a worker of its own choosing gets that worker's slot when it frees, here the
+    worker other than the default grant's."""
+
+    async def run() -> None:
+        slots = _Slots(d0=1, d1=1)
+        assert {await slots.take(), await slots.take()} == {"d0", "d1"}
+
+        def on_d1() -> str | None:
+            if slots.free["d1"] == 0:
+                return slots.grant()  # any other free slot
+            slots.free["d1"] -= 1
+            return "d1"
+
+        got = asyncio.create_task(slots.admission.acquire(5.0, slots.release, 0, on_d1))
+        await _settle()
+        assert slots.admission.queued == 1
+        slots.free["d0"] += 1  # d0 frees first: on_d1 takes it (the only free one)
+        slots.free["d1"] += 1  # and d1 too, before the wake
+        slots.admission.wake()
+        assert await got == "d1" and slots.free == {"d0": 1, "d1": 0}
+
+    asyncio.run(run())

@@ -164,6 +164,7 @@ def test_scale_up_serve_then_drain(ops_server):
         assert all(n >= 1 for n in pool.map(ask, range(4)))
     workers = {w["worker_id"]: w for w in _pools(ops_server)["pools"]["decode"]["workers"]}
     assert workers["decode-1"]["prefix_cache_queries"] > 0  # the new worker took requests
+    _next_turn_finds_its_prefix(ops_server)
     r = _post(ops_server, "/ops/drain", {"worker_id": "decode-1"})
     assert r.status_code == 200 and r.json() == {"worker_id": "decode-1", "draining": True}
     d = _wait_pool(ops_server, [("decode-0", "ready")])
@@ -173,6 +174,35 @@ def test_scale_up_serve_then_drain(ops_server):
     # The new worker's startup line, printed by the serve loop once it was ready.
     log = ops_server.log.read_text().splitlines()
     assert [x for x in log if x.startswith("pdserve: decode-1 ready in ")], log[-20:]
+
+
+def _counts(server: Server, key: str) -> dict[str, float]:
+    return {w["worker_id"]: w.get(key, 0) for w in _pools(server)["pools"]["decode"]["workers"]}
+
+
+def _next_turn_finds_its_prefix(server: Server) -> None:
+    """The router's prefix-aware pick (route_policy.prefer_cached): while a long request
+    keeps one worker busy, a conversation's first turn goes to the other; once both are
+    idle again its next turn goes back there and hits its KV, where a pick by load alone
+    would take the first idle worker."""
+    client = server.client()
+    busy = client.completions.create(model=None, prompt="Tell a long story.", max_tokens=400,
+                                     stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    next(iter(busy))  # running on its worker
+    turn = "You are a ship's navigator. " * 40 + "Where is the nearest harbour?"
+    queries = _counts(server, "prefix_cache_queries")
+    client.completions.create(model=None, prompt=turn, max_tokens=2)
+    grew = {w: n - queries[w] for w, n in _counts(server, "prefix_cache_queries").items()}
+    (first,) = [w for w, n in grew.items() if n > 0]
+    busy.close()  # the long request ends (client gone): both workers idle
+    deadline = time.monotonic() + 60
+    while sum(_counts(server, "num_requests_running").values()) > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    hits = _counts(server, "prefix_cache_hits")
+    client.completions.create(model=None, prompt=turn + " And the next one?", max_tokens=2)
+    grew = {w: n - hits[w] for w, n in _counts(server, "prefix_cache_hits").items()}
+    assert grew[first] >= 256 and sum(grew.values()) == grew[first], (first, grew)
 
 
 def test_without_an_admin_key_scaling_is_open_only_on_loopback():
