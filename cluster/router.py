@@ -134,9 +134,13 @@ class Router:
 
         return min(workers, key=load)
 
-    def _grant_decode(self, hashes: list[int] | None = None) -> WorkerHandle | None:
+    def _grant_decode(
+        self, hashes: list[int] | None = None, sibling: str | None = None
+    ) -> WorkerHandle | None:
         """A free slot: on the worker holding most of the prompt (its block `hashes`)
-        within the load band (`prefer_cached`), else the least busy."""
+        within the load band (`prefer_cached`), else the least busy. `sibling`: where
+        another choice of the same request went, which counts as holding all of it (there
+        the prompt is computed or pulled once for every choice)."""
         cap = self.config.decode_capacity
         free = [w for w in self.decode_workers if not cap or self._inflight[w.worker_id] < cap]
         if not free:
@@ -145,7 +149,11 @@ class Router:
             worker = prefer_cached(
                 free,
                 lambda w: self._inflight[w.worker_id],
-                lambda w: self.prefix_index.hit_tokens(w.worker_id, hashes),
+                lambda w: (
+                    len(hashes) * self.prefix_index.block_size
+                    if w.worker_id == sibling
+                    else self.prefix_index.hit_tokens(w.worker_id, hashes)
+                ),
                 lambda w: self.worker_stats.get(w.worker_id, {}).get("kv_cache_usage_perc", 0.0),
                 self.config.decode_prefix_slack,
             )
@@ -180,8 +188,11 @@ class Router:
         rid = f"r-{secrets.token_hex(8)}"
         ids = [f"{rid}-{i}" for i in range(len(children))]
         merged: asyncio.Queue[tuple[int, StreamDelta | BaseException]] = asyncio.Queue()
+        placed: list[str] = []  # the decode worker the first choice went to
         tasks = [
-            asyncio.create_task(self._one(cid, i, req.prompt_token_ids, p, merged, on_route))
+            asyncio.create_task(
+                self._one(cid, i, req.prompt_token_ids, p, merged, on_route, placed)
+            )
             for i, (cid, p) in enumerate(zip(ids, children))
         ]
         done = 0
@@ -199,7 +210,14 @@ class Router:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _one(
-        self, request_id, index, prompt, params, out: asyncio.Queue, on_route=None
+        self,
+        request_id,
+        index,
+        prompt,
+        params,
+        out: asyncio.Queue,
+        on_route=None,
+        placed: list[str] | None = None,
     ) -> None:
         if not self.decode_workers:
             await out.put((index, ApiError("no decode worker is available", 503, "server_error")))
@@ -210,13 +228,15 @@ class Router:
         try:
             decode_w = await self._admission.acquire(
                 timeout_s, self._release_decode, params.priority,
-                lambda: self._grant_decode(hashes),
+                lambda: self._grant_decode(hashes, placed[0] if placed else None),
             )  # fmt: skip
         except TimeoutError:
             message = f"no decode slot was free within {timeout_s:g} s ({self.queued()} queued)"
             await out.put((index, ApiError(message, 503, "server_error")))
             return
         waited = time.monotonic() - arrived  # for a decode slot: part of its queue time
+        if placed is not None and not placed:
+            placed.append(decode_w.worker_id)
         queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
         self._queues[request_id] = queue
         holders: list[WorkerHandle] = []

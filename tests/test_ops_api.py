@@ -165,6 +165,7 @@ def test_scale_up_serve_then_drain(ops_server):
     workers = {w["worker_id"]: w for w in _pools(ops_server)["pools"]["decode"]["workers"]}
     assert workers["decode-1"]["prefix_cache_queries"] > 0  # the new worker took requests
     _next_turn_finds_its_prefix(ops_server)
+    _a_requests_choices_share_a_worker(ops_server)
     r = _post(ops_server, "/ops/drain", {"worker_id": "decode-1"})
     assert r.status_code == 200 and r.json() == {"worker_id": "decode-1", "draining": True}
     d = _wait_pool(ops_server, [("decode-0", "ready")])
@@ -177,7 +178,17 @@ def test_scale_up_serve_then_drain(ops_server):
 
 
 def _counts(server: Server, key: str) -> dict[str, float]:
-    return {w["worker_id"]: w.get(key, 0) for w in _pools(server)["pools"]["decode"]["workers"]}
+    return {w["worker_id"]: w[key] for w in _pools(server)["pools"]["decode"]["workers"]}
+
+
+def _computed(server: Server) -> dict[str, float]:
+    """Prompt tokens each decode worker computed, from /metrics."""
+    out = {}
+    for line in server.metrics().splitlines():
+        if line.startswith("pdserve:worker_prompt_tokens_computed_total{"):
+            worker = line.split('worker="', 1)[1].split('"', 1)[0]
+            out[worker] = float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def _next_turn_finds_its_prefix(server: Server) -> None:
@@ -203,6 +214,22 @@ def _next_turn_finds_its_prefix(server: Server) -> None:
     client.completions.create(model=None, prompt=turn + " And the next one?", max_tokens=2)
     grew = {w: n - hits[w] for w, n in _counts(server, "prefix_cache_hits").items()}
     assert grew[first] >= 256 and sum(grew.values()) == grew[first], (first, grew)
+
+
+def _a_requests_choices_share_a_worker(server: Server) -> None:
+    """A request's n choices go to the worker its first choice went to (while it is in the
+    load band), so the prompt is computed there once, not once per worker: with two idle
+    workers, n=4 lands on one, which computes the prompt and three tails."""
+    prompt = "Describe the tides of a northern sea, briefly. " * 30
+    queries = _counts(server, "prefix_cache_queries")
+    computed = _computed(server)
+    out = server.client().completions.create(model=None, prompt=prompt, max_tokens=3, n=4,
+                                             temperature=1.0, seed=3)  # fmt: skip
+    grew = {w: n - queries[w] for w, n in _counts(server, "prefix_cache_queries").items()}
+    used = [w for w, n in grew.items() if n > 0]
+    assert len(used) == 1, grew
+    work = _computed(server)[used[0]] - computed[used[0]]
+    assert work < out.usage.prompt_tokens + 3 * 16, (work, out.usage.prompt_tokens)
 
 
 def test_without_an_admin_key_scaling_is_open_only_on_loopback():

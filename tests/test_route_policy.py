@@ -40,3 +40,28 @@ def test_without_hits_the_least_busy_then_the_most_headroom():
 def test_a_negative_slack_is_refused():
     with pytest.raises(ValueError, match="decode_prefix_slack must be >= 0"):
         RouterConfig(decode_prefix_slack=-1)
+
+
+class _Handle:
+    """What the router's pick reads of a worker: its id (nothing is called on it)."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+
+
+def test_a_requests_choices_follow_its_first_to_one_worker():
+    """In PD mode a choice's prompt is remembered on its decode worker only once pulled,
+    so the router's index cannot keep a request's n choices together: the first choice's
+    worker counts as holding the whole prompt for the others (while in the band), and
+    there the prompt is pulled once for all (runner/prefix_sharing.py)."""
+    from pdserve.cluster.router import Router
+
+    d0, d1 = _Handle("d0"), _Handle("d1")
+    router = Router(RouterConfig(), [d0, d1], [])
+    hashes = router.prefix_index.hashes(list(range(100)))
+    first = router._grant_decode(hashes)
+    assert first is d0
+    assert router._grant_decode(hashes, sibling="d0") is d0  # not d1, the idler one
+    assert router._grant_decode(hashes) is d1  # another request: by load
+    router._inflight["d0"] += 9  # d0 past the band: the choice goes by load
+    assert router._grant_decode(hashes, sibling="d0") is d1
