@@ -127,6 +127,14 @@ def test_a_gone_controller_is_a_503_not_a_crash(pools, tiny_qwen3_dir):
     doomed = ray.remote(Controller).options(num_cpus=0).remote(spec)
     ray.get(doomed.stats.remote(), timeout=60)
     ray.kill(doomed, no_restart=True)
+    deadline = time.monotonic() + 30
+    while True:  # the kill lands asynchronously: a call just after it may still be served
+        try:
+            ray.get(doomed.stats.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline, "the killed controller still answers"
+        time.sleep(0.1)
     with pytest.raises(ApiError) as e:
         asyncio.run(PoolControl(doomed).members())
     assert e.value.status == 503 and "gone" in e.value.message
