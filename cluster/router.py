@@ -258,7 +258,7 @@ class Router:
                     decision = "recompute_after_prefill_failure"
             # The decode worker holds the prompt's KV once it computes it (no ticket) or
             # pulls it, which it does only for a request its first token did not end.
-            on_decode, emitted = ticket is None, 0
+            on_decode, output = ticket is None, []
             if on_decode:
                 self.prefix_index.remember(decode_w.worker_id, hashes)
             work = replace(work, ticket=ticket_to_wire(ticket) if ticket is not None else None)
@@ -278,13 +278,20 @@ class Router:
                 delta = await asyncio.wait_for(queue.get(), self.config.stream_idle_timeout_s)
                 # The first delta carries the queue time: add the wait for a decode slot.
                 delta.queue_s, waited = delta.queue_s + waited, 0.0
-                emitted += len(delta.token_ids)
-                if not on_decode and (delta.finish_reason is None or emitted > 1):
+                output += delta.token_ids
+                if not on_decode and (delta.finish_reason is None or len(output) > 1):
                     on_decode = True  # it went on past its first token: the KV is pulled
                     self.prefix_index.remember(decode_w.worker_id, hashes)
                 await out.put((index, delta))
                 if delta.finish_reason is not None:
                     finished = True
+                    if on_decode and delta.finish_reason != "error":
+                        # The reply's KV is cached there too (all but its last token's):
+                        # a conversation's next turn resends it.
+                        seq = list(prompt) + output[:-1]
+                        self.prefix_index.remember(
+                            decode_w.worker_id, self.prefix_index.hashes(seq, params.cache_salt)
+                        )
                     return
         except asyncio.CancelledError:
             raise

@@ -163,6 +163,32 @@ async def _until(predicate, what: str, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.005)
 
 
+def test_the_router_remembers_a_reply_on_its_decode_worker(pools, stream_endpoint):
+    """Guards the router's prefix index after a reply: the request's prompt and its reply
+    (all but the last token, whose KV is never computed) count as cached on its decode
+    worker, so a conversation's next turn, which resends both, is routed by all of it
+    (route_policy.prefer_cached), not by its first prompt alone."""
+    router = Router(RouterConfig(mode="colocated"), [], [])
+
+    async def scenario() -> None:
+        subscriber = TokenSubscriber(stream_endpoint, router.on_delta)
+        subscriber.start()
+        try:
+            sync_members(router, await PoolControl(pools).members())
+            req, output, routes = _request(40), [], []
+            async for _, delta in router.generate(req, routes.append):
+                output += delta.token_ids
+            seq = req.prompt_token_ids + output
+            assert len(output) == 40 and len(routes) == 1
+            hit = router.prefix_index.hit_tokens(routes[0].decode, router.prefix_index.hashes(seq))
+            assert hit == (len(seq) - 1) // 16 * 16 == 32
+        finally:
+            await router.close()
+            await subscriber.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_request_queued_for_a_decode_slot_goes_to_a_worker_added_by_scaling(
     pools, stream_endpoint
 ):
