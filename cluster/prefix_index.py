@@ -27,6 +27,15 @@ class PrefixIndex:
         extend_block_hashes(out, prompt, self.block_size, salt)
         return out
 
+    def extended(
+        self, hashes: list[int], tokens: Sequence[int], salt: str | None = None
+    ) -> list[int]:
+        """The hashes of `tokens` (which start with the tokens `hashes` cover), hashing
+        only the blocks past them: a reply's, after its prompt's."""
+        out = list(hashes)
+        extend_block_hashes(out, tokens, self.block_size, salt)
+        return out
+
     def hit_tokens(self, worker_id: str, hashes: list[int]) -> int:
         """Leading prompt tokens the worker probably has cached."""
         seen = self._by_worker.get(worker_id)

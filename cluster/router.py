@@ -289,8 +289,9 @@ class Router:
                         # The reply's KV is cached there too (all but its last token's):
                         # a conversation's next turn resends it.
                         seq = list(prompt) + output[:-1]
-                        self.prefix_index.remember(
-                            decode_w.worker_id, self.prefix_index.hashes(seq, params.cache_salt)
+                        index = self.prefix_index
+                        index.remember(
+                            decode_w.worker_id, index.extended(hashes, seq, params.cache_salt)
                         )
                     return
         except asyncio.CancelledError:

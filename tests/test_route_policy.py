@@ -65,3 +65,15 @@ def test_a_requests_choices_follow_its_first_to_one_worker():
     assert router._grant_decode(hashes) is d1  # another request: by load
     router._inflight["d0"] += 9  # d0 past the band: the choice goes by load
     assert router._grant_decode(hashes, sibling="d0") is d1
+
+
+def test_a_replys_hashes_extend_its_prompts():
+    """The router hashes a reply's blocks only (`PrefixIndex.extended`), and gets the
+    chain the workers compute for the whole sequence, salted or not."""
+    from pdserve.cluster.prefix_index import PrefixIndex
+
+    index = PrefixIndex(16)
+    prompt, seq = list(range(3, 40)), list(range(3, 90))
+    for salt in (None, "tenant-a"):
+        assert index.extended(index.hashes(prompt, salt), seq, salt) == index.hashes(seq, salt)
+    assert index.hashes(seq, "tenant-a") != index.hashes(seq)
