@@ -218,6 +218,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             RouterConfig(
                 mode=cfg.mode,
                 pd_min_prompt_tokens=cfg.pd_min_prompt_tokens,
+                decode_prefix_slack=cfg.decode_prefix_slack,
                 pd_max_prefill_queue_tokens=cfg.pd_max_prefill_queue_tokens,
                 block_size=cfg.block_size,
                 policy=cfg.policy,

@@ -53,6 +53,9 @@ class ServeConfig:
     policy: str = "recompute"
     pd_min_prompt_tokens: int = 16
     pd_max_prefill_queue_tokens: int = 0  # conditional disaggregation; 0 = always remote
+    # The router sends a prompt to the decode worker with most of it cached among those
+    # within this many requests in flight of the least busy (route_policy.prefer_cached).
+    decode_prefix_slack: int = 8
     lease_s: float = 30.0
     max_body_bytes: int = 4 << 20
     health_interval_s: float = 2.0
@@ -213,6 +216,8 @@ class ServeConfig:
                 "calls in"
             )
         check_prefix(self.metrics_prefix)
+        if self.decode_prefix_slack < 0:
+            raise ValueError(f"--decode-prefix-slack must be >= 0, got {self.decode_prefix_slack}")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             value = getattr(self, name)  # a config file's one string, or its list
             if isinstance(value, str | list):

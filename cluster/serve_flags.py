@@ -155,6 +155,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-layer-wise", action="store_true", default=None,
                    help="pd mode, tcp: stream each layer's KV to the decode worker as the "
                    "prefill forward writes it, with the ticket sent before the forward")  # fmt: skip
+    p.add_argument("--decode-prefix-slack", type=int, default=None, metavar="N",
+                   help="send a prompt to the decode worker holding most of it in its prefix "
+                   "cache among those within N requests in flight (or a quarter, if more) of "
+                   f"the least busy (default {d.decode_prefix_slack}; 0: only among the least "
+                   "busy)")  # fmt: skip
     p.add_argument("--pd-max-prefill-queue-tokens", type=int, default=None,
                    help="pd mode: when every prefill worker has this many prompt tokens in "
                    "flight, prefill on the decode worker instead (default 0: always remote)")  # fmt: skip

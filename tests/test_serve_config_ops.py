@@ -33,6 +33,7 @@ from pdserve.cluster.serve_placement import Placement, join_auth_env, pool_bound
         (dict(max_num_seqs=0), "--max-num-seqs"),
         # vLLM serves with no key when given an empty one; here it is a start-up error.
         (dict(api_key=""), "--api-key is empty"),
+        (dict(decode_prefix_slack=-1), "--decode-prefix-slack must be >= 0, got -1"),
         (dict(admin_key=" "), "--admin-key is empty"),
     ],
 )
@@ -55,11 +56,12 @@ def test_flags_parse_into_the_new_keys(monkeypatch):
     add_serve_args(p)
     args = p.parse_args(
         ["--ray-address", "auto", "--pool-resources", "--gpus-per-worker", "1", "--autoscale",
-         "--max-decode-workers", "8", "--admin-key", "k"]
+         "--max-decode-workers", "8", "--admin-key", "k", "--decode-prefix-slack", "3"]
     )  # fmt: skip
     cfg = config_from_args(args)
     assert (cfg.ray_address, cfg.pool_resources, cfg.gpus_per_worker) == ("auto", True, 1.0)
     assert (cfg.autoscale, cfg.max_decode_workers, cfg.admin_key) == (True, 8, "k")
+    assert cfg.decode_prefix_slack == 3 and ServeConfig().decode_prefix_slack == 8
 
 
 def test_decode_slots_are_the_running_and_the_waiting_requests():
