@@ -289,9 +289,9 @@ class Router:
                         # The reply's KV is cached there too (all but its last token's):
                         # a conversation's next turn resends it.
                         seq = list(prompt) + output[:-1]
-                        index = self.prefix_index
-                        index.remember(
-                            decode_w.worker_id, index.extended(hashes, seq, params.cache_salt)
+                        prefixes = self.prefix_index
+                        prefixes.remember(
+                            decode_w.worker_id, prefixes.extended(hashes, seq, params.cache_salt)
                         )
                     return
         except asyncio.CancelledError:
