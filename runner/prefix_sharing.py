@@ -28,6 +28,9 @@ class PromptsInFlight:
         self.kv = kv
         self._prompts: dict[str, Request] = {}  # admitted, their prompt blocks not all cached
 
+    def __len__(self) -> int:
+        return len(self._prompts)
+
     def hashes(self) -> set[int]:
         """Chain hashes of the full prompt blocks of prompts still being computed or loaded
         (or whose step or load has ended but whose blocks are not cached yet); forgets

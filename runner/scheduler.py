@@ -182,7 +182,9 @@ class Scheduler:
             budget -= num_new
 
         share = self.kv.enable_prefix_caching and bool(self.waiting)
-        in_flight = self._in_flight.hashes() if share else set()
+        # With nothing waiting the set goes unused, but building it forgets the prompts
+        # cached or finished since, so none is kept past its step.
+        in_flight = self._in_flight.hashes() if share or self._in_flight else set()
         held: list[Request] = []  # waiting for a prompt in flight: back to the front after
         while (
             self.waiting

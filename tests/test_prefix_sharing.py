@@ -108,3 +108,17 @@ def test_tickets_for_one_prompt_pull_it_once(tiny_qwen3_dir, async_scheduling):
     for i, p in enumerate(params):
         want.update({str(i): v for v in _colocated(tiny_qwen3_dir, [prompt], p, **extra).values()})
     assert got == want
+
+
+def test_prompts_in_flight_are_forgotten_once_cached(tiny_llama_dir):
+    """The scheduler keeps no prompt in its in-flight set past the step that cached it,
+    even when nothing waits afterwards (a burst, then quiet)."""
+    eng = _engine(tiny_llama_dir)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i in range(3):
+        eng.add_request(f"r{i}", PROMPT, params)
+    eng.step()
+    assert len(eng.scheduler._in_flight) == 1  # the first copy; the others wait
+    for _ in range(4):
+        eng.step()
+    assert not eng.scheduler.waiting and len(eng.scheduler._in_flight) == 0
