@@ -44,7 +44,9 @@ async def parse_body(
     `header_id`: the client's X-Request-Id, which goes before a `request_id` field."""
     check_model(state, body)
     refuse_unsupported(body)
-    request_id = header_id or client_request_id(body.get("request_id"), "'request_id'")
+    request_id = header_id or client_request_id(
+        body.get("request_id"), "'request_id'", "request_id"
+    )
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ApiError("'seed' must be an integer", param="seed")

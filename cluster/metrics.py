@@ -9,12 +9,12 @@ configured prefix, every sample labelled with the served model's name.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from pdserve.cluster.metrics_workers import PREFIX, WorkerCollector
+from pdserve.cluster.metric_names import PREFIX, check_prefix
+from pdserve.cluster.metrics_workers import WorkerCollector
 from pdserve.cluster.request_timing import RequestTiming
 
 _LATENCY_BUCKETS = (
@@ -22,16 +22,6 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 _N_BUCKETS = (1, 2, 5, 10, 20)
-_PREFIX_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-
-
-def check_prefix(prefix: str) -> None:
-    """A metric-name prefix Prometheus accepts (`pdserve:`, `vllm:`), or a ValueError."""
-    if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
-        raise ValueError(
-            f"--metrics-prefix must start a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*, "
-            f"e.g. 'pdserve:' or 'vllm:'), got {prefix!r}"
-        )
 
 
 class Metrics:

@@ -12,7 +12,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-PREFIX = "pdserve:"  # the series' names here; /metrics may show another (--metrics-prefix)
+from pdserve.cluster.metric_names import PREFIX
 
 # stats key -> (metric name, kind, help)
 _WORKER_SERIES = {

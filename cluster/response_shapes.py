@@ -23,16 +23,17 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def client_request_id(value: Any, where: str) -> str | None:
+def client_request_id(value: Any, where: str, param: str | None = None) -> str | None:
     """A request id the client chose (vLLM's `X-Request-Id` header or `request_id` field),
-    checked; None when not given; a 400 naming `where` when it is not an id."""
+    checked; None when not given; a 400 naming `where` (and `param`, a body field) when
+    it is not an id."""
     if value is None:
         return None
     if not isinstance(value, str) or not _CLIENT_ID.fullmatch(value):
         raise ApiError(
             f"{where} must be 1-128 characters of letters, digits and ._:/+=@- , got "
             f"{str(value)[:40]!r}",
-            param="request_id" if where == "'request_id'" else None,
+            param=param,
         )
     return value
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.cluster.cors import CorsConfig
-from pdserve.cluster.metrics import check_prefix
+from pdserve.cluster.metric_names import check_prefix
 from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from pdserve.sizes import parse_size
