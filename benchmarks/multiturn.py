@@ -13,7 +13,9 @@ the whole conversation, after a seeded pause (`think-max-s`) that keeps the
 conversations from moving in lockstep (in lockstep they arrive in one order every turn,
 and a pick by load alone would keep each on one worker by accident). The reply's ids come from its logprobs with
 `return_tokens_as_token_ids`, which every pdserve version takes. Reports per turn the
-TTFT (streamed: the first token's arrival) and, over turns >= 2, the decode workers'
+TTFT (streamed: the first token's arrival), the time per output token after it (p50 and
+mean over replies: a prompt prefilled on a decode worker slows that worker's other
+replies), the router's PD decisions by reason and, over turns >= 2, the decode workers'
 prefix-cache hit rate and the prompt tokens they computed (from /metrics: what the
 workers really did, not what the router meant to happen). Writes
 `multiturn[_<tag>]_<device-kind>.json` with the commit and the command. A benchmark, not a test:
@@ -40,20 +42,27 @@ SERIES = ("prefix_cache_queries", "prefix_cache_hits", "worker_prompt_tokens_com
 
 
 def worker_counters(url: str) -> dict[str, dict[str, float]]:
-    """Each decode worker's counters in SERIES, from /metrics."""
+    """Each decode worker's counters in SERIES, from /metrics, and the router's PD
+    decisions by reason under the key "router"."""
     import httpx
 
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, float]] = {"router": {}}
     for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
         for name in SERIES:
             if line.startswith(f"pdserve:{name}_total{{") and 'role="decode"' in line:
                 worker = line.split('worker="', 1)[1].split('"', 1)[0]
                 out.setdefault(worker, {})[name] = float(line.rsplit(" ", 1)[1])
+        if line.startswith("pdserve:pd_decisions_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out["router"][reason] = float(line.rsplit(" ", 1)[1])
     return out
 
 
-async def conversation(client, url: str, model: str, args, rng: random.Random) -> list[float]:
-    """One conversation's turns; returns each turn's TTFT in seconds."""
+async def conversation(
+    client, url: str, model: str, args, rng: random.Random
+) -> list[tuple[float, float | None]]:
+    """One conversation's turns; returns each turn's TTFT in seconds and its time per
+    output token after the first (None for a one-token reply)."""
     vocab = args.vocab_size
     prompt = [rng.randrange(3, vocab) for _ in range(args.first_len)]
     ttfts = []
@@ -65,7 +74,7 @@ async def conversation(client, url: str, model: str, args, rng: random.Random) -
             "temperature": 0, "ignore_eos": True, "logprobs": 0,
             "return_tokens_as_token_ids": True,
         }  # fmt: skip
-        start, first, reply = time.monotonic(), None, []
+        start, first, last, reply = time.monotonic(), None, None, []
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
@@ -74,15 +83,17 @@ async def conversation(client, url: str, model: str, args, rng: random.Random) -
                 chunk = json.loads(line[6:])
                 for choice in chunk["choices"]:
                     tokens = (choice.get("logprobs") or {}).get("tokens") or []
-                    if tokens and first is None:
-                        first = time.monotonic()
+                    if tokens:
+                        last = time.monotonic()
+                        first = first or last
                     reply += [int(t.split(":", 1)[1]) for t in tokens]
-        ttfts.append((first or time.monotonic()) - start)
+        tpot = (last - first) / (len(reply) - 1) if first and len(reply) > 1 else None
+        ttfts.append(((first or time.monotonic()) - start, tpot))
         prompt = prompt + reply + [rng.randrange(3, vocab) for _ in range(args.turn_len)]
     return ttfts
 
 
-async def run_conversations(url: str, model: str, args) -> list[list[float]]:
+async def run_conversations(url: str, model: str, args) -> list[list[tuple[float, float | None]]]:
     import httpx
 
     async with httpx.AsyncClient(timeout=args.timeout) as client:
@@ -128,11 +139,16 @@ def main() -> int:
         model = probe_model(server.url, None)
         before = worker_counters(server.url)
         start = time.monotonic()
-        ttfts = asyncio.run(run_conversations(server.url, model, args))
+        turns = asyncio.run(run_conversations(server.url, model, args))
         seconds = time.monotonic() - start
         after = worker_counters(server.url)
     finally:
         server.stop()
+
+    decisions = after.pop("router")
+    decisions = {k: v - before.pop("router").get(k, 0.0) for k, v in sorted(decisions.items())}
+    ttfts = [[ttft for ttft, _ in t] for t in turns]
+    tpots = [tpot for t in turns for _, tpot in t if tpot is not None]
 
     def grew(name: str) -> float:
         return sum(after[w].get(name, 0.0) - before.get(w, {}).get(name, 0.0) for w in after)
@@ -146,6 +162,9 @@ def main() -> int:
         "think_max_s": args.think_max_s, "seconds": round(seconds, 3),
         "ttft_p50_ms_by_turn": [round(x, 1) for x in per_turn],
         "ttft_mean_ms": round(1e3 * statistics.mean(x for t in ttfts for x in t), 1),
+        "tpot_p50_ms": round(1e3 * statistics.median(tpots), 3) if tpots else None,
+        "tpot_mean_ms": round(1e3 * statistics.mean(tpots), 3) if tpots else None,
+        "pd_decisions": {k: v for k, v in decisions.items() if v},
         "prefix_hit_rate": round(hits / queries, 4) if queries else None,
         "prompt_tokens_computed": grew("worker_prompt_tokens_computed"),
         "per_worker_prompt_tokens_computed": {
