@@ -28,6 +28,7 @@ from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.openai_api import ApiError
 from pdserve.cluster.request_log import RequestLog
 from pdserve.cluster.response_shapes import client_request_id, new_id, now
+from pdserve.cluster.response_store import DEFAULT_STORE_BYTES, ResponseStore
 from pdserve.cluster.router import Router
 from pdserve.version import __version__
 
@@ -53,6 +54,7 @@ class AppState:
         auto_tool_parser: str | None = None,
         reasoning_parser: str | None = None,
         cors: CorsConfig | None = None,
+        responses: ResponseStore | None = None,
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -73,6 +75,8 @@ class AppState:
         # `--reasoning-parser`: chat replies' thinking split from their answer; None: not.
         self.reasoning_parser = reasoning_parser
         self.cors = cors or CorsConfig()  # vLLM's CORS flags (cluster/cors.py)
+        # Stored Responses API responses (`--responses-store-bytes`)
+        self.responses = ResponseStore(DEFAULT_STORE_BYTES) if responses is None else responses
 
     @property
     def model_name(self) -> str:

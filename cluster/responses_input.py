@@ -4,9 +4,10 @@ becomes `max_tokens`, flat function tools become chat's nested ones, `text.forma
 `response_format`; the sampling fields pass through. The chat path then does all the
 work (template, constraints, tool and reasoning parsers), so both APIs answer alike.
 
-pdserve keeps no responses: `previous_response_id` and `conversation` are refused (send
-the history in `input`; output items a client sends back are read as its turns),
-`store` is answered false. Fields whose work pdserve does not do (background runs, prompt
+`previous_response_id` is resolved before this (cluster/responses_routes.py puts the
+stored conversation's items ahead of `input`); `conversation` objects are not kept and
+are refused (send the history in `input`, or continue a stored response; output items a
+client sends back are read as its turns). Fields whose work pdserve does not do (background runs, prompt
 templates, built-in tools, `truncation: "auto"`, `max_tool_calls`) are refused by name,
 never ignored.
 """
@@ -28,7 +29,6 @@ _SAME = (
 
 # field -> why it is refused when set (not null, not false)
 _REFUSED = {
-    "previous_response_id": "responses are not stored here; send the conversation in 'input'",
     "conversation": "conversations are not stored here; send the conversation in 'input'",
     "background": "background responses are not supported",
     "prompt": "prompt templates are not supported",

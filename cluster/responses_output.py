@@ -30,13 +30,14 @@ def response_object(
     body: dict, resp_id: str, created: int, model: str, status: str, output: list[dict],
     usage: dict | None, incomplete: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The response object; `body` is the Responses request."""
+    """The response object; `body` is the Responses request as answered (its `store`
+    what is done, cluster/responses_routes.py)."""
     out: dict[str, Any] = {
         "id": resp_id, "object": "response", "created_at": created, "model": model,
         "status": status, "error": None,
         "incomplete_details": {"reason": incomplete} if incomplete else None,
-        "output": output, "usage": usage, "store": False, "background": False,
-        "previous_response_id": None,
+        "output": output, "usage": usage, "store": body.get("store") is True,
+        "background": False, "previous_response_id": body.get("previous_response_id"),
     }  # fmt: skip
     for name, default in ECHOED.items():
         value = body.get(name)

@@ -5,7 +5,10 @@ reasoning parsers, metrics and request log), and its reply is put into the Respo
 shapes: a response object (cluster/responses_output.py) or, with `stream: true`, the
 semantic events (cluster/responses_stream.py).
 
-Responses are not stored, so `GET` and `DELETE /v1/responses/{id}` are a 404 that says so.
+Responses are stored (`store`, true unless the request says false) in the router's memory
+(cluster/response_store.py): `previous_response_id` continues one, `GET` and `DELETE
+/v1/responses/{id}` read and drop one. With `--responses-store-bytes 0` nothing is stored:
+`store` comes back false and those are a 404 that says so.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pdserve.cluster.disconnect import unless_disconnected
 from pdserve.cluster.http_app import AppState, json_object, read_body
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
 from pdserve.cluster.response_shapes import now
+from pdserve.cluster.response_store import MissingResponse, ResponseStore, as_items
 from pdserve.cluster.responses_input import chat_body, in_responses_terms
 from pdserve.cluster.responses_output import (
     item_id,
@@ -39,7 +43,9 @@ from pdserve.cluster.responses_stream import ResponseEvents, sse_event
 def add_responses_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/v1/responses")
     async def responses(request: Request):
-        body = json_object(await read_body(request, state.max_body_bytes))
+        body = answered_body(
+            state.responses, json_object(await read_body(request, state.max_body_bytes))
+        )
         reply = _Reply(state, body, await _chat_requests(state, body))
         if state.request_log is not None:
             state.request_log.received(reply.rid, reply.reqs)
@@ -50,17 +56,45 @@ def add_responses_routes(app: FastAPI, state: AppState) -> None:
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
-        raise _not_stored(response_id)
+        try:
+            return state.responses.get(response_id).response
+        except MissingResponse:
+            raise _not_stored(state.responses, response_id, "response_id") from None
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
-        raise _not_stored(response_id)
+        if not state.responses.delete(response_id):
+            raise _not_stored(state.responses, response_id, "response_id")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def answered_body(store: ResponseStore, body: dict) -> dict:
+    """The request as it is answered: `store` as it will be done (false when the server
+    stores nothing); a 400 for a `store` or `previous_response_id` of the wrong type, a 404
+    when the response it continues (or an earlier one of that conversation) is not stored."""
+    wanted = body.get("store")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError("'store' must be a boolean", param="store")
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        if not isinstance(previous, str):
+            raise ApiError("'previous_response_id' must be a string", param="previous_response_id")
+        try:
+            store.conversation(previous)
+        except MissingResponse as e:
+            raise _not_stored(store, e.response_id, "previous_response_id") from None
+    return dict(body, store=store.enabled and wanted is not False)
 
 
 async def _chat_requests(state: AppState, body: dict) -> list[ParsedRequest]:
-    """The chat requests a Responses body stands for; a check's 400 names the Responses
-    field (`input` for `messages`, `max_output_tokens` for `max_tokens`, ...)."""
+    """The chat requests a Responses body stands for (after the conversation it
+    continues); a check's 400 names the Responses field (`input` for `messages`,
+    `max_output_tokens` for `max_tokens`, ...)."""
     try:
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            history = state.responses.conversation(previous)
+            body = dict(body, input=history + as_items(body.get("input")))
         chat = chat_body(body)
         if chat.get("stream"):  # the usage the final event carries
             chat["stream_options"] = {"include_usage": True}
@@ -85,7 +119,7 @@ class _Reply:
         choice = out["choices"][0]
         status, why = status_of(choice["finish_reason"])
         usage = response_usage(out["usage"], self._count(choice["message"].get("reasoning")))
-        return self._response(status, output_items(choice), usage, why)
+        return self._stored(self._response(status, output_items(choice), usage, why))
 
     async def events(self) -> AsyncIterator[str]:
         stream = ResponseEvents(self.body, self.rid, self.created, self.state.model_name)
@@ -105,8 +139,17 @@ class _Reply:
             yield sse_event(stream.error(e.body()))
             return
         assert usage is not None, "the chat stream ends with its usage chunk"
-        for event in stream.finish(response_usage(usage, self._count(reasoning))):
+        events = stream.finish(response_usage(usage, self._count(reasoning)))
+        self._stored(events[-1]["response"])
+        for event in events:
             yield sse_event(event)
+
+    def _stored(self, response: dict) -> dict:
+        """Keep the whole response when the request asked for it to be stored."""
+        if self.body["store"]:
+            own = as_items(self.body.get("input"))
+            self.state.responses.put(response, own, self.body.get("previous_response_id"))
+        return response
 
     def _response(self, status: str, items: list, usage: dict, why: str | None) -> dict:
         return response_object(self.body, self.rid, self.created, self.state.model_name,
@@ -122,11 +165,11 @@ class _Reply:
         return len(tok.encode(reasoning, add_special_tokens=False)) if reasoning else 0
 
 
-def _not_stored(response_id: str) -> ApiError:
-    return ApiError(
-        f"response {response_id!r} not found: this server does not store responses (send the "
-        "conversation in 'input')",
-        404,
-        param="response_id",
-        code="not_found",
+def _not_stored(store: ResponseStore, response_id: str, param: str) -> ApiError:
+    why = (
+        "not stored (deleted, evicted from the store, or never stored)"
+        if store.enabled
+        else "not found: this server stores no responses (--responses-store-bytes 0; send "
+        "the conversation in 'input')"
     )
+    return ApiError(f"response {response_id!r} {why}", 404, param=param, code="not_found")

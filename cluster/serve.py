@@ -76,6 +76,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.cluster.pool_control import PoolControl
     from pdserve.cluster.ray_pool import PoolSpec
     from pdserve.cluster.request_log import RequestLog
+    from pdserve.cluster.response_store import ResponseStore
     from pdserve.cluster.route_policy import RouterConfig
     from pdserve.cluster.router import Router
     from pdserve.cluster.serve_placement import (
@@ -236,6 +237,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             cfg.api_key, cfg.max_body_bytes, ecfg.runner.runner, defaults, chat_template,
             RequestLog(_print) if cfg.enable_log_requests else None, ecfg.model.vocab_size,
             cfg.scheduling_policy, auto_tool_parser(cfg), cfg.reasoning_parser, cfg.cors,
+            ResponseStore(cfg.responses_store_bytes),
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)

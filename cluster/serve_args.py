@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pdserve.cluster.cors import CorsConfig
 from pdserve.cluster.metric_names import check_prefix
 from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
+from pdserve.cluster.response_store import DEFAULT_STORE_BYTES
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from pdserve.sizes import parse_size
 
@@ -17,7 +18,10 @@ ENV_KEYS = {"api_key": "PDSERVE_API_KEY", "admin_key": "PDSERVE_ADMIN_KEY"}
 UVICORN_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # runner/config.py's, without importing torch
 # Keys that take human-readable sizes ("32k", "4G"; pdserve/sizes.py), as vLLM's flags do.
-SIZE_KEYS = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes")
+SIZE_KEYS = (
+    "max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "responses_store_bytes",
+)  # fmt: skip
+ZERO_SIZES = ("responses_store_bytes",)  # size keys that may be 0 (off)
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ class ServeConfig:
     decode_prefix_slack: int = 8
     lease_s: float = 30.0
     max_body_bytes: int = 4 << 20
+    # The router's memory for stored Responses API responses (`store`, previous_response_id,
+    # GET /v1/responses/{id}); least recently used out first; 0 stores none.
+    responses_store_bytes: int = DEFAULT_STORE_BYTES
     health_interval_s: float = 2.0
     tier_bytes: int = 1 << 30  # host memory of the KV tier actor; 0 = no tier
     # How decode workers pull KV: "auto" (cuda_ipc for local GPU workers, else tcp;
@@ -164,8 +171,9 @@ class ServeConfig:
                     raise ValueError(f"--{name.replace('_', '-')}: {e}") from None
         for name in SIZE_KEYS:
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+            least = 0 if name in ZERO_SIZES else 1
+            if value is not None and value < least:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(
                 "--num-gpu-blocks-override must be >= 2 (block 0 is the reserved null "

@@ -69,6 +69,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "apart from the answer: qwen3 (Qwen3; a reply not opening with <think> is "
                    "all answer) or deepseek_r1 (DeepSeek-R1, Qwen3 Thinking-2507: the reply "
                    "opens in the thinking)")  # fmt: skip
+    p.add_argument("--responses-store-bytes", type=size_arg, default=None, metavar="SIZE",
+                   help="the router's memory for stored Responses API responses (store, "
+                   "previous_response_id, GET /v1/responses/{id}), least recently used out "
+                   "first; 0 stores none (default 256M)")  # fmt: skip
     p.add_argument("--disable-log-stats", action="store_true", default=None,
                    help="no periodic per-pool stats lines in the log")  # fmt: skip
     p.add_argument("--log-stats-interval", type=float, default=None, dest="log_stats_interval_s",

@@ -94,7 +94,6 @@ def test_input_items_read_as_turns():
 @pytest.mark.parametrize(
     "body, param, code",
     [
-        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "unsupported"),
         ({"input": "x", "conversation": "conv_1"}, "conversation", "unsupported"),
         ({"input": "x", "background": True}, "background", "unsupported"),
         ({"input": "x", "truncation": "auto"}, "truncation", "unsupported"),
@@ -246,7 +245,9 @@ def test_an_error_mid_stream_is_an_error_event():
 
 def test_the_response_repeats_the_request_and_maps_usage():
     """Guards the response object: the request's settings come back (defaults where it
-    gave none), store is false (nothing is kept), usage in the Responses API's names."""
+    gave none), store as the request is answered (false unless it says true:
+    cluster/responses_routes.py sets it) with the response it continues, usage in the
+    Responses API's names."""
     body = {"input": "x", "instructions": "Be brief.", "temperature": 0.2, "tools": [WEATHER],
             "metadata": {"k": "v"}, "max_output_tokens": 5}  # fmt: skip
     r = response_object(body, "resp_9", 11, "m", "completed", [], response_usage(USAGE, 0))
@@ -255,6 +256,10 @@ def test_the_response_repeats_the_request_and_maps_usage():
         "Be brief.", 0.2, [WEATHER], {"k": "v"})  # fmt: skip
     assert (r["max_output_tokens"], r["tool_choice"], r["store"], r["top_p"]) == (5, "auto",
                                                                                   False, None)  # fmt: skip
+    kept = response_object(dict(body, store=True, previous_response_id="resp_8"), "resp_9", 11,
+                           "m", "completed", [], None)  # fmt: skip
+    Response.model_validate(kept)
+    assert (kept["store"], kept["previous_response_id"]) == (True, "resp_8")
     assert r["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 0},
                           "output_tokens": 3, "output_tokens_details": {"reasoning_tokens": 0},
                           "total_tokens": 10}  # fmt: skip

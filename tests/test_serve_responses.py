@@ -1,8 +1,9 @@
 """`POST /v1/responses` on the session's real servers (Ray workers, the bundled SmolLM2),
 through the openai SDK's `client.responses`: a response equals the chat completion its
 request stands for, streamed events end in the same response, tools and multi-turn
-function calls work, and what is not carried out is a 400 naming the field. The pieces
-on plain dicts are in tests/test_responses_api.py."""
+function calls work, stored responses are continued, read and deleted, and what is not
+carried out is a 400 naming the field. The pieces on plain dicts are in
+tests/test_responses_api.py and tests/test_response_store.py."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_a_response_is_the_chat_completion_it_stands_for(server, request):
     if cut:
         assert r.incomplete_details.reason == "max_output_tokens"
     assert (r.instructions, r.max_output_tokens, r.temperature, r.store) == (
-        "Be brief.", 12, 0, False)  # fmt: skip
+        "Be brief.", 12, 0, True)  # fmt: skip
     events, final = _streamed(c, **kw)
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == r.output_text
@@ -111,13 +112,50 @@ def test_a_json_schema_and_a_reply_that_thinks(colocated):
     assert final.output_text == r.output_text
 
 
+def test_a_stored_response_is_continued_read_and_deleted(pd):
+    """Guards the store end to end: a response continued by `previous_response_id` (with
+    its own instructions) answers what the chat completion of the whole conversation
+    answers, greedy, with the same prompt tokens; a streamed continuation is stored as its
+    last event says; `GET` returns a response as it was answered; `store: false` keeps
+    nothing; deleting a response breaks its conversation with a 404 naming it."""
+    c = pd.client()
+    kw = dict(model=MODEL, max_output_tokens=8, temperature=0)
+    first = c.responses.create(input="My name is Ada.", **kw)
+    assert (first.store, first.previous_response_id) == (True, None)
+    second = c.responses.create(input=QUESTION, previous_response_id=first.id,
+                                instructions="Be brief.", **kw)  # fmt: skip
+    chat = c.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=8,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "My name is Ada."},
+                  {"role": "assistant", "content": first.output_text},
+                  {"role": "user", "content": QUESTION}],
+    )  # fmt: skip
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.previous_response_id == first.id
+    _, final = _streamed(c, input="Thanks.", previous_response_id=second.id, **kw)
+    assert final.store and final.previous_response_id == second.id
+    assert c.responses.retrieve(final.id).model_dump() == final.model_dump()
+    assert c.responses.retrieve(first.id).model_dump() == first.model_dump()
+    kept_not = c.responses.create(input="Hi", store=False, **kw)
+    assert kept_not.store is False
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(kept_not.id)
+    c.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.responses.create(input="And?", previous_response_id=final.id, **kw)
+    assert e.value.body["param"] == "previous_response_id" and first.id in e.value.body["message"]
+    assert c.responses.retrieve(second.id).id == second.id  # the rest of it is still there
+
+
 def test_what_is_not_done_is_refused_by_name(pd):
-    """Guards the edges: stored-response features and built-in tools are 400s naming the
+    """Guards the edges: conversation objects and built-in tools are 400s naming the
     field (code unsupported), a bad field a 400 naming the Responses field it came from,
-    and fetching a response a 404 that says none are stored; the server serves on."""
+    and fetching or continuing a response never stored a 404; the server serves on."""
     c = pd.client()
     for kw, param in (
-        (dict(previous_response_id="resp_1"), "previous_response_id"),
+        (dict(conversation="conv_1"), "conversation"),
         (dict(tools=[{"type": "web_search"}]), "tools"),
         (dict(max_output_tokens=0), "max_output_tokens"),
         (dict(input=[]), "input"),
@@ -129,5 +167,8 @@ def test_what_is_not_done_is_refused_by_name(pd):
             assert e.value.body["message"] == "'max_output_tokens' must be at least 1, got 0"
     r = httpx.get(pd.url + "/v1/responses/resp_1", timeout=30,
                   headers={"Authorization": f"Bearer {c.api_key}"})  # fmt: skip
-    assert r.status_code == 404 and "does not store" in r.json()["error"]["message"]
+    assert r.status_code == 404 and "not stored" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        c.responses.create(model=MODEL, input=QUESTION, previous_response_id="resp_1")
+    assert e.value.body["param"] == "previous_response_id"
     assert c.responses.create(model=MODEL, input="Hi", max_output_tokens=2).output_text
