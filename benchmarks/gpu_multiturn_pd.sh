@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (nvidia-h200, `.gpu` carried): PD multi-turn conversations with the
-# prefix-hit threshold `pd_min_prompt_tokens` at each value in $MINS (default "16 1024",
+# prefix-hit threshold `--pd-min-prompt-tokens` at each value in $MINS (default "16 1024",
 # $ROUNDS rounds interleaved, default 2). 16 sends every turn's uncached tail of more than
 # 16 tokens to the prefill worker (a round trip and a KV pull); 1024 lets the decode
 # worker compute tails of up to 1,023 tokens in its own batches, as Dynamo's conditional
@@ -13,11 +13,10 @@ ROOT=$OLDPWD
 MT_ARGS=${MT_ARGS:---conversations 32 --turns 4 --first-len 1024 --turn-len 64 --output-len 64}
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for min in ${MINS:-16 1024}; do
-    printf 'pd_min_prompt_tokens: %s\n' "$min" > "$OUT/pd_min_$min.yaml"
     echo "== round $round, pd_min_prompt_tokens $min"
     # shellcheck disable=SC2086
     timeout 240 python3 "$ROOT/benchmarks/multiturn.py" --model /tmp/pdserve-model --mode pd \
-      --workers 1 $MT_ARGS --serve-args "--config $OUT/pd_min_$min.yaml" \
+      --workers 1 $MT_ARGS --serve-args "--pd-min-prompt-tokens $min" \
       --tag "pd_min${min}_r$round" --out "$OUT" 2>&1 | tail -2
   done
 done

@@ -267,6 +267,10 @@ class ServeConfig:
                 "--max-waiting-per-decode-worker must be >= 0, got "
                 f"{self.max_waiting_per_decode_worker}"
             )
+        if self.pd_min_prompt_tokens < 0:
+            raise ValueError(
+                f"--pd-min-prompt-tokens must be >= 0, got {self.pd_min_prompt_tokens}"
+            )
         if self.pd_max_prefill_queue_tokens < 0:
             raise ValueError(
                 "--pd-max-prefill-queue-tokens must be >= 0, got "

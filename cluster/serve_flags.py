@@ -164,6 +164,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "cache among those within N requests in flight (or a quarter, if more) of "
                    f"the least busy (default {d.decode_prefix_slack}; 0: only among the least "
                    "busy)")  # fmt: skip
+    p.add_argument("--pd-min-prompt-tokens", type=int, default=None, metavar="N",
+                   help="pd mode: a prompt with fewer than N tokens not cached on its decode "
+                   "worker prefills there, not on a prefill worker (default "
+                   f"{d.pd_min_prompt_tokens})")  # fmt: skip
     p.add_argument("--pd-max-prefill-queue-tokens", type=int, default=None,
                    help="pd mode: when every prefill worker has this many prompt tokens in "
                    "flight, prefill on the decode worker instead (default 0: always remote)")  # fmt: skip

@@ -79,6 +79,7 @@ def test_whole_gpu_workers_see_their_gpu_first_and_the_others_after():
         ({"gpu_memory_utilization": 0.0}, "--gpu-memory-utilization"),
         ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization"),
         ({"pd_max_prefill_queue_tokens": -1}, "--pd-max-prefill-queue-tokens"),
+        ({"pd_min_prompt_tokens": -1}, "--pd-min-prompt-tokens"),
         (
             {"kv_layer_wise": True, "kv_transport": "cuda_ipc"},
             "--kv-layer-wise streams KV over tcp",

@@ -56,12 +56,14 @@ def test_flags_parse_into_the_new_keys(monkeypatch):
     add_serve_args(p)
     args = p.parse_args(
         ["--ray-address", "auto", "--pool-resources", "--gpus-per-worker", "1", "--autoscale",
-         "--max-decode-workers", "8", "--admin-key", "k", "--decode-prefix-slack", "3"]
+         "--max-decode-workers", "8", "--admin-key", "k", "--decode-prefix-slack", "3",
+         "--pd-min-prompt-tokens", "512"]
     )  # fmt: skip
     cfg = config_from_args(args)
     assert (cfg.ray_address, cfg.pool_resources, cfg.gpus_per_worker) == ("auto", True, 1.0)
     assert (cfg.autoscale, cfg.max_decode_workers, cfg.admin_key) == (True, 8, "k")
     assert cfg.decode_prefix_slack == 3 and ServeConfig().decode_prefix_slack == 8
+    assert cfg.pd_min_prompt_tokens == 512 and ServeConfig().pd_min_prompt_tokens == 16
 
 
 def test_decode_slots_are_the_running_and_the_waiting_requests():
