@@ -1,4 +1,5 @@
-"""/v1/completions and /v1/chat/completions: a parsed request per prompt, its choices
+"""/v1/completions and /v1/chat/completions (and SageMaker's /invocations, either of
+them by its body): a parsed request per prompt, its choices
 collected (or streamed as SSE) from the router, in OpenAI's response shapes.
 
 A completion may carry a batch of prompts; every prompt runs `n` generations, and the
@@ -19,10 +20,10 @@ from fastapi.responses import StreamingResponse
 
 from pdserve.cluster.batch_stream import merged
 from pdserve.cluster.completion_choices import chat_reply, choice
-from pdserve.cluster.completion_request import parse_request
+from pdserve.cluster.completion_request import parse_body, parse_request
 from pdserve.cluster.completion_stream import sse_stream
 from pdserve.cluster.disconnect import unless_disconnected
-from pdserve.cluster.http_app import AppState
+from pdserve.cluster.http_app import AppState, json_object, read_body
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
 from pdserve.cluster.request_log import route_hook, watched
 from pdserve.cluster.request_timing import RequestTiming
@@ -56,6 +57,19 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         return await unless_disconnected(request, run(await parse_request(state, request, "chat")))
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        """SageMaker's inference route, as vLLM serves it: a body with `messages` is a chat
+        completion, one with `prompt` a completion."""
+        body = json_object(await read_body(request, state.max_body_bytes))
+        kind = "chat" if "messages" in body else "completion" if "prompt" in body else None
+        if kind is None:
+            raise ApiError("an /invocations body needs 'messages' (a chat completion) or "
+                           "'prompt' (a completion)")  # fmt: skip
+        header_id = getattr(request.state, "client_request_id", None)
+        return await unless_disconnected(request, run(await parse_body(state, body, kind,
+                                                                       header_id)))  # fmt: skip
 
 
 async def whole_reply(

@@ -138,9 +138,10 @@ def check_model(state: AppState, body: dict) -> None:
         )
 
 
-# Paths the API key guards: the OpenAI routes, and vLLM's tokenizer routes beside them
-# (vLLM leaves those open; here a key, when set, guards every route that reads a body).
-GUARDED = ("/v1", "/tokenize", "/detokenize")
+# Paths the API key guards: the OpenAI routes, and vLLM's tokenizer and SageMaker routes
+# beside them (vLLM leaves those open; here a key, when set, guards every route that reads
+# a body).
+GUARDED = ("/v1", "/tokenize", "/detokenize", "/invocations")
 
 
 def build_app(state: AppState) -> FastAPI:
@@ -187,7 +188,9 @@ def build_app(state: AppState) -> FastAPI:
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
         return error_response(e)
 
-    @app.get("/health")
+    # SageMaker's health check (vLLM serves it too, GET and POST): /health's answer.
+    @app.api_route("/health", methods=["GET"])
+    @app.api_route("/ping", methods=["GET", "POST"])
     async def health() -> Response:
         # Serving needs a ready decode worker (PD falls back to prefilling there); without
         # one (all restarting or drained) the router is up but cannot answer: 503, so a

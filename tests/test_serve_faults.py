@@ -187,14 +187,36 @@ def test_kill_decode_worker_errors_its_requests_then_recovers(server):
     assert r.choices[0].message.content == "The capital of France is Paris."
 
 
+def test_sagemaker_invocations_answer_as_chat_or_completion(server):
+    """Guards SageMaker's /invocations (as vLLM serves it): a body with `messages` is
+    answered as /v1/chat/completions answers it, one with `prompt` as /v1/completions,
+    greedy and token for token; a body with neither is a 400 that says what it needs."""
+    auth = {"authorization": f"Bearer {KEY}"}
+    chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12, "temperature": 0}  # fmt: skip
+    text = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    for body, route, field in ((chat, "/v1/chat/completions", "message"),
+                               (text, "/v1/completions", "text")):  # fmt: skip
+        got = httpx.post(server.url + "/invocations", json=body, headers=auth, timeout=60)
+        want = httpx.post(server.url + route, json=body, headers=auth, timeout=60)
+        assert got.status_code == want.status_code == 200, got.text
+        g, w = got.json(), want.json()
+        counts = lambda u: (u["prompt_tokens"], u["completion_tokens"])  # noqa: E731
+        assert g["object"] == w["object"] and counts(g["usage"]) == counts(w["usage"])
+        assert g["choices"][0][field] == w["choices"][0][field]
+    bad = httpx.post(server.url + "/invocations", json={"input": "x"}, headers=auth, timeout=10)
+    assert bad.status_code == 400 and "'messages'" in bad.json()["error"]["message"]
+
+
 def test_api_key_required_when_set(server):
-    """Guards auth: /v1 and the tokenizer routes need the key, /health and /metrics stay
-    open."""
+    """Guards auth: /v1, the tokenizer routes and SageMaker's /invocations need the key;
+    /health, /ping and /metrics stay open."""
     for key in (None, "wrong"):
         headers = {} if key is None else {"authorization": f"Bearer {key}"}
         r = httpx.get(server.url + "/v1/models", headers=headers, timeout=10)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]}),
+                           ("/invocations", {"prompt": "x", "max_tokens": 1})):  # fmt: skip
             r = httpx.post(server.url + path, json=body, headers=headers, timeout=10)
             assert r.status_code == 401, (path, r.text)
     keyed = httpx.post(
@@ -203,6 +225,8 @@ def test_api_key_required_when_set(server):
     )  # fmt: skip
     assert keyed.status_code == 200 and keyed.json()["count"] == 2
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(server.url + "/ping", timeout=10).status_code == 200
+    assert httpx.post(server.url + "/ping", timeout=10).status_code == 200
     assert httpx.get(server.url + "/metrics", timeout=30).status_code == 200
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
