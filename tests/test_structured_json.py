@@ -708,16 +708,19 @@ def test_pattern_escaped_dollar_is_kept() -> None:
 
 
 BAD_SCHEMAS = [
-    ({"type": "integer", "minimum": 0}, "keyword 'minimum' is not supported"),
     ({"type": "number", "multipleOf": 2}, "keyword 'multipleOf' is not supported"),
-    ({"type": "number", "exclusiveMinimum": 0}, "'exclusiveMinimum' is not supported"),
+    ({"type": "number", "minimum": 0.5}, "must be a whole number"),
+    ({"type": "integer", "minimum": "1"}, "'minimum' must be a finite number"),
+    ({"type": "integer", "maximum": float("inf")}, "'maximum' must be a finite number"),
+    ({"type": "integer", "minimum": 3, "maximum": 2}, "admits no value"),
+    ({"type": "integer", "exclusiveMinimum": 2, "exclusiveMaximum": 3}, "admits no value"),
+    ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "admits no value"),
     ({"type": "array", "uniqueItems": True}, "keyword 'uniqueItems' is not supported"),
     ({"type": "object", "patternProperties": {}}, "'patternProperties' is not supported"),
     ({"not": {"type": "string"}}, "keyword 'not' is not supported"),
     ({"if": {}, "then": {}}, "keyword 'if' is not supported"),
     ({"dependentRequired": {}}, "keyword 'dependentRequired' is not supported"),
     ({"type": "object", "minProperties": 1}, "keyword 'minProperties' is not supported"),
-    ({"properties": {"a": {"maximum": 3}}}, "keyword 'maximum' is not supported"),
     ({"type": "foo"}, "type 'foo' is unknown"),
     ({"type": ["string", "bar"]}, "type 'bar' is unknown"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "names 'b'"),

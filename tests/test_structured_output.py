@@ -155,6 +155,23 @@ def test_sampled_outputs_all_follow_the_pattern(smollm_dir):
     assert greedy_texts[0] == greedy_texts[1]
 
 
+def test_sampled_numbers_keep_their_schema_bounds(smol, tok):
+    """Guards numeric bounds through the engine (the tool-call schemas' `minimum`s): every
+    sampled reply that ends on EOS holds an integer and a number inside their bounds,
+    checked by jsonschema; the sampling is seeded, so the count that ended is fixed."""
+    schema = {"type": "object", "required": ["age", "score"], "properties": {
+        "age": {"type": "integer", "minimum": 18, "maximum": 65},
+        "score": {"type": "number", "exclusiveMinimum": 0, "maximum": 10}}}  # fmt: skip
+    prompt = _chat(tok, "Describe a player as JSON with an age and a score.")
+    params = SamplingParams(temperature=1.0, seed=5, n=8, max_tokens=48,
+                            structured_outputs=StructuredOutputs(json=schema))  # fmt: skip
+    done = [c for c in smol.generate({"prompt_token_ids": prompt}, params,
+                                     use_tqdm=False)[0].outputs if c.finish_reason == "stop"]  # fmt: skip
+    assert len(done) >= 4, "most replies end within 48 tokens"
+    for comp in done:
+        jsonschema.validate(json.loads(comp.text), schema)
+
+
 def test_json_mode_and_choice(smol, tok):
     """Guards JSON mode (any object, nested) and a choice list through the engine: each
     ends on EOS with a text that parses / is one of the choices."""

@@ -21,7 +21,9 @@ every valid text can be produced):
 - `type` (one or a list), `enum`, `const`: values emitted as compact `json.dumps` text (only
   `type` may sit beside `enum`/`const`). `integer` emits no fraction (`1.0` is never made).
   Without `type`, the keywords imply it (`properties` an object, `items` an array,
-  `pattern` a string, ...); with none of those, any JSON value.
+  `pattern` a string, `minimum` a number, ...); with none of those, any JSON value.
+- numbers, integers: `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`; see
+  `json_numbers.py`.
 - objects, arrays, strings: see `json_schema_types.py`.
 - `anyOf` and `oneOf` are alternatives; `oneOf`'s "exactly one" is not enforced, so with
   overlapping branches the output may match several. `allOf` only with one subschema.
@@ -38,7 +40,8 @@ import json
 from typing import Any
 from urllib.parse import unquote
 
-from pdserve.runner.structured.json_grammar import BOOLEAN, INTEGER, NULL, NUMBER, json_value_node
+from pdserve.runner.structured.json_grammar import BOOLEAN, NULL, json_value_node
+from pdserve.runner.structured.json_numbers import NUMERIC_KEYWORDS, integer_node, number_node
 from pdserve.runner.structured.json_schema_types import array_node, object_node, string_node
 from pdserve.runner.structured.regex_ast import NOTHING, Node, alt, is_empty, literal
 
@@ -73,8 +76,10 @@ _ARRAY_KEYWORDS = frozenset({"items", "prefixItems", "minItems", "maxItems"})
 _OBJECT_KEYWORDS = frozenset({"properties", "required", "additionalProperties"})
 _VALUE_KEYWORDS = frozenset({"type", "enum", "const"})
 SUPPORTED_KEYWORDS = (
-    frozenset(_COMBINATORS) | _STRING_KEYWORDS | _ARRAY_KEYWORDS | _OBJECT_KEYWORDS
-) | _VALUE_KEYWORDS
+    (frozenset(_COMBINATORS) | _STRING_KEYWORDS | _ARRAY_KEYWORDS | _OBJECT_KEYWORDS)
+    | _VALUE_KEYWORDS
+    | NUMERIC_KEYWORDS
+)
 JSON_TYPES = ("string", "integer", "number", "boolean", "null", "array", "object")
 
 
@@ -210,6 +215,7 @@ class _SchemaCompiler:
                 ("string", _STRING_KEYWORDS),
                 ("array", _ARRAY_KEYWORDS),
                 ("object", _OBJECT_KEYWORDS),
+                ("number", NUMERIC_KEYWORDS),
             )
             if keywords & schema.keys()
         ]
@@ -243,9 +249,9 @@ class _SchemaCompiler:
         if type_ == "string":
             return string_node(schema)
         if type_ == "integer":
-            return INTEGER
+            return integer_node(schema)
         if type_ == "number":
-            return NUMBER
+            return number_node(schema)
         if type_ == "boolean":
             return BOOLEAN
         if type_ == "null":
