@@ -145,8 +145,8 @@ def main() -> int:
     finally:
         server.stop()
 
-    decisions = after.pop("router")
-    decisions = {k: v - before.pop("router").get(k, 0.0) for k, v in sorted(decisions.items())}
+    decided, decided_before = after.pop("router"), before.pop("router")
+    decisions = {k: v - decided_before.get(k, 0.0) for k, v in sorted(decided.items())}
     ttfts = [[ttft for ttft, _ in t] for t in turns]
     tpots = [tpot for t in turns for _, tpot in t if tpot is not None]
 
