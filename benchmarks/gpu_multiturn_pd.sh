@@ -6,8 +6,11 @@
 # worker compute tails of up to 1,023 tokens in its own batches, as Dynamo's conditional
 # disaggregation does (its default local prefill length is ~1,000). A prefill worker and
 # a decode worker share the GPU. Writes multiturn_pd_min<N>_r<R>_<device>.json under $OUT.
+#   PDSERVE_COMMIT: the tree's commit, written into the results (the device copy's git may
+#   lag the working tree)
 #   MT_ARGS: multiturn.py's workload (default 32 conversations × 4 turns, 1,024-token
 #   first prompts, 64-token turns, 64-token replies)
+export PDSERVE_COMMIT=${PDSERVE_COMMIT:?name the tree's commit: PDSERVE_COMMIT=<hash>}
 source benchmarks/gpu_serve_setup.sh
 ROOT=$OLDPWD
 MT_ARGS=${MT_ARGS:---conversations 32 --turns 4 --first-len 1024 --turn-len 64 --output-len 64}
