@@ -613,11 +613,11 @@ def test_tool_calls_named_and_required_over_http(pd):
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls
     # A tool whose parameters use a keyword structured output does not carry out: a 400
     # naming `tools` from the router (before, it reached the workers).
-    bounded = {"type": "object", "properties": {"days": {"type": "integer", "minimum": 1}}}
+    bounded = {"type": "object", "properties": {"days": {"type": "integer", "multipleOf": 7}}}
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(**{**kw, "tools": [{"type": "function", "function": {
             "name": "forecast", "parameters": bounded}}]}, tool_choice="required")  # fmt: skip
-    assert e.value.body.get("param") == "tools" and "minimum" in e.value.body["message"]
+    assert e.value.body.get("param") == "tools" and "multipleOf" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(**kw)  # tool_choice auto, OpenAI's default with tools
     assert e.value.body.get("param") == "tool_choice"

@@ -249,7 +249,7 @@ def test_bad_constraints_are_refused_before_anything_is_queued(smol):
     for so, fragment in (
         ({"regex": "(a"}, "("),
         ({"regex": r"(a)\1"}, "\\1"),
-        ({"json": {"type": "integer", "minimum": 3}}, "minimum"),
+        ({"json": {"type": "integer", "multipleOf": 3}}, "multipleOf"),
         ({"json": "{not json"}, "not valid JSON"),
         ({"choice": []}, "choice"),
         ({"regex": "a", "choice": ["a"]}, "exactly one"),

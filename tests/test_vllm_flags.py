@@ -623,7 +623,7 @@ def test_structured_output_fields_parse_as_openai_and_vllm_send_them():
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format",
          "'schema'"),
         ({"guided_regex": "(a"}, "guided_regex", "("),
-        ({"guided_json": {"type": "number", "minimum": 0}}, "guided_json", "minimum"),
+        ({"guided_json": {"type": "number", "multipleOf": 2}}, "guided_json", "multipleOf"),
         ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "grammar"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
          "exactly one"),
