@@ -43,10 +43,10 @@ from pdserve.cluster.responses_stream import ResponseEvents, sse_event
 def add_responses_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/v1/responses")
     async def responses(request: Request):
-        body = answered_body(
+        body, history = answered_body(
             state.responses, json_object(await read_body(request, state.max_body_bytes))
         )
-        reply = _Reply(state, body, await _chat_requests(state, body))
+        reply = _Reply(state, body, await _chat_requests(state, body, history))
         if state.request_log is not None:
             state.request_log.received(reply.rid, reply.reqs)
         if reply.reqs[0].stream:
@@ -68,32 +68,32 @@ def add_responses_routes(app: FastAPI, state: AppState) -> None:
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-def answered_body(store: ResponseStore, body: dict) -> dict:
-    """The request as it is answered: `store` as it will be done (false when the server
-    stores nothing); a 400 for a `store` or `previous_response_id` of the wrong type, a 404
-    when the response it continues (or an earlier one of that conversation) is not stored."""
+def answered_body(store: ResponseStore, body: dict) -> tuple[dict, list[dict]]:
+    """The request as it is answered, with `store` as it will be done (false when the
+    server stores nothing), and the items of the conversation it continues (none without
+    `previous_response_id`); a 400 for a `store` or `previous_response_id` of the wrong
+    type, a 404 when the response it continues (or an earlier one of that conversation) is
+    not stored."""
     wanted = body.get("store")
     if wanted is not None and not isinstance(wanted, bool):
         raise ApiError("'store' must be a boolean", param="store")
-    previous = body.get("previous_response_id")
+    previous, history = body.get("previous_response_id"), []
     if previous is not None:
         if not isinstance(previous, str):
             raise ApiError("'previous_response_id' must be a string", param="previous_response_id")
         try:
-            store.conversation(previous)
+            history = store.conversation(previous)
         except MissingResponse as e:
             raise _not_stored(store, e.response_id, "previous_response_id") from None
-    return dict(body, store=store.enabled and wanted is not False)
+    return dict(body, store=store.enabled and wanted is not False), history
 
 
-async def _chat_requests(state: AppState, body: dict) -> list[ParsedRequest]:
-    """The chat requests a Responses body stands for (after the conversation it
-    continues); a check's 400 names the Responses field (`input` for `messages`,
-    `max_output_tokens` for `max_tokens`, ...)."""
+async def _chat_requests(state: AppState, body: dict, history: list[dict]) -> list[ParsedRequest]:
+    """The chat requests a Responses body stands for, after the `history` it continues;
+    a check's 400 names the Responses field (`input` for `messages`, `max_output_tokens`
+    for `max_tokens`, ...)."""
     try:
-        previous = body.get("previous_response_id")
-        if previous is not None:
-            history = state.responses.conversation(previous)
+        if history:
             body = dict(body, input=history + as_items(body.get("input")))
         chat = chat_body(body)
         if chat.get("stream"):  # the usage the final event carries

@@ -81,20 +81,22 @@ def test_a_broken_link_names_the_missing_response():
 
 def test_a_request_is_answered_with_the_store_it_gets():
     """Guards `answered_body`: store is true by default and when asked, false when asked
-    or when the server stores nothing; a bad `store` or `previous_response_id` is a 400,
-    an unknown one a 404 naming previous_response_id."""
+    or when the server stores nothing; a continued response's conversation comes back; a
+    bad `store` or `previous_response_id` is a 400, an unknown one a 404 naming
+    previous_response_id."""
     on, off = ResponseStore(1 << 20), ResponseStore(0)
-    assert answered_body(on, {"input": "x"})["store"] is True
-    assert answered_body(on, {"input": "x", "store": False})["store"] is False
-    assert answered_body(off, {"input": "x", "store": True})["store"] is False
+    assert answered_body(on, {"input": "x"}) == ({"input": "x", "store": True}, [])
+    assert answered_body(on, {"input": "x", "store": False})[0]["store"] is False
+    assert answered_body(off, {"input": "x", "store": True})[0]["store"] is False
     for body, status in (({"store": "yes"}, 400), ({"previous_response_id": 3}, 400),
                          ({"previous_response_id": "resp_x"}, 404)):  # fmt: skip
         with pytest.raises(ApiError) as e:
             answered_body(on, {"input": "x", **body})
         assert e.value.status == status and e.value.param == next(iter(body)), e.value.body()
     on.put(_response("resp_1", "a"), as_items("q"), None)
-    body = answered_body(on, {"input": "x", "previous_response_id": "resp_1"})
+    body, history = answered_body(on, {"input": "x", "previous_response_id": "resp_1"})
     assert body["previous_response_id"] == "resp_1" and body["store"] is True
+    assert history == on.conversation("resp_1")
 
 
 def test_with_the_store_off_the_server_says_none_are_stored():
