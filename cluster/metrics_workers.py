@@ -173,7 +173,8 @@ def _counts_by(
     return family
 
 
-_PATH_KEYS = ("runner", "decode_attention", "norms", "graph_scope")  # Engine.execution_path
+# Engine.execution_path
+_PATH_KEYS = ("runner", "decode_attention", "norms", "graph_scope", "experts")
 
 
 def _path_families(router: Any, roles: dict[str, str]):
@@ -181,7 +182,8 @@ def _path_families(router: Any, roles: dict[str, str]):
     operator sees whether decode steps really take the CUDA graphs."""
     info = GaugeMetricFamily(
         PREFIX + "engine_info",
-        "The engine's execution path (runner, decode attention kernel, norms, graph scope)",
+        "The engine's execution path (runner, decode attention kernel, norms, graph scope, "
+        "MoE experts)",
         labels=["role", "worker", *_PATH_KEYS],
     )
     steps = CounterMetricFamily(

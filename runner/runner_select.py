@@ -15,6 +15,7 @@ from typing import Any
 
 from pdserve.runner.config import RUNNER_CHOICES, architecture_of
 from pdserve.runner.models import MODEL_REGISTRY
+from pdserve.runner.models.moe import moe_spec
 from pdserve.runner.models.rope import SUPPORTED_ROPE_TYPES, rope_parameters
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def _uses_sliding_window(cfg: Any) -> bool:
     window = getattr(cfg, "sliding_window", None)
     if not window:
         return False
-    if getattr(cfg, "model_type", "") in ("qwen2", "qwen3"):
+    if getattr(cfg, "model_type", "") in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         return bool(getattr(cfg, "use_sliding_window", False))
     return True
 
@@ -88,9 +89,11 @@ def select_runner(requested: str | None, hf_config: Any) -> str:
 
 def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
     """What an engine with this runner config and runner runs: its runner, decode attention,
-    norms and CUDA-graph scope, as the engine's ready log and the workers' stats say it."""
+    norms, CUDA-graph scope and MoE experts, as the engine's ready log and the workers'
+    stats say it."""
     cfg = runner_config
-    folded = getattr(getattr(runner, "model", None), "norms_folded", False)
+    model = getattr(runner, "model", None)
+    folded = getattr(model, "norms_folded", False)
     return {
         "runner": runner.name,
         "decode_attention": cfg.decode_attention,
@@ -98,4 +101,17 @@ def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
         # tokens then run without RMSNorm launches
         "norms": "folded" if folded else "kernels",
         "graph_scope": cfg.cuda_graph_scope if cfg.cuda_graph_sizes else "none",
+        "experts": _experts_path(runner.name, model, cfg.device),
     }
+
+
+def _experts_path(runner_name: str, model: Any, device: str) -> str:
+    """How an MoE model's experts run (kernels/moe.py): "triton" grouped GEMMs on CUDA,
+    the "torch" loop over experts on the CPU, "transformers" on the reference runner;
+    "none" for a dense model."""
+    config = getattr(model, "config", None)
+    if config is None or moe_spec(config) is None:
+        return "none"
+    if runner_name != "mrv2":
+        return "transformers"
+    return "triton" if device.startswith("cuda") else "torch"

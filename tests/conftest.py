@@ -42,6 +42,7 @@ collect_ignore = ([] if _num_gpus() >= 2 else ["test_gpu_peer_ipc.py"]) + (
         "test_gpu_norm_fold.py",
         "test_gpu_tier_write_behind.py",
         "test_gpu_compile_watch.py",
+        "test_gpu_moe.py",
         "gpu_ipc_source_proc.py",
         "gpu_ipc_dead_source_proc.py",
         "gpu_ipc_layouts.py",
@@ -237,6 +238,56 @@ def tiny_mistral_dir(tmp_path_factory) -> str:
         architectures=["MistralForCausalLM"],
     )
     return _save_tiny(tmp_path_factory, "tiny-mistral", cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory) -> str:
+    """Qwen3-MoE: 7 experts of intermediate 40 (not a power of two), 3 picks renormalised,
+    q/k norm, head_dim 24; layer 1 dense (`mlp_only_layers`) between two sparse ones."""
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=991, hidden_size=80, intermediate_size=112, moe_intermediate_size=40,
+        num_experts=7, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1],
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.1,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+        architectures=["Qwen3MoeForCausalLM"],
+    )  # fmt: skip
+    return _save_tiny(tmp_path_factory, "tiny-qwen3-moe", cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory) -> str:
+    """Qwen2-MoE: qkv bias, a sigmoid-gated shared expert beside 6 experts, 2 picks not
+    renormalised, every second layer sparse (`decoder_sparse_step` 2), tied embeddings."""
+    from transformers import Qwen2MoeConfig
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=1013, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+        shared_expert_intermediate_size=56, num_experts=6, num_experts_per_tok=2,
+        norm_topk_prob=False, decoder_sparse_step=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+        architectures=["Qwen2MoeForCausalLM"],
+    )  # fmt: skip
+    return _save_tiny(tmp_path_factory, "tiny-qwen2-moe", cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory) -> str:
+    """Mixtral: 4 experts (checkpoint names w1/w3/w2 under block_sparse_moe), 2 picks,
+    3 q / 1 kv heads of head_dim 20, no sliding window."""
+    from transformers import MixtralConfig
+
+    cfg = MixtralConfig(
+        vocab_size=1019, hidden_size=60, intermediate_size=72, num_local_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, max_position_embeddings=512, sliding_window=None,
+        tie_word_embeddings=False, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+        architectures=["MixtralForCausalLM"],
+    )  # fmt: skip
+    return _save_tiny(tmp_path_factory, "tiny-mixtral", cfg)
 
 
 @pytest.fixture(scope="session")

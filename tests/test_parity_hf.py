@@ -64,11 +64,17 @@ def test_bundled_model_chat_answers_paris():
 
 @pytest.mark.parametrize("decode_attention", DECODE_ATTENTION)
 @pytest.mark.parametrize(
-    "fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_qwen2_dir", "tiny_mistral_dir"]
-)
+    "fixture",
+    [
+        "tiny_llama_dir", "tiny_qwen3_dir", "tiny_qwen2_dir", "tiny_mistral_dir",
+        "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_mixtral_dir",
+    ],
+)  # fmt: skip
 def test_tiny_random_models_match_transformers(fixture, request, decode_attention):
     """Awkward shapes (head_dim 20/36, 1-3 kv heads, MHA, tied/untied, llama3/yarn/linear
-    RoPE, q/k norm, qkv bias) through the paged path equal transformers token for token."""
+    RoPE, q/k norm, qkv bias) through the paged path equal transformers token for token;
+    the MoE members also guard routing (top-k, renormalised or not), the experts' stacked
+    weights, dense layers between sparse ones and Qwen2-MoE's shared expert."""
     model_dir = request.getfixturevalue(fixture)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100)]

@@ -7,6 +7,9 @@ from pdserve.runner.models.llama import LlamaFamilyForCausalLM
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaFamilyForCausalLM,
     "MistralForCausalLM": LlamaFamilyForCausalLM,
+    "MixtralForCausalLM": LlamaFamilyForCausalLM,
     "Qwen2ForCausalLM": LlamaFamilyForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaFamilyForCausalLM,
     "Qwen3ForCausalLM": LlamaFamilyForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaFamilyForCausalLM,
 }

@@ -1,10 +1,12 @@
-"""The Llama family on the paged KV cache: Llama, Mistral, Qwen2, Qwen3, SmolLM.
+"""The Llama family on the paged KV cache: Llama, Mistral, Qwen2, Qwen3, SmolLM, and the
+MoE members Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 One module tree covers the family; the differences are data in `FamilySpec`
-(attention biases, per-head q/k RMSNorm). GQA/MHA, RoPE variants from
-`runner.models.rope`, SwiGLU, tied or untied embeddings. Q/K/V and gate/up are fused
-into one GEMM each at load time (exact on CPU float32: per-element results do not change
-when output columns are concatenated).
+(attention biases, per-head q/k RMSNorm) and, for the MoE members, `MoeSpec` (which
+layers' feed-forward is a sparse expert block, runner/models/moe.py). GQA/MHA, RoPE
+variants from `runner.models.rope`, SwiGLU, tied or untied embeddings. Q/K/V and gate/up
+are fused into one GEMM each at load time (exact on CPU float32: per-element results do
+not change when output columns are concatenated).
 
 The forward pass takes flat tokens `[T]` and per-step `AttentionMetadata`; it knows
 nothing about requests, slots or sampling.
@@ -25,7 +27,9 @@ from pdserve.kernels.qkv_prep import prepare_qkv
 from pdserve.kernels.row_squares import ScaleRows
 from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
+from pdserve.runner.models import moe
 from pdserve.runner.models.attention_metadata import AttentionMetadata
+from pdserve.runner.models.mlp import MLP
 from pdserve.runner.models.norm_fold import chain_applies, folded_forward
 from pdserve.runner.models.rope import build_cos_sin_cache
 
@@ -40,9 +44,10 @@ class FamilySpec:
 def family_spec(hf_config: Any) -> FamilySpec:
     model_type = getattr(hf_config, "model_type", "")
     bias = bool(getattr(hf_config, "attention_bias", False))
-    if model_type == "qwen2":
-        return FamilySpec(qkv_bias=True, o_bias=False, qk_norm=False)
-    if model_type == "qwen3":
+    if model_type in ("qwen2", "qwen2_moe"):
+        qkv_bias = bool(getattr(hf_config, "qkv_bias", True))
+        return FamilySpec(qkv_bias=qkv_bias, o_bias=False, qk_norm=False)
+    if model_type in ("qwen3", "qwen3_moe"):
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=True)
     return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=False)
 
@@ -124,26 +129,11 @@ class Attention(nn.Module):
         return out.reshape(q.shape[0], self.q_size)
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: Any, workspace: KernelWorkspace):
-        super().__init__()
-        self.workspace = workspace
-        bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # On the skinny path SiLU-and-mul is the gate/up projection's epilogue.
-        gate_up, down = self.gate_up_proj, self.down_proj
-        h = linear(x, gate_up.weight, gate_up.bias, self.workspace, silu_mul_output=True)
-        return linear(h, down.weight, down.bias, self.workspace)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, spec: FamilySpec, workspace: KernelWorkspace):
+    def __init__(self, cfg: Any, spec: FamilySpec, mlp: nn.Module, workspace: KernelWorkspace):
         super().__init__()
         self.self_attn = Attention(cfg, spec, workspace)
-        self.mlp = MLP(cfg, workspace)
+        self.mlp = mlp  # MLP, or moe.SparseMoeBlock on an MoE model's sparse layers
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -166,7 +156,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         # Split-kernel scratch and arrival counters, shared by the layers (they run in turn
         # on one stream); sized by the first forward at each size, before graph capture.
         self.workspace = KernelWorkspace()
-        layers = (DecoderLayer(cfg, spec, self.workspace) for _ in range(cfg.num_hidden_layers))
+        moe_spec = moe.moe_spec(cfg)
+        layers = (
+            DecoderLayer(cfg, spec, self._feed_forward(cfg, moe_spec, i), self.workspace)
+            for i in range(cfg.num_hidden_layers)
+        )
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Set by runner/models/norm_fold.fold_norms: decode batches of up to this many
@@ -183,6 +177,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.register_buffer(
             "cos_sin_cache", torch.empty(max_positions, head_dim_of(cfg)), persistent=False
         )
+
+    def _feed_forward(self, cfg: Any, moe_spec: moe.MoeSpec | None, layer: int) -> nn.Module:
+        if moe.is_sparse_layer(cfg, moe_spec, layer):
+            return moe.SparseMoeBlock(cfg.hidden_size, moe_spec, self.workspace)
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        return MLP(cfg.hidden_size, cfg.intermediate_size, bias, self.workspace)
 
     def init_rope(self) -> None:
         cache = self.cos_sin_cache
@@ -248,14 +248,16 @@ class LlamaFamilyForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
-            local = name.removeprefix("model.")
+            local = moe.checkpoint_local_name(name.removeprefix("model."))
+            if moe.load_expert_tensor(params, local, tensor, loaded):
+                continue
             parts = local.split(".")
             fused = next((self._STACKED[p] for p in parts if p in self._STACKED), None)
             if fused is not None:
                 frag = next(p for p in parts if p in self._STACKED)
                 target = local.replace(frag, fused[0])
                 param = params[target]
-                sizes = self._shard_sizes(target)
+                sizes = self._shard_sizes(target, param)
                 offset = sum(sizes[: fused[1]])
                 param.data.narrow(0, offset, sizes[fused[1]]).copy_(tensor)
                 loaded.add(f"{target}#{fused[1]}")
@@ -268,17 +270,20 @@ class LlamaFamilyForCausalLM(nn.Module):
                 loaded.add(local)
         self._check_all_loaded(params, loaded)
 
-    def _shard_sizes(self, target: str) -> list[int]:
+    def _shard_sizes(self, target: str, param: nn.Parameter) -> list[int]:
         attn = self.layers[0].self_attn
         if "qkv_proj" in target:
             return [attn.q_size, attn.kv_size, attn.kv_size]
-        inter = self.config.intermediate_size
+        inter = param.shape[0] // 2  # a dense layer's, or an MoE layer's shared expert's
         return [inter, inter]
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = []
-        for name in params:
-            if "qkv_proj" in name or "gate_up_proj" in name:
+        for name, param in params.items():
+            experts = moe.expert_keys(name, param)
+            if experts is not None:
+                missing += [key for key in experts if key not in loaded]
+            elif "qkv_proj" in name or "gate_up_proj" in name:
                 shards = 3 if "qkv_proj" in name else 2
                 missing += [f"{name}#{i}" for i in range(shards) if f"{name}#{i}" not in loaded]
             elif name not in loaded:

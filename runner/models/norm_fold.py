@@ -35,6 +35,7 @@ from pdserve.kernels.skinny_linear import (
     skinny_linear_triton,
 )
 from pdserve.runner.models.attention_metadata import AttentionMetadata
+from pdserve.runner.models.mlp import MLP
 
 
 @torch.no_grad()
@@ -42,7 +43,10 @@ def fold_norms(model: torch.nn.Module) -> None:
     """Folds every decoder layer's two RMSNorm weights into the qkv and gate/up weights
     (in place) and marks the model for the folded decode chain: batches of up to
     `model.folded_chain_max_tokens` tokens (0 when the hidden size has more output tiles
-    than the squares buffer holds parts)."""
+    than the squares buffer holds parts). A model with MoE layers keeps its norms: the
+    chain's gate/up epilogue is a dense MLP's, and the router reads the normalised rows."""
+    if not all(isinstance(layer.mlp, MLP) for layer in model.layers):
+        return
     for layer in model.layers:
         _fold(layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight)
         _fold(layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight)

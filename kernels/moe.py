@@ -1,0 +1,87 @@
+"""Mixture-of-experts feed-forward: top-k routing and the experts' SwiGLU, for MoE layers.
+
+A sparse layer sends each token to `top_k` of `E` experts, each a SwiGLU MLP with its own
+weights, and sums the experts' outputs weighted by the router's probabilities. The
+weights are stacked per layer: gate/up `[E, 2I, H]` (the gate's I rows, then the up's) and
+down `[E, H, I]`, the layout transformers keeps in memory too.
+
+`moe_experts_ref` is the spec and the CPU path: a loop over the experts a batch uses, each
+a dense SwiGLU over its tokens. It reads which experts those are on the host, so on a
+GPU it would sync every layer and could not be captured in a graph; `moe_experts` sends
+CUDA tensors to kernels/moe_triton.py instead (grouped GEMMs over expert-sorted token
+blocks, no host reads). Nothing here knows about requests, caches or the router's
+checkpoint names.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pdserve.kernels import moe_triton
+
+
+def route_top_k(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """[T, E] router logits -> (weights [T, k] float32, expert ids [T, k] int64).
+
+    Softmax over the experts in float32, the k most probable, and with `renormalize`
+    those k rescaled to sum to 1 (Mixtral always; Qwen-MoE per `norm_topk_prob`). The
+    weights stay float32 up to the product with each expert's output.
+    """
+    assert 0 < top_k <= router_logits.shape[-1], (
+        f"top_k must be in [1, E={router_logits.shape[-1]}], got {top_k}"
+    )
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _check(x: Tensor, w_gate_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor) -> None:
+    num_experts, two_inter, hidden = w_gate_up.shape
+    assert x.dim() == 2 and x.shape[1] == hidden, f"x {tuple(x.shape)} must be [T, {hidden}]"
+    assert two_inter % 2 == 0, f"gate/up weights {tuple(w_gate_up.shape)} must be [E, 2I, H]"
+    assert w_down.shape == (num_experts, hidden, two_inter // 2), (
+        f"down weights {tuple(w_down.shape)} must be [E, H, I] = "
+        f"[{num_experts}, {hidden}, {two_inter // 2}]"
+    )
+    assert ids.dim() == 2 and ids.shape[0] == x.shape[0] and weights.shape == ids.shape, (
+        f"expert ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T, k]"
+    )
+    assert x.dtype == w_gate_up.dtype == w_down.dtype, (
+        f"x, gate/up and down must share a dtype: {x.dtype}, {w_gate_up.dtype}, {w_down.dtype}"
+    )
+
+
+def moe_experts_ref(
+    x: Tensor, w_gate_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor
+) -> Tensor:
+    """[T, H] -> [T, H]: sum over j of weights[t, j] * expert ids[t, j]'s SwiGLU of x[t].
+
+    Rounding points, for 16-bit inputs: each projection rounds to the dtype, silu rounds,
+    the product rounds (kernels/activation.py's), the expert's output rounds, then its
+    product with the float32 weight rounds once more; the k rounded terms of a token are
+    summed by `Tensor.sum` (float32 accumulation, one final rounding).
+    """
+    _check(x, w_gate_up, w_down, ids, weights)
+    num_tokens, top_k = ids.shape
+    inter = w_down.shape[2]
+    flat_ids = ids.reshape(-1)
+    flat_weights = weights.reshape(-1).to(torch.float32)
+    terms = x.new_zeros(num_tokens * top_k, x.shape[1])  # [T * k, H], one per (token, pick)
+    for expert in torch.unique(flat_ids).tolist():
+        picks = (flat_ids == expert).nonzero().squeeze(1)
+        gate_up = F.linear(x[picks // top_k], w_gate_up[expert])
+        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = F.linear(h, w_down[expert])
+        terms[picks] = (y.to(torch.float32) * flat_weights[picks, None]).to(x.dtype)
+    return terms.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def moe_experts(x: Tensor, w_gate_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor):
+    if x.is_cuda:
+        _check(x, w_gate_up, w_down, ids, weights)
+        return moe_triton.moe_experts_triton(x, w_gate_up, w_down, ids, weights)
+    return moe_experts_ref(x, w_gate_up, w_down, ids, weights)

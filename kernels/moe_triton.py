@@ -1,0 +1,211 @@
+"""Triton MoE experts: grouped GEMMs over expert-sorted blocks of (token, pick) slots.
+
+`moe_experts_ref` (kernels/moe.py) is the spec. A batch of T tokens with k picks each has
+S = T * k slots; slot s is token s // k's pick s % k. The device path, with no host read
+of which experts the batch uses (so a decode step can sync-free run it and be captured in a
+CUDA graph):
+
+1. `align_slots` (torch ops on the device): the slots sorted by expert, each expert's run
+   padded with the sentinel S to a multiple of BLOCK_M, and for every BLOCK_M-slot block
+   its expert (-1 for blocks past the last run). The number of blocks is bounded on the
+   host by S and E, so the grid never depends on device values.
+2. `_gate_up_kernel`: a program takes one block and BLOCK_N intermediate features; it
+   gathers its tokens' rows of x, multiplies them by the expert's gate and up rows and
+   writes silu(gate) * up for its slots ([S, I]).
+3. `_down_kernel`: the same over the down projection, scaling each slot's row by its
+   routing weight ([S, H]).
+4. The k rows of a token are summed by `Tensor.sum` (fixed order: no atomics, so a
+   token's output does not depend on what else is in the batch).
+
+Rounding points are the reference's (see `moe_experts_ref`). Blocks are BLOCK_M = 16 slots:
+at decode sizes most experts hold one or two slots, and 16 is the smallest `tl.dot` tile.
+The tiles are first guesses, not yet measured on a GPU.
+
+On CPU tensors this runs only under TRITON_INTERPRET=1, which is how the tests check it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK_M = 16
+
+
+def max_blocks(num_slots: int, num_experts: int, block_m: int = BLOCK_M) -> int:
+    """Blocks enough for any routing of `num_slots` slots: each expert that gets a slot
+    pads its run by at most block_m - 1, and at most min(E, S) experts get one."""
+    return triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m)
+
+
+def align_slots(ids: Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[Tensor, Tensor]:
+    """[T, k] expert ids -> (sorted_slots [B * block_m] int32, block_expert [B] int32).
+
+    sorted_slots lists the slots expert by expert (within an expert in slot order), each
+    expert's run starting on a block boundary, padding = S; block_expert[b] is the expert
+    of block b, -1 past the runs. B = `max_blocks(S, E)`.
+    """
+    num_slots = ids.numel()
+    device = ids.device
+    num_blocks = max_blocks(num_slots, num_experts, block_m)
+    flat = ids.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_end = padded.cumsum(0)
+    run_start = run_end - padded
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert
+    sorted_experts = flat[order]
+    rank = torch.arange(num_slots, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
+    sorted_slots = torch.full((num_blocks * block_m,), num_slots, dtype=torch.int32, device=device)
+    sorted_slots[run_start[sorted_experts] + rank] = order.to(torch.int32)
+    block_first = torch.arange(num_blocks, device=device) * block_m
+    # The expert whose padded run [run_start, run_end) holds the block's first slot; runs
+    # of empty experts have no length and are never found.
+    block_expert = torch.searchsorted(run_end, block_first, right=True)
+    block_expert = torch.where(block_first < run_end[-1], block_expert, -1).to(torch.int32)
+    return sorted_slots, block_expert
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE_DOT: tl.constexpr):
+    # IEEE_DOT: fp32 inputs, and 16-bit ones under Triton's interpreter (which multiplies
+    # 16-bit tiles as raw bits): fp32 operands, no tf32 rounding; 16-bit products are
+    # exact in fp32, so this is what the tensor cores give.
+    if IEEE_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _gate_up_kernel(
+    x_ptr,  # [T, H]
+    w_ptr,  # [E, 2I, H], unit stride on H
+    out_ptr,  # [S, I]
+    sorted_slots_ptr,  # [B * BLOCK_M] int32
+    block_expert_ptr,  # [B] int32
+    num_slots,
+    top_k,
+    hidden,
+    inter,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= 0:
+        slots = tl.load(sorted_slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = slots < num_slots
+        tokens = tl.where(valid, slots // top_k, 0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < inter
+        gate_rows = w_ptr + expert * stride_we + n.to(tl.int64)[None, :] * stride_wn
+        up_rows = gate_rows + inter * stride_wn
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < hidden
+            a = tl.load(
+                x_ptr + tokens[:, None] * stride_xt + k[None, :],
+                mask=valid[:, None] & k_ok[None, :], other=0.0,
+            )  # fmt: skip
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            w_gate = tl.load(gate_rows + k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, N]
+            w_up = tl.load(up_rows + k[:, None], mask=w_mask, other=0.0)
+            acc_gate = _dot(a, w_gate, acc_gate, IEEE_DOT)
+            acc_up = _dot(a, w_up, acc_up, IEEE_DOT)
+        dtype = out_ptr.dtype.element_ty
+        gate = acc_gate.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        out = out_ptr + slots.to(tl.int64)[:, None] * inter + n[None, :]
+        tl.store(out, (silu * up).to(dtype), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _down_kernel(
+    h_ptr,  # [S, I]
+    w_ptr,  # [E, H, I], unit stride on I
+    weights_ptr,  # [S] float32 routing weights
+    out_ptr,  # [S, H]
+    sorted_slots_ptr,
+    block_expert_ptr,
+    num_slots,
+    hidden,
+    inter,
+    stride_we,
+    stride_wn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= 0:
+        slots = tl.load(sorted_slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = slots < num_slots
+        rows = tl.where(valid, slots, 0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < hidden
+        w_rows = w_ptr + expert * stride_we + n.to(tl.int64)[None, :] * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < inter
+            a = tl.load(
+                h_ptr + rows[:, None] * inter + k[None, :],
+                mask=valid[:, None] & k_ok[None, :], other=0.0,
+            )  # fmt: skip
+            w = tl.load(w_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = _dot(a, w, acc, IEEE_DOT)
+        dtype = out_ptr.dtype.element_ty
+        weight = tl.load(weights_ptr + rows, mask=valid, other=0.0)
+        y = acc.to(dtype).to(tl.float32) * weight[:, None]
+        out = out_ptr + rows[:, None] * hidden + n[None, :]
+        tl.store(out, y.to(dtype), mask=valid[:, None] & n_ok[None, :])
+
+
+def _tiles(dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): fp32 tiles are twice the bytes, so half as deep."""
+    return (64, 64) if dtype in (torch.bfloat16, torch.float16) else (64, 32)
+
+
+def moe_experts_triton(
+    x: Tensor, w_gate_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor
+) -> Tensor:
+    """`moe_experts_ref` on the GPU (or Triton's interpreter); shapes checked by the caller."""
+    num_tokens, top_k = ids.shape
+    num_experts, _, hidden = w_gate_up.shape
+    inter = w_down.shape[2]
+    num_slots = num_tokens * top_k
+    if num_slots == 0:
+        return x.new_zeros(num_tokens, hidden)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
+    sorted_slots, block_expert = align_slots(ids, num_experts)
+    num_blocks = block_expert.shape[0]
+    block_n, block_k = _tiles(x.dtype)
+    ieee = x.dtype == torch.float32 or x.device.type == "cpu"
+    h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        x, w_gate_up, h, sorted_slots, block_expert, num_slots, top_k, hidden, inter,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE_DOT=ieee, num_warps=4,
+    )  # fmt: skip
+    terms = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
+    flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
+    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+        h, w_down, flat_weights, terms, sorted_slots, block_expert, num_slots, hidden, inter,
+        w_down.stride(0), w_down.stride(1),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE_DOT=ieee, num_warps=4,
+    )  # fmt: skip
+    return terms.view(num_tokens, top_k, hidden).sum(dim=1)
