@@ -5,7 +5,8 @@
 #  starlette pydantic pydantic-core annotated-types typing-inspection anyio sniffio h11 click
 #  typing-extensions opentelemetry-api importlib-metadata zipp: the last ones for
 #  `pdserve serve`; fastapi 0.165 imports opentelemetry).
-#   BENCH=throughput|transfer|both|none (default both)   BENCH_ARGS=...   TESTS=0 to skip tests
+#   BENCH=throughput|transfer|both|moe|none (default both)   BENCH_ARGS=...   TESTS=0 to skip tests
+#   (moe: benchmarks/moe_bench.py, the MoE experts' kernels, with MOE_ARGS=...)
 #   TESTS=1 / TESTS=2 runs the first / second half of the GPU test files (the whole set
 #   takes ~300 s of test time, more than a call can give it after the set-up and a
 #   benchmark: halves fit two calls, each with its own summary line); TEST_FILES="a b"
@@ -34,6 +35,9 @@ fi
 if [ "$BENCH" = transfer ] || [ "$BENCH" = both ]; then
   timeout "${TRANSFER_TIMEOUT:-120}" python3 benchmarks/transfer.py --transports tcp,local,cuda_ipc --out "$OUT" 2>&1 | tee "$OUT/transfer.log"
 fi
+if [ "$BENCH" = moe ]; then
+  timeout "${MOE_TIMEOUT:-240}" python3 benchmarks/moe_bench.py ${MOE_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/moe_bench.log"
+fi
 [ "${TESTS:-all}" = 0 ] && exit 0
 # -P: the repo root must not shadow /tmp/pdpkg's pdserve (the root's pdserve/ lacks the
 # subpackages). SmolLM2 tests need the 98 MB wheel, which does not fit the carry limit.
@@ -45,7 +49,8 @@ FIRST=(tests/test_gpu_step_loop.py tests/test_gpu_attention.py tests/test_gpu_ke
 SECOND=(tests/test_paged_attention_triton.py tests/test_skinny_linear.py
     tests/test_parity_hf.py tests/test_self_consistency.py tests/test_async_scheduling.py
     tests/test_layer_wise.py tests/test_norm_fold.py tests/test_gpu_norm_fold.py
-    tests/test_sampling_triton.py tests/test_grammar_kernels.py tests/test_structured_tiny.py)
+    tests/test_sampling_triton.py tests/test_grammar_kernels.py tests/test_structured_tiny.py
+    tests/test_moe_kernels.py tests/test_gpu_moe.py tests/test_moe_models.py)
 case "${TESTS:-all}" in
   1) FILES=("${FIRST[@]}") ;;
   2) FILES=("${SECOND[@]}") ;;

@@ -17,21 +17,42 @@ CUDA graph):
 4. The k rows of a token are summed by `Tensor.sum` (fixed order: no atomics, so a
    token's output does not depend on what else is in the batch).
 
-Rounding points are the reference's (see `moe_experts_ref`). Blocks are BLOCK_M = 16 slots:
-at decode sizes most experts hold one or two slots, and 16 is the smallest `tl.dot` tile.
-The tiles are first guesses, not yet measured on a GPU.
+Rounding points are the reference's (see `moe_experts_ref`). `choose_tiles` sizes the
+blocks by the mean run: 16 slots (the smallest `tl.dot` tile) while experts hold a few
+slots each (decode: 32 tokens x 8 picks over 128 experts is 2 a run), up to 64 for
+prefill-sized runs, where each block re-reads its expert's weights. The tiles are first
+guesses, not yet measured on a GPU (`benchmarks/moe_bench.py --sweep` measures them).
 
 On CPU tensors this runs only under TRITON_INTERPRET=1, which is how the tests check it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-BLOCK_M = 16
+BLOCK_M = 16  # the smallest block (decode sizes)
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    block_m: int  # slots a block
+    block_n: int  # output features a program
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_tiles(num_slots: int, num_experts: int, dtype: torch.dtype) -> MoeTiles:
+    """Blocks of the mean run's size (16-64); fp32 tiles are twice the bytes, half as deep."""
+    mean_run = num_slots / num_experts
+    block_m = 16 if mean_run <= 16 else 32 if mean_run <= 64 else 64
+    block_k = 64 if dtype in (torch.bfloat16, torch.float16) else 32
+    return MoeTiles(block_m, 64, block_k, num_warps=4, num_stages=3)
 
 
 def max_blocks(num_slots: int, num_experts: int, block_m: int = BLOCK_M) -> int:
@@ -174,15 +195,16 @@ def _down_kernel(
         tl.store(out, y.to(dtype), mask=valid[:, None] & n_ok[None, :])
 
 
-def _tiles(dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): fp32 tiles are twice the bytes, so half as deep."""
-    return (64, 64) if dtype in (torch.bfloat16, torch.float16) else (64, 32)
-
-
 def moe_experts_triton(
-    x: Tensor, w_gate_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor
+    x: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    tiles: MoeTiles | None = None,
 ) -> Tensor:
-    """`moe_experts_ref` on the GPU (or Triton's interpreter); shapes checked by the caller."""
+    """`moe_experts_ref` on the GPU (or Triton's interpreter); shapes checked by the caller.
+    `tiles` overrides `choose_tiles` (benchmarks/moe_bench.py's sweep)."""
     num_tokens, top_k = ids.shape
     num_experts, _, hidden = w_gate_up.shape
     inter = w_down.shape[2]
@@ -191,21 +213,23 @@ def moe_experts_triton(
         return x.new_zeros(num_tokens, hidden)
     x = x if x.stride(1) == 1 else x.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
-    sorted_slots, block_expert = align_slots(ids, num_experts)
+    t = tiles or choose_tiles(num_slots, num_experts, x.dtype)
+    sorted_slots, block_expert = align_slots(ids, num_experts, t.block_m)
     num_blocks = block_expert.shape[0]
-    block_n, block_k = _tiles(x.dtype)
     ieee = x.dtype == torch.float32 or x.device.type == "cpu"
+    launch = {
+        "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "IEEE_DOT": ieee,
+        "num_warps": t.num_warps, "num_stages": t.num_stages,
+    }  # fmt: skip
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, t.block_n))](
         x, w_gate_up, h, sorted_slots, block_expert, num_slots, top_k, hidden, inter,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE_DOT=ieee, num_warps=4,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), **launch,
     )  # fmt: skip
     terms = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
-    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+    _down_kernel[(num_blocks, triton.cdiv(hidden, t.block_n))](
         h, w_down, flat_weights, terms, sorted_slots, block_expert, num_slots, hidden, inter,
-        w_down.stride(0), w_down.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE_DOT=ieee, num_warps=4,
+        w_down.stride(0), w_down.stride(1), **launch,
     )  # fmt: skip
     return terms.view(num_tokens, top_k, hidden).sum(dim=1)

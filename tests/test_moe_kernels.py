@@ -20,10 +20,18 @@ import torch.nn.functional as F
 from test_triton_index_kernels import DEVICE, ON_CUDA
 
 from pdserve.kernels.moe import moe_experts, moe_experts_ref, route_top_k
-from pdserve.kernels.moe_triton import BLOCK_M, align_slots, max_blocks, moe_experts_triton
+from pdserve.kernels.moe_triton import (
+    MoeTiles,
+    align_slots,
+    choose_tiles,
+    max_blocks,
+    moe_experts_triton,
+)
 
 # (tokens, hidden, intermediate, experts, picks)
-SMALL = [(1, 24, 40, 5, 2), (7, 80, 72, 8, 3), (33, 64, 48, 6, 2), (20, 48, 16, 3, 3)]
+# The last two have mean runs of 20 and 80 slots: 32- and 64-slot blocks (`choose_tiles`).
+SMALL = [(1, 24, 40, 5, 2), (7, 80, 72, 8, 3), (33, 64, 48, 6, 2), (20, 48, 16, 3, 3),
+         (30, 40, 24, 3, 2), (120, 48, 40, 3, 2)]  # fmt: skip
 REAL = [(1, 2048, 768, 128, 8), (32, 2048, 768, 128, 8), (512, 2048, 768, 128, 8),
         (4096, 2048, 768, 128, 8), (7, 4096, 14336, 8, 2)]  # fmt: skip
 SIZES = REAL if ON_CUDA else SMALL
@@ -77,6 +85,7 @@ def test_reference_matches_the_per_token_definition():
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize(
     "ids",
     [
@@ -86,18 +95,18 @@ def test_reference_matches_the_per_token_definition():
         [[e % 40, (e + 7) % 40] for e in range(5)],  # more experts than slots
     ],
 )
-def test_align_slots_invariants(ids):
+def test_align_slots_invariants(ids, block_m):
     """Guards the blocks the kernels trust blindly: every slot exactly once, a block's slots
     all routed to its expert, runs starting on block boundaries in slot order, padding = S
     and unused blocks -1 (a kernel would otherwise read a slot twice or another expert's)."""
     ids_t = torch.tensor(ids, device=DEVICE)
     num_experts = 40
-    sorted_slots, block_expert = align_slots(ids_t, num_experts)
+    sorted_slots, block_expert = align_slots(ids_t, num_experts, block_m)
     num_slots = ids_t.numel()
-    assert block_expert.shape == (max_blocks(num_slots, num_experts),)
-    assert sorted_slots.shape == (block_expert.shape[0] * BLOCK_M,)
+    assert block_expert.shape == (max_blocks(num_slots, num_experts, block_m),)
+    assert sorted_slots.shape == (block_expert.shape[0] * block_m,)
     flat = ids_t.reshape(-1).cpu()
-    slots, experts = sorted_slots.cpu().view(-1, BLOCK_M), block_expert.cpu()
+    slots, experts = sorted_slots.cpu().view(-1, block_m), block_expert.cpu()
     seen = []
     for b in range(slots.shape[0]):
         real = [int(s) for s in slots[b] if s < num_slots]
@@ -133,6 +142,18 @@ def test_triton_matches_reference(shape, dtype):
         ulp = scale * (2**-10 if dtype == torch.float16 else 2**-7)
         assert float(diff.max()) <= 4 * ulp, f"max diff {float(diff.max()):.3g}"
         assert float((diff > 0).float().mean()) <= 0.05, "more than rare rounding flips"
+
+
+def test_tiles_grow_with_the_mean_run_and_any_tile_is_correct():
+    """Decode-sized runs take the 16-slot block, prefill-sized ones 64; and the kernels do
+    not depend on the chosen tile (a sweep's tile must compute the same function)."""
+    assert choose_tiles(32 * 8, 128, torch.bfloat16).block_m == 16
+    assert choose_tiles(4096 * 8, 128, torch.bfloat16).block_m == 64
+    x, wgu, wd, ids, weights = make(25, 56, 40, 4, 2, torch.float32, seed=9)
+    want = moe_experts_ref(x, wgu, wd, ids, weights)
+    for tiles in (MoeTiles(32, 32, 16, 4, 2), MoeTiles(16, 16, 64, 2, 1)):
+        got = moe_experts_triton(x, wgu, wd, ids, weights, tiles)
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), tiles
 
 
 def test_public_function_dispatches_by_device():
