@@ -55,8 +55,9 @@ class DecodeWorker:
         if self.imports_kv:
             self.engine.kv_loader = self.loader
             self.layout, storage = paged_cache_storage(
-                self.engine.config.model.source or "model", self.engine.runner.kv_cache
-            )
+                self.engine.config.model.source or "model", self.engine.runner.kv_cache,
+                getattr(self.engine.config.model.hf_config, "kv_lora_rank", None),
+            )  # fmt: skip
             self.loader.layout_hash = self.layout.compat_hash()
             self.storages = (storage,)
             self.loader.attach(self.storages)

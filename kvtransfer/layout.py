@@ -368,8 +368,20 @@ def gqa_layout_for(
     return KVLayout(model=model_name, groups=(group,))
 
 
-def paged_cache_storage(model_name: str, kv_cache: torch.Tensor) -> tuple[KVLayout, GroupStorage]:
-    """Layout and storage of a runner's paged cache `[L, num_blocks, 2, bs, H, D]`."""
+def paged_cache_storage(
+    model_name: str, kv_cache: torch.Tensor, kv_lora_rank: int | None = None
+) -> tuple[KVLayout, GroupStorage]:
+    """Layout and storage of a runner's paged cache: `[L, num_blocks, 2, bs, H, D]` (one
+    `paged_gqa` group), or with `kv_lora_rank` an MLA model's `[L, num_blocks, bs, r + rope]`
+    (one `paged_mla` group)."""
+    if kv_lora_rank is not None:
+        num_layers, _, block_size, width = kv_cache.shape
+        assert width > kv_lora_rank, f"MLA rows of {width} must be wider than r={kv_lora_rank}"
+        dtype_name = str(kv_cache.dtype).removeprefix("torch.")
+        group = PagedMLAGroup(
+            "kv", num_layers, block_size, kv_lora_rank, width - kv_lora_rank, dtype_name
+        )
+        return KVLayout(model=model_name, groups=(group,)), GroupStorage(group, (kv_cache,))
     num_layers, _, two, block_size, num_kv_heads, head_dim = kv_cache.shape
     assert two == 2, f"not a paged K/V cache: shape {tuple(kv_cache.shape)}"
     layout = gqa_layout_for(

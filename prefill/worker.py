@@ -106,8 +106,9 @@ class PrefillWorker:
         self.worker_id = worker_id
         self.tier = tier
         layout, storage = paged_cache_storage(
-            engine.config.model.source or "model", engine.runner.kv_cache
-        )
+            engine.config.model.source or "model", engine.runner.kv_cache,
+            getattr(engine.config.model.hf_config, "kv_lora_rank", None),
+        )  # fmt: skip
         self.source = KVSource(worker_id, layout, (storage,), LeaseTable(lease_s))
         self.leases = self.source.leases
         self.server: KVSourceServer | None = None

@@ -22,12 +22,19 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "PDSERVE_RUNNER"
 
 
-def mrv2_unsupported_features(hf_config: Any) -> list[str]:
-    """Everything about this model config that the MRV2 runner does not implement."""
+# Architectures whose attention is MLA (kernels/mla_attention.py: torch only so far).
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def mrv2_unsupported_features(hf_config: Any, device: str = "cpu") -> list[str]:
+    """Everything about this model config that the MRV2 runner does not implement on
+    `device` ("cpu" or "cuda[:N]")."""
     arch = architecture_of(hf_config)
     if arch not in MODEL_REGISTRY:
         return [f"architecture {arch} (mrv2 implements {', '.join(sorted(MODEL_REGISTRY))})"]
     problems = []
+    if arch in MLA_ARCHITECTURES and device.startswith("cuda"):
+        problems.append("MLA attention on CUDA (mrv2 runs MLA with its torch kernels on the CPU)")
     rope_type = rope_parameters(hf_config)["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         problems.append(
@@ -58,8 +65,8 @@ def _uses_sliding_window(cfg: Any) -> bool:
     return True
 
 
-def select_runner(requested: str | None, hf_config: Any) -> str:
-    """Resolve "auto" (or the env var) to "mrv2" or "reference"."""
+def select_runner(requested: str | None, hf_config: Any, device: str = "cpu") -> str:
+    """Resolve "auto" (or the env var) to "mrv2" or "reference" for a model on `device`."""
     requested = requested or "auto"
     source = "argument"
     if requested == "auto" and os.environ.get(ENV_VAR):
@@ -71,7 +78,7 @@ def select_runner(requested: str | None, hf_config: Any) -> str:
     if requested == "reference":
         chosen = "reference"
     else:
-        problems = mrv2_unsupported_features(hf_config)
+        problems = mrv2_unsupported_features(hf_config, device)
         if problems and requested == "mrv2":
             raise ValueError(
                 "runner='mrv2' cannot run this model: it does not support " + "; ".join(problems)
@@ -110,8 +117,8 @@ def _experts_path(runner_name: str, model: Any, device: str) -> str:
     the "torch" loop over experts on the CPU, "transformers" on the reference runner;
     "none" for a dense model."""
     config = getattr(model, "config", None)
-    if config is None or moe_spec(config) is None:
-        return "none"
+    if config is None or (moe_spec(config) is None and not getattr(config, "n_routed_experts", 0)):
+        return "none"  # neither a Mixtral/Qwen-MoE nor a DeepSeek MoE
     if runner_name != "mrv2":
         return "transformers"
     return "triton" if device.startswith("cuda") else "torch"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+from pathlib import Path
 
 
 def _cuda_present() -> bool:
@@ -288,6 +289,79 @@ def tiny_mixtral_dir(tmp_path_factory) -> str:
         architectures=["MixtralForCausalLM"],
     )  # fmt: skip
     return _save_tiny(tmp_path_factory, "tiny-mixtral", cfg)
+
+
+def _deepseek_common() -> dict:
+    # MLA of awkward widths: latent rank 24, rope 8, nope 12, v 20 (not the head's 20);
+    # 2 shared experts of 16; layer 0 dense, layers 1-2 MoE with 3 picks.
+    return dict(
+        vocab_size=997, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, max_position_embeddings=512, initializer_range=0.1,
+        bos_token_id=1, eos_token_id=2, kv_lora_rank=24, qk_nope_head_dim=12,
+        qk_rope_head_dim=8, v_head_dim=20, moe_intermediate_size=16, n_shared_experts=2,
+        first_k_dense_replace=1, num_experts_per_tok=3,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2_dir(tmp_path_factory) -> str:
+    """DeepSeek-V2 (Lite's form: no q LoRA), greedy softmax routing over 6 experts, scaled
+    by 1.5 and not renormalised."""
+    from transformers import DeepseekV2Config
+
+    cfg = DeepseekV2Config(
+        **_deepseek_common(), q_lora_rank=None, n_routed_experts=6, topk_method="greedy",
+        routed_scaling_factor=1.5, architectures=["DeepseekV2ForCausalLM"],
+    )  # fmt: skip
+    return _save_tiny(tmp_path_factory, "tiny-deepseek-v2", cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2_yarn_dir(tmp_path_factory) -> str:
+    """DeepSeek-V2 with q LoRA, group-limited routing (2 of 4 groups) and YaRN RoPE with
+    mscale_all_dim (the softmax scale's mscale^2)."""
+    from transformers import DeepseekV2Config
+
+    cfg = DeepseekV2Config(
+        **_deepseek_common(), q_lora_rank=20, n_routed_experts=8,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "beta_fast": 32, "beta_slow": 1,
+        },
+        architectures=["DeepseekV2ForCausalLM"],
+    )  # fmt: skip
+    return _save_tiny(tmp_path_factory, "tiny-deepseek-v2-yarn", cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_dir(tmp_path_factory) -> str:
+    """DeepSeek-V3: sigmoid routing with the correction bias (random, so it changes picks),
+    top-2-sum groups, renormalised weights scaled by 2.5, interleaved RoPE."""
+    from transformers import DeepseekV3Config
+
+    cfg = DeepseekV3Config(
+        **_deepseek_common(), q_lora_rank=20, n_routed_experts=8, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5, architectures=["DeepseekV3ForCausalLM"],
+    )  # fmt: skip
+    path = _save_tiny(tmp_path_factory, "tiny-deepseek-v3", cfg)
+    _randomize_tensors(path, "e_score_correction_bias", scale=0.2)
+    return path
+
+
+def _randomize_tensors(model_dir: str, fragment: str, scale: float) -> None:
+    """Replace the saved tensors whose names contain `fragment` (zeros at init) with random
+    values, so a test sees whether they are used."""
+    from safetensors.torch import load_file, save_file
+
+    (file,) = sorted(Path(model_dir).glob("*.safetensors"))
+    tensors = load_file(file)
+    g = torch.Generator().manual_seed(5)
+    for name, t in tensors.items():
+        if fragment in name:
+            tensors[name] = torch.randn(t.shape, generator=g).to(t.dtype) * scale
+    save_file(tensors, file, metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="session")

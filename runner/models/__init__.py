@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pdserve.runner.models.deepseek import DeepseekForCausalLM
 from pdserve.runner.models.llama import LlamaFamilyForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "LlamaForCausalLM": LlamaFamilyForCausalLM,
     "MistralForCausalLM": LlamaFamilyForCausalLM,
     "MixtralForCausalLM": LlamaFamilyForCausalLM,

@@ -130,10 +130,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, spec: FamilySpec, mlp: nn.Module, workspace: KernelWorkspace):
+    def __init__(self, cfg: Any, attention: nn.Module, mlp: nn.Module):
         super().__init__()
-        self.self_attn = Attention(cfg, spec, workspace)
-        self.mlp = mlp  # MLP, or moe.SparseMoeBlock on an MoE model's sparse layers
+        self.self_attn = attention  # Attention, or deepseek.MLAAttention
+        self.mlp = mlp  # MLP, or an MoE block on an MoE model's sparse layers
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -151,14 +151,12 @@ class LlamaFamilyForCausalLM(nn.Module):
     def __init__(self, cfg: Any, max_positions: int):
         super().__init__()
         self.config = cfg
-        spec = family_spec(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # Split-kernel scratch and arrival counters, shared by the layers (they run in turn
         # on one stream); sized by the first forward at each size, before graph capture.
         self.workspace = KernelWorkspace()
-        moe_spec = moe.moe_spec(cfg)
         layers = (
-            DecoderLayer(cfg, spec, self._feed_forward(cfg, moe_spec, i), self.workspace)
+            DecoderLayer(cfg, self._attention(cfg), self._feed_forward(cfg, i))
             for i in range(cfg.num_hidden_layers)
         )
         self.layers = nn.ModuleList(layers)
@@ -178,11 +176,24 @@ class LlamaFamilyForCausalLM(nn.Module):
             "cos_sin_cache", torch.empty(max_positions, head_dim_of(cfg)), persistent=False
         )
 
-    def _feed_forward(self, cfg: Any, moe_spec: moe.MoeSpec | None, layer: int) -> nn.Module:
-        if moe.is_sparse_layer(cfg, moe_spec, layer):
-            return moe.SparseMoeBlock(cfg.hidden_size, moe_spec, self.workspace)
+    # ---- what a subclass (runner/models/deepseek.py) replaces -------------------------------
+
+    def _attention(self, cfg: Any) -> nn.Module:
+        return Attention(cfg, family_spec(cfg), self.workspace)
+
+    def _feed_forward(self, cfg: Any, layer: int) -> nn.Module:
+        spec = moe.moe_spec(cfg)
+        if moe.is_sparse_layer(cfg, spec, layer):
+            return moe.SparseMoeBlock(cfg.hidden_size, spec, self.workspace)
         bias = bool(getattr(cfg, "mlp_bias", False))
         return MLP(cfg.hidden_size, cfg.intermediate_size, bias, self.workspace)
+
+    def kv_block_shape(self, block_size: int) -> tuple[int, ...]:
+        """One layer's KV block: `[2, block_size, kv_heads, head_dim]` (paged GQA)."""
+        return (2, block_size, self.num_kv_heads, self.head_dim)
+
+    def _after_load(self) -> None:
+        """Rearranges loaded weights where a family needs it (nothing for Llama)."""
 
     def init_rope(self) -> None:
         cache = self.cos_sin_cache
@@ -269,6 +280,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                 params[local].data.copy_(tensor)
                 loaded.add(local)
         self._check_all_loaded(params, loaded)
+        self._after_load()
 
     def _shard_sizes(self, target: str, param: nn.Parameter) -> list[int]:
         attn = self.layers[0].self_attn

@@ -45,8 +45,11 @@ def fold_norms(model: torch.nn.Module) -> None:
     `model.folded_chain_max_tokens` tokens (0 when the hidden size has more output tiles
     than the squares buffer holds parts). A model with MoE layers keeps its norms: the
     chain's gate/up epilogue is a dense MLP's, and the router reads the normalised rows."""
-    if not all(isinstance(layer.mlp, MLP) for layer in model.layers):
-        return
+    if not all(
+        isinstance(layer.mlp, MLP) and hasattr(layer.self_attn, "qkv_proj")
+        for layer in model.layers
+    ):
+        return  # MoE feed-forwards or MLA attention (runner/models/deepseek.py)
     for layer in model.layers:
         _fold(layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight)
         _fold(layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight)

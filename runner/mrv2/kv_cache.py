@@ -1,11 +1,14 @@
 """Allocate the paged KV cache as one tensor with the layer axis outside the block axis.
 
-Shape `[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]`: one allocation
-per worker, so a block's bytes across all layers are `num_layers` strided chunks (few
-transfer descriptors, DESIGN §4). Each layer's view is `[num_blocks, 2, block_size, H, D]`.
+Shape `[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]` (paged GQA) or
+`[num_layers, num_blocks, block_size, kv_lora_rank + rope_dim]` (MLA latents): one
+allocation per worker, so a block's bytes across all layers are `num_layers` strided
+chunks (few transfer descriptors, DESIGN §4). Each layer's view is `[num_blocks, ...]`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -20,8 +23,14 @@ GPU_ACTIVATION_RESERVE_BYTES = 4 << 30
 def bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
+    return block_bytes(num_layers, (2, block_size, num_kv_heads, head_dim), dtype)
+
+
+def block_bytes(num_layers: int, block_shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of one block over all layers, for one layer's block of `block_shape` (the
+    model's `kv_block_shape`: paged GQA's `[2, bs, H, D]` or MLA's `[bs, r + rope]`)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * elem
+    return num_layers * math.prod(block_shape) * elem
 
 
 def choose_num_blocks(
@@ -58,7 +67,17 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    cache = torch.zeros(
-        num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
-    )
+    block_shape = (2, block_size, num_kv_heads, head_dim)
+    return allocate_blocks(num_layers, num_blocks, block_shape, dtype, device)
+
+
+def allocate_blocks(
+    num_layers: int,
+    num_blocks: int,
+    block_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`[num_layers, num_blocks, *block_shape]` zeros and its per-layer views."""
+    cache = torch.zeros(num_layers, num_blocks, *block_shape, dtype=dtype, device=device)
     return cache, list(cache.unbind(0))

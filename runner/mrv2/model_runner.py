@@ -25,7 +25,7 @@ from pdserve.runner.models.loader import load_model
 from pdserve.runner.mrv2.cuda_graphs import CudaGraphs
 from pdserve.runner.mrv2.host_ring import DeviceToHost, HostRing, PendingHost
 from pdserve.runner.mrv2.input_batch import InputBatch, InputBuffers
-from pdserve.runner.mrv2.kv_cache import allocate_kv_cache, bytes_per_block, choose_num_blocks
+from pdserve.runner.mrv2.kv_cache import allocate_blocks, block_bytes, choose_num_blocks
 from pdserve.runner.mrv2.model_state import GQAModelState, ModelState
 from pdserve.runner.mrv2.request_state import RequestState
 from pdserve.runner.mrv2.step_mailbox import StepMailbox
@@ -81,9 +81,8 @@ class MRV2ModelRunner:
         self.block_size = config.cache.block_size
         self.model = load_model(config.model, self.device)
         m = self.model
-        per_block = bytes_per_block(
-            len(m.layers), self.block_size, m.num_kv_heads, m.head_dim, config.model.dtype
-        )
+        block_shape = m.kv_block_shape(self.block_size)
+        per_block = block_bytes(len(m.layers), block_shape, config.model.dtype)
         max_useful = config.scheduler.max_num_seqs * config.max_blocks_per_request
         self.num_blocks = config.cache.num_blocks or choose_num_blocks(
             per_block,
@@ -92,14 +91,8 @@ class MRV2ModelRunner:
             config.cache.gpu_memory_utilization,
             max_useful,
         )
-        self.kv_cache, self.kv_caches = allocate_kv_cache(
-            len(m.layers),
-            self.num_blocks,
-            self.block_size,
-            m.num_kv_heads,
-            m.head_dim,
-            config.model.dtype,
-            self.device,
+        self.kv_cache, self.kv_caches = allocate_blocks(
+            len(m.layers), self.num_blocks, block_shape, config.model.dtype, self.device
         )
         logger.info(
             "mrv2 runner: %d KV blocks of %d tokens (%.1f MiB)",
