@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import mla_attention_triton
+
 
 def write_latent_ref(
     latent: torch.Tensor,  # [T, r + rope]
@@ -65,10 +67,16 @@ def paged_mla_attention_ref(
 
 
 def write_latent(latent, cache, slot_mapping) -> None:
-    assert not latent.is_cuda, "MLA has no device kernels yet (runner_select keeps it off CUDA)"
+    if latent.is_cuda:
+        return mla_attention_triton.write_latent_triton(latent, cache, slot_mapping)
     write_latent_ref(latent, cache, slot_mapping)
 
 
-def paged_mla_attention(q, cache, block_tables, query_start_loc, seq_lens, scale, rank, out):
-    assert not q.is_cuda, "MLA has no device kernels yet (runner_select keeps it off CUDA)"
+def paged_mla_attention(
+    q, cache, block_tables, query_start_loc, seq_lens, scale, rank, out, max_query_len: int
+) -> None:
+    if q.is_cuda:
+        return mla_attention_triton.paged_mla_attention_triton(
+            q, cache, block_tables, query_start_loc, seq_lens, scale, rank, out, max_query_len
+        )
     paged_mla_attention_ref(q, cache, block_tables, query_start_loc, seq_lens, scale, rank, out)

@@ -101,7 +101,7 @@ def resolve_engine_config(
             f"max_model_len ({max_model_len}) must be <= the model's "
             f"max_position_embeddings ({limit})"
         )
-    runner_name = select_runner(runner, hf_config, dev)
+    runner_name = select_runner(runner, hf_config)
     on_cuda = dev.startswith("cuda")
     if async_scheduling is None:
         async_scheduling = on_cuda

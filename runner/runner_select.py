@@ -22,19 +22,12 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "PDSERVE_RUNNER"
 
 
-# Architectures whose attention is MLA (kernels/mla_attention.py: torch only so far).
-MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-
-
-def mrv2_unsupported_features(hf_config: Any, device: str = "cpu") -> list[str]:
-    """Everything about this model config that the MRV2 runner does not implement on
-    `device` ("cpu" or "cuda[:N]")."""
+def mrv2_unsupported_features(hf_config: Any) -> list[str]:
+    """Everything about this model config that the MRV2 runner does not implement."""
     arch = architecture_of(hf_config)
     if arch not in MODEL_REGISTRY:
         return [f"architecture {arch} (mrv2 implements {', '.join(sorted(MODEL_REGISTRY))})"]
     problems = []
-    if arch in MLA_ARCHITECTURES and device.startswith("cuda"):
-        problems.append("MLA attention on CUDA (mrv2 runs MLA with its torch kernels on the CPU)")
     rope_type = rope_parameters(hf_config)["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         problems.append(
@@ -65,8 +58,8 @@ def _uses_sliding_window(cfg: Any) -> bool:
     return True
 
 
-def select_runner(requested: str | None, hf_config: Any, device: str = "cpu") -> str:
-    """Resolve "auto" (or the env var) to "mrv2" or "reference" for a model on `device`."""
+def select_runner(requested: str | None, hf_config: Any) -> str:
+    """Resolve "auto" (or the env var) to "mrv2" or "reference"."""
     requested = requested or "auto"
     source = "argument"
     if requested == "auto" and os.environ.get(ENV_VAR):
@@ -78,7 +71,7 @@ def select_runner(requested: str | None, hf_config: Any, device: str = "cpu") ->
     if requested == "reference":
         chosen = "reference"
     else:
-        problems = mrv2_unsupported_features(hf_config, device)
+        problems = mrv2_unsupported_features(hf_config)
         if problems and requested == "mrv2":
             raise ValueError(
                 "runner='mrv2' cannot run this model: it does not support " + "; ".join(problems)

@@ -6,31 +6,20 @@ self-consistency on it, and PD moving real latent pages between engines.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
-from test_pd_engine import GREEDY, _pd, _prompts, _run
+from conftest import DEVICE
+from test_pd_engine import _colocated, _kw, _local_pair, _pd, _prompts
 
 from pdserve import LLM, SamplingParams
 from pdserve.decode.worker import DecodeWorker
 from pdserve.kernels.mla_attention import paged_mla_attention_ref, write_latent_ref
+from pdserve.kernels.mla_attention_triton import paged_mla_attention_triton, write_latent_triton
 from pdserve.kvtransfer.layout import PagedMLAGroup
-from pdserve.kvtransfer.transport_local import LocalRegistry, LocalTransport
 from pdserve.kvtransfer.transport_tcp import TcpTransport
 from pdserve.prefill.worker import PrefillWorker
 from pdserve.runner.engine import Engine
-from pdserve.runner.runner_select import mrv2_unsupported_features
-
-
-def _kw(model: str, **extra) -> dict:
-    # On the CPU wherever the tests run: mrv2 runs MLA there only (no device kernels yet).
-    return dict(model=model, dtype="float32", device="cpu", **extra)
-
-
-def _colocated(model: str, prompts) -> dict:
-    engine = Engine.from_args(**_kw(model))
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, GREEDY)
-    return _run(engine.step, engine.has_unfinished)
 
 
 def test_absorbed_paged_attention_equals_expanded_heads():
@@ -85,22 +74,11 @@ def test_write_latent_skips_pad_slots():
     assert int((cache != 0).any(-1).sum()) == 2, "the pad row wrote nothing"
 
 
-def test_mla_is_refused_on_cuda_and_runs_mrv2_on_cpu(tiny_deepseek_v2_dir):
-    """The honest path: with no MLA device kernels, an operator on a GPU is told that MLA
-    falls back to the reference runner instead of running unpaged without a word."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(tiny_deepseek_v2_dir)
-    assert mrv2_unsupported_features(cfg, "cpu") == []
-    (problem,) = mrv2_unsupported_features(cfg, "cuda:0")
-    assert "MLA attention on CUDA" in problem
-
-
 def test_latent_cache_holds_one_row_per_token_and_layer(tiny_deepseek_v3_dir):
     """The `paged_mla` layout of DESIGN §4: `[L, blocks, block_size, r + rope]`, 32 floats a
     token and layer here where per-head K/V would take 4 x (20 + 20)."""
     engine = Engine.from_args(**_kw(tiny_deepseek_v3_dir, block_size=16))
-    assert engine.execution_path["experts"] == "torch"
+    assert engine.execution_path["experts"] == ("triton" if DEVICE == "cuda" else "torch")
     cache = engine.runner.kv_cache
     assert cache.shape[0] == 3 and cache.shape[2:] == (16, 24 + 8)
     prefill = PrefillWorker(engine, "P0")
@@ -121,7 +99,7 @@ def test_mla_engine_is_self_consistent(tiny_deepseek_v2_yarn_dir):
     def tokens(llm, ps):
         return [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)]
 
-    kw = {"model": tiny_deepseek_v2_yarn_dir, "device": "cpu", "dtype": "float32"}
+    kw = {"model": tiny_deepseek_v2_yarn_dir, "device": DEVICE, "dtype": "float32"}
     whole = LLM(**kw, max_num_batched_tokens=2048)
     want = tokens(whole, prompts)
     assert tokens(LLM(**kw, max_num_batched_tokens=16), prompts) == want
@@ -138,11 +116,7 @@ def test_pd_moves_latent_pages_local_and_tcp(tiny_deepseek_v3_dir):
     mix-up in the `paged_mla` group changes greedy tokens."""
     prompts = _prompts(5, 990, seed=3, lo=3, hi=70)
     want = _colocated(tiny_deepseek_v3_dir, prompts)
-    registry = LocalRegistry()
-    engine = Engine.from_args(**_kw(tiny_deepseek_v3_dir))
-    prefill = PrefillWorker(engine, "P0", registry=registry)
-    transports = {"local": LocalTransport(registry, prefill.source.layout_hash)}
-    decode = DecodeWorker(_kw(tiny_deepseek_v3_dir), "D0", transports)
+    prefill, decode = _local_pair(tiny_deepseek_v3_dir)
     assert _pd(prefill, decode, prompts) == want
     assert decode.loader.stats.loads == len(prompts) and decode.loader.stats.recomputes == 0
     prefill = PrefillWorker(Engine.from_args(**_kw(tiny_deepseek_v3_dir)), "P1")
@@ -154,3 +128,55 @@ def test_pd_moves_latent_pages_local_and_tcp(tiny_deepseek_v3_dir):
         assert prefill.server.counts["errors"] == 0
     finally:
         prefill.close()
+
+
+def _mla_batch(heads, rank, rope, bs, rows, dtype, seed):
+    """A paged latent cache with rows of (context, queries): shuffled blocks, garbage in
+    unused slots and blocks, one pad row (context 0) if asked by a (0, 1) entry."""
+    g = torch.Generator().manual_seed(seed)
+    width = rank + rope
+    need = sum(-(-ctx // bs) for ctx, _ in rows)
+    cache = torch.randn(need + 3, bs, width, generator=g)
+    order = (torch.randperm(need + 2, generator=g) + 1).tolist()
+    max_blocks = max(1, max(-(-ctx // bs) for ctx, _ in rows))
+    tables = torch.zeros(len(rows), max_blocks, dtype=torch.int32)
+    for r, (ctx, _) in enumerate(rows):
+        n = -(-ctx // bs)
+        tables[r, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    qsl = torch.tensor([0] + [q for _, q in rows], dtype=torch.int32).cumsum(0).to(torch.int32)
+    q = torch.randn(int(qsl[-1]), heads, width, generator=g)
+    seq_lens = torch.tensor([ctx for ctx, _ in rows], dtype=torch.int32)
+    return (t.to(DEVICE) for t in (q.to(dtype), cache.to(dtype), tables, qsl, seq_lens))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "heads,rank,rope,bs,rows",
+    [
+        (4, 24, 8, 4, [(9, 3), (5, 1), (13, 13), (0, 1)]),  # chunk, decode, prefill, pad
+        (3, 40, 12, 16, [(1, 1), (37, 37), (20, 2)]),  # odd widths, heads not a power of 2
+        (20, 32, 16, 8, [(30, 1), (7, 1)]),  # more heads than a program's 16
+    ],
+)
+def test_triton_mla_matches_reference(heads, rank, rope, bs, rows, dtype):
+    """Guards the kernel's tiles: heads x queries on M, masked rank/rope tails, causal
+    limits per query inside a tile, block-table lookups per key, pad rows written as
+    zeros (the reference leaves them; the runner discards them)."""
+    q, cache, tables, qsl, seq_lens = _mla_batch(heads, rank, rope, bs, rows, dtype, seed=heads)
+    want = torch.zeros(q.shape[0], heads, rank, dtype=dtype, device=DEVICE)
+    paged_mla_attention_ref(q, cache, tables, qsl, seq_lens, 0.3, rank, want)
+    got = torch.full_like(want, float("nan"))
+    max_q = max(n for _, n in rows)
+    paged_mla_attention_triton(q, cache, tables, qsl, seq_lens, 0.3, rank, got, max_q)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), float(
+        (got.float() - want.float()).abs().max()
+    )
+    write = torch.zeros(cache.shape, dtype=dtype, device=DEVICE)
+    latent = torch.randn(5, rank + rope).to(DEVICE, dtype)
+    slots = torch.tensor([3, -1, 0, bs + 1, -1], device=DEVICE)
+    write_latent_triton(latent, write, slots)
+    want_write = torch.zeros_like(write)
+    write_latent_ref(latent, want_write, slots)
+    assert torch.equal(write, want_write)

@@ -77,8 +77,7 @@ def test_tiny_random_models_match_transformers(fixture, request, decode_attentio
     the MoE members also guard routing (top-k, renormalised or not), the experts' stacked
     weights, dense layers between sparse ones and Qwen2-MoE's shared expert; DeepSeek's
     MLA (absorbed projections, interleaved RoPE, YaRN's mscale), its group-limited and
-    biased sigmoid routing and its shared experts. MLA runs mrv2 on the CPU only, so on a
-    GPU those three take the reference runner (test_mla.py checks the selection)."""
+    biased sigmoid routing and its shared experts."""
     model_dir = request.getfixturevalue(fixture)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100)]
@@ -86,8 +85,7 @@ def test_tiny_random_models_match_transformers(fixture, request, decode_attentio
         model=model_dir, device=DEVICE, dtype="float32", block_size=16, max_num_batched_tokens=64,
         decode_attention=decode_attention,
     )  # fmt: skip
-    mla_on_gpu = "deepseek" in fixture and DEVICE == "cuda"
-    assert llm.runner_name == ("reference" if mla_on_gpu else "mrv2")
+    assert llm.runner_name == "mrv2"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(24), use_tqdm=False)
     expected = hf_greedy(model_dir, prompts, 24)
     for p, out, exp in zip(prompts, outs, expected):

@@ -98,7 +98,7 @@ class MLAAttention(nn.Module):
         out = q.new_empty(num_tokens, self.num_heads, self.rank)
         paged_mla_attention(
             torch.cat([q_latent, q_pe], dim=-1), kv_cache, attn.block_tables,
-            attn.query_start_loc, attn.seq_lens, self.scale, self.rank, out,
+            attn.query_start_loc, attn.seq_lens, self.scale, self.rank, out, attn.max_query_len,
         )  # fmt: skip
         values = torch.einsum("thr,hvr->thv", out, w_uv).reshape(num_tokens, -1)
         return self._linear(values, self.o_proj)
