@@ -27,6 +27,7 @@ def main() -> int:
     ap.add_argument("--workloads", required=True)
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--vocab", type=int, default=151_936, help="prompt ids are below this")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -42,7 +43,7 @@ def main() -> int:
     )
     for name in args.workloads.split(","):
         w = WORKLOADS[name]
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in make_prompts(w, 151_936)]
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in make_prompts(w, args.vocab)]
         params = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True)
         llm.generate(prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         start = time.perf_counter()

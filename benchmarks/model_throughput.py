@@ -1,0 +1,165 @@
+"""Offline throughput of the engine on random-weight bf16 MoE / MLA models (GPU), with vLLM.
+
+    python benchmarks/model_throughput.py --shape qwen3_30b_a3b [--layers 12]
+        [--workloads decode_heavy,small_batch] [--peer vllm] [--out benchmarks/results]
+
+Shapes (per-layer sizes of the released models; `--layers` keeps the benchmark inside the
+device's disk and a call's time, and throughput per layer is what compares):
+  qwen3_30b_a3b     Qwen3-30B-A3B: 128 experts of 768, 8 picks, GQA 32/4 x 128
+  deepseek_v2_lite  DeepSeek-V2-Lite: MLA (r 512, rope 64, 16 heads), 64 experts of 1408,
+                    6 picks, 2 shared, layer 0 dense
+  mixtral_8x7b      Mixtral-8x7B: 8 experts of 14336, 2 picks, GQA 32/8 x 128
+The workloads, prompts (seeded random ids) and forced output lengths are throughput.py's.
+Each row records the runner and execution path (`experts`, graph scope) that ran it.
+`--peer vllm` runs vLLM 0.25 on the same directory in a child process afterwards.
+Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from run_meta import device_kind, git_commit
+from throughput import WORKLOADS, Workload, make_prompts, run_engine
+
+SHAPES = {
+    "qwen3_30b_a3b": (
+        "Qwen3MoeConfig",
+        dict(
+            vocab_size=151_936, hidden_size=2048, intermediate_size=6144,
+            moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+            norm_topk_prob=True, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+            max_position_embeddings=40_960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, bos_token_id=151_643, eos_token_id=151_645,
+            architectures=["Qwen3MoeForCausalLM"],
+        ),
+        12,
+    ),
+    "deepseek_v2_lite": (
+        "DeepseekV2Config",
+        dict(
+            vocab_size=102_400, hidden_size=2048, intermediate_size=10_944,
+            moe_intermediate_size=1408, n_routed_experts=64, num_experts_per_tok=6,
+            n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy",
+            routed_scaling_factor=1.0, q_lora_rank=None, kv_lora_rank=512,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_attention_heads=16,
+            num_key_value_heads=16, max_position_embeddings=163_840, rms_norm_eps=1e-6,
+            rope_parameters={
+                "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0,
+                "original_max_position_embeddings": 4096, "mscale": 0.707,
+                "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+            },
+            tie_word_embeddings=False, bos_token_id=100_000, eos_token_id=100_001,
+            architectures=["DeepseekV2ForCausalLM"],
+        ),
+        8,
+    ),
+    "mixtral_8x7b": (
+        "MixtralConfig",
+        dict(
+            vocab_size=32_000, hidden_size=4096, intermediate_size=14_336, num_local_experts=8,
+            num_experts_per_tok=2, num_attention_heads=32, num_key_value_heads=8,
+            max_position_embeddings=32_768, rope_theta=1_000_000.0, sliding_window=None,
+            rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+            architectures=["MixtralForCausalLM"],
+        ),
+        4,
+    ),
+}  # fmt: skip
+
+
+def build_model_dir(shape: str, layers: int, path: Path) -> int:
+    """Random bf16 weights (seeded) saved to `path`; returns the vocabulary size."""
+    import transformers
+
+    cls_name, fields, _ = SHAPES[shape]
+    cfg = getattr(transformers, cls_name)(num_hidden_layers=layers, **fields)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return cfg.vocab_size
+
+
+def run_vllm(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[str, dict]:
+    import subprocess
+
+    cmd = [
+        sys.executable, str(Path(__file__).parent / "vllm_peer.py"), f"--model-dir={model_dir}",
+        f"--workloads={args.workloads}", f"--max-num-seqs={args.max_num_seqs}",
+        f"--max-num-batched-tokens={args.max_num_batched_tokens}", f"--vocab={vocab}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
+    sys.stderr.write(proc.stderr[-4000:])
+    rows = [
+        json.loads(line.split(" ", 1)[1])
+        for line in proc.stdout.splitlines()
+        if line.startswith("VLLM_RESULT ")
+    ]
+    return {r.pop("workload"): r for r in rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    ap.add_argument("--layers", type=int, default=None, help="default: the shape's reduced count")
+    ap.add_argument("--workloads", default="decode_heavy,small_batch")
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--peer", choices=["vllm"], default=None)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+
+    from pdserve.runner.engine import Engine
+
+    layers = args.layers or SHAPES[args.shape][2]
+    model_dir = Path(tempfile.mkdtemp(prefix=f"{args.shape}-random-"))
+    vocab = build_model_dir(args.shape, layers, model_dir)
+    start = time.perf_counter()
+    engine = Engine.from_args(
+        model=str(model_dir), dtype="bfloat16", max_model_len=4096,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager, gpu_memory_utilization=0.8,
+    )  # fmt: skip
+    startup = time.perf_counter() - start
+    rows = []
+    for name in args.workloads.split(","):
+        w = WORKLOADS[name]
+        warm = Workload(w.name, w.num_requests, w.prompt_len, 4, w.metric)
+        run_engine(engine, warm, make_prompts(w, vocab, seed=99))  # compile outside the run
+        row = {"shape": args.shape, "layers": layers, "workload": name,
+               **run_engine(engine, w, make_prompts(w, vocab))}  # fmt: skip
+        row.update(
+            runner=engine.runner_name, execution_path=engine.execution_path,
+            startup_s=startup, device=device_kind(), commit=git_commit(),
+            command=" ".join(["benchmarks/model_throughput.py", *sys.argv[1:]]),
+        )  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.peer == "vllm":
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        peer = run_vllm(model_dir, args, vocab)
+        for row in rows:
+            row.update(peer.get(row["workload"], {"vllm_output_tok_s": None}))
+    out = Path(args.out) / f"model_throughput_{args.shape}_{device_kind()}_{git_commit()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
