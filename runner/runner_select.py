@@ -96,7 +96,8 @@ def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
     folded = getattr(model, "norms_folded", False)
     return {
         "runner": runner.name,
-        "decode_attention": cfg.decode_attention,
+        # MLA models attend with kernels/mla_attention*.py whatever --decode-attention says
+        "decode_attention": "mla" if getattr(model, "mla", False) else cfg.decode_attention,
         # runner/models/norm_fold.py: folded on CUDA in 16 bits, where batches of <= 64
         # tokens then run without RMSNorm launches
         "norms": "folded" if folded else "kernels",

@@ -79,6 +79,7 @@ def test_latent_cache_holds_one_row_per_token_and_layer(tiny_deepseek_v3_dir):
     token and layer here where per-head K/V would take 4 x (20 + 20)."""
     engine = Engine.from_args(**_kw(tiny_deepseek_v3_dir, block_size=16))
     assert engine.execution_path["experts"] == ("triton" if DEVICE == "cuda" else "torch")
+    assert engine.execution_path["decode_attention"] == "mla"
     cache = engine.runner.kv_cache
     assert cache.shape[0] == 3 and cache.shape[2:] == (16, 24 + 8)
     prefill = PrefillWorker(engine, "P0")

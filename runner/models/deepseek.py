@@ -107,6 +107,7 @@ class MLAAttention(nn.Module):
 class DeepseekForCausalLM(LlamaFamilyForCausalLM):
     # Only the dense MLPs' gate/up are fused; MLA's projections keep their names.
     _STACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    mla = True  # the execution path reports `decode_attention=mla`
 
     def _attention(self, cfg: Any) -> nn.Module:
         return MLAAttention(cfg, self.workspace)
