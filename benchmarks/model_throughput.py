@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from run_meta import device_kind, git_commit
-from throughput import WORKLOADS, Workload, make_prompts, run_engine
+from throughput import WORKLOADS, Workload, make_prompts, run_engine, run_vllm_peer
 
 SHAPES = {
     "qwen3_30b_a3b": (
@@ -91,24 +91,6 @@ def build_model_dir(shape: str, layers: int, path: Path) -> int:
     return cfg.vocab_size
 
 
-def run_vllm(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[str, dict]:
-    import subprocess
-
-    cmd = [
-        sys.executable, str(Path(__file__).parent / "vllm_peer.py"), f"--model-dir={model_dir}",
-        f"--workloads={args.workloads}", f"--max-num-seqs={args.max_num_seqs}",
-        f"--max-num-batched-tokens={args.max_num_batched_tokens}", f"--vocab={vocab}",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
-    sys.stderr.write(proc.stderr[-4000:])
-    rows = [
-        json.loads(line.split(" ", 1)[1])
-        for line in proc.stdout.splitlines()
-        if line.startswith("VLLM_RESULT ")
-    ]
-    return {r.pop("workload"): r for r in rows}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
@@ -151,7 +133,7 @@ def main() -> int:
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-        peer = run_vllm(model_dir, args, vocab)
+        peer = run_vllm_peer(model_dir, args, vocab)
         for row in rows:
             row.update(peer.get(row["workload"], {"vllm_output_tok_s": None}))
     out = Path(args.out) / f"model_throughput_{args.shape}_{device_kind()}_{git_commit()}.json"

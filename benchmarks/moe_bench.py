@@ -26,6 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 from run_meta import write_result
+from skinny_bench import graph_us
 
 from pdserve.kernels.moe import moe_experts_ref, route_top_k
 from pdserve.kernels.moe_triton import MoeTiles, choose_tiles, moe_experts_triton
@@ -36,23 +37,6 @@ SHAPES = {  # hidden, intermediate, experts, picks
 }
 LAYERS = {"qwen3_30b_a3b": 8, "mixtral_8x7b": 2}  # ~9.7 / 5.6 GB of experts
 HBM_BPS, TFLOPS = 4.28e12, 789e12
-
-
-def graph_us(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
 
 
 def grouped_mm_experts(x, w_gate_up, w_down, ids, weights):
@@ -108,7 +92,7 @@ def case(shape: str, tokens: int, tiles_list: list[MoeTiles | None], peers: bool
                     weights, idx = route_top_k(x @ router.T, picks, True)
                     fn(x, wgu, wd, idx, weights)
 
-            us = graph_us(run_all) / len(layers)
+            us = graph_us([run_all]) / len(layers)
         except Exception as exc:  # out of shared memory, unsupported, etc.: report, go on
             out.append({**base, "impl": name, **extra, "error": str(exc)[:200]})
             return

@@ -324,8 +324,11 @@ def write_row(out_dir: Path, row: dict) -> None:
     (out_dir / f"throughput_{row['workload']}.json").write_text(json.dumps(row, indent=2) + "\n")
 
 
-def run_vllm_peer(model_dir: Path, args: argparse.Namespace) -> dict[str, dict]:
-    """vLLM in a child process once our engine has let go of the GPU; {workload: numbers}."""
+def run_vllm_peer(
+    model_dir: Path, args: argparse.Namespace, vocab: int = 151_936
+) -> dict[str, dict]:
+    """vLLM in a child process once our engine has let go of the GPU; {workload: numbers}.
+    Its prompts are ids below `vocab`, seeded as ours (`make_prompts`)."""
     cmd = [
         sys.executable,
         str(Path(__file__).parent / "vllm_peer.py"),
@@ -333,6 +336,7 @@ def run_vllm_peer(model_dir: Path, args: argparse.Namespace) -> dict[str, dict]:
         f"--workloads={args.workloads}",
         f"--max-num-seqs={args.max_num_seqs}",
         f"--max-num-batched-tokens={args.max_num_batched_tokens}",
+        f"--vocab={vocab}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480)
     sys.stderr.write(proc.stderr[-4000:])

@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pdserve.kernels.attention_parts import attention_dot
+
 BLOCK_M = 16  # the smallest block (decode sizes)
 
 
@@ -91,13 +93,10 @@ def align_slots(ids: Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE_DOT: tl.constexpr):
-    # IEEE_DOT: fp32 inputs, and 16-bit ones under Triton's interpreter (which multiplies
-    # 16-bit tiles as raw bits): fp32 operands, no tf32 rounding; 16-bit products are
-    # exact in fp32, so this is what the tensor cores give.
-    if IEEE_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+def _block_slots(sorted_slots_ptr, block, num_slots, BLOCK_M: tl.constexpr):
+    """A block's slots, and which are real (padding holds `num_slots`)."""
+    slots = tl.load(sorted_slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return slots, slots < num_slots
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -117,13 +116,13 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= 0:
-        slots = tl.load(sorted_slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        valid = slots < num_slots
+        slots, valid = _block_slots(sorted_slots_ptr, block, num_slots, BLOCK_M)
         tokens = tl.where(valid, slots // top_k, 0).to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
@@ -141,8 +140,8 @@ def _gate_up_kernel(
             w_mask = k_ok[:, None] & n_ok[None, :]
             w_gate = tl.load(gate_rows + k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, N]
             w_up = tl.load(up_rows + k[:, None], mask=w_mask, other=0.0)
-            acc_gate = _dot(a, w_gate, acc_gate, IEEE_DOT)
-            acc_up = _dot(a, w_up, acc_up, IEEE_DOT)
+            acc_gate = attention_dot(a, w_gate, acc_gate, DOT_PRECISION, UPCAST_DOT)
+            acc_up = attention_dot(a, w_up, acc_up, DOT_PRECISION, UPCAST_DOT)
         dtype = out_ptr.dtype.element_ty
         gate = acc_gate.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
@@ -167,13 +166,13 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= 0:
-        slots = tl.load(sorted_slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        valid = slots < num_slots
+        slots, valid = _block_slots(sorted_slots_ptr, block, num_slots, BLOCK_M)
         rows = tl.where(valid, slots, 0).to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
@@ -187,7 +186,7 @@ def _down_kernel(
                 mask=valid[:, None] & k_ok[None, :], other=0.0,
             )  # fmt: skip
             w = tl.load(w_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = _dot(a, w, acc, IEEE_DOT)
+            acc = attention_dot(a, w, acc, DOT_PRECISION, UPCAST_DOT)
         dtype = out_ptr.dtype.element_ty
         weight = tl.load(weights_ptr + rows, mask=valid, other=0.0)
         y = acc.to(dtype).to(tl.float32) * weight[:, None]
@@ -216,9 +215,11 @@ def moe_experts_triton(
     t = tiles or choose_tiles(num_slots, num_experts, x.dtype)
     sorted_slots, block_expert = align_slots(ids, num_experts, t.block_m)
     num_blocks = block_expert.shape[0]
-    ieee = x.dtype == torch.float32 or x.device.type == "cpu"
     launch = {
-        "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "IEEE_DOT": ieee,
+        "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k,
+        # fp32 without tf32 rounding; bf16 upcast under the interpreter (attention_dot)
+        "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
+        "UPCAST_DOT": x.device.type == "cpu" and x.dtype == torch.bfloat16,
         "num_warps": t.num_warps, "num_stages": t.num_stages,
     }  # fmt: skip
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
