@@ -8,6 +8,8 @@ device's disk and a call's time, and throughput per layer is what compares):
   qwen3_30b_a3b     Qwen3-30B-A3B: 128 experts of 768, 8 picks, GQA 32/4 x 128
   deepseek_v2_lite  DeepSeek-V2-Lite: MLA (r 512, rope 64, 16 heads), 64 experts of 1408,
                     6 picks, 2 shared, layer 0 dense
+  glm45_air         GLM-4.5-Air's layer: 128 experts of 1408, 8 picks, 1 shared, GQA 96/8 x
+                    128 with RoPE over half a head
   mixtral_8x7b      Mixtral-8x7B: 8 experts of 14336, 2 picks, GQA 32/8 x 128
 The workloads, prompts (seeded random ids) and forced output lengths are throughput.py's.
 Each row records the runner and execution path (`experts`, graph scope) that ran it.
@@ -60,6 +62,20 @@ SHAPES = {
             architectures=["DeepseekV2ForCausalLM"],
         ),
         8,
+    ),
+    "glm45_air": (
+        "Glm4MoeConfig",
+        dict(
+            vocab_size=151_552, hidden_size=4096, intermediate_size=10_944,
+            moe_intermediate_size=1408, n_routed_experts=128, num_experts_per_tok=8,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+            norm_topk_prob=True, routed_scaling_factor=1.0, num_attention_heads=96,
+            num_key_value_heads=8, head_dim=128, partial_rotary_factor=0.5,
+            attention_bias=True, use_qk_norm=False, max_position_embeddings=131_072,
+            rope_theta=1_000_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            bos_token_id=151_329, eos_token_id=151_329, architectures=["Glm4MoeForCausalLM"],
+        ),
+        4,
     ),
     "mixtral_8x7b": (
         "MixtralConfig",

@@ -33,8 +33,6 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
         problems.append(
             f"rope_type {rope_type!r} (mrv2 implements {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    if float(getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
-        problems.append("partial rotary embedding (partial_rotary_factor != 1)")
     if _uses_sliding_window(hf_config):
         problems.append("sliding-window attention")
     act = getattr(hf_config, "hidden_act", "silu")
@@ -112,7 +110,7 @@ def _experts_path(runner_name: str, model: Any, device: str) -> str:
     "none" for a dense model."""
     config = getattr(model, "config", None)
     if config is None or (moe_spec(config) is None and not getattr(config, "n_routed_experts", 0)):
-        return "none"  # neither a Mixtral/Qwen-MoE nor a DeepSeek MoE
+        return "none"  # neither a Mixtral/Qwen-MoE nor a DeepSeek/GLM-4 MoE
     if runner_name != "mrv2":
         return "transformers"
     return "triton" if device.startswith("cuda") else "torch"

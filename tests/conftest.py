@@ -366,6 +366,27 @@ def _randomize_tensors(model_dir: str, fragment: str, scale: float) -> None:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm4_moe_dir(tmp_path_factory) -> str:
+    """GLM-4-MoE: RoPE over half of each head (head_dim 24: 12 rotated, 12 passed), q/k/v
+    bias, per-head q/k norm, V3 routing with a random correction bias, one shared expert,
+    layer 0 dense."""
+    from transformers import Glm4MoeConfig
+
+    cfg = Glm4MoeConfig(
+        vocab_size=1021, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=2,
+        topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.5, first_k_dense_replace=1,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
+        max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, architectures=["Glm4MoeForCausalLM"],
+    )  # fmt: skip
+    path = _save_tiny(tmp_path_factory, "tiny-glm4-moe", cfg)
+    _randomize_tensors(path, "e_score_correction_bias", scale=0.2)
+    return path
+
+
+@pytest.fixture(scope="session")
 def qwen3_shaped_dir(tmp_path_factory):
     """Qwen3-0.6B's shape (hidden 1024, 16 q / 8 kv heads of 128, vocab 151,936, tied) with
     4 of its 28 layers: the real kernel shapes at a size CI can afford. Stored in bf16

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pdserve.runner.models.deepseek import DeepseekForCausalLM
+from pdserve.runner.models.glm4_moe import Glm4MoeForCausalLM
 from pdserve.runner.models.llama import LlamaFamilyForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "LlamaForCausalLM": LlamaFamilyForCausalLM,
     "MistralForCausalLM": LlamaFamilyForCausalLM,
     "MixtralForCausalLM": LlamaFamilyForCausalLM,

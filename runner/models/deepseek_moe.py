@@ -1,10 +1,11 @@
-"""DeepSeek-V2/V3 MoE layers: routed experts with group-limited routing, plus shared experts.
+"""DeepSeek-V2/V3 MoE layers (GLM-4's MoE too): routed experts with group-limited routing,
+plus shared experts.
 
 Routing, as transformers computes it (the oracle the tests compare against):
 - V2: softmax over the experts (router in float32); `greedy` takes the top k,
   `group_limited_greedy` first keeps the `topk_group` groups with the highest expert score;
   the k weights are not renormalised.
-- V3: sigmoid scores; an expert is chosen by score + `e_score_correction_bias`, among the
+- V3 and GLM-4-MoE: sigmoid scores; an expert is chosen by score + `e_score_correction_bias`, among the
   `topk_group` groups whose two best biased scores sum highest; its weight is the unbiased
   score, renormalised when `norm_topk_prob`.
 Both scale the weights by `routed_scaling_factor`. The routed experts run in
@@ -65,7 +66,7 @@ class DeepseekRouting:
 
 
 def deepseek_routing(cfg: Any) -> DeepseekRouting:
-    v3 = cfg.model_type == "deepseek_v3"
+    v3 = cfg.model_type in ("deepseek_v3", "glm4_moe")  # GLM-4's MoE routes as V3 does
     return DeepseekRouting(
         num_experts=int(cfg.n_routed_experts),
         top_k=int(cfg.num_experts_per_tok),

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdserve.kernels.attention import paged_attention
+from pdserve.kernels.attention import paged_attention, write_kv
 from pdserve.kernels.norm import fused_add_rms_norm, rms_norm
 from pdserve.kernels.qkv_prep import prepare_qkv
+from pdserve.kernels.rope import apply_rope
 from pdserve.kernels.row_squares import ScaleRows
 from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
@@ -31,7 +32,7 @@ from pdserve.runner.models import moe
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.models.mlp import MLP
 from pdserve.runner.models.norm_fold import chain_applies, folded_forward
-from pdserve.runner.models.rope import build_cos_sin_cache
+from pdserve.runner.models.rope import build_cos_sin_cache, rope_parameters
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,24 @@ def family_spec(hf_config: Any) -> FamilySpec:
         return FamilySpec(qkv_bias=qkv_bias, o_bias=False, qk_norm=False)
     if model_type in ("qwen3", "qwen3_moe"):
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=True)
+    if model_type == "glm4_moe":
+        qk_norm = bool(getattr(hf_config, "use_qk_norm", False))
+        return FamilySpec(qkv_bias=bias, o_bias=False, qk_norm=qk_norm)
     return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=False)
 
 
 def head_dim_of(hf_config: Any) -> int:
     hd = getattr(hf_config, "head_dim", None)
     return int(hd) if hd else hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def rotary_dim_of(hf_config: Any) -> int:
+    """The leading dims of each head that RoPE rotates (`partial_rotary_factor`, e.g.
+    GLM-4's 0.5; transformers 5 keeps it in `rope_parameters`); the rest pass through."""
+    factor = rope_parameters(hf_config).get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(hf_config, "partial_rotary_factor", None)
+    return int(head_dim_of(hf_config) * float(factor or 1.0))
 
 
 class RMSNorm(nn.Module):
@@ -76,6 +89,7 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(cfg)
+        self.rotary_dim = rotary_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
@@ -110,6 +124,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Split, q/k norm, rope and the KV write in one kernel (kernels/qkv_prep.py) ->
         q [T, Hq, D]. `scale_rows` / `bias`: the folded-norm chain's projection."""
+        if self.rotary_dim < self.head_dim:
+            assert scale_rows is None, "partial RoPE models keep their norms (norm_fold.py)"
+            return self._prepare_partial_rope(qkv, positions, cos_sin, kv_cache, attn)
         qn, kn = self.q_norm, self.k_norm
         return prepare_qkv(
             qkv, self.num_heads, self.num_kv_heads,
@@ -117,6 +134,21 @@ class Attention(nn.Module):
             0.0 if qn is None else qn.eps, positions, cos_sin, kv_cache, attn.slot_mapping,
             scale_rows, bias,
         )  # fmt: skip
+
+    def _prepare_partial_rope(self, qkv, positions, cos_sin, kv_cache, attn) -> torch.Tensor:
+        """`prepare` for RoPE over the first `rotary_dim` dims of each head: the same steps
+        as its kernel's spec (split, per-head norm, rope, KV write), as separate kernels."""
+        t, d, rot = qkv.shape[0], self.head_dim, self.rotary_dim
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
+            k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
+        q_rot, k_rot = apply_rope(q[..., :rot], k[..., :rot], positions, cos_sin)
+        q = torch.cat([q_rot, q[..., rot:]], dim=-1)
+        k = torch.cat([k_rot, k[..., rot:]], dim=-1)
+        write_kv(k, v.reshape(t, self.num_kv_heads, d), kv_cache, attn.slot_mapping)
+        return q
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata):
         """Paged attention of q [T, Hq, D] -> [T, Hq * D], the o projection's input."""
@@ -171,9 +203,9 @@ class LlamaFamilyForCausalLM(nn.Module):
             if self.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
-        # [max_positions, head_dim] float32, filled by `init_rope` once on the target device.
+        # [max_positions, rotary_dim] float32, filled by `init_rope` once on the target device.
         self.register_buffer(
-            "cos_sin_cache", torch.empty(max_positions, head_dim_of(cfg)), persistent=False
+            "cos_sin_cache", torch.empty(max_positions, rotary_dim_of(cfg)), persistent=False
         )
 
     # ---- what a subclass (runner/models/deepseek.py) replaces -------------------------------
@@ -198,7 +230,7 @@ class LlamaFamilyForCausalLM(nn.Module):
     def init_rope(self) -> None:
         cache = self.cos_sin_cache
         self.cos_sin_cache = build_cos_sin_cache(
-            self.config, head_dim_of(self.config), cache.shape[0], cache.device
+            self.config, rotary_dim_of(self.config), cache.shape[0], cache.device
         )
 
     @property

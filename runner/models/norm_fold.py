@@ -43,13 +43,16 @@ def fold_norms(model: torch.nn.Module) -> None:
     """Folds every decoder layer's two RMSNorm weights into the qkv and gate/up weights
     (in place) and marks the model for the folded decode chain: batches of up to
     `model.folded_chain_max_tokens` tokens (0 when the hidden size has more output tiles
-    than the squares buffer holds parts). A model with MoE layers keeps its norms: the
-    chain's gate/up epilogue is a dense MLP's, and the router reads the normalised rows."""
+    than the squares buffer holds parts). A model with MoE layers keeps its norms (the
+    chain's gate/up epilogue is a dense MLP's, and the router reads the normalised rows),
+    as do MLA and partial-RoPE models (their q/k/v preparation is not the fused kernel)."""
     if not all(
-        isinstance(layer.mlp, MLP) and hasattr(layer.self_attn, "qkv_proj")
+        isinstance(layer.mlp, MLP)
+        and hasattr(layer.self_attn, "qkv_proj")
+        and layer.self_attn.rotary_dim == layer.self_attn.head_dim
         for layer in model.layers
     ):
-        return  # MoE feed-forwards or MLA attention (runner/models/deepseek.py)
+        return  # MoE feed-forwards, MLA attention (runner/models/deepseek.py), partial RoPE
     for layer in model.layers:
         _fold(layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight)
         _fold(layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight)
