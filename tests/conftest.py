@@ -387,6 +387,23 @@ def tiny_glm4_moe_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory) -> str:
+    """Phi-3/4: the checkpoint stores qkv_proj and gate_up_proj fused; RoPE over 3/4 of
+    each head (Phi-4-mini's factor), 6 q / 2 kv heads of 16."""
+    from transformers import Phi3Config
+
+    cfg = Phi3Config(
+        vocab_size=1031, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.75},
+        sliding_window=None, initializer_range=0.1, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, architectures=["Phi3ForCausalLM"],
+    )  # fmt: skip
+    return _save_tiny(tmp_path_factory, "tiny-phi3", cfg)
+
+
+@pytest.fixture(scope="session")
 def qwen3_shaped_dir(tmp_path_factory):
     """Qwen3-0.6B's shape (hidden 1024, 16 q / 8 kv heads of 128, vocab 151,936, tied) with
     4 of its 28 layers: the real kernel shapes at a size CI can afford. Stored in bf16

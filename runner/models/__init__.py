@@ -13,6 +13,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaFamilyForCausalLM,
     "MistralForCausalLM": LlamaFamilyForCausalLM,
     "MixtralForCausalLM": LlamaFamilyForCausalLM,
+    "Phi3ForCausalLM": LlamaFamilyForCausalLM,
     "Qwen2ForCausalLM": LlamaFamilyForCausalLM,
     "Qwen2MoeForCausalLM": LlamaFamilyForCausalLM,
     "Qwen3ForCausalLM": LlamaFamilyForCausalLM,

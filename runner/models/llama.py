@@ -1,5 +1,6 @@
-"""The Llama family on the paged KV cache: Llama, Mistral, Qwen2, Qwen3, SmolLM, and the
-MoE members Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""The Llama family on the paged KV cache: Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3/4
+(checkpoints with q/k/v and gate/up already fused), and the MoE members Mixtral, Qwen2-MoE
+and Qwen3-MoE (GLM-4-MoE and DeepSeek subclass it: glm4_moe.py, deepseek.py).
 
 One module tree covers the family; the differences are data in `FamilySpec`
 (attention biases, per-head q/k RMSNorm) and, for the MoE members, `MoeSpec` (which
@@ -311,6 +312,8 @@ class LlamaFamilyForCausalLM(nn.Module):
                     )
                 params[local].data.copy_(tensor)
                 loaded.add(local)
+                if "qkv_proj" in local or "gate_up_proj" in local:  # stored fused (Phi-3)
+                    loaded.update(f"{local}#{i}" for i in range(3 if "qkv" in local else 2))
         self._check_all_loaded(params, loaded)
         self._after_load()
 
