@@ -38,7 +38,7 @@ _WORKER_KEYS = (
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
     "num_free_blocks", "num_blocks", "prefix_cache_queries", "prefix_cache_hits",
     "num_preemptions", "leases", "transfer_bytes", "recompute_fallbacks", "error",
-    "kernel_compiles",
+    "kernel_compiles", "execution_path",
 )  # fmt: skip
 
 

@@ -98,6 +98,10 @@ def test_pools_view_lists_the_workers_and_bounds(ops_server):
     assert started - 1.0 <= w["since"] <= started
     assert w["num_blocks"] > 0 and 0 <= w["kv_cache_usage_perc"] <= 1
     assert w["kernel_compiles"] == 0  # a CPU worker compiles nothing (no Triton launches)
+    # What the engine really runs, for the dashboard's worker tooltip.
+    assert w["execution_path"] == {"runner": "mrv2", "decode_attention": "auto",
+                                   "norms": "kernels", "graph_scope": "none",
+                                   "experts": "none"}  # fmt: skip
     assert w["startup"]["kv_tokens"] == (w["num_blocks"] - 1) * 16
     assert d["pools"]["prefill"] == {"bounds": [0, 0], "workers": [], "ready": 0,
                                      "starting": 0, "draining": 0}  # fmt: skip
