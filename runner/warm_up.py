@@ -17,6 +17,7 @@ import time
 
 from pdserve.kernels.paged_decode_split import FEW_DECODE_PAIRS, MIN_SPLIT_KEYS
 from pdserve.runner.engine import Engine
+from pdserve.runner.models.moe import experts_per_pick
 from pdserve.runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,23 @@ def decode_variant_batches(engine: Engine) -> list[tuple[int, ...]]:
     return out
 
 
+def moe_variant_batches(engine: Engine) -> list[tuple[int, ...]]:
+    """One-prompt batches whose prefill gives the MoE experts' kernels their 32- and
+    64-slot blocks (kernels/moe_triton.choose_tiles sizes blocks by the mean run, which
+    decode-sized batches keep at 16), where the engine's limits take the prompt in one
+    step. Nothing for a dense model."""
+    ratio = experts_per_pick(engine.config.model.hf_config)
+    if ratio is None:
+        return []
+    fits = min(
+        engine.config.model.max_model_len - 2,
+        engine.config.scheduler.max_num_batched_tokens,
+        engine.kv.num_free_blocks * engine.kv.block_size - 2,
+    )
+    sizes = (int(mean_run * ratio) + 1 for mean_run in (32, 80))  # blocks of 32, then 64
+    return [(n,) for n in sizes if n <= fits]
+
+
 def warm_up(engine: Engine) -> float:
     """Run the warm-up prompts to completion and reset what they touched. Returns its
     seconds. Call it before the engine serves (nothing else may be queued)."""
@@ -61,7 +79,8 @@ def warm_up(engine: Engine) -> float:
     vocab = engine.config.model.vocab_size
     limit = engine.config.model.max_model_len - 2
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, seed=0)
-    for b, lengths in enumerate(_BATCHES + tuple(decode_variant_batches(engine))):
+    variants = decode_variant_batches(engine) + moe_variant_batches(engine)
+    for b, lengths in enumerate(_BATCHES + tuple(variants)):
         for i, n in enumerate(lengths):
             prompt = [(7 * b + 3 * i + j) % vocab for j in range(min(n, limit))]
             engine.add_request(f"warm-up-{b}-{i}", prompt, params)

@@ -156,3 +156,24 @@ def test_execution_path_names_how_experts_run(tiny_qwen2_moe_dir, tiny_qwen3_dir
     reference = LLM(model=tiny_qwen2_moe_dir, runner="reference", **kw).engine.execution_path
     assert reference["experts"] == "transformers"
     assert LLM(model=tiny_qwen3_dir, **kw).engine.execution_path["experts"] == "none"
+
+
+def test_warm_up_reaches_the_larger_expert_blocks(tiny_qwen3_moe_dir, tiny_qwen3_dir):
+    """A worker must not compile the experts' 32- and 64-slot variants in a request: the
+    warm-up adds one prompt per block size (7 experts / 3 picks: 75 and 187 tokens give
+    mean runs of 32 and 80 slots), only where one step takes it, and leaves nothing."""
+    from pdserve.kernels.moe_triton import choose_tiles
+    from pdserve.runner.engine import Engine
+    from pdserve.runner.warm_up import moe_variant_batches, warm_up
+
+    def engine(model, **kw) -> Engine:
+        return Engine.from_args(model=model, device=DEVICE, dtype="float32", **kw)
+
+    big = engine(tiny_qwen3_moe_dir, max_model_len=512, max_num_batched_tokens=256)
+    assert moe_variant_batches(big) == [(75,), (187,)]
+    assert [choose_tiles(n * 3, 7, torch.bfloat16).block_m for n in (75, 187)] == [32, 64]
+    assert warm_up(big) > 0
+    assert not big.scheduler.requests and big.kv.num_free_blocks == big.kv.num_blocks - 1
+    small_steps = engine(tiny_qwen3_moe_dir, max_model_len=512, max_num_batched_tokens=128)
+    assert moe_variant_batches(small_steps) == [(75,)]
+    assert moe_variant_batches(engine(tiny_qwen3_dir)) == []

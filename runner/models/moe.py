@@ -56,6 +56,17 @@ def moe_spec(cfg: Any) -> MoeSpec | None:
     return None
 
 
+def experts_per_pick(cfg: Any) -> float | None:
+    """E / k of an MoE model (Mixtral, Qwen-MoE, DeepSeek, GLM-4-MoE), None for a dense one:
+    a batch of T tokens gives each expert T / (E / k) slots on average."""
+    spec = moe_spec(cfg)
+    if spec is not None:
+        return spec.num_experts / spec.top_k
+    if getattr(cfg, "n_routed_experts", 0):
+        return cfg.n_routed_experts / cfg.num_experts_per_tok
+    return None
+
+
 def is_sparse_layer(cfg: Any, spec: MoeSpec | None, layer: int) -> bool:
     """Mixtral's layers are all sparse; Qwen-MoE's are unless listed in `mlp_only_layers`
     or off the `decoder_sparse_step` stride."""
