@@ -128,14 +128,17 @@ def test_pd_tcp_equals_colocated_tiny_qwen3(tiny_qwen3_dir):
         prefill.close()
 
 
-def test_decode_loads_from_tier_instead_of_prefill(tiny_qwen3_dir):
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_dir", "tiny_deepseek_v3_dir"])
+def test_decode_loads_from_tier_instead_of_prefill(fixture, request):
     """Guards the tier path: B gets the prompt's full blocks from the tier (written behind
     by A earlier), computes only the partial tail itself, and decodes the same tokens.
-    No ticket and no transfer from A are involved."""
+    No ticket and no transfer from A are involved. Paged GQA blocks, and an MLA model's
+    latent blocks (the `paged_mla` group) through the same tier."""
+    model = request.getfixturevalue(fixture)
     prompts = _prompts(4, 990, seed=3, lo=40, hi=80)
-    want = _colocated(tiny_qwen3_dir, prompts)
+    want = _colocated(model, prompts)
     tier = HostKVTier(byte_budget=64 << 20)
-    prefill, decode = _local_pair(tiny_qwen3_dir, tier=tier)
+    prefill, decode = _local_pair(model, tier=tier)
     for i, p in enumerate(prompts):
         prefill.submit(str(i), p, GREEDY)
     for r in wait_for_tickets(prefill, len(prompts), 60):
