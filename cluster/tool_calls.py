@@ -48,7 +48,7 @@ class ToolChoice:
     def reader(self) -> ToolParser:
         """auto: the server's parser, for this request's tools."""
         assert self.kind == "auto" and self.parser is not None, self
-        return make_parser(self.parser, (t["function"]["name"] for t in self.tools))
+        return make_parser(self.parser, {t["function"]["name"]: _parameters(t) for t in self.tools})
 
     def constraint(self) -> StructuredOutputs | None:
         """What the reply must follow (None for "none" and "auto")."""

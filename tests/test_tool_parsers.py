@@ -122,7 +122,96 @@ LLAMA3 = {
     "{" * 100_000: ("{" * 100_000, ()),  # never closed
     DEEP: (DEEP, ()),  # closed, past the decoder's recursion limit
 }
-CASES = {"hermes": HERMES, "llama3_json": LLAMA3}
+
+
+# The XML-style parsers type arguments by the tools' schemas (`typed_argument`).
+SCHEMAS = {
+    "get_weather": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string"}, "note": {"type": "string"},
+            "days": {"type": "integer"}, "options": {"type": ["object", "null"]},
+            "zip": {"type": "string"},
+        },
+    },
+    "get_time": {"type": "object", "properties": {}},
+}  # fmt: skip
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _qwen(name: str, arguments: dict) -> str:
+    params = "".join(f"<parameter={k}>\n{_text(v)}\n</parameter>\n" for k, v in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def _glm(name: str, arguments: dict) -> str:
+    args = "".join(
+        f"<arg_key>{k}</arg_key>\n<arg_value>{_text(v)}</arg_value>\n" for k, v in arguments.items()
+    )
+    return f"<tool_call>{name}\n{args}</tool_call>"
+
+
+TYPED_ARGS = {"city": "Oslo", "days": 3, "options": {"hourly": [1, 2]}, "zip": "0150"}
+TYPED_CALL = Call("get_weather", json.dumps(TYPED_ARGS))
+# A value that does not read as its type stays text: the argument is not lost.
+LOOSE_CALL = Call("get_weather", '{"days": "three"}')
+GLM_UNICODE = {"city": "Zürich", "note": '晴れ ☀ "quoted"'}  # glm45 strips values' ends
+
+
+def _xml_cases(block, unicode_args: dict) -> dict:
+    oslo, time_ = block("get_weather", {"city": "Oslo", "unit": "celsius"}), block("get_time", {})
+    unknown = block("get_date", {"day": "1"})
+    open_oslo = oslo.removesuffix("</tool_call>")
+    return {
+        "The weather in Oslo is mild.": ("The weather in Oslo is mild.", ()),
+        oslo: (None, (OSLO_CALL,)),
+        oslo + "\n" + time_: (None, (OSLO_CALL, TIME_CALL)),
+        "Let me check.\n\n" + oslo + "\n" + time_ + "\n": ("Let me check.", (OSLO_CALL, TIME_CALL)),
+        block("get_weather", TYPED_ARGS): (None, (TYPED_CALL,)),
+        block("get_weather", {"days": "three"}): (None, (LOOSE_CALL,)),
+        block("get_weather", unicode_args): (
+            None,
+            (Call("get_weather", json.dumps(unicode_args, ensure_ascii=False)),),
+        ),
+        unknown: (unknown, ()),
+        "Checking. " + unknown: ("Checking. " + unknown, ()),
+        oslo + "\nDone, ask again.": ("\nDone, ask again.", (OSLO_CALL,)),
+        # a block holding anything else is text, and a usable call beside it still a call
+        "<tool_call>\nget the weather\n</tool_call>": (
+            "<tool_call>\nget the weather\n</tool_call>",
+            (),
+        ),
+        oslo + "\n" + HERMES_OSLO_BLOCK: ("\n" + HERMES_OSLO_BLOCK, (OSLO_CALL,)),
+        open_oslo: (None, (OSLO_CALL,)),  # left open at the end of the reply
+        "Cut: " + oslo[:30]: ("Cut: " + oslo[:30], ()),
+        "I will call <tool_c": ("I will call <tool_c", ()),
+        "  \n": ("  \n", ()),
+        "": ("", ()),
+    }
+
+
+HERMES_OSLO_BLOCK = OSLO  # the JSON syntax, which the XML-style parsers do not read
+QWEN3_CODER = _xml_cases(_qwen, UNICODE_ARGS) | {
+    # parameters must be whole: a function without its close, or text between parameters
+    "<tool_call>\n<function=get_time>\n</tool_call>": (
+        "<tool_call>\n<function=get_time>\n</tool_call>",
+        (),
+    ),
+    "<tool_call><function=get_time>now</function></tool_call>": (
+        "<tool_call><function=get_time>now</function></tool_call>",
+        (),
+    ),
+}
+GLM45 = _xml_cases(_glm, GLM_UNICODE) | {
+    "<tool_call>get_weather\n<arg_key>city</arg_key>\n</tool_call>": (
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n</tool_call>",
+        (),
+    ),
+}
+CASES = {"hermes": HERMES, "llama3_json": LLAMA3, "qwen3_coder": QWEN3_CODER, "glm45": GLM45}
 
 
 def test_every_parser_has_cases():
@@ -135,7 +224,7 @@ def test_a_whole_reply_reads_into_content_and_calls(name):
     """Guards each parser's reading: content only, one call, two calls, content before
     calls, malformed JSON and unknown names returned as text, unicode arguments kept as
     written (ensure_ascii off), a call's start cut at the end left as text."""
-    parser = make_parser(name, TOOLS)
+    parser = make_parser(name, SCHEMAS)
     for reply, (content, calls) in CASES[name].items():
         got = parser.parse(reply)
         assert got == ParsedReply(content, calls), reply[:200]
@@ -175,7 +264,7 @@ def test_a_stream_cut_anywhere_equals_the_whole_reply(name):
     """Guards streaming against chunk boundaries: a tag split across pieces, a block's
     close arriving in pieces, whitespace held before a call and let out before text. The
     content a stream lets out, joined, and its calls equal the whole reply's reading."""
-    parser = make_parser(name, TOOLS)
+    parser = make_parser(name, SCHEMAS)
     rng = random.Random(7)
     for reply, (content, calls) in CASES[name].items():
         if len(reply) > 1000:  # the recursion case: cut once, not at every position
@@ -267,6 +356,11 @@ LONG_ARGS = {"city": "Oslo", "note": ('a "quoted" \\ }{ ][ </tool_ ' * 8_000)[:2
 LONG = {
     "hermes": "Let me check.\n" + _block("get_weather", LONG_ARGS) + "\n" + TIME,
     "llama3_json": json.dumps({"name": "get_weather", "parameters": LONG_ARGS}) + "; " + LLAMA_TIME,
+    "qwen3_coder": "Let me check.\n"
+    + _qwen("get_weather", LONG_ARGS)
+    + "\n"
+    + _qwen("get_time", {}),
+    "glm45": "Let me check.\n" + _glm("get_weather", LONG_ARGS) + "\n" + _glm("get_time", {}),
 }
 
 
@@ -279,7 +373,7 @@ def test_a_long_call_streamed_in_small_pieces_is_read_in_linear_work(name):
     allocated within the feeds, summed, measures the work without timing it (a copy of the
     held text shows in it); read each piece once it is ~40-170 bytes per character. The
     stream's reading still equals the whole reply's."""
-    parser = make_parser(name, TOOLS)
+    parser = make_parser(name, SCHEMAS)
     reply = LONG[name]
     rng = random.Random(11)
     cuts = [0]

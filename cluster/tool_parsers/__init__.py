@@ -4,18 +4,22 @@ promise). Light on imports: cluster/serve_args.py checks the flag against PARSER
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from pdserve.cluster.tool_parsers.base import ToolParser
 from pdserve.cluster.tool_parsers.hermes import HermesParser
 from pdserve.cluster.tool_parsers.llama3_json import Llama3JsonParser
+from pdserve.cluster.tool_parsers.xml_calls import Glm45Parser, Qwen3CoderParser
 
 PARSERS: dict[str, type[ToolParser]] = {
+    "glm45": Glm45Parser,  # <tool_call> blocks of <arg_key>/<arg_value>: GLM-4.5, 4.6
     "hermes": HermesParser,  # <tool_call> blocks: Hermes, Qwen2.5, Qwen3
     "llama3_json": Llama3JsonParser,  # a JSON object per call: Llama 3.1, 3.2
+    "qwen3_coder": Qwen3CoderParser,  # <tool_call> blocks of <function=...>: Qwen3-Coder
 }
 
 
-def make_parser(name: str, tool_names: Iterable[str]) -> ToolParser:
+def make_parser(name: str, tools: Mapping[str, dict] | Iterable[str]) -> ToolParser:
+    """`tools`: name -> parameters schema of the request's tools (or just their names)."""
     assert name in PARSERS, f"unknown tool-call parser {name!r}; known: {sorted(PARSERS)}"
-    return PARSERS[name](tool_names)
+    return PARSERS[name](tools)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -53,8 +53,13 @@ class ReplyStream(ABC):
 
 
 class ToolParser(ABC):
-    def __init__(self, tool_names: Iterable[str]) -> None:
-        self.tool_names = frozenset(tool_names)
+    def __init__(self, tools: Mapping[str, dict] | Iterable[str]) -> None:
+        """`tools`: the request's tools, name -> parameters schema (names alone: no schema,
+        which only the parsers that type XML-style arguments use)."""
+        self.schemas: dict[str, dict] = (
+            dict(tools) if isinstance(tools, Mapping) else {name: {} for name in tools}
+        )
+        self.tool_names = frozenset(self.schemas)
 
     @abstractmethod
     def parse(self, text: str) -> ParsedReply:
@@ -77,6 +82,20 @@ class ToolParser(ABC):
         if not isinstance(arguments, dict):
             return None
         return Call(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def typed_argument(schema: dict, key: str, raw: str) -> object:
+    """An argument written as text (XML-style calls), as the tool's parameters schema types
+    it: a string property (or one the schema does not list) stays the text; any other type
+    is the text read as JSON when it reads, else the text (a model that writes `yes` for a
+    boolean gets its string back rather than a lost argument)."""
+    prop = (schema.get("properties") or {}).get(key)
+    kind = prop.get("type") if isinstance(prop, dict) else None
+    kinds = kind if isinstance(kind, list) else [kind]
+    if kind is None or "string" in kinds:
+        return raw
+    ok, value = loads(raw.strip())
+    return value if ok else raw
 
 
 def loads(text: str) -> tuple[bool, object]:

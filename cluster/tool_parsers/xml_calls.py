@@ -1,0 +1,99 @@
+"""Tool calls whose arguments are written as tagged text inside hermes-style `<tool_call>`
+blocks, by vLLM's parser names:
+
+`--tool-call-parser qwen3_coder` (Qwen3-Coder, Qwen3.5):
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Oslo
+    </parameter>
+    </function>
+    </tool_call>
+
+`--tool-call-parser glm45` (GLM-4.5, GLM-4.6):
+
+    <tool_call>get_weather
+    <arg_key>city</arg_key>
+    <arg_value>Oslo</arg_value>
+    </tool_call>
+
+Blocks, content around them, blocks left open at the end and the streaming are hermes's
+(hermes.py); only what a block holds is read differently. A block is a call when all of it
+is one function of the request's tools with its arguments in that syntax (whitespace
+between the parts), else it is content, verbatim. Argument values are text: typed by the
+tool's parameters schema (`typed_argument`), a qwen3_coder value losing one newline at
+each end as the model writes it on lines of its own, a glm45 value its surrounding
+whitespace.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from pdserve.cluster.tool_parsers.base import Call, typed_argument
+from pdserve.cluster.tool_parsers.hermes import CLOSE, OPEN, HermesParser
+
+_QWEN_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+_QWEN_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>\s*", re.DOTALL)
+_GLM_HEAD = re.compile(r"\s*([^\s<][^\n<]*?)[ \t]*(?:\n|$)(.*)", re.DOTALL)
+_GLM_ARGUMENT = re.compile(
+    r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL
+)
+
+
+def _pairs(pattern: re.Pattern[str], body: str) -> list[tuple[str, str]] | None:
+    """`body` read as back-to-back matches of `pattern` (key, value); None if anything
+    else is in it."""
+    pairs, pos = [], 0
+    while pos < len(body):
+        match = pattern.match(body, pos)
+        if match is None or match.end() == pos:
+            return None if body[pos:].strip() else pairs
+        pairs.append((match.group(1), match.group(2)))
+        pos = match.end()
+    return pairs
+
+
+class _XmlCallParser(HermesParser):
+    def block_call(self, block: str) -> Call | None:
+        assert block.startswith(OPEN), block[:20]
+        read = self.read_block(block[len(OPEN) :].removesuffix(CLOSE))
+        if read is None:
+            return None
+        name, pairs = read
+        if name not in self.tool_names:
+            return None
+        schema = self.schemas[name]
+        arguments = {key: typed_argument(schema, key, value) for key, value in pairs}
+        return Call(name, json.dumps(arguments, ensure_ascii=False))
+
+    def read_block(self, inner: str) -> tuple[str, list[tuple[str, str]]] | None:
+        raise NotImplementedError
+
+
+class Qwen3CoderParser(_XmlCallParser):
+    def read_block(self, inner: str) -> tuple[str, list[tuple[str, str]]] | None:
+        match = _QWEN_FUNCTION.fullmatch(inner)
+        if match is None:
+            return None
+        pairs = _pairs(_QWEN_PARAMETER, match.group(2))
+        if pairs is None:
+            return None
+        return match.group(1).strip(), [(k.strip(), _one_line_each_end(v)) for k, v in pairs]
+
+
+class Glm45Parser(_XmlCallParser):
+    def read_block(self, inner: str) -> tuple[str, list[tuple[str, str]]] | None:
+        match = _GLM_HEAD.fullmatch(inner)
+        if match is None:
+            return None
+        pairs = _pairs(_GLM_ARGUMENT, match.group(2))
+        if pairs is None:
+            return None
+        return match.group(1).strip(), [(k.strip(), v.strip()) for k, v in pairs]
+
+
+def _one_line_each_end(value: str) -> str:
+    return value.removeprefix("\n").removesuffix("\n")
