@@ -93,6 +93,7 @@ async def whole_reply(
     echo_toks: list[list[int]] = [[] for _ in range(total)]
     prompt_rows: dict[int, list] = {}  # prompt index -> its prompt logprobs rows
     cached = completion_tokens = 0
+    cached_by_choice: dict[int, int] = {}  # a revision (a recomputed prompt) replaces one
     timing = RequestTiming(start, total)
     with watched(log, cid, start):
         async for c, d, echo in merged(state.router, reqs, route_hook(log, cid)):
@@ -110,7 +111,8 @@ async def whole_reply(
             completion_tokens += len(d.token_ids)
             if lps[c] is not None and d.logprobs:
                 lps[c] += d.logprobs
-            cached = max(cached, d.num_cached_tokens)
+            cached_by_choice[c] = d.cached_after(cached_by_choice.get(c, 0))
+            cached = max(cached_by_choice.values())
             if d.finish_reason is not None:
                 finish[c], stop[c] = d.finish_reason, d.stop_reason
         _check_errors(finish, stop)

@@ -56,6 +56,7 @@ async def chunk_stream(
     chunk_kind = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     created, m, log = now(), state.metrics, state.request_log
     completion_tokens, cached = 0, 0
+    cached_by_choice: dict[int, int] = {}  # a revision (a recomputed prompt) replaces one
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
     reasons: list[str | None] = [None] * (len(reqs) * req.params.n)
     timing = RequestTiming(start, len(reasons))
@@ -91,7 +92,8 @@ async def chunk_stream(
         async for c, d, echo in merged(state.router, reqs, route_hook(log, cid)):
             timing.on_delta(m, c, d)
             completion_tokens += len(d.token_ids)
-            cached = max(cached, d.num_cached_tokens)
+            cached_by_choice[c] = d.cached_after(cached_by_choice.get(c, 0))
+            cached = max(cached_by_choice.values())
             if d.finish_reason is not None:
                 reasons[c] = d.finish_reason
             if d.finish_reason == "error":

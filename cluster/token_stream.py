@@ -41,6 +41,15 @@ class StreamDelta:
     # On a request's first delta: seconds its prompt waited before it was scheduled, on
     # the worker that prefilled it. The router adds its own wait for a decode slot.
     queue_s: float = 0.0
+    # num_cached_tokens replaces the earlier report (RequestDelta.cached_revised)
+    cached_revised: bool = False
+
+    def cached_after(self, reported: int) -> int:
+        """A choice's cached prompt tokens after this delta, `reported` before it: a
+        revision replaces the count, any other report can only add hits."""
+        return (
+            self.num_cached_tokens if self.cached_revised else max(reported, self.num_cached_tokens)
+        )
 
     def to_wire(self) -> dict:
         return {
@@ -54,11 +63,24 @@ class StreamDelta:
             "c": self.num_cached_tokens,
             "q": self.prompt_logprobs,
             "u": self.queue_s,
+            "k": self.cached_revised,
         }
 
     @classmethod
     def from_wire(cls, d: dict) -> StreamDelta:
-        if not isinstance(d, dict) or set(d) != {"r", "t", "x", "f", "s", "l", "p", "c", "q", "u"}:
+        if not isinstance(d, dict) or set(d) != {
+            "r",
+            "t",
+            "x",
+            "f",
+            "s",
+            "l",
+            "p",
+            "c",
+            "q",
+            "u",
+            "k",
+        }:
             raise ValueError(f"bad stream delta keys: {sorted(d) if isinstance(d, dict) else d}")
         if not isinstance(d["r"], str) or not isinstance(d["x"], str):
             raise ValueError("stream delta: request id and text must be strings")
@@ -70,9 +92,11 @@ class StreamDelta:
             raise ValueError("stream delta: prompt logprobs must be a list or null")
         if type(d["u"]) not in (int, float) or not 0 <= d["u"] < float("inf"):
             raise ValueError("stream delta: queue time must be a finite number >= 0")
+        if type(d["k"]) is not bool:
+            raise ValueError("stream delta: the cached-count revision flag must be a bool")
         return cls(
             d["r"], d["t"], d["x"], d["f"], d["s"], d["l"], int(d["p"]), int(d["c"]), d["q"],
-            float(d["u"]),
+            float(d["u"]), d["k"],
         )  # fmt: skip
 
 
@@ -95,6 +119,7 @@ def delta_from_engine(delta) -> StreamDelta:
         delta.num_cached_tokens,
         None if prompt is None else [None if pos is None else _rows(pos) for pos in prompt],
         delta.queue_s,
+        delta.cached_revised,
     )
 
 

@@ -349,6 +349,9 @@ class Engine(PDRoles):
             delta.prompt_logprobs = track.prompt_logprobs
             delta.num_cached_tokens = max(req.num_cached_tokens, 0)
             delta.queue_s = max(req.queue_s, 0.0)
+        elif track.cached_revised:
+            track.cached_revised = False
+            delta.num_cached_tokens, delta.cached_revised = max(req.num_cached_tokens, 0), True
         if decision is not None:
             req.stop_reason = stop_reason
             status = (

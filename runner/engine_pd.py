@@ -164,6 +164,11 @@ class PDRoles:
                 else f"its prompt is computed here from token {req.num_computed_tokens} "
                 "(policy recompute)",
             )
+            if not result.fail:  # the tokens that count as cached are those valid here
+                req.num_cached_tokens = result.num_tokens
+                track = self._tracks.get(req.request_id)
+                if track is not None and track.first_delta_sent:
+                    track.cached_revised = True
         if result.fail:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
             self._tracks.pop(req.request_id, None)

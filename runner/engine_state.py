@@ -33,4 +33,5 @@ class Track:
     hold_back: int  # chars not streamed yet: a stop string may still start in them
     emitted: int = 0  # chars of output text already handed out in deltas
     first_delta_sent: bool = False
+    cached_revised: bool = False  # the next delta reports a new cached count (engine_pd.py)
     prompt_logprobs: list[LogprobDict | None] | None = None

@@ -212,7 +212,7 @@ class LLM:
                 comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + lp_dict[tok].logprob
         if delta.prompt_logprobs is not None and index == 0:
             out.prompt_logprobs = delta.prompt_logprobs
-        if delta.num_cached_tokens and index == 0:
+        if index == 0 and (delta.num_cached_tokens or delta.cached_revised):
             out.num_cached_tokens = delta.num_cached_tokens
         if delta.finished:
             comp.finish_reason = delta.finish_reason

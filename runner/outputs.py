@@ -38,6 +38,10 @@ class RequestDelta:
     prompt_logprobs: list[LogprobDict | None] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # num_cached_tokens replaces what an earlier delta said: a decode worker whose KV load
+    # failed computed the prompt itself, and reports what it found cached (`max` of the
+    # deltas would keep the prefill side's count, which no longer holds)
+    cached_revised: bool = False
     queue_s: float = 0.0  # on the first delta: seconds the prompt waited to be scheduled
     # Prefill role: the request left this engine with its prompt's blocks held.
     kv_held: KVHeld | None = None

@@ -225,6 +225,43 @@ def test_dead_prefill_endpoint_recomputes_or_fails(tiny_qwen3_dir):
         decode.close()
 
 
+def test_a_recomputed_prompt_reports_what_was_cached_where_it_ran(tiny_qwen3_dir):
+    """Guards usage honesty after a failed load: the ticket says the prefill side found 32+
+    prompt tokens cached, and the first delta (the ticket's token) reports that; once the
+    decode side computes the prompt itself (nothing cached there), a later delta revises
+    the count to 0, and the router's fold of the deltas ends at 0, not at the max."""
+    from pdserve.cluster.token_stream import delta_from_engine
+
+    prompt = _prompts(1, 990, seed=6, lo=50, hi=50)[0]
+    prefill = PrefillWorker(Engine.from_args(**_kw(tiny_qwen3_dir)), "P0")
+    prefill.submit("warm", prompt, GREEDY)
+    wait_for_tickets(prefill, 1, 60)
+    prefill.submit("0", prompt, GREEDY)  # the same prompt again: a prefix hit over there
+    (result,) = wait_for_tickets(prefill, 1, 60)
+    assert result.ticket.num_cached_tokens >= 32
+    layout = prefill.source.layout
+    prefill.close()  # the peer is gone: the pull times out
+    decode = DecodeWorker(
+        _kw(tiny_qwen3_dir), "D0", {"tcp": TcpTransport("D0", layout)}, timeout_s=0.5
+    )
+    try:
+        decode.submit("0", prompt, GREEDY, result.ticket)
+        deltas, deadline = [], time.monotonic() + 30
+        while decode.has_work():
+            assert time.monotonic() < deadline
+            deltas += decode.step()
+        assert decode.loader.stats.recomputes == 1
+        assert deltas[0].num_cached_tokens == result.ticket.num_cached_tokens
+        revised = [d for d in deltas if d.cached_revised]
+        assert len(revised) == 1 and revised[0].num_cached_tokens == 0
+        reported = 0
+        for d in deltas:
+            reported = delta_from_engine(d).cached_after(reported)
+        assert reported == 0
+    finally:
+        decode.close()
+
+
 def test_a_lease_gone_by_the_release_fails_a_direct_copy(tiny_qwen3_dir):
     """Guards cuda_ipc's proof of a good copy: a direct copy reads the source's memory
     with nothing on the wire, so the release after it must be acknowledged (the lease was

@@ -132,6 +132,12 @@ def test_the_token_stream_checks_the_queue_time():
         wire = {**d.to_wire(), "u": bad}
         with pytest.raises(ValueError, match="queue time"):
             StreamDelta.from_wire(wire)
+    # The cached-count revision flag travels too (a recomputed prompt, test_pd_engine.py).
+    revised = StreamDelta("r", [7], "x", None, None, None, 5, 0, None, 0.0, True)
+    assert StreamDelta.from_wire(revised.to_wire()) == revised
+    assert revised.cached_after(32) == 0 and d.cached_after(32) == 32
+    with pytest.raises(ValueError, match="revision flag"):
+        StreamDelta.from_wire({**d.to_wire(), "k": 1})
 
 
 def _first_deltas(step, has_work) -> dict[str, float]:
