@@ -184,15 +184,18 @@ def test_auto_tool_choice_takes_vllms_two_flags(tmp_path, monkeypatch):
     path.write_text("enable-auto-tool-choice: true\ntool-call-parser: llama3_json\n")
     assert auto_tool_parser(_args("--config", str(path))) == "llama3_json"
     path.write_text("enable_auto_tool_choice: true\ntool_call_parser: mistral\n")
-    with pytest.raises(ValueError, match="must be one of hermes, llama3_json, got 'mistral'"):
+    with pytest.raises(
+        ValueError, match="must be one of glm45, hermes, llama3_json, qwen3_coder, got 'mistral'"
+    ):
         _args("--config", str(path))
     res = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "serve", "--enable-auto-tool-choice"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert res.returncode == 2, res.stderr
-    assert "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)" in (
-        res.stderr
+    assert (
+        "--enable-auto-tool-choice needs --tool-call-parser (glm45 or hermes or llama3_json or qwen3_coder)"
+        in (res.stderr)
     )
 
 
