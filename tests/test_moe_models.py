@@ -177,3 +177,33 @@ def test_warm_up_reaches_the_larger_expert_blocks(tiny_qwen3_moe_dir, tiny_qwen3
     small_steps = engine(tiny_qwen3_moe_dir, max_model_len=512, max_num_batched_tokens=128)
     assert moe_variant_batches(small_steps) == [(75,)]
     assert moe_variant_batches(engine(tiny_qwen3_dir)) == []
+
+
+@pytest.mark.parametrize(
+    "fixture,fp32",
+    [("tiny_deepseek_v3_dir", True), ("tiny_glm4_moe_dir", True), ("tiny_qwen3_moe_dir", False)],
+)
+def test_routers_keep_float32_where_transformers_does(fixture, fp32, request):
+    """DeepSeek's and GLM-4's routers and correction biases stay float32 in a bf16 model
+    (transformers' `_keep_in_fp32_modules_strict`): rounded to bf16, the biased scores that
+    pick experts (a bias around 0.2 against scores in (0, 1)) would pick others. Qwen-MoE
+    routes in the model's dtype, as transformers does."""
+    from transformers import AutoConfig
+
+    model_dir = request.getfixturevalue(fixture)
+    cfg = ModelConfig(model_dir, AutoConfig.from_pretrained(model_dir), torch.bfloat16, 64)
+    model = load_model(cfg, torch.device("cpu"))
+    layer = next(i for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "gate"))
+    gate = model.layers[layer].mlp.gate
+    want = torch.float32 if fp32 else torch.bfloat16
+    assert gate.weight.dtype == want
+    if getattr(gate, "e_score_correction_bias", None) is not None:
+        assert gate.e_score_correction_bias.dtype == want
+        saved = load_file(next(Path(model_dir).glob("*.safetensors")))
+        bias = saved[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]
+        assert torch.equal(gate.e_score_correction_bias, bias.float())
+    assert model.layers[layer].self_attn.o_proj.weight.dtype == torch.bfloat16
+    out = LLM(model=model_dir, device="cpu", dtype="bfloat16").generate(
+        {"prompt_token_ids": [5, 6, 7, 8]}, GREEDY, use_tqdm=False
+    )
+    assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens

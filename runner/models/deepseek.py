@@ -30,7 +30,7 @@ from pdserve.kernels.rope import apply_rope
 from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
 from pdserve.runner.models.attention_metadata import AttentionMetadata
-from pdserve.runner.models.deepseek_moe import DeepseekMoe, deepseek_routing
+from pdserve.runner.models.deepseek_moe import KEEP_FP32, DeepseekMoe, deepseek_routing
 from pdserve.runner.models.llama import LlamaFamilyForCausalLM, RMSNorm
 from pdserve.runner.models.mlp import MLP
 from pdserve.runner.models.rope import rope_parameters
@@ -108,6 +108,7 @@ class DeepseekForCausalLM(LlamaFamilyForCausalLM):
     # Only the dense MLPs' gate/up are fused; MLA's projections keep their names.
     _STACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     mla = True  # the execution path reports `decode_attention=mla`
+    keep_fp32 = KEEP_FP32
 
     def _attention(self, cfg: Any) -> nn.Module:
         return MLAAttention(cfg, self.workspace)

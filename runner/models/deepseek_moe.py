@@ -114,6 +114,10 @@ class Router(nn.Module):
         return weights * r.routed_scaling, ids
 
 
+# What a model with these MoE layers keeps in float32 (runner/models/loader.py).
+KEEP_FP32 = (".gate.weight", ".gate.e_score_correction_bias")
+
+
 class DeepseekMoe(nn.Module):
     def __init__(self, hidden: int, routing: DeepseekRouting, workspace: KernelWorkspace):
         super().__init__()

@@ -10,12 +10,14 @@ from typing import Any
 
 from torch import nn
 
-from pdserve.runner.models.deepseek_moe import DeepseekMoe, deepseek_routing
+from pdserve.runner.models.deepseek_moe import KEEP_FP32, DeepseekMoe, deepseek_routing
 from pdserve.runner.models.llama import LlamaFamilyForCausalLM
 from pdserve.runner.models.mlp import MLP
 
 
 class Glm4MoeForCausalLM(LlamaFamilyForCausalLM):
+    keep_fp32 = KEEP_FP32
+
     def _feed_forward(self, cfg: Any, layer: int) -> nn.Module:
         if cfg.n_routed_experts and layer >= cfg.first_k_dense_replace:
             return DeepseekMoe(cfg.hidden_size, deepseek_routing(cfg), self.workspace)

@@ -35,6 +35,13 @@ def load_model(model_config: ModelConfig, device: torch.device) -> torch.nn.Modu
     with torch.device("meta"):
         model = cls(cfg, max_positions)
     model = model.to(dtype=model_config.dtype).to_empty(device=device)
+    # Parameters the family keeps in float32 whatever the dtype (DeepSeek's and GLM-4's
+    # router and its correction bias, as transformers keeps them): expert choice compares
+    # scores whose bf16 rounding would change which experts win.
+    keep = getattr(model, "keep_fp32", ())
+    for name, param in model.named_parameters():
+        if name.endswith(keep):
+            param.data = param.data.float()
     model.init_rope()
     with torch.no_grad():
         model.load_weights(iter_safetensors(model_config.path))
