@@ -7,8 +7,8 @@ the query (`q_lat = q_nope @ W_UK`), every head attends the same latent rows: ke
 whole row, values its first r entries, so MLA is multi-query attention with a key dim of
 r + rope and a value dim of r. The caller applies W_UV to the output.
 
-`paged_mla_attention_ref` is the spec and the CPU path; there is no Triton kernel yet, so
-the runner selection keeps MLA models off mrv2 on CUDA (runner/runner_select.py).
+`paged_mla_attention_ref` and `write_latent_ref` are the spec and the CPU path; CUDA
+tensors go to kernels/mla_attention_triton.py.
 """
 
 from __future__ import annotations
