@@ -6,9 +6,9 @@ tied or untied head, the forward loop); what differs:
 - Attention is multi-head latent attention (kernels/mla_attention.py). A token caches one
   latent row `[kv_lora_rank + qk_rope_head_dim]` per layer, the `paged_mla` layout of
   DESIGN §4, not K and V per head: DeepSeek-V2-Lite's 27 layers hold 31 KB a token where
-  its 16 heads' K (192) and V (128) would hold 276 KB. The key up-projection is absorbed into the query
-  and the value up-projection applied to the attention's latent output, both as views of
-  `kv_b_proj` (no copy of the weights).
+  its 16 heads' K (192) and V (128) would hold 276 KB. The key up-projection is absorbed
+  into the query and the value up-projection applied to the attention's latent output,
+  both as views of `kv_b_proj` (no copy of the weights).
 - RoPE covers the last `qk_rope_head_dim` dims of q and the shared k_pe, pairing adjacent
   elements (V2, V3's `rope_interleave`); at load the rows of those projections are
   reordered evens-then-odds, so the NeoX-style rotation (kernels/rope.py) computes it.
