@@ -404,6 +404,22 @@ def tiny_phi3_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_granite_dir(tmp_path_factory) -> str:
+    """Granite 3: Llama with four scalars (embeddings x12, residual branches x0.22, softmax
+    scale 1/64 instead of 1/sqrt(16), logits / 6), tied embeddings."""
+    from transformers import GraniteConfig
+
+    cfg = GraniteConfig(
+        vocab_size=1039, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1 / 64,
+        logits_scaling=6.0, tie_word_embeddings=True, initializer_range=0.1,
+        bos_token_id=1, eos_token_id=2, architectures=["GraniteForCausalLM"],
+    )  # fmt: skip
+    return _save_tiny(tmp_path_factory, "tiny-granite", cfg)
+
+
+@pytest.fixture(scope="session")
 def qwen3_shaped_dir(tmp_path_factory):
     """Qwen3-0.6B's shape (hidden 1024, 16 q / 8 kv heads of 128, vocab 151,936, tied) with
     4 of its 28 layers: the real kernel shapes at a size CI can afford. Stored in bf16

@@ -69,7 +69,7 @@ def test_bundled_model_chat_answers_paris():
         "tiny_llama_dir", "tiny_qwen3_dir", "tiny_qwen2_dir", "tiny_mistral_dir",
         "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_mixtral_dir",
         "tiny_deepseek_v2_dir", "tiny_deepseek_v2_yarn_dir", "tiny_deepseek_v3_dir",
-        "tiny_glm4_moe_dir", "tiny_phi3_dir",
+        "tiny_glm4_moe_dir", "tiny_phi3_dir", "tiny_granite_dir",
     ],
 )  # fmt: skip
 def test_tiny_random_models_match_transformers(fixture, request, decode_attention):
@@ -78,8 +78,8 @@ def test_tiny_random_models_match_transformers(fixture, request, decode_attentio
     the MoE members also guard routing (top-k, renormalised or not), the experts' stacked
     weights, dense layers between sparse ones and Qwen2-MoE's shared expert; DeepSeek's
     MLA (absorbed projections, interleaved RoPE, YaRN's mscale), its group-limited and
-    biased sigmoid routing and its shared experts; GLM-4-MoE's RoPE over half a head and
-    Phi-3's fused checkpoint tensors."""
+    biased sigmoid routing and its shared experts; GLM-4-MoE's RoPE over half a head,
+    Phi-3's fused checkpoint tensors and Granite's four multipliers."""
     model_dir = request.getfixturevalue(fixture)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100)]
@@ -118,3 +118,30 @@ def test_qwen3_shaped_model_matches_transformers(qwen3_shaped_dir, decode_attent
     expected = hf_greedy(qwen3_shaped_dir, prompts, 10)
     for p, out, exp in zip(prompts, outs, expected):
         assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
+
+
+def test_granite_logprobs_match_transformers(tiny_granite_dir):
+    """Greedy tokens of a tiny Granite are decided by its x12 embeddings (the norm before
+    the head leaves the residual branches little say), so they do not show whether the
+    residual multiplier, the softmax scale or the logit scaling are applied: the sampled
+    tokens' logprobs do. Each one equals transformers' log-softmax of its logits (float32,
+    summation order only: 1e-4)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = [5, 17, 101, 9, 250, 33, 7]
+    llm = LLM(model=tiny_granite_dir, device=DEVICE, dtype="float32")
+    out = llm.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, logprobs=1),
+        use_tqdm=False,
+    )[0].outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_granite_dir, dtype=torch.float32)
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.inference_mode():
+        logits = model.to(DEVICE)(ids.to(DEVICE)).logits[0].float().cpu()
+    want = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(
+        1, torch.tensor(out.token_ids)[:, None]
+    )
+    got = torch.tensor([[lp[t].logprob] for t, lp in zip(out.token_ids, out.logprobs)])
+    assert torch.allclose(got, want, atol=1e-4), (got.squeeze(1), want.squeeze(1))

@@ -1,6 +1,7 @@
 """The Llama family on the paged KV cache: Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3/4
-(checkpoints with q/k/v and gate/up already fused), and the MoE members Mixtral, Qwen2-MoE
-and Qwen3-MoE (GLM-4-MoE and DeepSeek subclass it: glm4_moe.py, deepseek.py).
+(checkpoints with q/k/v and gate/up already fused), Granite 3 (four scalars), and the MoE
+members Mixtral, Qwen2-MoE and Qwen3-MoE (GLM-4-MoE and DeepSeek subclass it: glm4_moe.py,
+deepseek.py).
 
 One module tree covers the family; the differences are data in `FamilySpec`
 (attention biases, per-head q/k RMSNorm) and, for the MoE members, `MoeSpec` (which
@@ -93,7 +94,8 @@ class Attention(nn.Module):
         self.rotary_dim = rotary_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        # Granite's `attention_multiplier` replaces the usual head_dim^-0.5
+        self.scale = float(getattr(cfg, "attention_multiplier", None) or self.head_dim**-0.5)
         self.qkv_proj = nn.Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
         )
@@ -198,6 +200,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         # tokens take the folded chain.
         self.norms_folded = False
         self.folded_chain_max_tokens = 0
+        # Granite's scalars (1.0 for every other family): inputs, residual branches, logits
+        self.embedding_multiplier = float(getattr(cfg, "embedding_multiplier", 1.0) or 1.0)
+        self.residual_multiplier = float(getattr(cfg, "residual_multiplier", 1.0) or 1.0)
+        self.logits_scaling = float(getattr(cfg, "logits_scaling", 1.0) or 1.0)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = (
             None
@@ -226,7 +232,15 @@ class LlamaFamilyForCausalLM(nn.Module):
         return (2, block_size, self.num_kv_heads, self.head_dim)
 
     def _after_load(self) -> None:
-        """Rearranges loaded weights where a family needs it (nothing for Llama)."""
+        """Rearranges loaded weights where a family needs it: Granite's residual multiplier
+        goes into the o and down projections, whose outputs it scales (nothing for Llama)."""
+        if self.residual_multiplier == 1.0:
+            return
+        for layer in self.layers:
+            for linear_layer in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                linear_layer.weight.mul_(self.residual_multiplier)
+                if linear_layer.bias is not None:
+                    linear_layer.bias.mul_(self.residual_multiplier)
 
     def init_rope(self) -> None:
         cache = self.cos_sin_cache
@@ -255,13 +269,19 @@ class LlamaFamilyForCausalLM(nn.Module):
         prefill side of layer-wise transfer publishes each layer as it lands."""
         if chain_applies(self, input_ids.shape[0]):
             return folded_forward(self, input_ids, positions, kv_caches, attn, layer_hook)
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         cos_sin = self.cos_sin_cache
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(x, residual, positions, cos_sin, kv_cache, attn)
             if layer_hook is not None:
                 layer_hook(i)
         return x + residual
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] ids -> [T, hidden] inputs, times Granite's `embedding_multiplier` (1 elsewhere:
+        no multiply is launched)."""
+        x = self.embed_tokens(input_ids)
+        return x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """[N, hidden] pre-norm hidden states of the rows to sample -> [N, vocab] float32
@@ -270,6 +290,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         h = self.norm(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = torch.nn.functional.linear(h, weight)
+        if self.logits_scaling != 1.0:  # Granite divides its logits
+            logits = logits / self.logits_scaling
         return logits.float() if float32 else logits
 
     # ---- weights -------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def folded_forward(
     """The model's forward for a decode-sized batch with folded norms: [T] ids ->
     [T, hidden] final hidden states before the final norm (the residual stream)."""
     ws = model.workspace
-    r = model.embed_tokens(input_ids)
+    r = model.embed(input_ids)
     squares = row_squares_triton(r, squares_buffer(ws, r.device))
     for i, (layer, kv_cache) in enumerate(zip(model.layers, kv_caches, strict=True)):
         a, mlp = layer.self_attn, layer.mlp
