@@ -120,23 +120,32 @@ def test_qwen3_shaped_model_matches_transformers(qwen3_shaped_dir, decode_attent
         assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
 
 
-def test_granite_logprobs_match_transformers(tiny_granite_dir):
-    """Greedy tokens of a tiny Granite are decided by its x12 embeddings (the norm before
-    the head leaves the residual branches little say), so they do not show whether the
-    residual multiplier, the softmax scale or the logit scaling are applied: the sampled
-    tokens' logprobs do. Each one equals transformers' log-softmax of its logits (float32,
-    summation order only: 1e-4)."""
+@pytest.mark.parametrize(
+    "fixture",
+    [
+        "tiny_granite_dir", "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_mixtral_dir",
+        "tiny_deepseek_v2_dir", "tiny_deepseek_v2_yarn_dir", "tiny_deepseek_v3_dir",
+        "tiny_glm4_moe_dir", "tiny_phi3_dir",
+    ],
+)  # fmt: skip
+def test_logprobs_match_transformers(fixture, request):
+    """Greedy tokens can hide a wrong scale: a tiny Granite's are decided by its x12
+    embeddings (the norm before the head leaves the residual branches little say), so they
+    do not show whether its residual multiplier, softmax scale or logit scaling are
+    applied. The sampled tokens' logprobs do: each equals transformers' log-softmax of its
+    logits (float32, summation order only: 1e-4), for the families added with MoE and MLA."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    model_dir = request.getfixturevalue(fixture)
     prompt = [5, 17, 101, 9, 250, 33, 7]
-    llm = LLM(model=tiny_granite_dir, device=DEVICE, dtype="float32")
+    llm = LLM(model=model_dir, device=DEVICE, dtype="float32")
     out = llm.generate(
         {"prompt_token_ids": prompt},
         SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, logprobs=1),
         use_tqdm=False,
     )[0].outputs[0]
-    model = AutoModelForCausalLM.from_pretrained(tiny_granite_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = torch.tensor([prompt + out.token_ids])
     with torch.inference_mode():
         logits = model.to(DEVICE)(ids.to(DEVICE)).logits[0].float().cpu()
