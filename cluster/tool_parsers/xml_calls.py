@@ -57,43 +57,41 @@ def _pairs(pattern: re.Pattern[str], body: str) -> list[tuple[str, str]] | None:
 
 
 class _XmlCallParser(HermesParser):
+    """A block is `HEAD` (the function's name in group 1, its arguments in group 2), the
+    arguments back-to-back `ARGUMENT`s (key, value); `value` cleans a value's text."""
+
+    HEAD: re.Pattern[str]
+    ARGUMENT: re.Pattern[str]
+
+    @staticmethod
+    def value(text: str) -> str:
+        raise NotImplementedError
+
     def block_call(self, block: str) -> Call | None:
         assert block.startswith(OPEN), block[:20]
-        read = self.read_block(block[len(OPEN) :].removesuffix(CLOSE))
-        if read is None:
+        match = self.HEAD.fullmatch(block[len(OPEN) :].removesuffix(CLOSE))
+        pairs = None if match is None else _pairs(self.ARGUMENT, match.group(2))
+        if pairs is None:
             return None
-        name, pairs = read
+        name = match.group(1).strip()
         if name not in self.tool_names:
             return None
         schema = self.schemas[name]
-        arguments = {key: typed_argument(schema, key, value) for key, value in pairs}
+        arguments = {k.strip(): typed_argument(schema, k.strip(), self.value(v)) for k, v in pairs}
         return Call(name, json.dumps(arguments, ensure_ascii=False))
-
-    def read_block(self, inner: str) -> tuple[str, list[tuple[str, str]]] | None:
-        raise NotImplementedError
 
 
 class Qwen3CoderParser(_XmlCallParser):
-    def read_block(self, inner: str) -> tuple[str, list[tuple[str, str]]] | None:
-        match = _QWEN_FUNCTION.fullmatch(inner)
-        if match is None:
-            return None
-        pairs = _pairs(_QWEN_PARAMETER, match.group(2))
-        if pairs is None:
-            return None
-        return match.group(1).strip(), [(k.strip(), _one_line_each_end(v)) for k, v in pairs]
+    HEAD, ARGUMENT = _QWEN_FUNCTION, _QWEN_PARAMETER
+
+    @staticmethod
+    def value(text: str) -> str:
+        return text.removeprefix("\n").removesuffix("\n")  # the value's own lines
 
 
 class Glm45Parser(_XmlCallParser):
-    def read_block(self, inner: str) -> tuple[str, list[tuple[str, str]]] | None:
-        match = _GLM_HEAD.fullmatch(inner)
-        if match is None:
-            return None
-        pairs = _pairs(_GLM_ARGUMENT, match.group(2))
-        if pairs is None:
-            return None
-        return match.group(1).strip(), [(k.strip(), v.strip()) for k, v in pairs]
+    HEAD, ARGUMENT = _GLM_HEAD, _GLM_ARGUMENT
 
-
-def _one_line_each_end(value: str) -> str:
-    return value.removeprefix("\n").removesuffix("\n")
+    @staticmethod
+    def value(text: str) -> str:
+        return text.strip()
