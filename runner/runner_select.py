@@ -15,7 +15,7 @@ from typing import Any
 
 from pdserve.runner.config import RUNNER_CHOICES, architecture_of
 from pdserve.runner.models import MODEL_REGISTRY
-from pdserve.runner.models.moe import moe_spec
+from pdserve.runner.models.moe import experts_per_pick
 from pdserve.runner.models.rope import SUPPORTED_ROPE_TYPES, rope_parameters
 
 logger = logging.getLogger(__name__)
@@ -109,8 +109,8 @@ def _experts_path(runner_name: str, model: Any, device: str) -> str:
     the "torch" loop over experts on the CPU, "transformers" on the reference runner;
     "none" for a dense model."""
     config = getattr(model, "config", None)
-    if config is None or (moe_spec(config) is None and not getattr(config, "n_routed_experts", 0)):
-        return "none"  # neither a Mixtral/Qwen-MoE nor a DeepSeek/GLM-4 MoE
+    if config is None or experts_per_pick(config) is None:
+        return "none"
     if runner_name != "mrv2":
         return "transformers"
     return "triton" if device.startswith("cuda") else "torch"

@@ -22,7 +22,7 @@ from pdserve.kvtransfer.layout import (
     PagedMLAGroup,
     gqa_layout_for,
 )
-from pdserve.runner.mrv2.kv_cache import allocate_kv_cache, bytes_per_block
+from pdserve.runner.mrv2.kv_cache import allocate_blocks, block_bytes
 
 GQA = PagedGQAGroup("kv", 4, 16, 8, 128, "bfloat16")
 MLA = PagedMLAGroup("latent", 3, 64, 512, 64, "float8_e4m3fn")
@@ -207,12 +207,13 @@ def test_validation_names_the_rule(make, needle):
 def test_sizes_match_the_runner_cache():
     """The transfer layout must describe the runner's cache exactly: a drift in axis
     order or per-block bytes would ship the wrong bytes without any error."""
-    cache, _ = allocate_kv_cache(2, 5, 4, 3, 20, torch.float16, torch.device("cpu"))
+    block_shape = (2, 4, 3, 20)  # a GQA model's kv_block_shape(4): [2, bs, H, D]
+    cache, _ = allocate_blocks(2, 5, block_shape, torch.float16, torch.device("cpu"))
     layout = gqa_layout_for("m", 2, 4, 3, 20, torch.float16)
     group = layout.groups[0]
     storage = GroupStorage(group, (cache,))
     assert storage.num_units == 5
-    assert group.unit_bytes() == bytes_per_block(2, 4, 3, 20, torch.float16)
+    assert group.unit_bytes() == block_bytes(2, block_shape, torch.float16)
     assert tuple(group.allocate(5).tensors[0].shape) == tuple(cache.shape)
     assert MAMBA.unit_bytes() == 2 * (96 * 3 * 2 + 8 * 64 * 16 * 4)
     assert MLA.unit_shapes() == ((64, 576),) and MLA.unit_bytes() == 3 * 64 * 576

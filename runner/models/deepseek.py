@@ -122,14 +122,6 @@ class DeepseekForCausalLM(LlamaFamilyForCausalLM):
         """One layer's MLA block: `[block_size, kv_lora_rank + qk_rope_head_dim]`."""
         return (block_size, self.config.kv_lora_rank + self.config.qk_rope_head_dim)
 
-    @property
-    def num_kv_heads(self) -> int:
-        return 1
-
-    @property
-    def head_dim(self) -> int:
-        return self.config.kv_lora_rank + self.config.qk_rope_head_dim
-
     def _after_load(self) -> None:
         if self.config.model_type == "deepseek_v3" and not getattr(
             self.config, "rope_interleave", True

@@ -20,12 +20,6 @@ DEFAULT_CPU_KV_BYTES = 512 << 20
 GPU_ACTIVATION_RESERVE_BYTES = 4 << 30
 
 
-def bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    return block_bytes(num_layers, (2, block_size, num_kv_heads, head_dim), dtype)
-
-
 def block_bytes(num_layers: int, block_shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes of one block over all layers, for one layer's block of `block_shape` (the
     model's `kv_block_shape`: paged GQA's `[2, bs, H, D]` or MLA's `[bs, r + rope]`)."""
@@ -56,19 +50,6 @@ def choose_num_blocks(
             "gpu_memory_utilization, or lower max_model_len"
         )
     return int(num_blocks)
-
-
-def allocate_kv_cache(
-    num_layers: int,
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    block_shape = (2, block_size, num_kv_heads, head_dim)
-    return allocate_blocks(num_layers, num_blocks, block_shape, dtype, device)
 
 
 def allocate_blocks(
