@@ -64,6 +64,7 @@ def paged_attention_ref(
     out: torch.Tensor,  # [T, Hq, D] out
     max_query_len: int,  # host-known bounds: size grids without reading the device
     max_seq_len: int,
+    window: int = 0,  # > 0: sliding window, query p sees keys (p - window, p]
 ) -> None:
     """The spec. Row r's queries are tokens `qsl[r]:qsl[r+1]`, the LAST q_len positions of
     its `seq_lens[r]`-token context (keys read through `block_tables[r]`); query i sits at
@@ -71,13 +72,15 @@ def paged_attention_ref(
     reads kv head `h // (Hq // Hkv)`. Rows with `seq_len == 0` (pad rows) are skipped here
     (`out` untouched); the Triton path writes zeros there. `max_query_len` / `max_seq_len`
     bound the rows' query and context lengths (the Triton path sizes its grids from them).
+    With `window > 0` (sliding-window attention, transformers' convention) query position
+    p attends keys `p - window + 1..p` only.
     """
     num_reqs = query_start_loc.numel() - 1
     qsl = query_start_loc.tolist()
     lens = seq_lens[:num_reqs].tolist()
     decode_rows = [r for r in range(num_reqs) if qsl[r + 1] - qsl[r] == 1 and lens[r] > 0]
     if decode_rows:
-        _decode_batch(q, kv_cache, block_tables, qsl, lens, decode_rows, scale, out)
+        _decode_batch(q, kv_cache, block_tables, qsl, lens, decode_rows, scale, out, window)
     for r in range(num_reqs):
         q_len, ctx = qsl[r + 1] - qsl[r], lens[r]
         if q_len <= 1 or ctx == 0:
@@ -87,20 +90,23 @@ def paged_attention_ref(
         kr = k.transpose(0, 1).unsqueeze(0).to(q.dtype)
         vr = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
         prefix = ctx - q_len  # tokens already cached before this chunk
-        if prefix == 0:
+        if prefix == 0 and (window == 0 or window >= ctx):
             o = F.scaled_dot_product_attention(
                 qr, kr, vr, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
             qpos = torch.arange(q_len, device=q.device).unsqueeze(1) + prefix
-            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [q_len, ctx]
+            kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
+            mask = kpos <= qpos  # [q_len, ctx]
+            if window:
+                mask &= kpos > qpos - window
             o = F.scaled_dot_product_attention(
                 qr, kr, vr, attn_mask=mask, scale=scale, enable_gqa=True
             )
         out[qsl[r] : qsl[r + 1]] = o.squeeze(0).transpose(0, 1)
 
 
-def _decode_batch(q, kv_cache, block_tables, qsl, lens, rows, scale, out) -> None:
+def _decode_batch(q, kv_cache, block_tables, qsl, lens, rows, scale, out, window) -> None:
     block_size = kv_cache.shape[2]
     max_ctx = max(lens[r] for r in rows)
     nb = -(-max_ctx // block_size)
@@ -112,7 +118,10 @@ def _decode_batch(q, kv_cache, block_tables, qsl, lens, rows, scale, out) -> Non
     tok = torch.tensor([qsl[r] for r in rows], device=q.device)
     qd = q[tok].unsqueeze(2)  # [n, Hq, 1, D]
     ctx = torch.tensor([lens[r] for r in rows], device=q.device)
-    mask = torch.arange(nb * block_size, device=q.device).unsqueeze(0) < ctx.unsqueeze(1)
+    kpos = torch.arange(nb * block_size, device=q.device).unsqueeze(0)
+    mask = kpos < ctx.unsqueeze(1)
+    if window:
+        mask &= kpos >= ctx.unsqueeze(1) - window
     # Slots past a row's context hold whatever the block had (a failed transfer can leave
     # NaN bits there): NaN + (-inf) is NaN in the scores and 0 x NaN is NaN in P @ V, so
     # both K and V are zeroed there (the Triton kernel never loads them).
@@ -136,13 +145,15 @@ def paged_attention(
     max_seq_len,
     workspace: KernelWorkspace | None = None,
     decode_kernel: str | None = None,  # the Triton path's decode kernel; None = by shape
+    window: int = 0,  # > 0: sliding-window attention over the last `window` keys
 ) -> None:
     assert q.dim() == 3 and kv_cache.dim() == 5, "q is [T, Hq, D]; a layer's cache is 5-D"
     assert q.shape[1] % kv_cache.shape[3] == 0, "query heads must be a multiple of kv heads"
     args = (q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out)
     if q.is_cuda:
         paged_attention_triton(
-            *args, max_query_len, max_seq_len, workspace=workspace, decode_kernel=decode_kernel
-        )
+            *args, max_query_len, max_seq_len, workspace=workspace, decode_kernel=decode_kernel,
+            window=window,
+        )  # fmt: skip
     else:
-        paged_attention_ref(*args, max_query_len, max_seq_len)
+        paged_attention_ref(*args, max_query_len, max_seq_len, window)

@@ -60,12 +60,17 @@ def attend_tile(
     BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every query
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,  # > 0 with CAUSAL: query p sees keys (p - WINDOW, p] only
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     keys = n0 + offs_n
     if MASKED:
         k_valid = keys < key_end
+        if CAUSAL and WINDOW > 0:
+            # Keys below the first query's window are no query's: not even loaded (a
+            # stale block there may hold NaN, and 0 * NaN would reach P @ V).
+            k_valid = k_valid & (keys > tl.min(q_pos, 0) - WINDOW)
         blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE, mask=k_valid, other=0)
         kv_mask = k_valid[:, None] & d_mask[None, :]
     else:
@@ -82,8 +87,10 @@ def attend_tile(
     s = attention_dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOT)
     if MASKED:
         visible = k_valid[None, :]
-        if CAUSAL:
+        if CAUSAL:  # k_valid already holds the first query's window
             visible = visible & (keys[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                visible = visible & (keys[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     if MASKED:
@@ -115,29 +122,37 @@ def row_split_len(seq_len, min_split_keys, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def decode_slice(
     qsl_ptr, seq_lens_ptr, row, split, min_split_keys, num_splits, BLOCK_N: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, WINDOW: tl.constexpr,
 ):  # fmt: skip
-    """A decode program's row and slice: (q_start, seq_len, split_len, key_start, key_end,
-    skip). Rows with several queries belong to the prefill kernel. Splits past the context
-    write nothing and do not count in: the merging program derives the number of valid
-    splits from seq_len (`valid_splits`). Split 0 always runs, so an empty pad row still
-    gets its zeros."""
+    """A decode program's row and slice: (q_start, span, split_len, key_start, key_end,
+    skip). The row's query sees its last `span` keys: all `seq_len` of them, or the last
+    WINDOW (> 0, sliding-window attention), and those are what the slices cut, so no key
+    below the window is read. Rows with several queries belong to the prefill kernel.
+    Splits past the span write nothing and do not count in: the merging program derives
+    the number of valid splits from the span (`valid_splits`). Split 0 always runs, so an
+    empty pad row still gets its zeros."""
     q_start = tl.load(qsl_ptr + row)
     q_len = tl.load(qsl_ptr + row + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + row)
-    split_len = row_split_len(seq_len, min_split_keys, num_splits, BLOCK_N)
-    key_start = split * split_len
+    if WINDOW > 0:
+        first_key = tl.maximum(seq_len - WINDOW, 0)
+    else:
+        first_key = seq_len * 0
+    span = seq_len - first_key
+    split_len = row_split_len(span, min_split_keys, num_splits, BLOCK_N)
+    key_start = first_key + split * split_len
     skip = q_len != 1
     if not SINGLE_SPLIT:
         skip = skip | ((key_start >= seq_len) & (split > 0))
     key_end = tl.minimum(key_start + split_len, seq_len)
-    return q_start, seq_len, split_len, key_start, key_end, skip
+    return q_start, span, split_len, key_start, key_end, skip
 
 
 @triton.jit
-def valid_splits(seq_len, split_len, num_splits):
-    """How many of a row's slices run (and count in before the merge): at least one."""
-    return tl.maximum(tl.minimum((seq_len + split_len - 1) // split_len, num_splits), 1)
+def valid_splits(span, split_len, num_splits):
+    """How many of a row's slices of its `span` keys run (and count in before the merge):
+    at least one."""
+    return tl.maximum(tl.minimum((span + split_len - 1) // split_len, num_splits), 1)
 
 
 @triton.jit

@@ -72,6 +72,7 @@ def paged_attention_triton(
     num_splits: int | None = None,  # decode splits per (row, kv head); None = heuristic
     workspace: KernelWorkspace | None = None,  # the model's; None: counters for this call
     decode_kernel: str | None = None,  # per_head | packed | flat; None: choose_decode_kernel
+    window: int = 0,  # > 0: sliding-window attention, query p sees keys (p - window, p]
 ) -> None:
     """`paged_attention_ref` on the GPU (or Triton's interpreter); see the module docstring."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -90,6 +91,7 @@ def paged_attention_triton(
         assert t.dtype == torch.int32 and t.stride(-1) == 1, f"{name} is int32, unit stride"
     assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(), "seq_lens is int32"
     assert scale > 0, "softmax scale must be positive (the kernels take max before scaling)"
+    assert window >= 0, "window is a key count, 0 for full attention"
     assert seq_lens.numel() >= num_rows and block_tables.shape[0] >= num_rows, (
         "seq_lens and block_tables hold a row for every query row"
     )
@@ -105,20 +107,22 @@ def paged_attention_triton(
     if max_query_len > 1:
         prefill(
             q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, dot_precision,
-            upcast,
+            upcast, window,
         )  # fmt: skip
 
-    # Decode rows (and one-query pad rows), also inside a mixed step.
+    # Decode rows (and one-query pad rows), also inside a mixed step. A row reads at most
+    # `window` keys, which bounds the splits as the context does.
+    span = min(max_seq_len, window) if window else max_seq_len
     kernel = decode_kernel or choose_decode_kernel(num_rows, num_kv_heads)
     if kernel == "packed":
         packed_cfg = tile_for(q.dtype, d_pad, PACKED_16BIT, PACKED_WIDE)
         decode_packed(
-            q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, max_seq_len,
-            num_splits, workspace, dot_precision, upcast, packed_cfg,
+            q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, span,
+            num_splits, workspace, dot_precision, upcast, packed_cfg, window,
         )  # fmt: skip
         return
     assert kernel in ("per_head", "flat"), f"unknown decode kernel {kernel!r}"
-    plan = split_plan(q.dtype, d_pad, num_rows, num_kv_heads, max_seq_len, num_splits)
+    plan = split_plan(q.dtype, d_pad, num_rows, num_kv_heads, span, num_splits)
     # The flat kernel serves unsplit grids of at most MAX_PAIRS pairs a program; otherwise
     # the per-head kernel runs, as asked for "per_head".
     programs = None
@@ -128,10 +132,10 @@ def paged_attention_triton(
         cfg = plan.tile
         decode_flat(
             q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, programs,
-            (cfg.block_n, cfg.num_warps, cfg.num_stages), dot_precision, upcast,
+            (cfg.block_n, cfg.num_warps, cfg.num_stages), dot_precision, upcast, window,
         )  # fmt: skip
         return
     decode_split(
         q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, plan, workspace,
-        dot_precision, upcast,
+        dot_precision, upcast, window,
     )  # fmt: skip

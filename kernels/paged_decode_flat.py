@@ -62,6 +62,7 @@ def _decode_flat_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MAX_PAIRS: tl.constexpr,
+    WINDOW: tl.constexpr,  # > 0: sliding-window attention over the last WINDOW keys
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -73,7 +74,13 @@ def _decode_flat_kernel(
     q_starts = tl.load(qsl_ptr + rows, mask=valid, other=0)
     q_lens = tl.load(qsl_ptr + rows + 1, mask=valid, other=0) - q_starts
     seq_lens = tl.load(seq_lens_ptr + rows, mask=valid, other=0)
-    tiles = tl.where(valid & (q_lens == 1), tl.maximum((seq_lens + BLOCK_N - 1) // BLOCK_N, 1), 0)
+    # A pair's keys are [first_keys, seq_lens): all of them, or the last WINDOW.
+    if WINDOW > 0:
+        first_keys = tl.maximum(seq_lens - WINDOW, 0)
+    else:
+        first_keys = seq_lens * 0
+    spans = seq_lens - first_keys
+    tiles = tl.where(valid & (q_lens == 1), tl.maximum((spans + BLOCK_N - 1) // BLOCK_N, 1), 0)
     ends = tl.cumsum(tiles, 0)  # a pair's tiles are [ends - tiles, ends)
     starts = ends - tiles
 
@@ -92,6 +99,7 @@ def _decode_flat_kernel(
         pair = tl.sum(tl.where(here, pairs, 0), 0)
         q_start = tl.sum(tl.where(here, q_starts, 0), 0)
         seq_len = tl.sum(tl.where(here, seq_lens, 0), 0)
+        first_key = tl.sum(tl.where(here, first_keys, 0), 0)
         first = tl.sum(tl.where(here, starts, 0), 0)
         last = tl.sum(tl.where(here, ends, 0), 0) - 1
         row = pair // num_kv_heads
@@ -113,8 +121,8 @@ def _decode_flat_kernel(
         l_i = tl.where(is_first, 0.0, l_i)
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, offs_g, kv_ptr, bt_ptr + row.to(tl.int64) * stride_bt,
-            kv_head * stride_ch, (t - first) * BLOCK_N, seq_len, offs_n, offs_d, d_mask,
-            stride_cb, stride_ckv, stride_ct, qk_scale, BLOCK_SIZE, True, False,
+            kv_head * stride_ch, first_key + (t - first) * BLOCK_N, seq_len, offs_n, offs_d,
+            d_mask, stride_cb, stride_ckv, stride_ct, qk_scale, BLOCK_SIZE, True, False, 0,
             DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
         # l_i == 0 only for an empty context (a pad row): zeros.
@@ -150,6 +158,7 @@ def decode_flat(
     tile: tuple[int, int, int],  # (keys per tile, warps, stages)
     dot_precision: str,
     upcast: bool,
+    window: int = 0,  # > 0: each row attends to its last `window` keys
 ) -> None:
     """The decode rows of `paged_attention_triton`'s batch, unsplit, by the flat kernel.
     The caller has checked the shapes."""
@@ -166,6 +175,6 @@ def decode_flat(
         block_tables.stride(0), *kv_cache.stride()[:4], GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_N=block_n, MAX_PAIRS=MAX_PAIRS, DOT_PRECISION=dot_precision,
+        BLOCK_N=block_n, MAX_PAIRS=MAX_PAIRS, WINDOW=window, DOT_PRECISION=dot_precision,
         UPCAST_DOT=upcast, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -120,15 +120,17 @@ def _decode_packed_kernel(
     KEYS_PAD: tl.constexpr,  # next power of two >= max(16, TOKENS * HEADS)
     SPLITS_PAD: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    WINDOW: tl.constexpr,  # > 0: sliding-window attention over the last WINDOW keys
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     hg = tl.program_id(2)  # the head group
-    q_start, seq_len, split_len, key_start, key_end, skip = decode_slice(
-        qsl_ptr, seq_lens_ptr, row, split, min_split_tokens, num_splits, TOKENS, SINGLE_SPLIT
-    )
+    q_start, span, split_len, key_start, key_end, skip = decode_slice(
+        qsl_ptr, seq_lens_ptr, row, split, min_split_tokens, num_splits, TOKENS, SINGLE_SPLIT,
+        WINDOW,
+    )  # fmt: skip
     if skip:
         return
 
@@ -193,7 +195,7 @@ def _decode_packed_kernel(
         # Every thread's partial is stored before one thread counts the program in; the
         # acq_rel atomic publishes them to the last arriver, which reads them from L2.
         tl.debug_barrier()
-        num_valid = valid_splits(seq_len, split_len, num_splits)
+        num_valid = valid_splits(span, split_len, num_splits)
         counter = count_ptr + row * (NUM_KV_HEADS // HEADS) + hg
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_valid - 1:
             _merge(
@@ -264,6 +266,7 @@ def decode_packed(
     dot_precision: str,
     upcast: bool,
     cfg: PackedConfig = DEFAULT_CONFIG,
+    window: int = 0,  # > 0: each row attends to its last `window` keys
 ) -> None:
     """Launch the packed decode kernel over every row (argument checks: the caller's)."""
     num_rows = query_start_loc.numel() - 1
@@ -304,6 +307,6 @@ def decode_packed(
         NUM_KV_HEADS=num_kv_heads, HEADS=heads, HQ_PAD=hq_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         D_CHUNK=d_chunk, BLOCK_SIZE=block_size, TOKENS=tokens,
         KEYS_PAD=max(16, triton.next_power_of_2(tokens * heads)), SPLITS_PAD=splits_pad,
-        SINGLE_SPLIT=single, DOT_PRECISION=dot_precision, UPCAST_DOT=upcast,
+        SINGLE_SPLIT=single, WINDOW=window, DOT_PRECISION=dot_precision, UPCAST_DOT=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -141,15 +141,17 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    WINDOW: tl.constexpr,  # > 0: sliding-window attention over the last WINDOW keys
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    q_start, seq_len, split_len, key_start, key_end, skip = decode_slice(
-        qsl_ptr, seq_lens_ptr, row, split, min_split_keys, num_splits, BLOCK_N, SINGLE_SPLIT
-    )
+    q_start, span, split_len, key_start, key_end, skip = decode_slice(
+        qsl_ptr, seq_lens_ptr, row, split, min_split_keys, num_splits, BLOCK_N, SINGLE_SPLIT,
+        WINDOW,
+    )  # fmt: skip
     if skip:
         return
 
@@ -170,7 +172,7 @@ def _decode_split_kernel(
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, offs_g, kv_ptr, bt_row_ptr, kv_head * stride_ch, n0, key_end,
             offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
-            BLOCK_SIZE, True, False, DOT_PRECISION, UPCAST_DOT,
+            BLOCK_SIZE, True, False, 0, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
 
     # l_i == 0 only for an empty context (pad row, single split): write zeros.
@@ -182,7 +184,7 @@ def _decode_split_kernel(
     if SINGLE_SPLIT:
         num_valid = 1
     else:
-        num_valid = valid_splits(seq_len, split_len, num_splits)
+        num_valid = valid_splits(span, split_len, num_splits)
     if num_valid == 1:
         o_ptrs = (
             out_ptr
@@ -220,6 +222,7 @@ def decode_split(
     workspace: KernelWorkspace | None,  # the model's; None: counters for this call
     dot_precision: str,
     upcast: bool,
+    window: int = 0,  # > 0: each row attends to its last `window` keys
 ) -> None:
     """The decode rows (and one-query pad rows) of `paged_attention_triton`'s batch by the
     per-head kernel. The caller has checked the shapes."""
@@ -251,6 +254,6 @@ def decode_split(
         out.stride(0), out.stride(1), block_tables.stride(0), *kv_cache.stride()[:4],
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_N=cfg.block_n, SINGLE_SPLIT=single, DOT_PRECISION=dot_precision,
+        BLOCK_N=cfg.block_n, SINGLE_SPLIT=single, WINDOW=window, DOT_PRECISION=dot_precision,
         UPCAST_DOT=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

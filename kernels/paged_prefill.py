@@ -61,6 +61,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,  # rows scanned per step of the slot -> row search
+    WINDOW: tl.constexpr,  # > 0: query p sees keys (p - WINDOW, p] (sliding window)
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -106,17 +107,33 @@ def _prefill_kernel(
     # need no mask. The rest, up to the last query's position, is masked causally.
     full_end = tl.maximum(prefix + m_start + 1, 0) // BLOCK_N * BLOCK_N
     causal_end = tl.minimum(prefix + tl.minimum(m_start + BLOCK_M, q_len), seq_len)
-    for n0 in range(0, full_end, BLOCK_N):
+    # With a sliding window, key tiles start at the first query's window; keys from the
+    # last query's window start on are visible to every query, so the tiles below that
+    # are masked (by the window) and the tiles from there to full_end are not.
+    if WINDOW > 0:
+        last_pos = prefix + tl.minimum(m_start + BLOCK_M, q_len) - 1
+        win_lo = tl.maximum(prefix + m_start - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        win_all = tl.cdiv(tl.maximum(last_pos - WINDOW + 1, 0), BLOCK_N) * BLOCK_N
+        win_all = tl.maximum(tl.minimum(win_all, full_end), win_lo)
+        for n0 in range(win_lo, win_all, BLOCK_N):
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr, kv_head_off, n0, seq_len,
+                offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
+                BLOCK_SIZE, True, True, WINDOW, DOT_PRECISION, UPCAST_DOT,
+            )  # fmt: skip
+    else:
+        win_all = full_end * 0
+    for n0 in range(win_all, full_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr, kv_head_off, n0, seq_len,
             offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
-            BLOCK_SIZE, False, True, DOT_PRECISION, UPCAST_DOT,
+            BLOCK_SIZE, False, True, WINDOW, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
     for n0 in range(full_end, causal_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr, kv_head_off, n0, seq_len,
             offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
-            BLOCK_SIZE, True, True, DOT_PRECISION, UPCAST_DOT,
+            BLOCK_SIZE, True, True, WINDOW, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
 
     # l_i == 0 only when the row's context is empty or shorter than its queries (bad input).
@@ -135,6 +152,7 @@ def prefill(
     out: torch.Tensor,  # [T, Hq, D]
     dot_precision: str,
     upcast: bool,
+    window: int = 0,  # > 0: query p attends to keys (p - window, p]
 ) -> None:
     """The rows of `paged_attention_triton`'s batch with two or more queries, by the
     prefill kernel. The caller has checked the shapes."""
@@ -149,6 +167,7 @@ def prefill(
         num_slots, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), *kv_cache.stride()[:4], GROUP=num_q_heads // kv_cache.shape[3],
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_R=128, DOT_PRECISION=dot_precision, UPCAST_DOT=upcast,
+        BLOCK_N=cfg.block_n, BLOCK_R=128, WINDOW=window, DOT_PRECISION=dot_precision,
+        UPCAST_DOT=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -68,6 +68,7 @@ class Batch:
     contexts: list[tuple[torch.Tensor, torch.Tensor]]  # per row: K, V [ctx, Hkv, D] on CPU
     scale: float
     seq_len_limit: int | None = None  # max_seq_len passed to the kernels, else the longest
+    window: int = 0  # sliding window (keys a query sees), 0 = full causal
 
     @property
     def max_query_len(self) -> int:
@@ -81,7 +82,7 @@ class Batch:
         out = torch.full_like(self.q, float("nan"))
         paged_attention_triton(
             self.q, self.cache, self.tables, self.qsl, self.seq_lens, self.scale, out,
-            self.max_query_len, self.max_seq_len, **kw,
+            self.max_query_len, self.max_seq_len, window=self.window, **kw,
         )  # fmt: skip
         return out
 
@@ -92,12 +93,14 @@ class Batch:
         paged_attention_ref(
             q, self.cache.double().cpu().nan_to_num(0.0), self.tables.cpu(), self.qsl.cpu(),
             self.seq_lens.cpu(), self.scale, out, self.max_query_len, self.max_seq_len,
+            self.window,
         )  # fmt: skip
         return out
 
 
-def make_batch(rows, hq, hk, d, bs, dtype=torch.float32, seed=0) -> Batch:
-    """Rows' blocks are shuffled over the cache; block 0 (null) and spare blocks stay NaN."""
+def make_batch(rows, hq, hk, d, bs, dtype=torch.float32, seed=0, window=0) -> Batch:
+    """Rows' blocks are shuffled over the cache; block 0 (null) and spare blocks stay NaN.
+    With a sliding `window`, the keys below every query's window are NaN too."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_row = [-(-ctx // bs) for ctx, _ in rows]
     num_blocks = 1 + sum(blocks_per_row) + 5
@@ -115,6 +118,9 @@ def make_batch(rows, hq, hk, d, bs, dtype=torch.float32, seed=0) -> Batch:
         blk = tables[r, pos // bs].long()
         cache[blk, 0, pos % bs] = k
         cache[blk, 1, pos % bs] = v
+        if window:  # the first query, at ctx - q_len, sees keys from ctx - q_len - window + 1
+            unseen = pos[: max(0, ctx - rows[r][1] - window + 1)]
+            cache[tables[r, unseen // bs].long(), :, unseen % bs] = float("nan")
         contexts.append((k.double(), v.double()))
     qlens = torch.tensor([ql for _, ql in rows])
     qsl = torch.cat([torch.zeros(1, dtype=torch.int64), qlens.cumsum(0)]).int()
@@ -122,18 +128,22 @@ def make_batch(rows, hq, hk, d, bs, dtype=torch.float32, seed=0) -> Batch:
     q = torch.randn(int(qsl[-1]), hq, d, generator=g).to(dtype)
     return Batch(
         q.to(DEVICE), cache.to(DEVICE), tables.to(DEVICE), qsl.to(DEVICE), seq_lens.to(DEVICE),
-        list(rows), contexts, d**-0.5,
+        list(rows), contexts, d**-0.5, window=window,
     )  # fmt: skip
 
 
-def dense_causal(q, k, v, scale) -> torch.Tensor:
-    """Attention of the last q_len positions of a context, by plain float64 matmuls."""
+def dense_causal(q, k, v, scale, window=0) -> torch.Tensor:
+    """Attention of the last q_len positions of a context, by plain float64 matmuls; with a
+    `window`, position p sees keys p - window + 1..p."""
     q_len, hq, _ = q.shape
     ctx, hk, _ = k.shape
     k = k.repeat_interleave(hq // hk, dim=1).transpose(0, 1)  # [Hq, ctx, D]
     v = v.repeat_interleave(hq // hk, dim=1).transpose(0, 1)
     s = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [Hq, q_len, ctx]
-    visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+    keys, queries = torch.arange(ctx)[None, :], torch.arange(ctx - q_len, ctx)[:, None]
+    visible = keys <= queries
+    if window:
+        visible &= keys > queries - window
     p = s.masked_fill(~visible, float("-inf")).softmax(-1)
     return (p @ v).transpose(0, 1)
 

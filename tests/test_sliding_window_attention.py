@@ -1,0 +1,96 @@
+"""Sliding-window paged attention (Mistral v0.1, Phi-3, Qwen2 with use_sliding_window,
+Gemma 2/3's local layers): query position p sees keys p - window + 1..p, transformers'
+convention (`sliding_window_overlay`: kv_idx > q_idx - window).
+
+The spec (`paged_attention_ref` with `window`) is checked against plain float64 matmuls;
+the Triton kernels (prefill, and every decode kernel at several split counts) against the
+spec, on caches where every key below each row's first query's window holds NaN: a kernel
+that loads one key no query may see returns NaN, not a small error. Tolerances are
+`test_paged_attention_triton.check`'s (see its module docstring).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_paged_attention_triton import (
+    CHUNK_ON_PREFIX,
+    DECODE,
+    DECODE_AT_1,
+    FRESH_PROMPT,
+    LONG_DECODE,
+    LONG_PROMPT,
+    MIXED,
+    PAD,
+    TWO_QUERIES,
+    X,
+    check,
+    dense_causal,
+    make_batch,
+)
+
+# 1: a token sees itself only; 3 and 17: inside one key tile; 64: one whole tile; 100*X:
+# longer than most rows (the window then changes nothing there).
+WINDOWS = [1, 3, 17, 64, 100 * X]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_ref_matches_dense_matmul(window):
+    """Guards the spec: the window's lower edge (inclusive of p - window + 1), for decode
+    rows (the batched SDPA) and for chunks on a prefix and fresh prompts (one call each)."""
+    batch = make_batch([*MIXED, LONG_PROMPT], 6, 3, 20, 16, window=window)
+    ref, qsl = batch.run_ref(), batch.qsl.tolist()
+    for r, ((ctx, _), (k, v)) in enumerate(zip(batch.rows, batch.contexts)):
+        if ctx:
+            q = batch.q[qsl[r] : qsl[r + 1]].cpu()
+            dense = dense_causal(q, k, v, batch.scale, window)
+            torch.testing.assert_close(ref[qsl[r] : qsl[r + 1]], dense, rtol=1e-10, atol=1e-10)
+
+
+def test_window_changes_the_answer():
+    """Guards the tests themselves: a window shorter than the context gives a different
+    output than full attention (otherwise the checks above could pass on a kernel that
+    ignores the window)."""
+    full = make_batch([LONG_DECODE, LONG_PROMPT], 4, 2, 24, 16)
+    windowed = make_batch([LONG_DECODE, LONG_PROMPT], 4, 2, 24, 16, window=17)
+    windowed.cache = full.cache  # same keys, no NaN poison: only the mask differs
+    assert (full.run_ref() - windowed.run_ref()).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("kernel", ["per_head", "packed", "flat"])
+def test_mixed_batch_fp32(window, kernel):
+    """Guards every kernel with a window: prefill tiles below, across and inside the window
+    edge (the masked, unmasked and causal loops), decode rows whose window starts
+    mid-block, a pad row, block size 16 over shuffled blocks."""
+    batch = make_batch([*MIXED, LONG_PROMPT], 6, 3, 20, 16, window=window)
+    splits = 1 if kernel == "flat" else None  # the flat kernel serves unsplit grids
+    check(batch, batch.run_triton(decode_kernel=kernel, num_splits=splits))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("kernel", ["per_head", "packed"])
+def test_decode_splits_cut_the_window(num_splits, kernel):
+    """Guards split-K under a window: the slices cut the window, not the context, so the
+    merge counts the slices that ran (a row longer than its window merges as many as a
+    row of `window` keys)."""
+    rows = [LONG_DECODE, DECODE, (64 * X, 1), (65 * X, 1), DECODE_AT_1, PAD]
+    batch = make_batch(rows, 4, 1, 36, 16, window=50 * X)
+    check(batch, batch.run_triton(num_splits=num_splits, decode_kernel=kernel))
+
+
+@pytest.mark.parametrize("bs", [1, 8])
+def test_block_sizes_and_two_query_rows(bs):
+    """Guards block-table arithmetic at the window edge for blocks of 1 and 8 keys, and
+    the shortest prefill rows (two queries, a chunk on a prefix)."""
+    batch = make_batch([TWO_QUERIES, CHUNK_ON_PREFIX, FRESH_PROMPT, DECODE], 4, 2, 36, bs, window=7)
+    check(batch, batch.run_triton())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_batch_16bit(dtype):
+    """Guards the 16-bit tile config (64-query tiles, 64-key tiles) with a window that
+    starts inside a key tile."""
+    batch = make_batch([*MIXED, LONG_PROMPT], 16, 8, 128, 16, dtype=dtype, window=40)
+    check(batch, batch.run_triton())
