@@ -33,8 +33,6 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
         problems.append(
             f"rope_type {rope_type!r} (mrv2 implements {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    if _uses_sliding_window(hf_config):
-        problems.append("sliding-window attention")
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         problems.append(f"hidden_act {act!r} (mrv2 implements silu)")
@@ -43,17 +41,6 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         problems.append(f"quantized weights ({method})")
     return problems
-
-
-def _uses_sliding_window(cfg: Any) -> bool:
-    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
-        return True
-    window = getattr(cfg, "sliding_window", None)
-    if not window:
-        return False
-    if getattr(cfg, "model_type", "") in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-        return bool(getattr(cfg, "use_sliding_window", False))
-    return True
 
 
 def select_runner(requested: str | None, hf_config: Any) -> str:

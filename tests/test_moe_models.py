@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
 from pdserve.runner.config import ModelConfig
+from pdserve.runner.models.attention_window import windowed_layers
 from pdserve.runner.models.loader import load_model
 from pdserve.runner.models.norm_fold import fold_norms
 from pdserve.runner.runner_select import mrv2_unsupported_features
@@ -113,14 +114,16 @@ def test_moe_models_keep_their_norms(tiny_qwen3_moe_dir):
 
 def test_qwen_moe_sliding_window_counts_only_when_used(tiny_qwen3_moe_dir):
     """Qwen3-MoE configs carry `sliding_window` with `use_sliding_window: false` (as the
-    released ones do); only the flag decides, as for dense Qwen."""
+    released ones do); only the flag decides, as for dense Qwen. Windowed, every layer
+    slides (transformers' Qwen3-MoE has no layer_types) and mrv2 runs it."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(tiny_qwen3_moe_dir)
     cfg.sliding_window, cfg.use_sliding_window = 4096, False
-    assert mrv2_unsupported_features(cfg) == []
+    assert windowed_layers(cfg) == [0] * cfg.num_hidden_layers
     cfg.use_sliding_window = True
-    assert mrv2_unsupported_features(cfg) == ["sliding-window attention"]
+    assert windowed_layers(cfg) == [4096] * cfg.num_hidden_layers
+    assert mrv2_unsupported_features(cfg) == []
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_moe_dir", "tiny_mixtral_dir"])

@@ -110,7 +110,7 @@ class DeepseekForCausalLM(LlamaFamilyForCausalLM):
     mla = True  # the execution path reports `decode_attention=mla`
     keep_fp32 = KEEP_FP32
 
-    def _attention(self, cfg: Any) -> nn.Module:
+    def _attention(self, cfg: Any, layer: int) -> nn.Module:
         return MLAAttention(cfg, self.workspace)
 
     def _feed_forward(self, cfg: Any, layer: int) -> nn.Module:

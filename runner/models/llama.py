@@ -4,7 +4,8 @@ members Mixtral, Qwen2-MoE and Qwen3-MoE (GLM-4-MoE and DeepSeek subclass it: gl
 deepseek.py).
 
 One module tree covers the family; the differences are data in `FamilySpec`
-(attention biases, per-head q/k RMSNorm) and, for the MoE members, `MoeSpec` (which
+(attention biases, per-head q/k RMSNorm), each layer's sliding window
+(runner/models/attention_window.py) and, for the MoE members, `MoeSpec` (which
 layers' feed-forward is a sparse expert block, runner/models/moe.py). GQA/MHA, RoPE
 variants from `runner.models.rope`, SwiGLU, tied or untied embeddings. Q/K/V and gate/up
 are fused into one GEMM each at load time (exact on CPU float32: per-element results do
@@ -32,6 +33,7 @@ from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
 from pdserve.runner.models import moe
 from pdserve.runner.models.attention_metadata import AttentionMetadata
+from pdserve.runner.models.attention_window import sliding_window_of
 from pdserve.runner.models.mlp import MLP
 from pdserve.runner.models.norm_fold import chain_applies, folded_forward
 from pdserve.runner.models.rope import build_cos_sin_cache, rope_parameters
@@ -85,9 +87,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Any, spec: FamilySpec, workspace: KernelWorkspace):
+    def __init__(self, cfg: Any, spec: FamilySpec, workspace: KernelWorkspace, window: int = 0):
         super().__init__()
         self.workspace = workspace
+        self.window = window  # > 0: sliding-window attention over the last `window` keys
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(cfg)
@@ -159,7 +162,7 @@ class Attention(nn.Module):
         paged_attention(
             q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, self.scale,
             out, attn.max_query_len, attn.max_seq_len, workspace=self.workspace,
-            decode_kernel=attn.decode_kernel,
+            decode_kernel=attn.decode_kernel, window=self.window,
         )  # fmt: skip
         return out.reshape(q.shape[0], self.q_size)
 
@@ -191,7 +194,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         # on one stream); sized by the first forward at each size, before graph capture.
         self.workspace = KernelWorkspace()
         layers = (
-            DecoderLayer(cfg, self._attention(cfg), self._feed_forward(cfg, i))
+            DecoderLayer(cfg, self._attention(cfg, i), self._feed_forward(cfg, i))
             for i in range(cfg.num_hidden_layers)
         )
         self.layers = nn.ModuleList(layers)
@@ -217,8 +220,8 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     # ---- what a subclass (runner/models/deepseek.py) replaces -------------------------------
 
-    def _attention(self, cfg: Any) -> nn.Module:
-        return Attention(cfg, family_spec(cfg), self.workspace)
+    def _attention(self, cfg: Any, layer: int) -> nn.Module:
+        return Attention(cfg, family_spec(cfg), self.workspace, sliding_window_of(cfg, layer))
 
     def _feed_forward(self, cfg: Any, layer: int) -> nn.Module:
         spec = moe.moe_spec(cfg)

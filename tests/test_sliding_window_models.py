@@ -1,0 +1,124 @@
+"""Sliding-window models on mrv2 equal transformers: greedy tokens and their logprobs.
+
+Tiny random models whose windows (5-9 keys) are far shorter than the prompts (up to 100
+tokens, prefilled in 64-token chunks, so a chunk attends through a cached prefix) and the
+24 decoded tokens: a runner that ignored the window, or misplaced its edge by one key,
+attends to different keys from the sixth token on. Each family takes its windows from the
+config the way transformers does (runner/models/attention_window.py): Mistral and Phi-3
+on every layer, Qwen2 only on the layers `layer_types` names (here layer 1 of 2).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import DEVICE, _save_tiny, hf_greedy
+
+from pdserve import LLM, SamplingParams
+from pdserve.runner.models.attention_window import windowed_layers
+
+
+@pytest.fixture(scope="module")
+def tiny_mistral_window_dir(tmp_path_factory) -> str:
+    """Mistral v0.1's shape of config: a window on every layer; 4 q / 2 kv heads of 16."""
+    from transformers import MistralConfig
+
+    cfg = MistralConfig(
+        vocab_size=1001, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        sliding_window=6, tie_word_embeddings=False, initializer_range=0.1,
+        bos_token_id=1, eos_token_id=2, architectures=["MistralForCausalLM"],
+    )  # fmt: skip
+    return _save_tiny(tmp_path_factory, "tiny-mistral-window", cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_window_dir(tmp_path_factory) -> str:
+    """Qwen2 with `use_sliding_window`: layers from `max_window_layers` (1) on slide."""
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=1001, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
+        use_sliding_window=True, sliding_window=5, max_window_layers=1,
+        tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+        architectures=["Qwen2ForCausalLM"],
+    )  # fmt: skip
+    return _save_tiny(tmp_path_factory, "tiny-qwen2-window", cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3_window_dir(tmp_path_factory) -> str:
+    """Phi-3-mini's shape of config (a window on every layer, as its 2,047) with RoPE over
+    3/4 of each head, so the window also runs through the partial-RoPE prepare path."""
+    from transformers import Phi3Config
+
+    cfg = Phi3Config(
+        vocab_size=1031, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.75},
+        sliding_window=9, initializer_range=0.1, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, architectures=["Phi3ForCausalLM"],
+    )  # fmt: skip
+    return _save_tiny(tmp_path_factory, "tiny-phi3-window", cfg)
+
+
+FIXTURES = ["tiny_mistral_window_dir", "tiny_qwen2_window_dir", "tiny_phi3_window_dir"]
+WINDOWS = {
+    "tiny_mistral_window_dir": [6, 6],
+    "tiny_qwen2_window_dir": [0, 5],
+    "tiny_phi3_window_dir": [9, 9],
+}
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_windows_are_read_as_transformers_does(fixture, request):
+    """Guards the per-layer rule itself (a Qwen2 config windows only its upper layers)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(request.getfixturevalue(fixture))
+    assert windowed_layers(cfg) == WINDOWS[fixture]
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_greedy_tokens_match_transformers(fixture, request):
+    """Prefill chunks on a cached prefix, fresh prompts and decode rows, all windowed."""
+    model_dir = request.getfixturevalue(fixture)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100)]
+    llm = LLM(model=model_dir, device=DEVICE, dtype="float32", block_size=16,
+              max_num_batched_tokens=64)  # fmt: skip
+    assert llm.runner_name == "mrv2"
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    expected = hf_greedy(model_dir, prompts, 24)
+    for p, out, exp in zip(prompts, outs, expected):
+        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_logprobs_match_transformers(fixture, request):
+    """The sampled tokens' logprobs equal transformers' log-softmax (float32, summation
+    order only: 1e-4) over a 30-token prompt and 8 decoded tokens, past every window."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = request.getfixturevalue(fixture)
+    prompt = [(7 * i + 3) % 1000 + 3 for i in range(30)]
+    llm = LLM(model=model_dir, device=DEVICE, dtype="float32", block_size=16)
+    out = llm.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=1),
+        use_tqdm=False,
+    )[0].outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.inference_mode():
+        logits = model.to(DEVICE)(ids.to(DEVICE)).logits[0].float().cpu()
+    want = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(
+        1, torch.tensor(out.token_ids)[:, None]
+    )
+    got = torch.tensor([[lp[t].logprob] for t, lp in zip(out.token_ids, out.logprobs)])
+    assert torch.allclose(got, want, atol=1e-4), (got.squeeze(1), want.squeeze(1))
