@@ -56,17 +56,17 @@ def test_forced_mrv2_on_unsupported_architecture_raises(tiny_gpt2_dir):
         LLM(model=tiny_gpt2_dir, device=DEVICE, dtype="float32", runner="mrv2")
 
 
-def test_unsupported_rope_and_window_are_named(tiny_llama_dir):
+def test_unsupported_rope_and_activation_are_named(tiny_llama_dir):
     """Each unsupported feature is listed by name, not a generic refusal."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(tiny_llama_dir)
     assert mrv2_unsupported_features(cfg) == []
     cfg.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
-    cfg.sliding_window = 64
+    cfg.hidden_act = "relu"
     problems = mrv2_unsupported_features(cfg)
-    assert any("dynamic" in p for p in problems) and any("sliding" in p for p in problems)
-    with pytest.raises(ValueError, match="dynamic.*sliding|sliding.*dynamic"):
+    assert any("dynamic" in p for p in problems) and any("relu" in p for p in problems)
+    with pytest.raises(ValueError, match="dynamic.*relu"):
         select_runner("mrv2", cfg)
     assert select_runner("auto", cfg) == "reference"
 
