@@ -15,8 +15,9 @@ from typing import Any
 
 from pdserve.runner.config import RUNNER_CHOICES, architecture_of
 from pdserve.runner.models import MODEL_REGISTRY
+from pdserve.runner.models.mlp import DENSE_ACTIVATIONS, activation_of
 from pdserve.runner.models.moe import experts_per_pick
-from pdserve.runner.models.rope import SUPPORTED_ROPE_TYPES, rope_parameters
+from pdserve.runner.models.rope import SUPPORTED_ROPE_TYPES, rope_layer_types, rope_parameters
 
 logger = logging.getLogger(__name__)
 ENV_VAR = "PDSERVE_RUNNER"
@@ -28,14 +29,20 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
     if arch not in MODEL_REGISTRY:
         return [f"architecture {arch} (mrv2 implements {', '.join(sorted(MODEL_REGISTRY))})"]
     problems = []
-    rope_type = rope_parameters(hf_config)["rope_type"]
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        problems.append(
-            f"rope_type {rope_type!r} (mrv2 implements {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        problems.append(f"hidden_act {act!r} (mrv2 implements silu)")
+    for layer_type in rope_layer_types(hf_config):
+        rope_type = rope_parameters(hf_config, layer_type)["rope_type"]
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            problems.append(
+                f"rope_type {rope_type!r} (mrv2 implements {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+    act = activation_of(hf_config)
+    supported = ("silu",) if experts_per_pick(hf_config) is not None else DENSE_ACTIVATIONS
+    if act not in supported:
+        problems.append(f"hidden_act {act!r} (mrv2 implements {', '.join(supported)})")
+    if getattr(hf_config, "attn_logit_softcapping", None):
+        problems.append("attention logit softcapping")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        problems.append("bidirectional attention")
     quant = getattr(hf_config, "quantization_config", None)
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"

@@ -172,6 +172,34 @@ def test_silu_and_mul_matches_ref(shape, dtype):
     _assert_close(activation.silu_and_mul_triton(x), activation.silu_and_mul_ref(x))
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", SIZES["silu"])
+def test_gelu_tanh_and_mul_matches_ref(shape, dtype):
+    """Guards Gemma's GeGLU: the cubic term, the sqrt(2/pi) factor, and the saturated ends
+    (|x| = 100, where exp overflows or underflows, must give x and 0, not NaN).
+
+    The kernel computes 0.5 x (1 + tanh(y)) as x * sigmoid(2y), which is accurate to a few
+    float32 ulps of the value; torch's own float32 formula loses up to half an ulp of 1 in
+    1 + tanh, i.e. |x| 2^-24 absolute, which is a large relative error in the negative
+    tail (values ~1e-7). So the kernel is held to the float64 function, rounded where the
+    kernel rounds (the gelu to the dtype, then the product), with `_assert_close`'s
+    tolerances; torch's reference is then within its own |x up| 2^-23."""
+    rows, inter = shape
+    x = torch.randn(rows, 2 * inter, generator=_gen(inter + 1)) * 4
+    x[0, :4] = torch.tensor([-100.0, 100.0, -8.0, 0.0])
+    x = x.to(dtype).to(DEVICE)
+    got = activation.gelu_tanh_and_mul_triton(x)
+    gate, up = x[:, :inter].double(), x[:, inter:].double()
+    act = torch.nn.functional.gelu(gate, approximate="tanh").to(dtype).double()
+    _assert_close(got, (act * up).to(dtype))
+    torch_ref = activation.gelu_tanh_and_mul_ref(x).double()
+    slack = (gate * up).abs() * 2.0**-23 + torch_ref.abs() * _TOL[dtype]["rtol"] + 1e-6
+    assert ((got.double() - torch_ref).abs() <= slack).all()
+    silu = activation.silu_and_mul_ref(x)
+    assert (got.float() - silu.float()).abs().max() > 0.1, "gelu must not be silu"
+
+
 # ------------------------------------------------------------------------- dispatch
 
 
@@ -208,6 +236,12 @@ def _cpu_calls():
         ),
         ("apply_rope", rope.apply_rope, rope.apply_rope_ref, (q, k, pos, cos_sin)),
         ("silu_and_mul", activation.silu_and_mul, activation.silu_and_mul_ref, (x,)),
+        (
+            "gelu_tanh_and_mul",
+            activation.gelu_tanh_and_mul,
+            activation.gelu_tanh_and_mul_ref,
+            (x,),
+        ),
         ("write_kv", attention.write_kv, attention.write_kv_ref, (k, k, cache, slots)),
         (
             "apply_staged_writes",
@@ -253,6 +287,7 @@ _TRITON_LAUNCHERS = {
     "fused_add_rms_norm": (norm, "fused_add_rms_norm_triton"),
     "apply_rope": (rope, "apply_rope_triton"),
     "silu_and_mul": (activation, "silu_and_mul_triton"),
+    "gelu_tanh_and_mul": (activation, "gelu_tanh_and_mul_triton"),
     "write_kv": (kv_write, "write_kv_triton"),
     "apply_staged_writes": (staged_write, "apply_staged_writes_triton"),
     "prepare_inputs": (input_prep, "prepare_inputs_triton"),

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pdserve.runner.models.deepseek import DeepseekForCausalLM
+from pdserve.runner.models.gemma import GemmaForCausalLM
 from pdserve.runner.models.glm4_moe import Glm4MoeForCausalLM
 from pdserve.runner.models.llama import LlamaFamilyForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GraniteForCausalLM": LlamaFamilyForCausalLM,
     "LlamaForCausalLM": LlamaFamilyForCausalLM,

@@ -34,7 +34,7 @@ from pdserve.kernels.workspace import KernelWorkspace
 from pdserve.runner.models import moe
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.models.attention_window import sliding_window_of
-from pdserve.runner.models.mlp import MLP
+from pdserve.runner.models.mlp import MLP, activation_of
 from pdserve.runner.models.norm_fold import chain_applies, folded_forward
 from pdserve.runner.models.rope import build_cos_sin_cache, rope_parameters
 
@@ -53,6 +53,8 @@ def family_spec(hf_config: Any) -> FamilySpec:
         qkv_bias = bool(getattr(hf_config, "qkv_bias", True))
         return FamilySpec(qkv_bias=qkv_bias, o_bias=False, qk_norm=False)
     if model_type in ("qwen3", "qwen3_moe"):
+        return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=True)
+    if model_type == "gemma3_text":
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=True)
     if model_type == "glm4_moe":
         qk_norm = bool(getattr(hf_config, "use_qk_norm", False))
@@ -97,8 +99,10 @@ class Attention(nn.Module):
         self.rotary_dim = rotary_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        # Granite's `attention_multiplier` replaces the usual head_dim^-0.5
-        self.scale = float(getattr(cfg, "attention_multiplier", None) or self.head_dim**-0.5)
+        # Granite's `attention_multiplier` replaces the usual head_dim^-0.5; Gemma scales by
+        # `query_pre_attn_scalar`^-0.5
+        pre_attn = getattr(cfg, "query_pre_attn_scalar", None) or self.head_dim
+        self.scale = float(getattr(cfg, "attention_multiplier", None) or pre_attn**-0.5)
         self.qkv_proj = nn.Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
         )
@@ -193,11 +197,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         # Split-kernel scratch and arrival counters, shared by the layers (they run in turn
         # on one stream); sized by the first forward at each size, before graph capture.
         self.workspace = KernelWorkspace()
-        layers = (
-            DecoderLayer(cfg, self._attention(cfg, i), self._feed_forward(cfg, i))
-            for i in range(cfg.num_hidden_layers)
+        self.layers = nn.ModuleList(
+            self._decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers)
         )
-        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Set by runner/models/norm_fold.fold_norms: decode batches of up to this many
         # tokens take the folded chain.
@@ -218,7 +220,13 @@ class LlamaFamilyForCausalLM(nn.Module):
             "cos_sin_cache", torch.empty(max_positions, rotary_dim_of(cfg)), persistent=False
         )
 
-    # ---- what a subclass (runner/models/deepseek.py) replaces -------------------------------
+    # ---- what a subclass (deepseek.py, glm4_moe.py, gemma.py) replaces -----------------------
+
+    # runner/models/norm_fold.py may fold the two norms of each layer into its projections
+    norms_foldable = True
+
+    def _decoder_layer(self, cfg: Any, layer: int) -> nn.Module:
+        return DecoderLayer(cfg, self._attention(cfg, layer), self._feed_forward(cfg, layer))
 
     def _attention(self, cfg: Any, layer: int) -> nn.Module:
         return Attention(cfg, family_spec(cfg), self.workspace, sliding_window_of(cfg, layer))
@@ -228,7 +236,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         if moe.is_sparse_layer(cfg, spec, layer):
             return moe.SparseMoeBlock(cfg.hidden_size, spec, self.workspace)
         bias = bool(getattr(cfg, "mlp_bias", False))
-        return MLP(cfg.hidden_size, cfg.intermediate_size, bias, self.workspace)
+        return MLP(cfg.hidden_size, cfg.intermediate_size, bias, self.workspace, activation_of(cfg))
 
     def kv_block_shape(self, block_size: int) -> tuple[int, ...]:
         """One layer's KV block: `[2, block_size, kv_heads, head_dim]` (paged GQA)."""
@@ -250,6 +258,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.cos_sin_cache = build_cos_sin_cache(
             self.config, rotary_dim_of(self.config), cache.shape[0], cache.device
         )
+
+    def layer_cos_sin(self, layer: int) -> torch.Tensor:
+        """The cos/sin table layer `layer` rotates with (one for all layers here)."""
+        return self.cos_sin_cache
 
     @property
     def num_kv_heads(self) -> int:
@@ -273,9 +285,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         if chain_applies(self, input_ids.shape[0]):
             return folded_forward(self, input_ids, positions, kv_caches, attn, layer_hook)
         x, residual = self.embed(input_ids), None
-        cos_sin = self.cos_sin_cache
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual = layer(x, residual, positions, cos_sin, kv_cache, attn)
+            x, residual = layer(x, residual, positions, self.layer_cos_sin(i), kv_cache, attn)
             if layer_hook is not None:
                 layer_hook(i)
         return x + residual

@@ -1,27 +1,52 @@
-"""The SwiGLU feed-forward of a decoder layer (and of an MoE layer's shared expert).
+"""The gated feed-forward of a decoder layer (and of an MoE layer's shared expert):
+SwiGLU, or GeGLU with GELU(tanh) (Gemma's `gelu_pytorch_tanh`).
 
 Gate and up are one fused `[2I, H]` projection (exact on CPU float32: per-element results
 do not change when output columns are concatenated); on the skinny path SiLU-and-mul is
-that projection's epilogue (kernels/skinny_linear.py).
+that projection's epilogue (kernels/skinny_linear.py). GELU runs as its own kernel after
+the projection (kernels/activation.py).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from pdserve.kernels.activation import gelu_tanh_and_mul
 from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
 
+# The gate activations a dense MLP implements (transformers' names).
+DENSE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def activation_of(hf_config: Any) -> str:
+    """The feed-forward's gate activation: `hidden_activation` (Gemma) or `hidden_act`."""
+    return getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
+
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool, workspace: KernelWorkspace):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        bias: bool,
+        workspace: KernelWorkspace,
+        act: str = "silu",
+    ):
         super().__init__()
+        assert act in DENSE_ACTIVATIONS, f"activation {act!r} (implemented: {DENSE_ACTIVATIONS})"
+        self.act = act
         self.workspace = workspace
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj
-        h = linear(x, gate_up.weight, gate_up.bias, self.workspace, silu_mul_output=True)
+        if self.act == "silu":
+            h = linear(x, gate_up.weight, gate_up.bias, self.workspace, silu_mul_output=True)
+        else:
+            h = gelu_tanh_and_mul(linear(x, gate_up.weight, gate_up.bias, self.workspace))
         return linear(h, down.weight, down.bias, self.workspace)

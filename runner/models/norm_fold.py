@@ -45,9 +45,11 @@ def fold_norms(model: torch.nn.Module) -> None:
     `model.folded_chain_max_tokens` tokens (0 when the hidden size has more output tiles
     than the squares buffer holds parts). A model with MoE layers keeps its norms (the
     chain's gate/up epilogue is a dense MLP's, and the router reads the normalised rows),
-    as do MLA and partial-RoPE models (their q/k/v preparation is not the fused kernel)."""
-    if not all(
+    as do MLA and partial-RoPE models (their q/k/v preparation is not the fused kernel),
+    GeGLU MLPs (the epilogue is SiLU's) and Gemma (`norms_foldable`: four norms a layer)."""
+    if not model.norms_foldable or not all(
         isinstance(layer.mlp, MLP)
+        and layer.mlp.act == "silu"
         and hasattr(layer.self_attn, "qkv_proj")
         and layer.self_attn.rotary_dim == layer.self_attn.head_dim
         for layer in model.layers

@@ -17,10 +17,16 @@ import torch
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The config's RoPE settings as one dict (transformers 5 `rope_parameters`, or 4.x
-    `rope_theta` + `rope_scaling`)."""
+    `rope_theta` + `rope_scaling`). Configs whose layer types rotate differently (Gemma 3:
+    local layers at base 10,000, global ones at 1,000,000, maybe linearly scaled) keep one
+    dict per type; `layer_type` picks one (None: the first layer's)."""
     params = getattr(hf_config, "rope_parameters", None)
+    if per_layer_type(hf_config):
+        if layer_type is None:
+            layer_type = hf_config.layer_types[0]
+        params = params[layer_type]
     if isinstance(params, dict) and params:
         out = dict(params)
     else:
@@ -28,6 +34,18 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
         out.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     out["rope_type"] = out.get("rope_type", out.get("type", "default")) or "default"
     return out
+
+
+def per_layer_type(hf_config: Any) -> bool:
+    """Whether `rope_parameters` holds one dict per layer type (keyed by `layer_types`)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    types = getattr(hf_config, "layer_types", None) or []
+    return isinstance(params, dict) and bool(types) and all(t in params for t in types)
+
+
+def rope_layer_types(hf_config: Any) -> list[str | None]:
+    """The layer types with their own RoPE settings, or [None] for one set for all."""
+    return list(dict.fromkeys(hf_config.layer_types)) if per_layer_type(hf_config) else [None]
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -79,9 +97,11 @@ def _yarn(base: float, dim: int, p: dict[str, Any], max_pos: int) -> tuple[torch
     return inv_freq, float(attention_factor)
 
 
-def inv_freq_and_scaling(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+def inv_freq_and_scaling(
+    hf_config: Any, head_dim: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
     """[head_dim // 2] float32 inverse frequencies and the attention scaling for cos/sin."""
-    p = rope_parameters(hf_config)
+    p = rope_parameters(hf_config, layer_type)
     rope_type, base = p["rope_type"], float(p["rope_theta"])
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -99,10 +119,14 @@ def inv_freq_and_scaling(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, f
 
 
 def build_cos_sin_cache(
-    hf_config: Any, head_dim: int, max_positions: int, device: torch.device | str = "cpu"
+    hf_config: Any,
+    head_dim: int,
+    max_positions: int,
+    device: torch.device | str = "cpu",
+    layer_type: str | None = None,
 ) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos(pos * inv_freq) | sin(pos * inv_freq), scaled."""
-    inv_freq, scaling = inv_freq_and_scaling(hf_config, head_dim)
+    inv_freq, scaling = inv_freq_and_scaling(hf_config, head_dim, layer_type)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]  # one rounding, as in transformers' matmul
     cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)

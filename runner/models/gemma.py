@@ -1,0 +1,101 @@
+"""Gemma 3 (text: Gemma3ForCausalLM) on the paged KV cache, as a member of the Llama family.
+
+What differs from Llama, and where it is handled:
+- Sandwich norms: a layer normalises its attention output and its MLP output before each
+  joins the residual stream (`GemmaDecoderLayer`), four RMSNorms a layer.
+- RMSNorm weights are stored as offsets from one (`x * (1 + w)`): one is added at load,
+  so the norm kernels run unchanged (the q/k norms too).
+- Embeddings are scaled by sqrt(hidden_size), rounded to the model's dtype first as
+  transformers does (55.4256 becomes 55.5 in bf16 at hidden 3,072).
+- GeGLU: GELU(tanh) on the gate (runner/models/mlp.py, kernels/activation.py).
+- The softmax scale is `query_pre_attn_scalar`^-0.5 (llama.Attention reads it).
+- Local layers attend through a sliding window (runner/models/attention_window.py) and
+  rotate at their own RoPE base; global layers attend to everything at theirs, maybe
+  linearly scaled (4B and up): one cos/sin table per layer type (`layer_cos_sin`).
+- Final logit softcapping (`cap * tanh(logits / cap)`) when the config sets one.
+
+Attention logit softcapping (Gemma 2) and bidirectional attention (EmbeddingGemma) are
+refused by runner_select, so such configs run on the reference runner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdserve.runner.models.llama import LlamaFamilyForCausalLM, RMSNorm, rotary_dim_of
+from pdserve.runner.models.rope import build_cos_sin_cache, rope_layer_types
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, attention: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps)
+        self.post_feedforward_layernorm = RMSNorm(h, eps)
+
+    def forward(self, x, residual, positions, cos_sin, kv_cache, attn):
+        """(branch output, residual) in, as llama.DecoderLayer: the residual stream is
+        `x + residual` (the fused add-norm adds the previous branch in)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.post_attention_layernorm(self.self_attn(x, positions, cos_sin, kv_cache, attn))
+        x, residual = self.pre_feedforward_layernorm(x, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
+
+
+class GemmaForCausalLM(LlamaFamilyForCausalLM):
+    norms_foldable = False  # four norms a layer, two of them on branch outputs
+
+    def __init__(self, cfg: Any, max_positions: int):
+        super().__init__(cfg, max_positions)
+        self.final_logit_softcapping = float(getattr(cfg, "final_logit_softcapping", None) or 0)
+        # One cos/sin table per layer type with its own RoPE (None: the base class's one).
+        self.rope_types = rope_layer_types(cfg)
+        for layer_type in self.rope_types:
+            if layer_type is not None:
+                table = torch.empty(max_positions, rotary_dim_of(cfg))
+                self.register_buffer(f"cos_sin_{layer_type}", table, persistent=False)
+
+    def _decoder_layer(self, cfg: Any, layer: int) -> nn.Module:
+        attention, mlp = self._attention(cfg, layer), self._feed_forward(cfg, layer)
+        return GemmaDecoderLayer(cfg, attention, mlp)
+
+    def init_rope(self) -> None:
+        super().init_rope()
+        for layer_type in self.rope_types:
+            if layer_type is not None:
+                name = f"cos_sin_{layer_type}"
+                old = getattr(self, name)
+                table = build_cos_sin_cache(
+                    self.config, old.shape[1], old.shape[0], old.device, layer_type
+                )
+                setattr(self, name, table)
+
+    def layer_cos_sin(self, layer: int) -> torch.Tensor:
+        if self.rope_types == [None]:
+            return self.cos_sin_cache
+        return getattr(self, f"cos_sin_{self.config.layer_types[layer]}")
+
+    def _after_load(self) -> None:
+        """RMSNorm weights are offsets from one; the embedding scale is rounded to the
+        model's dtype, as transformers rounds it."""
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.data.add_(1.0)
+        dtype = self.embed_tokens.weight.dtype
+        scale = torch.tensor(self.config.hidden_size**0.5, dtype=dtype)
+        self.embedding_multiplier = float(scale)
+
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        logits = super().compute_logits(hidden, float32)
+        cap = self.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits

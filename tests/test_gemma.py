@@ -1,0 +1,120 @@
+"""Gemma 3 (text) on mrv2 equals transformers: greedy tokens and their logprobs.
+
+The tiny model has what sets Gemma 3 apart (runner/models/gemma.py): sandwich norms with
+weights stored as offsets from one (randomised here: at init they are all zero, which
+would hide a missing `1 +`), q/k norms, GeGLU, sqrt(hidden) embeddings, a softmax scale
+from `query_pre_attn_scalar` (20, not the head dim 32), local layers with a 5-key window
+at RoPE base 10,000 and a global layer at base 1,000,000 scaled linearly by 2 (two cos/sin
+tables), tied embeddings and a final logit softcap. Prompts run past the window, in
+64-token chunks on a cached prefix, and decode 24 tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import DEVICE, _randomize_tensors, _save_tiny, hf_greedy
+
+from pdserve import LLM, SamplingParams
+from pdserve.runner.models.attention_window import windowed_layers
+from pdserve.runner.runner_select import mrv2_unsupported_features
+
+
+def _gemma3_config(**overrides):
+    from transformers import Gemma3TextConfig
+
+    kw = dict(
+        vocab_size=1009, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=20,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=5, max_position_embeddings=512, final_logit_softcapping=5.0,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+        },
+        initializer_range=0.1, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, architectures=["Gemma3ForCausalLM"],
+    )  # fmt: skip
+    kw.update(overrides)
+    return Gemma3TextConfig(**kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory) -> str:
+    path = _save_tiny(tmp_path_factory, "tiny-gemma3", _gemma3_config())
+    _randomize_tensors(path, "norm", scale=0.5)
+    return path
+
+
+def test_config_is_read_as_transformers_reads_it(tiny_gemma3_dir):
+    """Guards the per-layer reading: windows on the local layers only, and both RoPE sets
+    supported (no fallback to the reference runner)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(tiny_gemma3_dir)
+    assert windowed_layers(cfg) == [5, 0, 5]
+    assert mrv2_unsupported_features(cfg) == []
+
+
+def test_unsupported_gemma_features_are_named():
+    """Attention softcapping (Gemma 2) and bidirectional attention (EmbeddingGemma) are
+    named, not silently dropped; an unknown RoPE type on one layer type is named too."""
+    cfg = _gemma3_config(attn_logit_softcapping=50.0, use_bidirectional_attention=True)
+    cfg.rope_parameters["full_attention"] = {"rope_type": "dynamic", "rope_theta": 1e6,
+                                             "factor": 2.0}  # fmt: skip
+    problems = mrv2_unsupported_features(cfg)
+    assert any("softcapping" in p for p in problems)
+    assert any("bidirectional" in p for p in problems)
+    assert any("dynamic" in p for p in problems)
+
+
+def test_greedy_tokens_match_transformers(tiny_gemma3_dir):
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100)]
+    llm = LLM(model=tiny_gemma3_dir, device=DEVICE, dtype="float32", block_size=16,
+              max_num_batched_tokens=64)  # fmt: skip
+    assert llm.runner_name == "mrv2"
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    expected = hf_greedy(tiny_gemma3_dir, prompts, 24)
+    for p, out, exp in zip(prompts, outs, expected):
+        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
+
+
+def test_logprobs_match_transformers(tiny_gemma3_dir):
+    """The sampled tokens' logprobs equal transformers' log-softmax of its (softcapped)
+    logits, float32, summation order only: 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = [(7 * i + 3) % 1000 + 3 for i in range(30)]
+    llm = LLM(model=tiny_gemma3_dir, device=DEVICE, dtype="float32", block_size=16)
+    out = llm.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=1),
+        use_tqdm=False,
+    )[0].outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir, dtype=torch.float32)
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.inference_mode():
+        logits = model.to(DEVICE)(ids.to(DEVICE)).logits[0].float().cpu()
+    want = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(
+        1, torch.tensor(out.token_ids)[:, None]
+    )
+    got = torch.tensor([[lp[t].logprob] for t, lp in zip(out.token_ids, out.logprobs)])
+    assert torch.allclose(got, want, atol=1e-4), (got.squeeze(1), want.squeeze(1))
+
+
+def test_bf16_embedding_scale_is_rounded_as_transformers_rounds_it():
+    """sqrt(3072) = 55.4256 is 55.5 in bf16: transformers multiplies by the rounded value,
+    so the model does too (a 0.13% scale on every input otherwise)."""
+    from pdserve.runner.models.gemma import GemmaForCausalLM
+
+    cfg = _gemma3_config(hidden_size=3072, num_hidden_layers=1, intermediate_size=8,
+                         num_attention_heads=1, num_key_value_heads=1,
+                         layer_types=["full_attention"])  # fmt: skip
+    with torch.device("meta"):
+        model = GemmaForCausalLM(cfg, 8).to(torch.bfloat16)
+    model._after_load()
+    assert model.embedding_multiplier == 55.5
