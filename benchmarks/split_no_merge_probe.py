@@ -75,7 +75,7 @@ def _slices_kernel(
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, offs_g, kv_ptr, bt_row_ptr, kv_head * stride_ch, n0, key_end,
             offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
-            BLOCK_SIZE, True, False, 0, "tf32", UPCAST_DOT,
+            BLOCK_SIZE, True, False, 0, 0.0, "tf32", UPCAST_DOT,
         )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     # [split, row, Hq, D]: the layout an o projection would read its x slices in.

@@ -65,6 +65,7 @@ def paged_attention_ref(
     max_query_len: int,  # host-known bounds: size grids without reading the device
     max_seq_len: int,
     window: int = 0,  # > 0: sliding window, query p sees keys (p - window, p]
+    softcap: float = 0.0,  # > 0: attention logit softcapping
 ) -> None:
     """The spec. Row r's queries are tokens `qsl[r]:qsl[r+1]`, the LAST q_len positions of
     its `seq_lens[r]`-token context (keys read through `block_tables[r]`); query i sits at
@@ -73,8 +74,13 @@ def paged_attention_ref(
     (`out` untouched); the Triton path writes zeros there. `max_query_len` / `max_seq_len`
     bound the rows' query and context lengths (the Triton path sizes its grids from them).
     With `window > 0` (sliding-window attention, transformers' convention) query position
-    p attends keys `p - window + 1..p` only.
+    p attends keys `p - window + 1..p` only. With `softcap > 0` (Gemma 2) the scaled scores
+    become `softcap * tanh(scores / softcap)` before the softmax.
     """
+    if softcap:
+        _softcapped_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out,
+                        window, softcap)  # fmt: skip
+        return
     num_reqs = query_start_loc.numel() - 1
     qsl = query_start_loc.tolist()
     lens = seq_lens[:num_reqs].tolist()
@@ -104,6 +110,27 @@ def paged_attention_ref(
                 qr, kr, vr, attn_mask=mask, scale=scale, enable_gqa=True
             )
         out[qsl[r] : qsl[r + 1]] = o.squeeze(0).transpose(0, 1)
+
+
+def _softcapped_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out,
+                    window, softcap) -> None:  # fmt: skip
+    """The softcapped spec: one row at a time, scores written out (SDPA has no softcap)."""
+    qsl = query_start_loc.tolist()
+    for r in range(query_start_loc.numel() - 1):
+        q_len, ctx = qsl[r + 1] - qsl[r], int(seq_lens[r])
+        if q_len == 0 or ctx == 0:
+            continue
+        k, v = _gather_context(kv_cache, block_tables[r], ctx)
+        group = q.shape[1] // k.shape[1]
+        k = k.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, ctx, D]
+        v = v.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        s = q[qsl[r] : qsl[r + 1]].transpose(0, 1) @ k.transpose(1, 2) * scale
+        s = torch.tanh(s / softcap) * softcap  # [Hq, q_len, ctx]
+        qpos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        kpos = torch.arange(ctx, device=q.device)[None, :]
+        visible = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+        p = s.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[qsl[r] : qsl[r + 1]] = (p @ v).transpose(0, 1).to(out.dtype)
 
 
 def _decode_batch(q, kv_cache, block_tables, qsl, lens, rows, scale, out, window) -> None:
@@ -146,6 +173,7 @@ def paged_attention(
     workspace: KernelWorkspace | None = None,
     decode_kernel: str | None = None,  # the Triton path's decode kernel; None = by shape
     window: int = 0,  # > 0: sliding-window attention over the last `window` keys
+    softcap: float = 0.0,  # > 0: attention logit softcapping (Gemma 2)
 ) -> None:
     assert q.dim() == 3 and kv_cache.dim() == 5, "q is [T, Hq, D]; a layer's cache is 5-D"
     assert q.shape[1] % kv_cache.shape[3] == 0, "query heads must be a multiple of kv heads"
@@ -153,7 +181,7 @@ def paged_attention(
     if q.is_cuda:
         paged_attention_triton(
             *args, max_query_len, max_seq_len, workspace=workspace, decode_kernel=decode_kernel,
-            window=window,
+            window=window, softcap=softcap,
         )  # fmt: skip
     else:
-        paged_attention_ref(*args, max_query_len, max_seq_len, window)
+        paged_attention_ref(*args, max_query_len, max_seq_len, window, softcap)

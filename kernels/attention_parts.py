@@ -38,6 +38,20 @@ def attention_dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constex
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
+LOG2E: tl.constexpr = 1.4426950408889634
+
+
+@triton.jit
+def softcap_scores(s, qk_scale, SOFTCAP: tl.constexpr):
+    """Raw scores -> the raw scores whose `* qk_scale` is `SOFTCAP * tanh(s * scale /
+    SOFTCAP)` in the log2 domain (Gemma 2's attention logit softcapping), so the online
+    softmax after it runs unchanged. tanh(t) = 1 - 2 / (exp(2t) + 1) saturates to +-1
+    where exp overflows or underflows."""
+    t = s * (qk_scale / (SOFTCAP * LOG2E))
+    tanh = 1.0 - 2.0 / (tl.exp(2.0 * t) + 1.0)
+    return tanh * (SOFTCAP * LOG2E / qk_scale)
+
+
 @triton.jit
 def attend_tile(
     acc,  # [M, D_PAD] fp32 running numerator
@@ -61,6 +75,7 @@ def attend_tile(
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every query
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,  # > 0 with CAUSAL: query p sees keys (p - WINDOW, p] only
+    SOFTCAP: tl.constexpr,  # > 0: scores become SOFTCAP * tanh(score * scale / SOFTCAP)
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -85,6 +100,8 @@ def attend_tile(
     # Raw scores; the scale is applied inside max() and fused into exp2's argument (one FMA
     # per score, as qk_scale > 0 keeps the argmax).
     s = attention_dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOT)
+    if SOFTCAP > 0:
+        s = softcap_scores(s, qk_scale, SOFTCAP)
     if MASKED:
         visible = k_valid[None, :]
         if CAUSAL:  # k_valid already holds the first query's window

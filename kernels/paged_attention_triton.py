@@ -73,6 +73,7 @@ def paged_attention_triton(
     workspace: KernelWorkspace | None = None,  # the model's; None: counters for this call
     decode_kernel: str | None = None,  # per_head | packed | flat; None: choose_decode_kernel
     window: int = 0,  # > 0: sliding-window attention, query p sees keys (p - window, p]
+    softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
 ) -> None:
     """`paged_attention_ref` on the GPU (or Triton's interpreter); see the module docstring."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -92,6 +93,7 @@ def paged_attention_triton(
     assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(), "seq_lens is int32"
     assert scale > 0, "softmax scale must be positive (the kernels take max before scaling)"
     assert window >= 0, "window is a key count, 0 for full attention"
+    assert softcap >= 0, "softcap is a logit bound, 0 for none"
     assert seq_lens.numel() >= num_rows and block_tables.shape[0] >= num_rows, (
         "seq_lens and block_tables hold a row for every query row"
     )
@@ -107,7 +109,7 @@ def paged_attention_triton(
     if max_query_len > 1:
         prefill(
             q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, dot_precision,
-            upcast, window,
+            upcast, window, softcap,
         )  # fmt: skip
 
     # Decode rows (and one-query pad rows), also inside a mixed step. A row reads at most
@@ -118,7 +120,7 @@ def paged_attention_triton(
         packed_cfg = tile_for(q.dtype, d_pad, PACKED_16BIT, PACKED_WIDE)
         decode_packed(
             q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, span,
-            num_splits, workspace, dot_precision, upcast, packed_cfg, window,
+            num_splits, workspace, dot_precision, upcast, packed_cfg, window, softcap,
         )  # fmt: skip
         return
     assert kernel in ("per_head", "flat"), f"unknown decode kernel {kernel!r}"
@@ -133,9 +135,10 @@ def paged_attention_triton(
         decode_flat(
             q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, programs,
             (cfg.block_n, cfg.num_warps, cfg.num_stages), dot_precision, upcast, window,
+            softcap,
         )  # fmt: skip
         return
     decode_split(
         q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, plan, workspace,
-        dot_precision, upcast, window,
+        dot_precision, upcast, window, softcap,
     )  # fmt: skip

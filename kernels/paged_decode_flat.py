@@ -63,6 +63,7 @@ def _decode_flat_kernel(
     BLOCK_N: tl.constexpr,
     MAX_PAIRS: tl.constexpr,
     WINDOW: tl.constexpr,  # > 0: sliding-window attention over the last WINDOW keys
+    SOFTCAP: tl.constexpr,  # > 0: attention logit softcapping (Gemma 2)
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -122,7 +123,7 @@ def _decode_flat_kernel(
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, offs_g, kv_ptr, bt_ptr + row.to(tl.int64) * stride_bt,
             kv_head * stride_ch, first_key + (t - first) * BLOCK_N, seq_len, offs_n, offs_d,
-            d_mask, stride_cb, stride_ckv, stride_ct, qk_scale, BLOCK_SIZE, True, False, 0,
+            d_mask, stride_cb, stride_ckv, stride_ct, qk_scale, BLOCK_SIZE, True, False, 0, SOFTCAP,
             DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
         # l_i == 0 only for an empty context (a pad row): zeros.
@@ -159,6 +160,7 @@ def decode_flat(
     dot_precision: str,
     upcast: bool,
     window: int = 0,  # > 0: each row attends to its last `window` keys
+    softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
 ) -> None:
     """The decode rows of `paged_attention_triton`'s batch, unsplit, by the flat kernel.
     The caller has checked the shapes."""
@@ -175,6 +177,6 @@ def decode_flat(
         block_tables.stride(0), *kv_cache.stride()[:4], GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_N=block_n, MAX_PAIRS=MAX_PAIRS, WINDOW=window, DOT_PRECISION=dot_precision,
+        BLOCK_N=block_n, MAX_PAIRS=MAX_PAIRS, WINDOW=window, SOFTCAP=softcap, DOT_PRECISION=dot_precision,
         UPCAST_DOT=upcast, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -40,7 +40,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.attention_parts import attention_dot, decode_slice, valid_splits
+from pdserve.kernels.attention_parts import (
+    attention_dot,
+    decode_slice,
+    softcap_scores,
+    valid_splits,
+)
 from pdserve.kernels.workspace import KernelWorkspace
 
 
@@ -121,6 +126,7 @@ def _decode_packed_kernel(
     SPLITS_PAD: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     WINDOW: tl.constexpr,  # > 0: sliding-window attention over the last WINDOW keys
+    SOFTCAP: tl.constexpr,  # > 0: attention logit softcapping (Gemma 2)
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -170,6 +176,8 @@ def _decode_packed_kernel(
         # other=0: the null block may hold NaN, and 0 * NaN would leak into P . V.
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
         s = attention_dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOT)  # [HQ_PAD, KEYS_PAD]
+        if SOFTCAP > 0:
+            s = softcap_scores(s, qk_scale, SOFTCAP)
         s = tl.where(own_head & valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: no NaN
@@ -267,6 +275,7 @@ def decode_packed(
     upcast: bool,
     cfg: PackedConfig = DEFAULT_CONFIG,
     window: int = 0,  # > 0: each row attends to its last `window` keys
+    softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
 ) -> None:
     """Launch the packed decode kernel over every row (argument checks: the caller's)."""
     num_rows = query_start_loc.numel() - 1
@@ -307,6 +316,6 @@ def decode_packed(
         NUM_KV_HEADS=num_kv_heads, HEADS=heads, HQ_PAD=hq_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         D_CHUNK=d_chunk, BLOCK_SIZE=block_size, TOKENS=tokens,
         KEYS_PAD=max(16, triton.next_power_of_2(tokens * heads)), SPLITS_PAD=splits_pad,
-        SINGLE_SPLIT=single, WINDOW=window, DOT_PRECISION=dot_precision, UPCAST_DOT=upcast,
+        SINGLE_SPLIT=single, WINDOW=window, SOFTCAP=softcap, DOT_PRECISION=dot_precision, UPCAST_DOT=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -142,6 +142,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     WINDOW: tl.constexpr,  # > 0: sliding-window attention over the last WINDOW keys
+    SOFTCAP: tl.constexpr,  # > 0: attention logit softcapping (Gemma 2)
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -172,7 +173,7 @@ def _decode_split_kernel(
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, offs_g, kv_ptr, bt_row_ptr, kv_head * stride_ch, n0, key_end,
             offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
-            BLOCK_SIZE, True, False, 0, DOT_PRECISION, UPCAST_DOT,
+            BLOCK_SIZE, True, False, 0, SOFTCAP, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
 
     # l_i == 0 only for an empty context (pad row, single split): write zeros.
@@ -223,6 +224,7 @@ def decode_split(
     dot_precision: str,
     upcast: bool,
     window: int = 0,  # > 0: each row attends to its last `window` keys
+    softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
 ) -> None:
     """The decode rows (and one-query pad rows) of `paged_attention_triton`'s batch by the
     per-head kernel. The caller has checked the shapes."""
@@ -254,6 +256,6 @@ def decode_split(
         out.stride(0), out.stride(1), block_tables.stride(0), *kv_cache.stride()[:4],
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_N=cfg.block_n, SINGLE_SPLIT=single, WINDOW=window, DOT_PRECISION=dot_precision,
+        BLOCK_N=cfg.block_n, SINGLE_SPLIT=single, WINDOW=window, SOFTCAP=softcap, DOT_PRECISION=dot_precision,
         UPCAST_DOT=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -62,6 +62,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,  # rows scanned per step of the slot -> row search
     WINDOW: tl.constexpr,  # > 0: query p sees keys (p - WINDOW, p] (sliding window)
+    SOFTCAP: tl.constexpr,  # > 0: attention logit softcapping (Gemma 2)
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -119,7 +120,7 @@ def _prefill_kernel(
             acc, m_i, l_i = attend_tile(
                 acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr, kv_head_off, n0, seq_len,
                 offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
-                BLOCK_SIZE, True, True, WINDOW, DOT_PRECISION, UPCAST_DOT,
+                BLOCK_SIZE, True, True, WINDOW, SOFTCAP, DOT_PRECISION, UPCAST_DOT,
             )  # fmt: skip
     else:
         win_all = full_end * 0
@@ -127,13 +128,13 @@ def _prefill_kernel(
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr, kv_head_off, n0, seq_len,
             offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
-            BLOCK_SIZE, False, True, WINDOW, DOT_PRECISION, UPCAST_DOT,
+            BLOCK_SIZE, False, True, WINDOW, SOFTCAP, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
     for n0 in range(full_end, causal_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr, kv_head_off, n0, seq_len,
             offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
-            BLOCK_SIZE, True, True, WINDOW, DOT_PRECISION, UPCAST_DOT,
+            BLOCK_SIZE, True, True, WINDOW, SOFTCAP, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
 
     # l_i == 0 only when the row's context is empty or shorter than its queries (bad input).
@@ -153,6 +154,7 @@ def prefill(
     dot_precision: str,
     upcast: bool,
     window: int = 0,  # > 0: query p attends to keys (p - window, p]
+    softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
 ) -> None:
     """The rows of `paged_attention_triton`'s batch with two or more queries, by the
     prefill kernel. The caller has checked the shapes."""
@@ -167,7 +169,7 @@ def prefill(
         num_slots, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), *kv_cache.stride()[:4], GROUP=num_q_heads // kv_cache.shape[3],
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_R=128, WINDOW=window, DOT_PRECISION=dot_precision,
+        BLOCK_N=cfg.block_n, BLOCK_R=128, WINDOW=window, SOFTCAP=softcap, DOT_PRECISION=dot_precision,
         UPCAST_DOT=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

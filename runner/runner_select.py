@@ -39,8 +39,6 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
     supported = ("silu",) if experts_per_pick(hf_config) is not None else DENSE_ACTIVATIONS
     if act not in supported:
         problems.append(f"hidden_act {act!r} (mrv2 implements {', '.join(supported)})")
-    if getattr(hf_config, "attn_logit_softcapping", None):
-        problems.append("attention logit softcapping")
     if getattr(hf_config, "use_bidirectional_attention", False):
         problems.append("bidirectional attention")
     quant = getattr(hf_config, "quantization_config", None)

@@ -1,12 +1,14 @@
-"""Gemma 3 (text) on mrv2 equals transformers: greedy tokens and their logprobs.
+"""Gemma 2 and Gemma 3 (text) on mrv2 equal transformers: greedy tokens and their logprobs.
 
 The tiny model has what sets Gemma 3 apart (runner/models/gemma.py): sandwich norms with
 weights stored as offsets from one (randomised here: at init they are all zero, which
 would hide a missing `1 +`), q/k norms, GeGLU, sqrt(hidden) embeddings, a softmax scale
 from `query_pre_attn_scalar` (20, not the head dim 32), local layers with a 5-key window
 at RoPE base 10,000 and a global layer at base 1,000,000 scaled linearly by 2 (two cos/sin
-tables), tied embeddings and a final logit softcap. Prompts run past the window, in
-64-token chunks on a cached prefix, and decode 24 tokens.
+tables), tied embeddings and a final logit softcap. The tiny Gemma 2 adds attention
+logit softcapping (cap 1.5, with scores scaled up to reach it) on alternating local and
+global layers. Prompts run past the window, in 64-token chunks on a cached prefix, and
+decode 24 tokens.
 """
 
 from __future__ import annotations
@@ -48,6 +50,28 @@ def tiny_gemma3_dir(tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma2_dir(tmp_path_factory) -> str:
+    """Gemma 2: attention softcap 1.5 (scores of a few units: tanh bends them), final cap
+    4, a 6-key window on layers 0 and 2, head_dim 24, query_pre_attn_scalar 12."""
+    from transformers import Gemma2Config
+
+    cfg = Gemma2Config(
+        vocab_size=1009, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=12,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=6, attn_logit_softcapping=1.5, final_logit_softcapping=4.0,
+        max_position_embeddings=512, initializer_range=0.15, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, architectures=["Gemma2ForCausalLM"],
+    )  # fmt: skip
+    path = _save_tiny(tmp_path_factory, "tiny-gemma2", cfg)
+    _randomize_tensors(path, "norm", scale=0.5)
+    return path
+
+
+GEMMAS = ["tiny_gemma3_dir", "tiny_gemma2_dir"]
+
+
 def test_config_is_read_as_transformers_reads_it(tiny_gemma3_dir):
     """Guards the per-layer reading: windows on the local layers only, and both RoPE sets
     supported (no fallback to the reference runner)."""
@@ -59,43 +83,46 @@ def test_config_is_read_as_transformers_reads_it(tiny_gemma3_dir):
 
 
 def test_unsupported_gemma_features_are_named():
-    """Attention softcapping (Gemma 2) and bidirectional attention (EmbeddingGemma) are
-    named, not silently dropped; an unknown RoPE type on one layer type is named too."""
-    cfg = _gemma3_config(attn_logit_softcapping=50.0, use_bidirectional_attention=True)
+    """Bidirectional attention (EmbeddingGemma) is named, not silently dropped; an unknown
+    RoPE type on one layer type is named too."""
+    cfg = _gemma3_config(use_bidirectional_attention=True)
     cfg.rope_parameters["full_attention"] = {"rope_type": "dynamic", "rope_theta": 1e6,
                                              "factor": 2.0}  # fmt: skip
     problems = mrv2_unsupported_features(cfg)
-    assert any("softcapping" in p for p in problems)
     assert any("bidirectional" in p for p in problems)
     assert any("dynamic" in p for p in problems)
 
 
-def test_greedy_tokens_match_transformers(tiny_gemma3_dir):
+@pytest.mark.parametrize("fixture", GEMMAS)
+def test_greedy_tokens_match_transformers(fixture, request):
+    model_dir = request.getfixturevalue(fixture)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100)]
-    llm = LLM(model=tiny_gemma3_dir, device=DEVICE, dtype="float32", block_size=16,
+    llm = LLM(model=model_dir, device=DEVICE, dtype="float32", block_size=16,
               max_num_batched_tokens=64)  # fmt: skip
     assert llm.runner_name == "mrv2"
     params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    expected = hf_greedy(tiny_gemma3_dir, prompts, 24)
+    expected = hf_greedy(model_dir, prompts, 24)
     for p, out, exp in zip(prompts, outs, expected):
         assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
 
 
-def test_logprobs_match_transformers(tiny_gemma3_dir):
+@pytest.mark.parametrize("fixture", GEMMAS)
+def test_logprobs_match_transformers(fixture, request):
     """The sampled tokens' logprobs equal transformers' log-softmax of its (softcapped)
     logits, float32, summation order only: 1e-4."""
     from transformers import AutoModelForCausalLM
 
+    model_dir = request.getfixturevalue(fixture)
     prompt = [(7 * i + 3) % 1000 + 3 for i in range(30)]
-    llm = LLM(model=tiny_gemma3_dir, device=DEVICE, dtype="float32", block_size=16)
+    llm = LLM(model=model_dir, device=DEVICE, dtype="float32", block_size=16)
     out = llm.generate(
         {"prompt_token_ids": prompt},
         SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=1),
         use_tqdm=False,
     )[0].outputs[0]
-    model = AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = torch.tensor([prompt + out.token_ids])
     with torch.inference_mode():
         logits = model.to(DEVICE)(ids.to(DEVICE)).logits[0].float().cpu()

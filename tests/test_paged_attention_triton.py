@@ -69,6 +69,7 @@ class Batch:
     scale: float
     seq_len_limit: int | None = None  # max_seq_len passed to the kernels, else the longest
     window: int = 0  # sliding window (keys a query sees), 0 = full causal
+    softcap: float = 0.0  # attention logit softcapping, 0 = none
 
     @property
     def max_query_len(self) -> int:
@@ -82,7 +83,7 @@ class Batch:
         out = torch.full_like(self.q, float("nan"))
         paged_attention_triton(
             self.q, self.cache, self.tables, self.qsl, self.seq_lens, self.scale, out,
-            self.max_query_len, self.max_seq_len, window=self.window, **kw,
+            self.max_query_len, self.max_seq_len, window=self.window, softcap=self.softcap, **kw,
         )  # fmt: skip
         return out
 
@@ -93,7 +94,7 @@ class Batch:
         paged_attention_ref(
             q, self.cache.double().cpu().nan_to_num(0.0), self.tables.cpu(), self.qsl.cpu(),
             self.seq_lens.cpu(), self.scale, out, self.max_query_len, self.max_seq_len,
-            self.window,
+            self.window, self.softcap,
         )  # fmt: skip
         return out
 
@@ -132,14 +133,17 @@ def make_batch(rows, hq, hk, d, bs, dtype=torch.float32, seed=0, window=0) -> Ba
     )  # fmt: skip
 
 
-def dense_causal(q, k, v, scale, window=0) -> torch.Tensor:
+def dense_causal(q, k, v, scale, window=0, softcap=0.0) -> torch.Tensor:
     """Attention of the last q_len positions of a context, by plain float64 matmuls; with a
-    `window`, position p sees keys p - window + 1..p."""
+    `window`, position p sees keys p - window + 1..p; with a `softcap`, the scaled scores
+    become softcap * tanh(scores / softcap)."""
     q_len, hq, _ = q.shape
     ctx, hk, _ = k.shape
     k = k.repeat_interleave(hq // hk, dim=1).transpose(0, 1)  # [Hq, ctx, D]
     v = v.repeat_interleave(hq // hk, dim=1).transpose(0, 1)
     s = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [Hq, q_len, ctx]
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     keys, queries = torch.arange(ctx)[None, :], torch.arange(ctx - q_len, ctx)[:, None]
     visible = keys <= queries
     if window:

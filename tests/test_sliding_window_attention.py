@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tests.test_paged_attention_triton import (
+from test_paged_attention_triton import (
     CHUNK_ON_PREFIX,
     DECODE,
     DECODE_AT_1,

@@ -10,6 +10,7 @@ from pdserve.runner.models.llama import LlamaFamilyForCausalLM
 MODEL_REGISTRY: dict[str, type] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GraniteForCausalLM": LlamaFamilyForCausalLM,

@@ -1,21 +1,26 @@
-"""Gemma 3 (text: Gemma3ForCausalLM) on the paged KV cache, as a member of the Llama family.
+"""Gemma 2 and Gemma 3 (text: Gemma2ForCausalLM, Gemma3ForCausalLM) on the paged KV cache,
+as members of the Llama family.
 
 What differs from Llama, and where it is handled:
 - Sandwich norms: a layer normalises its attention output and its MLP output before each
   joins the residual stream (`GemmaDecoderLayer`), four RMSNorms a layer.
 - RMSNorm weights are stored as offsets from one (`x * (1 + w)`): one is added at load,
   so the norm kernels run unchanged (the q/k norms too).
+- Gemma 3 normalises q and k per head (llama.FamilySpec); Gemma 2 does not.
 - Embeddings are scaled by sqrt(hidden_size), rounded to the model's dtype first as
   transformers does (55.4256 becomes 55.5 in bf16 at hidden 3,072).
 - GeGLU: GELU(tanh) on the gate (runner/models/mlp.py, kernels/activation.py).
 - The softmax scale is `query_pre_attn_scalar`^-0.5 (llama.Attention reads it).
-- Local layers attend through a sliding window (runner/models/attention_window.py) and
-  rotate at their own RoPE base; global layers attend to everything at theirs, maybe
-  linearly scaled (4B and up): one cos/sin table per layer type (`layer_cos_sin`).
-- Final logit softcapping (`cap * tanh(logits / cap)`) when the config sets one.
+- Local layers attend through a sliding window (runner/models/attention_window.py).
+- Gemma 3 rotates local and global layers at their own RoPE bases, maybe linearly scaled
+  (4B and up): one cos/sin table per layer type (`layer_cos_sin`); Gemma 2 has one.
+- Attention logit softcapping (Gemma 2: `cap * tanh(score / cap)` before the softmax) in
+  the attention kernels (llama.Attention passes `attn_logit_softcapping`), and final logit
+  softcapping here, when the config sets them.
 
-Attention logit softcapping (Gemma 2) and bidirectional attention (EmbeddingGemma) are
-refused by runner_select, so such configs run on the reference runner.
+Bidirectional attention (EmbeddingGemma) is refused by runner_select, so such configs run
+on the reference runner; Gemma 3's multimodal checkpoints (Gemma3ForConditionalGeneration)
+are not in the registry.
 """
 
 from __future__ import annotations

@@ -93,6 +93,8 @@ class Attention(nn.Module):
         super().__init__()
         self.workspace = workspace
         self.window = window  # > 0: sliding-window attention over the last `window` keys
+        # > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
+        self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(cfg)
@@ -166,7 +168,7 @@ class Attention(nn.Module):
         paged_attention(
             q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, self.scale,
             out, attn.max_query_len, attn.max_seq_len, workspace=self.workspace,
-            decode_kernel=attn.decode_kernel, window=self.window,
+            decode_kernel=attn.decode_kernel, window=self.window, softcap=self.softcap,
         )  # fmt: skip
         return out.reshape(q.shape[0], self.q_size)
 
