@@ -174,7 +174,7 @@ def _counts_by(
 
 
 # Engine.execution_path
-_PATH_KEYS = ("runner", "decode_attention", "norms", "graph_scope", "experts")
+_PATH_KEYS = ("runner", "decode_attention", "norms", "graph_scope", "experts", "weights")
 
 
 def _path_families(router: Any, roles: dict[str, str]):
@@ -183,7 +183,7 @@ def _path_families(router: Any, roles: dict[str, str]):
     info = GaugeMetricFamily(
         PREFIX + "engine_info",
         "The engine's execution path (runner, decode attention kernel, norms, graph scope, "
-        "MoE experts)",
+        "MoE experts, weights dtype)",
         labels=["role", "worker", *_PATH_KEYS],
     )
     steps = CounterMetricFamily(

@@ -91,7 +91,7 @@ class Engine(PDRoles):
         path = self.execution_path
         logger.info(
             "engine ready: model=%s runner=%s device=%s dtype=%s max_model_len=%d "
-            "decode_attention=%s norms=%s graph_scope=%s experts=%s",
+            "decode_attention=%s norms=%s graph_scope=%s experts=%s weights=%s",
             config.model.source,
             path["runner"],
             config.runner.device,
@@ -101,6 +101,7 @@ class Engine(PDRoles):
             path["norms"],
             path["graph_scope"],
             path["experts"],
+            path["weights"],
         )
 
     @classmethod

@@ -15,6 +15,7 @@ from typing import Any
 
 from pdserve.runner.config import RUNNER_CHOICES, architecture_of
 from pdserve.runner.models import MODEL_REGISTRY
+from pdserve.runner.models.fp8_weights import fp8_format
 from pdserve.runner.models.mlp import DENSE_ACTIVATIONS, activation_of
 from pdserve.runner.models.moe import experts_per_pick
 from pdserve.runner.models.rope import SUPPORTED_ROPE_TYPES, rope_layer_types, rope_parameters
@@ -41,10 +42,10 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
         problems.append(f"hidden_act {act!r} (mrv2 implements {', '.join(supported)})")
     if getattr(hf_config, "use_bidirectional_attention", False):
         problems.append("bidirectional attention")
-    quant = getattr(hf_config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        problems.append(f"quantized weights ({method})")
+    try:
+        fp8_format(hf_config)  # fp8 checkpoints are dequantized at load
+    except ValueError as e:
+        problems.append(str(e))
     return problems
 
 
@@ -79,8 +80,8 @@ def select_runner(requested: str | None, hf_config: Any) -> str:
 
 def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
     """What an engine with this runner config and runner runs: its runner, decode attention,
-    norms, CUDA-graph scope and MoE experts, as the engine's ready log and the workers'
-    stats say it."""
+    norms, CUDA-graph scope, MoE experts and weights, as the engine's ready log and the
+    workers' stats say it."""
     cfg = runner_config
     model = getattr(runner, "model", None)
     folded = getattr(model, "norms_folded", False)
@@ -93,7 +94,19 @@ def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
         "norms": "folded" if folded else "kernels",
         "graph_scope": cfg.cuda_graph_scope if cfg.cuda_graph_sizes else "none",
         "experts": _experts_path(runner.name, model, cfg.device),
+        "weights": _weights_path(model),
     }
+
+
+def _weights_path(model: Any) -> str:
+    """The dtype the matmuls read weights in; "fp8->bfloat16" for an FP8 checkpoint
+    dequantized at load (runner/models/fp8_weights.py): no FP8 GEMM runs."""
+    params = getattr(model, "parameters", None)
+    first = next(params(), None) if params is not None else None
+    if first is None:
+        return "?"
+    dtype = str(first.dtype).removeprefix("torch.")
+    return f"fp8->{dtype}" if getattr(model, "weights_from", None) == "fp8" else dtype
 
 
 def _experts_path(runner_name: str, model: Any, device: str) -> str:

@@ -471,3 +471,29 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
             )
             outs.append(y[0, len(ids) :].tolist())
     return outs
+
+
+def assert_logprobs_match_hf(
+    model_dir: str, prompt: list[int], new_tokens: int, ref_dir: str | None = None, **llm_kw
+) -> None:
+    """Greedy-decodes `new_tokens` tokens on our engine (float32, logprobs=1) and checks
+    each sampled token's logprob against transformers' log-softmax of its logits for the
+    same sequence, run on `ref_dir` (default: the same model). Float32 differs only in
+    summation order: 1e-4. Greedy tokens alone can hide a wrong scale; these cannot."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, device=DEVICE, dtype="float32", **llm_kw)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens,
+                            logprobs=1)  # fmt: skip
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(ref_dir or model_dir, dtype=torch.float32)
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.inference_mode():
+        logits = model.to(DEVICE)(ids.to(DEVICE)).logits[0].float().cpu()
+    want = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(
+        1, torch.tensor(out.token_ids)[:, None]
+    )
+    got = torch.tensor([[lp[t].logprob] for t, lp in zip(out.token_ids, out.logprobs)])
+    assert torch.allclose(got, want, atol=1e-4), (got.squeeze(1), want.squeeze(1))

@@ -17,7 +17,7 @@ import random
 
 import pytest
 import torch
-from conftest import DEVICE, _randomize_tensors, _save_tiny, hf_greedy
+from conftest import DEVICE, _randomize_tensors, _save_tiny, assert_logprobs_match_hf, hf_greedy
 
 from pdserve import LLM, SamplingParams
 from pdserve.runner.models.attention_window import windowed_layers
@@ -110,27 +110,9 @@ def test_greedy_tokens_match_transformers(fixture, request):
 
 @pytest.mark.parametrize("fixture", GEMMAS)
 def test_logprobs_match_transformers(fixture, request):
-    """The sampled tokens' logprobs equal transformers' log-softmax of its (softcapped)
-    logits, float32, summation order only: 1e-4."""
-    from transformers import AutoModelForCausalLM
-
-    model_dir = request.getfixturevalue(fixture)
+    """Logprobs of the (softcapped) logits (conftest.assert_logprobs_match_hf)."""
     prompt = [(7 * i + 3) % 1000 + 3 for i in range(30)]
-    llm = LLM(model=model_dir, device=DEVICE, dtype="float32", block_size=16)
-    out = llm.generate(
-        {"prompt_token_ids": prompt},
-        SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=1),
-        use_tqdm=False,
-    )[0].outputs[0]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids = torch.tensor([prompt + out.token_ids])
-    with torch.inference_mode():
-        logits = model.to(DEVICE)(ids.to(DEVICE)).logits[0].float().cpu()
-    want = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(
-        1, torch.tensor(out.token_ids)[:, None]
-    )
-    got = torch.tensor([[lp[t].logprob] for t, lp in zip(out.token_ids, out.logprobs)])
-    assert torch.allclose(got, want, atol=1e-4), (got.squeeze(1), want.squeeze(1))
+    assert_logprobs_match_hf(request.getfixturevalue(fixture), prompt, 8, block_size=16)
 
 
 def test_bf16_embedding_scale_is_rounded_as_transformers_rounds_it():

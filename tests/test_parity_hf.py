@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import DEVICE, hf_greedy
+from conftest import DEVICE, assert_logprobs_match_hf, hf_greedy
 
 from pdserve import LLM, SamplingParams
 
@@ -132,25 +132,6 @@ def test_logprobs_match_transformers(fixture, request):
     """Greedy tokens can hide a wrong scale: a tiny Granite's are decided by its x12
     embeddings (the norm before the head leaves the residual branches little say), so they
     do not show whether its residual multiplier, softmax scale or logit scaling are
-    applied. The sampled tokens' logprobs do: each equals transformers' log-softmax of its
-    logits (float32, summation order only: 1e-4), for the families added with MoE and MLA."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model_dir = request.getfixturevalue(fixture)
-    prompt = [5, 17, 101, 9, 250, 33, 7]
-    llm = LLM(model=model_dir, device=DEVICE, dtype="float32")
-    out = llm.generate(
-        {"prompt_token_ids": prompt},
-        SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, logprobs=1),
-        use_tqdm=False,
-    )[0].outputs[0]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids = torch.tensor([prompt + out.token_ids])
-    with torch.inference_mode():
-        logits = model.to(DEVICE)(ids.to(DEVICE)).logits[0].float().cpu()
-    want = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(
-        1, torch.tensor(out.token_ids)[:, None]
-    )
-    got = torch.tensor([[lp[t].logprob] for t, lp in zip(out.token_ids, out.logprobs)])
-    assert torch.allclose(got, want, atol=1e-4), (got.squeeze(1), want.squeeze(1))
+    applied. The sampled tokens' logprobs do (conftest.assert_logprobs_match_hf), for the
+    families added with MoE and MLA."""
+    assert_logprobs_match_hf(request.getfixturevalue(fixture), [5, 17, 101, 9, 250, 33, 7], 6)

@@ -207,6 +207,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         # tokens take the folded chain.
         self.norms_folded = False
         self.folded_chain_max_tokens = 0
+        # "fp8" once loader.py has dequantized an FP8 checkpoint into this model
+        self.weights_from: str | None = None
         # Granite's scalars (1.0 for every other family): inputs, residual branches, logits
         self.embedding_multiplier = float(getattr(cfg, "embedding_multiplier", 1.0) or 1.0)
         self.residual_multiplier = float(getattr(cfg, "residual_multiplier", 1.0) or 1.0)

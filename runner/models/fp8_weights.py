@@ -1,0 +1,117 @@
+"""FP8 checkpoints, dequantized to the model's dtype as they load.
+
+Two layouts are read, both float8_e4m3fn weights beside a float32 scale that multiplies
+them back:
+- quant_method "fp8" (Qwen3-*-FP8, DeepSeek-V3/R1, GLM-4.5-FP8): `<name>_scale_inv`, one
+  scale per `weight_block_size` block (128 x 128), the last block of a row or column
+  cut short;
+- quant_method "compressed-tensors" with 8-bit float weights (Red Hat / Neural Magic
+  FP8 exports): `<name>_scale`, one per tensor or one per output channel.
+
+What this does not do: run FP8 GEMMs. The weights take the dtype's memory (twice FP8's
+in bf16) and the matmuls run as for any 16-bit model; the execution path says so
+(`weights=fp8->bfloat16`). Activation and KV-cache scales (`input_scale`, `k_scale`,
+`v_scale`) are dropped: activations and the cache stay in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+# Tensors of an FP8 checkpoint that only an FP8 activation or KV path would use.
+_DROPPED_SUFFIXES = ("input_scale", "k_scale", "v_scale", "kv_scale")
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    method: str  # "fp8" | "compressed-tensors"
+    scale_suffix: str  # appended to a weight's name: its scale tensor's name
+    block: tuple[int, int] | None  # (rows, cols) a scale covers; None: tensor or channel
+
+
+def fp8_format(hf_config: Any) -> Fp8Format | None:
+    """The config's FP8 layout, None for an unquantized model. Raises ValueError naming
+    any other quantization (the caller lists it as unsupported)."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if not quant:
+        return None
+    if not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
+    method = quant.get("quant_method", "?")
+    if method == "fp8":
+        if quant.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"fp8 format {quant.get('fmt')!r} (mrv2 reads e4m3)")
+        block = quant.get("weight_block_size")
+        return Fp8Format("fp8", "_scale_inv", tuple(block) if block else None)
+    if method == "compressed-tensors" and _float8_weights_only(quant):
+        return Fp8Format("compressed-tensors", "_scale", None)
+    raise ValueError(f"quantized weights ({method}; mrv2 dequantizes fp8 checkpoints only)")
+
+
+def _float8_weights_only(quant: dict) -> bool:
+    groups = quant.get("config_groups") or {}
+    weights = [g.get("weights") or {} for g in groups.values()]
+    return bool(weights) and all(
+        w.get("type") == "float" and w.get("num_bits") == 8 for w in weights
+    )
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """float32 `weight * scale`, the scale broadcast over its block, channel or tensor.
+    `weight` is [..., N, K] (a leading expert dim is allowed)."""
+    w = weight.float()
+    s = scale.float()
+    n, k = w.shape[-2:]
+    if s.numel() == 1:
+        return w * s.reshape(())
+    if fmt.block is not None:
+        bm, bn = fmt.block
+        expected = (-(-n // bm), -(-k // bn))
+        if tuple(s.shape[-2:]) != expected:
+            raise ValueError(
+                f"block scale of shape {tuple(s.shape)} for a {tuple(w.shape)} weight "
+                f"(blocks of {bm} x {bn} need {expected})"
+            )
+        s = s.repeat_interleave(bm, dim=-2)[..., :n, :].repeat_interleave(bn, dim=-1)[..., :k]
+        return w * s
+    if tuple(s.shape) == (n,):
+        s = s[:, None]
+    if tuple(s.shape[-2:]) == (n, 1):  # per output channel
+        return w * s
+    raise ValueError(f"scale of shape {tuple(s.shape)} for a {tuple(w.shape)} weight")
+
+
+def dequantized_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Format, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with every FP8 weight dequantized to `dtype` and its scale
+    consumed. A weight and its scale may come in either order (and from different
+    shards): the first one waits for the other. Unpaired leftovers raise ValueError."""
+    weights_waiting: dict[str, torch.Tensor] = {}
+    scales_waiting: dict[str, torch.Tensor] = {}
+    suffix = fmt.scale_suffix
+    for name, tensor in weights:
+        if name.endswith(_DROPPED_SUFFIXES):
+            continue
+        if name.endswith(suffix):
+            owner = name[: -len(suffix)]
+            if owner in weights_waiting:
+                yield owner, dequantize(weights_waiting.pop(owner), tensor, fmt).to(dtype)
+            else:
+                scales_waiting[owner] = tensor
+        elif tensor.dtype in FP8_DTYPES:
+            if name in scales_waiting:
+                yield name, dequantize(tensor, scales_waiting.pop(name), fmt).to(dtype)
+            else:
+                weights_waiting[name] = tensor
+        else:
+            yield name, tensor
+    if weights_waiting or scales_waiting:
+        lone = sorted(weights_waiting)[:2] + sorted(f"{n}{suffix}" for n in scales_waiting)[:2]
+        raise ValueError(f"fp8 checkpoint has weights without scales or scales without "
+                         f"weights, e.g. {lone}")  # fmt: skip

@@ -1,0 +1,168 @@
+"""FP8 checkpoints load on mrv2, dequantized (runner/models/fp8_weights.py).
+
+Each test checkpoint is a tiny random model whose projection weights were quantized
+here to float8_e4m3fn: by 16 x 8 blocks with `_scale_inv` (the "fp8" method of
+Qwen3-FP8 and DeepSeek-V3; hidden 80 and head widths 24/40 leave blocks cut short), or
+per output channel with `_scale` and a static `input_scale` (compressed-tensors). The
+reference is the same model saved in float32 with the weights dequantized by an
+independent loop over blocks: the FP8 checkpoint must give transformers' tokens and
+logprobs on that reference, so a misplaced block, a scale applied as a divisor or a
+weight left in raw FP8 values changes them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEVICE, assert_logprobs_match_hf, hf_greedy
+from safetensors.torch import load_file, save_file
+
+from pdserve import LLM, SamplingParams
+from pdserve.runner.models.fp8_weights import Fp8Format, dequantize, dequantized_weights
+from pdserve.runner.runner_select import mrv2_unsupported_features
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+BLOCK = (16, 8)
+
+
+def _quantize_blocks(w: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 weight and float32 scale_inv per (bm, bn) block (last ones cut short)."""
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(-(-n // bm), -(-k // bn))
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            block = w[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn]
+            s = block.abs().max().clamp(min=1e-8) / FP8_MAX
+            scale[i, j] = s
+            q[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn] = (block / s).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def _dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
+    """The reference dequantization: block by block, no broadcasting tricks."""
+    w = q.float()
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            w[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn] *= scale[i, j]
+    return w
+
+
+def _fp8_pair(src: str, dst_fp8: Path, dst_ref: Path, per_channel: bool) -> None:
+    """Writes the FP8 checkpoint and its dequantized float32 twin from model `src`."""
+    shutil.copytree(src, dst_fp8)
+    shutil.copytree(src, dst_ref)
+    (file,) = sorted(Path(src).glob("*.safetensors"))
+    fp8, ref = {}, {}
+    for name, w in load_file(file).items():
+        if not name.endswith("proj.weight"):  # embeddings, norms, the MoE router, the head
+            fp8[name] = ref[name] = w
+            continue
+        if per_channel:
+            scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / FP8_MAX  # [N, 1]
+            q = (w / scale).to(torch.float8_e4m3fn)
+            fp8[name], fp8[name + "_scale"] = q, scale
+            fp8[name.removesuffix("weight") + "input_scale"] = torch.tensor([0.02])
+            ref[name] = q.float() * scale
+        else:
+            q, scale = _quantize_blocks(w, *BLOCK)
+            fp8[name], fp8[name + "_scale_inv"] = q, scale
+            ref[name] = _dequantize_blocks(q, scale, *BLOCK)
+    save_file(fp8, dst_fp8 / file.name, metadata={"format": "pt"})
+    save_file(ref, dst_ref / file.name, metadata={"format": "pt"})
+    config = json.loads((dst_fp8 / "config.json").read_text())
+    if per_channel:
+        weights = {"type": "float", "num_bits": 8, "strategy": "channel"}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {"weights": weights, "targets": ["Linear"]}},
+        }  # fmt: skip
+    else:
+        config["quantization_config"] = {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(BLOCK),
+        }  # fmt: skip
+    (dst_fp8 / "config.json").write_text(json.dumps(config))
+
+
+CASES = {
+    "qwen3-block": ("tiny_qwen3_dir", False),
+    "qwen3-channel": ("tiny_qwen3_dir", True),
+    "qwen3-moe-block": ("tiny_qwen3_moe_dir", False),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def fp8_pair(request, tmp_path_factory) -> tuple[str, str]:
+    fixture, per_channel = CASES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    _fp8_pair(request.getfixturevalue(fixture), root / "fp8", root / "ref", per_channel)
+    return str(root / "fp8"), str(root / "ref")
+
+
+def test_greedy_tokens_match_the_dequantized_model(fp8_pair):
+    fp8_dir, ref_dir = fp8_pair
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 9, 40, 70)]
+    llm = LLM(model=fp8_dir, device=DEVICE, dtype="float32", max_num_batched_tokens=64)
+    assert llm.runner_name == "mrv2"
+    assert llm.engine.execution_path["weights"] == "fp8->float32"
+    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, out, exp in zip(prompts, outs, hf_greedy(ref_dir, prompts, 16)):
+        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
+
+
+def test_logprobs_match_the_dequantized_model(fp8_pair):
+    """Logprobs (conftest.assert_logprobs_match_hf) against the dequantized twin."""
+    fp8_dir, ref_dir = fp8_pair
+    assert_logprobs_match_hf(fp8_dir, [5, 17, 101, 9, 250, 33, 7], 6, ref_dir=ref_dir)
+
+
+def test_block_dequantization_matches_the_loop():
+    """Blocks cut short on both axes (37 x 50 by 16 x 8), and an expert stack [E, N, K]
+    with one scale grid per expert."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 50, generator=g)
+    q, scale = _quantize_blocks(w, 16, 8)
+    fmt = Fp8Format("fp8", "_scale_inv", (16, 8))
+    torch.testing.assert_close(dequantize(q, scale, fmt), _dequantize_blocks(q, scale, 16, 8),
+                               rtol=0, atol=0)  # fmt: skip
+    stack_q = torch.stack([q, q])
+    stack_s = torch.stack([scale, scale * 2])
+    got = dequantize(stack_q, stack_s, fmt)
+    torch.testing.assert_close(got[1], 2 * _dequantize_blocks(q, scale, 16, 8), rtol=0, atol=0)
+
+
+def test_bad_fp8_checkpoints_fail_with_the_tensor_named():
+    fmt = Fp8Format("fp8", "_scale_inv", (16, 16))
+    q = torch.zeros(32, 32, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="block scale of shape"):
+        dequantize(q, torch.ones(3, 2), fmt)
+    lone = [("a.weight", q), ("b.weight_scale_inv", torch.ones(2, 2))]
+    with pytest.raises(ValueError, match=r"a\.weight.*b\.weight_scale_inv"):
+        list(dequantized_weights(lone, fmt, torch.bfloat16))
+    # a scale may come before its weight (another shard); activation scales are dropped
+    pairs = [("c.weight_scale_inv", torch.ones(2, 2)), ("c.input_scale", torch.ones(1)),
+             ("c.weight", q), ("c.bias", torch.ones(32))]  # fmt: skip
+    names = [n for n, _ in dequantized_weights(pairs, fmt, torch.bfloat16)]
+    assert names == ["c.weight", "c.bias"]
+
+
+def test_other_quantizations_are_named_not_run(tiny_qwen3_dir):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(tiny_qwen3_dir)
+    cfg.quantization_config = {"quant_method": "awq", "bits": 4}
+    assert mrv2_unsupported_features(cfg) == [
+        "quantized weights (awq; mrv2 dequantizes fp8 checkpoints only)"
+    ]
+    int4 = {"weights": {"type": "int", "num_bits": 4}}
+    cfg.quantization_config = {"quant_method": "compressed-tensors",
+                               "config_groups": {"group_0": int4}}  # fmt: skip
+    assert "compressed-tensors" in mrv2_unsupported_features(cfg)[0]
