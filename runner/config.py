@@ -42,6 +42,9 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     source: str = ""  # what the user asked for (path, .gguf file, hub id or "bundled")
+    # The multimodal architecture whose language model `hf_config` describes (its weights
+    # are renamed at load: runner/models/text_only.py); None for a text checkpoint.
+    text_only_of: str | None = None
 
     def __post_init__(self) -> None:
         _require(

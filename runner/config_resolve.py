@@ -19,6 +19,7 @@ from pdserve.runner.config import (
     SchedulerConfig,
 )
 from pdserve.runner.model_source import resolve_model_dir
+from pdserve.runner.models.text_only import text_view
 from pdserve.runner.runner_select import select_runner
 
 logger = logging.getLogger(__name__)
@@ -88,9 +89,11 @@ def resolve_engine_config(
         num_gpu_blocks = num_gpu_blocks_override
 
     path, name = resolve_model_dir(model)
-    hf_config = AutoConfig.from_pretrained(path)
+    checkpoint_config = AutoConfig.from_pretrained(path)
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev, hf_config)
+    torch_dtype = resolve_dtype(dtype, dev, checkpoint_config)
+    # A multimodal checkpoint's language model runs as a text model (text_only.py).
+    hf_config, text_only_of = text_view(checkpoint_config)
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
     if max_model_len is None:
         if limit is None:
@@ -117,6 +120,7 @@ def resolve_engine_config(
             dtype=torch_dtype,
             max_model_len=max_model_len,
             source=name if model is None else str(model),
+            text_only_of=text_only_of,
         ),
         cache=CacheConfig(
             block_size=block_size,

@@ -69,7 +69,26 @@ def tiny_gemma2_dir(tmp_path_factory) -> str:
     return path
 
 
-GEMMAS = ["tiny_gemma3_dir", "tiny_gemma2_dir"]
+@pytest.fixture(scope="module")
+def tiny_gemma3_vision_dir(tmp_path_factory) -> str:
+    """Gemma 3 as its 4B-27B checkpoints ship: Gemma3ForConditionalGeneration, the text
+    model under `language_model.`, beside a (tiny) SigLIP tower and projector."""
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    text = _gemma3_config()
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    cfg = Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+        image_token_index=1000, boi_token_index=1001, eoi_token_index=1002,
+        architectures=["Gemma3ForConditionalGeneration"],
+    )  # fmt: skip
+    path = _save_tiny(tmp_path_factory, "tiny-gemma3-vision", cfg)
+    _randomize_tensors(path, "norm", scale=0.5)
+    return path
+
+
+GEMMAS = ["tiny_gemma3_dir", "tiny_gemma2_dir", "tiny_gemma3_vision_dir"]
 
 
 def test_config_is_read_as_transformers_reads_it(tiny_gemma3_dir):
@@ -80,6 +99,16 @@ def test_config_is_read_as_transformers_reads_it(tiny_gemma3_dir):
     cfg = AutoConfig.from_pretrained(tiny_gemma3_dir)
     assert windowed_layers(cfg) == [5, 0, 5]
     assert mrv2_unsupported_features(cfg) == []
+
+
+def test_multimodal_checkpoint_runs_its_language_model(tiny_gemma3_vision_dir):
+    """The text view: Gemma3ForCausalLM on mrv2, no vision tensor loaded (a leftover would
+    fail the loader's "no place" check), the top-level token ids kept."""
+    llm = LLM(model=tiny_gemma3_vision_dir, device=DEVICE, dtype="float32")
+    model_config = llm.engine.config.model
+    assert model_config.architecture == "Gemma3ForCausalLM"
+    assert model_config.text_only_of == "Gemma3ForConditionalGeneration"
+    assert llm.runner_name == "mrv2"
 
 
 def test_unsupported_gemma_features_are_named():

@@ -16,6 +16,7 @@ from pdserve.runner.config import ModelConfig
 from pdserve.runner.models import MODEL_REGISTRY
 from pdserve.runner.models.fp8_weights import dequantized_weights, fp8_format
 from pdserve.runner.models.norm_fold import fold_norms
+from pdserve.runner.models.text_only import language_model_weights
 
 
 def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -45,6 +46,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> torch.nn.Modu
             param.data = param.data.float()
     model.init_rope()
     weights = iter_safetensors(model_config.path)
+    if model_config.text_only_of is not None:  # a multimodal checkpoint's language model
+        weights = language_model_weights(weights)
     fp8 = fp8_format(cfg)
     if fp8 is not None:  # dequantized as they stream in (runner/models/fp8_weights.py)
         weights = dequantized_weights(weights, fp8, model_config.dtype)

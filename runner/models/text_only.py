@@ -1,0 +1,65 @@
+"""Multimodal checkpoints served as text models: the language model inside Gemma 3
+4B/12B/27B (Gemma3ForConditionalGeneration) runs as Gemma3ForCausalLM.
+
+`text_view` turns the checkpoint's config into its text config (with the top-level keys a
+runner reads: token ids, dtype, quantization); `language_model_weights` renames the
+language model's tensors as the text model names them and drops the vision tower's and
+the projector's, which are never loaded. Requests carrying images are refused by the
+router (chat content parts are text only), so nothing reaches the model that would have
+needed the vision tower. The reference runner loads the whole checkpoint as transformers
+does.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from pdserve.runner.config import architecture_of
+
+# multimodal architecture -> the text architecture its language model is
+TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# checkpoint prefix -> the text model's: transformers 5 exports write language_model.model.*,
+# others model.language_model.*
+_RENAMES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_DROPPED = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+            "model.multi_modal_projector.")  # fmt: skip
+_INHERITED = ("eos_token_id", "bos_token_id", "pad_token_id", "dtype", "quantization_config")
+
+
+def text_view(hf_config: Any) -> tuple[Any, str | None]:
+    """(the config a runner runs, the multimodal architecture it came from or None)."""
+    arch = architecture_of(hf_config)
+    if arch not in TEXT_ONLY:
+        return hf_config, None
+    text = copy.deepcopy(hf_config.text_config)
+    text.architectures = [TEXT_ONLY[arch]]
+    for key in _INHERITED:
+        outer = getattr(hf_config, key, None)
+        if outer is not None and getattr(text, key, None) is None:
+            setattr(text, key, outer)
+    # transformers' Gemma3ForConditionalGeneration never softcaps its logits, whatever the
+    # text config says (released Gemma 3 configs set no cap, so the two agree there)
+    text.final_logit_softcapping = None
+    return text, arch
+
+
+def language_model_weights(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The language model's tensors under the text model's names."""
+    for name, tensor in weights:
+        if name.startswith(_DROPPED):
+            continue
+        for old, new in _RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        yield name, tensor
