@@ -11,6 +11,8 @@ device's disk and a call's time, and throughput per layer is what compares):
   glm45_air         GLM-4.5-Air's layer: 128 experts of 1408, 8 picks, 1 shared, GQA 96/8 x
                     128 with RoPE over half a head
   mixtral_8x7b      Mixtral-8x7B: 8 experts of 14336, 2 picks, GQA 32/8 x 128
+  gemma3_12b        Gemma-3-12B's text layers: GQA 16/8 x 256, GeGLU 15360, five local layers
+                    (1,024-key window) to one global, 262k vocabulary
 The workloads, prompts (seeded random ids) and forced output lengths are throughput.py's.
 Each row records the runner and execution path (`experts`, graph scope) that ran it.
 `--peer vllm` runs vLLM 0.25 on the same directory in a child process afterwards.
@@ -87,6 +89,22 @@ SHAPES = {
             architectures=["MixtralForCausalLM"],
         ),
         4,
+    ),
+    "gemma3_12b": (
+        "Gemma3TextConfig",
+        dict(
+            vocab_size=262_208, hidden_size=3840, intermediate_size=15_360,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+            query_pre_attn_scalar=256, sliding_window=1024, max_position_embeddings=131_072,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0,
+                                   "factor": 8.0},
+            },
+            rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+            architectures=["Gemma3ForCausalLM"],
+        ),
+        6,
     ),
 }  # fmt: skip
 
