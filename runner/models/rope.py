@@ -1,20 +1,31 @@
 """RoPE frequencies for the scaling variants Llama-family configs use, and the cos/sin table.
 
-Supported `rope_type`s: default, linear, llama3, yarn. Others (dynamic NTK, longrope,
-...) depend on the running sequence length or per-request state and are reported as
+Supported `rope_type`s: default, linear, llama3, yarn, longrope. Others (dynamic NTK, ...)
+depend on the running sequence length or per-request state and are reported as
 unsupported by `runner.runner_select`, which then falls back to the reference runner.
+
+LongRoPE (Phi-3.5, Phi-4-mini) has two sets of factors: transformers switches from the
+short to the long set for a forward whose sequence passes
+`original_max_position_embeddings`, so keys cached before the switch were rotated with the
+other set. Here, as in vLLM, the set is chosen once per engine: the long one when
+max_model_len passes the original length (a warning says so), the short one otherwise,
+so every token of every request rotates alike and a cached key never goes stale. Both
+agree with transformers on sequences on their side of the original length.
 The formulas mirror the published definitions so that inverse frequencies are
 bit-identical to transformers' (tests compare them).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -97,8 +108,33 @@ def _yarn(base: float, dim: int, p: dict[str, Any], max_pos: int) -> tuple[torch
     return inv_freq, float(attention_factor)
 
 
+def _longrope(
+    hf_config: Any, base: float, dim: int, p: dict[str, Any], max_model_len: int | None
+) -> tuple[torch.Tensor, float]:
+    orig = int(p.get("original_max_position_embeddings")
+               or hf_config.original_max_position_embeddings)  # fmt: skip
+    factor = p.get("factor") or hf_config.max_position_embeddings / orig
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    use_long = max_model_len is not None and max_model_len > orig
+    if use_long:
+        logger.warning(
+            "LongRoPE: max_model_len %d passes the original %d positions, so every sequence "
+            "rotates with the long factors (as vLLM does), which costs some quality on short "
+            "ones; set max_model_len <= %d to use the short factors",
+            max_model_len, orig, orig,
+        )  # fmt: skip
+    ext = torch.tensor(p["long_factor"] if use_long else p["short_factor"], dtype=torch.float32)
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * base**shape), float(attention_factor)
+
+
 def inv_freq_and_scaling(
-    hf_config: Any, head_dim: int, layer_type: str | None = None
+    hf_config: Any,
+    head_dim: int,
+    layer_type: str | None = None,
+    max_model_len: int | None = None,  # longrope: the long factors when it passes the original
 ) -> tuple[torch.Tensor, float]:
     """[head_dim // 2] float32 inverse frequencies and the attention scaling for cos/sin."""
     p = rope_parameters(hf_config, layer_type)
@@ -110,6 +146,8 @@ def inv_freq_and_scaling(
         )
     if rope_type == "yarn":
         return _yarn(base, head_dim, p, int(hf_config.max_position_embeddings))
+    if rope_type == "longrope":
+        return _longrope(hf_config, base, head_dim, p, max_model_len)
     inv_freq = _default_inv_freq(base, head_dim)
     if rope_type == "linear":
         inv_freq = inv_freq / p["factor"]
@@ -125,8 +163,9 @@ def build_cos_sin_cache(
     device: torch.device | str = "cpu",
     layer_type: str | None = None,
 ) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos(pos * inv_freq) | sin(pos * inv_freq), scaled."""
-    inv_freq, scaling = inv_freq_and_scaling(hf_config, head_dim, layer_type)
+    """[max_positions, head_dim] float32: cos(pos * inv_freq) | sin(pos * inv_freq), scaled.
+    The table covers positions up to max_model_len inclusive (loader.py)."""
+    inv_freq, scaling = inv_freq_and_scaling(hf_config, head_dim, layer_type, max_positions - 1)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]  # one rounding, as in transformers' matmul
     cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
