@@ -2,7 +2,9 @@
 
 The reference follows transformers' Llama RMSNorm operation for operation (square and
 mean in float32, scale by rsqrt, cast back, multiply by the weight), so that CPU float32
-results are bit-identical to the transformers oracle.
+results are bit-identical to the transformers oracle. A float32 weight on 16-bit inputs is
+Gemma's norm (its `1 + w` kept in float32, runner/models/gemma.py): the product is taken
+in float32 and rounded once, to the input's dtype, as transformers' Gemma RMSNorm does.
 
 Device path: one Triton kernel for both, with the residual add behind a constexpr. Each
 program normalises BLOCK_ROWS rows held whole in registers (BLOCK_D >= hidden, one
@@ -19,11 +21,18 @@ import triton
 import triton.language as tl
 
 
+def gemma_style(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A float32 weight on 16-bit inputs: the product in float32, rounded once to x's dtype."""
+    return weight.dtype == torch.float32 and x.dtype != torch.float32
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     xf = x.to(torch.float32)
     variance = xf.pow(2).mean(-1, keepdim=True)
     xf = xf * torch.rsqrt(variance + eps)
+    if gemma_style(x, weight):
+        return (xf * weight).to(dtype)
     return weight * xf.to(dtype)
 
 
@@ -53,6 +62,7 @@ def _rms_norm_kernel(
     dim,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,  # False: Gemma's float32 product, rounded once
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -77,11 +87,13 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     # Masked lanes hold 0 and add nothing; divide by the true dim, not BLOCK_D.
     variance = tl.sum(xf * xf, axis=1) / dim
-    normed = (xf * tl.rsqrt(variance + eps)[:, None]).to(in_dtype)
+    normed = xf * tl.rsqrt(variance + eps)[:, None]
+    if ROUND_NORMED:
+        normed = normed.to(in_dtype).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
     # A product of two bf16/fp16 values is exact in fp32: rounding it once to the output
     # dtype gives torch's correctly rounded product in that dtype.
-    out = normed.to(tl.float32) * w.to(tl.float32)[None, :]
+    out = normed * w.to(tl.float32)[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -120,6 +132,7 @@ def _launch_rms_norm(x, residual, weight, eps, out, residual_out) -> None:
         dim,
         eps,
         HAS_RESIDUAL=residual is not None,
+        ROUND_NORMED=not gemma_style(x, weight),
         BLOCK_ROWS=block_rows,
         BLOCK_D=block_d,
         num_warps=num_warps,
@@ -135,10 +148,14 @@ def _check_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
     )
 
 
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The reference's: x's for Gemma's norm, else the promotion of `weight * normed`."""
+    return x.dtype if gemma_style(x, weight) else torch.promote_types(x.dtype, weight.dtype)
+
+
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check_norm_args(x, weight)
-    # Same dtype as the reference's `weight * normed`: the promotion of the two.
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     _launch_rms_norm(x, None, weight, eps, out, None)
     return out
 
@@ -150,7 +167,7 @@ def fused_add_rms_norm_triton(
     _check_norm_args(x, weight)
     assert x.shape == residual.shape, "residual and input have the same shape"
     assert x.dtype == residual.dtype, f"x ({x.dtype}) and residual ({residual.dtype}) differ"
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_rms_norm(x, residual, weight, eps, out, residual_out)
     return out, residual_out

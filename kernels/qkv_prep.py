@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.attention import write_kv_ref
-from pdserve.kernels.norm import rms_norm_ref
+from pdserve.kernels.norm import gemma_style, rms_norm_ref
 from pdserve.kernels.rope import apply_rope_ref
 from pdserve.kernels.row_squares import SQ_ROWS, ScaleRows, row_scale, row_scale_ref
 
@@ -80,6 +80,7 @@ def _norm_rope_halves(
     eps,
     dtype: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,  # False: Gemma's float32 product, rounded once (norm.py)
 ):
     if HAS_NORM:
         variance = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / head_dim
@@ -87,8 +88,13 @@ def _norm_rope_halves(
         w1 = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + head_dim // 2 + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         # weight * normed.to(dtype), rounded to the dtype (the weight's, the model's)
-        x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        x1 = x1 * inv
+        x2 = x2 * inv
+        if ROUND_NORMED:
+            x1 = x1.to(dtype).to(tl.float32)
+            x2 = x2.to(dtype).to(tl.float32)
+        x1 = (x1 * w1).to(dtype).to(tl.float32)
+        x2 = (x2 * w2).to(dtype).to(tl.float32)
     c = cos[None, :]
     s = sin[None, :]
     # rotate_half(x) = [-x2, x1]; each product and each sum rounded as torch rounds them.
@@ -144,6 +150,7 @@ def _prepare_qkv_kernel(
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SQ_PARTS_PAD: tl.constexpr,
@@ -181,7 +188,7 @@ def _prepare_qkv_kernel(
     q1 = _load_part(row, q_offs, q_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
     q2 = _load_part(row, q_offs + half, q_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
     q1, q2 = _norm_rope_halves(
-        q1, q2, q_norm_ptr, cols, col_mask, cos, sin, HEAD_DIM, eps, dtype, HAS_NORM
+        q1, q2, q_norm_ptr, cols, col_mask, cos, sin, HEAD_DIM, eps, dtype, HAS_NORM, ROUND_NORMED
     )
     q_dst = q_out_ptr + t * (NUM_Q_HEADS * HEAD_DIM) + qh[:, None] * HEAD_DIM + cols[None, :]
     tl.store(q_dst, q1, mask=q_mask)
@@ -196,7 +203,7 @@ def _prepare_qkv_kernel(
     k1 = _load_part(row, k_offs, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
     k2 = _load_part(row, k_offs + half, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
     k1, k2 = _norm_rope_halves(
-        k1, k2, k_norm_ptr, cols, col_mask, cos, sin, HEAD_DIM, eps, dtype, HAS_NORM
+        k1, k2, k_norm_ptr, cols, col_mask, cos, sin, HEAD_DIM, eps, dtype, HAS_NORM, ROUND_NORMED
     )
     v_offs = k_offs + NUM_KV_HEADS * HEAD_DIM
     v1 = _load_part(row, v_offs, k_mask, bias_ptr, scale, SCALE_ROWS, HAS_BIAS)
@@ -252,6 +259,7 @@ def prepare_qkv_triton(
         kv_cache.stride(3), kv_cache.shape[2], eps, NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk, BLOCK_HALF=half, HAS_NORM=has_norm,
+        ROUND_NORMED=not (has_norm and gemma_style(qkv, q_norm_weight)),
         SCALE_ROWS=sq is not None, HAS_BIAS=bias is not None, SQ_PARTS_PAD=1 if sq is None else sq.parts_pad,
         SQ_STRIDE=SQ_ROWS, SPLIT_HEADS=split,
         # 16 q heads x 64 = 1024 values per half: 4 warps, 8 per thread; one head: 1 warp.

@@ -111,6 +111,21 @@ def test_multimodal_checkpoint_runs_its_language_model(tiny_gemma3_vision_dir):
     assert llm.runner_name == "mrv2"
 
 
+def test_bf16_keeps_one_plus_w_in_float32(tiny_gemma3_dir):
+    """In a bf16 model every norm weight (`1 + w`, q/k norms included) stays float32 while
+    the rest is bf16, and generation runs through the float32-weight norms (their
+    numerics: test_gemma_norm.py)."""
+    llm = LLM(model=tiny_gemma3_dir, device=DEVICE, dtype="bfloat16")
+    params = dict(llm.engine.runner.model.named_parameters())
+    norms = {n: p.dtype for n, p in params.items() if n.endswith("norm.weight")}
+    assert len(norms) == 3 * 6 + 1 and set(norms.values()) == {torch.float32}
+    assert params["layers.0.self_attn.qkv_proj.weight"].dtype == torch.bfloat16
+    out = llm.generate({"prompt_token_ids": [5, 9, 77, 3]},
+                       SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4),
+                       use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert len(out.token_ids) == 4
+
+
 def test_unsupported_gemma_features_are_named():
     """Bidirectional attention (EmbeddingGemma) is named, not silently dropped; an unknown
     RoPE type on one layer type is named too."""

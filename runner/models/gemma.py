@@ -5,7 +5,8 @@ What differs from Llama, and where it is handled:
 - Sandwich norms: a layer normalises its attention output and its MLP output before each
   joins the residual stream (`GemmaDecoderLayer`), four RMSNorms a layer.
 - RMSNorm weights are stored as offsets from one (`x * (1 + w)`): one is added at load,
-  so the norm kernels run unchanged (the q/k norms too).
+  in float32 (`keep_fp32`), so the norm kernels run unchanged (the q/k norms too) but
+  for taking the product in float32 (kernels/norm.py).
 - Gemma 3 normalises q and k per head (llama.FamilySpec); Gemma 2 does not.
 - Embeddings are scaled by sqrt(hidden_size), rounded to the model's dtype first as
   transformers does (55.4256 becomes 55.5 in bf16 at hidden 3,072).
@@ -59,6 +60,10 @@ class GemmaDecoderLayer(nn.Module):
 
 class GemmaForCausalLM(LlamaFamilyForCausalLM):
     norms_foldable = False  # four norms a layer, two of them on branch outputs
+    # `1 + w` in float32 (loader.py keeps these float32 in 16-bit models): in bf16 every
+    # |w| under 2^-8 would round away; the norm kernels then take the product in float32
+    # and round once, as transformers' Gemma RMSNorm does (kernels/norm.py)
+    keep_fp32 = ("norm.weight",)
 
     def __init__(self, cfg: Any, max_positions: int):
         super().__init__(cfg, max_positions)
