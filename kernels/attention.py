@@ -66,6 +66,7 @@ def paged_attention_ref(
     max_seq_len: int,
     window: int = 0,  # > 0: sliding window, query p sees keys (p - window, p]
     softcap: float = 0.0,  # > 0: attention logit softcapping
+    sinks: torch.Tensor | None = None,  # [Hq]: a sink logit per query head
 ) -> None:
     """The spec. Row r's queries are tokens `qsl[r]:qsl[r+1]`, the LAST q_len positions of
     its `seq_lens[r]`-token context (keys read through `block_tables[r]`); query i sits at
@@ -75,11 +76,12 @@ def paged_attention_ref(
     bound the rows' query and context lengths (the Triton path sizes its grids from them).
     With `window > 0` (sliding-window attention, transformers' convention) query position
     p attends keys `p - window + 1..p` only. With `softcap > 0` (Gemma 2) the scaled scores
-    become `softcap * tanh(scores / softcap)` before the softmax.
+    become `softcap * tanh(scores / softcap)` before the softmax. With `sinks` (gpt-oss)
+    each query head's softmax has one more logit, `sinks[h]`, in its denominator only.
     """
-    if softcap:
-        _softcapped_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out,
-                        window, softcap)  # fmt: skip
+    if softcap or sinks is not None:
+        _explicit_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out,
+                      window, softcap, sinks)  # fmt: skip
         return
     num_reqs = query_start_loc.numel() - 1
     qsl = query_start_loc.tolist()
@@ -112,9 +114,10 @@ def paged_attention_ref(
         out[qsl[r] : qsl[r + 1]] = o.squeeze(0).transpose(0, 1)
 
 
-def _softcapped_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out,
-                    window, softcap) -> None:  # fmt: skip
-    """The softcapped spec: one row at a time, scores written out (SDPA has no softcap)."""
+def _explicit_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out,
+                  window, softcap, sinks) -> None:  # fmt: skip
+    """The spec with softcapping or sinks: one row at a time, scores written out (SDPA has
+    neither)."""
     qsl = query_start_loc.tolist()
     for r in range(query_start_loc.numel() - 1):
         q_len, ctx = qsl[r + 1] - qsl[r], int(seq_lens[r])
@@ -125,11 +128,16 @@ def _softcapped_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale,
         k = k.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, ctx, D]
         v = v.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
         s = q[qsl[r] : qsl[r + 1]].transpose(0, 1) @ k.transpose(1, 2) * scale
-        s = torch.tanh(s / softcap) * softcap  # [Hq, q_len, ctx]
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap  # [Hq, q_len, ctx]
         qpos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
         kpos = torch.arange(ctx, device=q.device)[None, :]
         visible = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
-        p = s.masked_fill(~visible, float("-inf")).softmax(-1)
+        s = s.masked_fill(~visible, float("-inf"))
+        if sinks is not None:  # one more logit per head, dropped after the softmax
+            sink = sinks.to(s.dtype)[:, None, None].expand(-1, q_len, 1)
+            s = torch.cat([s, sink], dim=-1)
+        p = s.softmax(-1)[..., :ctx]
         out[qsl[r] : qsl[r + 1]] = (p @ v).transpose(0, 1).to(out.dtype)
 
 
@@ -174,6 +182,7 @@ def paged_attention(
     decode_kernel: str | None = None,  # the Triton path's decode kernel; None = by shape
     window: int = 0,  # > 0: sliding-window attention over the last `window` keys
     softcap: float = 0.0,  # > 0: attention logit softcapping (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [Hq] float32 attention sinks (gpt-oss)
 ) -> None:
     assert q.dim() == 3 and kv_cache.dim() == 5, "q is [T, Hq, D]; a layer's cache is 5-D"
     assert q.shape[1] % kv_cache.shape[3] == 0, "query heads must be a multiple of kv heads"
@@ -181,7 +190,7 @@ def paged_attention(
     if q.is_cuda:
         paged_attention_triton(
             *args, max_query_len, max_seq_len, workspace=workspace, decode_kernel=decode_kernel,
-            window=window, softcap=softcap,
+            window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
     else:
-        paged_attention_ref(*args, max_query_len, max_seq_len, window, softcap)
+        paged_attention_ref(*args, max_query_len, max_seq_len, window, softcap, sinks)

@@ -53,6 +53,23 @@ def softcap_scores(s, qk_scale, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def softmax_start(sinks_ptr, heads, mask, HAS_SINKS: tl.constexpr):
+    """The online softmax's initial (m_i, l_i) for rows of query heads `heads`: no key
+    seen (-inf, 0), or with attention sinks (gpt-oss: a learned logit per query head in the
+    softmax's denominator, none in its numerator) the sink's own term, m = sink (log2
+    domain), l = 1. `mask`: the rows that take the sink (real heads; for split-K decode
+    only the first slice, so the merge counts it once)."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=mask, other=float("-inf")).to(tl.float32)
+        m_i = sink * LOG2E
+        l_i = tl.where(mask, 1.0, 0.0)
+    else:
+        m_i = tl.where(mask, float("-inf"), float("-inf"))
+        l_i = tl.where(mask, 0.0, 0.0)
+    return m_i, l_i
+
+
+@triton.jit
 def attend_tile(
     acc,  # [M, D_PAD] fp32 running numerator
     m_i,  # [M] fp32 running max (log2 domain), -inf before any visible key

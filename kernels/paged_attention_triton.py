@@ -74,6 +74,7 @@ def paged_attention_triton(
     decode_kernel: str | None = None,  # per_head | packed | flat; None: choose_decode_kernel
     window: int = 0,  # > 0: sliding-window attention, query p sees keys (p - window, p]
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
+    sinks: torch.Tensor | None = None,  # [Hq] float32: a sink logit per query head (gpt-oss)
 ) -> None:
     """`paged_attention_ref` on the GPU (or Triton's interpreter); see the module docstring."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -94,6 +95,9 @@ def paged_attention_triton(
     assert scale > 0, "softmax scale must be positive (the kernels take max before scaling)"
     assert window >= 0, "window is a key count, 0 for full attention"
     assert softcap >= 0, "softcap is a logit bound, 0 for none"
+    assert sinks is None or (
+        sinks.shape == (num_q_heads,) and sinks.dtype == torch.float32 and sinks.is_contiguous()
+    ), "sinks are one float32 logit per query head"
     assert seq_lens.numel() >= num_rows and block_tables.shape[0] >= num_rows, (
         "seq_lens and block_tables hold a row for every query row"
     )
@@ -109,7 +113,7 @@ def paged_attention_triton(
     if max_query_len > 1:
         prefill(
             q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, dot_precision,
-            upcast, window, softcap,
+            upcast, window, softcap, sinks,
         )  # fmt: skip
 
     # Decode rows (and one-query pad rows), also inside a mixed step. A row reads at most
@@ -120,7 +124,7 @@ def paged_attention_triton(
         packed_cfg = tile_for(q.dtype, d_pad, PACKED_16BIT, PACKED_WIDE)
         decode_packed(
             q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, span,
-            num_splits, workspace, dot_precision, upcast, packed_cfg, window, softcap,
+            num_splits, workspace, dot_precision, upcast, packed_cfg, window, softcap, sinks,
         )  # fmt: skip
         return
     assert kernel in ("per_head", "flat"), f"unknown decode kernel {kernel!r}"
@@ -135,10 +139,10 @@ def paged_attention_triton(
         decode_flat(
             q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, programs,
             (cfg.block_n, cfg.num_warps, cfg.num_stages), dot_precision, upcast, window,
-            softcap,
+            softcap, sinks,
         )  # fmt: skip
         return
     decode_split(
         q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, plan, workspace,
-        dot_precision, upcast, window, softcap,
+        dot_precision, upcast, window, softcap, sinks,
     )  # fmt: skip

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.attention_parts import attend_tile
+from pdserve.kernels.attention_parts import attend_tile, softmax_start
 
 # Pairs one program may take: 4 x 132 SMs covers 64 rows of 8 kv heads.
 MAX_PAIRS = 4
@@ -43,6 +43,7 @@ def _decode_flat_kernel(
     qsl_ptr,  # [R + 1] int32
     seq_lens_ptr,  # [R_pad] int32
     out_ptr,  # [T, Hq, D]
+    sinks_ptr,  # [Hq] float32 attention sinks (HAS_SINKS)
     qk_scale,
     num_pairs,  # R * Hkv
     num_kv_heads,
@@ -64,6 +65,7 @@ def _decode_flat_kernel(
     MAX_PAIRS: tl.constexpr,
     WINDOW: tl.constexpr,  # > 0: sliding-window attention over the last WINDOW keys
     SOFTCAP: tl.constexpr,  # > 0: attention logit softcapping (Gemma 2)
+    HAS_SINKS: tl.constexpr,  # a sink logit per query head in the denominator (gpt-oss)
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -117,9 +119,10 @@ def _decode_flat_kernel(
         # rescale factor exp2(m_i - m) is then 0); all three are reset, so nothing of the
         # last pair's state reaches the next.
         is_first = first == t
+        m_start, l_start = softmax_start(sinks_ptr, heads, g_mask, HAS_SINKS)
         acc = tl.where(is_first, 0.0, acc)
-        m_i = tl.where(is_first, float("-inf"), m_i)
-        l_i = tl.where(is_first, 0.0, l_i)
+        m_i = tl.where(is_first, m_start, m_i)
+        l_i = tl.where(is_first, l_start, l_i)
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, offs_g, kv_ptr, bt_ptr + row.to(tl.int64) * stride_bt,
             kv_head * stride_ch, first_key + (t - first) * BLOCK_N, seq_len, offs_n, offs_d,
@@ -161,6 +164,7 @@ def decode_flat(
     upcast: bool,
     window: int = 0,  # > 0: each row attends to its last `window` keys
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
+    sinks: torch.Tensor | None = None,  # [Hq] float32 attention sinks
 ) -> None:
     """The decode rows of `paged_attention_triton`'s batch, unsplit, by the flat kernel.
     The caller has checked the shapes."""
@@ -172,11 +176,13 @@ def decode_flat(
     group = num_q_heads // num_kv_heads
     block_n, num_warps, num_stages = tile
     _decode_flat_kernel[(num_programs,)](
-        q, kv_cache, block_tables, query_start_loc, seq_lens, out, qk_scale, num_pairs,
+        q, kv_cache, block_tables, query_start_loc, seq_lens, out,
+        q if sinks is None else sinks, qk_scale, num_pairs,
         num_kv_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), *kv_cache.stride()[:4], GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_N=block_n, MAX_PAIRS=MAX_PAIRS, WINDOW=window, SOFTCAP=softcap, DOT_PRECISION=dot_precision,
+        BLOCK_N=block_n, MAX_PAIRS=MAX_PAIRS, WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks is not None,
+        DOT_PRECISION=dot_precision,
         UPCAST_DOT=upcast, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -44,6 +44,7 @@ from pdserve.kernels.attention_parts import (
     attention_dot,
     decode_slice,
     softcap_scores,
+    softmax_start,
     valid_splits,
 )
 from pdserve.kernels.workspace import KernelWorkspace
@@ -101,6 +102,7 @@ def _decode_packed_kernel(
     part_o_ptr,  # [R, num_splits, Hq, D] fp32 workspace
     part_lse_ptr,  # [R, num_splits, Hq] fp32 workspace, log2 domain
     count_ptr,  # [R, Hkv / HEADS] int32 arrival counters, zero between launches
+    sinks_ptr,  # [Hq] float32 attention sinks (HAS_SINKS)
     qk_scale,
     min_split_tokens,
     num_splits,
@@ -127,6 +129,7 @@ def _decode_packed_kernel(
     SINGLE_SPLIT: tl.constexpr,
     WINDOW: tl.constexpr,  # > 0: sliding-window attention over the last WINDOW keys
     SOFTCAP: tl.constexpr,  # > 0: attention logit softcapping (Gemma 2)
+    HAS_SINKS: tl.constexpr,  # a sink logit per query head, counted by split 0 (gpt-oss)
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -162,8 +165,8 @@ def _decode_packed_kernel(
         + offs_d[None, :]
     )
     q = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    m_i = tl.full([HQ_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([HQ_PAD], tl.float32)
+    first_split = (offs_h * 0 + split) == 0  # a vector: the interpreter wants one
+    m_i, l_i = softmax_start(sinks_ptr, q_head0 + offs_h, h_mask & first_split, HAS_SINKS)
     acc = tl.zeros([HQ_PAD, D_PAD], tl.float32)
     bt_row_ptr = bt_ptr + row.to(tl.int64) * stride_bt
     for n0 in range(key_start, key_end, TOKENS):
@@ -276,6 +279,7 @@ def decode_packed(
     cfg: PackedConfig = DEFAULT_CONFIG,
     window: int = 0,  # > 0: each row attends to its last `window` keys
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
+    sinks: torch.Tensor | None = None,  # [Hq] float32 attention sinks
 ) -> None:
     """Launch the packed decode kernel over every row (argument checks: the caller's)."""
     num_rows = query_start_loc.numel() - 1
@@ -310,12 +314,13 @@ def decode_packed(
         )
     _decode_packed_kernel[(num_rows, num_splits, groups)](
         q, kv_cache, block_tables, query_start_loc, seq_lens, out, part_o, part_lse, counters,
-        qk_scale, min_tokens, num_splits, q.stride(0), q.stride(1), out.stride(0),
+        q if sinks is None else sinks, qk_scale, min_tokens, num_splits, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3), NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, HEADS=heads, HQ_PAD=hq_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         D_CHUNK=d_chunk, BLOCK_SIZE=block_size, TOKENS=tokens,
         KEYS_PAD=max(16, triton.next_power_of_2(tokens * heads)), SPLITS_PAD=splits_pad,
-        SINGLE_SPLIT=single, WINDOW=window, SOFTCAP=softcap, DOT_PRECISION=dot_precision, UPCAST_DOT=upcast,
+        SINGLE_SPLIT=single, WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks is not None,
+        DOT_PRECISION=dot_precision, UPCAST_DOT=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -31,6 +31,7 @@ from pdserve.kernels.attention_parts import (
     attend_tile,
     decode_slice,
     merge_splits,
+    softmax_start,
     tile_for,
     valid_splits,
 )
@@ -121,6 +122,7 @@ def _decode_split_kernel(
     part_o_ptr,  # [R, Hq, num_splits, D] fp32 workspace
     part_lse_ptr,  # [R, Hq, num_splits] fp32 workspace, log2 domain
     count_ptr,  # [R * Hkv] int32 arrival counters, zero between launches
+    sinks_ptr,  # [Hq] float32 attention sinks (HAS_SINKS)
     qk_scale,
     min_split_keys,  # a row's context is cut into slices of at least this many keys
     num_splits,
@@ -143,6 +145,7 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,
     WINDOW: tl.constexpr,  # > 0: sliding-window attention over the last WINDOW keys
     SOFTCAP: tl.constexpr,  # > 0: attention logit softcapping (Gemma 2)
+    HAS_SINKS: tl.constexpr,  # a sink logit per query head, counted by split 0 (gpt-oss)
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -165,8 +168,9 @@ def _decode_split_kernel(
     q_ptrs = q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    # (a vector comparison: the interpreter refuses a mask built from a scalar one)
+    first_split = (offs_g * 0 + split) == 0
+    m_i, l_i = softmax_start(sinks_ptr, heads, g_mask & first_split, HAS_SINKS)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     bt_row_ptr = bt_ptr + row.to(tl.int64) * stride_bt
     for n0 in range(key_start, key_end, BLOCK_N):
@@ -225,6 +229,7 @@ def decode_split(
     upcast: bool,
     window: int = 0,  # > 0: each row attends to its last `window` keys
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
+    sinks: torch.Tensor | None = None,  # [Hq] float32 attention sinks
 ) -> None:
     """The decode rows (and one-query pad rows) of `paged_attention_triton`'s batch by the
     per-head kernel. The caller has checked the shapes."""
@@ -252,10 +257,11 @@ def decode_split(
     group = num_q_heads // num_kv_heads
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, query_start_loc, seq_lens, out, part_o, part_lse, counters,
-        qk_scale, plan.min_keys, num_splits, num_q_heads, q.stride(0), q.stride(1),
+        q if sinks is None else sinks, qk_scale, plan.min_keys, num_splits, num_q_heads, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), *kv_cache.stride()[:4],
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_N=cfg.block_n, SINGLE_SPLIT=single, WINDOW=window, SOFTCAP=softcap, DOT_PRECISION=dot_precision,
+        BLOCK_N=cfg.block_n, SINGLE_SPLIT=single, WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks is not None,
+        DOT_PRECISION=dot_precision,
         UPCAST_DOT=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.attention_parts import TileConfig, attend_tile, tile_for
+from pdserve.kernels.attention_parts import TileConfig, attend_tile, softmax_start, tile_for
 
 # Prefill, 16-bit, head dim <= 128: one Hopper warpgroup (4 warps) per 64-query tile, wgmma's
 # natural M; 3 stages of a 64-key K and V tile (2 x 16 KiB at D=128) beside Q (16 KiB) leave
@@ -42,6 +42,7 @@ def _prefill_kernel(
     qsl_ptr,  # [R + 1] int32
     seq_lens_ptr,  # [R_pad] int32
     out_ptr,  # [T, Hq, D]
+    sinks_ptr,  # [Hq] float32 attention sinks (HAS_SINKS)
     qk_scale,
     num_rows,
     num_slots,  # T // BLOCK_M + R
@@ -63,6 +64,7 @@ def _prefill_kernel(
     BLOCK_R: tl.constexpr,  # rows scanned per step of the slot -> row search
     WINDOW: tl.constexpr,  # > 0: query p sees keys (p - WINDOW, p] (sliding window)
     SOFTCAP: tl.constexpr,  # > 0: attention logit softcapping (Gemma 2)
+    HAS_SINKS: tl.constexpr,  # a sink logit per query head in the denominator (gpt-oss)
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -99,8 +101,7 @@ def _prefill_kernel(
     q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     q_pos = prefix + offs_m
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = softmax_start(sinks_ptr, head + offs_m * 0, offs_m >= 0, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     bt_row_ptr = bt_ptr + row.to(tl.int64) * stride_bt
     kv_head_off = (head // GROUP) * stride_ch
@@ -155,6 +156,7 @@ def prefill(
     upcast: bool,
     window: int = 0,  # > 0: query p attends to keys (p - window, p]
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
+    sinks: torch.Tensor | None = None,  # [Hq] float32 attention sinks
 ) -> None:
     """The rows of `paged_attention_triton`'s batch with two or more queries, by the
     prefill kernel. The caller has checked the shapes."""
@@ -165,11 +167,13 @@ def prefill(
     num_slots = num_tokens // cfg.block_m + num_rows
     assert num_slots <= 65535, "query tiles ride on a grid axis limited to 65535"
     _prefill_kernel[(num_q_heads, num_slots)](
-        q, kv_cache, block_tables, query_start_loc, seq_lens, out, qk_scale, num_rows,
+        q, kv_cache, block_tables, query_start_loc, seq_lens, out,
+        q if sinks is None else sinks, qk_scale, num_rows,
         num_slots, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), *kv_cache.stride()[:4], GROUP=num_q_heads // kv_cache.shape[3],
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_R=128, WINDOW=window, SOFTCAP=softcap, DOT_PRECISION=dot_precision,
+        BLOCK_N=cfg.block_n, BLOCK_R=128, WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks is not None,
+        DOT_PRECISION=dot_precision,
         UPCAST_DOT=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

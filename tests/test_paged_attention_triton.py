@@ -70,6 +70,7 @@ class Batch:
     seq_len_limit: int | None = None  # max_seq_len passed to the kernels, else the longest
     window: int = 0  # sliding window (keys a query sees), 0 = full causal
     softcap: float = 0.0  # attention logit softcapping, 0 = none
+    sinks: torch.Tensor | None = None  # [Hq] float32 attention sinks (on CPU), None = none
 
     @property
     def max_query_len(self) -> int:
@@ -83,7 +84,8 @@ class Batch:
         out = torch.full_like(self.q, float("nan"))
         paged_attention_triton(
             self.q, self.cache, self.tables, self.qsl, self.seq_lens, self.scale, out,
-            self.max_query_len, self.max_seq_len, window=self.window, softcap=self.softcap, **kw,
+            self.max_query_len, self.max_seq_len, window=self.window, softcap=self.softcap,
+            sinks=None if self.sinks is None else self.sinks.to(DEVICE), **kw,
         )  # fmt: skip
         return out
 
@@ -94,9 +96,28 @@ class Batch:
         paged_attention_ref(
             q, self.cache.double().cpu().nan_to_num(0.0), self.tables.cpu(), self.qsl.cpu(),
             self.seq_lens.cpu(), self.scale, out, self.max_query_len, self.max_seq_len,
-            self.window, self.softcap,
+            self.window, self.softcap, None if self.sinks is None else self.sinks.double(),
         )  # fmt: skip
         return out
+
+
+def run_kernel(batch: Batch, kernel: str, monkeypatch) -> torch.Tensor:
+    """`batch.run_triton` with decode kernel `kernel`; for "flat", with an SM count that
+    gives each program two (row, kv head) pairs (on the CPU there is one SM, and the flat
+    grid would need more than MAX_PAIRS a program, so the per-head kernel would run) and a
+    check that the flat kernel did run."""
+    if kernel != "flat":
+        return batch.run_triton(decode_kernel=kernel)
+    import pdserve.kernels.paged_attention_triton as pat
+
+    num_pairs = len(batch.rows) * batch.cache.shape[3]
+    ran = []
+    real = pat.decode_flat
+    monkeypatch.setattr(pat, "decode_flat", lambda *a: (ran.append(1), real(*a))[1])
+    monkeypatch.setattr(pat, "_num_sms", lambda device: -(-num_pairs // 2))
+    out = batch.run_triton(decode_kernel="flat", num_splits=1)
+    assert ran, "the flat kernel did not run"
+    return out
 
 
 def make_batch(rows, hq, hk, d, bs, dtype=torch.float32, seed=0, window=0) -> Batch:
@@ -133,10 +154,11 @@ def make_batch(rows, hq, hk, d, bs, dtype=torch.float32, seed=0, window=0) -> Ba
     )  # fmt: skip
 
 
-def dense_causal(q, k, v, scale, window=0, softcap=0.0) -> torch.Tensor:
+def dense_causal(q, k, v, scale, window=0, softcap=0.0, sinks=None) -> torch.Tensor:
     """Attention of the last q_len positions of a context, by plain float64 matmuls; with a
     `window`, position p sees keys p - window + 1..p; with a `softcap`, the scaled scores
-    become softcap * tanh(scores / softcap)."""
+    become softcap * tanh(scores / softcap); with `sinks`, each head's softmax has one more
+    logit in its denominator."""
     q_len, hq, _ = q.shape
     ctx, hk, _ = k.shape
     k = k.repeat_interleave(hq // hk, dim=1).transpose(0, 1)  # [Hq, ctx, D]
@@ -148,7 +170,10 @@ def dense_causal(q, k, v, scale, window=0, softcap=0.0) -> torch.Tensor:
     visible = keys <= queries
     if window:
         visible &= keys > queries - window
-    p = s.masked_fill(~visible, float("-inf")).softmax(-1)
+    s = s.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double()[:, None, None].expand(-1, q_len, 1)], dim=-1)
+    p = s.softmax(-1)[..., :ctx]
     return (p @ v).transpose(0, 1)
 
 

@@ -27,6 +27,7 @@ from test_paged_attention_triton import (
     check,
     dense_causal,
     make_batch,
+    run_kernel,
 )
 
 # 1: a token sees itself only; 3 and 17: inside one key tile; 64: one whole tile; 100*X:
@@ -59,13 +60,12 @@ def test_window_changes_the_answer():
 
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("kernel", ["per_head", "packed", "flat"])
-def test_mixed_batch_fp32(window, kernel):
+def test_mixed_batch_fp32(window, kernel, monkeypatch):
     """Guards every kernel with a window: prefill tiles below, across and inside the window
     edge (the masked, unmasked and causal loops), decode rows whose window starts
     mid-block, a pad row, block size 16 over shuffled blocks."""
     batch = make_batch([*MIXED, LONG_PROMPT], 6, 3, 20, 16, window=window)
-    splits = 1 if kernel == "flat" else None  # the flat kernel serves unsplit grids
-    check(batch, batch.run_triton(decode_kernel=kernel, num_splits=splits))
+    check(batch, run_kernel(batch, kernel, monkeypatch))
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])

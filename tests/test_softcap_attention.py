@@ -19,6 +19,7 @@ from test_paged_attention_triton import (
     check,
     dense_causal,
     make_batch,
+    run_kernel,
 )
 
 CAP = 2.0
@@ -49,12 +50,11 @@ def test_softcap_changes_the_answer():
 
 @pytest.mark.parametrize("window", [0, 9])
 @pytest.mark.parametrize("kernel", ["per_head", "packed", "flat"])
-def test_kernels_match_the_spec(kernel, window):
+def test_kernels_match_the_spec(kernel, window, monkeypatch):
     """Prefill tiles (masked and unmasked), decode rows, a pad row, with and without a
     sliding window (Gemma 2's local layers have both)."""
     batch = _batch(window=window)
-    splits = 1 if kernel == "flat" else None
-    check(batch, batch.run_triton(decode_kernel=kernel, num_splits=splits))
+    check(batch, run_kernel(batch, kernel, monkeypatch))
 
 
 @pytest.mark.parametrize("num_splits", [2, 5])
