@@ -10,10 +10,11 @@ CUDA graph):
    its expert (-1 for blocks past the last run). The number of blocks is bounded on the
    host by S and E, so the grid never depends on device values.
 2. `_gate_up_kernel`: a program takes one block and BLOCK_N intermediate features; it
-   gathers its tokens' rows of x, multiplies them by the expert's gate and up rows and
-   writes silu(gate) * up for its slots ([S, I]).
-3. `_down_kernel`: the same over the down projection, scaling each slot's row by its
-   routing weight ([S, H]).
+   gathers its tokens' rows of x, multiplies them by the expert's gate and up rows (plus
+   their biases, gpt-oss) and writes the gate (silu(gate) * up, or gpt-oss's clamped
+   variant) for its slots ([S, I]).
+3. `_down_kernel`: the same over the down projection (plus its bias), scaling each slot's
+   row by its routing weight ([S, H]).
 4. The k rows of a token are summed by `Tensor.sum` (fixed order: no atomics, so a
    token's output does not depend on what else is in the batch).
 
@@ -36,6 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pdserve.kernels.attention_parts import attention_dot
+from pdserve.kernels.expert_act import SILU, ExpertAct
 
 BLOCK_M = 16  # the smallest block (decode sizes)
 
@@ -99,10 +101,27 @@ def _block_slots(sorted_slots_ptr, block, num_slots, BLOCK_M: tl.constexpr):
     return slots, slots < num_slots
 
 
+@triton.jit
+def _gate(gate, up, dtype: tl.constexpr, OAI_GATE: tl.constexpr, ALPHA: tl.constexpr,
+          LIMIT: tl.constexpr):  # fmt: skip
+    """float32 gate and up (already rounded to `dtype`) -> the gated value in `dtype`,
+    rounding after each op as `gate_act_ref` does."""
+    if OAI_GATE:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        scaled = (gate * ALPHA).to(dtype).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-scaled))).to(dtype).to(tl.float32)
+        glu = (gate * sig).to(dtype).to(tl.float32)
+        return ((up + 1.0).to(dtype).to(tl.float32) * glu).to(dtype)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype)
+
+
 @triton.jit(do_not_specialize=["num_slots"])
 def _gate_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2I, H], unit stride on H
+    bias_ptr,  # [E, 2I] (HAS_BIAS)
     out_ptr,  # [S, I]
     sorted_slots_ptr,  # [B * BLOCK_M] int32
     block_expert_ptr,  # [B] int32
@@ -116,6 +135,10 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    OAI_GATE: tl.constexpr,  # gpt-oss's clamped gate, else silu
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -142,18 +165,24 @@ def _gate_up_kernel(
             w_up = tl.load(up_rows + k[:, None], mask=w_mask, other=0.0)
             acc_gate = attention_dot(a, w_gate, acc_gate, DOT_PRECISION, UPCAST_DOT)
             acc_up = attention_dot(a, w_up, acc_up, DOT_PRECISION, UPCAST_DOT)
+        if HAS_BIAS:
+            bias_row = bias_ptr + expert * 2 * inter + n
+            acc_gate += tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc_up += tl.load(bias_row + inter, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         dtype = out_ptr.dtype.element_ty
         gate = acc_gate.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         out = out_ptr + slots.to(tl.int64)[:, None] * inter + n[None, :]
-        tl.store(out, (silu * up).to(dtype), mask=valid[:, None] & n_ok[None, :])
+        tl.store(
+            out, _gate(gate, up, dtype, OAI_GATE, ALPHA, LIMIT), mask=valid[:, None] & n_ok[None, :]
+        )
 
 
 @triton.jit(do_not_specialize=["num_slots"])
 def _down_kernel(
     h_ptr,  # [S, I]
     w_ptr,  # [E, H, I], unit stride on I
+    bias_ptr,  # [E, H] (HAS_BIAS)
     weights_ptr,  # [S] float32 routing weights
     out_ptr,  # [S, H]
     sorted_slots_ptr,
@@ -166,6 +195,7 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -187,6 +217,10 @@ def _down_kernel(
             )  # fmt: skip
             w = tl.load(w_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = attention_dot(a, w, acc, DOT_PRECISION, UPCAST_DOT)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + expert * hidden + n, mask=n_ok, other=0.0).to(tl.float32)[
+                None, :
+            ]
         dtype = out_ptr.dtype.element_ty
         weight = tl.load(weights_ptr + rows, mask=valid, other=0.0)
         y = acc.to(dtype).to(tl.float32) * weight[:, None]
@@ -201,6 +235,9 @@ def moe_experts_triton(
     ids: Tensor,
     weights: Tensor,
     tiles: MoeTiles | None = None,
+    b_gate_up: Tensor | None = None,  # [E, 2I]
+    b_down: Tensor | None = None,  # [E, H]
+    act: ExpertAct = SILU,
 ) -> Tensor:
     """`moe_experts_ref` on the GPU (or Triton's interpreter); shapes checked by the caller.
     `tiles` overrides `choose_tiles` (benchmarks/moe_bench.py's sweep)."""
@@ -222,15 +259,21 @@ def moe_experts_triton(
         "UPCAST_DOT": x.device.type == "cpu" and x.dtype == torch.bfloat16,
         "num_warps": t.num_warps, "num_stages": t.num_stages,
     }  # fmt: skip
+    has_bias = b_gate_up is not None
+    if has_bias:
+        b_gate_up, b_down = b_gate_up.contiguous(), b_down.contiguous()
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, t.block_n))](
-        x, w_gate_up, h, sorted_slots, block_expert, num_slots, top_k, hidden, inter,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), **launch,
+        x, w_gate_up, b_gate_up if has_bias else x, h, sorted_slots, block_expert, num_slots,
+        top_k, hidden, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        HAS_BIAS=has_bias, OAI_GATE=act.kind == "swiglu_oai", ALPHA=act.alpha,
+        LIMIT=act.limit, **launch,
     )  # fmt: skip
     terms = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
     _down_kernel[(num_blocks, triton.cdiv(hidden, t.block_n))](
-        h, w_down, flat_weights, terms, sorted_slots, block_expert, num_slots, hidden, inter,
-        w_down.stride(0), w_down.stride(1), **launch,
+        h, w_down, b_down if has_bias else h, flat_weights, terms, sorted_slots, block_expert,
+        num_slots, hidden, inter, w_down.stride(0), w_down.stride(1), HAS_BIAS=has_bias,
+        **launch,
     )  # fmt: skip
     return terms.view(num_tokens, top_k, hidden).sum(dim=1)
