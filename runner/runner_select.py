@@ -100,13 +100,15 @@ def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
 
 def _weights_path(model: Any) -> str:
     """The dtype the matmuls read weights in; "fp8->bfloat16" for an FP8 checkpoint
-    dequantized at load (runner/models/fp8_weights.py): no FP8 GEMM runs."""
+    dequantized at load (runner/models/fp8_weights.py), "mxfp4->bfloat16" for gpt-oss's
+    MXFP4 experts: no FP8 or FP4 GEMM runs."""
     params = getattr(model, "parameters", None)
     first = next(params(), None) if params is not None else None
     if first is None:
         return "?"
     dtype = str(first.dtype).removeprefix("torch.")
-    return f"fp8->{dtype}" if getattr(model, "weights_from", None) == "fp8" else dtype
+    source = getattr(model, "weights_from", None)
+    return f"{source}->{dtype}" if source else dtype
 
 
 def _experts_path(runner_name: str, model: Any, device: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pdserve.runner.models.deepseek import DeepseekForCausalLM
 from pdserve.runner.models.gemma import GemmaForCausalLM
 from pdserve.runner.models.glm4_moe import Glm4MoeForCausalLM
+from pdserve.runner.models.gpt_oss import GptOssForCausalLM
 from pdserve.runner.models.llama import LlamaFamilyForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
@@ -13,6 +14,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": LlamaFamilyForCausalLM,
     "LlamaForCausalLM": LlamaFamilyForCausalLM,
     "MistralForCausalLM": LlamaFamilyForCausalLM,

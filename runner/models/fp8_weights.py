@@ -1,4 +1,6 @@
-"""FP8 checkpoints, dequantized to the model's dtype as they load.
+"""FP8 checkpoints, dequantized to the model's dtype as they load; and the gate that names
+any other quantization as unsupported (gpt-oss's MXFP4 experts pass it: their model
+dequantizes them, runner/models/mxfp4_weights.py).
 
 Two layouts are read, both float8_e4m3fn weights beside a float32 scale that multiplies
 them back:
@@ -43,6 +45,8 @@ def fp8_format(hf_config: Any) -> Fp8Format | None:
     if not isinstance(quant, dict):
         quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
     method = quant.get("quant_method", "?")
+    if method == "mxfp4" and getattr(hf_config, "model_type", "") == "gpt_oss":
+        return None  # gpt-oss's experts: runner/models/mxfp4_weights.py, at its load
     if method == "fp8":
         if quant.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"fp8 format {quant.get('fmt')!r} (mrv2 reads e4m3)")
@@ -50,7 +54,19 @@ def fp8_format(hf_config: Any) -> Fp8Format | None:
         return Fp8Format("fp8", "_scale_inv", tuple(block) if block else None)
     if method == "compressed-tensors" and _float8_weights_only(quant):
         return Fp8Format("compressed-tensors", "_scale", None)
-    raise ValueError(f"quantized weights ({method}; mrv2 dequantizes fp8 checkpoints only)")
+    raise ValueError(
+        f"quantized weights ({method}; mrv2 dequantizes fp8 checkpoints and gpt-oss's mxfp4)"
+    )
+
+
+def quantized_source(hf_config: Any) -> str | None:
+    """The checkpoint's quantization as the execution path names it ("fp8", "mxfp4"),
+    None for 16/32-bit weights: whatever it was, the weights are dequantized at load."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if not quant:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    return "mxfp4" if method == "mxfp4" else "fp8"
 
 
 def _float8_weights_only(quant: dict) -> bool:

@@ -44,6 +44,7 @@ class FamilySpec:
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
+    sinks: bool = False  # a learned sink logit per query head (gpt-oss)
 
 
 def family_spec(hf_config: Any) -> FamilySpec:
@@ -54,6 +55,8 @@ def family_spec(hf_config: Any) -> FamilySpec:
         return FamilySpec(qkv_bias=qkv_bias, o_bias=False, qk_norm=False)
     if model_type in ("qwen3", "qwen3_moe"):
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=True)
+    if model_type == "gpt_oss":
+        return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=False, sinks=True)
     if model_type == "gemma3_text":
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=True)
     if model_type == "glm4_moe":
@@ -111,6 +114,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=spec.o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if spec.sinks else None
 
     def forward(
         self,
@@ -169,6 +173,7 @@ class Attention(nn.Module):
             q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, self.scale,
             out, attn.max_query_len, attn.max_seq_len, workspace=self.workspace,
             decode_kernel=attn.decode_kernel, window=self.window, softcap=self.softcap,
+            sinks=self.sinks,
         )  # fmt: skip
         return out.reshape(q.shape[0], self.q_size)
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from pdserve.runner.config import ModelConfig
 from pdserve.runner.models import MODEL_REGISTRY
-from pdserve.runner.models.fp8_weights import dequantized_weights, fp8_format
+from pdserve.runner.models.fp8_weights import dequantized_weights, fp8_format, quantized_source
 from pdserve.runner.models.norm_fold import fold_norms
 from pdserve.runner.models.text_only import language_model_weights
 
@@ -53,7 +53,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> torch.nn.Modu
         weights = dequantized_weights(weights, fp8, model_config.dtype)
     with torch.no_grad():
         model.load_weights(weights)
-    model.weights_from = "fp8" if fp8 is not None else None
+    model.weights_from = quantized_source(cfg)
     if device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
         # 16-bit decode batches on the GPU run without norm launches (norm_fold.py); fp32
         # (the parity runs against transformers) and CPU keep the weights as loaded.

@@ -57,11 +57,13 @@ def moe_spec(cfg: Any) -> MoeSpec | None:
 
 
 def experts_per_pick(cfg: Any) -> float | None:
-    """E / k of an MoE model (Mixtral, Qwen-MoE, DeepSeek, GLM-4-MoE), None for a dense one:
-    a batch of T tokens gives each expert T / (E / k) slots on average."""
+    """E / k of an MoE model (Mixtral, Qwen-MoE, DeepSeek, GLM-4-MoE, gpt-oss), None for a
+    dense one: a batch of T tokens gives each expert T / (E / k) slots on average."""
     spec = moe_spec(cfg)
     if spec is not None:
         return spec.num_experts / spec.top_k
+    if getattr(cfg, "model_type", "") == "gpt_oss":
+        return cfg.num_local_experts / cfg.num_experts_per_tok
     if getattr(cfg, "n_routed_experts", 0):
         return cfg.n_routed_experts / cfg.num_experts_per_tok
     return None
