@@ -88,6 +88,9 @@ async def parse_body(
         params, k = parse_sampling(body, kind, seed, max_tokens, defaults, constraint)
         check_token_ids(params, state.vocab_size)
         check_priority(params, state.scheduling_policy)
+        reasoning = request_parser(state.reasoning_parser, kind, params, _tail(state, ids))
+        if reasoning is not None and reasoning.needs_special_tokens:
+            params.skip_special_tokens = False  # the parser reads the markers, then drops them
         out.append(
             ParsedRequest(
                 kind,
@@ -103,7 +106,7 @@ async def parse_body(
                 typed(body, "return_tokens_as_token_ids", (bool,), False),
                 role,
                 tools,
-                request_parser(state.reasoning_parser, kind, params, _tail(state, ids)),
+                reasoning,
                 typed(body, "include_reasoning", (bool,), True),
                 typed(body, "return_token_ids", (bool,), False),
                 request_id,

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from pdserve.cluster.reasoning.base import ReasoningParser
 from pdserve.cluster.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from pdserve.cluster.reasoning.gpt_oss import GptOssReasoningParser
 from pdserve.cluster.reasoning.qwen3 import Qwen3ReasoningParser
 
 PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": Qwen3ReasoningParser,  # opens in the answer unless the reply or prompt opens <think>
     "deepseek_r1": DeepSeekR1ReasoningParser,  # opens in the reasoning (<think> in prompt)
+    "openai_gptoss": GptOssReasoningParser,  # harmony channels: analysis, final, commentary
 }
 
 

@@ -53,6 +53,9 @@ class ReasoningParser:
     # Whether text that does not open with `<think>` opens in the reasoning: the chat
     # template writes `<think>` into the prompt (DeepSeek-R1's does).
     starts_in_reasoning = False
+    # Whether the parser reads special tokens (gpt-oss's harmony markers): its requests
+    # are then detokenized with them, and it drops them from what it lets out.
+    needs_special_tokens = False
 
     def __init__(self, constrained: bool = False, prompt_opens_block: bool = False) -> None:
         """`constrained`: the reply is held to a grammar from its first token;
