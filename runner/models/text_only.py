@@ -1,5 +1,6 @@
 """Multimodal checkpoints served as text models: the language model inside Gemma 3
-4B/12B/27B (Gemma3ForConditionalGeneration) runs as Gemma3ForCausalLM.
+4B/12B/27B (Gemma3ForConditionalGeneration) runs as Gemma3ForCausalLM, the one inside
+Mistral Small 3.1/3.2 (Mistral3ForConditionalGeneration) as MistralForCausalLM.
 
 `text_view` turns the checkpoint's config into its text config (with the top-level keys a
 runner reads: token ids, dtype, quantization); `language_model_weights` renames the
@@ -21,7 +22,10 @@ import torch
 from pdserve.runner.config import architecture_of
 
 # multimodal architecture -> the text architecture its language model is
-TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+TEXT_ONLY = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Mistral3ForConditionalGeneration": "MistralForCausalLM",
+}
 # checkpoint prefix -> the text model's: transformers 5 exports write language_model.model.*,
 # others model.language_model.*
 _RENAMES = (
@@ -45,9 +49,12 @@ def text_view(hf_config: Any) -> tuple[Any, str | None]:
         outer = getattr(hf_config, key, None)
         if outer is not None and getattr(text, key, None) is None:
             setattr(text, key, outer)
-    # transformers' Gemma3ForConditionalGeneration never softcaps its logits, whatever the
-    # text config says (released Gemma 3 configs set no cap, so the two agree there)
-    text.final_logit_softcapping = None
+    # transformers ties the head to the embeddings by the outer config's word
+    text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+    if arch == "Gemma3ForConditionalGeneration":
+        # transformers' Gemma3ForConditionalGeneration never softcaps its logits, whatever
+        # the text config says (released Gemma 3 configs set no cap, so the two agree)
+        text.final_logit_softcapping = None
     return text, arch
 
 
