@@ -404,6 +404,22 @@ def tiny_phi3_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_smollm3_dir(tmp_path_factory) -> str:
+    """SmolLM3: every fourth layer rotates no position (NoPE, `no_rope_layers`), here
+    layer 3 of 4; tied embeddings, 4 q / 2 kv heads of 16."""
+    from transformers import SmolLM3Config
+
+    cfg = SmolLM3Config(
+        vocab_size=1009, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.1, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, architectures=["SmolLM3ForCausalLM"],
+    )  # fmt: skip
+    assert cfg.no_rope_layers == [1, 1, 1, 0]
+    return _save_tiny(tmp_path_factory, "tiny-smollm3", cfg)
+
+
+@pytest.fixture(scope="session")
 def tiny_granite_dir(tmp_path_factory) -> str:
     """Granite 3: Llama with four scalars (embeddings x12, residual branches x0.22, softmax
     scale 1/64 instead of 1/sqrt(16), logits / 6), tied embeddings."""

@@ -242,11 +242,12 @@ def _run_steps(model) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Ten
     return hidden, caches, logits
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen3_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_dir", "tiny_qwen2_dir", "tiny_smollm3_dir"])
 def test_folded_model_matches_plain_model(fixture, request):
     """Guards fold_norms (each norm weight into its linear's columns, the norm reset to 1)
     and the chain: prefill over 64 tokens runs the norm kernels, the rest the folded
-    chain; every step's hidden states, every KV slot and the logits match the plain model."""
+    chain; every step's hidden states, every KV slot and the logits match the plain model
+    (SmolLM3's NoPE layer included: the chain must rotate each layer by its own table)."""
     plain = _load(request.getfixturevalue(fixture), torch.float32)
     _randomize_norms(plain)
     folded = copy.deepcopy(plain)

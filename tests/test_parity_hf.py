@@ -69,7 +69,7 @@ def test_bundled_model_chat_answers_paris():
         "tiny_llama_dir", "tiny_qwen3_dir", "tiny_qwen2_dir", "tiny_mistral_dir",
         "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_mixtral_dir",
         "tiny_deepseek_v2_dir", "tiny_deepseek_v2_yarn_dir", "tiny_deepseek_v3_dir",
-        "tiny_glm4_moe_dir", "tiny_phi3_dir", "tiny_granite_dir",
+        "tiny_glm4_moe_dir", "tiny_phi3_dir", "tiny_granite_dir", "tiny_smollm3_dir",
     ],
 )  # fmt: skip
 def test_tiny_random_models_match_transformers(fixture, request, decode_attention):
@@ -79,7 +79,8 @@ def test_tiny_random_models_match_transformers(fixture, request, decode_attentio
     weights, dense layers between sparse ones and Qwen2-MoE's shared expert; DeepSeek's
     MLA (absorbed projections, interleaved RoPE, YaRN's mscale), its group-limited and
     biased sigmoid routing and its shared experts; GLM-4-MoE's RoPE over half a head,
-    Phi-3's fused checkpoint tensors and Granite's four multipliers."""
+    Phi-3's fused checkpoint tensors, Granite's four multipliers and SmolLM3's NoPE
+    layers."""
     model_dir = request.getfixturevalue(fixture)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100)]
@@ -125,7 +126,7 @@ def test_qwen3_shaped_model_matches_transformers(qwen3_shaped_dir, decode_attent
     [
         "tiny_granite_dir", "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_mixtral_dir",
         "tiny_deepseek_v2_dir", "tiny_deepseek_v2_yarn_dir", "tiny_deepseek_v3_dir",
-        "tiny_glm4_moe_dir", "tiny_phi3_dir",
+        "tiny_glm4_moe_dir", "tiny_phi3_dir", "tiny_smollm3_dir",
     ],
 )  # fmt: skip
 def test_logprobs_match_transformers(fixture, request):

@@ -5,7 +5,8 @@ tokens, prefilled in 64-token chunks, so a chunk attends through a cached prefix
 24 decoded tokens: a runner that ignored the window, or misplaced its edge by one key,
 attends to different keys from the sixth token on. Each family takes its windows from the
 config the way transformers does (runner/models/attention_window.py): Mistral and Phi-3
-on every layer, Qwen2 only on the layers `layer_types` names (here layer 1 of 2).
+on every layer, Qwen2 and Ministral only on the layers `layer_types` names (here layer 1
+of 2).
 """
 
 from __future__ import annotations
@@ -65,8 +66,27 @@ def tiny_phi3_window_dir(tmp_path_factory) -> str:
     return _save_tiny(tmp_path_factory, "tiny-phi3-window", cfg)
 
 
-FIXTURES = ["tiny_mistral_window_dir", "tiny_qwen2_window_dir", "tiny_phi3_window_dir"]
+@pytest.fixture(scope="module")
+def tiny_ministral_window_dir(tmp_path_factory) -> str:
+    """Ministral 8B's shape of config: windowed and full layers interleaved by
+    `layer_types`."""
+    from transformers import MinistralConfig
+
+    cfg = MinistralConfig(
+        vocab_size=1001, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, sliding_window=5,
+        layer_types=["full_attention", "sliding_attention"], tie_word_embeddings=False,
+        initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+        architectures=["MinistralForCausalLM"],
+    )  # fmt: skip
+    return _save_tiny(tmp_path_factory, "tiny-ministral-window", cfg)
+
+
+FIXTURES = ["tiny_mistral_window_dir", "tiny_qwen2_window_dir", "tiny_phi3_window_dir",
+            "tiny_ministral_window_dir"]  # fmt: skip
 WINDOWS = {
+    "tiny_ministral_window_dir": [0, 5],
     "tiny_mistral_window_dir": [6, 6],
     "tiny_qwen2_window_dir": [0, 5],
     "tiny_phi3_window_dir": [9, 9],

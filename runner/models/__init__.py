@@ -17,6 +17,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": LlamaFamilyForCausalLM,
     "LlamaForCausalLM": LlamaFamilyForCausalLM,
+    "MinistralForCausalLM": LlamaFamilyForCausalLM,
     "MistralForCausalLM": LlamaFamilyForCausalLM,
     "MixtralForCausalLM": LlamaFamilyForCausalLM,
     "Phi3ForCausalLM": LlamaFamilyForCausalLM,
@@ -24,4 +25,5 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen2MoeForCausalLM": LlamaFamilyForCausalLM,
     "Qwen3ForCausalLM": LlamaFamilyForCausalLM,
     "Qwen3MoeForCausalLM": LlamaFamilyForCausalLM,
+    "SmolLM3ForCausalLM": LlamaFamilyForCausalLM,
 }

@@ -228,6 +228,13 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.register_buffer(
             "cos_sin_cache", torch.empty(max_positions, rotary_dim_of(cfg)), persistent=False
         )
+        # SmolLM3's NoPE layers (`no_rope_layers[i] == 0`) rotate by an identity table
+        # (cos 1, sin 0: the rope kernels then return q and k exactly as they came).
+        uses_rope = getattr(cfg, "no_rope_layers", None) or [1] * cfg.num_hidden_layers
+        self.nope_layers = frozenset(i for i, rope in enumerate(uses_rope) if not rope)
+        if self.nope_layers:
+            identity = torch.empty(max_positions, rotary_dim_of(cfg))
+            self.register_buffer("cos_sin_identity", identity, persistent=False)
 
     # ---- what a subclass (deepseek.py, glm4_moe.py, gemma.py) replaces -----------------------
 
@@ -267,10 +274,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.cos_sin_cache = build_cos_sin_cache(
             self.config, rotary_dim_of(self.config), cache.shape[0], cache.device
         )
+        if self.nope_layers:
+            half = cache.shape[1] // 2
+            identity = torch.zeros_like(self.cos_sin_cache)
+            identity[:, :half] = 1.0
+            self.cos_sin_identity = identity
 
     def layer_cos_sin(self, layer: int) -> torch.Tensor:
-        """The cos/sin table layer `layer` rotates with (one for all layers here)."""
-        return self.cos_sin_cache
+        """The cos/sin table layer `layer` rotates with: one for all layers here, but for
+        NoPE layers' identity."""
+        return self.cos_sin_identity if layer in self.nope_layers else self.cos_sin_cache
 
     @property
     def num_kv_heads(self) -> int:

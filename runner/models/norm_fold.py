@@ -99,7 +99,8 @@ def folded_forward(
         a, mlp = layer.self_attn, layer.mlp
         qkv = F.linear(r, a.qkv_proj.weight)  # the bias goes in after the row scale
         scale = ScaleRows(squares, layer.input_layernorm.eps)
-        q = a.prepare(qkv, positions, model.cos_sin_cache, kv_cache, attn, scale, a.qkv_proj.bias)
+        cos_sin = model.layer_cos_sin(i)  # NoPE layers: the identity table
+        q = a.prepare(qkv, positions, cos_sin, kv_cache, attn, scale, a.qkv_proj.bias)
         out = a.attend(q, kv_cache, attn)
         o = a.o_proj
         r, squares = skinny_linear_add_residual(out, o.weight, o.bias, r, ws)
