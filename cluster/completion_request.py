@@ -23,11 +23,13 @@ from pdserve.cluster.openai_api import (
     wants_echo,
 )
 from pdserve.cluster.prompts import completion_prompts, off_loop, prompt_token_ids
+from pdserve.cluster.reasoning.base import ReasoningParser
 from pdserve.cluster.reasoning_api import PROMPT_TAIL_TOKENS, request_parser
 from pdserve.cluster.response_shapes import client_request_id
 from pdserve.cluster.sampling_api import check_priority, check_token_ids, parse_sampling
 from pdserve.cluster.structured_api import compile_checked, structured_param
-from pdserve.cluster.tool_calls import parse_tool_choice
+from pdserve.cluster.tool_calls import ToolChoice, parse_tool_choice
+from pdserve.cluster.tool_parsers import PARSERS as TOOL_PARSERS
 from pdserve.cluster.unsupported import refuse_unsupported
 
 
@@ -89,8 +91,8 @@ async def parse_body(
         check_token_ids(params, state.vocab_size)
         check_priority(params, state.scheduling_policy)
         reasoning = request_parser(state.reasoning_parser, kind, params, _tail(state, ids))
-        if reasoning is not None and reasoning.needs_special_tokens:
-            params.skip_special_tokens = False  # the parser reads the markers, then drops them
+        if _reads_special_tokens(reasoning, tools):
+            params.skip_special_tokens = False  # the parsers read the markers, then drop them
         out.append(
             ParsedRequest(
                 kind,
@@ -116,6 +118,13 @@ async def parse_body(
     if spec is not None:  # a tool's parameters or the client's own constraint
         await compile_checked(spec, "tools" if constraint is not None else structured_param(body))
     return out
+
+
+def _reads_special_tokens(reasoning: ReasoningParser | None, tools: ToolChoice | None) -> bool:
+    """Whether the reply's parsers read special tokens (gpt-oss's harmony markers)."""
+    if reasoning is not None and reasoning.needs_special_tokens:
+        return True
+    return bool(tools and tools.parser and TOOL_PARSERS[tools.parser].needs_special_tokens)
 
 
 def _tail(state: AppState, ids: list[int]) -> str:

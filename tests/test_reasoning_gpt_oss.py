@@ -33,10 +33,24 @@ CASES = {
     "Plain text, no harmony.": (None, "Plain text, no harmony."),
     '{"city": "Paris"}': (None, '{"city": "Paris"}'),  # a grammar held it from the start
     "<|chan": (None, "<|chan"),  # cut inside the first marker: it never opened
-    # a preamble on the commentary channel, then a call to a tool: bodies are answer text
+    # a preamble on the commentary channel, then a call to a tool: the call goes on in its
+    # canonical form, for --tool-call-parser openai
     f"{A}Need weather.{E}{S}<|channel|>commentary<|message|>Checking.{E}{S}"
     '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}'
-    "<|call|>": ("Need weather.", 'Checking.{"city":"Oslo"}'),
+    "<|call|>": (
+        "Need weather.",
+        'Checking.<|channel|>commentary to=functions.get_weather<|message|>{"city":"Oslo"}<|call|>',
+    ),
+    # the recipient after the role, the reply opening with it (the prompt ends in the role)
+    ' to=functions.f<|channel|>commentary json<|message|>{"a":1}<|call|>': (
+        None,
+        '<|channel|>commentary to=functions.f<|message|>{"a":1}<|call|>',
+    ),
+    f"{A}x{E}{S} to=functions.f<|channel|>commentary json<|message|>" + '{"a":': (
+        "x",
+        '<|channel|>commentary to=functions.f<|message|>{"a":',  # cut: no <|call|>
+    ),
+    " tomorrow": (None, " tomorrow"),  # not a recipient
     f"{A}Über 東京 ☀{E}{S}{F}答え 🗼": ("Über 東京 ☀", "答え 🗼"),
     f"{A}{E}{S}{F}x": (None, "x"),  # empty reasoning
     "": (None, None),
@@ -74,11 +88,18 @@ def test_chat_requests_are_detokenized_with_the_markers():
     assert request_parser("openai_gptoss", "chat", SamplingParams()) is not None
 
 
-@pytest.mark.parametrize("parser,skips", [("openai_gptoss", False), ("qwen3", True), (None, True)])
-def test_a_chat_request_keeps_special_tokens_only_for_the_harmony_parser(parser, skips):
+@pytest.mark.parametrize(
+    "parser,tool_parser,skips",
+    [("openai_gptoss", None, False), (None, "openai", False), ("qwen3", "hermes", True),
+     (None, None, True)],
+)  # fmt: skip
+def test_a_chat_request_keeps_special_tokens_only_for_the_harmony_parsers(
+    parser, tool_parser, skips
+):
     """Through the request parser itself (cluster/completion_request.py) with the bundled
-    model's tokenizer: the harmony parser's chat requests are detokenized with special
-    tokens, every other's as the client asked (the default, without)."""
+    model's tokenizer: chat requests read by a harmony parser (reasoning, or tool calls
+    under tool_choice auto) are detokenized with special tokens, every other as the
+    client asked (the default, without)."""
     import asyncio
 
     from pdserve.cluster.completion_request import parse_body
@@ -88,9 +109,61 @@ def test_a_chat_request_keeps_special_tokens_only_for_the_harmony_parser(parser,
     from pdserve.runner.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(resolve_model_dir(None)[0]))
-    state = AppState(None, tokenizer, "m", 512, Metrics("m"), reasoning_parser=parser)
+    state = AppState(None, tokenizer, "m", 512, Metrics("m"), reasoning_parser=parser,
+                     auto_tool_parser=tool_parser)  # fmt: skip
     body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    if tool_parser is not None:
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     (chat,) = asyncio.run(parse_body(state, body, "chat"))
     assert chat.params.skip_special_tokens is skips
     (completion,) = asyncio.run(parse_body(state, {"model": "m", "prompt": "Hi"}, "completion"))
     assert completion.params.skip_special_tokens is True
+
+
+TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}}
+CALL_REPLY = (
+    f"{A}The user wants Oslo's weather.{E}{S}<|channel|>commentary<|message|>Let me check."
+    f"{E}{S} to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>"
+    '{"city": "Oslo"}<|call|>'
+)
+
+
+def test_tool_calls_read_through_both_parsers():
+    """The reasoning parser hands the call on; `--tool-call-parser openai` reads it into
+    a call, leaving the preamble as content; a call to a tool the request lacks, or
+    arguments that are not an object, stay text."""
+    from pdserve.cluster.tool_parsers import make_parser as make_tool_parser
+    from pdserve.cluster.tool_parsers.base import Call
+
+    reply = make_parser("openai_gptoss").parse(CALL_REPLY)
+    assert reply.reasoning == "The user wants Oslo's weather."
+    calls = make_tool_parser("openai", TOOLS).parse(reply.content)
+    assert calls.calls == (Call("get_weather", '{"city": "Oslo"}'),)
+    assert calls.content == "Let me check."
+    other = make_tool_parser("openai", {"get_time": {}}).parse(reply.content)
+    assert other.calls == () and other.content == reply.content
+    bad = "<|channel|>commentary to=functions.get_weather<|message|>[1]<|call|>"
+    assert make_tool_parser("openai", TOOLS).parse(bad).calls == ()
+
+
+def test_tool_calls_stream_cut_anywhere():
+    """The reasoning stream, then the tool stream, over pieces cut anywhere, give the
+    whole reply's reasoning, content and calls."""
+    from pdserve.cluster.tool_parsers import make_parser as make_tool_parser
+
+    whole = make_parser("openai_gptoss").parse(CALL_REPLY)
+    want = make_tool_parser("openai", TOOLS).parse(whole.content)
+    rng = random.Random(8)
+    for pieces in _cuts(CALL_REPLY, rng):
+        reasoning_stream = make_parser("openai_gptoss").stream()
+        tool_stream = make_tool_parser("openai", TOOLS).stream()
+        reasoning, content, calls = "", "", []
+        for piece in [*pieces, None]:
+            step = reasoning_stream.feed(piece) if piece is not None else reasoning_stream.finish()
+            reasoning += step.reasoning
+            tools = tool_stream.feed(step.content)
+            if piece is None:
+                tools = tools.then(tool_stream.finish())
+            content, calls = content + tools.content, calls + tools.calls
+        assert reasoning == whole.reasoning
+        assert (content or None, tuple(calls)) == (want.content, want.calls), pieces

@@ -211,7 +211,40 @@ GLM45 = _xml_cases(_glm, GLM_UNICODE) | {
         (),
     ),
 }
-CASES = {"hermes": HERMES, "llama3_json": LLAMA3, "qwen3_coder": QWEN3_CODER, "glm45": GLM45}
+
+
+def _harmony(name: str, arguments: object) -> str:
+    """A call as --reasoning-parser openai_gptoss hands it on (cluster/reasoning/gpt_oss.py)."""
+    return f"<|channel|>commentary to=functions.{name}<|message|>{_text(arguments)}<|call|>"
+
+
+H_OSLO = _harmony("get_weather", {"city": "Oslo", "unit": "celsius"})
+H_TIME = _harmony("get_time", {})
+# reply -> (content, calls), as the openai (harmony) parser reads it
+HARMONY = {
+    "The weather in Oslo is mild.": ("The weather in Oslo is mild.", ()),
+    H_OSLO: (None, (OSLO_CALL,)),
+    H_OSLO + H_TIME: (None, (OSLO_CALL, TIME_CALL)),
+    "Let me check." + H_OSLO: ("Let me check.", (OSLO_CALL,)),
+    _harmony("get_weather", UNICODE_ARGS): (
+        None,
+        (Call("get_weather", json.dumps(UNICODE_ARGS, ensure_ascii=False)),),
+    ),
+    _harmony("get_date", {"day": 1}): (_harmony("get_date", {"day": 1}), ()),  # not a tool
+    _harmony("get_weather", "Oslo"): (_harmony("get_weather", "Oslo"), ()),  # not an object
+    "<|channel|>commentary to=browser.search<|message|>{}<|call|>": (
+        "<|channel|>commentary to=browser.search<|message|>{}<|call|>",  # a built-in tool
+        (),
+    ),
+    H_OSLO.removesuffix("<|call|>"): (None, (OSLO_CALL,)),  # the reply ended at the call
+    "Cut: " + H_OSLO[:50]: ("Cut: " + H_OSLO[:50], ()),
+    "I will call <|chan": ("I will call <|chan", ()),
+    "": ("", ()),
+}
+CASES = {
+    "hermes": HERMES, "llama3_json": LLAMA3, "qwen3_coder": QWEN3_CODER, "glm45": GLM45,
+    "openai": HARMONY,
+}  # fmt: skip
 
 
 def test_every_parser_has_cases():
@@ -361,6 +394,7 @@ LONG = {
     + "\n"
     + _qwen("get_time", {}),
     "glm45": "Let me check.\n" + _glm("get_weather", LONG_ARGS) + "\n" + _glm("get_time", {}),
+    "openai": "Let me check." + _harmony("get_weather", LONG_ARGS) + _harmony("get_time", {}),
 }
 
 

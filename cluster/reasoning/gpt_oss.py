@@ -7,29 +7,35 @@ more messages, each a header and a body:
 
 What is read (the whole reply, or a stream of it, alike):
 - A message's header runs from `<|channel|>` to `<|message|>`; its channel is the
-  header's first word (a recipient such as ` to=functions.get_weather` or a
-  `<|constrain|>` may follow it). Its body runs to `<|end|>`, `<|return|>`, `<|call|>`,
-  `<|start|>` or the end of the reply; `<|start|>` and the role after it open the next
-  message.
-- Bodies of `analysis` messages are the reasoning; bodies of every other channel
-  (`final`, `commentary`) are the answer, joined in order. Headers and markers are
-  dropped.
-- A reply that does not open with `<|channel|>` (a grammar held it from its first token,
-  or the model answered plainly) is all answer, verbatim.
+  header's first word. Its body runs to `<|end|>`, `<|return|>`, `<|call|>`, `<|start|>`
+  or the end of the reply; `<|start|>` and the role after it open the next message.
+- A message with a recipient (`to=functions.get_weather`, in its header or after its
+  role, `<|start|>assistant to=...`) is a tool call. It goes into the answer in one
+  canonical form, `<|channel|>commentary to=RECIPIENT<|message|>ARGUMENTS<|call|>` (no
+  `<|call|>` when the reply ends inside it), for `--tool-call-parser openai` to read
+  (cluster/tool_parsers/harmony.py); without that parser the client sees it as text.
+- Bodies of other `analysis` messages are the reasoning; bodies of every other channel
+  (`final`, `commentary` preambles) are the answer, joined in order. Headers and
+  markers are dropped.
+- A reply that opens with neither `<|channel|>` nor a recipient (a grammar held it from
+  its first token, or the model answered plainly) is all answer, verbatim.
 
 The markers are special tokens, so a request read by this parser is detokenized with
-them (`needs_special_tokens`); nothing of them reaches the client. Tool calls
-(`commentary` messages to `functions.*`) are not read as calls: their bodies go out as
-answer text.
+them (`needs_special_tokens`).
 """
 
 from __future__ import annotations
 
+import re
+
 from pdserve.cluster.reasoning.base import Reasoned, ReasoningParser, ReasoningStep
 
-CHANNEL, MESSAGE, START = "<|channel|>", "<|message|>", "<|start|>"
-BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", START)
+CHANNEL, MESSAGE, START, CALL = "<|channel|>", "<|message|>", "<|start|>", "<|call|>"
+BODY_ENDS = ("<|end|>", "<|return|>", CALL, START)
 _MARKERS = (CHANNEL, MESSAGE, *BODY_ENDS)
+ROLE_RECIPIENT = " to="  # how a reply may open: the prompt's role, then its recipient
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
+TOOL_OPEN = "<|channel|>commentary to="  # a tool call's canonical header, up to its recipient
 
 
 class GptOssReasoningParser(ReasoningParser):
@@ -46,12 +52,13 @@ class GptOssReasoningParser(ReasoningParser):
 
 class HarmonyStream:
     """One streamed reply. Held back: the end of a body while it may be the start of a
-    marker, and a header until its `<|message|>`."""
+    marker, a message's role and header until its `<|message|>`."""
 
     def __init__(self) -> None:
-        self._phase = "start"  # start | header | body | between | plain
+        self._phase = "start"  # start | role | header | body | plain
         self._held = ""
-        self._reasoning = False  # the current body is an analysis message's
+        self._recipient: str | None = None  # from the role, before the header
+        self._kind = "content"  # the current body's: reasoning | content | call
 
     def feed(self, text: str) -> ReasoningStep:
         step = ReasoningStep()
@@ -61,24 +68,26 @@ class HarmonyStream:
         self._held += text
         while True:
             if self._phase == "start":
-                if CHANNEL.startswith(self._held) and self._held != CHANNEL:
-                    return step  # may still be `<|channel|>`
-                if not self._held.startswith(CHANNEL):  # a plain reply: all answer
+                opens = (CHANNEL, ROLE_RECIPIENT)
+                if any(o.startswith(self._held) and self._held != o for o in opens):
+                    return step  # may still open a message
+                if not self._held.startswith(opens):  # a plain reply: all answer
                     step.content += self._held
                     self._phase, self._held = "plain", ""
                     return step
-                self._phase = "between"
-            if self._phase == "between":  # expecting `<|channel|>` (after `<|start|>role`)
+                self._phase = "role"
+            if self._phase == "role":  # after `<|start|>`: the role, maybe a recipient
                 at = self._held.find(CHANNEL)
                 if at < 0:
                     return step
+                found = _RECIPIENT.search(self._held[:at])
+                self._recipient = found.group(1) if found else None
                 self._held, self._phase = self._held[at + len(CHANNEL) :], "header"
             if self._phase == "header":
                 at = self._held.find(MESSAGE)
                 if at < 0:
                     return step
-                header = self._held[:at].strip()
-                self._reasoning = header.split(" ", 1)[0].split("<|", 1)[0] == "analysis"
+                self._open_body(self._held[:at], step)
                 self._held, self._phase = self._held[at + len(MESSAGE) :], "body"
             if self._phase == "body":
                 end, marker = _first_marker(self._held)
@@ -88,8 +97,10 @@ class HarmonyStream:
                     self._held = self._held[len(self._held) - keep :]
                     return step
                 self._emit(step, self._held[:end])
+                if self._kind == "call":
+                    step.content += CALL
                 self._held = self._held[end + len(marker) :]
-                self._phase = "between"
+                self._phase = "role"
 
     def finish(self) -> ReasoningStep:
         """The reply has ended: a body's held end is its text; an unfinished header or
@@ -102,8 +113,18 @@ class HarmonyStream:
         self._held = ""
         return step
 
+    def _open_body(self, header: str, step: ReasoningStep) -> None:
+        channel = header.strip().split(" ", 1)[0].split("<|", 1)[0]
+        found = _RECIPIENT.search(header)
+        recipient = found.group(1) if found else self._recipient
+        if recipient is not None:
+            self._kind = "call"
+            step.content += f"{TOOL_OPEN}{recipient}{MESSAGE}"
+        else:
+            self._kind = "reasoning" if channel == "analysis" else "content"
+
     def _emit(self, step: ReasoningStep, body: str) -> None:
-        if self._reasoning:
+        if self._kind == "reasoning":
             step.reasoning += body
         else:
             step.content += body

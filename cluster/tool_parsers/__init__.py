@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from pdserve.cluster.tool_parsers.base import ToolParser
+from pdserve.cluster.tool_parsers.harmony import HarmonyParser
 from pdserve.cluster.tool_parsers.hermes import HermesParser
 from pdserve.cluster.tool_parsers.llama3_json import Llama3JsonParser
 from pdserve.cluster.tool_parsers.xml_calls import Glm45Parser, Qwen3CoderParser
@@ -15,6 +16,7 @@ PARSERS: dict[str, type[ToolParser]] = {
     "glm45": Glm45Parser,  # <tool_call> blocks of <arg_key>/<arg_value>: GLM-4.5, 4.6
     "hermes": HermesParser,  # <tool_call> blocks: Hermes, Qwen2.5, Qwen3
     "llama3_json": Llama3JsonParser,  # a JSON object per call: Llama 3.1, 3.2
+    "openai": HarmonyParser,  # gpt-oss's harmony calls, as --reasoning-parser openai_gptoss hands them on
     "qwen3_coder": Qwen3CoderParser,  # <tool_call> blocks of <function=...>: Qwen3-Coder
 }
 

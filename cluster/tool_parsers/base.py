@@ -53,6 +53,10 @@ class ReplyStream(ABC):
 
 
 class ToolParser(ABC):
+    # Whether the parser reads special tokens (gpt-oss's harmony markers): its requests
+    # are then detokenized with them.
+    needs_special_tokens = False
+
     def __init__(self, tools: Mapping[str, dict] | Iterable[str]) -> None:
         """`tools`: the request's tools, name -> parameters schema (names alone: no schema,
         which only the parsers that type XML-style arguments use)."""

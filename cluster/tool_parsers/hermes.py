@@ -41,13 +41,16 @@ from pdserve.cluster.tool_parsers.base import (
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(f"({re.escape(OPEN)}.*?{re.escape(CLOSE)})", re.DOTALL)
 
 
 class HermesParser(ToolParser):
+    # A block's tags (subclasses with other tags: cluster/tool_parsers/harmony.py)
+    OPEN, CLOSE = OPEN, CLOSE
+
     def parse(self, text: str) -> ParsedReply:
-        parts = _BLOCK.split(text)  # text, block, text, block, ..., text
-        opened = parts[-1].find(OPEN)
+        block = re.compile(f"({re.escape(self.OPEN)}.*?{re.escape(self.CLOSE)})", re.DOTALL)
+        parts = block.split(text)  # text, block, text, block, ..., text
+        opened = parts[-1].find(self.OPEN)
         if opened >= 0:  # a block left open at the end: text, block, "" in place of the text
             parts[-1:] = [parts[-1][:opened], parts[-1][opened:], ""]
         calls: list[Call] = []
@@ -81,6 +84,7 @@ class _HermesStream(ReplyStream):
 
     def __init__(self, parser: HermesParser) -> None:
         self._parser = parser
+        self._open, self._close = parser.OPEN, parser.CLOSE
         self._block: list[str] | None = None  # an open block's pieces, `<tool_call>` first
         self._tail = ""  # its last characters after `<tool_call>`: where a close may begin
         self._held = ""  # outside a block: text that may be a tag's beginning (< 11 chars)
@@ -108,15 +112,15 @@ class _HermesStream(ReplyStream):
                 continue
             if self._held:
                 text, pos = self._held + text[pos:], 0
-            start = text.find(OPEN, pos)
+            start = text.find(self._open, pos)
             if start < 0:
-                start = len(text) - _tag_start(text, pos)
+                start = len(text) - _tag_start(text, self._open, pos)
                 self._content(text[pos:start], content)
                 self._held = text[start:]
                 break
             self._content(text[pos:start], content)
-            self._held, self._block, self._tail = "", [OPEN], ""
-            pos = start + len(OPEN)
+            self._held, self._block, self._tail = "", [self._open], ""
+            pos = start + len(self._open)
         return StreamStep("".join(content), calls)
 
     def finish(self) -> StreamStep:
@@ -138,14 +142,15 @@ class _HermesStream(ReplyStream):
     def _close_end(self, text: str, pos: int) -> int | None:
         """Where in `text` the open block's `</tool_call>` ends, searching from `pos`; a
         close may begin in the tail. None when it has not come (the tail moves on)."""
-        keep = len(CLOSE) - 1
+        close = self._close
+        keep = len(close) - 1
         seam = self._tail + text[pos : pos + keep]  # a close across the pieces' seam
-        at = seam.find(CLOSE)
+        at = seam.find(close)
         if at >= 0:
-            return pos + at + len(CLOSE) - len(self._tail)
-        at = text.find(CLOSE, pos)
+            return pos + at + len(close) - len(self._tail)
+        at = text.find(close, pos)
         if at >= 0:
-            return at + len(CLOSE)
+            return at + len(close)
         self._tail = text[-keep:] if len(text) - pos >= keep else seam[-keep:]
         return None
 
@@ -162,9 +167,9 @@ class _HermesStream(ReplyStream):
         self._space = [text[len(kept) :]] if len(kept) < len(text) else []
 
 
-def _tag_start(text: str, pos: int = 0) -> int:
-    """The length of the longest end of `text[pos:]` that begins `<tool_call>` (0 if none)."""
-    for n in range(min(len(text) - pos, len(OPEN) - 1), 0, -1):
-        if text.endswith(OPEN[:n]):
+def _tag_start(text: str, tag: str, pos: int = 0) -> int:
+    """The length of the longest end of `text[pos:]` that begins `tag` (0 if none)."""
+    for n in range(min(len(text) - pos, len(tag) - 1), 0, -1):
+        if text.endswith(tag[:n]):
             return n
     return 0
