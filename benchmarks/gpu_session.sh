@@ -7,9 +7,9 @@
 #  `pdserve serve`; fastapi 0.165 imports opentelemetry).
 #   BENCH=throughput|transfer|both|moe|none (default both)   BENCH_ARGS=...   TESTS=0 to skip tests
 #   (moe: benchmarks/moe_bench.py, the MoE experts' kernels, with MOE_ARGS=...)
-#   TESTS=1 / TESTS=2 runs the first / second half of the GPU test files (the whole set
-#   takes ~300 s of test time, more than a call can give it after the set-up and a
-#   benchmark: halves fit two calls, each with its own summary line); TEST_FILES="a b"
+#   TESTS=1 / TESTS=2 / TESTS=3 runs the first / second / third group of the GPU test files
+#   (the whole set takes more test time than a call can give it after the set-up and a
+#   benchmark: the groups fit a call each, each with its own summary line); TEST_FILES="a b"
 #   runs just those files
 set -o pipefail
 OUT=${OUT:-/tmp/pdserve-out}
@@ -51,7 +51,10 @@ SECOND=(tests/test_paged_attention_triton.py tests/test_skinny_linear.py
     tests/test_layer_wise.py tests/test_norm_fold.py tests/test_gpu_norm_fold.py
     tests/test_sampling_triton.py tests/test_grammar_kernels.py tests/test_structured_tiny.py
     tests/test_moe_kernels.py tests/test_gpu_moe.py tests/test_moe_models.py tests/test_mla.py
-    tests/test_gpu_mla.py tests/test_sliding_window_attention.py tests/test_sliding_window_models.py
+    tests/test_gpu_mla.py)
+# The families and kernel features of the 2026-12-05 sessions (windows, softcaps, sinks,
+# Gemma, gpt-oss, FP8/MXFP4 checkpoints), none yet run on a GPU.
+THIRD=(tests/test_sliding_window_attention.py tests/test_sliding_window_models.py
     tests/test_gemma.py tests/test_triton_layer_kernels.py tests/test_softcap_attention.py
     tests/test_fp8_checkpoints.py tests/test_longrope.py tests/test_gemma_norm.py
     tests/test_attention_sinks.py tests/test_moe_oai_experts.py tests/test_gpt_oss.py
@@ -59,7 +62,8 @@ SECOND=(tests/test_paged_attention_triton.py tests/test_skinny_linear.py
 case "${TESTS:-all}" in
   1) FILES=("${FIRST[@]}") ;;
   2) FILES=("${SECOND[@]}") ;;
-  *) FILES=("${FIRST[@]}" "${SECOND[@]}") ;;
+  3) FILES=("${THIRD[@]}") ;;
+  *) FILES=("${FIRST[@]}" "${SECOND[@]}" "${THIRD[@]}") ;;
 esac
 [ -n "${TEST_FILES:-}" ] && read -r -a FILES <<< "$TEST_FILES"
 # From /tmp: Ray's workers (the tier actor tests) put the driver's working directory on
