@@ -17,6 +17,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": LlamaFamilyForCausalLM,
     "LlamaForCausalLM": LlamaFamilyForCausalLM,
+    "Ministral3ForCausalLM": LlamaFamilyForCausalLM,
     "MinistralForCausalLM": LlamaFamilyForCausalLM,
     "MistralForCausalLM": LlamaFamilyForCausalLM,
     "MixtralForCausalLM": LlamaFamilyForCausalLM,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 # Families whose transformers attention passes `config.sliding_window` to every layer.
-WINDOW_ON_EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3", "qwen3_moe"})
+WINDOW_ON_EVERY_LAYER = frozenset({"mistral", "ministral3", "mixtral", "phi3", "qwen3_moe"})
 
 
 def sliding_window_of(hf_config: Any, layer: int) -> int:

@@ -115,6 +115,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if spec.sinks else None
+        # Ministral 3 scales each query by 1 + beta * log(1 + floor(pos / original length))
+        rope = rope_parameters(cfg)
+        beta = rope.get("llama_4_scaling_beta") if cfg.model_type == "ministral3" else None
+        self.q_position_scale = (
+            None if beta is None else (float(beta), int(rope["original_max_position_embeddings"]))
+        )
 
     def forward(
         self,
@@ -142,14 +148,20 @@ class Attention(nn.Module):
         q [T, Hq, D]. `scale_rows` / `bias`: the folded-norm chain's projection."""
         if self.rotary_dim < self.head_dim:
             assert scale_rows is None, "partial RoPE models keep their norms (norm_fold.py)"
-            return self._prepare_partial_rope(qkv, positions, cos_sin, kv_cache, attn)
-        qn, kn = self.q_norm, self.k_norm
-        return prepare_qkv(
-            qkv, self.num_heads, self.num_kv_heads,
-            None if qn is None else qn.weight, None if kn is None else kn.weight,
-            0.0 if qn is None else qn.eps, positions, cos_sin, kv_cache, attn.slot_mapping,
-            scale_rows, bias,
-        )  # fmt: skip
+            q = self._prepare_partial_rope(qkv, positions, cos_sin, kv_cache, attn)
+        else:
+            qn, kn = self.q_norm, self.k_norm
+            q = prepare_qkv(
+                qkv, self.num_heads, self.num_kv_heads,
+                None if qn is None else qn.weight, None if kn is None else kn.weight,
+                0.0 if qn is None else qn.eps, positions, cos_sin, kv_cache, attn.slot_mapping,
+                scale_rows, bias,
+            )  # fmt: skip
+        if self.q_position_scale is not None:
+            beta, length = self.q_position_scale
+            scale = 1 + beta * torch.log(1 + torch.floor(positions[: q.shape[0]] / length))
+            q = q * scale[:, None, None].to(q.dtype)
+        return q
 
     def _prepare_partial_rope(self, qkv, positions, cos_sin, kv_cache, attn) -> torch.Tensor:
         """`prepare` for RoPE over the first `rotary_dim` dims of each head: the same steps

@@ -1,6 +1,7 @@
 """Multimodal checkpoints served as text models: the language model inside Gemma 3
 4B/12B/27B (Gemma3ForConditionalGeneration) runs as Gemma3ForCausalLM, the one inside
-Mistral Small 3.1/3.2 (Mistral3ForConditionalGeneration) as MistralForCausalLM.
+Mistral Small 3.1/3.2 and Ministral 3 (Mistral3ForConditionalGeneration) as
+MistralForCausalLM or Ministral3ForCausalLM, by its text config's model type.
 
 `text_view` turns the checkpoint's config into its text config (with the top-level keys a
 runner reads: token ids, dtype, quantization); `language_model_weights` renames the
@@ -21,10 +22,14 @@ import torch
 
 from pdserve.runner.config import architecture_of
 
-# multimodal architecture -> the text architecture its language model is
+# multimodal architecture -> the text model types its language model may be, and the
+# causal-LM architecture of each
 TEXT_ONLY = {
-    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
-    "Mistral3ForConditionalGeneration": "MistralForCausalLM",
+    "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
+    "Mistral3ForConditionalGeneration": {
+        "mistral": "MistralForCausalLM",  # Mistral Small 3.1, 3.2
+        "ministral3": "Ministral3ForCausalLM",  # Ministral 3
+    },
 }
 # checkpoint prefix -> the text model's: transformers 5 exports write language_model.model.*,
 # others model.language_model.*
@@ -44,7 +49,9 @@ def text_view(hf_config: Any) -> tuple[Any, str | None]:
     if arch not in TEXT_ONLY:
         return hf_config, None
     text = copy.deepcopy(hf_config.text_config)
-    text.architectures = [TEXT_ONLY[arch]]
+    text_arch = TEXT_ONLY[arch].get(getattr(text, "model_type", ""))
+    # an unknown language model keeps a name runner_select refuses by, not a wrong class
+    text.architectures = [text_arch or f"{arch}[text_config {text.model_type}]"]
     for key in _INHERITED:
         outer = getattr(hf_config, key, None)
         if outer is not None and getattr(text, key, None) is None:
