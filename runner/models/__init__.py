@@ -7,10 +7,12 @@ from pdserve.runner.models.gemma import GemmaForCausalLM
 from pdserve.runner.models.glm4_moe import Glm4MoeForCausalLM
 from pdserve.runner.models.gpt_oss import GptOssForCausalLM
 from pdserve.runner.models.llama import LlamaFamilyForCausalLM
+from pdserve.runner.models.post_norm import PostNormForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Exaone4ForCausalLM": PostNormForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
@@ -21,6 +23,8 @@ MODEL_REGISTRY: dict[str, type] = {
     "MinistralForCausalLM": LlamaFamilyForCausalLM,
     "MistralForCausalLM": LlamaFamilyForCausalLM,
     "MixtralForCausalLM": LlamaFamilyForCausalLM,
+    "Olmo2ForCausalLM": PostNormForCausalLM,
+    "Olmo3ForCausalLM": PostNormForCausalLM,
     "Phi3ForCausalLM": LlamaFamilyForCausalLM,
     "Qwen2ForCausalLM": LlamaFamilyForCausalLM,
     "Qwen2MoeForCausalLM": LlamaFamilyForCausalLM,

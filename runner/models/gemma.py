@@ -14,7 +14,7 @@ What differs from Llama, and where it is handled:
 - The softmax scale is `query_pre_attn_scalar`^-0.5 (llama.Attention reads it).
 - Local layers attend through a sliding window (runner/models/attention_window.py).
 - Gemma 3 rotates local and global layers at their own RoPE bases, maybe linearly scaled
-  (4B and up): one cos/sin table per layer type (`layer_cos_sin`); Gemma 2 has one.
+  (4B and up): one cos/sin table per layer type (llama.py's `layer_cos_sin`).
 - Attention logit softcapping (Gemma 2: `cap * tanh(score / cap)` before the softmax) in
   the attention kernels (llama.Attention passes `attn_logit_softcapping`), and final logit
   softcapping here, when the config sets them.
@@ -31,8 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdserve.runner.models.llama import LlamaFamilyForCausalLM, RMSNorm, rotary_dim_of
-from pdserve.runner.models.rope import build_cos_sin_cache, rope_layer_types
+from pdserve.runner.models.llama import LlamaFamilyForCausalLM, RMSNorm
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -68,32 +67,10 @@ class GemmaForCausalLM(LlamaFamilyForCausalLM):
     def __init__(self, cfg: Any, max_positions: int):
         super().__init__(cfg, max_positions)
         self.final_logit_softcapping = float(getattr(cfg, "final_logit_softcapping", None) or 0)
-        # One cos/sin table per layer type with its own RoPE (None: the base class's one).
-        self.rope_types = rope_layer_types(cfg)
-        for layer_type in self.rope_types:
-            if layer_type is not None:
-                table = torch.empty(max_positions, rotary_dim_of(cfg))
-                self.register_buffer(f"cos_sin_{layer_type}", table, persistent=False)
 
     def _decoder_layer(self, cfg: Any, layer: int) -> nn.Module:
         attention, mlp = self._attention(cfg, layer), self._feed_forward(cfg, layer)
         return GemmaDecoderLayer(cfg, attention, mlp)
-
-    def init_rope(self) -> None:
-        super().init_rope()
-        for layer_type in self.rope_types:
-            if layer_type is not None:
-                name = f"cos_sin_{layer_type}"
-                old = getattr(self, name)
-                table = build_cos_sin_cache(
-                    self.config, old.shape[1], old.shape[0], old.device, layer_type
-                )
-                setattr(self, name, table)
-
-    def layer_cos_sin(self, layer: int) -> torch.Tensor:
-        if self.rope_types == [None]:
-            return self.cos_sin_cache
-        return getattr(self, f"cos_sin_{self.config.layer_types[layer]}")
 
     def _after_load(self) -> None:
         """RMSNorm weights are offsets from one; the embedding scale is rounded to the

@@ -36,7 +36,12 @@ from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.models.attention_window import sliding_window_of
 from pdserve.runner.models.mlp import MLP, activation_of
 from pdserve.runner.models.norm_fold import chain_applies, folded_forward
-from pdserve.runner.models.rope import build_cos_sin_cache, rope_parameters
+from pdserve.runner.models.rope import (
+    build_cos_sin_cache,
+    rope_free_layers,
+    rope_layer_types,
+    rope_parameters,
+)
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class FamilySpec:
     o_bias: bool
     qk_norm: bool
     sinks: bool = False  # a learned sink logit per query head (gpt-oss)
+    qk_norm_whole: bool = False  # q/k norms over all heads at once (OLMo 2/3), not per head
 
 
 def family_spec(hf_config: Any) -> FamilySpec:
@@ -57,8 +63,10 @@ def family_spec(hf_config: Any) -> FamilySpec:
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=True)
     if model_type == "gpt_oss":
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=False, sinks=True)
-    if model_type == "gemma3_text":
+    if model_type in ("gemma3_text", "exaone4"):
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=True)
+    if model_type in ("olmo2", "olmo3"):
+        return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=True, qk_norm_whole=True)
     if model_type == "glm4_moe":
         qk_norm = bool(getattr(hf_config, "use_qk_norm", False))
         return FamilySpec(qkv_bias=bias, o_bias=False, qk_norm=qk_norm)
@@ -112,8 +120,11 @@ class Attention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=spec.o_bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
+        self.qk_norm_whole = spec.qk_norm_whole
+        q_width = self.q_size if spec.qk_norm_whole else self.head_dim
+        k_width = self.kv_size if spec.qk_norm_whole else self.head_dim
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if spec.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if spec.sinks else None
         # Ministral 3 scales each query by 1 + beta * log(1 + floor(pos / original length))
         rope = rope_parameters(cfg)
@@ -146,9 +157,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Split, q/k norm, rope and the KV write in one kernel (kernels/qkv_prep.py) ->
         q [T, Hq, D]. `scale_rows` / `bias`: the folded-norm chain's projection."""
-        if self.rotary_dim < self.head_dim:
-            assert scale_rows is None, "partial RoPE models keep their norms (norm_fold.py)"
-            q = self._prepare_partial_rope(qkv, positions, cos_sin, kv_cache, attn)
+        if self.rotary_dim < self.head_dim or self.qk_norm_whole:
+            assert scale_rows is None, "these models keep their norms (norm_fold.py)"
+            q = self._prepare_unfused(qkv, positions, cos_sin, kv_cache, attn)
         else:
             qn, kn = self.q_norm, self.k_norm
             q = prepare_qkv(
@@ -163,13 +174,16 @@ class Attention(nn.Module):
             q = q * scale[:, None, None].to(q.dtype)
         return q
 
-    def _prepare_partial_rope(self, qkv, positions, cos_sin, kv_cache, attn) -> torch.Tensor:
-        """`prepare` for RoPE over the first `rotary_dim` dims of each head: the same steps
-        as its kernel's spec (split, per-head norm, rope, KV write), as separate kernels."""
+    def _prepare_unfused(self, qkv, positions, cos_sin, kv_cache, attn) -> torch.Tensor:
+        """`prepare` for RoPE over the first `rotary_dim` dims of each head, or q/k norms
+        over all heads at once: the same steps as the fused kernel's spec (split, norm,
+        rope, KV write), as separate kernels."""
         t, d, rot = qkv.shape[0], self.head_dim, self.rotary_dim
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
             k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
         q_rot, k_rot = apply_rope(q[..., :rot], k[..., :rot], positions, cos_sin)
@@ -240,13 +254,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.register_buffer(
             "cos_sin_cache", torch.empty(max_positions, rotary_dim_of(cfg)), persistent=False
         )
-        # SmolLM3's NoPE layers (`no_rope_layers[i] == 0`) rotate by an identity table
-        # (cos 1, sin 0: the rope kernels then return q and k exactly as they came).
-        uses_rope = getattr(cfg, "no_rope_layers", None) or [1] * cfg.num_hidden_layers
-        self.nope_layers = frozenset(i for i, rope in enumerate(uses_rope) if not rope)
-        if self.nope_layers:
-            identity = torch.empty(max_positions, rotary_dim_of(cfg))
-            self.register_buffer("cos_sin_identity", identity, persistent=False)
+        # Layers that rotate no position (SmolLM3's, EXAONE 4's global ones) read an
+        # identity table (cos 1, sin 0: the rope kernels return q and k as they came);
+        # layer types with their own RoPE (Gemma 3, OLMo 3) each have a table.
+        self.nope_layers = rope_free_layers(cfg)
+        self.rope_types = rope_layer_types(cfg)
+        extra = ["identity"] if self.nope_layers else []
+        extra += [t for t in self.rope_types if t is not None]
+        for name in extra:
+            table = torch.empty(max_positions, rotary_dim_of(cfg))
+            self.register_buffer(f"cos_sin_{name}", table, persistent=False)
 
     # ---- what a subclass (deepseek.py, glm4_moe.py, gemma.py) replaces -----------------------
 
@@ -291,11 +308,21 @@ class LlamaFamilyForCausalLM(nn.Module):
             identity = torch.zeros_like(self.cos_sin_cache)
             identity[:, :half] = 1.0
             self.cos_sin_identity = identity
+        for layer_type in self.rope_types:
+            if layer_type is not None:
+                table = build_cos_sin_cache(
+                    self.config, cache.shape[1], cache.shape[0], cache.device, layer_type
+                )
+                setattr(self, f"cos_sin_{layer_type}", table)
 
     def layer_cos_sin(self, layer: int) -> torch.Tensor:
-        """The cos/sin table layer `layer` rotates with: one for all layers here, but for
-        NoPE layers' identity."""
-        return self.cos_sin_identity if layer in self.nope_layers else self.cos_sin_cache
+        """The cos/sin table layer `layer` rotates with: its layer type's, or the one for
+        all layers; the identity for a NoPE layer."""
+        if layer in self.nope_layers:
+            return self.cos_sin_identity
+        if self.rope_types == [None]:
+            return self.cos_sin_cache
+        return getattr(self, f"cos_sin_{self.config.layer_types[layer]}")
 
     @property
     def num_kv_heads(self) -> int:

@@ -59,6 +59,18 @@ def rope_layer_types(hf_config: Any) -> list[str | None]:
     return list(dict.fromkeys(hf_config.layer_types)) if per_layer_type(hf_config) else [None]
 
 
+def rope_free_layers(hf_config: Any) -> frozenset[int]:
+    """Layers that rotate no position (NoPE): SmolLM3's `no_rope_layers[i] == 0`, and
+    EXAONE 4's full-attention layers when it has sliding ones (its "global NoPE")."""
+    flags = getattr(hf_config, "no_rope_layers", None)
+    if flags:
+        return frozenset(i for i, rope in enumerate(flags) if not rope)
+    if getattr(hf_config, "model_type", "") == "exaone4" and hf_config.sliding_window:
+        types = hf_config.layer_types
+        return frozenset(i for i, t in enumerate(types) if t == "full_attention")
+    return frozenset()
+
+
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
 
