@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import glob
 import os
+import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 
 def _cuda_present() -> bool:
@@ -513,3 +515,30 @@ def assert_logprobs_match_hf(
     )
     got = torch.tensor([[lp[t].logprob] for t, lp in zip(out.token_ids, out.logprobs)])
     assert torch.allclose(got, want, atol=1e-4), (got.squeeze(1), want.squeeze(1))
+
+
+def assert_greedy_matches_hf(
+    model_dir: str,
+    prompt_lens: tuple[int, ...],
+    new_tokens: int,
+    seed: int = 7,
+    ref_dir: str | None = None,
+    **llm_kw,
+) -> Any:
+    """Seeded random prompts of `prompt_lens` tokens, decoded greedily on our engine
+    (float32, mrv2, 16-token blocks, 64-token steps so long prompts prefill in chunks on a
+    cached prefix): each output equals transformers' greedy `generate` on `ref_dir`
+    (default: the same model), token for token. Returns the LLM."""
+    from pdserve import LLM, SamplingParams
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in prompt_lens]
+    kw = dict(device=DEVICE, dtype="float32", block_size=16, max_num_batched_tokens=64)
+    llm = LLM(model=model_dir, **(kw | llm_kw))
+    assert llm.runner_name == "mrv2"
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    expected = hf_greedy(ref_dir or model_dir, prompts, new_tokens)
+    for p, out, exp in zip(prompts, outs, expected, strict=True):
+        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
+    return llm

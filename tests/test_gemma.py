@@ -13,11 +13,15 @@ decode 24 tokens.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from conftest import DEVICE, _randomize_tensors, _save_tiny, assert_logprobs_match_hf, hf_greedy
+from conftest import (
+    DEVICE,
+    _randomize_tensors,
+    _save_tiny,
+    assert_greedy_matches_hf,
+    assert_logprobs_match_hf,
+)
 
 from pdserve import LLM, SamplingParams
 from pdserve.runner.models.attention_window import windowed_layers
@@ -139,17 +143,7 @@ def test_unsupported_gemma_features_are_named():
 
 @pytest.mark.parametrize("fixture", GEMMAS)
 def test_greedy_tokens_match_transformers(fixture, request):
-    model_dir = request.getfixturevalue(fixture)
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100)]
-    llm = LLM(model=model_dir, device=DEVICE, dtype="float32", block_size=16,
-              max_num_batched_tokens=64)  # fmt: skip
-    assert llm.runner_name == "mrv2"
-    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    expected = hf_greedy(model_dir, prompts, 24)
-    for p, out, exp in zip(prompts, outs, expected):
-        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
+    assert_greedy_matches_hf(request.getfixturevalue(fixture), (1, 5, 17, 33, 64, 100), 24)
 
 
 @pytest.mark.parametrize("fixture", GEMMAS)

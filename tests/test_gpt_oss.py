@@ -15,13 +15,18 @@ the tokens).
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE, _save_tiny, assert_logprobs_match_hf, hf_greedy
+from conftest import (
+    DEVICE,
+    _save_tiny,
+    assert_greedy_matches_hf,
+    assert_logprobs_match_hf,
+    hf_greedy,
+)
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
@@ -92,16 +97,8 @@ def mxfp4_pair(tiny_gpt_oss_dir, tmp_path_factory) -> tuple[str, str]:
 
 
 def test_greedy_tokens_match_transformers(tiny_gpt_oss_dir):
-    rng = random.Random(2)
-    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (1, 5, 17, 40, 90)]
-    llm = LLM(model=tiny_gpt_oss_dir, device=DEVICE, dtype="float32", block_size=16,
-              max_num_batched_tokens=64)  # fmt: skip
-    assert llm.runner_name == "mrv2"
+    llm = assert_greedy_matches_hf(tiny_gpt_oss_dir, (1, 5, 17, 40, 90), 20, seed=2)
     assert llm.engine.execution_path["experts"] == ("triton" if DEVICE == "cuda" else "torch")
-    params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for p, out, exp in zip(prompts, outs, hf_greedy(tiny_gpt_oss_dir, prompts, 20)):
-        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
 
 
 def test_logprobs_match_transformers(tiny_gpt_oss_dir):

@@ -3,12 +3,12 @@ length (runner/models/rope.py chooses one factor set per engine, as vLLM does)."
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from conftest import DEVICE, _save_tiny, assert_logprobs_match_hf, hf_greedy
-
-from pdserve import LLM, SamplingParams
+from conftest import (
+    _save_tiny,
+    assert_greedy_matches_hf,
+    assert_logprobs_match_hf,
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +45,7 @@ def test_longrope_matches_transformers_on_its_side(
     for every sequence that fits; the long set beyond, where transformers uses it for a
     sequence longer than 32 from its prompt on. Greedy tokens and logprobs match it on
     each side (a wrong factor set or attention factor changes both)."""
-    rng = random.Random(5)
-    prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in prompt_lens]
-    llm = LLM(model=tiny_phi3_longrope_dir, device=DEVICE, dtype="float32", block_size=16,
-              max_model_len=max_model_len)  # fmt: skip
-    assert llm.runner_name == "mrv2"
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    expected = hf_greedy(tiny_phi3_longrope_dir, prompts, new_tokens)
-    for p, out, exp in zip(prompts, outs, expected):
-        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
-    assert_logprobs_match_hf(tiny_phi3_longrope_dir, prompts[-1], 6,
+    assert_greedy_matches_hf(tiny_phi3_longrope_dir, prompt_lens, new_tokens, seed=5,
                              max_model_len=max_model_len)  # fmt: skip
+    prompt = [(7 * i + 3) % 1000 + 3 for i in range(prompt_lens[-1])]
+    assert_logprobs_match_hf(tiny_phi3_longrope_dir, prompt, 6, max_model_len=max_model_len)

@@ -8,12 +8,13 @@ with a ministral3 text config) run the same class (runner/models/text_only.py)."
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from conftest import DEVICE, _save_tiny, assert_logprobs_match_hf, hf_greedy
+from conftest import (
+    _save_tiny,
+    assert_greedy_matches_hf,
+    assert_logprobs_match_hf,
+)
 
-from pdserve import LLM, SamplingParams
 from pdserve.runner.models.text_only import text_view
 
 
@@ -38,16 +39,8 @@ def tiny_ministral3_dir(tmp_path_factory) -> str:
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(tiny_ministral3_dir):
-    rng = random.Random(4)
-    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40, 90)]
-    llm = LLM(model=tiny_ministral3_dir, device=DEVICE, dtype="float32", block_size=16,
-              max_num_batched_tokens=64)  # fmt: skip
-    assert llm.runner_name == "mrv2"
-    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for p, out, exp in zip(prompts, outs, hf_greedy(tiny_ministral3_dir, prompts, 16)):
-        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
-    assert_logprobs_match_hf(tiny_ministral3_dir, prompts[1], 8)
+    assert_greedy_matches_hf(tiny_ministral3_dir, (5, 40, 90), 16, seed=4)
+    assert_logprobs_match_hf(tiny_ministral3_dir, [(5 * i + 2) % 1000 + 3 for i in range(40)], 8)
 
 
 def test_multimodal_checkpoint_picks_the_text_class_by_model_type():

@@ -177,6 +177,17 @@ def dense_causal(q, k, v, scale, window=0, softcap=0.0, sinks=None) -> torch.Ten
     return (p @ v).transpose(0, 1)
 
 
+def check_ref_against_dense(batch: Batch) -> None:
+    """The spec on `batch` equals `dense_causal` row by row (with the batch's window,
+    softcap and sinks), to float64 rounding."""
+    ref, qsl = batch.run_ref(), batch.qsl.tolist()
+    for r, ((ctx, _), (k, v)) in enumerate(zip(batch.rows, batch.contexts)):
+        if ctx:
+            q = batch.q[qsl[r] : qsl[r + 1]].cpu()
+            dense = dense_causal(q, k, v, batch.scale, batch.window, batch.softcap, batch.sinks)
+            torch.testing.assert_close(ref[qsl[r] : qsl[r + 1]], dense, rtol=1e-10, atol=1e-10)
+
+
 def check(batch: Batch, out: torch.Tensor) -> None:
     """Real rows match the reference within the dtype's tolerance; pad rows are zeros."""
     ref, out = batch.run_ref(), out.double().cpu()

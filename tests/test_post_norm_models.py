@@ -11,15 +11,17 @@ windows, prefilled in 64-token chunks, and decode 20 tokens.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE, _save_tiny, assert_logprobs_match_hf, hf_greedy
+from conftest import (
+    _save_tiny,
+    assert_greedy_matches_hf,
+    assert_logprobs_match_hf,
+)
 from safetensors.torch import load_file, save_file
 
-from pdserve import LLM, SamplingParams
 from pdserve.runner.models.rope import rope_free_layers
 
 COMMON = dict(
@@ -79,13 +81,5 @@ def test_exaone4_rotates_no_position_on_its_global_layers():
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(model_dir):
-    rng = random.Random(6)
-    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (1, 9, 33, 90)]
-    llm = LLM(model=model_dir, device=DEVICE, dtype="float32", block_size=16,
-              max_num_batched_tokens=64)  # fmt: skip
-    assert llm.runner_name == "mrv2"
-    params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for p, out, exp in zip(prompts, outs, hf_greedy(model_dir, prompts, 20)):
-        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
-    assert_logprobs_match_hf(model_dir, prompts[2], 8)
+    assert_greedy_matches_hf(model_dir, (1, 9, 33, 90), 20, seed=6)
+    assert_logprobs_match_hf(model_dir, [(5 * i + 2) % 1000 + 3 for i in range(33)], 8)

@@ -25,7 +25,7 @@ from test_paged_attention_triton import (
     TWO_QUERIES,
     X,
     check,
-    dense_causal,
+    check_ref_against_dense,
     make_batch,
     run_kernel,
 )
@@ -39,13 +39,7 @@ WINDOWS = [1, 3, 17, 64, 100 * X]
 def test_ref_matches_dense_matmul(window):
     """Guards the spec: the window's lower edge (inclusive of p - window + 1), for decode
     rows (the batched SDPA) and for chunks on a prefix and fresh prompts (one call each)."""
-    batch = make_batch([*MIXED, LONG_PROMPT], 6, 3, 20, 16, window=window)
-    ref, qsl = batch.run_ref(), batch.qsl.tolist()
-    for r, ((ctx, _), (k, v)) in enumerate(zip(batch.rows, batch.contexts)):
-        if ctx:
-            q = batch.q[qsl[r] : qsl[r + 1]].cpu()
-            dense = dense_causal(q, k, v, batch.scale, window)
-            torch.testing.assert_close(ref[qsl[r] : qsl[r + 1]], dense, rtol=1e-10, atol=1e-10)
+    check_ref_against_dense(make_batch([*MIXED, LONG_PROMPT], 6, 3, 20, 16, window=window))
 
 
 def test_window_changes_the_answer():

@@ -11,12 +11,13 @@ of 2).
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from conftest import DEVICE, _save_tiny, assert_logprobs_match_hf, hf_greedy
+from conftest import (
+    _save_tiny,
+    assert_greedy_matches_hf,
+    assert_logprobs_match_hf,
+)
 
-from pdserve import LLM, SamplingParams
 from pdserve.runner.models.attention_window import windowed_layers
 
 
@@ -105,17 +106,7 @@ def test_windows_are_read_as_transformers_does(fixture, request):
 @pytest.mark.parametrize("fixture", FIXTURES)
 def test_greedy_tokens_match_transformers(fixture, request):
     """Prefill chunks on a cached prefix, fresh prompts and decode rows, all windowed."""
-    model_dir = request.getfixturevalue(fixture)
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100)]
-    llm = LLM(model=model_dir, device=DEVICE, dtype="float32", block_size=16,
-              max_num_batched_tokens=64)  # fmt: skip
-    assert llm.runner_name == "mrv2"
-    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    expected = hf_greedy(model_dir, prompts, 24)
-    for p, out, exp in zip(prompts, outs, expected):
-        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
+    assert_greedy_matches_hf(request.getfixturevalue(fixture), (1, 5, 17, 33, 64, 100), 24)
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)

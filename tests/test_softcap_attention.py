@@ -17,7 +17,7 @@ from test_paged_attention_triton import (
     LONG_PROMPT,
     MIXED,
     check,
-    dense_causal,
+    check_ref_against_dense,
     make_batch,
     run_kernel,
 )
@@ -34,13 +34,7 @@ def _batch(softcap=CAP, window=0, dtype=torch.float32, hq=6, hk=3, d=20):
 
 @pytest.mark.parametrize("window", [0, 9])
 def test_ref_matches_dense_matmul(window):
-    batch = _batch(window=window)
-    ref, qsl = batch.run_ref(), batch.qsl.tolist()
-    for r, ((ctx, _), (k, v)) in enumerate(zip(batch.rows, batch.contexts)):
-        if ctx:
-            q = batch.q[qsl[r] : qsl[r + 1]].cpu()
-            dense = dense_causal(q, k, v, batch.scale, window, CAP)
-            torch.testing.assert_close(ref[qsl[r] : qsl[r + 1]], dense, rtol=1e-10, atol=1e-10)
+    check_ref_against_dense(_batch(window=window))
 
 
 def test_softcap_changes_the_answer():

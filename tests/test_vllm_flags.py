@@ -185,7 +185,8 @@ def test_auto_tool_choice_takes_vllms_two_flags(tmp_path, monkeypatch):
     assert auto_tool_parser(_args("--config", str(path))) == "llama3_json"
     path.write_text("enable_auto_tool_choice: true\ntool_call_parser: mistral\n")
     with pytest.raises(
-        ValueError, match="must be one of glm45, hermes, llama3_json, qwen3_coder, got 'mistral'"
+        ValueError,
+        match="must be one of glm45, hermes, llama3_json, openai, qwen3_coder, got 'mistral'",
     ):
         _args("--config", str(path))
     res = subprocess.run(
@@ -194,7 +195,7 @@ def test_auto_tool_choice_takes_vllms_two_flags(tmp_path, monkeypatch):
     )  # fmt: skip
     assert res.returncode == 2, res.stderr
     assert (
-        "--enable-auto-tool-choice needs --tool-call-parser (glm45 or hermes or llama3_json or qwen3_coder)"
+        "--enable-auto-tool-choice needs --tool-call-parser (glm45 or hermes or llama3_json or openai or qwen3_coder)"
         in (res.stderr)
     )
 
@@ -211,14 +212,16 @@ def test_reasoning_parser_takes_vllms_names(tmp_path, monkeypatch):
     assert _args("--config", str(path)).reasoning_parser == "deepseek_r1"
     assert _args("--config", str(path), "--reasoning-parser", "qwen3").reasoning_parser == "qwen3"
     path.write_text("reasoning_parser: bogus\n")
-    with pytest.raises(ValueError, match="must be one of qwen3, deepseek_r1, got 'bogus'"):
+    with pytest.raises(
+        ValueError, match="must be one of qwen3, deepseek_r1, openai_gptoss, got 'bogus'"
+    ):
         _args("--config", str(path))
     for argv, named in (
         (["--reasoning-parser", "bogus"],
          r"argument --reasoning-parser: invalid choice: 'bogus' \(choose from '?qwen3'?, "
-         r"'?deepseek_r1'?\)"),
+         r"'?deepseek_r1'?, '?openai_gptoss'?\)"),
         (["--config", str(path)],
-         r"--reasoning-parser must be one of qwen3, deepseek_r1, got 'bogus'"),
+         r"--reasoning-parser must be one of qwen3, deepseek_r1, openai_gptoss, got 'bogus'"),
     ):  # fmt: skip
         res = subprocess.run(
             [sys.executable, "-m", "pdserve.cli", "serve", *argv],
