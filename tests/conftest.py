@@ -56,6 +56,11 @@ collect_ignore = ([] if _num_gpus() >= 2 else ["test_gpu_peer_ipc.py"]) + (
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Importing pdserve first takes the checkout root off sys.path, so a transformers model that
+# imports the `kernels` distribution (Seed-OSS's hub-kernel layers) does not find the root's
+# kernels/ instead (pdserve/source_tree.py).
+import pdserve  # noqa: E402, F401
+
 # Device the engine tests run on: "cpu" in CI; "cuda" on the GPU machine runs the same
 # parity and self-consistency tests through the Triton / async / CUDA-graph path.
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")

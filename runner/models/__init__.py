@@ -12,6 +12,7 @@ from pdserve.runner.models.post_norm import PostNormForCausalLM
 MODEL_REGISTRY: dict[str, type] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Ernie4_5ForCausalLM": LlamaFamilyForCausalLM,
     "Exaone4ForCausalLM": PostNormForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
@@ -30,5 +31,6 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen2MoeForCausalLM": LlamaFamilyForCausalLM,
     "Qwen3ForCausalLM": LlamaFamilyForCausalLM,
     "Qwen3MoeForCausalLM": LlamaFamilyForCausalLM,
+    "SeedOssForCausalLM": LlamaFamilyForCausalLM,
     "SmolLM3ForCausalLM": LlamaFamilyForCausalLM,
 }

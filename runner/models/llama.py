@@ -51,6 +51,9 @@ class FamilySpec:
     qk_norm: bool
     sinks: bool = False  # a learned sink logit per query head (gpt-oss)
     qk_norm_whole: bool = False  # q/k norms over all heads at once (OLMo 2/3), not per head
+    # RoPE on interleaved pairs (ERNIE 4.5): q/k rows are reordered at load so the halves
+    # kernels rotate them (`_after_load`)
+    rope_interleaved: bool = False
 
 
 def family_spec(hf_config: Any) -> FamilySpec:
@@ -65,6 +68,12 @@ def family_spec(hf_config: Any) -> FamilySpec:
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=False, sinks=True)
     if model_type in ("gemma3_text", "exaone4"):
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=True)
+    if model_type == "seed_oss":
+        out_bias = bool(getattr(hf_config, "attention_out_bias", False))
+        return FamilySpec(qkv_bias=bias, o_bias=out_bias, qk_norm=False)
+    if model_type == "ernie4_5":
+        use_bias = bool(getattr(hf_config, "use_bias", False))
+        return FamilySpec(qkv_bias=use_bias, o_bias=use_bias, qk_norm=False, rope_interleaved=True)
     if model_type in ("olmo2", "olmo3"):
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=True, qk_norm_whole=True)
     if model_type == "glm4_moe":
@@ -204,6 +213,23 @@ class Attention(nn.Module):
         return out.reshape(q.shape[0], self.q_size)
 
 
+def _interleaved_to_halves(attn: Attention) -> None:
+    """Reorders each q and k head's output rows [0, 2, 4, ..., 1, 3, 5, ...]: the pairs an
+    interleaved RoPE rotates, (2i, 2i+1), become the halves kernels' (i, i + D/2) at the
+    same frequency i. q.k is unchanged (both move alike); v and o are untouched."""
+    d = attn.head_dim
+    within = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+    heads = attn.num_heads + attn.num_kv_heads
+    rows = (torch.arange(heads)[:, None] * d + within[None, :]).reshape(-1)
+    rows = rows.to(attn.qkv_proj.weight.device)
+    qk = heads * d
+    w = attn.qkv_proj.weight.data
+    w[:qk] = w[:qk][rows]
+    if attn.qkv_proj.bias is not None:
+        b = attn.qkv_proj.bias.data
+        b[:qk] = b[:qk][rows]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Any, attention: nn.Module, mlp: nn.Module):
         super().__init__()
@@ -280,7 +306,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         spec = moe.moe_spec(cfg)
         if moe.is_sparse_layer(cfg, spec, layer):
             return moe.SparseMoeBlock(cfg.hidden_size, spec, self.workspace)
-        bias = bool(getattr(cfg, "mlp_bias", False))
+        bias = bool(getattr(cfg, "mlp_bias", False) or getattr(cfg, "use_bias", False))
         return MLP(cfg.hidden_size, cfg.intermediate_size, bias, self.workspace, activation_of(cfg))
 
     def kv_block_shape(self, block_size: int) -> tuple[int, ...]:
@@ -288,8 +314,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         return (2, block_size, self.num_kv_heads, self.head_dim)
 
     def _after_load(self) -> None:
-        """Rearranges loaded weights where a family needs it: Granite's residual multiplier
-        goes into the o and down projections, whose outputs it scales (nothing for Llama)."""
+        """Rearranges loaded weights where a family needs it: interleaved-RoPE q/k rows into
+        halves (ERNIE 4.5); Granite's residual multiplier into the o and down projections,
+        whose outputs it scales (nothing for Llama)."""
+        if family_spec(self.config).rope_interleaved:
+            for layer in self.layers:
+                _interleaved_to_halves(layer.self_attn)
         if self.residual_multiplier == 1.0:
             return
         for layer in self.layers:
