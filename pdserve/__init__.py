@@ -15,13 +15,23 @@ keep_root_off_path()  # before anything imports transformers (pdserve/source_tre
 
 if TYPE_CHECKING:
     from pdserve.runner.llm import LLM
+    from pdserve.runner.lora.request import LoRARequest
     from pdserve.runner.outputs import CompletionOutput, Logprob, RequestOutput
     from pdserve.runner.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = [
+    "LLM",
+    "LoRARequest",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "__version__",
+]
 
 _LAZY = {
     "LLM": "pdserve.runner.llm",
+    "LoRARequest": "pdserve.runner.lora.request",
     "SamplingParams": "pdserve.runner.sampling_params",
     "RequestOutput": "pdserve.runner.outputs",
     "CompletionOutput": "pdserve.runner.outputs",

@@ -190,11 +190,25 @@ class RunnerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's LoRA flags: adapters served beside the base weights (runner/lora/)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1  # adapter slots on the device: adapters one batch can mix
+    max_lora_rank: int = 16  # the largest adapter rank served
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, f"max_loras must be >= 1 (got {self.max_loras})")
+        _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1 (got {self.max_lora_rank})")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     runner: RunnerConfig
+    lora: LoRAConfig = LoRAConfig()
 
     def __post_init__(self) -> None:
         _require(

@@ -14,6 +14,7 @@ import torch
 from pdserve.runner.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     RunnerConfig,
     SchedulerConfig,
@@ -80,6 +81,9 @@ def resolve_engine_config(
     decode_attention: str = "auto",
     cuda_graph_scope: str = "step",
     scheduling_policy: str = "fcfs",
+    enable_lora: bool = False,
+    max_loras: int = 1,
+    max_lora_rank: int = 16,
 ) -> EngineConfig:
     from transformers import AutoConfig
 
@@ -145,4 +149,5 @@ def resolve_engine_config(
             decode_attention=decode_attention,
             cuda_graph_scope=cuda_graph_scope,
         ),
+        lora=LoRAConfig(enable_lora, max_loras, max_lora_rank),
     )

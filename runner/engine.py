@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -25,6 +26,7 @@ from pdserve.runner.engine_pd import PDRoles
 from pdserve.runner.engine_state import StepStats, Track
 from pdserve.runner.kv_cache_manager import KVCacheManager
 from pdserve.runner.kv_hooks import KVLoader, KVPublisher
+from pdserve.runner.lora.request import LoRARequest
 from pdserve.runner.output_text import logprob_dict, next_text
 from pdserve.runner.outputs import RequestDelta
 from pdserve.runner.request import Request, RequestStatus
@@ -53,6 +55,8 @@ class Engine(PDRoles):
         self.eos_token_ids = eos_token_ids(
             config.model.path, config.model.hf_config, self.tokenizer
         )
+        if config.lora.enable_lora and config.runner.runner != "mrv2":
+            raise ValueError(f"enable_lora needs the mrv2 runner (got {config.runner.runner!r})")
         if config.runner.runner == "mrv2":
             from pdserve.runner.mrv2.model_runner import MRV2ModelRunner as runner_cls
         else:
@@ -91,7 +95,7 @@ class Engine(PDRoles):
         path = self.execution_path
         logger.info(
             "engine ready: model=%s runner=%s device=%s dtype=%s max_model_len=%d "
-            "decode_attention=%s norms=%s graph_scope=%s experts=%s weights=%s",
+            "decode_attention=%s norms=%s graph_scope=%s experts=%s weights=%s lora=%s",
             config.model.source,
             path["runner"],
             config.runner.device,
@@ -102,6 +106,7 @@ class Engine(PDRoles):
             path["graph_scope"],
             path["experts"],
             path["weights"],
+            path["lora"],
         )
 
     @classmethod
@@ -162,20 +167,38 @@ class Engine(PDRoles):
         params: SamplingParams,
         hold_kv: bool = False,
         kv_ticket: object | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. `hold_kv` (prefill role): sample one token, skip stop checks
         (the decode side applies them), and end with the blocks held: the last delta
         carries `kv_held`, and `release_held` frees them. `kv_ticket`: ask the
         `KVLoader` for the prompt's KV first (e.g. from the tier); whatever it cannot
-        supply is computed here."""
+        supply is computed here. `lora_request`: the LoRA adapter to run with, loaded now
+        if it is not (an engine built with `enable_lora`)."""
         self.validate(request_id, prompt_token_ids, params)
         if hold_kv or kv_ticket is not None:
             self.require_paged("hold_kv" if hold_kv else "kv_ticket")
         if kv_ticket is not None and self.kv_loader is None:
             raise ValueError("kv_ticket needs an engine built with a kv_loader")
+        lora_name = None
+        if lora_request is not None:
+            self.load_lora(lora_request)
+            lora_name = lora_request.lora_name
         self._new_request(
-            request_id, prompt_token_ids, params, hold_kv=hold_kv, kv_ticket=kv_ticket
-        )
+            request_id, prompt_token_ids, params, hold_kv=hold_kv, kv_ticket=kv_ticket,
+            lora_name=lora_name,
+        )  # fmt: skip
+
+    def load_lora(self, lora_request: LoRARequest, keep: Iterable[str] = ()) -> None:
+        """The adapter in a device slot (runner/lora/); one that no live request runs with
+        and that is not in `keep` may give its slot up. Raises ValueError naming what is
+        wrong with the adapter."""
+        if not self.config.lora.enable_lora:
+            raise ValueError("a lora_request needs an engine built with enable_lora=True")
+        live = {r.lora_name for r in self.scheduler.requests.values()}
+        live |= {r.lora_name for r, _ in self._awaiting_grammar.values()}
+        evictable = set(self.runner.lora.by_name) - live - set(keep)
+        self.runner.add_lora(lora_request, evictable)
 
     def require_paged(self, what: str) -> None:
         if self.config.runner.runner != "mrv2":

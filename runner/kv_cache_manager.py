@@ -194,4 +194,5 @@ class KVCacheManager:
                 request.all_token_ids,
                 self.block_size,
                 request.params.cache_salt,
+                request.lora_name,
             )

@@ -21,6 +21,7 @@ from typing import Any
 from pdserve.runner.config_resolve import resolve_engine_config
 from pdserve.runner.engine import Engine
 from pdserve.runner.generation_defaults import sampling_defaults
+from pdserve.runner.lora.request import LoRARequest
 from pdserve.runner.outputs import CompletionOutput, RequestDelta, RequestOutput
 from pdserve.runner.parallel_sampling import child_params
 from pdserve.runner.sampling_params import SamplingParams
@@ -112,9 +113,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `generate`; `priority`, one per prompt, needs an engine built with
-        scheduling_policy="priority" (lower runs first)."""
+        scheduling_policy="priority" (lower runs first); `lora_request`, one for all or one
+        per prompt (None: the base model), an engine built with enable_lora=True."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -137,9 +140,26 @@ class LLM:
             params_list = [
                 dataclasses.replace(p, priority=v) for p, v in zip(params_list, priority)
             ]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(
+                    f"got {len(loras)} lora requests for {len(prompts)} prompts: pass one, or "
+                    "one per prompt"
+                )
+        wanted = {lr.lora_name: lr for lr in loras if lr is not None}
+        if len(wanted) > self.config.lora.max_loras:
+            raise ValueError(
+                f"{len(wanted)} LoRA adapters in one call; the engine holds max_loras="
+                f"{self.config.lora.max_loras} at once"
+            )
+        for lora in wanted.values():  # a bad adapter fails here, before anything is queued
+            self.engine.load_lora(lora, keep=wanted)
         # Validate everything before queuing anything.
         jobs = []
-        for prompt, params in zip(prompts, params_list):
+        for prompt, params, lora in zip(prompts, params_list, loras):
             text, ids = self._to_token_ids(prompt)
             parent = f"llm-{next(self._ids)}"
             base_seed = params.seed if params.seed is not None else self.engine.next_seed()
@@ -150,15 +170,15 @@ class LLM:
                     # The DFA now (cached), so that one that cannot be built raises here;
                     # a serving engine builds it beside its steps.
                     compile_spec(p.structured_outputs)
-            jobs.append((parent, text, ids, children))
+            jobs.append((parent, text, ids, children, lora))
         outputs: dict[str, RequestOutput] = {}
         child_to_parent: dict[str, tuple[str, int]] = {}
-        for parent, text, ids, children in jobs:
+        for parent, text, ids, children, lora in jobs:
             outputs[parent] = RequestOutput(
                 parent, text, ids, [CompletionOutput(i, "", []) for i in range(len(children))]
             )
             for i, (child_id, p) in enumerate(children):
-                self.engine.add_request(child_id, ids, p)
+                self.engine.add_request(child_id, ids, p, lora_request=lora)
                 child_to_parent[child_id] = (parent, i)
         self._run(outputs, child_to_parent, use_tqdm)
         return [outputs[parent] for parent, *_ in jobs]
@@ -226,6 +246,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them."""
         tok = self.engine.tokenizer
@@ -242,4 +263,4 @@ class LLM:
             )
             ids = tok(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)

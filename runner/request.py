@@ -57,6 +57,8 @@ class Request:
     bad_words: tuple[tuple[int, ...], ...] = ()
     # params.structured_outputs lifted to the engine's tokenizer (runner/structured/).
     grammar: TokenGrammar | None = None
+    # The LoRA adapter it runs with (runner/lora/), by name; None: the base model.
+    lora_name: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)

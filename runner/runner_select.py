@@ -80,8 +80,8 @@ def select_runner(requested: str | None, hf_config: Any) -> str:
 
 def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
     """What an engine with this runner config and runner runs: its runner, decode attention,
-    norms, CUDA-graph scope, MoE experts and weights, as the engine's ready log and the
-    workers' stats say it."""
+    norms, CUDA-graph scope, MoE experts, weights and LoRA slots, as the engine's ready log
+    and the workers' stats say it."""
     cfg = runner_config
     model = getattr(runner, "model", None)
     folded = getattr(model, "norms_folded", False)
@@ -95,7 +95,14 @@ def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
         "graph_scope": cfg.cuda_graph_scope if cfg.cuda_graph_sizes else "none",
         "experts": _experts_path(runner.name, model, cfg.device),
         "weights": _weights_path(model),
+        # runner/lora/slots.py: "off", or the adapter slots and the largest rank served
+        "lora": _lora_path(runner),
     }
+
+
+def _lora_path(runner: Any) -> str:
+    lora = getattr(runner, "lora", None)
+    return "off" if lora is None else f"{lora.max_loras}x r{lora.max_rank} torch"
 
 
 def _weights_path(model: Any) -> str:

@@ -245,6 +245,7 @@ class Scheduler:
                     stop_ids=self._suppressed_ids(req),
                     bad_words=req.bad_words,
                     grammar=req.grammar,
+                    lora_name=req.lora_name,
                 )
             )
             self._in_runner.add(req.request_id)

@@ -26,6 +26,7 @@ class NewRequestData:
     stop_ids: tuple[int, ...] = ()  # EOS + stop_token_ids, suppressed until min_tokens
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
     grammar: TokenGrammar | None = None  # structured output: what the output must follow
+    lora_name: str | None = None  # the LoRA adapter it runs with (runner/lora/)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,6 +42,9 @@ from pdserve.runner.models.rope import (
     rope_layer_types,
     rope_parameters,
 )
+
+if TYPE_CHECKING:
+    from pdserve.runner.lora.slots import LoraSite
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,9 @@ class Attention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=spec.o_bias)
+        # LoRA adapters' deltas on the two projections (runner/lora/slots.py), when served
+        self.qkv_lora: LoraSite | None = None
+        self.o_lora: LoraSite | None = None
         self.qk_norm_whole = spec.qk_norm_whole
         q_width = self.q_size if spec.qk_norm_whole else self.head_dim
         k_width = self.kv_size if spec.qk_norm_whole else self.head_dim
@@ -150,9 +156,12 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
     ) -> torch.Tensor:
-        q = self.prepare(self.qkv_proj(x), positions, cos_sin, kv_cache, attn)
-        o = self.o_proj
-        return linear(self.attend(q, kv_cache, attn), o.weight, o.bias, self.workspace)
+        qkv = self.qkv_proj(x)
+        if self.qkv_lora is not None:
+            qkv = self.qkv_lora.apply(qkv, x)
+        h = self.attend(self.prepare(qkv, positions, cos_sin, kv_cache, attn), kv_cache, attn)
+        out = linear(h, self.o_proj.weight, self.o_proj.bias, self.workspace)
+        return out if self.o_lora is None else self.o_lora.apply(out, h)
 
     def prepare(
         self,

@@ -29,7 +29,11 @@ def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> torch.nn.Module:
+def load_model(
+    model_config: ModelConfig, device: torch.device, fold: bool = True
+) -> torch.nn.Module:
+    """`fold=False` keeps the RMSNorms as loaded (LoRA adapters read the normalised rows,
+    runner/lora/slots.py)."""
     cfg = model_config.hf_config
     cls = MODEL_REGISTRY[model_config.architecture]
     # Positions up to max_model_len inclusive: the token sampled at the last position.
@@ -54,7 +58,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> torch.nn.Modu
     with torch.no_grad():
         model.load_weights(weights)
     model.weights_from = quantized_source(cfg)
-    if device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
+    if fold and device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
         # 16-bit decode batches on the GPU run without norm launches (norm_fold.py); fp32
         # (the parity runs against transformers) and CPU keep the weights as loaded.
         fold_norms(model)

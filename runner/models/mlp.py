@@ -9,14 +9,17 @@ the projection (kernels/activation.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from pdserve.kernels.activation import gelu_tanh_and_mul
+from pdserve.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
+
+if TYPE_CHECKING:
+    from pdserve.runner.lora.slots import LoraSite
 
 # The gate activations a dense MLP implements (transformers' names).
 DENSE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -42,9 +45,18 @@ class MLP(nn.Module):
         self.workspace = workspace
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        # LoRA adapters' deltas (runner/lora/slots.py), when served: the activation then
+        # runs apart from the gate/up projection, after the delta is added
+        self.gate_up_lora: LoraSite | None = None
+        self.down_lora: LoraSite | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj
+        if self.gate_up_lora is not None:
+            gu = linear(x, gate_up.weight, gate_up.bias, self.workspace)
+            gu = self.gate_up_lora.apply(gu, x)
+            h = silu_and_mul(gu) if self.act == "silu" else gelu_tanh_and_mul(gu)
+            return self.down_lora.apply(linear(h, down.weight, down.bias, self.workspace), h)
         if self.act == "silu":
             h = linear(x, gate_up.weight, gate_up.bias, self.workspace, silu_mul_output=True)
         else:

@@ -10,7 +10,7 @@ kernels to `kernels/`, per-slot bookkeeping to RequestState, graphs to cuda_grap
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +21,9 @@ from pdserve.kernels.input_prep import post_update
 from pdserve.kernels.sampling import greedy_argmax, topk_logprobs
 from pdserve.runner.config import EngineConfig
 from pdserve.runner.logprobs import rows_to_top_logprobs, sampled_logprobs
+from pdserve.runner.lora.adapter import load_adapter
+from pdserve.runner.lora.request import LoRARequest
+from pdserve.runner.lora.slots import LoraSlots
 from pdserve.runner.models.loader import load_model
 from pdserve.runner.mrv2.cuda_graphs import CudaGraphs
 from pdserve.runner.mrv2.host_ring import DeviceToHost, HostRing, PendingHost
@@ -79,8 +82,18 @@ class MRV2ModelRunner:
         self.config = config
         self.device = config.runner.torch_device
         self.block_size = config.cache.block_size
-        self.model = load_model(config.model, self.device)
+        self.model = load_model(config.model, self.device, fold=not config.lora.enable_lora)
         m = self.model
+        # LoRA adapter slots (runner/lora/): each request slot's adapter, and the device
+        # stacks whose per-token index each step writes before the forward
+        self.lora: LoraSlots | None = None
+        self.slot_lora = np.zeros(config.scheduler.max_num_seqs, dtype=np.int32)
+        if config.lora.enable_lora:
+            sched = config.scheduler
+            self.lora = LoraSlots(
+                m, config.lora.max_loras, config.lora.max_lora_rank,
+                max(sched.max_num_batched_tokens, sched.max_num_seqs), config.model.dtype,
+            )  # fmt: skip
         block_shape = m.kv_block_shape(self.block_size)
         per_block = block_bytes(len(m.layers), block_shape, config.model.dtype)
         max_useful = config.scheduler.max_num_seqs * config.max_blocks_per_request
@@ -154,7 +167,10 @@ class MRV2ModelRunner:
             if slot is not None:
                 self.model_state.on_remove(slot)
         for new in so.new_requests:
-            self.model_state.on_add(st.add(new))
+            slot = st.add(new)
+            self.model_state.on_add(slot)
+            if self.lora is not None:
+                self.slot_lora[slot] = self.lora.index_of(new.lora_name)
         for cached in so.cached_requests:
             st.update(cached)
         req_ids = list(so.num_scheduled_tokens)
@@ -197,6 +213,9 @@ class MRV2ModelRunner:
             block_appends=appends,
         )
         self.model_state.prepare(batch)
+        if self.lora is not None:  # each token's adapter slot, for the deltas (and graphs)
+            ids = np.repeat(self.slot_lora[slots], num_scheduled)
+            self.ring.to_device(ids, out=self.lora.token_slots)
         penalty_rows = st.sampling.penalty_rows(slots)
         meta = st.sampling.metadata(
             slots,
@@ -268,6 +287,15 @@ class MRV2ModelRunner:
         if graph_size is None:  # a graph step is pure decode: no prompt positions in it
             handle.prompt = self._prompt_logprobs(req_ids, slots, batch, hidden, num_computed)
         return handle
+
+    def add_lora(self, request: LoRARequest, evictable: Iterable[str] = ()) -> None:
+        """Loads `request`'s adapter into a slot (no-op when it is loaded); an adapter in
+        `evictable` (no live request runs with it) may give up its slot."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need an engine built with enable_lora=True")
+        if request.lora_name not in self.lora.by_name:
+            adapter = load_adapter(request.lora_name, request.lora_path, self.lora.max_rank)
+            self.lora.add(adapter, evictable)
 
     def steps_by_path(self) -> dict[str, int]:
         """Steps with tokens so far, by what ran them: `eager` (no graph), `cuda_graph` (a

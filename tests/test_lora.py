@@ -1,0 +1,179 @@
+"""LoRA adapters (runner/lora/): a PEFT adapter served beside the base weights gives the
+tokens of transformers running the merged model `W + s * B A`, per request in a mixed
+batch (adapters and the base model side by side, prompts prefilled in chunks), through
+the prefix cache (KV under an adapter is never another's) and across slot reuse."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEVICE, hf_greedy
+from safetensors.torch import load_file, save_file
+
+from pdserve import LoRARequest
+from pdserve.runner.block_hash import salt_root
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+PROMPT_LENS = (5, 23, 70, 41)
+NEW = 12
+
+
+def _make_adapter(base_dir: str, folder: Path, targets, rank: int, alpha: float, seed: int,
+                  rslora: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+    """A PEFT adapter folder for `base_dir`'s layers; returns the merged weights' deltas by
+    the base checkpoint's names."""
+    base = load_file(next(Path(base_dir).glob("*.safetensors")))
+    g = torch.Generator().manual_seed(seed)
+    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+    tensors, deltas = {}, {}
+    layers = 1 + max(int(k.split(".")[2]) for k in base if k.startswith("model.layers."))
+    for i in range(layers):
+        for t in targets:
+            part = "self_attn" if t in ATTN else "mlp"
+            w = base[f"model.layers.{i}.{part}.{t}.weight"]
+            a = torch.randn(rank, w.shape[1], generator=g) * 0.3
+            b = torch.randn(w.shape[0], rank, generator=g) * 0.3
+            prefix = f"base_model.model.model.layers.{i}.{part}.{t}"
+            tensors[f"{prefix}.lora_A.weight"] = a
+            tensors[f"{prefix}.lora_B.weight"] = b
+            deltas[f"model.layers.{i}.{part}.{t}.weight"] = scale * (b @ a)
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+              "bias": "none", "use_rslora": rslora, "task_type": "CAUSAL_LM"}  # fmt: skip
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return deltas
+
+
+def _merged(base_dir: str, deltas: dict[str, torch.Tensor], folder: Path) -> str:
+    shutil.copytree(base_dir, folder)
+    (file,) = sorted(folder.glob("*.safetensors"))
+    tensors = load_file(file)
+    for name, d in deltas.items():
+        tensors[name] = tensors[name] + d
+    save_file(tensors, file, metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory):
+    """Two adapters (every projection, rank 8; q and v only, rank 4 with rsLoRA) and the
+    merged models transformers runs for each."""
+    root = tmp_path_factory.mktemp("lora")
+    full = _make_adapter(tiny_llama_dir, root / "full", ATTN + MLP, 8, 16.0, seed=1)
+    qv = _make_adapter(tiny_llama_dir, root / "qv", ("q_proj", "v_proj"), 4, 8.0, 2, rslora=True)
+    return {
+        "full": (LoRARequest("full", 1, str(root / "full")), _merged(tiny_llama_dir, full, root / "m-full")),
+        "qv": (LoRARequest("qv", 2, str(root / "qv")), _merged(tiny_llama_dir, qv, root / "m-qv")),
+    }  # fmt: skip
+
+
+def _prompts(seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 990) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def _llm(model_dir: str, **kw):
+    from pdserve import LLM
+
+    base = dict(device=DEVICE, dtype="float32", block_size=16, max_num_batched_tokens=64,
+                enable_lora=True, max_loras=2, max_lora_rank=8)  # fmt: skip
+    return LLM(model=model_dir, **(base | kw))
+
+
+def _generate(llm, prompts, loras):
+    from pdserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, min_tokens=NEW)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                        lora_request=loras)  # fmt: skip
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_mixed_batch_matches_merged_models(tiny_llama_dir, adapters):
+    prompts = _prompts()
+    (full, full_dir), (qv, qv_dir) = adapters["full"], adapters["qv"]
+    choice = [full, None, qv, full]
+    llm = _llm(tiny_llama_dir)
+    assert llm.engine.execution_path["lora"] == "2x r8 torch"
+    got = _generate(llm, prompts, choice)
+    refs = {None: tiny_llama_dir, "full": full_dir, "qv": qv_dir}
+    for p, lora, out in zip(prompts, choice, got, strict=True):
+        name = None if lora is None else lora.lora_name
+        assert out == hf_greedy(refs[name], [p], NEW)[0], f"{name}, prompt of {len(p)}"
+    # The adapters matter: their tokens are not the base model's.
+    base = hf_greedy(tiny_llama_dir, [prompts[0], prompts[2]], NEW)
+    assert got[0] != base[0] and got[2] != base[1]
+
+
+def test_prefix_cache_is_per_adapter(tiny_llama_dir, adapters):
+    (full, full_dir) = adapters["full"]
+    prompt = _prompts(seed=9)[2]  # 70 tokens: four full blocks to cache
+    llm = _llm(tiny_llama_dir)
+    base = _generate(llm, [prompt], None)
+    assert base == hf_greedy(tiny_llama_dir, [prompt], NEW)
+    expected = hf_greedy(full_dir, [prompt], NEW)
+    for _ in range(2):  # the second run hits the adapter's own cached blocks
+        assert _generate(llm, [prompt], full) == expected
+    assert _generate(llm, [prompt], None) == base
+    assert llm.engine.kv.prefix_cache_hits > 0
+
+
+def test_one_slot_serves_adapters_in_turn(tiny_llama_dir, adapters):
+    """max_loras=1: an adapter no live request runs with gives its slot to the next."""
+    (full, full_dir), (qv, qv_dir) = adapters["full"], adapters["qv"]
+    llm = _llm(tiny_llama_dir, max_loras=1)
+    prompts = _prompts(seed=5)[:2]
+    for lora, ref in ((full, full_dir), (qv, qv_dir), (full, full_dir)):
+        assert _generate(llm, prompts, lora) == hf_greedy(ref, prompts, NEW)
+    with pytest.raises(ValueError, match="max_loras=1"):
+        _generate(llm, prompts, [full, qv])
+
+
+def test_bad_adapters_are_refused_by_name(tiny_llama_dir, adapters, tmp_path):
+    (full, _) = adapters["full"]
+    llm = _llm(tiny_llama_dir, max_lora_rank=4)
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        _generate(llm, _prompts()[:1], full)  # rank 8 > 4
+    lm_head = tmp_path / "lm_head"
+    shutil.copytree(full.lora_path, lm_head)
+    tensors = load_file(lm_head / "adapter_model.safetensors")
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(4, 120)
+    save_file(tensors, lm_head / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="lm_head"):
+        _generate(_llm(tiny_llama_dir), _prompts()[:1], LoRARequest("h", 3, str(lm_head)))
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        _generate(llm, _prompts()[:1], LoRARequest("x", 4, str(tmp_path / "missing")))
+    from pdserve import LLM
+
+    plain = LLM(model=tiny_llama_dir, device=DEVICE, dtype="float32")
+    with pytest.raises(ValueError, match="enable_lora"):
+        _generate(plain, _prompts()[:1], full)
+    # Nothing was queued by the refused calls: the engines still serve.
+    assert _generate(plain, _prompts()[:1], None) == hf_greedy(tiny_llama_dir, _prompts()[:1], NEW)
+
+
+def test_adapter_roots_are_their_own():
+    roots = {salt_root(None), salt_root(None, "a"), salt_root(None, "b"), salt_root("s"),
+             salt_root("s", "a"), salt_root("a"), salt_root(None, "s")}  # fmt: skip
+    assert len(roots) == 7
+    assert salt_root(None) is None and salt_root(None, "a") == salt_root(None, "a")
+
+
+@pytest.mark.parametrize("family", ["tiny_granite_dir", "tiny_qwen3_dir"])
+def test_other_families_match_merged_models(family, request, tmp_path):
+    """Granite folds its residual multiplier into the o and down weights at load, so their
+    deltas are scaled alike; Qwen3's q/k norms read the adapted projections."""
+    base_dir = request.getfixturevalue(family)
+    deltas = _make_adapter(base_dir, tmp_path / "a", ATTN + MLP, 4, 8.0, seed=4)
+    merged = _merged(base_dir, deltas, tmp_path / "merged")
+    prompts = _prompts(seed=11)[:2]
+    got = _generate(_llm(base_dir), prompts, LoRARequest("a", 1, str(tmp_path / "a")))
+    assert got == hf_greedy(merged, prompts, NEW)
