@@ -63,7 +63,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "answers freely and --tool-call-parser reads its calls (needs it)")  # fmt: skip
     p.add_argument("--tool-call-parser", choices=tuple(TOOL_CALL_PARSERS), default=None,
                    help="the syntax of the model's tool calls: hermes (<tool_call> blocks: "
-                   "Hermes, Qwen2.5, Qwen3) or llama3_json (JSON objects: Llama 3.1, 3.2)")  # fmt: skip
+                   "Hermes, Qwen2.5, Qwen3), llama3_json (JSON objects: Llama 3.1, 3.2), "
+                   "pythonic (Llama 3.2, 4), mistral, granite, deepseek_v3, deepseek_v31, "
+                   "qwen3_coder, glm45, seed_oss, openai (gpt-oss)")  # fmt: skip
     p.add_argument("--reasoning-parser", choices=tuple(REASONING_PARSERS), default=None,
                    help="return chat replies' thinking (<think> ... </think>) as 'reasoning', "
                    "apart from the answer: qwen3 (Qwen3; a reply not opening with <think> is "

@@ -161,10 +161,11 @@ LOOSE_CALL = Call("get_weather", '{"days": "three"}')
 GLM_UNICODE = {"city": "Zürich", "note": '晴れ ☀ "quoted"'}  # glm45 strips values' ends
 
 
-def _xml_cases(block, unicode_args: dict) -> dict:
+def _xml_cases(block, unicode_args: dict, close: str = "</tool_call>") -> dict:
+    """The cases of the XML-style parsers, `block` writing a call and `close` its end."""
     oslo, time_ = block("get_weather", {"city": "Oslo", "unit": "celsius"}), block("get_time", {})
     unknown = block("get_date", {"day": "1"})
-    open_oslo = oslo.removesuffix("</tool_call>")
+    open_oslo = oslo.removesuffix(close)
     return {
         "The weather in Oslo is mild.": ("The weather in Oslo is mild.", ()),
         oslo: (None, (OSLO_CALL,)),
@@ -248,8 +249,23 @@ CASES = {
 
 
 def test_every_parser_has_cases():
-    """Guards the registry against a parser added without its cases here."""
-    assert set(PARSERS) == set(CASES)
+    """Guards the registry against a parser added without its cases here (or in
+    tests/test_tool_parsers_more.py, the later parsers')."""
+    from test_tool_parsers_more import MORE_CASES
+
+    assert set(PARSERS) == set(CASES) | set(MORE_CASES)
+
+
+def check_whole_replies(name: str, cases: dict) -> None:
+    """Each reply of `cases` (reply -> (content, calls)) read whole by parser `name`."""
+    parser = make_parser(name, SCHEMAS)
+    for reply, (content, calls) in cases.items():
+        got = parser.parse(reply)
+        assert got == ParsedReply(content, calls), reply[:200]
+        for call in got.calls:
+            assert isinstance(json.loads(call.arguments), dict)
+    unicode_reply = next(r for r, (_, calls) in cases.items() if calls and "Z\u00fcrich" in r)
+    assert "Zürich" in parser.parse(unicode_reply).calls[0].arguments
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -257,17 +273,7 @@ def test_a_whole_reply_reads_into_content_and_calls(name):
     """Guards each parser's reading: content only, one call, two calls, content before
     calls, malformed JSON and unknown names returned as text, unicode arguments kept as
     written (ensure_ascii off), a call's start cut at the end left as text."""
-    parser = make_parser(name, SCHEMAS)
-    for reply, (content, calls) in CASES[name].items():
-        got = parser.parse(reply)
-        assert got == ParsedReply(content, calls), reply[:200]
-        for call in got.calls:
-            assert isinstance(json.loads(call.arguments), dict)
-    assert "Zürich" in parser.parse(_unicode_reply(name)).calls[0].arguments
-
-
-def _unicode_reply(name: str) -> str:
-    return next(r for r, (_, calls) in CASES[name].items() if calls and "Z\u00fcrich" in r)
+    check_whole_replies(name, CASES[name])
 
 
 def _streamed(parser: ToolParser, pieces: list[str]) -> tuple[str, tuple[Call, ...]]:
@@ -292,19 +298,25 @@ def _cuts(reply: str, rng: random.Random):
         yield [reply[a:b] for a, b in zip([0, *points], [*points, len(reply)], strict=True)]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_a_stream_cut_anywhere_equals_the_whole_reply(name):
-    """Guards streaming against chunk boundaries: a tag split across pieces, a block's
-    close arriving in pieces, whitespace held before a call and let out before text. The
-    content a stream lets out, joined, and its calls equal the whole reply's reading."""
+def check_streams(name: str, cases: dict) -> None:
+    """Each reply of `cases` streamed to parser `name` in pieces, cut every way `_cuts`
+    cuts it, reads as it does whole."""
     parser = make_parser(name, SCHEMAS)
     rng = random.Random(7)
-    for reply, (content, calls) in CASES[name].items():
+    for reply, (content, calls) in cases.items():
         if len(reply) > 1000:  # the recursion case: cut once, not at every position
             assert _streamed(parser, [reply[:500], reply[500:]]) == (reply, ())
             continue
         for pieces in _cuts(reply, rng):
             assert _streamed(parser, pieces) == (content or "", calls), (reply, pieces)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_stream_cut_anywhere_equals_the_whole_reply(name):
+    """Guards streaming against chunk boundaries: a tag split across pieces, a block's
+    close arriving in pieces, whitespace held before a call and let out before text. The
+    content a stream lets out, joined, and its calls equal the whole reply's reading."""
+    check_streams(name, CASES[name])
 
 
 def test_hermes_lets_text_out_as_it_comes_and_holds_only_a_possible_call():
@@ -407,8 +419,14 @@ def test_a_long_call_streamed_in_small_pieces_is_read_in_linear_work(name):
     allocated within the feeds, summed, measures the work without timing it (a copy of the
     held text shows in it); read each piece once it is ~40-170 bytes per character. The
     stream's reading still equals the whole reply's."""
+    check_linear_work(name, LONG[name])
+
+
+def check_linear_work(name: str, reply: str) -> None:
+    """`reply`, a 200,000-character call and a short one, streamed to parser `name` in
+    pieces of 1-7 characters: the memory allocated within the feeds stays under 1,000 bytes
+    per character of the reply, and the stream reads it as `parse` does."""
     parser = make_parser(name, SCHEMAS)
-    reply = LONG[name]
     rng = random.Random(11)
     cuts = [0]
     while cuts[-1] < len(reply):

@@ -179,14 +179,17 @@ def test_auto_tool_choice_takes_vllms_two_flags(tmp_path, monkeypatch):
     p = argparse.ArgumentParser()
     add_serve_args(p)
     with pytest.raises(SystemExit):  # argparse's choices
-        p.parse_args(["--tool-call-parser", "mistral"])
+        p.parse_args(["--tool-call-parser", "jamba"])
     path = tmp_path / "serve.yaml"
     path.write_text("enable-auto-tool-choice: true\ntool-call-parser: llama3_json\n")
     assert auto_tool_parser(_args("--config", str(path))) == "llama3_json"
-    path.write_text("enable_auto_tool_choice: true\ntool_call_parser: mistral\n")
+    path.write_text("enable_auto_tool_choice: true\ntool_call_parser: jamba\n")
     with pytest.raises(
         ValueError,
-        match="must be one of glm45, hermes, llama3_json, openai, qwen3_coder, got 'mistral'",
+        match=(
+            "must be one of deepseek_v3, deepseek_v31, glm45, granite, hermes, llama3_json, "
+            "mistral, openai, pythonic, qwen3_coder, seed_oss, got 'jamba'"
+        ),
     ):
         _args("--config", str(path))
     res = subprocess.run(
@@ -195,7 +198,8 @@ def test_auto_tool_choice_takes_vllms_two_flags(tmp_path, monkeypatch):
     )  # fmt: skip
     assert res.returncode == 2, res.stderr
     assert (
-        "--enable-auto-tool-choice needs --tool-call-parser (glm45 or hermes or llama3_json or openai or qwen3_coder)"
+        "--enable-auto-tool-choice needs --tool-call-parser (deepseek_v3 or deepseek_v31 or glm45 or "
+        "granite or hermes or llama3_json or mistral or openai or pythonic or qwen3_coder or seed_oss)"
         in (res.stderr)
     )
 

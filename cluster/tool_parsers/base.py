@@ -11,6 +11,7 @@ joins as "").
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -87,6 +88,14 @@ class ToolParser(ABC):
             return None
         return Call(name, json.dumps(arguments, ensure_ascii=False))
 
+    def array_calls(self, value: object, argument_keys: tuple[str, ...]) -> tuple[Call, ...] | None:
+        """`value` (decoded JSON) as a non-empty array of calls (`call`), all of them; None
+        when it is not one or any of its items is not a call."""
+        if not isinstance(value, list):
+            return None
+        calls = [self.call(item, argument_keys) for item in value]
+        return tuple(calls) if calls and None not in calls else None
+
 
 def typed_argument(schema: dict, key: str, raw: str) -> object:
     """An argument written as text (XML-style calls), as the tool's parameters schema types
@@ -109,3 +118,50 @@ def loads(text: str) -> tuple[bool, object]:
         return True, json.loads(text)
     except (ValueError, RecursionError):
         return False, None
+
+
+def tag_start(text: str, tag: str, pos: int = 0) -> int:
+    """The length of the longest end of `text[pos:]` that begins `tag` (0 if none): what a
+    stream holds back, since the rest of the tag may come in the next piece."""
+    for n in range(min(len(text) - pos, len(tag) - 1), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class HeldSpace:
+    """Streamed content let out as it comes but for its trailing whitespace, held until text
+    follows it: a reply with calls loses the whitespace its content ends with (the newlines
+    before a call), one without them gets it back at the end, its text whole."""
+
+    def __init__(self) -> None:
+        self._space: list[str] = []  # whitespace after the content let out so far
+
+    def out(self, text: str, content: list[str]) -> None:
+        """Lets `text` out into `content`, its trailing whitespace held."""
+        kept = text.rstrip()
+        if not kept:
+            if text:
+                self._space.append(text)
+            return
+        content += self._space
+        content.append(kept)
+        self._space = [text[len(kept) :]] if len(kept) < len(text) else []
+
+    def end(self, called: bool) -> list[str]:
+        """The reply has ended: the whitespace held, unless the reply had calls."""
+        space, self._space = self._space, []
+        return [] if called else space
+
+
+def back_to_back(pattern: re.Pattern[str], body: str) -> list[tuple[str, str]] | None:
+    """`body` read as back-to-back matches of `pattern` (its two groups each); None if
+    anything else is in it."""
+    pairs, pos = [], 0
+    while pos < len(body):
+        match = pattern.match(body, pos)
+        if match is None or match.end() == pos:
+            return None if body[pos:].strip() else pairs
+        pairs.append((match.group(1), match.group(2)))
+        pos = match.end()
+    return pairs

@@ -33,18 +33,20 @@ import re
 
 from pdserve.cluster.tool_parsers.base import (
     Call,
+    HeldSpace,
     ParsedReply,
     ReplyStream,
     StreamStep,
     ToolParser,
     loads,
+    tag_start,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 class HermesParser(ToolParser):
-    # A block's tags (subclasses with other tags: cluster/tool_parsers/harmony.py)
+    # A block's tags (subclasses with other tags: harmony.py, deepseek.py, seed_oss.py)
     OPEN, CLOSE = OPEN, CLOSE
 
     def parse(self, text: str) -> ParsedReply:
@@ -56,17 +58,23 @@ class HermesParser(ToolParser):
         calls: list[Call] = []
         rest: list[str] = []
         for i, part in enumerate(parts):
-            call = self.block_call(part) if i % 2 else None
-            if call is None:
+            found = self.block_calls(part) if i % 2 else None
+            if found is None:
                 rest.append(part)
             else:
-                calls.append(call)
+                calls += found
         if not calls:
             return ParsedReply(text, ())
         return ParsedReply("".join(rest).rstrip() or None, tuple(calls))
 
     def stream(self) -> ReplyStream:
         return _HermesStream(self)
+
+    def block_calls(self, block: str) -> tuple[Call, ...] | None:
+        """A block's calls (a block holds one, unless a subclass reads more: deepseek.py);
+        None when it is not calls, and stays text."""
+        call = self.block_call(block)
+        return None if call is None else (call,)
 
     def block_call(self, block: str) -> Call | None:
         """A `<tool_call>...</tool_call>` block, or one left open at the end of the reply
@@ -88,7 +96,7 @@ class _HermesStream(ReplyStream):
         self._block: list[str] | None = None  # an open block's pieces, `<tool_call>` first
         self._tail = ""  # its last characters after `<tool_call>`: where a close may begin
         self._held = ""  # outside a block: text that may be a tag's beginning (< 11 chars)
-        self._space: list[str] = []  # whitespace after the content let out so far
+        self._space = HeldSpace()
         self._calls = 0
 
     def feed(self, text: str) -> StreamStep:
@@ -103,22 +111,22 @@ class _HermesStream(ReplyStream):
                     break
                 block = "".join(self._block) + text[pos:end]
                 self._block, pos = None, end
-                call = self._parser.block_call(block)
-                if call is None:
-                    self._content(block, content)
+                found = self._parser.block_calls(block)
+                if found is None:
+                    self._space.out(block, content)
                 else:
-                    calls.append(call)
-                    self._calls += 1
+                    calls += found
+                    self._calls += len(found)
                 continue
             if self._held:
                 text, pos = self._held + text[pos:], 0
             start = text.find(self._open, pos)
             if start < 0:
-                start = len(text) - _tag_start(text, self._open, pos)
-                self._content(text[pos:start], content)
+                start = len(text) - tag_start(text, self._open, pos)
+                self._space.out(text[pos:start], content)
                 self._held = text[start:]
                 break
-            self._content(text[pos:start], content)
+            self._space.out(text[pos:start], content)
             self._held, self._block, self._tail = "", [self._open], ""
             pos = start + len(self._open)
         return StreamStep("".join(content), calls)
@@ -127,16 +135,15 @@ class _HermesStream(ReplyStream):
         content: list[str] = []
         calls: list[Call] = []
         block = "".join(self._block) if self._block is not None else None
-        call = self._parser.block_call(block) if block is not None else None
-        if call is None:
+        found = self._parser.block_calls(block) if block is not None else None
+        if found is None:
             # an open block that is no call, a tag's beginning
-            self._content(block if block is not None else self._held, content)
+            self._space.out(block if block is not None else self._held, content)
         else:
-            calls.append(call)
-            self._calls += 1
-        if not self._calls:  # a reply without calls is its text, whole
-            content += self._space
-        self._block, self._tail, self._held, self._space = None, "", "", []
+            calls += found
+            self._calls += len(found)
+        content += self._space.end(called=self._calls > 0)
+        self._block, self._tail, self._held = None, "", ""
         return StreamStep("".join(content), calls)
 
     def _close_end(self, text: str, pos: int) -> int | None:
@@ -153,23 +160,3 @@ class _HermesStream(ReplyStream):
             return at + len(close)
         self._tail = text[-keep:] if len(text) - pos >= keep else seam[-keep:]
         return None
-
-    def _content(self, text: str, content: list[str]) -> None:
-        """Lets out `text` as content, but for its trailing whitespace, held until text
-        follows it."""
-        kept = text.rstrip()
-        if not kept:
-            if text:
-                self._space.append(text)
-            return
-        content += self._space
-        content.append(kept)
-        self._space = [text[len(kept) :]] if len(kept) < len(text) else []
-
-
-def _tag_start(text: str, tag: str, pos: int = 0) -> int:
-    """The length of the longest end of `text[pos:]` that begins `tag` (0 if none)."""
-    for n in range(min(len(text) - pos, len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

@@ -42,6 +42,7 @@ from pdserve.cluster.tool_parsers.base import (
     ToolParser,
     loads,
 )
+from pdserve.cluster.tool_parsers.json_end import JsonEnd
 
 PYTHON_TAG = "<|python_tag|>"
 _SPACE = re.compile(r"\s*")
@@ -92,21 +93,14 @@ def may_be_calls(text: str) -> bool | None:
     return False
 
 
-# The characters that matter to where a JSON object ends: in a string its close and an
-# escape (whose next character is skipped); outside one, a string's open and brackets.
-_IN_STRING = re.compile(r'["\\]')
-_OUTSIDE = re.compile(r'["{}\[\]]')
-
-
 class _Llama3Stream(ReplyStream):
     """Reads the reply as it comes, each character once: the phase says what is expected
-    next, and the objects are found by their brackets (outside strings) before they are
-    decoded, once each. In valid JSON the bracket that brings the count back to zero is the
-    object's end, so an object whose text to there does not decode is not JSON whatever
-    follows: the reply is text for sure. Each piece is read on its own, the state carried
-    from the one before it, and what is held is kept as its pieces, joined once when let
-    out (a 160,000-character call fed 4 characters a time was copied whole on each of its
-    40,000 feeds)."""
+    next, and the objects are found by their brackets (json_end.py) before they are
+    decoded, once each: an object whose text to its closing bracket does not decode is not
+    JSON whatever follows, and the reply is text for sure. Each piece is read on its own,
+    the state carried from the one before it, and what is held is kept as its pieces,
+    joined once when let out (a 160,000-character call fed 4 characters a time was copied
+    whole on each of its 40,000 feeds)."""
 
     def __init__(self, parser: Llama3JsonParser) -> None:
         self._parser = parser
@@ -115,9 +109,7 @@ class _Llama3Stream(ReplyStream):
         self._phase = "start"  # start | value | object | after | text
         self._calls: list[Call] = []  # the objects read so far, all calls
         self._object: list[str] = []  # the open object's pieces before this one's
-        self._depth = 0  # the open object's brackets not yet closed
-        self._in_string = False
-        self._escaped = False  # a `\` in a string ended the last piece
+        self._scan = JsonEnd()  # where the open object ends
 
     def feed(self, text: str) -> StreamStep:
         if self._phase == "text":
@@ -162,10 +154,10 @@ class _Llama3Stream(ReplyStream):
                 if text[pos] != "{":
                     self._phase = "text"
                     return
-                start, self._depth, self._in_string = pos, 0, False
+                start, self._scan = pos, JsonEnd()
                 self._phase = "object"
             elif self._phase == "object":
-                end = self._object_end(text, pos)
+                end = self._scan.end(text, pos)
                 if end is None:
                     self._object.append(text[start:])
                     return
@@ -184,29 +176,3 @@ class _Llama3Stream(ReplyStream):
                     return
                 pos += 1
                 self._phase = "value"
-
-    def _object_end(self, text: str, pos: int) -> int | None:
-        """Scans on through the open object in `text` from `pos`; where it ends once its
-        brackets close, None when they have not yet."""
-        if self._escaped and pos < len(text):  # the escaped character, skipped
-            self._escaped, pos = False, pos + 1
-        while True:
-            mark = (_IN_STRING if self._in_string else _OUTSIDE).search(text, pos)
-            if mark is None:
-                return None
-            char, at = mark.group(), mark.start()
-            if char == "\\":
-                if at + 1 == len(text):
-                    self._escaped = True  # the escaped character has not come yet
-                    return None
-                pos = at + 2
-                continue
-            pos = at + 1
-            if char == '"':
-                self._in_string = not self._in_string
-            elif char in "{[":
-                self._depth += 1
-            else:
-                self._depth -= 1
-                if self._depth == 0:
-                    return pos

@@ -18,13 +18,13 @@ blocks, by vLLM's parser names:
     <arg_value>Oslo</arg_value>
     </tool_call>
 
-Blocks, content around them, blocks left open at the end and the streaming are hermes's
-(hermes.py); only what a block holds is read differently. A block is a call when all of it
-is one function of the request's tools with its arguments in that syntax (whitespace
-between the parts), else it is content, verbatim. Argument values are text: typed by the
-tool's parameters schema (`typed_argument`), a qwen3_coder value losing one newline at
-each end as the model writes it on lines of its own, a glm45 value its surrounding
-whitespace.
+(seed_oss.py reads qwen3_coder's blocks in Seed-OSS's own tags.) Blocks, content around
+them, blocks left open at the end and the streaming are hermes's (hermes.py); only what a
+block holds is read differently. A block is a call when all of it is one function of the
+request's tools with its arguments in that syntax (whitespace between the parts), else it
+is content, verbatim. Argument values are text: typed by the tool's parameters schema
+(`typed_argument`), a qwen3_coder value losing one newline at each end as the model writes
+it on lines of its own, a glm45 value its surrounding whitespace.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from __future__ import annotations
 import json
 import re
 
-from pdserve.cluster.tool_parsers.base import Call, typed_argument
-from pdserve.cluster.tool_parsers.hermes import CLOSE, OPEN, HermesParser
+from pdserve.cluster.tool_parsers.base import Call, back_to_back, typed_argument
+from pdserve.cluster.tool_parsers.hermes import HermesParser
 
 _QWEN_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
 _QWEN_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>\s*", re.DOTALL)
@@ -41,19 +41,6 @@ _GLM_HEAD = re.compile(r"\s*([^\s<][^\n<]*?)[ \t]*(?:\n|$)(.*)", re.DOTALL)
 _GLM_ARGUMENT = re.compile(
     r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL
 )
-
-
-def _pairs(pattern: re.Pattern[str], body: str) -> list[tuple[str, str]] | None:
-    """`body` read as back-to-back matches of `pattern` (key, value); None if anything
-    else is in it."""
-    pairs, pos = [], 0
-    while pos < len(body):
-        match = pattern.match(body, pos)
-        if match is None or match.end() == pos:
-            return None if body[pos:].strip() else pairs
-        pairs.append((match.group(1), match.group(2)))
-        pos = match.end()
-    return pairs
 
 
 class _XmlCallParser(HermesParser):
@@ -68,9 +55,9 @@ class _XmlCallParser(HermesParser):
         raise NotImplementedError
 
     def block_call(self, block: str) -> Call | None:
-        assert block.startswith(OPEN), block[:20]
-        match = self.HEAD.fullmatch(block[len(OPEN) :].removesuffix(CLOSE))
-        pairs = None if match is None else _pairs(self.ARGUMENT, match.group(2))
+        assert block.startswith(self.OPEN), block[:20]
+        match = self.HEAD.fullmatch(block[len(self.OPEN) :].removesuffix(self.CLOSE))
+        pairs = None if match is None else back_to_back(self.ARGUMENT, match.group(2))
         if pairs is None:
             return None
         name = match.group(1).strip()
