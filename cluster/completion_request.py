@@ -44,7 +44,7 @@ async def parse_body(
 ) -> list[ParsedRequest]:
     """`parse_request` on a body already read (the Responses API reads its own);
     `header_id`: the client's X-Request-Id, which goes before a `request_id` field."""
-    check_model(state, body)
+    lora_name = check_model(state, body)
     refuse_unsupported(body)
     request_id = header_id or client_request_id(
         body.get("request_id"), "'request_id'", "request_id"
@@ -96,7 +96,7 @@ async def parse_body(
         out.append(
             ParsedRequest(
                 kind,
-                state.model_name,
+                lora_name or state.model_name,
                 ids,
                 params,
                 stream,
@@ -112,6 +112,7 @@ async def parse_body(
                 typed(body, "include_reasoning", (bool,), True),
                 typed(body, "return_token_ids", (bool,), False),
                 request_id,
+                lora_name,
             )
         )
     spec = out[0].params.structured_outputs if out else None

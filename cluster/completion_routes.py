@@ -143,7 +143,7 @@ async def whole_reply(
         "id": cid,
         "object": kind,
         "created": now(),
-        "model": state.model_name,
+        "model": req.model,
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens, cached),
     }

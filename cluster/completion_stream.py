@@ -68,7 +68,7 @@ async def chunk_stream(
 
     def chunk(choices: list[dict], final_usage: bool = False) -> dict:
         body = {
-            "id": cid, "object": chunk_kind, "created": created, "model": state.model_name,
+            "id": cid, "object": chunk_kind, "created": created, "model": req.model,
             "choices": choices,
         }  # fmt: skip
         if final_usage or req.continuous_usage:  # vLLM's continuous_usage_stats: so far

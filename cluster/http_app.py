@@ -55,6 +55,7 @@ class AppState:
         reasoning_parser: str | None = None,
         cors: CorsConfig | None = None,
         responses: ResponseStore | None = None,
+        lora_modules: dict[str, str] | None = None,
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -77,6 +78,8 @@ class AppState:
         self.cors = cors or CorsConfig()  # vLLM's CORS flags (cluster/cors.py)
         # Stored Responses API responses (`--responses-store-bytes`)
         self.responses = ResponseStore(DEFAULT_STORE_BYTES) if responses is None else responses
+        # `--lora-modules`: adapter name -> folder; a request's `model` may name one
+        self.lora_modules = dict(lora_modules or {})
 
     @property
     def model_name(self) -> str:
@@ -124,11 +127,16 @@ def json_object(raw: bytes) -> dict:
     return body
 
 
-def check_model(state: AppState, body: dict) -> None:
-    """A request that names a model must name one this server serves (404 otherwise)."""
+def check_model(state: AppState, body: dict) -> str | None:
+    """A request that names a model must name one this server serves (404 otherwise):
+    returns the LoRA adapter it named (`--lora-modules`), None for the base model."""
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError("'model' must be a string", param="model")
+    if model in state.lora_modules:
+        return model
     if model is not None and model not in state.model_names:
-        served = " or ".join(repr(n) for n in state.model_names)
+        served = " or ".join(repr(n) for n in [*state.model_names, *state.lora_modules])
         raise ApiError(
             f"model {model!r} does not exist; this server serves {served}",
             404,
@@ -136,6 +144,7 @@ def check_model(state: AppState, body: dict) -> None:
             "model",
             "model_not_found",
         )
+    return None
 
 
 # Paths the API key guards: the OpenAI routes, and vLLM's tokenizer and SageMaker routes
@@ -225,6 +234,20 @@ def build_app(state: AppState) -> FastAPI:
                     "mode": state.router.config.mode,
                 }
                 for name in state.model_names
+            ]
+            + [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": now(),
+                    "owned_by": "pdserve",
+                    "root": path,
+                    "parent": state.model_name,  # vLLM's: an adapter names its base model
+                    "max_model_len": state.max_model_len,
+                    "runner": state.runner,
+                    "mode": state.router.config.mode,
+                }
+                for name, path in state.lora_modules.items()
             ],
         }
 

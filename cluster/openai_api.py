@@ -88,6 +88,8 @@ class ParsedRequest:
     # the client's id for it (vLLM's X-Request-Id header, else its `request_id` field):
     # the response's id is then `chatcmpl-<id>` (or `cmpl-`), and the log names it so
     request_id: str | None = None
+    # the served LoRA adapter its `model` named (`--lora-modules`); None: the base model
+    lora_name: str | None = None
 
 
 def typed(body: dict, name: str, types: tuple, default: Any = None) -> Any:

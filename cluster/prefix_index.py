@@ -20,20 +20,27 @@ class PrefixIndex:
         self.max_blocks = max_blocks_per_worker
         self._by_worker: dict[str, OrderedDict[int, None]] = {}
 
-    def hashes(self, prompt: Sequence[int], salt: str | None = None) -> list[int]:
-        """The prompt's block hashes under the request's `cache_salt`, as its workers'
-        KV cache managers compute them (a salted prompt never matches an unsalted one)."""
+    def hashes(
+        self, prompt: Sequence[int], salt: str | None = None, adapter: str | None = None
+    ) -> list[int]:
+        """The prompt's block hashes under the request's `cache_salt` and LoRA adapter, as
+        its workers' KV cache managers compute them (a salted prompt never matches an
+        unsalted one, nor one under an adapter the base model's)."""
         out: list[int] = []
-        extend_block_hashes(out, prompt, self.block_size, salt)
+        extend_block_hashes(out, prompt, self.block_size, salt, adapter)
         return out
 
     def extended(
-        self, hashes: list[int], tokens: Sequence[int], salt: str | None = None
+        self,
+        hashes: list[int],
+        tokens: Sequence[int],
+        salt: str | None = None,
+        adapter: str | None = None,
     ) -> list[int]:
         """The hashes of `tokens` (which start with the tokens `hashes` cover), hashing
         only the blocks past them: a reply's, after its prompt's."""
         out = list(hashes)
-        extend_block_hashes(out, tokens, self.block_size, salt)
+        extend_block_hashes(out, tokens, self.block_size, salt, adapter)
         return out
 
     def hit_tokens(self, worker_id: str, hashes: list[int]) -> int:

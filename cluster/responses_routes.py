@@ -122,7 +122,7 @@ class _Reply:
         return self._stored(self._response(status, output_items(choice), usage, why))
 
     async def events(self) -> AsyncIterator[str]:
-        stream = ResponseEvents(self.body, self.rid, self.created, self.state.model_name)
+        stream = ResponseEvents(self.body, self.rid, self.created, self.reqs[0].model)
         for event in stream.start():
             yield sse_event(event)
         usage, reasoning = None, ""
@@ -152,7 +152,7 @@ class _Reply:
         return response
 
     def _response(self, status: str, items: list, usage: dict, why: str | None) -> dict:
-        return response_object(self.body, self.rid, self.created, self.state.model_name,
+        return response_object(self.body, self.rid, self.created, self.reqs[0].model,
                                status, items, usage, why)  # fmt: skip
 
     def _decode(self, t: int) -> str:

@@ -191,7 +191,7 @@ class Router:
         placed: list[str] = []  # the decode worker the first choice went to
         tasks = [
             asyncio.create_task(
-                self._one(cid, i, req.prompt_token_ids, p, merged, on_route, placed)
+                self._one(cid, i, req.prompt_token_ids, p, merged, on_route, placed, req.lora_name)
             )
             for i, (cid, p) in enumerate(zip(ids, children))
         ]
@@ -218,13 +218,14 @@ class Router:
         out: asyncio.Queue,
         on_route=None,
         placed: list[str] | None = None,
+        lora: str | None = None,
     ) -> None:
         if not self.decode_workers:
             await out.put((index, ApiError("no decode worker is available", 503, "server_error")))
             return
         timeout_s = self.config.stream_idle_timeout_s
         arrived = time.monotonic()
-        hashes = self.prefix_index.hashes(prompt, params.cache_salt)
+        hashes = self.prefix_index.hashes(prompt, params.cache_salt, lora)
         try:
             decode_w = await self._admission.acquire(
                 timeout_s, self._release_decode, params.priority,
@@ -250,7 +251,7 @@ class Router:
                 self.config, len(prompt), hits, params.prompt_logprobs is not None, loads
             )
             self.decisions[decision] += 1
-            work = WorkRequest(request_id, prompt, params)
+            work = WorkRequest(request_id, prompt, params, lora=lora)
             if decision == "remote_prefill":
                 prefill_w = self._pick_prefill(hashes)
                 ticket = await self._remote_prefill(prefill_w, work, holders, hashes)
@@ -291,7 +292,8 @@ class Router:
                         seq = list(prompt) + output[:-1]
                         prefixes = self.prefix_index
                         prefixes.remember(
-                            decode_w.worker_id, prefixes.extended(hashes, seq, params.cache_salt)
+                            decode_w.worker_id,
+                            prefixes.extended(hashes, seq, params.cache_salt, lora),
                         )
                     return
         except asyncio.CancelledError:

@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from pdserve.cluster.serve_args import (
     ServeConfig,
@@ -26,6 +27,25 @@ from pdserve.cluster.serve_args import (
 from pdserve.cluster.serve_placement import join_auth_env
 from pdserve.cluster.serve_sizing import default_batched_tokens, local_kv_bytes
 from pdserve.cluster.startup_report import StartupLines
+
+
+def check_lora_modules(cfg: ServeConfig, ecfg: Any, model_names) -> dict[str, str]:
+    """`--lora-modules` read and checked at start (each adapter's files and rank, the
+    model's family, names apart from the model's): name -> absolute folder."""
+    from pdserve.runner.lora.adapter import load_adapter
+    from pdserve.runner.lora.slots import check_model_class
+    from pdserve.runner.models import MODEL_REGISTRY
+
+    modules = {name: str(Path(path).resolve()) for name, path in cfg.lora_module_map.items()}
+    if not cfg.enable_lora:
+        return modules
+    check_model_class(MODEL_REGISTRY[ecfg.model.architecture], ecfg.model.hf_config)
+    for name, path in modules.items():
+        if name in model_names:
+            raise ValueError(f"--lora-modules: {name!r} is also the model's served name")
+        load_adapter(name, path, cfg.max_lora_rank)
+        print(f"pdserve: LoRA adapter {name!r} from {path}", flush=True)
+    return modules
 
 
 def _free_port(host: str) -> int:
@@ -120,6 +140,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     if cfg.reasoning_parser is not None:
         print(f"pdserve: chat replies' reasoning split off by the {cfg.reasoning_parser} "
               "parser", flush=True)  # fmt: skip
+    lora_modules = check_lora_modules(cfg, ecfg, model_names)
     engine_kwargs = dict(
         model=ecfg.model.path, dtype=cfg.dtype, device=cfg.device,
         max_model_len=ecfg.model.max_model_len, block_size=cfg.block_size,
@@ -129,6 +150,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(cfg, ecfg),
         scheduling_policy=cfg.scheduling_policy, num_gpu_blocks=cfg.num_gpu_blocks_override,
         enable_chunked_prefill=cfg.enable_chunked_prefill, async_scheduling=cfg.async_scheduling,
+        enable_lora=cfg.enable_lora, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+        lora_modules=lora_modules,
     )  # fmt: skip
     # The step budget's rules (e.g. no chunking needs a budget of max_model_len), refused
     # here rather than in every worker's start.
@@ -237,7 +260,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             cfg.api_key, cfg.max_body_bytes, ecfg.runner.runner, defaults, chat_template,
             RequestLog(_print) if cfg.enable_log_requests else None, ecfg.model.vocab_size,
             cfg.scheduling_policy, auto_tool_parser(cfg), cfg.reasoning_parser, cfg.cors,
-            ResponseStore(cfg.responses_store_bytes),
+            ResponseStore(cfg.responses_store_bytes), lora_modules,
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)

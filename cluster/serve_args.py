@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from pdserve.cluster.cors import CorsConfig
@@ -148,11 +149,44 @@ class ServeConfig:
     # /metrics names its series `<prefix>name`; "vllm:" lets vLLM's Grafana dashboards
     # and alerts read them unchanged (cluster/metrics.py).
     metrics_prefix: str = "pdserve:"
+    # vLLM's LoRA flags (runner/lora/): adapters served beside the model; a request's
+    # "model" may name one. `lora_modules` entries: "name=path" or a JSON object (or, in a
+    # config file, a mapping) with "name" and "path".
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
     # vLLM's CORS flags (cluster/cors.py): which browser origins may call the API.
     allowed_origins: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
+
+    @property
+    def lora_module_map(self) -> dict[str, str]:
+        """`--lora-modules` as name -> adapter folder (ValueError naming a bad entry)."""
+        out: dict[str, str] = {}
+        for entry in self.lora_modules:
+            item = entry
+            if isinstance(entry, str) and entry.lstrip().startswith("{"):
+                try:
+                    item = json.loads(entry)
+                except ValueError:
+                    raise ValueError(f"--lora-modules: {entry!r} is not a JSON object") from None
+            if isinstance(item, dict):
+                name, path = item.get("name"), item.get("path")
+            elif isinstance(item, str) and "=" in item:
+                name, path = item.split("=", 1)
+            else:
+                name = path = None
+            if not (isinstance(name, str) and name and isinstance(path, str) and path):
+                raise ValueError(
+                    f'--lora-modules: {entry!r} must be name=path or {{"name": ..., "path": ...}}'
+                )
+            if name in out:
+                raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+            out[name] = path
+        return out
 
     @property
     def cors(self) -> CorsConfig:
@@ -222,6 +256,18 @@ class ServeConfig:
                 "--enable-auto-tool-choice needs --tool-call-parser "
                 f"({' or '.join(TOOL_CALL_PARSERS)}): the syntax the model writes its tool "
                 "calls in"
+            )
+        if isinstance(self.lora_modules, str | list):  # a config file's one entry, or list
+            entries = (
+                [self.lora_modules] if isinstance(self.lora_modules, str) else self.lora_modules
+            )
+            object.__setattr__(self, "lora_modules", tuple(entries))
+        if self.lora_module_map and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"--max-loras and --max-lora-rank must be >= 1, got {self.max_loras} and "
+                f"{self.max_lora_rank}"
             )
         check_prefix(self.metrics_prefix)
         if self.decode_prefix_slack < 0:

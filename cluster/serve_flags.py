@@ -71,6 +71,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "apart from the answer: qwen3 (Qwen3; a reply not opening with <think> is "
                    "all answer) or deepseek_r1 (DeepSeek-R1, Qwen3 Thinking-2507: the reply "
                    "opens in the thinking)")  # fmt: skip
+    p.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters (--lora-modules) beside the model")  # fmt: skip
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="PEFT adapter folders requests may name as 'model': name=path, or "
+                   'a JSON object {"name": ..., "path": ...}')  # fmt: skip
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="adapter slots on each worker's device: adapters one batch mixes "
+                   "(default 1)")  # fmt: skip
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="the largest adapter rank served (default 16)")  # fmt: skip
     p.add_argument("--responses-store-bytes", type=size_arg, default=None, metavar="SIZE",
                    help="the router's memory for stored Responses API responses (store, "
                    "previous_response_id, GET /v1/responses/{id}), least recently used out "

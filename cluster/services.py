@@ -200,7 +200,7 @@ class DecodeService(_Service):
         req = WorkRequest.decode(payload)
         ticket = ticket_from_wire(req.ticket) if req.ticket is not None else None
         await self._call(
-            lambda w: w.submit(req.request_id, req.prompt_token_ids, req.params, ticket)
+            lambda w: w.submit(req.request_id, req.prompt_token_ids, req.params, ticket, req.lora)
         )
 
     async def first_token(self, payload: bytes) -> bool:
@@ -327,7 +327,7 @@ class PrefillService(_Service):
         fut: Future = Future()
 
         def submit(w: PrefillWorker) -> None:
-            w.submit(req.request_id, req.prompt_token_ids, req.params)
+            w.submit(req.request_id, req.prompt_token_ids, req.params, req.lora)
             self._waiters[req.request_id] = fut
 
         await self._call(submit)

@@ -36,6 +36,7 @@ class WorkRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     ticket: dict | None = None  # kvtransfer.protocol ticket wire map (decode side, PD mode)
+    lora: str | None = None  # the served LoRA adapter it runs with (None: the base model)
 
     def encode(self) -> bytes:
         params = {k: getattr(self.params, k) for k in PARAM_FIELDS}
@@ -49,12 +50,13 @@ class WorkRequest:
             "prompt": self.prompt_token_ids,
             "params": params,
             "ticket": self.ticket,
+            "lora": self.lora,
         }
         return msgpack.packb(body, use_bin_type=True)
 
     @classmethod
     def decode(cls, data: bytes) -> WorkRequest:
-        body = _unpack(data, "work request", {"id", "prompt", "params", "ticket"})
+        body = _unpack(data, "work request", {"id", "prompt", "params", "ticket", "lora"})
         prompt = body["prompt"]
         if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
             raise ValueError("work request: prompt must be a list of token ids")
@@ -72,7 +74,9 @@ class WorkRequest:
             raise ValueError("work request: ticket must be a map or null")
         if not isinstance(body["id"], str):
             raise ValueError("work request: id must be a string")
-        return cls(body["id"], prompt, SamplingParams(**params), body["ticket"])
+        if body["lora"] is not None and not isinstance(body["lora"], str):
+            raise ValueError("work request: lora must be an adapter name or null")
+        return cls(body["id"], prompt, SamplingParams(**params), body["ticket"], body["lora"])
 
 
 @dataclass(frozen=True)

@@ -71,9 +71,12 @@ class DecodeWorker:
         prompt_token_ids: list[int],
         params: SamplingParams,
         ticket: Ticket | None,
+        lora_name: str | None = None,
     ) -> None:
         """Queue a prefilled request. With `ticket=None` only the tier (and the local
-        prefix cache) can supply KV, and the engine computes the rest itself."""
+        prefix cache) can supply KV, and the engine computes the rest itself. `lora_name`:
+        one of the engine's `lora_modules` (None: the base model)."""
+        lora = self.engine.named_lora(lora_name)
         if ticket is not None and not self.imports_kv:
             raise ValueError(
                 f"decode worker {self.worker_id} runs the {self.engine.runner_name} runner, "
@@ -89,7 +92,9 @@ class DecodeWorker:
             # neither the tier's nor the local prefix cache's (the load path takes both).
             cacheable = self.loader.tier is not None and params.prompt_logprobs is None
             tier_only = TIER_ONLY if cacheable else None
-            self.engine.add_request(request_id, prompt_token_ids, params, kv_ticket=tier_only)
+            self.engine.add_request(
+                request_id, prompt_token_ids, params, kv_ticket=tier_only, lora_request=lora
+            )
             return
         continues = self.engine.add_prefilled_request(
             request_id,
@@ -100,6 +105,7 @@ class DecodeWorker:
             ticket,
             ticket.num_cached_tokens,
             ticket.queue_s,
+            lora,
         )
         if not continues:
             self.loader.finish_ticket(ticket, release=True)

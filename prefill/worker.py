@@ -144,8 +144,18 @@ class PrefillWorker:
     def layout(self):
         return self.source.layout
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.add_request(request_id, prompt_token_ids, params, hold_kv=True)
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_name: str | None = None,
+    ) -> None:
+        """`lora_name`: one of the engine's `lora_modules` (None: the base model)."""
+        lora = self.engine.named_lora(lora_name)
+        self.engine.add_request(
+            request_id, prompt_token_ids, params, hold_kv=True, lora_request=lora
+        )
 
     def abort(self, request_id: str) -> bool:
         """Stop a prompt still running, or end the lease of one already exported."""

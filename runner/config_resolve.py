@@ -84,6 +84,7 @@ def resolve_engine_config(
     enable_lora: bool = False,
     max_loras: int = 1,
     max_lora_rank: int = 16,
+    lora_modules: dict[str, str] | None = None,
 ) -> EngineConfig:
     from transformers import AutoConfig
 
@@ -149,5 +150,5 @@ def resolve_engine_config(
             decode_attention=decode_attention,
             cuda_graph_scope=cuda_graph_scope,
         ),
-        lora=LoRAConfig(enable_lora, max_loras, max_lora_rank),
+        lora=LoRAConfig(enable_lora, max_loras, max_lora_rank, tuple((lora_modules or {}).items())),
     )

@@ -189,6 +189,15 @@ class Engine(PDRoles):
             lora_name=lora_name,
         )  # fmt: skip
 
+    def named_lora(self, name: str | None) -> LoRARequest | None:
+        """The adapter `lora_modules` serves under `name` (None: the base model)."""
+        if name is None:
+            return None
+        modules = dict(self.config.lora.lora_modules)
+        if name not in modules:
+            raise ValueError(f"no LoRA adapter named {name!r} is served here")
+        return LoRARequest(name, list(modules).index(name) + 1, modules[name])
+
     def load_lora(self, lora_request: LoRARequest, keep: Iterable[str] = ()) -> None:
         """The adapter in a device slot (runner/lora/); one that no live request runs with
         and that is not in `keep` may give its slot up. Raises ValueError naming what is

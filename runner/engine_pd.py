@@ -26,6 +26,7 @@ from pdserve.runner.kv_hooks import (
     KVPromptScheduled,
     KVPublisher,
 )
+from pdserve.runner.lora.request import LoRARequest
 from pdserve.runner.output_text import logprob_dict
 from pdserve.runner.outputs import RequestDelta
 from pdserve.runner.request import Request, RequestStatus
@@ -62,6 +63,7 @@ class PDRoles:
         ticket: object,
         num_cached_tokens: int = 0,
         queue_s: float = 0.0,
+        lora_request: LoRARequest | None = None,
     ) -> bool:
         """Decode role: a request whose prompt ran elsewhere. Its first token is emitted on
         the next step (stop checks applied here); if that token does not end it, the
@@ -71,7 +73,8 @@ class PDRoles:
         `add_first_token` (relayed, or with the load result); a failed load leaves this
         engine to compute it. `num_cached_tokens`: the prompt tokens the prefill side
         found cached, which the request reports as its cached tokens; `queue_s`: the seconds
-        its prompt waited there before it was scheduled (its queue time)."""
+        its prompt waited there before it was scheduled (its queue time); `lora_request`:
+        the adapter the prompt ran with, which the rest runs with too."""
         self.validate(request_id, prompt_token_ids, params)
         self.require_paged("add_prefilled_request")
         if self.kv_loader is None:
@@ -79,7 +82,13 @@ class PDRoles:
         if first_token is not None and not is_token(first_token, self.config.model.vocab_size):
             vocab = self.config.model.vocab_size
             raise ValueError(f"first_token must be an integer in [0, {vocab}) (got {first_token})")
-        req = self._new_request(request_id, prompt_token_ids, params, kv_ticket=ticket)
+        lora_name = None
+        if lora_request is not None:
+            self.load_lora(lora_request)
+            lora_name = lora_request.lora_name
+        req = self._new_request(
+            request_id, prompt_token_ids, params, kv_ticket=ticket, lora_name=lora_name
+        )
         req.num_cached_tokens = num_cached_tokens
         req.queue_s = queue_s
         if first_token is None:

@@ -547,3 +547,39 @@ def assert_greedy_matches_hf(
     for p, out, exp in zip(prompts, outs, expected, strict=True):
         assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
     return llm
+
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def make_lora_adapter(base_dir: str, folder: Path, targets, rank: int, alpha: float, seed: int,
+                  rslora: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+    """A PEFT adapter folder for `base_dir`'s layers (random A and B); returns the merged
+    weights' deltas by the base checkpoint's names."""
+    import json
+    import math
+
+    from safetensors.torch import load_file, save_file
+
+    base = load_file(next(Path(base_dir).glob("*.safetensors")))
+    g = torch.Generator().manual_seed(seed)
+    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+    tensors, deltas = {}, {}
+    layers = 1 + max(int(k.split(".")[2]) for k in base if k.startswith("model.layers."))
+    for i in range(layers):
+        for t in targets:
+            part = "self_attn" if t in ATTN else "mlp"
+            w = base[f"model.layers.{i}.{part}.{t}.weight"]
+            a = torch.randn(rank, w.shape[1], generator=g) * 0.3
+            b = torch.randn(w.shape[0], rank, generator=g) * 0.3
+            prefix = f"base_model.model.model.layers.{i}.{part}.{t}"
+            tensors[f"{prefix}.lora_A.weight"] = a
+            tensors[f"{prefix}.lora_B.weight"] = b
+            deltas[f"model.layers.{i}.{part}.{t}.weight"] = scale * (b @ a)
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+              "bias": "none", "use_rslora": rslora, "task_type": "CAUSAL_LM"}  # fmt: skip
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return deltas

@@ -5,51 +5,20 @@ the prefix cache (KV under an adapter is never another's) and across slot reuse.
 
 from __future__ import annotations
 
-import json
-import math
 import random
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE, hf_greedy
+from conftest import ATTN, DEVICE, MLP, hf_greedy, make_lora_adapter
 from safetensors.torch import load_file, save_file
 
 from pdserve import LoRARequest
 from pdserve.runner.block_hash import salt_root
 
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
 PROMPT_LENS = (5, 23, 70, 41)
 NEW = 12
-
-
-def _make_adapter(base_dir: str, folder: Path, targets, rank: int, alpha: float, seed: int,
-                  rslora: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
-    """A PEFT adapter folder for `base_dir`'s layers; returns the merged weights' deltas by
-    the base checkpoint's names."""
-    base = load_file(next(Path(base_dir).glob("*.safetensors")))
-    g = torch.Generator().manual_seed(seed)
-    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
-    tensors, deltas = {}, {}
-    layers = 1 + max(int(k.split(".")[2]) for k in base if k.startswith("model.layers."))
-    for i in range(layers):
-        for t in targets:
-            part = "self_attn" if t in ATTN else "mlp"
-            w = base[f"model.layers.{i}.{part}.{t}.weight"]
-            a = torch.randn(rank, w.shape[1], generator=g) * 0.3
-            b = torch.randn(w.shape[0], rank, generator=g) * 0.3
-            prefix = f"base_model.model.model.layers.{i}.{part}.{t}"
-            tensors[f"{prefix}.lora_A.weight"] = a
-            tensors[f"{prefix}.lora_B.weight"] = b
-            deltas[f"model.layers.{i}.{part}.{t}.weight"] = scale * (b @ a)
-    folder.mkdir(parents=True)
-    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
-              "bias": "none", "use_rslora": rslora, "task_type": "CAUSAL_LM"}  # fmt: skip
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    return deltas
 
 
 def _merged(base_dir: str, deltas: dict[str, torch.Tensor], folder: Path) -> str:
@@ -67,8 +36,10 @@ def adapters(tiny_llama_dir, tmp_path_factory):
     """Two adapters (every projection, rank 8; q and v only, rank 4 with rsLoRA) and the
     merged models transformers runs for each."""
     root = tmp_path_factory.mktemp("lora")
-    full = _make_adapter(tiny_llama_dir, root / "full", ATTN + MLP, 8, 16.0, seed=1)
-    qv = _make_adapter(tiny_llama_dir, root / "qv", ("q_proj", "v_proj"), 4, 8.0, 2, rslora=True)
+    full = make_lora_adapter(tiny_llama_dir, root / "full", ATTN + MLP, 8, 16.0, seed=1)
+    qv = make_lora_adapter(
+        tiny_llama_dir, root / "qv", ("q_proj", "v_proj"), 4, 8.0, 2, rslora=True
+    )
     return {
         "full": (LoRARequest("full", 1, str(root / "full")), _merged(tiny_llama_dir, full, root / "m-full")),
         "qv": (LoRARequest("qv", 2, str(root / "qv")), _merged(tiny_llama_dir, qv, root / "m-qv")),
@@ -172,7 +143,7 @@ def test_other_families_match_merged_models(family, request, tmp_path):
     """Granite folds its residual multiplier into the o and down weights at load, so their
     deltas are scaled alike; Qwen3's q/k norms read the adapted projections."""
     base_dir = request.getfixturevalue(family)
-    deltas = _make_adapter(base_dir, tmp_path / "a", ATTN + MLP, 4, 8.0, seed=4)
+    deltas = make_lora_adapter(base_dir, tmp_path / "a", ATTN + MLP, 4, 8.0, seed=4)
     merged = _merged(base_dir, deltas, tmp_path / "merged")
     prompts = _prompts(seed=11)[:2]
     got = _generate(_llm(base_dir), prompts, LoRARequest("a", 1, str(tmp_path / "a")))

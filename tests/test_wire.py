@@ -66,7 +66,7 @@ def test_a_work_request_carries_logit_bias_and_allowed_ids():
         ([[5, 2.5, 1]], "pairs"),
         ([[5, 200.0]], r"\[-100, 100\]"),
     ):
-        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None,
+        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=None,
                     params={**good, "logit_bias": bias})  # fmt: skip
         with pytest.raises(ValueError, match=fragment):
             WorkRequest.decode(_packed(**body))
@@ -83,7 +83,18 @@ def test_a_work_request_carries_the_cache_salt():
         SamplingParams(cache_salt=None)
     )
     for salt in ("", 5):
-        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None,
+        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=None,
                     params={"max_tokens": 2, "cache_salt": salt})  # fmt: skip
         with pytest.raises(ValueError, match="cache_salt"):
             WorkRequest.decode(_packed(**body))
+
+
+def test_a_work_request_carries_its_lora_adapter():
+    """The adapter a request runs with reaches both PD workers (a dropped name would
+    decode with the base model's weights over the adapter's KV); only a name or null."""
+    back = WorkRequest.decode(WorkRequest("r-8", [1], SamplingParams(), lora="tuned").encode())
+    assert back.lora == "tuned"
+    assert WorkRequest.decode(WorkRequest("r-9", [1], SamplingParams()).encode()).lora is None
+    body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=3, params={})
+    with pytest.raises(ValueError, match="lora"):
+        WorkRequest.decode(_packed(**body))

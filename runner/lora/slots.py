@@ -17,6 +17,7 @@ not with the adapters a step uses: torch GEMMs per slot, no fused multi-adapter 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -168,15 +169,20 @@ def check_supported(model: nn.Module) -> None:
     """LoRA runs on the plain Llama-family model (Llama, Mistral, Qwen2/3, SmolLM, Granite,
     Phi-3, Seed-OSS, and the attention of Mixtral / Qwen-MoE); families whose forward or
     weight layout differs are refused by name."""
+    check_model_class(type(model), model.config)
+
+
+def check_model_class(cls: type, hf_config: Any) -> None:
+    """`check_supported` before a model is built (`pdserve serve` at start)."""
     from pdserve.runner.models.llama import LlamaFamilyForCausalLM, family_spec
 
-    if type(model) is not LlamaFamilyForCausalLM:
+    if cls is not LlamaFamilyForCausalLM:
         raise ValueError(
-            f"LoRA adapters are served on Llama-family models; {type(model).__name__} "
-            f"({model.config.model_type}) is not one"
+            f"LoRA adapters are served on Llama-family models; {cls.__name__} "
+            f"({hf_config.model_type}) is not one"
         )
-    if family_spec(model.config).rope_interleaved:
+    if family_spec(hf_config).rope_interleaved:
         raise ValueError(
-            f"LoRA adapters are not served on {model.config.model_type} (its q/k rows are "
+            f"LoRA adapters are not served on {hf_config.model_type} (its q/k rows are "
             "reordered at load)"
         )
