@@ -102,7 +102,10 @@ def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
 
 def _lora_path(runner: Any) -> str:
     lora = getattr(runner, "lora", None)
-    return "off" if lora is None else f"{lora.max_loras}x r{lora.max_rank} torch"
+    if lora is None:
+        return "off"
+    kernels = "triton" if lora.token_slots.is_cuda else "torch"  # kernels/lora.py
+    return f"{lora.max_loras}x r{lora.max_rank} {kernels}"
 
 
 def _weights_path(model: Any) -> str:

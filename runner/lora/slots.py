@@ -8,10 +8,10 @@ the site's rank dimension and its row range of B, so the fused site's
 `(x A^T) B^T` is exactly the parts' deltas side by side (the other blocks are zeros). A
 rank below `max_rank` is padded with zero columns, which add exact zeros.
 
-`apply` adds `where(token's slot == s, (x A_s^T) B_s^T, 0)` for every loaded slot `s`: no
-host sync and fixed buffers, so it runs the same eagerly and inside the decode CUDA graphs
-(`token_slots` is written before each step, in place). Its cost grows with `max_loras`,
-not with the adapters a step uses: torch GEMMs per slot, no fused multi-adapter kernel yet.
+`apply` adds each token's `(x A_s^T) B_s^T` for its slot `s` (kernels/lora.py: two Triton
+launches on CUDA, a loop over the slots on the CPU): no host sync and fixed buffers, so it
+runs the same eagerly and inside the decode CUDA graphs (`token_slots` is written before
+each step, in place).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pdserve.kernels.lora import add_lora
 from pdserve.runner.lora.adapter import LoraAdapter
 from pdserve.runner.models.mlp import MLP
 
@@ -64,12 +65,9 @@ class LoraSite:
         self.b[slot].copy_(b)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """y [T, out] (the base projection of x [T, in]) plus each token's adapter delta."""
-        ids = self.token_slots[: x.shape[0], None]
-        for s in range(1, self.a.shape[0]):
-            delta = (x @ self.a[s].T) @ self.b[s].T
-            y.add_(torch.where(ids == s, delta, 0))
-        return y
+        """y [T, out] (the base projection of x [T, in]) plus each token's adapter delta,
+        in place (kernels/lora.py)."""
+        return add_lora(y, x, self.a, self.b, self.token_slots)
 
 
 class LoraSlots:
