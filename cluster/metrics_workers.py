@@ -7,6 +7,7 @@ scrape (cluster/metrics.py exports them with the request series).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -111,6 +112,7 @@ class WorkerCollector:
             "first_tokens_by_source", "source",
         )  # fmt: skip
         yield from _path_families(router, roles)
+        yield _lora_info(router, roles)
         failures = CounterMetricFamily(
             PREFIX + "worker_stats_failures",
             "Stats polls a worker did not answer in time (its series then show its last stats)",
@@ -171,6 +173,26 @@ def _counts_by(
         for value, n in (stats.get(stat) or {}).items():
             family.add_metric([roles.get(worker, "?"), worker, value], n)
     return family
+
+
+def _lora_info(router: Any, roles: dict[str, str]) -> GaugeMetricFamily:
+    """vLLM's `lora_requests_info` (which LoRA-aware gateways read, with the `vllm:`
+    prefix): per worker, its adapter slots and the adapters its running and waiting
+    requests name (comma-separated); the value is when the worker was polled."""
+    info = GaugeMetricFamily(
+        PREFIX + "lora_requests_info",
+        "Running stats on LoRA requests (adapters of running and waiting requests)",
+        labels=["role", "worker", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    for worker, stats in router.worker_stats.items():
+        lora = stats.get("lora_requests")
+        if isinstance(lora, dict):
+            info.add_metric(
+                [roles.get(worker, "?"), worker, str(lora.get("max_lora")),
+                 ",".join(lora.get("running") or ()), ",".join(lora.get("waiting") or ())],
+                time.time(),
+            )  # fmt: skip
+    return info
 
 
 # Engine.execution_path

@@ -57,6 +57,7 @@ def _engine_stats(engine: Engine, compiles: CompileWatch | None) -> dict[str, An
         "structured_requests": engine.grammars.requests,
         "grammar_compiles": engine.grammars.compiles,
         "grammar_compile_seconds": engine.grammars.compile_seconds,
+        "lora_requests": engine.lora_requests(),
     }
 
 

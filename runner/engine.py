@@ -189,6 +189,19 @@ class Engine(PDRoles):
             lora_name=lora_name,
         )  # fmt: skip
 
+    def lora_requests(self) -> dict[str, Any] | None:
+        """vLLM's `lora_requests_info`: the adapter slots and the adapters of running and
+        of waiting requests (None: LoRA off)."""
+        if not self.config.lora.enable_lora:
+            return None
+        s = self.scheduler
+        waiting = [*s.waiting, *s.loading.values()]
+        return {
+            "max_lora": self.config.lora.max_loras,
+            "running": sorted({r.lora_name for r in s.running if r.lora_name is not None}),
+            "waiting": sorted({r.lora_name for r in waiting if r.lora_name is not None}),
+        }
+
     def named_lora(self, name: str | None) -> LoRARequest | None:
         """The adapter `lora_modules` serves under `name` (None: the base model)."""
         if name is None:

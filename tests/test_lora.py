@@ -100,8 +100,15 @@ def test_prefix_cache_is_per_adapter(tiny_llama_dir, adapters):
 def test_one_slot_serves_adapters_in_turn(tiny_llama_dir, adapters):
     """max_loras=1: an adapter no live request runs with gives its slot to the next."""
     (full, full_dir), (qv, qv_dir) = adapters["full"], adapters["qv"]
+    from pdserve import SamplingParams
+
     llm = _llm(tiny_llama_dir, max_loras=1)
     prompts = _prompts(seed=5)[:2]
+    # vLLM's lora_requests_info: a queued request's adapter shows as waiting
+    llm.engine.add_request("probe", [5, 6, 7], SamplingParams(max_tokens=1), lora_request=full)
+    assert llm.engine.lora_requests() == {"max_lora": 1, "running": [], "waiting": ["full"]}
+    llm.engine.abort("probe")
+    assert llm.engine.lora_requests()["waiting"] == []
     for lora, ref in ((full, full_dir), (qv, qv_dir), (full, full_dir)):
         assert _generate(llm, prompts, lora) == hf_greedy(ref, prompts, NEW)
     with pytest.raises(ValueError, match="max_loras=1"):

@@ -66,6 +66,10 @@ def test_pd_server_serves_the_adapter(smollm_dir, adapter, tmp_path):
         text = server.metrics()
         assert _decisions(text, "remote_prefill") == 2
         assert _decisions(text, "prefix_hit_on_decode") == 1
+        # vLLM's lora_requests_info, a series per worker (nothing running between requests)
+        info = [ln for ln in text.splitlines() if ln.startswith("pdserve:lora_requests_info{")]
+        assert len(info) == 2 and all('max_lora="1"' in ln for ln in info), info
+        assert {'role="prefill"' in ln for ln in info} == {True, False}
         chat = client.chat.completions.create(
             model="tuned", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
         )
