@@ -16,14 +16,22 @@ keep_root_off_path()  # before anything imports transformers (pdserve/source_tre
 if TYPE_CHECKING:
     from pdserve.runner.llm import LLM
     from pdserve.runner.lora.request import LoRARequest
-    from pdserve.runner.outputs import CompletionOutput, Logprob, RequestOutput
+    from pdserve.runner.outputs import (
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        RequestOutput,
+    )
+    from pdserve.runner.pooling import PoolingParams
     from pdserve.runner.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
     "LoRARequest",
+    "PoolingParams",
     "SamplingParams",
     "RequestOutput",
+    "EmbeddingRequestOutput",
     "CompletionOutput",
     "Logprob",
     "__version__",
@@ -36,6 +44,8 @@ _LAZY = {
     "RequestOutput": "pdserve.runner.outputs",
     "CompletionOutput": "pdserve.runner.outputs",
     "Logprob": "pdserve.runner.outputs",
+    "EmbeddingRequestOutput": "pdserve.runner.outputs",
+    "PoolingParams": "pdserve.runner.pooling",
 }
 
 

@@ -29,6 +29,7 @@ from pdserve.runner.kv_hooks import KVLoader, KVPublisher
 from pdserve.runner.lora.request import LoRARequest
 from pdserve.runner.output_text import logprob_dict, next_text
 from pdserve.runner.outputs import RequestDelta
+from pdserve.runner.pooling import PoolingParams, model_pooling
 from pdserve.runner.request import Request, RequestStatus
 from pdserve.runner.request_checks import check_request
 from pdserve.runner.runner_output import ModelRunnerOutput, TopLogprobs
@@ -86,6 +87,9 @@ class Engine(PDRoles):
         self._tracks: dict[str, Track] = {}
         self._pending: list[RequestDelta] = []
         self._held: dict[str, tuple[int, ...]] = {}  # prefill role: blocks under a lease
+        # Embeddings (runner/pooling.py): how this model pools, and vectors a step gave
+        self.pooling = model_pooling(config.model.path)
+        self._embeddings: dict[str, list[float]] = {}
         # Requests whose structured-output grammar is still being built (grammar_cache.py)
         self._awaiting_grammar: dict[str, tuple[Request, Future]] = {}
         # decode role: how early tickets' first tokens arrived (`add_first_token`)
@@ -176,6 +180,7 @@ class Engine(PDRoles):
         supply is computed here. `lora_request`: the LoRA adapter to run with, loaded now
         if it is not (an engine built with `enable_lora`)."""
         self.validate(request_id, prompt_token_ids, params)
+        self._require_lm_head()
         if hold_kv or kv_ticket is not None:
             self.require_paged("hold_kv" if hold_kv else "kv_ticket")
         if kv_ticket is not None and self.kv_loader is None:
@@ -201,6 +206,36 @@ class Engine(PDRoles):
             "running": sorted({r.lora_name for r in s.running if r.lora_name is not None}),
             "waiting": sorted({r.lora_name for r in waiting if r.lora_name is not None}),
         }
+
+    def _require_lm_head(self) -> None:
+        if getattr(getattr(self.runner, "model", None), "pooling_only", False):
+            arch = self.config.model.architecture
+            raise ValueError(
+                f"this checkpoint ({arch}) has no LM head: it serves embeddings only "
+                "(LLM.embed, /v1/embeddings)"
+            )
+
+    def add_pooling_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        """Queue an embedding request (runner/pooling.py): its prompt runs and is pooled
+        as the model pools; its one delta carries `embedding` and nothing is generated."""
+        if self.config.runner.runner != "mrv2":
+            raise ValueError(f"embeddings need the mrv2 runner (got {self.runner_name!r})")
+        spec = self.pooling.for_request(pooling_params)
+        # One greedy token, never shown: the step that ends the prompt samples as usual
+        # (its cost is one LM-head row), and its output is the pooled vector instead.
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        self.validate(request_id, prompt_token_ids, params)
+        lora_name = None
+        if lora_request is not None:
+            self.load_lora(lora_request)
+            lora_name = lora_request.lora_name
+        self._new_request(request_id, prompt_token_ids, params, lora_name=lora_name, pooling=spec)
 
     def named_lora(self, name: str | None) -> LoRARequest | None:
         """The adapter `lora_modules` serves under `name` (None: the base model)."""
@@ -357,6 +392,7 @@ class Engine(PDRoles):
         row_of = {rid: i for i, rid in enumerate(out.req_ids)} if out.logprobs else None
         for rid, (first, entries) in out.prompt_logprobs.items():
             self._add_prompt_logprobs(rid, first, entries)
+        self._embeddings.update(out.pooled)
         for req in self.scheduler.update_from_output(so, out):
             lp = out.logprobs[row_of[req.request_id]] if row_of is not None else None
             deltas.append(self._process_token(req, lp))
@@ -368,6 +404,8 @@ class Engine(PDRoles):
         only the not-yet-emitted tail of the text is ever copied."""
         if req.hold_kv:
             return self._hold(req, lp)
+        if req.pooling is not None:
+            return self._pooled(req)
         track = self._tracks[req.request_id]
         token = req.output_token_ids[-1]
         if track.detok is None:
@@ -407,6 +445,19 @@ class Engine(PDRoles):
             )
             self.scheduler.finish_request(req.request_id, status)
             del self._tracks[req.request_id]
+        return delta
+
+    def _pooled(self, req: Request) -> RequestDelta:
+        """An embedding request's one delta: its vector, no tokens; it ends here."""
+        delta = RequestDelta(
+            req.request_id, [], "", finish_reason="stop",
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0), queue_s=max(req.queue_s, 0.0),
+        )  # fmt: skip
+        delta.embedding = self._embeddings.pop(req.request_id, None)
+        assert delta.embedding is not None, f"{req.request_id}: its prompt gave no vector"
+        self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        self._tracks.pop(req.request_id, None)
         return delta
 
     def _add_prompt_logprobs(self, req_id: str, first: int, entries: list[TopLogprobs]) -> None:

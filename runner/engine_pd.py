@@ -76,6 +76,7 @@ class PDRoles:
         its prompt waited there before it was scheduled (its queue time); `lora_request`:
         the adapter the prompt ran with, which the rest runs with too."""
         self.validate(request_id, prompt_token_ids, params)
+        self._require_lm_head()
         self.require_paged("add_prefilled_request")
         if self.kv_loader is None:
             raise ValueError("add_prefilled_request needs an engine built with a kv_loader")

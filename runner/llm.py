@@ -22,8 +22,15 @@ from pdserve.runner.config_resolve import resolve_engine_config
 from pdserve.runner.engine import Engine
 from pdserve.runner.generation_defaults import sampling_defaults
 from pdserve.runner.lora.request import LoRARequest
-from pdserve.runner.outputs import CompletionOutput, RequestDelta, RequestOutput
+from pdserve.runner.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestDelta,
+    RequestOutput,
+)
 from pdserve.runner.parallel_sampling import child_params
+from pdserve.runner.pooling import PoolingParams
 from pdserve.runner.sampling_params import SamplingParams
 from pdserve.runner.structured.patterns import compile_spec
 
@@ -238,6 +245,58 @@ class LLM:
             comp.finish_reason = delta.finish_reason
             comp.stop_reason = delta.stop_reason
             out.finished = all(c.finish_reason is not None for c in out.outputs)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's `embed`: each prompt's final hidden states pooled as the model pools them
+        (runner/pooling.py: a Sentence-Transformers checkpoint's pooling and normalising,
+        else the last token's, normalised)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        jobs = [(f"embed-{next(self._ids)}", self._to_token_ids(p)[1]) for p in prompts]
+        if lora_request is not None:
+            self.engine.load_lora(lora_request)
+        for request_id, ids in jobs:  # validated as it is added; a refusal stops the rest
+            try:
+                self.engine.add_pooling_request(request_id, ids, pooling_params, lora_request)
+            except BaseException:
+                for queued, _ in jobs:
+                    self.engine.abort(queued)
+                raise
+        vectors: dict[str, RequestDelta] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(jobs), desc="Embedding", unit="req", dynamic_ncols=True)
+        try:
+            while len(vectors) < len(jobs):
+                for delta in self.engine.step():
+                    if delta.embedding is not None:
+                        vectors[delta.request_id] = delta
+                        if bar is not None:
+                            bar.update(1)
+            while self.engine.has_unfinished():  # async: retire the step still in flight
+                self.engine.step()
+        except BaseException:
+            for request_id, _ in jobs:
+                self.engine.abort(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [
+            EmbeddingRequestOutput(
+                rid, ids, EmbeddingOutput(vectors[rid].embedding), True,
+                vectors[rid].num_cached_tokens,
+            )
+            for rid, ids in jobs
+        ]  # fmt: skip
 
     def chat(
         self,

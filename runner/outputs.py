@@ -46,6 +46,7 @@ class RequestDelta:
     # Prefill role: the request left this engine with its prompt's blocks held.
     kv_held: KVHeld | None = None
     first_top_logprobs: TopLogprobs | None = None  # the raw row, for a transfer ticket
+    embedding: list[float] | None = None  # an embedding request's pooled prompt
 
     @property
     def finished(self) -> bool:
@@ -77,3 +78,19 @@ class RequestOutput:
     prompt_logprobs: list[LogprobDict | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's `LLM.embed` result: one prompt's pooled vector."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pdserve.runner.pooling import PoolingSpec
 from pdserve.runner.sampling_params import SamplingParams
 from pdserve.runner.structured.token_table import TokenGrammar
 
@@ -59,6 +60,8 @@ class Request:
     grammar: TokenGrammar | None = None
     # The LoRA adapter it runs with (runner/lora/), by name; None: the base model.
     lora_name: str | None = None
+    # An embedding request (runner/pooling.py): its prompt is pooled, nothing is generated.
+    pooling: PoolingSpec | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)

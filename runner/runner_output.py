@@ -22,6 +22,8 @@ class ModelRunnerOutput:
     logprobs: list[TopLogprobs | None] = field(default_factory=list)
     # req_id -> (index in the prompt of the first target token, one entry per target)
     prompt_logprobs: dict[str, tuple[int, list[TopLogprobs]]] = field(default_factory=dict)
+    # req_id -> its prompt's pooled vector (embedding requests, on the step that ends it)
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 class ReadyHandle:

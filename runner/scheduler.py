@@ -211,7 +211,10 @@ class Scheduler:
                 continue
             hit_blocks, num_hit = [], 0
             loaded = req.num_computed_tokens  # > 0: its KV was loaded into blocks it holds
-            if not loaded and req.params.prompt_logprobs is None:  # those need every position
+            every = req.params.prompt_logprobs is not None or (
+                req.pooling is not None and req.pooling.every_position
+            )
+            if not loaded and not every:  # those need every position
                 if self._in_flight.should_wait(req, in_flight):
                     held.append(self.waiting.popleft())
                     self.num_prefix_waits += 1
@@ -246,6 +249,7 @@ class Scheduler:
                     bad_words=req.bad_words,
                     grammar=req.grammar,
                     lora_name=req.lora_name,
+                    pooling=req.pooling,
                 )
             )
             self._in_runner.add(req.request_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.runner.kv_hooks import KVLoadSpec
+from pdserve.runner.pooling import PoolingSpec
 from pdserve.runner.sampling_params import SamplingParams
 from pdserve.runner.structured.token_table import TokenGrammar
 
@@ -27,6 +28,7 @@ class NewRequestData:
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
     grammar: TokenGrammar | None = None  # structured output: what the output must follow
     lora_name: str | None = None  # the LoRA adapter it runs with (runner/lora/)
+    pooling: PoolingSpec | None = None  # an embedding request: how its prompt is pooled
 
 
 @dataclass

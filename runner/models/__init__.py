@@ -33,4 +33,10 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen3MoeForCausalLM": LlamaFamilyForCausalLM,
     "SeedOssForCausalLM": LlamaFamilyForCausalLM,
     "SmolLM3ForCausalLM": LlamaFamilyForCausalLM,
+    # Base models without an LM head (embedding checkpoints such as Qwen3-Embedding's):
+    # they serve embeddings only (runner/pooling.py; `pooling_only`)
+    "LlamaModel": LlamaFamilyForCausalLM,
+    "MistralModel": LlamaFamilyForCausalLM,
+    "Qwen2Model": LlamaFamilyForCausalLM,
+    "Qwen3Model": LlamaFamilyForCausalLM,
 }

@@ -280,9 +280,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.residual_multiplier = float(getattr(cfg, "residual_multiplier", 1.0) or 1.0)
         self.logits_scaling = float(getattr(cfg, "logits_scaling", 1.0) or 1.0)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        # A base-model checkpoint (`Qwen3Model`, ...) has no LM head: embeddings only
+        archs = getattr(cfg, "architectures", None) or [""]
+        self.pooling_only = archs[0].endswith("Model")
         self.lm_head = (
             None
-            if self.tie_word_embeddings
+            if self.tie_word_embeddings or self.pooling_only
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         # [max_positions, rotary_dim] float32, filled by `init_rope` once on the target device.

@@ -30,6 +30,7 @@ from pdserve.runner.mrv2.host_ring import DeviceToHost, HostRing, PendingHost
 from pdserve.runner.mrv2.input_batch import InputBatch, InputBuffers
 from pdserve.runner.mrv2.kv_cache import allocate_blocks, block_bytes, choose_num_blocks
 from pdserve.runner.mrv2.model_state import GQAModelState, ModelState
+from pdserve.runner.mrv2.pooling_state import PoolingState
 from pdserve.runner.mrv2.request_state import RequestState
 from pdserve.runner.mrv2.step_mailbox import StepMailbox
 from pdserve.runner.runner_output import ModelRunnerOutput
@@ -51,6 +52,7 @@ class StepHandle:
     prompt: list[tuple[str, int, int, tuple[PendingHost, PendingHost, PendingHost]]] = field(
         default_factory=list
     )  # (req_id, first target index, k, tensors)
+    pooled: list[tuple[str, PendingHost]] = field(default_factory=list)  # embeddings
 
     def get(self) -> ModelRunnerOutput:
         if self.sampled is None:
@@ -72,6 +74,7 @@ class StepHandle:
             ),
             logprobs=sampled_logprobs(lp, self.logprob_ks, self.sample_mask),
             prompt_logprobs=prompt_lps,
+            pooled={req_id: p.fetch().tolist() for req_id, p in self.pooled},
         )
 
 
@@ -132,6 +135,7 @@ class MRV2ModelRunner:
             self.ring,
         )
         self.model_state = model_state or GQAModelState()
+        self.pooling = PoolingState(max_reqs, m.config.hidden_size, self.device)
         self.sampler = Sampler()
         self.decode_kernel = config.runner.decode_kernel
         self.graphs: CudaGraphs | None = None
@@ -171,6 +175,7 @@ class MRV2ModelRunner:
             self.model_state.on_add(slot)
             if self.lora is not None:
                 self.slot_lora[slot] = self.lora.index_of(new.lora_name)
+            self.pooling.add(slot, new.pooling)
         for cached in so.cached_requests:
             st.update(cached)
         req_ids = list(so.num_scheduled_tokens)
@@ -187,7 +192,8 @@ class MRV2ModelRunner:
         seq_lens = num_computed + num_scheduled
         num_tokens = st.num_tokens[slots]
         sample_mask = seq_lens >= num_tokens  # caught up: the sample is kept
-        uniform_decode = int(num_scheduled.max()) == 1
+        pooling = self.pooling.any(slots)  # embedding rows: eager (pooling_state.py)
+        uniform_decode = int(num_scheduled.max()) == 1 and not pooling
         graph_size = (
             self.graphs.padded_size(len(req_ids))
             if (self.graphs is not None and uniform_decode)
@@ -252,6 +258,11 @@ class MRV2ModelRunner:
                     layer_hook,
                 )
                 logits = self.model.compute_logits(hidden[batch.logits_indices], float32=False)
+                if pooling:
+                    pooled = self.pooling.collect(
+                        self.model.norm, hidden, slots, batch.query_start_loc_np,
+                        num_computed, sample_mask,
+                    )  # fmt: skip
             self.model_state.post_forward(batch, hidden)
             out = self.sampler(logits, meta)
             if meta.grammar is not None:
@@ -286,6 +297,8 @@ class MRV2ModelRunner:
             )
         if graph_size is None:  # a graph step is pure decode: no prompt positions in it
             handle.prompt = self._prompt_logprobs(req_ids, slots, batch, hidden, num_computed)
+        if pooling:
+            handle.pooled = [(req_ids[row], self.to_host.copy(v)) for row, v in pooled]
         return handle
 
     def add_lora(self, request: LoRARequest, evictable: Iterable[str] = ()) -> None:
