@@ -156,6 +156,7 @@ GUARDED = ("/v1", "/tokenize", "/detokenize", "/invocations")
 def build_app(state: AppState) -> FastAPI:
     # They import this module (its body reading and checks).
     from pdserve.cluster.completion_routes import add_completion_routes
+    from pdserve.cluster.embedding_routes import add_embedding_routes
     from pdserve.cluster.responses_routes import add_responses_routes
     from pdserve.cluster.tokenize_routes import add_tokenize_routes
 
@@ -218,6 +219,7 @@ def build_app(state: AppState) -> FastAPI:
         return PlainTextResponse(state.metrics.render(state.router), media_type="text/plain")
 
     add_tokenize_routes(app, state)
+    add_embedding_routes(app, state)
 
     @app.get("/v1/models")
     async def models() -> dict:

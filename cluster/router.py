@@ -46,6 +46,7 @@ from pdserve.cluster.worker_handle import (
 )
 from pdserve.kvtransfer.protocol import Ticket, decode, ticket_to_wire
 from pdserve.runner.parallel_sampling import child_params
+from pdserve.runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -312,6 +313,54 @@ class Router:
                     task = asyncio.create_task(abort_quietly(w, request_id))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
+
+    async def embed(
+        self, prompt: list[int], lora: str | None = None, normalize: bool | None = None
+    ) -> StreamDelta:
+        """One embedding request (runner/pooling.py) on a decode worker, chosen as a
+        generating request's is: its one delta, carrying the vector."""
+        if not self.decode_workers:
+            raise ApiError("no decode worker is available", 503, "server_error")
+        timeout_s = self.config.stream_idle_timeout_s
+        hashes = self.prefix_index.hashes(prompt, None, lora)
+        try:
+            decode_w = await self._admission.acquire(
+                timeout_s, self._release_decode, 0, lambda: self._grant_decode(hashes)
+            )
+        except TimeoutError:
+            message = f"no decode slot was free within {timeout_s:g} s ({self.queued()} queued)"
+            raise ApiError(message, 503, "server_error") from None
+        request_id = f"e-{secrets.token_hex(8)}"
+        queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self._assigned[request_id] = decode_w.worker_id
+            params = SamplingParams(max_tokens=1)
+            work = WorkRequest(
+                request_id, prompt, params, lora=lora, embed={"normalize": normalize}
+            )
+            await decode_w.submit(work.encode())
+            self.prefix_index.remember(decode_w.worker_id, hashes)
+            while True:
+                delta = await asyncio.wait_for(queue.get(), timeout_s)
+                if delta.finish_reason is None:
+                    continue
+                finished = True
+                if delta.embedding is None:
+                    raise ApiError(
+                        f"the embedding request ended with {delta.finish_reason!r}", 500,
+                        "server_error",
+                    )  # fmt: skip
+                return delta
+        finally:
+            self._queues.pop(request_id, None)
+            self._assigned.pop(request_id, None)
+            self._release_decode(decode_w)
+            if not finished:  # client gone or error: nothing may keep its blocks
+                task = asyncio.create_task(abort_quietly(decode_w, request_id))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     async def _remote_prefill(
         self, prefill_w: WorkerHandle, work: WorkRequest, holders: list, hashes: list[int]

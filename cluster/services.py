@@ -201,7 +201,9 @@ class DecodeService(_Service):
         req = WorkRequest.decode(payload)
         ticket = ticket_from_wire(req.ticket) if req.ticket is not None else None
         await self._call(
-            lambda w: w.submit(req.request_id, req.prompt_token_ids, req.params, ticket, req.lora)
+            lambda w: w.submit(
+                req.request_id, req.prompt_token_ids, req.params, ticket, req.lora, req.embed
+            )
         )
 
     async def first_token(self, payload: bytes) -> bool:

@@ -43,6 +43,8 @@ class StreamDelta:
     queue_s: float = 0.0
     # num_cached_tokens replaces the earlier report (RequestDelta.cached_revised)
     cached_revised: bool = False
+    # An embedding request's pooled prompt, on its one delta (runner/pooling.py)
+    embedding: list[float] | None = None
 
     def cached_after(self, reported: int) -> int:
         """A choice's cached prompt tokens after this delta, `reported` before it: a
@@ -64,6 +66,7 @@ class StreamDelta:
             "q": self.prompt_logprobs,
             "u": self.queue_s,
             "k": self.cached_revised,
+            "e": self.embedding,
         }
 
     @classmethod
@@ -80,6 +83,7 @@ class StreamDelta:
             "q",
             "u",
             "k",
+            "e",
         }:
             raise ValueError(f"bad stream delta keys: {sorted(d) if isinstance(d, dict) else d}")
         if not isinstance(d["r"], str) or not isinstance(d["x"], str):
@@ -94,9 +98,12 @@ class StreamDelta:
             raise ValueError("stream delta: queue time must be a finite number >= 0")
         if type(d["k"]) is not bool:
             raise ValueError("stream delta: the cached-count revision flag must be a bool")
+        e = d["e"]
+        if e is not None and not (isinstance(e, list) and all(type(v) in (int, float) for v in e)):
+            raise ValueError("stream delta: an embedding must be a list of numbers or null")
         return cls(
             d["r"], d["t"], d["x"], d["f"], d["s"], d["l"], int(d["p"]), int(d["c"]), d["q"],
-            float(d["u"]), d["k"],
+            float(d["u"]), d["k"], e,
         )  # fmt: skip
 
 
@@ -120,6 +127,7 @@ def delta_from_engine(delta) -> StreamDelta:
         None if prompt is None else [None if pos is None else _rows(pos) for pos in prompt],
         delta.queue_s,
         delta.cached_revised,
+        delta.embedding,
     )
 
 

@@ -37,6 +37,8 @@ class WorkRequest:
     params: SamplingParams
     ticket: dict | None = None  # kvtransfer.protocol ticket wire map (decode side, PD mode)
     lora: str | None = None  # the served LoRA adapter it runs with (None: the base model)
+    # An embedding request (runner/pooling.py): {"normalize": bool | None}; None: generate
+    embed: dict | None = None
 
     def encode(self) -> bytes:
         params = {k: getattr(self.params, k) for k in PARAM_FIELDS}
@@ -51,12 +53,14 @@ class WorkRequest:
             "params": params,
             "ticket": self.ticket,
             "lora": self.lora,
+            "embed": self.embed,
         }
         return msgpack.packb(body, use_bin_type=True)
 
     @classmethod
     def decode(cls, data: bytes) -> WorkRequest:
-        body = _unpack(data, "work request", {"id", "prompt", "params", "ticket", "lora"})
+        fields = {"id", "prompt", "params", "ticket", "lora", "embed"}
+        body = _unpack(data, "work request", fields)
         prompt = body["prompt"]
         if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
             raise ValueError("work request: prompt must be a list of token ids")
@@ -76,7 +80,15 @@ class WorkRequest:
             raise ValueError("work request: id must be a string")
         if body["lora"] is not None and not isinstance(body["lora"], str):
             raise ValueError("work request: lora must be an adapter name or null")
-        return cls(body["id"], prompt, SamplingParams(**params), body["ticket"], body["lora"])
+        embed = body["embed"]
+        if embed is not None and not (
+            isinstance(embed, dict) and set(embed) == {"normalize"}
+            and embed["normalize"] in (None, True, False)
+        ):  # fmt: skip
+            raise ValueError('work request: embed must be {"normalize": bool or null} or null')
+        return cls(
+            body["id"], prompt, SamplingParams(**params), body["ticket"], body["lora"], embed
+        )
 
 
 @dataclass(frozen=True)

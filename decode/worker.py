@@ -22,6 +22,7 @@ from pdserve.kvtransfer.tier import HostKVTier
 from pdserve.kvtransfer.transport import Transport
 from pdserve.runner.engine import Engine
 from pdserve.runner.outputs import RequestDelta
+from pdserve.runner.pooling import PoolingParams
 from pdserve.runner.sampling_params import SamplingParams
 
 TIER_ONLY = "tier-only"  # a load with no prefill worker behind it: the tier or nothing
@@ -72,11 +73,17 @@ class DecodeWorker:
         params: SamplingParams,
         ticket: Ticket | None,
         lora_name: str | None = None,
+        embed: dict | None = None,
     ) -> None:
         """Queue a prefilled request. With `ticket=None` only the tier (and the local
         prefix cache) can supply KV, and the engine computes the rest itself. `lora_name`:
-        one of the engine's `lora_modules` (None: the base model)."""
+        one of the engine's `lora_modules` (None: the base model). `embed`
+        ({"normalize": ...}): an embedding request instead (runner/pooling.py)."""
         lora = self.engine.named_lora(lora_name)
+        if embed is not None:  # an embedding request: pooled here, never prefilled apart
+            pooling = PoolingParams(normalize=embed.get("normalize"))
+            self.engine.add_pooling_request(request_id, prompt_token_ids, pooling, lora)
+            return
         if ticket is not None and not self.imports_kv:
             raise ValueError(
                 f"decode worker {self.worker_id} runs the {self.engine.runner_name} runner, "

@@ -32,7 +32,10 @@ def _offline(smollm_dir: str, adapter: str) -> dict[str | None, str]:
     for name in (None, "tuned"):
         lora = None if name is None else LoRARequest(name, 1, adapter)
         out[name] = llm.generate(PROMPT, params, use_tqdm=False, lora_request=lora)[0]
-    return {k: v.outputs[0].text for k, v in out.items()}
+    texts = {k: v.outputs[0].text for k, v in out.items()}
+    lora = LoRARequest("tuned", 1, adapter)
+    texts["embedding"] = llm.embed(PROMPT, use_tqdm=False, lora_request=lora)[0].outputs.embedding
+    return texts
 
 
 def _decisions(text: str, reason: str) -> float:
@@ -74,6 +77,11 @@ def test_pd_server_serves_the_adapter(smollm_dir, adapter, tmp_path):
             model="tuned", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
         )
         assert chat.model == "tuned"
+        # An embedding under the adapter is the adapter's (offline, same adapter)
+        emb = client.embeddings.create(model="tuned", input=PROMPT)
+        assert emb.model == "tuned"
+        got, want = emb.data[0].embedding, expected["embedding"]
+        assert max(abs(g - w) for g, w in zip(got, want, strict=True)) < 1e-5
         with pytest.raises(openai.NotFoundError, match="tuned"):
             client.completions.create(model="other", prompt=PROMPT, max_tokens=2)
     finally:

@@ -66,7 +66,7 @@ def test_a_work_request_carries_logit_bias_and_allowed_ids():
         ([[5, 2.5, 1]], "pairs"),
         ([[5, 200.0]], r"\[-100, 100\]"),
     ):
-        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=None,
+        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=None, embed=None,
                     params={**good, "logit_bias": bias})  # fmt: skip
         with pytest.raises(ValueError, match=fragment):
             WorkRequest.decode(_packed(**body))
@@ -83,7 +83,7 @@ def test_a_work_request_carries_the_cache_salt():
         SamplingParams(cache_salt=None)
     )
     for salt in ("", 5):
-        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=None,
+        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=None, embed=None,
                     params={"max_tokens": 2, "cache_salt": salt})  # fmt: skip
         with pytest.raises(ValueError, match="cache_salt"):
             WorkRequest.decode(_packed(**body))
@@ -95,6 +95,24 @@ def test_a_work_request_carries_its_lora_adapter():
     back = WorkRequest.decode(WorkRequest("r-8", [1], SamplingParams(), lora="tuned").encode())
     assert back.lora == "tuned"
     assert WorkRequest.decode(WorkRequest("r-9", [1], SamplingParams()).encode()).lora is None
-    body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=3, params={})
+    body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=3, embed=None, params={})
     with pytest.raises(ValueError, match="lora"):
         WorkRequest.decode(_packed(**body))
+
+
+def test_embedding_requests_and_vectors_cross_the_wire():
+    """An embedding request reaches its worker as one (else it would generate a token);
+    its vector comes back on the stream delta; malformed forms are refused on arrival."""
+    from pdserve.cluster.token_stream import StreamDelta
+
+    req = WorkRequest("r-10", [1, 2], SamplingParams(max_tokens=1), embed={"normalize": False})
+    assert WorkRequest.decode(req.encode()).embed == {"normalize": False}
+    for embed in ({"normalize": "yes"}, {"normalize": None, "x": 1}, [True]):
+        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=None, embed=embed,
+                    params={})  # fmt: skip
+        with pytest.raises(ValueError, match="embed"):
+            WorkRequest.decode(_packed(**body))
+    delta = StreamDelta("r", [], "", "stop", None, None, 2, 0, embedding=[0.5, -1.0])
+    assert StreamDelta.from_wire(delta.to_wire()).embedding == [0.5, -1.0]
+    with pytest.raises(ValueError, match="embedding"):
+        StreamDelta.from_wire({**delta.to_wire(), "e": ["x"]})

@@ -16,6 +16,7 @@ SHARED_SERVER_FILES = frozenset(
         "test_helm_dashboard.py",
         "test_serve_batch_echo.py",
         "test_serve_e2e.py",
+        "test_serve_embeddings.py",
         "test_serve_fuzz.py",
         "test_serve_responses.py",
         "test_serve_token_ids.py",
