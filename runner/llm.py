@@ -130,15 +130,7 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"got {len(params_list)} sampling params for {len(prompts)} "
-                    "prompts: pass one, or one per prompt"
-                )
+        params_list = _per_prompt(sampling_params, SamplingParams, len(prompts), "sampling params")
         if priority is not None:
             if len(priority) != len(prompts):
                 raise ValueError(
@@ -147,15 +139,7 @@ class LLM:
             params_list = [
                 dataclasses.replace(p, priority=v) for p, v in zip(params_list, priority)
             ]
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(
-                    f"got {len(loras)} lora requests for {len(prompts)} prompts: pass one, or "
-                    "one per prompt"
-                )
+        loras = _per_prompt(lora_request, LoRARequest, len(prompts), "lora requests")
         wanted = {lr.lora_name: lr for lr in loras if lr is not None}
         if len(wanted) > self.config.lora.max_loras:
             raise ValueError(
@@ -323,3 +307,13 @@ class LLM:
             ids = tok(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+
+def _per_prompt(value: Any, single: type, n: int, what: str) -> list:
+    """One value for all `n` prompts (or None), or a sequence of one per prompt."""
+    if value is None or isinstance(value, single):
+        return [value] * n
+    out = list(value)
+    if len(out) != n:
+        raise ValueError(f"got {len(out)} {what} for {n} prompts: pass one, or one per prompt")
+    return out

@@ -127,6 +127,8 @@ def test_bad_adapters_are_refused_by_name(tiny_llama_dir, adapters, tmp_path):
     save_file(tensors, lm_head / "adapter_model.safetensors")
     with pytest.raises(ValueError, match="lm_head"):
         _generate(_llm(tiny_llama_dir), _prompts()[:1], LoRARequest("h", 3, str(lm_head)))
+    with pytest.raises(ValueError, match="1 lora requests for 2 prompts"):
+        _generate(llm, _prompts()[:2], [full])
     with pytest.raises(ValueError, match="adapter_config.json"):
         _generate(llm, _prompts()[:1], LoRARequest("x", 4, str(tmp_path / "missing")))
     from pdserve import LLM

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -165,3 +165,34 @@ def back_to_back(pattern: re.Pattern[str], body: str) -> list[tuple[str, str]] |
         pairs.append((match.group(1), match.group(2)))
         pos = match.end()
     return pairs
+
+
+class AllOrNothingStream(ReplyStream):
+    """A reply whose calls are all or nothing (llama3_json.py, whole_reply.py): held while
+    it may still be calls, let out whole as text the moment it cannot, its calls given at
+    the end when it is. A subclass's `_read` moves `_phase` to "text" (not calls) or
+    "after" (calls in `_calls`, only whitespace since)."""
+
+    def __init__(self) -> None:
+        self._held: list[str] = []  # the reply so far, in pieces, while it may be calls
+        self._phase = "start"  # "text" and "after" are this class's; the rest a subclass's
+        self._calls: Sequence[Call] = ()
+
+    def _read(self, text: str) -> None:
+        raise NotImplementedError
+
+    def feed(self, text: str) -> StreamStep:
+        if self._phase == "text":
+            return StreamStep(text)
+        self._held.append(text)
+        self._read(text)
+        if self._phase == "text":
+            held, self._held = "".join(self._held), []
+            return StreamStep(held)
+        return StreamStep()
+
+    def finish(self) -> StreamStep:
+        held, self._held = "".join(self._held), []
+        if self._phase == "after":  # all calls, and only whitespace after them
+            return StreamStep("", list(self._calls))
+        return StreamStep(held)  # text: it was, or nothing more came to make it calls

@@ -35,10 +35,10 @@ import json
 import re
 
 from pdserve.cluster.tool_parsers.base import (
+    AllOrNothingStream,
     Call,
     ParsedReply,
     ReplyStream,
-    StreamStep,
     ToolParser,
     loads,
 )
@@ -93,7 +93,7 @@ def may_be_calls(text: str) -> bool | None:
     return False
 
 
-class _Llama3Stream(ReplyStream):
+class _Llama3Stream(AllOrNothingStream):
     """Reads the reply as it comes, each character once: the phase says what is expected
     next, and the objects are found by their brackets (json_end.py) before they are
     decoded, once each: an object whose text to its closing bracket does not decode is not
@@ -103,29 +103,13 @@ class _Llama3Stream(ReplyStream):
     whole on each of its 40,000 feeds)."""
 
     def __init__(self, parser: Llama3JsonParser) -> None:
+        super().__init__()
         self._parser = parser
-        self._held: list[str] = []  # the reply so far, in pieces, while it may be calls
         self._head = ""  # start: its text after the leading whitespace (a piece of the tag)
-        self._phase = "start"  # start | value | object | after | text
+        # start | value | object | after | text (AllOrNothingStream)
         self._calls: list[Call] = []  # the objects read so far, all calls
         self._object: list[str] = []  # the open object's pieces before this one's
         self._scan = JsonEnd()  # where the open object ends
-
-    def feed(self, text: str) -> StreamStep:
-        if self._phase == "text":
-            return StreamStep(text)
-        self._held.append(text)
-        self._read(text)
-        if self._phase == "text":
-            held, self._held = "".join(self._held), []
-            return StreamStep(held)
-        return StreamStep()
-
-    def finish(self) -> StreamStep:
-        held, self._held = "".join(self._held), []
-        if self._phase == "after":  # whole objects, all calls, and only space after them
-            return StreamStep("", self._calls)
-        return StreamStep(held)  # text: it was, or nothing more came to make it calls
 
     def _read(self, text: str) -> None:
         """Reads on through the new piece as far as it decides anything, moving the phase."""

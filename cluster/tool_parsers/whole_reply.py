@@ -18,7 +18,13 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
-from pdserve.cluster.tool_parsers.base import Call, ParsedReply, ReplyStream, StreamStep, ToolParser
+from pdserve.cluster.tool_parsers.base import (
+    AllOrNothingStream,
+    Call,
+    ParsedReply,
+    ReplyStream,
+    ToolParser,
+)
 
 REJECT = -1  # a scanner's answer: the list cannot be calls, whatever follows
 _SPACE = re.compile(r"\s*")
@@ -63,34 +69,18 @@ class WholeReplyParser(ToolParser):
         return pos if head[pos] == "[" else REJECT
 
 
-class _WholeReplyStream(ReplyStream):
+class _WholeReplyStream(AllOrNothingStream):
     """Reads each piece once, the state carried from the one before it: what is held is
     kept as its pieces and joined once, when let out."""
 
     def __init__(self, parser: WholeReplyParser) -> None:
+        super().__init__()
         self._parser = parser
-        self._held: list[str] = []  # the reply so far, in pieces, while it may be calls
         self._head = ""  # start: its text after the leading whitespace (markers)
-        self._phase = "start"  # start | list | after | text
+        # start | list | after | text (AllOrNothingStream)
         self._scan = parser.scanner()
         self._list: list[str] = []  # list: its pieces so far
         self._calls: tuple[Call, ...] = ()  # after: the list's calls
-
-    def feed(self, text: str) -> StreamStep:
-        if self._phase == "text":
-            return StreamStep(text)
-        self._held.append(text)
-        self._read(text)
-        if self._phase == "text":
-            held, self._held = "".join(self._held), []
-            return StreamStep(held)
-        return StreamStep()
-
-    def finish(self) -> StreamStep:
-        held, self._held = "".join(self._held), []
-        if self._phase == "after":  # the list, all calls, and only whitespace after it
-            return StreamStep("", list(self._calls))
-        return StreamStep(held)  # text: it was, or nothing more came to make it calls
 
     def _read(self, text: str) -> None:
         """Reads on through the new piece as far as it decides anything, moving the phase."""
