@@ -251,6 +251,11 @@ class ServeConfig:
                 f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got "
                 f"{self.reasoning_parser!r}"
             )
+        if self.tool_call_parser == "openai" and self.reasoning_parser != "openai_gptoss":
+            raise ValueError(
+                "--tool-call-parser openai reads the harmony calls that --reasoning-parser "
+                "openai_gptoss hands on: give both (gpt-oss)"
+            )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(
                 "--enable-auto-tool-choice needs --tool-call-parser "

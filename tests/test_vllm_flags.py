@@ -644,3 +644,12 @@ def test_structured_output_fields_parse_as_openai_and_vllm_send_them():
         with pytest.raises(ApiError, match=re.escape(fragment)) as e:
             parse_sampling(body, "chat", None, 4)
         assert e.value.param == param and e.value.status == 400, (body, e.value.param)
+
+
+def test_harmony_tool_parser_needs_the_harmony_reasoning_parser():
+    """`--tool-call-parser openai` reads the calls `--reasoning-parser openai_gptoss` hands
+    on; alone it would find none, so the start is refused naming both."""
+    with pytest.raises(ValueError, match="give both"):
+        _args("--tool-call-parser", "openai")
+    cfg = _args("--tool-call-parser", "openai", "--reasoning-parser", "openai_gptoss")
+    assert (cfg.tool_call_parser, cfg.reasoning_parser) == ("openai", "openai_gptoss")
