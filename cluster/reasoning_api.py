@@ -14,7 +14,7 @@ grammar itself spells a `<think>` block.
 
 from __future__ import annotations
 
-from pdserve.cluster.reasoning import make_parser
+from pdserve.cluster.reasoning import PARSERS, make_parser
 from pdserve.cluster.reasoning.base import (
     OPEN,
     ReasoningParser,
@@ -36,15 +36,16 @@ def request_parser(
     if name is None or kind != "chat":
         return None
     constrained = params.structured_outputs is not None
-    return make_parser(name, constrained, prompt_opens_block(prompt_tail))
+    opens = prompt_opens_block(prompt_tail, PARSERS[name].open_tag)
+    return make_parser(name, constrained, opens)
 
 
-def prompt_opens_block(prompt_tail: str) -> bool:
+def prompt_opens_block(prompt_tail: str, open_tag: str = OPEN) -> bool:
     """Whether a prompt ends inside a `<think>` block, so the reply opens in the reasoning:
     its text ends with the tag, whitespace aside (Qwen3 Thinking-2507's, Qwen3.5's and
     DeepSeek-R1's templates end with `<think>\\n`; Qwen3's with thinking switched off
     closes the block it writes)."""
-    return prompt_tail.rstrip().endswith(OPEN)
+    return prompt_tail.rstrip().endswith(open_tag)
 
 
 def split_message(

@@ -70,7 +70,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="return chat replies' thinking (<think> ... </think>) as 'reasoning', "
                    "apart from the answer: qwen3 (Qwen3; a reply not opening with <think> is "
                    "all answer) or deepseek_r1 (DeepSeek-R1, Qwen3 Thinking-2507: the reply "
-                   "opens in the thinking)")  # fmt: skip
+                   "opens in the thinking), openai_gptoss (gpt-oss) or seed_oss")  # fmt: skip
     p.add_argument("--enable-lora", action="store_true", default=None,
                    help="serve LoRA adapters (--lora-modules) beside the model")  # fmt: skip
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",

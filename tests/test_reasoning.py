@@ -72,7 +72,22 @@ DEEPSEEK_R1 = {
     "a</think>b</think>c": ("a", "b</think>c"),
     "": (None, None),
 }
-CASES = {"qwen3": QWEN3, "deepseek_r1": DEEPSEEK_R1}
+
+
+def _tags(name: str, text):
+    """A case's text in a parser's own tags (seed_oss: `<seed:think>`, `</seed:think>`;
+    a cut tag is cut alike); None stays None."""
+    if name != "seed_oss" or text is None:
+        return text
+    return text.replace("<thi", "<seed:thi").replace("</thi", "</seed:thi")
+
+
+def _in_tags(name: str, table: dict) -> dict:
+    return {_tags(name, k): tuple(_tags(name, v) for v in want) for k, want in table.items()}
+
+
+# seed_oss reads as qwen3 does, in its own tags
+CASES = {"qwen3": QWEN3, "deepseek_r1": DEEPSEEK_R1, "seed_oss": _in_tags("seed_oss", QWEN3)}
 
 # reply -> (reasoning, content) under a grammar from the first token, for both parsers
 CONSTRAINED = {
@@ -99,7 +114,7 @@ def test_a_whole_reply_reads_into_reasoning_and_answer(name):
     every parser open in the answer."""
     for reply, want in CASES[name].items():
         assert make_parser(name).parse(reply) == Reasoned(*want), reply
-    for reply, want in CONSTRAINED.items():
+    for reply, want in _in_tags(name, CONSTRAINED).items():
         assert make_parser(name, constrained=True).parse(reply) == Reasoned(*want), reply
 
 
@@ -111,12 +126,12 @@ def test_a_prompt_that_opens_a_block_opens_the_reply_in_the_reasoning(name):
     reasoning), whole and streamed; a grammar still opens the reply in the answer."""
     parser = make_parser(name, prompt_opens_block=True)
     rng = random.Random(13)
-    for reply, want in DEEPSEEK_R1.items():
+    for reply, want in _in_tags(name, DEEPSEEK_R1).items():
         assert parser.parse(reply) == Reasoned(*want), reply
         for pieces in _cuts(reply, rng):
             assert _streamed(parser, pieces) == (want[0] or "", want[1] or ""), pieces
     held = make_parser(name, constrained=True, prompt_opens_block=True)
-    for reply, want in CONSTRAINED.items():
+    for reply, want in _in_tags(name, CONSTRAINED).items():
         assert held.parse(reply) == Reasoned(*want), reply
 
 
@@ -178,7 +193,7 @@ def test_a_stream_cut_anywhere_equals_the_whole_reply(name, constrained):
     The reasoning and answer a stream lets out, joined, equal the whole reply's."""
     parser = make_parser(name, constrained)
     rng = random.Random(11)
-    for reply in [*CASES[name], *CONSTRAINED]:
+    for reply in [*CASES[name], *_in_tags(name, CONSTRAINED)]:
         whole = parser.parse(reply)
         want = (whole.reasoning or "", whole.content or "")
         for pieces in _cuts(reply, rng):
@@ -334,3 +349,18 @@ def test_a_named_tool_choice_keeps_its_call_under_either_parser(name):
     want = ("", "", [("get_weather", ARGS)], "tool_calls")
     for pieces in _cuts(ARGS, random.Random(5)):
         assert _stream(parser, pieces, choice=named) == want, pieces
+
+
+def test_seed_oss_reads_only_its_own_tags():
+    """Guards the tags' parametrisation: Seed-OSS's parser leaves `<think>` blocks as
+    answer text, and a prompt opens its block only with `<seed:think>`."""
+    from pdserve.cluster.reasoning_api import request_parser
+
+    reply = "<think>a</think>b"
+    assert make_parser("seed_oss").parse(reply) == Reasoned(None, reply)
+    assert make_parser("qwen3").parse(reply) == Reasoned("a", "b")
+    params = SamplingParams()
+    opened = request_parser("seed_oss", "chat", params, "<|im_start|>assistant\n<seed:think>")
+    assert opened.parse("x</seed:think>y") == Reasoned("x", "y")
+    other = request_parser("seed_oss", "chat", params, "assistant\n<think>")
+    assert other.parse("x</seed:think>y") == Reasoned(None, "x</seed:think>y")

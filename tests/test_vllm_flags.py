@@ -217,7 +217,7 @@ def test_reasoning_parser_takes_vllms_names(tmp_path, monkeypatch):
     assert _args("--config", str(path), "--reasoning-parser", "qwen3").reasoning_parser == "qwen3"
     path.write_text("reasoning_parser: bogus\n")
     with pytest.raises(
-        ValueError, match="must be one of qwen3, deepseek_r1, openai_gptoss, got 'bogus'"
+        ValueError, match="must be one of qwen3, deepseek_r1, openai_gptoss, seed_oss, got 'bogus'"
     ):
         _args("--config", str(path))
     for argv, named in (
@@ -225,7 +225,7 @@ def test_reasoning_parser_takes_vllms_names(tmp_path, monkeypatch):
          r"argument --reasoning-parser: invalid choice: 'bogus' \(choose from '?qwen3'?, "
          r"'?deepseek_r1'?, '?openai_gptoss'?\)"),
         (["--config", str(path)],
-         r"--reasoning-parser must be one of qwen3, deepseek_r1, openai_gptoss, got 'bogus'"),
+         r"--reasoning-parser must be one of qwen3, deepseek_r1, openai_gptoss, seed_oss, got 'bogus'"),
     ):  # fmt: skip
         res = subprocess.run(
             [sys.executable, "-m", "pdserve.cli", "serve", *argv],

@@ -8,11 +8,13 @@ from pdserve.cluster.reasoning.base import ReasoningParser
 from pdserve.cluster.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
 from pdserve.cluster.reasoning.gpt_oss import GptOssReasoningParser
 from pdserve.cluster.reasoning.qwen3 import Qwen3ReasoningParser
+from pdserve.cluster.reasoning.seed_oss import SeedOssReasoningParser
 
 PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": Qwen3ReasoningParser,  # opens in the answer unless the reply or prompt opens <think>
     "deepseek_r1": DeepSeekR1ReasoningParser,  # opens in the reasoning (<think> in prompt)
     "openai_gptoss": GptOssReasoningParser,  # harmony channels: analysis, final, commentary
+    "seed_oss": SeedOssReasoningParser,  # as qwen3, in <seed:think> ... </seed:think>
 }
 
 

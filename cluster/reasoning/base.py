@@ -50,6 +50,8 @@ class ReasoningStep:
 
 
 class ReasoningParser:
+    # The block's tags (Seed-OSS writes `<seed:think>` ... `</seed:think>`)
+    open_tag, close_tag = OPEN, CLOSE
     # Whether text that does not open with `<think>` opens in the reasoning: the chat
     # template writes `<think>` into the prompt (DeepSeek-R1's does).
     starts_in_reasoning = False
@@ -66,17 +68,17 @@ class ReasoningParser:
     def parse(self, text: str) -> Reasoned:
         """A whole reply."""
         thinking = self.opens_in_reasoning
-        if text.startswith(OPEN):
-            text, thinking = text[len(OPEN) :], True
+        if text.startswith(self.open_tag):
+            text, thinking = text[len(self.open_tag) :], True
         if not thinking:
             return Reasoned(None, text or None)
-        reasoning, closed, answer = text.partition(CLOSE)
+        reasoning, closed, answer = text.partition(self.close_tag)
         answer = answer.lstrip("\n") if closed else ""
         return Reasoned(reasoning or None, answer or None)
 
     def stream(self) -> ReasoningStream:
         """A reader for one reply that arrives in pieces."""
-        return ReasoningStream(self.opens_in_reasoning)
+        return ReasoningStream(self.opens_in_reasoning, self.open_tag, self.close_tag)
 
 
 class ReasoningStream:
@@ -84,8 +86,11 @@ class ReasoningStream:
     the end of the reasoning while it may be the start of `</think>`, and newlines right
     after `</think>` (dropped once the answer's first other character comes)."""
 
-    def __init__(self, opens_in_reasoning: bool) -> None:
+    def __init__(
+        self, opens_in_reasoning: bool, open_tag: str = OPEN, close_tag: str = CLOSE
+    ) -> None:
         self._opens_in_reasoning = opens_in_reasoning
+        self._open, self._close = open_tag, close_tag
         self._phase = "start"  # start | reasoning | after_close | answer
         self._held = ""
 
@@ -97,21 +102,21 @@ class ReasoningStream:
             return step
         self._held += text
         if self._phase == "start":
-            if OPEN.startswith(self._held) and self._held != OPEN:
+            if self._open.startswith(self._held) and self._held != self._open:
                 return step  # "", "<", "<th", ...: may still be `<think>`
-            if self._held.startswith(OPEN):
-                self._held, self._phase = self._held[len(OPEN) :], "reasoning"
+            if self._held.startswith(self._open):
+                self._held, self._phase = self._held[len(self._open) :], "reasoning"
             else:
                 self._phase = "reasoning" if self._opens_in_reasoning else "answer"
         if self._phase == "reasoning":
-            end = self._held.find(CLOSE)
+            end = self._held.find(self._close)
             if end < 0:
-                keep = _tag_start(self._held, CLOSE)
+                keep = _tag_start(self._held, self._close)
                 step.reasoning = self._held[: len(self._held) - keep]
                 self._held = self._held[len(self._held) - keep :]
                 return step
             step.reasoning = self._held[:end]
-            self._held, self._phase = self._held[end + len(CLOSE) :], "after_close"
+            self._held, self._phase = self._held[end + len(self._close) :], "after_close"
         if self._phase == "after_close":
             self._held = self._held.lstrip("\n")
             if not self._held:
