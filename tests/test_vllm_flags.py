@@ -223,7 +223,7 @@ def test_reasoning_parser_takes_vllms_names(tmp_path, monkeypatch):
     for argv, named in (
         (["--reasoning-parser", "bogus"],
          r"argument --reasoning-parser: invalid choice: 'bogus' \(choose from '?qwen3'?, "
-         r"'?deepseek_r1'?, '?openai_gptoss'?\)"),
+         r"'?deepseek_r1'?, '?openai_gptoss'?, '?seed_oss'?\)"),
         (["--config", str(path)],
          r"--reasoning-parser must be one of qwen3, deepseek_r1, openai_gptoss, seed_oss, got 'bogus'"),
     ):  # fmt: skip
