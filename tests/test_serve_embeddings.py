@@ -55,3 +55,32 @@ def test_bad_embedding_requests_are_400s(pd):
         client.embeddings.create(model="other", input="x")
     # The server still answers.
     assert client.embeddings.create(model="SmolLM2-135M-Instruct", input="ok").data
+
+
+def test_score_and_rerank_are_cosine_similarities(pd, smollm_dir):
+    """vLLM's /score and /rerank for embedding models: cosine similarity of the texts'
+    embeddings (offline engine's), rerank sorted best first and cut to top_n."""
+    import httpx
+
+    query, docs = "Where is Paris?", ["Paris is in France.", "Bananas are yellow.", "Cats purr."]
+    llm = LLM(model=smollm_dir, device="cpu")
+    vecs = np.array([o.outputs.embedding for o in llm.embed([query, *docs], use_tqdm=False)])
+    want = vecs[1:] @ vecs[0]  # unit vectors: the dot product is the cosine
+    headers = {"Authorization": "Bearer test-key"}
+    r = httpx.post(pd.url + "/score", json={"text_1": query, "text_2": docs}, headers=headers,
+                   timeout=120).json()  # fmt: skip
+    got = [d["score"] for d in r["data"]]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    pairs = httpx.post(pd.url + "/v1/score", json={"text_1": docs[:2], "text_2": docs[1:]},
+                       headers=headers, timeout=120).json()  # fmt: skip
+    np.testing.assert_allclose(
+        [d["score"] for d in pairs["data"]], [vecs[1] @ vecs[2], vecs[2] @ vecs[3]], atol=1e-5
+    )
+    ranked = httpx.post(pd.url + "/v1/rerank", json={"query": query, "documents": docs,
+                        "top_n": 2}, headers=headers, timeout=120).json()  # fmt: skip
+    order = [int(i) for i in np.argsort(-want)[:2]]
+    assert [x["index"] for x in ranked["results"]] == order
+    assert ranked["results"][0]["document"]["text"] == docs[order[0]]
+    bad = httpx.post(pd.url + "/v1/score", json={"text_1": docs[:2], "text_2": docs},
+                     headers=headers, timeout=120)  # fmt: skip
+    assert bad.status_code == 400 and "text_1" in bad.text
