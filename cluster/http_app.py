@@ -147,10 +147,10 @@ def check_model(state: AppState, body: dict) -> str | None:
     return None
 
 
-# Paths the API key guards: the OpenAI routes, and vLLM's tokenizer and SageMaker routes
-# beside them (vLLM leaves those open; here a key, when set, guards every route that reads
+# Paths the API key guards: the OpenAI routes, and vLLM's tokenizer, score, rerank and
+# SageMaker routes beside them (vLLM leaves those open; here a key, when set, guards every route that reads
 # a body).
-GUARDED = ("/v1", "/tokenize", "/detokenize", "/invocations")
+GUARDED = ("/v1", "/v2", "/tokenize", "/detokenize", "/invocations", "/score", "/rerank")
 
 
 def build_app(state: AppState) -> FastAPI:

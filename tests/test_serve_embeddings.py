@@ -84,3 +84,27 @@ def test_score_and_rerank_are_cosine_similarities(pd, smollm_dir):
     bad = httpx.post(pd.url + "/v1/score", json={"text_1": docs[:2], "text_2": docs},
                      headers=headers, timeout=120)  # fmt: skip
     assert bad.status_code == 400 and "text_1" in bad.text
+
+
+def test_score_and_rerank_sit_behind_the_api_key():
+    """Like /v1: a server with --api-key answers them only with it (they compute)."""
+    import asyncio
+
+    import httpx
+
+    from pdserve.cluster.http_app import AppState, build_app
+    from pdserve.cluster.metrics import Metrics
+    from pdserve.cluster.route_policy import RouterConfig
+    from pdserve.cluster.router import Router
+
+    router = Router(RouterConfig(mode="colocated"), [], [])
+    app = build_app(AppState(router, None, "m", 64, Metrics("m"), api_key="k"))
+    paths = ("/score", "/rerank", "/v2/rerank", "/v1/rerank", "/v1/score", "/v1/embeddings")
+
+    async def run(headers: dict) -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return [(await c.post(p, json={}, headers=headers)).status_code for p in paths]
+
+    assert asyncio.run(run({})) == [401] * len(paths)
+    assert asyncio.run(run({"Authorization": "Bearer k"})) == [400] * len(paths)
