@@ -28,6 +28,8 @@ from pdserve.runner.outputs import (
     EmbeddingRequestOutput,
     RequestDelta,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from pdserve.runner.parallel_sampling import child_params
 from pdserve.runner.pooling import PoolingParams
@@ -282,6 +284,27 @@ class LLM:
             for rid, ids in jobs
         ]  # fmt: skip
 
+    def score(
+        self,
+        text_1: PromptType | Sequence[PromptType],
+        text_2: PromptType | Sequence[PromptType],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's `score` for embedding models: the cosine similarity of `text_1` with each
+        of `text_2` (one text against many, or pairs of equal-length lists)."""
+        left = [text_1] if isinstance(text_1, (str, dict)) else list(text_1)
+        right = [text_2] if isinstance(text_2, (str, dict)) else list(text_2)
+        if not right or len(left) not in (1, len(right)):
+            raise ValueError("text_1 must be one text or as many as text_2 (at least one)")
+        outs = self.embed(left + right, PoolingParams(normalize=True), use_tqdm, lora_request)
+        vectors = [o.outputs.embedding for o in outs]
+        firsts = vectors[: len(left)] * (len(right) if len(left) == 1 else 1)
+        return [
+            ScoringRequestOutput(f"score-{next(self._ids)}", ScoringOutput(_dot(a, b)))
+            for a, b in zip(firsts, vectors[len(left) :], strict=True)
+        ]
+
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -317,3 +340,7 @@ def _per_prompt(value: Any, single: type, n: int, what: str) -> list:
     if len(out) != n:
         raise ValueError(f"got {len(out)} {what} for {n} prompts: pass one, or one per prompt")
     return out
+
+
+def _dot(a: list[float], b: list[float]) -> float:
+    return float(sum(x * y for x, y in zip(a, b, strict=True)))

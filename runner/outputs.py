@@ -94,3 +94,17 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's `LLM.score` result: one pair's score."""
+
+    request_id: str
+    outputs: ScoringOutput
+    finished: bool = True

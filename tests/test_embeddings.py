@@ -142,3 +142,17 @@ def test_base_model_checkpoint_serves_embeddings_only(tmp_path):
     _check(got, _reference(str(tmp_path), prompts, "last", True))
     with pytest.raises(ValueError, match="no LM head"):
         llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=2))
+
+
+def test_score_is_the_cosine_of_the_embeddings(tiny_llama_dir):
+    """vLLM's `LLM.score` for embedding models: one text against many, or pairs."""
+    llm = _llm(tiny_llama_dir)
+    tok = [{"prompt_token_ids": p} for p in _prompts(seed=12)]
+    vecs = torch.tensor([o.outputs.embedding for o in llm.embed(tok, use_tqdm=False)])
+    got = llm.score(tok[0], tok[1:], use_tqdm=False)
+    torch.testing.assert_close(torch.tensor([o.outputs.score for o in got]), vecs[1:] @ vecs[0])
+    pairs = llm.score(tok[:2], tok[2:], use_tqdm=False)
+    want = torch.stack([vecs[0] @ vecs[2], vecs[1] @ vecs[3]])
+    torch.testing.assert_close(torch.tensor([o.outputs.score for o in pairs]), want)
+    with pytest.raises(ValueError, match="as many as text_2"):
+        llm.score(tok[:2], tok[:3], use_tqdm=False)
