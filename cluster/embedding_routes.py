@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import secrets
+import time
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -29,6 +30,7 @@ from pdserve.cluster.response_shapes import now
 def add_embedding_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict:
+        start = time.monotonic()
         body = json_object(await read_body(request, state.max_body_bytes))
         lora = check_model(state, body)
         if "input" not in body:
@@ -62,6 +64,9 @@ def add_embedding_routes(app: FastAPI, state: AppState) -> None:
             for i, d in enumerate(deltas)
         ]
         tokens = sum(len(ids) for ids, _ in prompts)
+        state.metrics.pooled(
+            "embedding", [len(ids) for ids, _ in prompts], time.monotonic() - start
+        )
         return {
             "id": f"embd-{secrets.token_hex(12)}",
             "object": "list",
@@ -71,13 +76,16 @@ def add_embedding_routes(app: FastAPI, state: AppState) -> None:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
 
-    async def embed_texts(texts: list[str], lora: str | None) -> tuple[np.ndarray, int]:
+    async def embed_texts(texts: list[str], lora: str | None, kind: str) -> tuple[np.ndarray, int]:
         """Unit vectors [n, hidden] of `texts` (cosine similarity is then a dot product)
-        and their token count."""
+        and their token count; counted in /metrics as a request of `kind`."""
+        start = time.monotonic()
         prompts = await off_loop(completion_prompts, {"prompt": texts}, state.tokenizer)
         _check_lengths(prompts, state.max_model_len, None)
         deltas = await asyncio.gather(*(state.router.embed(ids, lora, True) for ids, _ in prompts))
-        return np.array([d.embedding for d in deltas]), sum(len(ids) for ids, _ in prompts)
+        lens = [len(ids) for ids, _ in prompts]
+        state.metrics.pooled(kind, lens, time.monotonic() - start)
+        return np.array([d.embedding for d in deltas]), sum(lens)
 
     def texts(body: dict, key: str) -> list[str]:
         value = body.get(key)
@@ -96,7 +104,7 @@ def add_embedding_routes(app: FastAPI, state: AppState) -> None:
         left, right = texts(body, "text_1"), texts(body, "text_2")
         if len(left) != 1 and len(left) != len(right):
             raise ApiError("'text_1' must be one text or as many as 'text_2'", param="text_1")
-        vectors, tokens = await embed_texts(left + right, lora)
+        vectors, tokens = await embed_texts(left + right, lora, "score")
         a, b = vectors[: len(left)], vectors[len(left) :]
         scores = (a * b).sum(1) if len(left) == len(right) else b @ a[0]
         data = [{"index": i, "object": "score", "score": float(x)} for i, x in enumerate(scores)]
@@ -121,7 +129,7 @@ def add_embedding_routes(app: FastAPI, state: AppState) -> None:
         top_n = body.get("top_n", len(documents))
         if type(top_n) is not int or top_n < 0:
             raise ApiError("'top_n' must be an integer >= 0", param="top_n")
-        vectors, tokens = await embed_texts([query, *documents], lora)
+        vectors, tokens = await embed_texts([query, *documents], lora, "rerank")
         scores = vectors[1:] @ vectors[0]
         order = sorted(range(len(documents)), key=lambda i: -scores[i])[: top_n or None]
         results = [

@@ -111,6 +111,15 @@ class Metrics:
         self.params_n.observe(req.params.n)
         self.params_max_tokens.observe(req.params.max_tokens)
 
+    def pooled(self, kind: str, prompt_lens: list[int], seconds: float) -> None:
+        """An embedding-model request answered (`embedding`, `score`, `rerank`): each of
+        its inputs counts as a finished request of that kind with its prompt tokens."""
+        self.e2e.observe(seconds)
+        self.requests.labels(kind, "stop").inc(len(prompt_lens))
+        self.prompt_tokens.inc(sum(prompt_lens))
+        for n in prompt_lens:
+            self.request_prompt_tokens.observe(n)
+
     def render(self, router: Any) -> str:
         self._router = router
         return generate_latest(_Exported(self)).decode()

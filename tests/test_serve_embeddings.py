@@ -35,6 +35,10 @@ def test_embeddings_match_the_offline_engine(pd, offline):
                                    rtol=1e-5)  # fmt: skip
         assert abs(np.linalg.norm(got.embedding) - 1.0) < 1e-5
     assert r.usage.prompt_tokens == r.usage.total_tokens == sum(lens)
+    # /metrics counts each input as a finished request of kind embedding
+    line = next(ln for ln in pd.metrics().splitlines()
+                if ln.startswith("pdserve:request_success_total{") and 'kind="embedding"' in ln)  # fmt: skip
+    assert float(line.rsplit(" ", 1)[1]) >= 2
     raw = client.embeddings.with_raw_response.create(
         model="SmolLM2-135M-Instruct", input=TEXTS[0], encoding_format="base64"
     ).http_response.json()
