@@ -64,12 +64,14 @@ def _expand_kernel(
     if s != 0:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        rs = tl.arange(0, BLOCK_R)
-        r_ok = rs < R
-        vv = tl.load(v_ptr + t.to(tl.int64) * R + rs, mask=r_ok, other=0.0)
         b_rows = b_ptr + s * b_slot_stride + cols[:, None].to(tl.int64) * b_row_stride
-        bv = tl.load(b_rows + rs[None, :], mask=col_ok[:, None] & r_ok[None, :], other=0.0)
-        delta = tl.sum(bv.to(tl.float32) * vv[None, :], axis=1)
+        delta = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):  # rank blocks: a large rank keeps its tile small
+            rs = r0 + tl.arange(0, BLOCK_R)
+            r_ok = rs < R
+            vv = tl.load(v_ptr + t.to(tl.int64) * R + rs, mask=r_ok, other=0.0)
+            bv = tl.load(b_rows + rs[None, :], mask=col_ok[:, None] & r_ok[None, :], other=0.0)
+            delta += tl.sum(bv.to(tl.float32) * vv[None, :], axis=1)
         y_row = y_ptr + t.to(tl.int64) * y_stride + cols
         yv = tl.load(y_row, mask=col_ok, other=0.0).to(tl.float32)
         tl.store(y_row, (yv + delta).to(y_ptr.dtype.element_ty), mask=col_ok)
@@ -96,7 +98,7 @@ def add_lora_triton(
     block_n = min(128, triton.next_power_of_2(n))
     _expand_kernel[(t, triton.cdiv(n, block_n))](
         v, b, slots, y, n, r, y.stride(0), b.stride(0), b.stride(1),
-        BLOCK_N=block_n, BLOCK_R=triton.next_power_of_2(r), num_warps=4,
+        BLOCK_N=block_n, BLOCK_R=min(64, triton.next_power_of_2(r)), num_warps=4,
     )  # fmt: skip
     return y
 

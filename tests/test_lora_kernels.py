@@ -11,8 +11,13 @@ from test_triton_index_kernels import DEVICE, ON_CUDA
 from pdserve.kernels.lora import add_lora_ref, add_lora_triton
 
 # (tokens, K inputs, R rank columns, N outputs, slots incl. 0)
-SMALL = [(1, 77, 12, 50, 2), (7, 130, 4, 33, 3), (33, 64, 48, 96, 5)]
-REAL = [(1, 1024, 48, 4096, 2), (32, 1024, 48, 4096, 5), (300, 3072, 16, 1024, 3)]
+SMALL = [(1, 77, 12, 50, 2), (7, 130, 4, 33, 3), (33, 64, 48, 96, 5), (3, 40, 200, 20, 2)]
+REAL = [
+    (1, 1024, 48, 4096, 2),
+    (32, 1024, 48, 4096, 5),
+    (300, 3072, 16, 1024, 3),
+    (32, 4096, 192, 4096, 3),
+]  # rank blocks: 3 x rank 64
 SHAPES = REAL if ON_CUDA else SMALL
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
 
