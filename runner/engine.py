@@ -392,7 +392,8 @@ class Engine(PDRoles):
         row_of = {rid: i for i, rid in enumerate(out.req_ids)} if out.logprobs else None
         for rid, (first, entries) in out.prompt_logprobs.items():
             self._add_prompt_logprobs(rid, first, entries)
-        self._embeddings.update(out.pooled)
+        live = self.scheduler.requests  # a vector of a request aborted meanwhile is dropped
+        self._embeddings.update((rid, v) for rid, v in out.pooled.items() if rid in live)
         for req in self.scheduler.update_from_output(so, out):
             lp = out.logprobs[row_of[req.request_id]] if row_of is not None else None
             deltas.append(self._process_token(req, lp))

@@ -156,3 +156,17 @@ def test_score_is_the_cosine_of_the_embeddings(tiny_llama_dir):
     torch.testing.assert_close(torch.tensor([o.outputs.score for o in pairs]), want)
     with pytest.raises(ValueError, match="as many as text_2"):
         llm.score(tok[:2], tok[:3], use_tqdm=False)
+
+
+def test_an_aborted_embedding_leaves_nothing_behind(tiny_llama_dir):
+    """A request aborted after its step ran keeps no vector in the engine."""
+    llm = _llm(tiny_llama_dir)
+    engine = llm.engine
+    engine.add_pooling_request("gone", _prompts(seed=13)[0])
+    engine.add_pooling_request("kept", _prompts(seed=13)[1])
+    so = engine.scheduler.schedule()
+    handle = engine.runner.execute(so)
+    engine.abort("gone")
+    deltas = engine._process(so, handle.get())
+    assert [d.request_id for d in deltas if d.embedding is not None] == ["kept"]
+    assert engine._embeddings == {}
