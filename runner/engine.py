@@ -185,10 +185,7 @@ class Engine(PDRoles):
             self.require_paged("hold_kv" if hold_kv else "kv_ticket")
         if kv_ticket is not None and self.kv_loader is None:
             raise ValueError("kv_ticket needs an engine built with a kv_loader")
-        lora_name = None
-        if lora_request is not None:
-            self.load_lora(lora_request)
-            lora_name = lora_request.lora_name
+        lora_name = self.load_lora(lora_request)
         self._new_request(
             request_id, prompt_token_ids, params, hold_kv=hold_kv, kv_ticket=kv_ticket,
             lora_name=lora_name,
@@ -231,10 +228,7 @@ class Engine(PDRoles):
         # (its cost is one LM-head row), and its output is the pooled vector instead.
         params = SamplingParams(max_tokens=1, temperature=0.0)
         self.validate(request_id, prompt_token_ids, params)
-        lora_name = None
-        if lora_request is not None:
-            self.load_lora(lora_request)
-            lora_name = lora_request.lora_name
+        lora_name = self.load_lora(lora_request)
         self._new_request(request_id, prompt_token_ids, params, lora_name=lora_name, pooling=spec)
 
     def named_lora(self, name: str | None) -> LoRARequest | None:
@@ -246,16 +240,19 @@ class Engine(PDRoles):
             raise ValueError(f"no LoRA adapter named {name!r} is served here")
         return LoRARequest(name, list(modules).index(name) + 1, modules[name])
 
-    def load_lora(self, lora_request: LoRARequest, keep: Iterable[str] = ()) -> None:
-        """The adapter in a device slot (runner/lora/); one that no live request runs with
-        and that is not in `keep` may give its slot up. Raises ValueError naming what is
-        wrong with the adapter."""
+    def load_lora(self, lora_request: LoRARequest | None, keep: Iterable[str] = ()) -> str | None:
+        """The adapter in a device slot (runner/lora/), and its name (None: no adapter, the
+        base model); one that no live request runs with and that is not in `keep` may give
+        its slot up. Raises ValueError naming what is wrong with the adapter."""
+        if lora_request is None:
+            return None
         if not self.config.lora.enable_lora:
             raise ValueError("a lora_request needs an engine built with enable_lora=True")
         live = {r.lora_name for r in self.scheduler.requests.values()}
         live |= {r.lora_name for r, _ in self._awaiting_grammar.values()}
         evictable = set(self.runner.lora.by_name) - live - set(keep)
         self.runner.add_lora(lora_request, evictable)
+        return lora_request.lora_name
 
     def require_paged(self, what: str) -> None:
         if self.config.runner.runner != "mrv2":

@@ -83,10 +83,7 @@ class PDRoles:
         if first_token is not None and not is_token(first_token, self.config.model.vocab_size):
             vocab = self.config.model.vocab_size
             raise ValueError(f"first_token must be an integer in [0, {vocab}) (got {first_token})")
-        lora_name = None
-        if lora_request is not None:
-            self.load_lora(lora_request)
-            lora_name = lora_request.lora_name
+        lora_name = self.load_lora(lora_request)
         req = self._new_request(
             request_id, prompt_token_ids, params, kv_ticket=ticket, lora_name=lora_name
         )

@@ -245,8 +245,6 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         jobs = [(f"embed-{next(self._ids)}", self._to_token_ids(p)[1]) for p in prompts]
-        if lora_request is not None:
-            self.engine.load_lora(lora_request)
         for request_id, ids in jobs:  # validated as it is added; a refusal stops the rest
             try:
                 self.engine.add_pooling_request(request_id, ids, pooling_params, lora_request)
