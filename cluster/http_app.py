@@ -18,7 +18,7 @@ import json
 import logging
 import secrets
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -31,6 +31,9 @@ from pdserve.cluster.response_shapes import client_request_id, new_id, now
 from pdserve.cluster.response_store import DEFAULT_STORE_BYTES, ResponseStore
 from pdserve.cluster.router import Router
 from pdserve.version import __version__
+
+if TYPE_CHECKING:
+    from pdserve.runner.pooling import ModelPooling
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class AppState:
         cors: CorsConfig | None = None,
         responses: ResponseStore | None = None,
         lora_modules: dict[str, str] | None = None,
+        pooling: ModelPooling | None = None,
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -80,6 +84,9 @@ class AppState:
         self.responses = ResponseStore(DEFAULT_STORE_BYTES) if responses is None else responses
         # `--lora-modules`: adapter name -> folder; a request's `model` may name one
         self.lora_modules = dict(lora_modules or {})
+        # What pooling requests the model serves (runner/pooling.py): embeddings, or a
+        # classifier's classify/score/rerank; None: not known (no pooling route answers)
+        self.pooling = pooling
 
     @property
     def model_name(self) -> str:
@@ -147,14 +154,16 @@ def check_model(state: AppState, body: dict) -> str | None:
     return None
 
 
-# Paths the API key guards: the OpenAI routes, and vLLM's tokenizer, score, rerank and
-# SageMaker routes beside them (vLLM leaves those open; here a key, when set, guards every route that reads
-# a body).
-GUARDED = ("/v1", "/v2", "/tokenize", "/detokenize", "/invocations", "/score", "/rerank")
+# Paths the API key guards: the OpenAI routes, and vLLM's tokenizer, score, rerank,
+# classify and SageMaker routes beside them (vLLM leaves those open; here a key, when set,
+# guards every route that reads a body).
+GUARDED = ("/v1", "/v2", "/tokenize", "/detokenize", "/invocations", "/score", "/rerank",
+           "/classify")  # fmt: skip
 
 
 def build_app(state: AppState) -> FastAPI:
     # They import this module (its body reading and checks).
+    from pdserve.cluster.classify_routes import add_classify_routes
     from pdserve.cluster.completion_routes import add_completion_routes
     from pdserve.cluster.embedding_routes import add_embedding_routes
     from pdserve.cluster.responses_routes import add_responses_routes
@@ -220,6 +229,7 @@ def build_app(state: AppState) -> FastAPI:
 
     add_tokenize_routes(app, state)
     add_embedding_routes(app, state)
+    add_classify_routes(app, state)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -112,7 +112,7 @@ class Metrics:
         self.params_max_tokens.observe(req.params.max_tokens)
 
     def pooled(self, kind: str, prompt_lens: list[int], seconds: float) -> None:
-        """An embedding-model request answered (`embedding`, `score`, `rerank`): each of
+        """A pooling request answered (`embedding`, `classify`, `score`, `rerank`): each of
         its inputs counts as a finished request of that kind with its prompt tokens."""
         self.e2e.observe(seconds)
         self.requests.labels(kind, "stop").inc(len(prompt_lens))

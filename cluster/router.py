@@ -46,6 +46,7 @@ from pdserve.cluster.worker_handle import (
 )
 from pdserve.kvtransfer.protocol import Ticket, decode, ticket_to_wire
 from pdserve.runner.parallel_sampling import child_params
+from pdserve.runner.pooling import PoolingParams, pooling_to_wire
 from pdserve.runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -314,11 +315,12 @@ class Router:
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
 
-    async def embed(
-        self, prompt: list[int], lora: str | None = None, normalize: bool | None = None
+    async def pool(
+        self, prompt: list[int], lora: str | None, task: str, pooling: PoolingParams | None = None
     ) -> StreamDelta:
-        """One embedding request (runner/pooling.py) on a decode worker, chosen as a
-        generating request's is: its one delta, carrying the vector."""
+        """One pooling request (runner/pooling.py) of `task`, "embed" or "classify", on a
+        decode worker, chosen as a generating request's is: its one delta, carrying the
+        vector (a classification's: its label probabilities)."""
         if not self.decode_workers:
             raise ApiError("no decode worker is available", 503, "server_error")
         timeout_s = self.config.stream_idle_timeout_s
@@ -338,7 +340,7 @@ class Router:
             self._assigned[request_id] = decode_w.worker_id
             params = SamplingParams(max_tokens=1)
             work = WorkRequest(
-                request_id, prompt, params, lora=lora, embed={"normalize": normalize}
+                request_id, prompt, params, lora=lora, embed=pooling_to_wire(task, pooling)
             )
             await decode_w.submit(work.encode())
             self.prefix_index.remember(decode_w.worker_id, hashes)
@@ -349,7 +351,7 @@ class Router:
                 finished = True
                 if delta.embedding is None:
                     raise ApiError(
-                        f"the embedding request ended with {delta.finish_reason!r}", 500,
+                        f"the {task} request ended with {delta.finish_reason!r}", 500,
                         "server_error",
                     )  # fmt: skip
                 return delta

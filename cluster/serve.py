@@ -112,12 +112,14 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.runner.config import SchedulerConfig
     from pdserve.runner.config_resolve import resolve_engine_config
     from pdserve.runner.generation_defaults import sampling_defaults
+    from pdserve.runner.pooling import model_pooling
     from pdserve.runner.tokenizer import load_tokenizer
 
     # Resolve (and convert, once) the model here, so the workers only load it.
     ecfg = resolve_engine_config(
         model=cfg.model, dtype=cfg.dtype, device=cfg.device, max_model_len=cfg.max_model_len,
         block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, runner=cfg.runner,
+        hf_overrides=cfg.hf_overrides,
     )  # fmt: skip
     if cfg.mode == "pd" and ecfg.runner.runner != "mrv2":
         raise ValueError(
@@ -151,7 +153,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         scheduling_policy=cfg.scheduling_policy, num_gpu_blocks=cfg.num_gpu_blocks_override,
         enable_chunked_prefill=cfg.enable_chunked_prefill, async_scheduling=cfg.async_scheduling,
         enable_lora=cfg.enable_lora, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
-        lora_modules=lora_modules,
+        lora_modules=lora_modules, hf_overrides=cfg.hf_overrides,
     )  # fmt: skip
     # The step budget's rules (e.g. no chunking needs a budget of max_model_len), refused
     # here rather than in every worker's start.
@@ -261,6 +263,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             RequestLog(_print) if cfg.enable_log_requests else None, ecfg.model.vocab_size,
             cfg.scheduling_policy, auto_tool_parser(cfg), cfg.reasoning_parser, cfg.cors,
             ResponseStore(cfg.responses_store_bytes), lora_modules,
+            model_pooling(ecfg.model.path, ecfg.model.hf_config, ecfg.model.classifier),
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)

@@ -124,6 +124,9 @@ class ServeConfig:
     # (runner/generation_defaults.py).
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    # vLLM's: keys set on the model's transformers config (runner/hf_overrides.py), e.g.
+    # {"is_matryoshka": true}, or a causal LM converted into a reranker.
+    hf_overrides: dict | None = None
     # One GPU a worker: accepted at 1 so vLLM command lines parse, refused above.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -221,6 +224,10 @@ class ServeConfig:
             self.served_model_name and all(isinstance(n, str) and n for n in self.served_model_name)
         ):
             raise ValueError("--served-model-name needs one or more non-empty names")
+        if self.hf_overrides is not None:
+            from pdserve.runner.hf_overrides import parse_hf_overrides
+
+            object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
         if self.override_generation_config is not None:
             from pdserve.runner.generation_defaults import parse_override
 

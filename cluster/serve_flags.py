@@ -50,6 +50,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help='default sampling parameters over the generation config\'s, e.g. '
                    '\'{"temperature": 0.7}\'')  # fmt: skip
+    p.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help='keys set on the model\'s config, e.g. \'{"is_matryoshka": true}\' '
+                   "or a causal LM made a reranker (classifier_from_token)")  # fmt: skip
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=None,
                    help="1 only: a worker runs on one GPU")  # fmt: skip
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import msgpack
 
+from pdserve.runner.pooling import pooling_from_wire
 from pdserve.runner.sampling_params import SamplingParams
 
 WIRE_VERSION = 1
@@ -37,7 +38,8 @@ class WorkRequest:
     params: SamplingParams
     ticket: dict | None = None  # kvtransfer.protocol ticket wire map (decode side, PD mode)
     lora: str | None = None  # the served LoRA adapter it runs with (None: the base model)
-    # An embedding request (runner/pooling.py): {"normalize": bool | None}; None: generate
+    # A pooling request (runner/pooling.py `pooling_to_wire`: its task and parameters);
+    # None: generate
     embed: dict | None = None
 
     def encode(self) -> bytes:
@@ -81,11 +83,11 @@ class WorkRequest:
         if body["lora"] is not None and not isinstance(body["lora"], str):
             raise ValueError("work request: lora must be an adapter name or null")
         embed = body["embed"]
-        if embed is not None and not (
-            isinstance(embed, dict) and set(embed) == {"normalize"}
-            and embed["normalize"] in (None, True, False)
-        ):  # fmt: skip
-            raise ValueError('work request: embed must be {"normalize": bool or null} or null')
+        if embed is not None:
+            try:
+                pooling_from_wire(embed)
+            except ValueError as e:
+                raise ValueError(f"work request: embed: {e}") from None
         return cls(
             body["id"], prompt, SamplingParams(**params), body["ticket"], body["lora"], embed
         )

@@ -22,7 +22,7 @@ from pdserve.kvtransfer.tier import HostKVTier
 from pdserve.kvtransfer.transport import Transport
 from pdserve.runner.engine import Engine
 from pdserve.runner.outputs import RequestDelta
-from pdserve.runner.pooling import PoolingParams
+from pdserve.runner.pooling import pooling_from_wire
 from pdserve.runner.sampling_params import SamplingParams
 
 TIER_ONLY = "tier-only"  # a load with no prefill worker behind it: the tier or nothing
@@ -78,11 +78,12 @@ class DecodeWorker:
         """Queue a prefilled request. With `ticket=None` only the tier (and the local
         prefix cache) can supply KV, and the engine computes the rest itself. `lora_name`:
         one of the engine's `lora_modules` (None: the base model). `embed`
-        ({"normalize": ...}): an embedding request instead (runner/pooling.py)."""
+        (runner/pooling.py `pooling_to_wire`): a pooling request instead, an embedding or
+        a classification."""
         lora = self.engine.named_lora(lora_name)
-        if embed is not None:  # an embedding request: pooled here, never prefilled apart
-            pooling = PoolingParams(normalize=embed.get("normalize"))
-            self.engine.add_pooling_request(request_id, prompt_token_ids, pooling, lora)
+        if embed is not None:  # a pooling request: pooled here, never prefilled apart
+            task, pooling = pooling_from_wire(embed)
+            self.engine.add_pooling_request(request_id, prompt_token_ids, pooling, lora, task)
             return
         if ticket is not None and not self.imports_kv:
             raise ValueError(

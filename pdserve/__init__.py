@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from pdserve.runner.llm import LLM
     from pdserve.runner.lora.request import LoRARequest
     from pdserve.runner.outputs import (
+        ClassificationRequestOutput,
         CompletionOutput,
         EmbeddingRequestOutput,
         Logprob,
@@ -32,6 +33,7 @@ __all__ = [
     "SamplingParams",
     "RequestOutput",
     "EmbeddingRequestOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "Logprob",
     "__version__",
@@ -45,6 +47,7 @@ _LAZY = {
     "CompletionOutput": "pdserve.runner.outputs",
     "Logprob": "pdserve.runner.outputs",
     "EmbeddingRequestOutput": "pdserve.runner.outputs",
+    "ClassificationRequestOutput": "pdserve.runner.outputs",
     "PoolingParams": "pdserve.runner.pooling",
 }
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from pdserve.runner.classify import ClassifierSpec
+
 RUNNER_CHOICES = ("auto", "mrv2", "reference")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -45,6 +47,9 @@ class ModelConfig:
     # The multimodal architecture whose language model `hf_config` describes (its weights
     # are renamed at load: runner/models/text_only.py); None for a text checkpoint.
     text_only_of: str | None = None
+    # A sequence classifier's head (runner/classify.py); None for a generating or
+    # embedding model.
+    classifier: ClassifierSpec | None = None
 
     def __post_init__(self) -> None:
         _require(

@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from pdserve.runner.classify import classifier_spec, is_classifier
 from pdserve.runner.config import (
     CacheConfig,
     EngineConfig,
@@ -19,9 +20,11 @@ from pdserve.runner.config import (
     RunnerConfig,
     SchedulerConfig,
 )
+from pdserve.runner.hf_overrides import apply_hf_overrides, parse_hf_overrides
 from pdserve.runner.model_source import resolve_model_dir
 from pdserve.runner.models.text_only import text_view
 from pdserve.runner.runner_select import select_runner
+from pdserve.runner.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +88,7 @@ def resolve_engine_config(
     max_loras: int = 1,
     max_lora_rank: int = 16,
     lora_modules: dict[str, str] | None = None,
+    hf_overrides: dict | str | None = None,
 ) -> EngineConfig:
     from transformers import AutoConfig
 
@@ -94,7 +98,9 @@ def resolve_engine_config(
         num_gpu_blocks = num_gpu_blocks_override
 
     path, name = resolve_model_dir(model)
-    checkpoint_config = AutoConfig.from_pretrained(path)
+    checkpoint_config = apply_hf_overrides(
+        AutoConfig.from_pretrained(path), parse_hf_overrides(hf_overrides)
+    )
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev, checkpoint_config)
     # A multimodal checkpoint's language model runs as a text model (text_only.py).
@@ -110,6 +116,12 @@ def resolve_engine_config(
             f"max_position_embeddings ({limit})"
         )
     runner_name = select_runner(runner, hf_config)
+    classifier = None
+    if is_classifier(hf_config):
+        tokenizer = (
+            load_tokenizer(path) if getattr(hf_config, "classifier_from_token", None) else None
+        )
+        classifier = classifier_spec(hf_config, tokenizer)
     on_cuda = dev.startswith("cuda")
     if async_scheduling is None:
         async_scheduling = on_cuda
@@ -126,6 +138,7 @@ def resolve_engine_config(
             max_model_len=max_model_len,
             source=name if model is None else str(model),
             text_only_of=text_only_of,
+            classifier=classifier,
         ),
         cache=CacheConfig(
             block_size=block_size,

@@ -87,8 +87,11 @@ class Engine(PDRoles):
         self._tracks: dict[str, Track] = {}
         self._pending: list[RequestDelta] = []
         self._held: dict[str, tuple[int, ...]] = {}  # prefill role: blocks under a lease
-        # Embeddings (runner/pooling.py): how this model pools, and vectors a step gave
-        self.pooling = model_pooling(config.model.path)
+        # Embeddings and classifications (runner/pooling.py): how this model pools, and
+        # vectors a step gave
+        self.pooling = model_pooling(
+            config.model.path, config.model.hf_config, config.model.classifier
+        )
         self._embeddings: dict[str, list[float]] = {}
         # Requests whose structured-output grammar is still being built (grammar_cache.py)
         self._awaiting_grammar: dict[str, tuple[Request, Future]] = {}
@@ -207,10 +210,12 @@ class Engine(PDRoles):
     def _require_lm_head(self) -> None:
         if getattr(getattr(self.runner, "model", None), "pooling_only", False):
             arch = self.config.model.architecture
-            raise ValueError(
-                f"this checkpoint ({arch}) has no LM head: it serves embeddings only "
-                "(LLM.embed, /v1/embeddings)"
+            serves = (
+                "classify, score and rerank (LLM.classify, /classify)"
+                if self.pooling.task == "classify"
+                else "embeddings only (LLM.embed, /v1/embeddings)"
             )
+            raise ValueError(f"this checkpoint ({arch}) has no LM head: it serves {serves}")
 
     def add_pooling_request(
         self,
@@ -218,12 +223,14 @@ class Engine(PDRoles):
         prompt_token_ids: list[int],
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        task: str = "embed",
     ) -> None:
-        """Queue an embedding request (runner/pooling.py): its prompt runs and is pooled
-        as the model pools; its one delta carries `embedding` and nothing is generated."""
+        """Queue a pooling request (runner/pooling.py) of `task`, "embed" or "classify": its
+        prompt runs and is pooled as the model pools; its one delta carries `embedding`
+        (a classification's: the label probabilities) and nothing is generated."""
         if self.config.runner.runner != "mrv2":
-            raise ValueError(f"embeddings need the mrv2 runner (got {self.runner_name!r})")
-        spec = self.pooling.for_request(pooling_params)
+            raise ValueError(f"{task} needs the mrv2 runner (got {self.runner_name!r})")
+        spec = self.pooling.for_request(pooling_params, task)
         # One greedy token, never shown: the step that ends the prompt samples as usual
         # (its cost is one LM-head row), and its output is the pooled vector instead.
         params = SamplingParams(max_tokens=1, temperature=0.0)

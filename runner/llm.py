@@ -23,6 +23,8 @@ from pdserve.runner.engine import Engine
 from pdserve.runner.generation_defaults import sampling_defaults
 from pdserve.runner.lora.request import LoRARequest
 from pdserve.runner.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -241,13 +243,38 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's `embed`: each prompt's final hidden states pooled as the model pools them
         (runner/pooling.py: a Sentence-Transformers checkpoint's pooling and normalising,
-        else the last token's, normalised)."""
+        else the last token's, normalised; `dimensions` on a Matryoshka model)."""
+        done = self._pool(prompts, pooling_params, "embed", use_tqdm, lora_request)
+        return [
+            EmbeddingRequestOutput(
+                rid, ids, EmbeddingOutput(d.embedding), True, d.num_cached_tokens
+            )
+            for rid, ids, d in done
+        ]  # fmt: skip
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's `classify`, for a sequence classifier (runner/classify.py): each prompt's
+        label probabilities (`PoolingParams(activation=False)`: the raw logits)."""
+        done = self._pool(prompts, pooling_params, "classify", use_tqdm, lora_request)
+        return [
+            ClassificationRequestOutput(rid, ClassificationOutput(d.embedding), ids)
+            for rid, ids, d in done
+        ]
+
+    def _pool(self, prompts, params, task: str, use_tqdm: bool, lora_request):
+        """Run pooling requests of `task` to the end: [(request id, prompt ids, delta)]."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        jobs = [(f"embed-{next(self._ids)}", self._to_token_ids(p)[1]) for p in prompts]
+        jobs = [(f"{task}-{next(self._ids)}", self._to_token_ids(p)[1]) for p in prompts]
         for request_id, ids in jobs:  # validated as it is added; a refusal stops the rest
             try:
-                self.engine.add_pooling_request(request_id, ids, pooling_params, lora_request)
+                self.engine.add_pooling_request(request_id, ids, params, lora_request, task)
             except BaseException:
                 for queued, _ in jobs:
                     self.engine.abort(queued)
@@ -257,7 +284,8 @@ class LLM:
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(jobs), desc="Embedding", unit="req", dynamic_ncols=True)
+            desc = "Embedding" if task == "embed" else "Classifying"
+            bar = tqdm(total=len(jobs), desc=desc, unit="req", dynamic_ncols=True)
         try:
             while len(vectors) < len(jobs):
                 for delta in self.engine.step():
@@ -274,13 +302,7 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [
-            EmbeddingRequestOutput(
-                rid, ids, EmbeddingOutput(vectors[rid].embedding), True,
-                vectors[rid].num_cached_tokens,
-            )
-            for rid, ids in jobs
-        ]  # fmt: skip
+        return [(rid, ids, vectors[rid]) for rid, ids in jobs]
 
     def score(
         self,
@@ -289,19 +311,35 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's `score` for embedding models: the cosine similarity of `text_1` with each
-        of `text_2` (one text against many, or pairs of equal-length lists)."""
+        """vLLM's `score`, one text against many or pairs of equal-length lists: for an
+        embedding model the cosine similarity of their embeddings; for a cross-encoder (a
+        one-label classifier) its probability on each pair, prompted as the tokenizer
+        joins a pair (`tokenizer(text_1, text_pair=text_2)`)."""
         left = [text_1] if isinstance(text_1, (str, dict)) else list(text_1)
         right = [text_2] if isinstance(text_2, (str, dict)) else list(text_2)
         if not right or len(left) not in (1, len(right)):
             raise ValueError("text_1 must be one text or as many as text_2 (at least one)")
-        outs = self.embed(left + right, PoolingParams(normalize=True), use_tqdm, lora_request)
-        vectors = [o.outputs.embedding for o in outs]
-        firsts = vectors[: len(left)] * (len(right) if len(left) == 1 else 1)
-        return [
-            ScoringRequestOutput(f"score-{next(self._ids)}", ScoringOutput(_dot(a, b)))
-            for a, b in zip(firsts, vectors[len(left) :], strict=True)
-        ]
+        firsts = left * len(right) if len(left) == 1 else left
+        if self.engine.pooling.task == "classify":
+            pairs = [self._pair_prompt(a, b) for a, b in zip(firsts, right, strict=True)]
+            outs = self.classify(pairs, None, use_tqdm, lora_request)
+            scores = [o.outputs.probs[0] for o in outs]
+        else:
+            vecs = self.embed(left + right, PoolingParams(normalize=True), use_tqdm, lora_request)
+            vectors = [o.outputs.embedding for o in vecs]
+            mine = vectors[: len(left)] * (len(right) if len(left) == 1 else 1)
+            scores = [_dot(a, b) for a, b in zip(mine, vectors[len(left) :], strict=True)]
+        return [ScoringRequestOutput(f"score-{next(self._ids)}", ScoringOutput(x)) for x in scores]
+
+    def _pair_prompt(self, a: PromptType, b: PromptType) -> dict:
+        """A cross-encoder's prompt for one pair: the tokenizer's pair encoding of two texts."""
+        labels = self.engine.pooling.classifier.num_labels
+        if labels != 1:
+            raise ValueError(f"score needs a classifier with one label (this one has {labels})")
+        tok = self.engine.tokenizer
+        if tok is None or not (isinstance(a, str) and isinstance(b, str)):
+            raise ValueError("a cross-encoder scores pairs of texts, with the model's tokenizer")
+        return {"prompt_token_ids": list(tok(a, text_pair=b).input_ids)}
 
     def chat(
         self,

@@ -97,6 +97,25 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per label (the raw logits with activation=False)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """vLLM's `LLM.classify` result: one prompt's label probabilities."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
 class ScoringOutput:
     score: float
 

@@ -1,20 +1,31 @@
-"""Embeddings (vLLM's `LLM.embed`, `/v1/embeddings`): a prompt's final hidden states,
-after the model's last norm, pooled into one vector.
+"""Pooling requests (vLLM's `LLM.embed` / `/v1/embeddings` and `LLM.classify` /
+`/classify`): a prompt's final hidden states, after the model's last norm, pooled into
+one vector: an embedding, or a classifier's label logits (runner/classify.py).
 
 How a model pools is its checkpoint's: a Sentence-Transformers folder says it in
 `modules.json` and its Pooling module's `config.json` (`pooling_mode_lasttoken`,
 `pooling_mode_mean_tokens`, `pooling_mode_cls_token`), and a `Normalize` module makes the
 vector unit-length; a plain checkpoint pools its last token and normalises (vLLM's default
-for decoder embedding models). A request may turn normalising off (`PoolingParams`).
+for decoder embedding models). A classifier pools its last token through its score head.
+
+A request may turn normalising off and, on a Matryoshka model (`is_matryoshka` or
+`matryoshka_dimensions` in its config, or set by `--hf-overrides`), keep the first
+`dimensions` features (before normalising, as such models are trained); a classification
+request may ask for raw logits (`activation=False`). vLLM's rule: each task takes only its
+own parameters.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
+
+from pdserve.runner.classify import ACTIVATIONS, ClassifierSpec
 
 POOLING_METHODS = ("last", "mean", "cls")
+POOLING_TASKS = ("embed", "classify")
 _ST_MODES = {
     "pooling_mode_lasttoken": "last",
     "pooling_mode_mean_tokens": "mean",
@@ -24,16 +35,48 @@ _ST_MODES = {
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """vLLM's: per request. `normalize` None: the model's choice."""
+    """vLLM's: per request. None: the model's choice. `normalize` and `dimensions` are an
+    embedding's; `activation` a classification's."""
 
     normalize: bool | None = None
-    dimensions: int | None = None  # Matryoshka truncation: refused (no model declares it)
+    dimensions: int | None = None  # Matryoshka: keep the first `dimensions` features
+    activation: bool | None = None  # False: a classifier's raw logits
 
     def __post_init__(self) -> None:
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize must be true, false or null (got {self.normalize!r})")
-        if self.dimensions is not None:
-            raise ValueError("dimensions (Matryoshka embeddings) is not supported")
+        for key in ("normalize", "activation"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{key} must be true, false or null (got {value!r})")
+        dims = self.dimensions
+        if dims is not None and (type(dims) is not int or dims < 1):
+            raise ValueError(f"dimensions must be an integer >= 1 (got {dims!r})")
+
+    def set_keys(self) -> list[str]:
+        return [
+            k for k in ("normalize", "dimensions", "activation") if getattr(self, k) is not None
+        ]
+
+
+_TASK_KEYS = {"embed": ("normalize", "dimensions"), "classify": ("activation",)}
+_WIRE_KEYS = {"task", "normalize", "dimensions", "activation"}
+
+
+def pooling_to_wire(task: str, params: PoolingParams | None) -> dict:
+    """A pooling request's part of a work request (cluster/wire.py)."""
+    assert task in POOLING_TASKS, task
+    p = params or PoolingParams()
+    return {"task": task, "normalize": p.normalize, "dimensions": p.dimensions,
+            "activation": p.activation}  # fmt: skip
+
+
+def pooling_from_wire(body: Any) -> tuple[str, PoolingParams]:
+    """`pooling_to_wire`'s inverse; ValueError for anything else."""
+    if not (isinstance(body, dict) and set(body) == _WIRE_KEYS):
+        raise ValueError(f"a pooling request is a map of {sorted(_WIRE_KEYS)}")
+    if body["task"] not in POOLING_TASKS:
+        raise ValueError(f"pooling task must be one of {POOLING_TASKS} (got {body['task']!r})")
+    params = PoolingParams(body["normalize"], body["dimensions"], body["activation"])
+    return body["task"], params
 
 
 @dataclass(frozen=True)
@@ -42,22 +85,91 @@ class PoolingSpec:
 
     method: str  # one of POOLING_METHODS
     normalize: bool
+    dimensions: int | None = None  # keep the first this many features (then normalise)
+    activation: str = "none"  # a classifier's logits -> probabilities (runner/classify.py)
+    classify: bool = False  # through the model's score head
 
     def __post_init__(self) -> None:
         assert self.method in POOLING_METHODS, self.method
+        assert self.activation in ACTIVATIONS, self.activation
 
     @property
     def every_position(self) -> bool:
         """It reads every prompt position's hidden state: no prefix-cache hits."""
         return self.method != "last"
 
-    def for_request(self, params: PoolingParams | None) -> PoolingSpec:
-        if params is None or params.normalize is None:
-            return self
-        return PoolingSpec(self.method, params.normalize)
+
+@dataclass(frozen=True)
+class ModelPooling:
+    """What a model's pooling requests may be: its task, its default spec, Matryoshka
+    truncation (None: not a Matryoshka model; () any width up to `hidden_size`)."""
+
+    task: str  # one of POOLING_TASKS
+    default: PoolingSpec
+    hidden_size: int
+    matryoshka: tuple[int, ...] | None = None
+    classifier: ClassifierSpec | None = None
+
+    def for_request(self, params: PoolingParams | None, task: str) -> PoolingSpec:
+        """The spec of one request of `task`; ValueError naming what the model or the task
+        does not take."""
+        assert task in POOLING_TASKS, task
+        if task != self.task:
+            raise ValueError(_wrong_task(task, self.task))
+        params = params or PoolingParams()
+        stray = [k for k in params.set_keys() if k not in _TASK_KEYS[task]]
+        if stray:
+            raise ValueError(f"{task} requests take {list(_TASK_KEYS[task])}, not {stray}")
+        spec = self.default
+        if params.normalize is not None:
+            spec = replace(spec, normalize=params.normalize)
+        if params.activation is False:
+            spec = replace(spec, activation="none")
+        if params.dimensions is not None:
+            spec = replace(spec, dimensions=self._dimensions(params.dimensions))
+        return spec
+
+    def _dimensions(self, dims: int) -> int:
+        if self.matryoshka is None:
+            raise ValueError(
+                "dimensions: this model is not a Matryoshka model (its config sets neither "
+                "is_matryoshka nor matryoshka_dimensions; --hf-overrides can)"
+            )
+        if self.matryoshka and dims not in self.matryoshka:
+            raise ValueError(f"dimensions: this model takes {list(self.matryoshka)} (got {dims})")
+        if dims > self.hidden_size:
+            raise ValueError(f"dimensions: at most the model's {self.hidden_size} (got {dims})")
+        return dims
 
 
-def model_pooling(model_dir: str | Path) -> PoolingSpec:
+def _wrong_task(task: str, model_task: str) -> str:
+    if model_task == "classify":
+        return ("this model is a classifier: it serves classify, score and rerank "
+                "(LLM.classify, /classify), not embeddings")  # fmt: skip
+    return f"this model is not a classifier: it serves embeddings, not {task}"
+
+
+def model_pooling(
+    model_dir: str | Path, hf_config: Any, classifier: ClassifierSpec | None
+) -> ModelPooling:
+    """The model's pooling: a classifier's head, else its embedding pooling."""
+    hidden = int(hf_config.hidden_size)
+    if classifier is not None:
+        spec = PoolingSpec("last", False, activation=classifier.activation, classify=True)
+        return ModelPooling("classify", spec, hidden, classifier=classifier)
+    return ModelPooling("embed", _embedding_spec(model_dir), hidden, _matryoshka(hf_config))
+
+
+def _matryoshka(hf_config: Any) -> tuple[int, ...] | None:
+    dims = getattr(hf_config, "matryoshka_dimensions", None)
+    if dims:
+        if not (isinstance(dims, list | tuple) and all(type(d) is int and d > 0 for d in dims)):
+            raise ValueError(f"matryoshka_dimensions must be positive integers (got {dims!r})")
+        return tuple(dims)
+    return () if getattr(hf_config, "is_matryoshka", False) else None
+
+
+def _embedding_spec(model_dir: str | Path) -> PoolingSpec:
     """The checkpoint's pooling (Sentence-Transformers files), else last token, normalised."""
     folder = Path(model_dir)
     modules_file = folder / "modules.json"

@@ -96,8 +96,12 @@ def test_normalize_per_request(tiny_llama_dir):
                     use_tqdm=False)  # fmt: skip
     _check(raw, _reference(tiny_llama_dir, prompts, "last", False))
     assert abs(torch.tensor(raw[0].outputs.embedding).norm().item() - 1.0) > 1e-3
-    with pytest.raises(ValueError, match="dimensions"):
-        PoolingParams(dimensions=8)
+    # `dimensions` needs a Matryoshka model (tests/test_classify.py has one)
+    with pytest.raises(ValueError, match="not a Matryoshka model"):
+        llm.embed({"prompt_token_ids": prompts[0]}, PoolingParams(dimensions=8), use_tqdm=False)
+    for bad in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match="dimensions must be an integer"):
+            PoolingParams(dimensions=bad)
 
 
 def test_embeddings_beside_generation(tiny_llama_dir):

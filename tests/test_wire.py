@@ -7,6 +7,7 @@ import msgpack
 import pytest
 
 from pdserve.cluster.wire import WIRE_VERSION, FirstToken, WorkRequest
+from pdserve.runner.pooling import PoolingParams, pooling_from_wire, pooling_to_wire
 from pdserve.runner.sampling_params import SamplingParams
 
 
@@ -105,9 +106,14 @@ def test_embedding_requests_and_vectors_cross_the_wire():
     its vector comes back on the stream delta; malformed forms are refused on arrival."""
     from pdserve.cluster.token_stream import StreamDelta
 
-    req = WorkRequest("r-10", [1, 2], SamplingParams(max_tokens=1), embed={"normalize": False})
-    assert WorkRequest.decode(req.encode()).embed == {"normalize": False}
-    for embed in ({"normalize": "yes"}, {"normalize": None, "x": 1}, [True]):
+    for task, params in (("embed", PoolingParams(normalize=False, dimensions=8)),
+                         ("classify", PoolingParams(activation=False))):  # fmt: skip
+        embed = pooling_to_wire(task, params)
+        req = WorkRequest("r-10", [1, 2], SamplingParams(max_tokens=1), embed=embed)
+        assert pooling_from_wire(WorkRequest.decode(req.encode()).embed) == (task, params)
+    good = pooling_to_wire("embed", None)
+    for embed in ({**good, "normalize": "yes"}, {**good, "x": 1}, [True], {"normalize": None},
+                  {**good, "task": "generate"}, {**good, "dimensions": 0}):  # fmt: skip
         body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=None, embed=embed,
                     params={})  # fmt: skip
         with pytest.raises(ValueError, match="embed"):

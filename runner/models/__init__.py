@@ -39,4 +39,10 @@ MODEL_REGISTRY: dict[str, type] = {
     "MistralModel": LlamaFamilyForCausalLM,
     "Qwen2Model": LlamaFamilyForCausalLM,
     "Qwen3Model": LlamaFamilyForCausalLM,
+    # Classifiers (runner/classify.py): the base model and a `score` head, or a causal LM
+    # converted by its config's `classifier_from_token` (Qwen3-Reranker)
+    "LlamaForSequenceClassification": LlamaFamilyForCausalLM,
+    "MistralForSequenceClassification": LlamaFamilyForCausalLM,
+    "Qwen2ForSequenceClassification": LlamaFamilyForCausalLM,
+    "Qwen3ForSequenceClassification": LlamaFamilyForCausalLM,
 }

@@ -31,6 +31,7 @@ from pdserve.kernels.rope import apply_rope
 from pdserve.kernels.row_squares import ScaleRows
 from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
+from pdserve.runner.classify import ClassifierSpec, is_classifier
 from pdserve.runner.models import moe
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.models.attention_window import sliding_window_of
@@ -280,9 +281,13 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.residual_multiplier = float(getattr(cfg, "residual_multiplier", 1.0) or 1.0)
         self.logits_scaling = float(getattr(cfg, "logits_scaling", 1.0) or 1.0)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        # A base-model checkpoint (`Qwen3Model`, ...) has no LM head: embeddings only
+        # A base-model checkpoint (`Qwen3Model`, ...) has no LM head: embeddings only; a
+        # classifier (`...ForSequenceClassification`) has its `score` head instead, which
+        # runner/models/loader.py attaches (`attach_classifier`)
         archs = getattr(cfg, "architectures", None) or [""]
-        self.pooling_only = archs[0].endswith("Model")
+        self.pooling_only = archs[0].endswith("Model") or is_classifier(cfg)
+        self.score: nn.Linear | None = None
+        self.classifier: ClassifierSpec | None = None
         self.lm_head = (
             None
             if self.tie_word_embeddings or self.pooling_only
@@ -430,6 +435,9 @@ class LlamaFamilyForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
+                if self._score_from_tokens():  # a causal LM converted into a classifier
+                    self._score_from_head(tensor)
+                    loaded.add("score.weight")
                 continue  # tied: the embedding is the head
             local = moe.checkpoint_local_name(name.removeprefix("model."))
             if moe.load_expert_tensor(params, local, tensor, loaded):
@@ -453,8 +461,30 @@ class LlamaFamilyForCausalLM(nn.Module):
                 loaded.add(local)
                 if "qkv_proj" in local or "gate_up_proj" in local:  # stored fused (Phi-3)
                     loaded.update(f"{local}#{i}" for i in range(3 if "qkv" in local else 2))
+        if self._score_from_tokens() and "score.weight" not in loaded:  # tied: the embedding
+            self._score_from_head(self.embed_tokens.weight)
+            loaded.add("score.weight")
         self._check_all_loaded(params, loaded)
         self._after_load()
+
+    def attach_classifier(self, spec: ClassifierSpec) -> None:
+        """The classifier's head (runner/classify.py): [num_labels, hidden], loaded as
+        `score.weight` or made from LM-head rows."""
+        self.classifier = spec
+        self.score = nn.Linear(self.config.hidden_size, spec.num_labels, bias=False)
+
+    def _score_from_tokens(self) -> bool:
+        return self.classifier is not None and bool(self.classifier.from_token_ids)
+
+    def _score_from_head(self, head: torch.Tensor) -> None:
+        """`score.weight` from the LM head's rows of the classifier's tokens; a two-way
+        head's one row is the positive token's minus the negative's (in fp32, rounded
+        once)."""
+        assert self.classifier is not None and self.score is not None
+        rows = head[list(self.classifier.from_token_ids)].float()
+        if self.classifier.two_way:
+            rows = rows[1:2] - rows[0:1]
+        self.score.weight.copy_(rows)
 
     def _shard_sizes(self, target: str, param: nn.Parameter) -> list[int]:
         attn = self.layers[0].self_attn

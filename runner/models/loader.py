@@ -40,6 +40,8 @@ def load_model(
     max_positions = model_config.max_model_len + 1
     with torch.device("meta"):
         model = cls(cfg, max_positions)
+        if model_config.classifier is not None:  # its score head (runner/classify.py)
+            model.attach_classifier(model_config.classifier)
     model = model.to(dtype=model_config.dtype).to_empty(device=device)
     # Parameters the family keeps in float32 whatever the dtype (DeepSeek's and GLM-4's
     # router and its correction bias, as transformers keeps them): expert choice compares

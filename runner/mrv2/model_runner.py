@@ -261,7 +261,7 @@ class MRV2ModelRunner:
                 if pooling:
                     pooled = self.pooling.collect(
                         self.model.norm, hidden, slots, batch.query_start_loc_np,
-                        num_computed, sample_mask,
+                        num_computed, sample_mask, getattr(self.model, "score", None),
                     )  # fmt: skip
             self.model_state.post_forward(batch, hidden)
             out = self.sampler(logits, meta)
