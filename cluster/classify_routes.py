@@ -32,7 +32,7 @@ def add_classify_routes(app: FastAPI, state: AppState) -> None:
         start = time.monotonic()
         body = json_object(await read_body(request, state.max_body_bytes))
         lora = check_model(state, body)
-        params = pooling_params(state, "classify", body, ("activation",))
+        params = pooling_params(state, "classify", body)
         prompts = await input_prompts(state, body)
         deltas = await asyncio.gather(
             *(state.router.pool(ids, lora, "classify", params) for ids, _ in prompts)
@@ -53,16 +53,19 @@ def add_classify_routes(app: FastAPI, state: AppState) -> None:
         }  # fmt: skip
 
 
-def pooling_params(state: AppState, task: str, body: dict, keys: tuple[str, ...]) -> PoolingParams:
-    """The request's pooling parameters among `keys`, checked against what the model
-    serves (a 400 naming the problem)."""
-    values = {k: body.get(k) for k in keys}
+POOLING_KEYS = ("normalize", "dimensions", "activation")
+
+
+def pooling_params(state: AppState, task: str, body: dict) -> PoolingParams:
+    """The request's pooling parameters, checked against `task` (each takes its own) and
+    what the model serves: a 400 naming the problem."""
     try:
-        params = PoolingParams(**values)
+        params = PoolingParams(**{k: body.get(k) for k in POOLING_KEYS})
+        params.check_task(task)
         if state.pooling is not None:
             state.pooling.for_request(params, task)
     except ValueError as e:
-        bad = next((k for k in keys if k in str(e)), None)
+        bad = next((k for k in POOLING_KEYS if k in str(e)), None)
         raise ApiError(str(e), param=bad) from None
     return params
 

@@ -45,6 +45,8 @@ async def parse_body(
     """`parse_request` on a body already read (the Responses API reads its own);
     `header_id`: the client's X-Request-Id, which goes before a `request_id` field."""
     lora_name = check_model(state, body)
+    if state.pooling is not None and not state.pooling.generates:
+        raise ApiError(f"this model does not generate text: it serves {state.pooling.serves()}")
     refuse_unsupported(body)
     request_id = header_id or client_request_id(
         body.get("request_id"), "'request_id'", "request_id"

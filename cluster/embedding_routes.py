@@ -46,7 +46,7 @@ def add_embedding_routes(app: FastAPI, state: AppState) -> None:
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64"):
             raise ApiError("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
-        params = pooling_params(state, "embed", body, ("normalize", "dimensions"))
+        params = pooling_params(state, "embed", body)
         prompts = await input_prompts(state, body)
         deltas = await asyncio.gather(
             *(state.router.pool(ids, lora, "embed", params) for ids, _ in prompts)

@@ -210,12 +210,9 @@ class Engine(PDRoles):
     def _require_lm_head(self) -> None:
         if getattr(getattr(self.runner, "model", None), "pooling_only", False):
             arch = self.config.model.architecture
-            serves = (
-                "classify, score and rerank (LLM.classify, /classify)"
-                if self.pooling.task == "classify"
-                else "embeddings only (LLM.embed, /v1/embeddings)"
+            raise ValueError(
+                f"this checkpoint ({arch}) has no LM head: it serves {self.pooling.serves()} only"
             )
-            raise ValueError(f"this checkpoint ({arch}) has no LM head: it serves {serves}")
 
     def add_pooling_request(
         self,

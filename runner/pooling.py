@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.runner.classify import ACTIVATIONS, ClassifierSpec
+from pdserve.runner.classify import ACTIVATIONS, ClassifierSpec, is_classifier
 
 POOLING_METHODS = ("last", "mean", "cls")
 POOLING_TASKS = ("embed", "classify")
@@ -51,10 +51,13 @@ class PoolingParams:
         if dims is not None and (type(dims) is not int or dims < 1):
             raise ValueError(f"dimensions must be an integer >= 1 (got {dims!r})")
 
-    def set_keys(self) -> list[str]:
-        return [
-            k for k in ("normalize", "dimensions", "activation") if getattr(self, k) is not None
-        ]
+    def check_task(self, task: str) -> None:
+        """vLLM's rule: a task takes only its own parameters (ValueError naming the rest)."""
+        keys = _TASK_KEYS[task]
+        stray = [k for k in ("normalize", "dimensions", "activation")
+                 if getattr(self, k) is not None and k not in keys]  # fmt: skip
+        if stray:
+            raise ValueError(f"{task} requests take {list(keys)}, not {stray}")
 
 
 _TASK_KEYS = {"embed": ("normalize", "dimensions"), "classify": ("activation",)}
@@ -109,6 +112,13 @@ class ModelPooling:
     hidden_size: int
     matryoshka: tuple[int, ...] | None = None
     classifier: ClassifierSpec | None = None
+    generates: bool = True  # it has an LM head (a base-model or classifier checkpoint: not)
+
+    def serves(self) -> str:
+        """What it serves besides generating, in words for an error."""
+        if self.task == "classify":
+            return "classify, score and rerank (LLM.classify, /classify)"
+        return "embeddings (LLM.embed, /v1/embeddings)"
 
     def for_request(self, params: PoolingParams | None, task: str) -> PoolingSpec:
         """The spec of one request of `task`; ValueError naming what the model or the task
@@ -117,9 +127,7 @@ class ModelPooling:
         if task != self.task:
             raise ValueError(_wrong_task(task, self.task))
         params = params or PoolingParams()
-        stray = [k for k in params.set_keys() if k not in _TASK_KEYS[task]]
-        if stray:
-            raise ValueError(f"{task} requests take {list(_TASK_KEYS[task])}, not {stray}")
+        params.check_task(task)
         spec = self.default
         if params.normalize is not None:
             spec = replace(spec, normalize=params.normalize)
@@ -149,6 +157,11 @@ def _wrong_task(task: str, model_task: str) -> str:
     return f"this model is not a classifier: it serves embeddings, not {task}"
 
 
+def _generates(hf_config: Any) -> bool:
+    archs = getattr(hf_config, "architectures", None) or [""]
+    return not (str(archs[0]).endswith("Model") or is_classifier(hf_config))
+
+
 def model_pooling(
     model_dir: str | Path, hf_config: Any, classifier: ClassifierSpec | None
 ) -> ModelPooling:
@@ -156,8 +169,9 @@ def model_pooling(
     hidden = int(hf_config.hidden_size)
     if classifier is not None:
         spec = PoolingSpec("last", False, activation=classifier.activation, classify=True)
-        return ModelPooling("classify", spec, hidden, classifier=classifier)
-    return ModelPooling("embed", _embedding_spec(model_dir), hidden, _matryoshka(hf_config))
+        return ModelPooling("classify", spec, hidden, classifier=classifier, generates=False)
+    return ModelPooling("embed", _embedding_spec(model_dir), hidden, _matryoshka(hf_config),
+                        generates=_generates(hf_config))  # fmt: skip
 
 
 def _matryoshka(hf_config: Any) -> tuple[int, ...] | None:

@@ -103,7 +103,8 @@ def test_score_and_rerank_sit_behind_the_api_key():
 
     router = Router(RouterConfig(mode="colocated"), [], [])
     app = build_app(AppState(router, None, "m", 64, Metrics("m"), api_key="k"))
-    paths = ("/score", "/rerank", "/v2/rerank", "/v1/rerank", "/v1/score", "/v1/embeddings")
+    paths = ("/score", "/rerank", "/v2/rerank", "/v1/rerank", "/v1/score", "/v1/embeddings",
+             "/classify", "/v1/classify")  # fmt: skip
 
     async def run(headers: dict) -> list[int]:
         transport = httpx.ASGITransport(app=app)
