@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pdserve.cluster.cors import ApiCors, CorsConfig
+from pdserve.cluster.lora_registry import LoraRegistry
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.openai_api import ApiError
 from pdserve.cluster.request_log import RequestLog
@@ -60,6 +61,7 @@ class AppState:
         responses: ResponseStore | None = None,
         lora_modules: dict[str, str] | None = None,
         pooling: ModelPooling | None = None,
+        runtime_lora_rank: int | None = None,
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -82,11 +84,17 @@ class AppState:
         self.cors = cors or CorsConfig()  # vLLM's CORS flags (cluster/cors.py)
         # Stored Responses API responses (`--responses-store-bytes`)
         self.responses = ResponseStore(DEFAULT_STORE_BYTES) if responses is None else responses
-        # `--lora-modules`: adapter name -> folder; a request's `model` may name one
-        self.lora_modules = dict(lora_modules or {})
+        # The LoRA adapters served (`--lora-modules`, then runtime loads): the router's
+        # registry, which a request's `model` may name (cluster/lora_registry.py)
+        self.loras = router.loras if router is not None else LoraRegistry()
+        for name, path in (lora_modules or {}).items():
+            self.loras.add(name, path)
         # What pooling requests the model serves (runner/pooling.py): embeddings, or a
         # classifier's classify/score/rerank; None: not known (no pooling route answers)
         self.pooling = pooling
+        # vLLM's runtime LoRA routes (cluster/lora_routes.py) with this largest rank; None:
+        # not served
+        self.runtime_lora_rank = runtime_lora_rank
 
     @property
     def model_name(self) -> str:
@@ -140,10 +148,11 @@ def check_model(state: AppState, body: dict) -> str | None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError("'model' must be a string", param="model")
-    if model in state.lora_modules:
+    if model in state.loras:
         return model
     if model is not None and model not in state.model_names:
-        served = " or ".join(repr(n) for n in [*state.model_names, *state.lora_modules])
+        names = [*state.model_names, *(a.name for a in state.loras.adapters())]
+        served = " or ".join(repr(n) for n in names)
         raise ApiError(
             f"model {model!r} does not exist; this server serves {served}",
             404,
@@ -166,6 +175,7 @@ def build_app(state: AppState) -> FastAPI:
     from pdserve.cluster.classify_routes import add_classify_routes
     from pdserve.cluster.completion_routes import add_completion_routes
     from pdserve.cluster.embedding_routes import add_embedding_routes
+    from pdserve.cluster.lora_routes import add_lora_routes
     from pdserve.cluster.responses_routes import add_responses_routes
     from pdserve.cluster.tokenize_routes import add_tokenize_routes
 
@@ -230,6 +240,8 @@ def build_app(state: AppState) -> FastAPI:
     add_tokenize_routes(app, state)
     add_embedding_routes(app, state)
     add_classify_routes(app, state)
+    if state.runtime_lora_rank is not None:
+        add_lora_routes(app, state, state.runtime_lora_rank)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -249,17 +261,17 @@ def build_app(state: AppState) -> FastAPI:
             ]
             + [
                 {
-                    "id": name,
+                    "id": adapter.name,
                     "object": "model",
                     "created": now(),
                     "owned_by": "pdserve",
-                    "root": path,
+                    "root": adapter.path,
                     "parent": state.model_name,  # vLLM's: an adapter names its base model
                     "max_model_len": state.max_model_len,
                     "runner": state.runner,
                     "mode": state.router.config.mode,
                 }
-                for name, path in state.lora_modules.items()
+                for adapter in state.loras.adapters()
             ],
         }
 

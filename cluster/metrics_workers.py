@@ -184,14 +184,18 @@ def _lora_info(router: Any, roles: dict[str, str]) -> GaugeMetricFamily:
         "Running stats on LoRA requests (adapters of running and waiting requests)",
         labels=["role", "worker", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
     )
+    names = router.loras  # workers run adapters by key; the series speaks names
     for worker, stats in router.worker_stats.items():
         lora = stats.get("lora_requests")
         if isinstance(lora, dict):
+            running, waiting = (
+                ",".join(names.served_name(k) for k in lora.get(which) or ())
+                for which in ("running", "waiting")
+            )
             info.add_metric(
-                [roles.get(worker, "?"), worker, str(lora.get("max_lora")),
-                 ",".join(lora.get("running") or ()), ",".join(lora.get("waiting") or ())],
+                [roles.get(worker, "?"), worker, str(lora.get("max_lora")), running, waiting],
                 time.time(),
-            )  # fmt: skip
+            )
     return info
 
 

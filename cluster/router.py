@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 from pdserve.cluster.decode_admission import DecodeAdmission
+from pdserve.cluster.lora_registry import LoraRegistry, ServedAdapter
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.route_policy import Route, RouterConfig, decide, prefer_cached
@@ -80,6 +81,9 @@ class Router:
         self._background: set[asyncio.Task] = set()  # aborts in flight; awaited by close()
         self._seeds = random.Random(config.seed) if config.seed is not None else None
         self._admission: DecodeAdmission[WorkerHandle] = DecodeAdmission(self._grant_decode)
+        # The LoRA adapters served, by name (cluster/lora_registry.py): requests carry
+        # their adapter's key and folder to the workers
+        self.loras = LoraRegistry()
 
     def worker_roles(self) -> dict[str, str]:
         """Worker id -> "decode" | "prefill" for the workers requests are routed to."""
@@ -187,13 +191,14 @@ class Router:
         if base_seed is None:
             base_seed = (self._seeds or secrets.SystemRandom()).getrandbits(63)
         children = child_params(replace(req.params, seed=base_seed), base_seed)
+        adapter = self._adapter(req.lora_name)
         rid = f"r-{secrets.token_hex(8)}"
         ids = [f"{rid}-{i}" for i in range(len(children))]
         merged: asyncio.Queue[tuple[int, StreamDelta | BaseException]] = asyncio.Queue()
         placed: list[str] = []  # the decode worker the first choice went to
         tasks = [
             asyncio.create_task(
-                self._one(cid, i, req.prompt_token_ids, p, merged, on_route, placed, req.lora_name)
+                self._one(cid, i, req.prompt_token_ids, p, merged, on_route, placed, adapter)
             )
             for i, (cid, p) in enumerate(zip(ids, children))
         ]
@@ -220,13 +225,14 @@ class Router:
         out: asyncio.Queue,
         on_route=None,
         placed: list[str] | None = None,
-        lora: str | None = None,
+        adapter: ServedAdapter | None = None,
     ) -> None:
         if not self.decode_workers:
             await out.put((index, ApiError("no decode worker is available", 503, "server_error")))
             return
         timeout_s = self.config.stream_idle_timeout_s
         arrived = time.monotonic()
+        lora = adapter.key if adapter is not None else None
         hashes = self.prefix_index.hashes(prompt, params.cache_salt, lora)
         try:
             decode_w = await self._admission.acquire(
@@ -253,7 +259,9 @@ class Router:
                 self.config, len(prompt), hits, params.prompt_logprobs is not None, loads
             )
             self.decisions[decision] += 1
-            work = WorkRequest(request_id, prompt, params, lora=lora)
+            work = WorkRequest(
+                request_id, prompt, params, lora=lora, lora_path=adapter and adapter.path
+            )
             if decision == "remote_prefill":
                 prefill_w = self._pick_prefill(hashes)
                 ticket = await self._remote_prefill(prefill_w, work, holders, hashes)
@@ -316,14 +324,17 @@ class Router:
                     task.add_done_callback(self._background.discard)
 
     async def pool(
-        self, prompt: list[int], lora: str | None, task: str, pooling: PoolingParams | None = None
-    ) -> StreamDelta:
+        self, prompt: list[int], lora_name: str | None, task: str,
+        pooling: PoolingParams | None = None,
+    ) -> StreamDelta:  # fmt: skip
         """One pooling request (runner/pooling.py) of `task`, "embed" or "classify", on a
         decode worker, chosen as a generating request's is: its one delta, carrying the
         vector (a classification's: its label probabilities)."""
         if not self.decode_workers:
             raise ApiError("no decode worker is available", 503, "server_error")
         timeout_s = self.config.stream_idle_timeout_s
+        adapter = self._adapter(lora_name)
+        lora = adapter.key if adapter is not None else None
         hashes = self.prefix_index.hashes(prompt, None, lora)
         try:
             decode_w = await self._admission.acquire(
@@ -340,7 +351,12 @@ class Router:
             self._assigned[request_id] = decode_w.worker_id
             params = SamplingParams(max_tokens=1)
             work = WorkRequest(
-                request_id, prompt, params, lora=lora, embed=pooling_to_wire(task, pooling)
+                request_id,
+                prompt,
+                params,
+                lora=lora,
+                lora_path=adapter and adapter.path,
+                embed=pooling_to_wire(task, pooling),
             )
             await decode_w.submit(work.encode())
             self.prefix_index.remember(decode_w.worker_id, hashes)
@@ -363,6 +379,15 @@ class Router:
                 task = asyncio.create_task(abort_quietly(decode_w, request_id))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
+
+    def _adapter(self, name: str | None) -> ServedAdapter | None:
+        """The adapter a request names (None: the base model); a 404 if it was unloaded
+        since the request was read."""
+        adapter = self.loras.get(name)
+        if name is not None and adapter is None:
+            raise ApiError(f"the LoRA adapter {name!r} is no longer served", 404,
+                           "invalid_request_error", "model", "model_not_found")  # fmt: skip
+        return adapter
 
     async def _remote_prefill(
         self, prefill_w: WorkerHandle, work: WorkRequest, holders: list, hashes: list[int]

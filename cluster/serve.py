@@ -90,6 +90,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.cluster.controller import Controller
     from pdserve.cluster.gpu_binding import actor_env, node_gpu_ids
     from pdserve.cluster.http_app import AppState, build_app
+    from pdserve.cluster.lora_routes import ENV_SWITCH as LORA_SWITCH
+    from pdserve.cluster.lora_routes import runtime_updates_allowed
     from pdserve.cluster.membership import membership_loop, sync_members
     from pdserve.cluster.metrics import Metrics
     from pdserve.cluster.ops_api import OpsState, add_ops_routes
@@ -143,6 +145,13 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         print(f"pdserve: chat replies' reasoning split off by the {cfg.reasoning_parser} "
               "parser", flush=True)  # fmt: skip
     lora_modules = check_lora_modules(cfg, ecfg, model_names)
+    runtime_lora_rank = None
+    if runtime_updates_allowed() and not cfg.enable_lora:
+        print(f"pdserve: {LORA_SWITCH} is ignored without --enable-lora", flush=True)
+    elif runtime_updates_allowed():
+        runtime_lora_rank = cfg.max_lora_rank
+        print("pdserve: LoRA adapters may be loaded and unloaded at run time "
+              "(/v1/load_lora_adapter, /v1/unload_lora_adapter)", flush=True)  # fmt: skip
     engine_kwargs = dict(
         model=ecfg.model.path, dtype=cfg.dtype, device=cfg.device,
         max_model_len=ecfg.model.max_model_len, block_size=cfg.block_size,
@@ -153,7 +162,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         scheduling_policy=cfg.scheduling_policy, num_gpu_blocks=cfg.num_gpu_blocks_override,
         enable_chunked_prefill=cfg.enable_chunked_prefill, async_scheduling=cfg.async_scheduling,
         enable_lora=cfg.enable_lora, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
-        lora_modules=lora_modules, hf_overrides=cfg.hf_overrides,
+        hf_overrides=cfg.hf_overrides,
     )  # fmt: skip
     # The step budget's rules (e.g. no chunking needs a budget of max_model_len), refused
     # here rather than in every worker's start.
@@ -264,6 +273,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             cfg.scheduling_policy, auto_tool_parser(cfg), cfg.reasoning_parser, cfg.cors,
             ResponseStore(cfg.responses_store_bytes), lora_modules,
             model_pooling(ecfg.model.path, ecfg.model.hf_config, ecfg.model.classifier),
+            runtime_lora_rank,
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)

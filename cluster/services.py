@@ -202,7 +202,12 @@ class DecodeService(_Service):
         ticket = ticket_from_wire(req.ticket) if req.ticket is not None else None
         await self._call(
             lambda w: w.submit(
-                req.request_id, req.prompt_token_ids, req.params, ticket, req.lora, req.embed
+                req.request_id,
+                req.prompt_token_ids,
+                req.params,
+                ticket,
+                req.lora_request(),
+                req.embed,
             )
         )
 
@@ -330,7 +335,7 @@ class PrefillService(_Service):
         fut: Future = Future()
 
         def submit(w: PrefillWorker) -> None:
-            w.submit(req.request_id, req.prompt_token_ids, req.params, req.lora)
+            w.submit(req.request_id, req.prompt_token_ids, req.params, req.lora_request())
             self._waiters[req.request_id] = fut
 
         await self._call(submit)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import msgpack
 
+from pdserve.runner.lora.request import LoRARequest
 from pdserve.runner.pooling import pooling_from_wire
 from pdserve.runner.sampling_params import SamplingParams
 
@@ -37,7 +38,10 @@ class WorkRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     ticket: dict | None = None  # kvtransfer.protocol ticket wire map (decode side, PD mode)
-    lora: str | None = None  # the served LoRA adapter it runs with (None: the base model)
+    # The LoRA adapter it runs with (cluster/lora_registry.py): its key and folder; None:
+    # the base model
+    lora: str | None = None
+    lora_path: str | None = None
     # A pooling request (runner/pooling.py `pooling_to_wire`: its task and parameters);
     # None: generate
     embed: dict | None = None
@@ -55,13 +59,14 @@ class WorkRequest:
             "params": params,
             "ticket": self.ticket,
             "lora": self.lora,
+            "lora_path": self.lora_path,
             "embed": self.embed,
         }
         return msgpack.packb(body, use_bin_type=True)
 
     @classmethod
     def decode(cls, data: bytes) -> WorkRequest:
-        fields = {"id", "prompt", "params", "ticket", "lora", "embed"}
+        fields = {"id", "prompt", "params", "ticket", "lora", "lora_path", "embed"}
         body = _unpack(data, "work request", fields)
         prompt = body["prompt"]
         if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
@@ -80,8 +85,13 @@ class WorkRequest:
             raise ValueError("work request: ticket must be a map or null")
         if not isinstance(body["id"], str):
             raise ValueError("work request: id must be a string")
-        if body["lora"] is not None and not isinstance(body["lora"], str):
-            raise ValueError("work request: lora must be an adapter name or null")
+        lora, lora_path = body["lora"], body["lora_path"]
+        if not (
+            (lora is None and lora_path is None)
+            or (isinstance(lora, str) and lora and isinstance(lora_path, str) and lora_path)
+        ):
+            raise ValueError("work request: lora and lora_path must be an adapter's key and "
+                             "folder, or both null")  # fmt: skip
         embed = body["embed"]
         if embed is not None:
             try:
@@ -89,8 +99,14 @@ class WorkRequest:
             except ValueError as e:
                 raise ValueError(f"work request: embed: {e}") from None
         return cls(
-            body["id"], prompt, SamplingParams(**params), body["ticket"], body["lora"], embed
+            body["id"], prompt, SamplingParams(**params), body["ticket"], lora, lora_path, embed
         )
+
+    def lora_request(self) -> LoRARequest | None:
+        """The adapter as the engine takes it (keyed by its registry key)."""
+        if self.lora is None:
+            return None
+        return LoRARequest(self.lora, 1, self.lora_path)
 
 
 @dataclass(frozen=True)

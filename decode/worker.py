@@ -21,6 +21,7 @@ from pdserve.kvtransfer.protocol import Ticket
 from pdserve.kvtransfer.tier import HostKVTier
 from pdserve.kvtransfer.transport import Transport
 from pdserve.runner.engine import Engine
+from pdserve.runner.lora.request import LoRARequest
 from pdserve.runner.outputs import RequestDelta
 from pdserve.runner.pooling import pooling_from_wire
 from pdserve.runner.sampling_params import SamplingParams
@@ -72,15 +73,14 @@ class DecodeWorker:
         prompt_token_ids: list[int],
         params: SamplingParams,
         ticket: Ticket | None,
-        lora_name: str | None = None,
+        lora: LoRARequest | None = None,
         embed: dict | None = None,
     ) -> None:
         """Queue a prefilled request. With `ticket=None` only the tier (and the local
-        prefix cache) can supply KV, and the engine computes the rest itself. `lora_name`:
-        one of the engine's `lora_modules` (None: the base model). `embed`
+        prefix cache) can supply KV, and the engine computes the rest itself. `lora`: the
+        adapter it runs with, loaded into a slot if it is not (None: the base model). `embed`
         (runner/pooling.py `pooling_to_wire`): a pooling request instead, an embedding or
         a classification."""
-        lora = self.engine.named_lora(lora_name)
         if embed is not None:  # a pooling request: pooled here, never prefilled apart
             task, pooling = pooling_from_wire(embed)
             self.engine.add_pooling_request(request_id, prompt_token_ids, pooling, lora, task)

@@ -38,6 +38,7 @@ from pdserve.kvtransfer.transport_cuda_ipc import export_storages
 from pdserve.kvtransfer.transport_local import LocalRegistry
 from pdserve.runner.engine import Engine
 from pdserve.runner.kv_hooks import KVPromptScheduled
+from pdserve.runner.lora.request import LoRARequest
 from pdserve.runner.outputs import RequestDelta
 from pdserve.runner.sampling_params import SamplingParams
 
@@ -149,10 +150,10 @@ class PrefillWorker:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        lora_name: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
-        """`lora_name`: one of the engine's `lora_modules` (None: the base model)."""
-        lora = self.engine.named_lora(lora_name)
+        """`lora`: the adapter it runs with, loaded into a slot if it is not (None: the
+        base model)."""
         self.engine.add_request(
             request_id, prompt_token_ids, params, hold_kv=True, lora_request=lora
         )

@@ -201,12 +201,9 @@ class LoRAConfig:
     enable_lora: bool = False
     max_loras: int = 1  # adapter slots on the device: adapters one batch can mix
     max_lora_rank: int = 16  # the largest adapter rank served
-    # Adapters requests may name (`pdserve serve --lora-modules name=path`): name -> folder
-    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         _require(self.max_loras >= 1, f"max_loras must be >= 1 (got {self.max_loras})")
-        _require(self.enable_lora or not self.lora_modules, "lora_modules need enable_lora=True")
         _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1 (got {self.max_lora_rank})")
 
 

@@ -87,7 +87,6 @@ def resolve_engine_config(
     enable_lora: bool = False,
     max_loras: int = 1,
     max_lora_rank: int = 16,
-    lora_modules: dict[str, str] | None = None,
     hf_overrides: dict | str | None = None,
 ) -> EngineConfig:
     from transformers import AutoConfig
@@ -163,5 +162,5 @@ def resolve_engine_config(
             decode_attention=decode_attention,
             cuda_graph_scope=cuda_graph_scope,
         ),
-        lora=LoRAConfig(enable_lora, max_loras, max_lora_rank, tuple((lora_modules or {}).items())),
+        lora=LoRAConfig(enable_lora, max_loras, max_lora_rank),
     )

@@ -235,15 +235,6 @@ class Engine(PDRoles):
         lora_name = self.load_lora(lora_request)
         self._new_request(request_id, prompt_token_ids, params, lora_name=lora_name, pooling=spec)
 
-    def named_lora(self, name: str | None) -> LoRARequest | None:
-        """The adapter `lora_modules` serves under `name` (None: the base model)."""
-        if name is None:
-            return None
-        modules = dict(self.config.lora.lora_modules)
-        if name not in modules:
-            raise ValueError(f"no LoRA adapter named {name!r} is served here")
-        return LoRARequest(name, list(modules).index(name) + 1, modules[name])
-
     def load_lora(self, lora_request: LoRARequest | None, keep: Iterable[str] = ()) -> str | None:
         """The adapter in a device slot (runner/lora/), and its name (None: no adapter, the
         base model); one that no live request runs with and that is not in `keep` may give

@@ -3,9 +3,14 @@ bundled SmolLM2: a request whose `model` names the adapter runs with it on the p
 worker and on the decode worker that pulls its KV, and answers as the offline engine
 with the same adapter does (itself checked against transformers on merged weights in
 test_lora.py); the base model's name still answers as the base model, cached prefixes
-do not cross between them, and /v1/models lists the adapter under its base."""
+do not cross between them, and /v1/models lists the adapter under its base. With vLLM's
+VLLM_ALLOW_RUNTIME_LORA_UPDATING, adapters load and unload at run time; one unloaded and
+loaded again under its name from other weights answers with the new weights, not the
+old one's cached KV."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import openai
 import pytest
@@ -25,12 +30,19 @@ def adapter(smollm_dir, tmp_path_factory) -> str:
     return str(folder)
 
 
-def _offline(smollm_dir: str, adapter: str) -> dict[str | None, str]:
-    llm = LLM(model=smollm_dir, device="cpu", enable_lora=True, max_lora_rank=8)
+@pytest.fixture(scope="module")
+def other_adapter(smollm_dir, tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("adapters") / "other"
+    make_lora_adapter(smollm_dir, folder, ATTN, 4, 8.0, seed=22)
+    return str(folder)
+
+
+def _offline(smollm_dir: str, adapter: str, other: str) -> dict[str | None, str]:
+    llm = LLM(model=smollm_dir, device="cpu", enable_lora=True, max_lora_rank=8, max_loras=2)
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     out = {}
-    for name in (None, "tuned"):
-        lora = None if name is None else LoRARequest(name, 1, adapter)
+    for name, path in ((None, None), ("tuned", adapter), ("other", other)):
+        lora = None if name is None else LoRARequest(name, 1, path)
         out[name] = llm.generate(PROMPT, params, use_tqdm=False, lora_request=lora)[0]
     texts = {k: v.outputs[0].text for k, v in out.items()}
     lora = LoRARequest("tuned", 1, adapter)
@@ -43,9 +55,10 @@ def _decisions(text: str, reason: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(key))
 
 
-def test_pd_server_serves_the_adapter(smollm_dir, adapter, tmp_path):
-    expected = _offline(smollm_dir, adapter)
-    assert expected["tuned"] != expected[None]  # the adapter changes the reply
+def test_pd_server_serves_the_adapter(smollm_dir, adapter, other_adapter, tmp_path, monkeypatch):
+    expected = _offline(smollm_dir, adapter, other_adapter)
+    assert len({expected["tuned"], expected[None], expected["other"]}) == 3  # each its own
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # the server inherits it
     server = Server(
         tmp_path, "--device", "cpu", "--enable-lora", "--lora-modules", f"tuned={adapter}",
         "--max-lora-rank", "8",
@@ -84,8 +97,93 @@ def test_pd_server_serves_the_adapter(smollm_dir, adapter, tmp_path):
         assert max(abs(g - w) for g, w in zip(got, want, strict=True)) < 1e-5
         with pytest.raises(openai.NotFoundError, match="tuned"):
             client.completions.create(model="other", prompt=PROMPT, max_tokens=2)
+        _runtime_loading(server, client, expected, adapter, other_adapter)
     finally:
         server.stop()
+
+
+def _runtime_loading(server, client, expected, adapter: str, other: str) -> None:
+    import httpx
+
+    def post(path: str, body: dict) -> httpx.Response:
+        headers = {"Authorization": "Bearer test-key"}
+        return httpx.post(server.url + path, json=body, headers=headers, timeout=60)
+
+    def text(model: str) -> str:
+        r = client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW,
+                                      temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        assert r.model == model
+        return r.choices[0].text
+
+    r = post("/v1/load_lora_adapter", {"lora_name": "other", "lora_path": other})
+    assert r.status_code == 200 and "added successfully" in r.text, r.text
+    assert "other" in {m.id for m in client.models.list().data}
+    assert text("other") == expected["other"]
+    for body, status, words in (
+        ({"lora_name": "other", "lora_path": other}, 400, "already been loaded"),
+        ({"lora_name": "SmolLM2-135M-Instruct", "lora_path": other}, 400, "already been loaded"),
+        ({"lora_name": "x", "lora_path": "/no/such/folder"}, 400, "no adapter_config.json"),
+        ({"lora_name": "x"}, 400, "lora_path"),
+    ):
+        r = post("/v1/load_lora_adapter", body)
+        assert r.status_code == status and words in r.text, (body, r.text)
+    # "tuned" unloaded, then loaded again from other weights: it answers with those, though
+    # its earlier prompt's KV (the same prompt) is still cached under its first load
+    assert post("/v1/unload_lora_adapter", {"lora_name": "tuned"}).status_code == 200
+    with pytest.raises(openai.NotFoundError, match="tuned"):
+        text("tuned")
+    assert post("/v1/unload_lora_adapter", {"lora_name": "tuned"}).status_code == 404
+    assert post("/v1/load_lora_adapter", {"lora_name": "tuned", "lora_path": other}).is_success
+    assert text("tuned") == expected["other"]
+    assert text("SmolLM2-135M-Instruct") == expected[None]
+    models = {m.id: m for m in client.models.list().data}
+    assert models["tuned"].model_extra["root"] == str(Path(other).resolve())
+
+
+def test_runtime_lora_routes_need_vllms_switch():
+    """Without VLLM_ALLOW_RUNTIME_LORA_UPDATING (or without --enable-lora) the routes are
+    not there; the switch reads as vLLM reads it."""
+    import asyncio
+
+    import httpx
+
+    from pdserve.cluster.http_app import AppState, build_app
+    from pdserve.cluster.lora_routes import runtime_updates_allowed
+    from pdserve.cluster.metrics import Metrics
+    from pdserve.cluster.route_policy import RouterConfig
+    from pdserve.cluster.router import Router
+
+    async def status(runtime_rank: int | None) -> int:
+        router = Router(RouterConfig(mode="colocated"), [], [])
+        app = build_app(AppState(router, None, "m", 64, Metrics("m"),
+                                 runtime_lora_rank=runtime_rank))  # fmt: skip
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return (await c.post("/v1/unload_lora_adapter", json={"lora_name": "a"})).status_code
+
+    assert asyncio.run(status(None)) == 404  # no route
+    assert asyncio.run(status(8)) == 404  # the route: no adapter of that name
+    for value, allowed in (("True", True), ("1", True), (" true ", True), ("0", False),
+                           ("false", False), ("", False)):  # fmt: skip
+        assert runtime_updates_allowed({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": value}) is allowed
+    assert runtime_updates_allowed({}) is False
+
+
+def test_runtime_keys_never_repeat():
+    """An adapter loaded again under its name gets a key no earlier load had, so its
+    block hashes never meet the earlier weights' cached KV."""
+    from pdserve.cluster.lora_registry import LoraRegistry
+
+    reg = LoraRegistry({"a": "/p1"})
+    assert reg.get("a").key == "a"
+    reg.remove("a")
+    assert reg.add("a", "/p2").key == "a@1"
+    reg.remove("a")
+    assert reg.add("a", "/p3").key == "a@2"
+    assert reg.add("a@3", "/p4").key == "a@3"
+    reg.remove("a")
+    assert reg.add("a", "/p5").key == "a@4"  # a@3 is taken by the adapter named so
+    assert reg.served_name("a@2") == "a" and reg.served_name("a@3") == "a@3"
 
 
 def test_bad_lora_flags_stop_the_start(tmp_path):

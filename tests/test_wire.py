@@ -7,6 +7,7 @@ import msgpack
 import pytest
 
 from pdserve.cluster.wire import WIRE_VERSION, FirstToken, WorkRequest
+from pdserve.runner.lora.request import LoRARequest
 from pdserve.runner.pooling import PoolingParams, pooling_from_wire, pooling_to_wire
 from pdserve.runner.sampling_params import SamplingParams
 
@@ -67,7 +68,7 @@ def test_a_work_request_carries_logit_bias_and_allowed_ids():
         ([[5, 2.5, 1]], "pairs"),
         ([[5, 200.0]], r"\[-100, 100\]"),
     ):
-        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=None, embed=None,
+        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=None, lora_path=None, embed=None,
                     params={**good, "logit_bias": bias})  # fmt: skip
         with pytest.raises(ValueError, match=fragment):
             WorkRequest.decode(_packed(**body))
@@ -84,21 +85,25 @@ def test_a_work_request_carries_the_cache_salt():
         SamplingParams(cache_salt=None)
     )
     for salt in ("", 5):
-        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=None, embed=None,
+        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=None, lora_path=None, embed=None,
                     params={"max_tokens": 2, "cache_salt": salt})  # fmt: skip
         with pytest.raises(ValueError, match="cache_salt"):
             WorkRequest.decode(_packed(**body))
 
 
 def test_a_work_request_carries_its_lora_adapter():
-    """The adapter a request runs with reaches both PD workers (a dropped name would
-    decode with the base model's weights over the adapter's KV); only a name or null."""
-    back = WorkRequest.decode(WorkRequest("r-8", [1], SamplingParams(), lora="tuned").encode())
-    assert back.lora == "tuned"
-    assert WorkRequest.decode(WorkRequest("r-9", [1], SamplingParams()).encode()).lora is None
-    body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=3, embed=None, params={})
-    with pytest.raises(ValueError, match="lora"):
-        WorkRequest.decode(_packed(**body))
+    """The adapter a request runs with reaches both PD workers (a dropped one would decode
+    with the base model's weights over the adapter's KV): its key and folder, or null."""
+    req = WorkRequest("r-8", [1], SamplingParams(), lora="tuned@1", lora_path="/a/tuned")
+    back = WorkRequest.decode(req.encode())
+    assert back.lora_request() == LoRARequest("tuned@1", 1, "/a/tuned")
+    back = WorkRequest.decode(WorkRequest("r-9", [1], SamplingParams()).encode())
+    assert back.lora is None and back.lora_request() is None
+    for lora, path in ((3, "/a"), ("a", None), (None, "/a"), ("", "/a"), ("a", "")):
+        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=lora, lora_path=path,
+                    embed=None, params={})  # fmt: skip
+        with pytest.raises(ValueError, match="lora"):
+            WorkRequest.decode(_packed(**body))
 
 
 def test_embedding_requests_and_vectors_cross_the_wire():
@@ -114,7 +119,7 @@ def test_embedding_requests_and_vectors_cross_the_wire():
     good = pooling_to_wire("embed", None)
     for embed in ({**good, "normalize": "yes"}, {**good, "x": 1}, [True], {"normalize": None},
                   {**good, "task": "generate"}, {**good, "dimensions": 0}):  # fmt: skip
-        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=None, embed=embed,
+        body = dict(v=WIRE_VERSION, id="r", prompt=[1], ticket=None, lora=None, lora_path=None, embed=embed,
                     params={})  # fmt: skip
         with pytest.raises(ValueError, match="embed"):
             WorkRequest.decode(_packed(**body))
