@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ATTN, DEVICE, MLP, hf_greedy, make_lora_adapter
+from conftest import ATTN, DEVICE, MLP, _save_tiny, hf_greedy, make_lora_adapter
 from safetensors.torch import load_file, save_file
+from test_gemma import tiny_gemma2_dir, tiny_gemma3_dir  # noqa: F401 - fixtures used by name
 
 from pdserve import LoRARequest
 from pdserve.runner.block_hash import salt_root
@@ -147,13 +148,33 @@ def test_adapter_roots_are_their_own():
     assert salt_root(None) is None and salt_root(None, "a") == salt_root(None, "a")
 
 
-@pytest.mark.parametrize("family", ["tiny_granite_dir", "tiny_qwen3_dir"])
+@pytest.fixture(scope="module")
+def tiny_olmo2_dir(tmp_path_factory) -> str:
+    from test_post_norm_models import _configs
+
+    return _save_tiny(tmp_path_factory, "tiny-olmo2-lora", _configs()["olmo2"])
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["tiny_granite_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_olmo2_dir"],
+)
 def test_other_families_match_merged_models(family, request, tmp_path):
     """Granite folds its residual multiplier into the o and down weights at load, so their
-    deltas are scaled alike; Qwen3's q/k norms read the adapted projections."""
+    deltas are scaled alike; Qwen3's and Gemma 3's q/k norms, and OLMo 2's over all heads,
+    read the adapted projections; Gemma's GeGLU reads the adapted gate and up, and its
+    sandwich norms and OLMo's post-norms the adapted o and down."""
     base_dir = request.getfixturevalue(family)
     deltas = make_lora_adapter(base_dir, tmp_path / "a", ATTN + MLP, 4, 8.0, seed=4)
     merged = _merged(base_dir, deltas, tmp_path / "merged")
     prompts = _prompts(seed=11)[:2]
     got = _generate(_llm(base_dir), prompts, LoRARequest("a", 1, str(tmp_path / "a")))
     assert got == hf_greedy(merged, prompts, NEW)
+
+
+def test_other_attention_layouts_are_refused_by_name(tiny_deepseek_v2_dir):
+    """MLA (DeepSeek) projects q/k/v otherwise than the sites LoRA adds deltas to."""
+    from pdserve import LLM
+
+    with pytest.raises(ValueError, match=r"DeepseekForCausalLM \(deepseek_v2\) is not one"):
+        LLM(model=tiny_deepseek_v2_dir, device=DEVICE, dtype="float32", enable_lora=True)

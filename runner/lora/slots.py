@@ -164,20 +164,24 @@ class LoraSlots:
 
 
 def check_supported(model: nn.Module) -> None:
-    """LoRA runs on the plain Llama-family model (Llama, Mistral, Qwen2/3, SmolLM, Granite,
-    Phi-3, Seed-OSS, and the attention of Mixtral / Qwen-MoE); families whose forward or
-    weight layout differs are refused by name."""
+    """LoRA runs where the layers are llama.py's Attention and MLP: the plain Llama-family
+    model (Llama, Mistral, Qwen2/3, SmolLM, Granite, Phi-3, Seed-OSS, and the attention of
+    Mixtral / Qwen-MoE), Gemma 2/3 (sandwich norms around the same projections) and the
+    post-norm families (OLMo 2/3, EXAONE 4); families whose attention or weight layout
+    differs (MLA, gpt-oss, GLM-4 MoE) are refused by name."""
     check_model_class(type(model), model.config)
 
 
 def check_model_class(cls: type, hf_config: Any) -> None:
     """`check_supported` before a model is built (`pdserve serve` at start)."""
+    from pdserve.runner.models.gemma import GemmaForCausalLM
     from pdserve.runner.models.llama import LlamaFamilyForCausalLM, family_spec
+    from pdserve.runner.models.post_norm import PostNormForCausalLM
 
-    if cls is not LlamaFamilyForCausalLM:
+    if cls not in (LlamaFamilyForCausalLM, GemmaForCausalLM, PostNormForCausalLM):
         raise ValueError(
-            f"LoRA adapters are served on Llama-family models; {cls.__name__} "
-            f"({hf_config.model_type}) is not one"
+            f"LoRA adapters are served on Llama-family, Gemma and OLMo/EXAONE models; "
+            f"{cls.__name__} ({hf_config.model_type}) is not one"
         )
     if family_spec(hf_config).rope_interleaved:
         raise ValueError(
