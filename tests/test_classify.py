@@ -109,7 +109,7 @@ RERANKER = {
 }
 
 
-def test_smollm_as_a_reranker_matches_its_lm_head(smollm_dir):
+def test_smollm2_as_a_reranker_matches_its_lm_head(smollm_dir):
     """The converted head's sigmoid is the 2-way softmax of the LM's yes/no logits; the
     per-token conversion gives both tokens' logits, whose softmax is the same."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -142,7 +142,7 @@ def test_smollm_as_a_reranker_matches_its_lm_head(smollm_dir):
     _close([x for o in out for x in o.outputs.probs], want.flatten())
 
 
-def test_bad_conversions_are_refused(smollm_dir):
+def test_bad_smollm2_conversions_are_refused(smollm_dir):
     for overrides, message in (
         ({**RERANKER, "classifier_from_token": ["no", "not-a-token-at-all"]}, "is not one token"),
         ({**RERANKER, "classifier_from_token": ["yes"]}, "needs two tokens"),
