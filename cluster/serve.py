@@ -114,6 +114,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.runner.config import SchedulerConfig
     from pdserve.runner.config_resolve import resolve_engine_config
     from pdserve.runner.generation_defaults import sampling_defaults
+    from pdserve.runner.hybrid import WHY as HYBRID_WHY
+    from pdserve.runner.hybrid import is_hybrid
     from pdserve.runner.pooling import model_pooling
     from pdserve.runner.tokenizer import load_tokenizer
 
@@ -123,6 +125,11 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, runner=cfg.runner,
         hf_overrides=cfg.hf_overrides,
     )  # fmt: skip
+    if cfg.mode == "pd" and is_hybrid(ecfg.model.hf_config):
+        raise ValueError(
+            f"--mode pd is refused for {ecfg.model.architecture}: {HYBRID_WHY}; use "
+            "--mode colocated"
+        )
     if cfg.mode == "pd" and ecfg.runner.runner != "mrv2":
         raise ValueError(
             f"--mode pd moves paged KV blocks, which the {ecfg.runner.runner} runner does not "

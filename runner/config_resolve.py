@@ -19,8 +19,10 @@ from pdserve.runner.config import (
     ModelConfig,
     RunnerConfig,
     SchedulerConfig,
+    architecture_of,
 )
 from pdserve.runner.hf_overrides import apply_hf_overrides, parse_hf_overrides
+from pdserve.runner.hybrid import is_hybrid
 from pdserve.runner.model_source import resolve_model_dir
 from pdserve.runner.models.text_only import text_view
 from pdserve.runner.runner_select import select_runner
@@ -115,6 +117,11 @@ def resolve_engine_config(
             f"max_position_embeddings ({limit})"
         )
     runner_name = select_runner(runner, hf_config)
+    hybrid = runner_name == "mrv2" and is_hybrid(hf_config)
+    if hybrid and enable_prefix_caching:  # runner/hybrid.py
+        logger.warning("prefix caching is off for %s: Mamba state is not cached",
+                       architecture_of(hf_config))  # fmt: skip
+        enable_prefix_caching = False
     classifier = None
     if is_classifier(hf_config):
         tokenizer = (
@@ -125,7 +132,10 @@ def resolve_engine_config(
     if async_scheduling is None:
         async_scheduling = on_cuda
     graphs: tuple[int, ...] = ()
-    if on_cuda and runner_name == "mrv2" and not enforce_eager:
+    if hybrid and on_cuda and not enforce_eager:
+        logger.warning("CUDA graphs are off for %s: its Mamba layers run eagerly",
+                       architecture_of(hf_config))  # fmt: skip
+    if on_cuda and runner_name == "mrv2" and not enforce_eager and not hybrid:
         from pdserve.runner.mrv2.cuda_graphs import capture_sizes
 
         graphs = capture_sizes(cuda_graph_sizes, max_num_seqs, max_num_batched_tokens)

@@ -24,6 +24,8 @@ from pdserve.runner.config_resolve import resolve_engine_config
 from pdserve.runner.detokenizer import IncrementalDetokenizer
 from pdserve.runner.engine_pd import PDRoles
 from pdserve.runner.engine_state import StepStats, Track
+from pdserve.runner.hybrid import WHY as HYBRID_WHY
+from pdserve.runner.hybrid import is_hybrid
 from pdserve.runner.kv_cache_manager import KVCacheManager
 from pdserve.runner.kv_hooks import KVLoader, KVPublisher
 from pdserve.runner.lora.request import LoRARequest
@@ -255,6 +257,8 @@ class Engine(PDRoles):
                 f"{what} moves paged KV blocks, which the {self.runner_name} runner does not "
                 "have; use runner='mrv2'"
             )
+        if is_hybrid(self.config.model.hf_config):
+            raise ValueError(f"{what} is refused: {HYBRID_WHY} (runner/hybrid.py)")
 
     def _new_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **pd: Any

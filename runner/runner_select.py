@@ -15,6 +15,7 @@ from typing import Any
 
 from pdserve.runner.config import RUNNER_CHOICES, architecture_of
 from pdserve.runner.models import MODEL_REGISTRY
+from pdserve.runner.models.bamba import mamba_layers
 from pdserve.runner.models.fp8_weights import fp8_format
 from pdserve.runner.models.mlp import DENSE_ACTIVATIONS, activation_of
 from pdserve.runner.models.moe import experts_per_pick
@@ -40,6 +41,8 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
     supported = ("silu",) if experts_per_pick(hf_config) is not None else DENSE_ACTIVATIONS
     if act not in supported:
         problems.append(f"hidden_act {act!r} (mrv2 implements {', '.join(supported)})")
+    if mamba_layers(hf_config) and act != "silu":  # the Mamba2 mixer's activation too
+        problems.append(f"hidden_act {act!r} in Mamba layers (mrv2 implements silu)")
     if getattr(hf_config, "use_bidirectional_attention", False):
         problems.append("bidirectional attention")
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pdserve.runner.models.bamba import BambaForCausalLM
 from pdserve.runner.models.deepseek import DeepseekForCausalLM
 from pdserve.runner.models.gemma import GemmaForCausalLM
 from pdserve.runner.models.glm4_moe import Glm4MoeForCausalLM
@@ -10,6 +11,7 @@ from pdserve.runner.models.llama import LlamaFamilyForCausalLM
 from pdserve.runner.models.post_norm import PostNormForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
+    "BambaForCausalLM": BambaForCausalLM,  # Mamba2 + attention hybrid (runner/hybrid.py)
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Ernie4_5ForCausalLM": LlamaFamilyForCausalLM,

@@ -29,6 +29,7 @@ from pdserve.runner.mrv2.cuda_graphs import CudaGraphs
 from pdserve.runner.mrv2.host_ring import DeviceToHost, HostRing, PendingHost
 from pdserve.runner.mrv2.input_batch import InputBatch, InputBuffers
 from pdserve.runner.mrv2.kv_cache import allocate_blocks, block_bytes, choose_num_blocks
+from pdserve.runner.mrv2.mamba_state import MambaModelState
 from pdserve.runner.mrv2.model_state import GQAModelState, ModelState
 from pdserve.runner.mrv2.pooling_state import PoolingState
 from pdserve.runner.mrv2.request_state import RequestState
@@ -97,8 +98,21 @@ class MRV2ModelRunner:
                 m, config.lora.max_loras, config.lora.max_lora_rank,
                 max(sched.max_num_batched_tokens, sched.max_num_seqs), config.model.dtype,
             )  # fmt: skip
+        max_reqs = config.scheduler.max_num_seqs
+        # Model-family state (model_state.py); a hybrid's Mamba state is allocated before
+        # the KV cache is sized, so a GPU budget counts it
+        self.model_state = model_state or (
+            MambaModelState(m, max_reqs, self.device)
+            if getattr(m, "num_mamba_layers", 0)
+            else GQAModelState()
+        )
+        if isinstance(self.model_state, MambaModelState):
+            logger.info("mrv2 runner: Mamba state for %d slots (%.1f MiB)", max_reqs,
+                        self.model_state.bytes / 2**20)  # fmt: skip
+        # Layers with paged KV: all of them, but a hybrid's attention layers only
+        kv_layers = getattr(m, "num_kv_layers", len(m.layers))
         block_shape = m.kv_block_shape(self.block_size)
-        per_block = block_bytes(len(m.layers), block_shape, config.model.dtype)
+        per_block = block_bytes(kv_layers, block_shape, config.model.dtype)
         max_useful = config.scheduler.max_num_seqs * config.max_blocks_per_request
         self.num_blocks = config.cache.num_blocks or choose_num_blocks(
             per_block,
@@ -108,7 +122,7 @@ class MRV2ModelRunner:
             max_useful,
         )
         self.kv_cache, self.kv_caches = allocate_blocks(
-            len(m.layers), self.num_blocks, block_shape, config.model.dtype, self.device
+            kv_layers, self.num_blocks, block_shape, config.model.dtype, self.device
         )
         logger.info(
             "mrv2 runner: %d KV blocks of %d tokens (%.1f MiB)",
@@ -116,7 +130,6 @@ class MRV2ModelRunner:
             self.block_size,
             self.num_blocks * per_block / 2**20,
         )
-        max_reqs = config.scheduler.max_num_seqs
         self.ring = HostRing(self.device)
         self.to_host = DeviceToHost(self.device)
         self.state = RequestState(
@@ -134,7 +147,6 @@ class MRV2ModelRunner:
             self.device,
             self.ring,
         )
-        self.model_state = model_state or GQAModelState()
         self.pooling = PoolingState(max_reqs, m.config.hidden_size, self.device)
         self.sampler = Sampler()
         self.decode_kernel = config.runner.decode_kernel

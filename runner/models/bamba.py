@@ -1,0 +1,138 @@
+"""Bamba (BambaForCausalLM): a hybrid of Mamba2 layers and a few attention layers, as a
+member of the Llama family.
+
+Each decoder layer normalises its input, mixes tokens with either a Mamba2 mixer
+(runner/models/mamba2.py, state per request slot) or llama.py's Attention (RoPE over the
+first half of each head: the config's partial_rotary_factor 0.5), adds the residual,
+then normalises again into a SwiGLU MLP (`feed_forward`, `pre_ff_layernorm`, as the
+checkpoint names them). Only the attention layers have paged KV: the cache holds
+`num_kv_layers` layers, and attention layer j reads the j-th.
+
+What this path does not do (refused or switched off by name, runner/hybrid.py): prefix
+caching (a cached block would need the Mamba state at its end), PD transfer and the KV
+tier (the state does not travel), CUDA graphs and norm folding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdserve.runner.models.attention_metadata import AttentionMetadata
+from pdserve.runner.models.llama import Attention, LlamaFamilyForCausalLM, RMSNorm, family_spec
+from pdserve.runner.models.mamba2 import Mamba2Mixer, MambaStep, mamba2_dims
+from pdserve.runner.models.mlp import MLP
+
+
+def mamba_layers(cfg: Any) -> list[int]:
+    """Indices of a hybrid config's Mamba layers (Bamba's `layers_block_type`)."""
+    types = getattr(cfg, "layers_block_type", None) or []
+    return [i for i, t in enumerate(types) if t in ("mamba", "linear_attention")]
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, mixer: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.is_mamba = isinstance(mixer, Mamba2Mixer)
+        if self.is_mamba:
+            self.mamba = mixer
+        else:
+            self.self_attn = mixer
+        self.feed_forward = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, positions, cos_sin, kv_cache, attn, mamba):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        if self.is_mamba:
+            x = self.mamba(x, *mamba)
+        else:
+            x = self.self_attn(x, positions, cos_sin, kv_cache, attn)
+        x, residual = self.pre_ff_layernorm(x, residual)
+        return self.feed_forward(x), residual
+
+
+class BambaForCausalLM(LlamaFamilyForCausalLM):
+    norms_foldable = False  # the folded chain is Attention's, not the mixer's
+
+    def __init__(self, cfg: Any, max_positions: int):
+        self._mamba_ids = mamba_layers(cfg)
+        super().__init__(cfg, max_positions)
+        self.attention_layers = [i for i in range(cfg.num_hidden_layers)
+                                 if i not in self._mamba_ids]  # fmt: skip
+        self.mamba_dims = mamba2_dims(cfg)
+        # Set by runner/mrv2/mamba_state.py: the state tensors, and each step's rows
+        self.mamba_states: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.mamba_step: MambaStep | None = None
+
+    def _decoder_layer(self, cfg: Any, layer: int) -> nn.Module:
+        if layer in self._mamba_ids:
+            mixer: nn.Module = Mamba2Mixer(cfg, self._mamba_ids.index(layer))
+        else:
+            mixer = Attention(cfg, family_spec(cfg), self.workspace)
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias, self.workspace)
+        return HybridDecoderLayer(cfg, mixer, mlp)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.attention_layers)
+
+    @property
+    def num_mamba_layers(self) -> int:
+        return len(self._mamba_ids)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layers[self.attention_layers[0]].self_attn.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[self.attention_layers[0]].self_attn.head_dim
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn: AttentionMetadata,
+        layer_hook: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """As llama's, over `num_kv_layers` caches (attention layers only)."""
+        assert self.mamba_states is not None and self.mamba_step is not None, (
+            "a Bamba step needs its Mamba state (runner/mrv2/mamba_state.py)"
+        )
+        conv, ssm = self.mamba_states
+        x, residual = self.embed(input_ids), None
+        kv_index = 0
+        for i, layer in enumerate(self.layers):
+            cache = None
+            if layer.is_mamba:
+                j = layer.mamba.state_index
+                mamba = (self.mamba_step, conv[j], ssm[j])
+            else:
+                cache, mamba = kv_caches[kv_index], None
+                kv_index += 1
+            x, residual = layer(x, residual, positions, self.layer_cos_sin(i), cache, attn, mamba)
+            if layer_hook is not None:
+                layer_hook(i)
+        return x + residual
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """As llama's; Bamba names its final norm `final_layernorm`."""
+        super().load_weights(
+            (name.replace("model.final_layernorm.", "model.norm."), t) for name, t in weights
+        )
+
+    def _shard_sizes(self, target: str, param: nn.Parameter) -> list[int]:
+        if "qkv_proj" in target:
+            attn = self.layers[self.attention_layers[0]].self_attn
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        inter = param.shape[0] // 2  # the MLP's gate and up
+        return [inter, inter]

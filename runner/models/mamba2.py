@@ -1,0 +1,215 @@
+"""The Mamba2 token mixer of hybrid models (Bamba: runner/models/bamba.py) over per-request
+state slots (runner/mrv2/mamba_state.py).
+
+One mixer step over a batch's rows (each row a request's new tokens, maybe a chunk of its
+prompt, maybe one decode token):
+- `in_proj` gives the gate z, the conv input xBC and the time steps dt;
+- xBC passes a causal depthwise convolution of width K that continues from the row's
+  last K-1 inputs (its conv state; zeros for a request's first chunk), then SiLU;
+- x (heads x head_dim), B and C (groups x state) drive the selective scan (SSD): per
+  head, `S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T`, `y_t = S_t C_t + D x_t`, from the
+  row's SSM state; dt is softplus(dt + dt_bias), clamped to `time_step_limit`;
+- y * silu(z) is RMS-normalised per group and goes through `out_proj`.
+A row's final conv and SSM states are written back to its slot.
+
+The scan of a row's tokens runs in the chunked (quadratic within a chunk of
+`mamba_chunk_size` tokens, recurrent across chunks) form; decode rows (one token each)
+update their states in one batched recurrence. The SSM state and the scan are float32.
+This is the torch path (CPU, and the GPU eagerly); steps with Mamba layers never run as
+CUDA graphs (runner_select / config: `enforce_eager` for these models).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class MambaStep:
+    """What a step's Mamba layers read about its rows (set by MambaModelState.prepare)."""
+
+    slots: torch.Tensor  # [R] int64 device: each row's state slot
+    query_start: np.ndarray  # [R + 1] host: row r's tokens are [qs[r], qs[r + 1])
+    fresh: np.ndarray  # [R] bool host: the row's first tokens (its state starts at zero)
+    fresh_dev: torch.Tensor  # [R] bool device, the same
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    hidden: int
+    heads: int
+    head_dim: int
+    groups: int
+    state: int
+    conv_kernel: int
+    chunk: int
+    eps: float
+    dt_min: float
+    dt_max: float
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.groups * self.state
+
+
+def mamba2_dims(cfg: Any) -> Mamba2Dims:
+    heads = int(cfg.mamba_n_heads)
+    head_dim = int(cfg.mamba_d_head)
+    limit = getattr(cfg, "time_step_limit", None) or (0.0, float("inf"))
+    dims = Mamba2Dims(
+        cfg.hidden_size, heads, head_dim, int(cfg.mamba_n_groups), int(cfg.mamba_d_state),
+        int(cfg.mamba_d_conv), int(cfg.mamba_chunk_size), float(cfg.rms_norm_eps),
+        float(limit[0]), float(limit[1]),
+    )  # fmt: skip
+    assert dims.inner == int(cfg.mamba_expand * cfg.hidden_size), "heads x head_dim"
+    assert heads % dims.groups == 0, "mamba_n_groups divides mamba_n_heads"
+    return dims
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: Any, state_index: int):
+        super().__init__()
+        d = self.dims = mamba2_dims(cfg)
+        self.state_index = state_index  # this layer's index into the state tensors
+        bias = bool(getattr(cfg, "mamba_proj_bias", False))
+        self.in_proj = nn.Linear(d.hidden, d.inner + d.conv_dim + d.heads, bias=bias)
+        # [conv_dim, 1, K], as the checkpoint stores a depthwise Conv1d
+        self.conv1d = nn.Conv1d(d.conv_dim, d.conv_dim, d.conv_kernel, groups=d.conv_dim,
+                                bias=bool(getattr(cfg, "mamba_conv_bias", True)))  # fmt: skip
+        self.dt_bias = nn.Parameter(torch.empty(d.heads))
+        self.A_log = nn.Parameter(torch.empty(d.heads))
+        self.D = nn.Parameter(torch.empty(d.heads))
+        self.norm = GatedRMSNorm(d.inner, d.inner // d.groups, d.eps)
+        self.out_proj = nn.Linear(d.inner, d.hidden, bias=bias)
+
+    def forward(
+        self, x: torch.Tensor, step: MambaStep, conv: torch.Tensor, ssm: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, hidden] (the rows' tokens in order) -> [T, hidden]; `conv` [slots, K-1,
+        conv_dim] and `ssm` [slots, heads, head_dim, state] (this layer's) are read and
+        written at the rows' slots."""
+        d = self.dims
+        zxbcdt = self.in_proj(x)
+        z, xbc, dt = zxbcdt.split([d.inner, d.conv_dim, d.heads], dim=-1)
+        rows = len(step.query_start) - 1
+        counts = np.diff(step.query_start)
+        y = torch.zeros(x.shape[0], d.inner, dtype=torch.float32, device=x.device)
+        if rows and counts.max() == 1:  # decode rows: one batched recurrence
+            y[:rows] = self._decode(xbc[:rows], dt[:rows], step, conv, ssm)
+        else:
+            for r in range(rows):
+                first, end = int(step.query_start[r]), int(step.query_start[r + 1])
+                y[first:end] = self._segment(xbc[first:end], dt[first:end], step, r, conv, ssm)
+        out = self.norm(y, z.float()).to(x.dtype)
+        return self.out_proj(out)
+
+    # ---- parts ----------------------------------------------------------------------
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.conv1d.weight[:, 0, :], self.conv1d.bias  # [C, K], [C]
+
+    def _time_steps(self, dt: torch.Tensor) -> torch.Tensor:
+        d = self.dims
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        if d.dt_min > 0.0 or d.dt_max != float("inf"):
+            dt = dt.clamp(d.dt_min, d.dt_max)
+        return dt
+
+    def _split(self, xbc: torch.Tensor):
+        d = self.dims
+        x, b, c = xbc.float().split([d.inner, d.groups * d.state, d.groups * d.state], dim=-1)
+        per = d.heads // d.groups  # heads sharing a group's B and C
+        t = x.shape[0]
+        b = b.view(t, d.groups, 1, d.state).expand(t, d.groups, per, d.state)
+        c = c.view(t, d.groups, 1, d.state).expand(t, d.groups, per, d.state)
+        return (x.view(t, d.heads, d.head_dim), b.reshape(t, d.heads, d.state),
+                c.reshape(t, d.heads, d.state))  # fmt: skip
+
+    def _segment(self, xbc, dt, step: MambaStep, r: int, conv, ssm) -> torch.Tensor:
+        """One row's tokens (a prompt chunk): its convolution and chunked scan."""
+        d = self.dims
+        slot = step.slots[r]
+        fresh = bool(step.fresh[r])
+        w, bias = self._weights()
+        prev = torch.zeros_like(conv[0]) if fresh else conv[slot]  # [K-1, C]
+        full = torch.cat([prev, xbc.to(conv.dtype)], dim=0)  # [K-1+T, C]
+        conv[slot] = full[full.shape[0] - (d.conv_kernel - 1) :]
+        windows = full.unfold(0, d.conv_kernel, 1)  # [T, C, K]
+        out = (windows.float() * w.float()[None]).sum(-1)
+        if bias is not None:
+            out = out + bias.float()
+        x, b, c = self._split(F.silu(out))
+        state = torch.zeros_like(ssm[0]) if fresh else ssm[slot]
+        y, state = ssd_scan(x, self._time_steps(dt), -torch.exp(self.A_log.float()), b, c,
+                            self.D.float(), state, d.chunk)  # fmt: skip
+        ssm[slot] = state
+        return y.reshape(y.shape[0], d.inner)
+
+    def _decode(self, xbc, dt, step: MambaStep, conv, ssm) -> torch.Tensor:
+        """One token a row, all rows at once."""
+        keep = (~step.fresh_dev)[:, None, None]
+        w, bias = self._weights()
+        prev = conv[step.slots] * keep.to(conv.dtype)  # [R, K-1, C]
+        full = torch.cat([prev, xbc.to(conv.dtype)[:, None]], dim=1)  # [R, K, C]
+        conv[step.slots] = full[:, 1:]
+        out = (full.float() * w.float().t()[None]).sum(1)
+        if bias is not None:
+            out = out + bias.float()
+        x, b, c = self._split(F.silu(out))  # [R, H, P], [R, H, N]
+        dt = self._time_steps(dt)  # [R, H]
+        a = -torch.exp(self.A_log.float())
+        state = ssm[step.slots] * keep[..., None].float()  # [R, H, P, N]
+        state = (
+            state * torch.exp(dt * a)[..., None, None]
+            + (dt[..., None] * x)[..., None] * b[:, :, None, :]
+        )
+        ssm[step.slots] = state
+        y = (state * c[:, :, None, :]).sum(-1) + self.D.float()[:, None] * x
+        return y.reshape(y.shape[0], -1)
+
+
+def ssd_scan(x, dt, a, b, c, d_skip, state, chunk: int):
+    """The selective scan of one row's T tokens from `state`, chunk by chunk.
+    x [T, H, P], dt [T, H], a [H] (negative), b / c [T, H, N], d_skip [H], state
+    [H, P, N] -> (y [T, H, P], the final state); all float32."""
+    out = []
+    for s in range(0, x.shape[0], chunk):
+        xs, dts, bs, cs = x[s : s + chunk], dt[s : s + chunk], b[s : s + chunk], c[s : s + chunk]
+        logd = torch.cumsum(dts * a[None], dim=0)  # [L, H]: log decay from the chunk start
+        rel = logd[:, None, :] - logd[None, :, :]  # [L(t), L(s), H]
+        causal = torch.ones(rel.shape[:2], dtype=torch.bool, device=x.device).tril()
+        decay = torch.exp(rel.masked_fill(~causal[..., None], float("-inf")))
+        scores = torch.einsum("thn,shn->tsh", cs, bs) * decay
+        y = torch.einsum("tsh,sh,shp->thp", scores, dts, xs)
+        y = y + torch.einsum("thn,hpn->thp", cs, state) * torch.exp(logd)[..., None]
+        out.append(y + d_skip[None, :, None] * xs)
+        to_end = torch.exp(logd[-1][None] - logd) * dts  # [L, H]
+        state = state * torch.exp(logd[-1])[:, None, None] + torch.einsum(
+            "sh,shp,shn->hpn", to_end, xs, bs
+        )
+    return torch.cat(out), state
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of y * silu(z) over groups of `group` features (float32), times the weight."""
+
+    def __init__(self, size: int, group: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.group, self.eps = group, eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = y * F.silu(z)
+        g = h.view(h.shape[0], -1, self.group)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.float() * g.view_as(h)
