@@ -60,7 +60,7 @@ THIRD=(tests/test_sliding_window_attention.py tests/test_sliding_window_models.p
     tests/test_attention_sinks.py tests/test_moe_oai_experts.py tests/test_gpt_oss.py
     tests/test_text_only_checkpoints.py tests/test_ministral3.py tests/test_post_norm_models.py
     tests/test_llama_variants.py tests/test_lora.py tests/test_lora_kernels.py
-    tests/test_embeddings.py tests/test_classify.py tests/test_bamba.py)
+    tests/test_embeddings.py tests/test_classify.py tests/test_mamba_hybrid.py)
 case "${TESTS:-all}" in
   1) FILES=("${FIRST[@]}") ;;
   2) FILES=("${SECOND[@]}") ;;

@@ -1,4 +1,5 @@
-"""Hybrid Mamba models (Bamba: runner/models/bamba.py): what their path switches off.
+"""Hybrid Mamba models (Bamba, Granite 4.0-H: runner/models/mamba_hybrid.py): what their
+path switches off.
 
 A Mamba layer's output depends on its request's whole history through the state in the
 request's slot (runner/mrv2/mamba_state.py), not on paged KV blocks. So:
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.runner.models.bamba import mamba_layers
+from pdserve.runner.models.mamba_hybrid import mamba_layers
 
 WHY = "a hybrid Mamba model's state does not travel with its KV blocks"
 

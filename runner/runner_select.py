@@ -15,8 +15,8 @@ from typing import Any
 
 from pdserve.runner.config import RUNNER_CHOICES, architecture_of
 from pdserve.runner.models import MODEL_REGISTRY
-from pdserve.runner.models.bamba import mamba_layers
 from pdserve.runner.models.fp8_weights import fp8_format
+from pdserve.runner.models.mamba_hybrid import mamba_layers
 from pdserve.runner.models.mlp import DENSE_ACTIVATIONS, activation_of
 from pdserve.runner.models.moe import experts_per_pick
 from pdserve.runner.models.rope import SUPPORTED_ROPE_TYPES, rope_layer_types, rope_parameters
@@ -41,6 +41,11 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
     supported = ("silu",) if experts_per_pick(hf_config) is not None else DENSE_ACTIVATIONS
     if act not in supported:
         problems.append(f"hidden_act {act!r} (mrv2 implements {', '.join(supported)})")
+    if (
+        getattr(hf_config, "model_type", "") == "granitemoehybrid"
+        and (getattr(hf_config, "num_local_experts", 0) or 0) > 0
+    ):
+        problems.append("Granite 4.0-H experts (num_local_experts > 0; its dense forms run)")
     if mamba_layers(hf_config) and act != "silu":  # the Mamba2 mixer's activation too
         problems.append(f"hidden_act {act!r} in Mamba layers (mrv2 implements silu)")
     if getattr(hf_config, "use_bidirectional_attention", False):

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from pdserve.runner.models.bamba import BambaForCausalLM
 from pdserve.runner.models.deepseek import DeepseekForCausalLM
 from pdserve.runner.models.gemma import GemmaForCausalLM
 from pdserve.runner.models.glm4_moe import Glm4MoeForCausalLM
 from pdserve.runner.models.gpt_oss import GptOssForCausalLM
 from pdserve.runner.models.llama import LlamaFamilyForCausalLM
+from pdserve.runner.models.mamba_hybrid import BambaForCausalLM, GraniteHybridForCausalLM
 from pdserve.runner.models.post_norm import PostNormForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
@@ -21,6 +21,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": LlamaFamilyForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,  # dense forms (runner/hybrid.py)
     "LlamaForCausalLM": LlamaFamilyForCausalLM,
     "Ministral3ForCausalLM": LlamaFamilyForCausalLM,
     "MinistralForCausalLM": LlamaFamilyForCausalLM,

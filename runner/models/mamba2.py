@@ -1,4 +1,4 @@
-"""The Mamba2 token mixer of hybrid models (Bamba: runner/models/bamba.py) over per-request
+"""The Mamba2 token mixer of hybrid models (Bamba: runner/models/mamba_hybrid.py) over per-request
 state slots (runner/mrv2/mamba_state.py).
 
 One mixer step over a batch's rows (each row a request's new tokens, maybe a chunk of its

@@ -1,4 +1,4 @@
-"""Bamba, a hybrid of Mamba2 and attention layers (runner/models/bamba.py, mamba2.py), on
+"""Bamba, a hybrid of Mamba2 and attention layers (runner/models/mamba_hybrid.py, mamba2.py), on
 mrv2: greedy tokens and logprobs equal transformers' for prompts prefilled in chunks (the
 Mamba state carried across steps, the scan across its own chunks), in mixed batches
 (prompt chunks beside decode rows), and after preemption (a recomputed request starts
@@ -37,7 +37,31 @@ def tiny_bamba_dir(tmp_path_factory) -> str:
         initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
         pad_token_id=0, architectures=["BambaForCausalLM"],
     )  # fmt: skip
-    path = _save_tiny(tmp_path_factory, "tiny-bamba", cfg)
+    return _slow_decay(_save_tiny(tmp_path_factory, "tiny-bamba", cfg))
+
+
+@pytest.fixture(scope="module")
+def tiny_granite_hybrid_dir(tmp_path_factory) -> str:
+    """Granite 4.0-H, dense: Granite's four multipliers, attention without RoPE at layers
+    0 and 2 of 4, a fused shared MLP."""
+    from transformers import GraniteMoeHybridConfig
+
+    cfg = GraniteMoeHybridConfig(
+        vocab_size=1009, hidden_size=64, shared_intermediate_size=80, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=0,
+        layer_types=["full_attention", "linear_attention", "full_attention",
+                     "linear_attention"],
+        mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=16, max_position_embeddings=512,
+        embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.4,
+        logits_scaling=3.0, position_embedding_type="nope", initializer_range=0.1,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        architectures=["GraniteMoeHybridForCausalLM"],
+    )  # fmt: skip
+    return _slow_decay(_save_tiny(tmp_path_factory, "tiny-granite-hybrid", cfg))
+
+
+def _slow_decay(path: str) -> str:
     _randomize_tensors(path, "norm", scale=0.5)
     # Slow decay (|A| 0.02-0.3, time steps ~0.2): the state a token leaves still counts
     # dozens of tokens later, across scan chunks and steps, so carrying it is tested
@@ -51,6 +75,21 @@ def tiny_bamba_dir(tmp_path_factory) -> str:
             tensors[name] = torch.randn(t.shape, generator=g) * 0.5 - 1.5
     save_file(tensors, file, metadata={"format": "pt"})
     return path
+
+
+def test_granite_hybrid_matches_transformers(tiny_granite_hybrid_dir):
+    assert_greedy_matches_hf(tiny_granite_hybrid_dir, (3, 40, 77), 16, seed=4)
+    assert_logprobs_match_hf(tiny_granite_hybrid_dir, [(5 * i + 1) % 1000 + 3 for i in range(29)],
+                             8, block_size=16, max_num_batched_tokens=16)  # fmt: skip
+
+
+def test_granite_hybrid_experts_are_refused_by_name():
+    from transformers import GraniteMoeHybridConfig
+
+    from pdserve.runner.runner_select import mrv2_unsupported_features
+
+    cfg = GraniteMoeHybridConfig(num_local_experts=4, architectures=["GraniteMoeHybridForCausalLM"])
+    assert any("num_local_experts" in p for p in mrv2_unsupported_features(cfg))
 
 
 def test_greedy_tokens_match_transformers(tiny_bamba_dir):

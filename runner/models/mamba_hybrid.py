@@ -1,12 +1,20 @@
-"""Bamba (BambaForCausalLM): a hybrid of Mamba2 layers and a few attention layers, as a
-member of the Llama family.
+"""Hybrids of Mamba2 and attention layers, as members of the Llama family: Bamba
+(BambaForCausalLM) and Granite 4.0-H (GraniteMoeHybridForCausalLM, its dense form).
 
 Each decoder layer normalises its input, mixes tokens with either a Mamba2 mixer
-(runner/models/mamba2.py, state per request slot) or llama.py's Attention (RoPE over the
-first half of each head: the config's partial_rotary_factor 0.5), adds the residual,
-then normalises again into a SwiGLU MLP (`feed_forward`, `pre_ff_layernorm`, as the
-checkpoint names them). Only the attention layers have paged KV: the cache holds
-`num_kv_layers` layers, and attention layer j reads the j-th.
+(runner/models/mamba2.py, state per request slot) or llama.py's Attention, adds the
+residual, then normalises again into a SwiGLU MLP. Only the attention layers have paged
+KV: the cache holds `num_kv_layers` layers, and attention layer j reads the j-th.
+
+- Bamba: RoPE over the first half of each head (the config's partial_rotary_factor
+  0.5); the checkpoint names the MLP `feed_forward`, its norm `pre_ff_layernorm` and the
+  final norm `final_layernorm`.
+- Granite 4.0-H: Granite's scalars (embedding, attention, residual and logits
+  multipliers; the residual one folded into each branch's output projection at load, the
+  Mamba mixer's `out_proj` included); attention without RoPE unless
+  `position_embedding_type` is "rope"; the MLP is `shared_mlp` (`input_linear`: gate and
+  up, fused; `output_linear`). Its MoE forms (`num_local_experts` > 0) are refused by
+  name (runner_select.py).
 
 What this path does not do (refused or switched off by name, runner/hybrid.py): prefix
 caching (a cached block would need the Mamba state at its end), PD transfer and the KV
@@ -26,10 +34,14 @@ from pdserve.runner.models.llama import Attention, LlamaFamilyForCausalLM, RMSNo
 from pdserve.runner.models.mamba2 import Mamba2Mixer, MambaStep, mamba2_dims
 from pdserve.runner.models.mlp import MLP
 
+HYBRID_TYPES = ("bamba", "granitemoehybrid")
+
 
 def mamba_layers(cfg: Any) -> list[int]:
-    """Indices of a hybrid config's Mamba layers (Bamba's `layers_block_type`)."""
-    types = getattr(cfg, "layers_block_type", None) or []
+    """Indices of a hybrid config's Mamba layers (its `layers_block_type`)."""
+    if getattr(cfg, "model_type", "") not in HYBRID_TYPES:
+        return []
+    types = getattr(cfg, "layers_block_type", None) or getattr(cfg, "layer_types", None) or []
     return [i for i, t in enumerate(types) if t in ("mamba", "linear_attention")]
 
 
@@ -58,8 +70,10 @@ class HybridDecoderLayer(nn.Module):
         return self.feed_forward(x), residual
 
 
-class BambaForCausalLM(LlamaFamilyForCausalLM):
+class MambaHybridForCausalLM(LlamaFamilyForCausalLM):
     norms_foldable = False  # the folded chain is Attention's, not the mixer's
+    # checkpoint name fragment -> ours (Bamba's; Granite 4.0-H's below)
+    _RENAMES: tuple[tuple[str, str], ...] = (("model.final_layernorm.", "model.norm."),)
 
     def __init__(self, cfg: Any, max_positions: int):
         self._mamba_ids = mamba_layers(cfg)
@@ -77,8 +91,11 @@ class BambaForCausalLM(LlamaFamilyForCausalLM):
         else:
             mixer = Attention(cfg, family_spec(cfg), self.workspace)
         bias = bool(getattr(cfg, "mlp_bias", False))
-        mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias, self.workspace)
+        mlp = MLP(cfg.hidden_size, self._mlp_width(cfg), bias, self.workspace)
         return HybridDecoderLayer(cfg, mixer, mlp)
+
+    def _mlp_width(self, cfg: Any) -> int:
+        return cfg.intermediate_size
 
     @property
     def num_kv_layers(self) -> int:
@@ -125,10 +142,26 @@ class BambaForCausalLM(LlamaFamilyForCausalLM):
         return x + residual
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """As llama's; Bamba names its final norm `final_layernorm`."""
-        super().load_weights(
-            (name.replace("model.final_layernorm.", "model.norm."), t) for name, t in weights
-        )
+        """As llama's, after the family's renames."""
+
+        def renamed(name: str) -> str:
+            for theirs, ours in self._RENAMES:
+                name = name.replace(theirs, ours)
+            return name
+
+        super().load_weights((renamed(name), t) for name, t in weights)
+
+    def _after_load(self) -> None:
+        """Granite's residual multiplier into each branch's output projection (the mixer's
+        and the MLP's), whose outputs it scales."""
+        if self.residual_multiplier == 1.0:
+            return
+        for layer in self.layers:
+            mixer_out = layer.mamba.out_proj if layer.is_mamba else layer.self_attn.o_proj
+            for linear_layer in (mixer_out, layer.feed_forward.down_proj):
+                linear_layer.weight.mul_(self.residual_multiplier)
+                if linear_layer.bias is not None:
+                    linear_layer.bias.mul_(self.residual_multiplier)
 
     def _shard_sizes(self, target: str, param: nn.Parameter) -> list[int]:
         if "qkv_proj" in target:
@@ -136,3 +169,18 @@ class BambaForCausalLM(LlamaFamilyForCausalLM):
             return [attn.q_size, attn.kv_size, attn.kv_size]
         inter = param.shape[0] // 2  # the MLP's gate and up
         return [inter, inter]
+
+
+class BambaForCausalLM(MambaHybridForCausalLM):
+    pass
+
+
+class GraniteHybridForCausalLM(MambaHybridForCausalLM):
+    _RENAMES = (
+        (".shared_mlp.input_linear.", ".feed_forward.gate_up_proj."),
+        (".shared_mlp.output_linear.", ".feed_forward.down_proj."),
+        (".post_attention_layernorm.", ".pre_ff_layernorm."),
+    )
+
+    def _mlp_width(self, cfg: Any) -> int:
+        return cfg.shared_intermediate_size
