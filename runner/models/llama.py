@@ -373,11 +373,15 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.layers[0].self_attn.num_kv_heads
+        return self._first_attention().num_kv_heads
 
     @property
     def head_dim(self) -> int:
-        return self.layers[0].self_attn.head_dim
+        return self._first_attention().head_dim
+
+    def _first_attention(self) -> nn.Module:
+        """An attention layer, whose geometry the KV cache takes."""
+        return self.layers[0].self_attn
 
     def forward(
         self,
@@ -487,8 +491,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.score.weight.copy_(rows)
 
     def _shard_sizes(self, target: str, param: nn.Parameter) -> list[int]:
-        attn = self.layers[0].self_attn
         if "qkv_proj" in target:
+            attn = self._first_attention()
             return [attn.q_size, attn.kv_size, attn.kv_size]
         inter = param.shape[0] // 2  # a dense layer's, or an MoE layer's shared expert's
         return [inter, inter]

@@ -105,13 +105,8 @@ class MambaHybridForCausalLM(LlamaFamilyForCausalLM):
     def num_mamba_layers(self) -> int:
         return len(self._mamba_ids)
 
-    @property
-    def num_kv_heads(self) -> int:
-        return self.layers[self.attention_layers[0]].self_attn.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.layers[self.attention_layers[0]].self_attn.head_dim
+    def _first_attention(self) -> nn.Module:
+        return self.layers[self.attention_layers[0]].self_attn
 
     def forward(
         self,
@@ -123,7 +118,7 @@ class MambaHybridForCausalLM(LlamaFamilyForCausalLM):
     ) -> torch.Tensor:
         """As llama's, over `num_kv_layers` caches (attention layers only)."""
         assert self.mamba_states is not None and self.mamba_step is not None, (
-            "a Bamba step needs its Mamba state (runner/mrv2/mamba_state.py)"
+            "a hybrid step needs its Mamba state (runner/mrv2/mamba_state.py)"
         )
         conv, ssm = self.mamba_states
         x, residual = self.embed(input_ids), None
@@ -163,9 +158,21 @@ class MambaHybridForCausalLM(LlamaFamilyForCausalLM):
                 if linear_layer.bias is not None:
                     linear_layer.bias.mul_(self.residual_multiplier)
 
+    def _after_load(self) -> None:
+        """Granite's residual multiplier into each branch's output projection (the mixer's
+        and the MLP's), whose outputs it scales."""
+        if self.residual_multiplier == 1.0:
+            return
+        for layer in self.layers:
+            mixer_out = layer.mamba.out_proj if layer.is_mamba else layer.self_attn.o_proj
+            for linear_layer in (mixer_out, layer.feed_forward.down_proj):
+                linear_layer.weight.mul_(self.residual_multiplier)
+                if linear_layer.bias is not None:
+                    linear_layer.bias.mul_(self.residual_multiplier)
+
     def _shard_sizes(self, target: str, param: nn.Parameter) -> list[int]:
         if "qkv_proj" in target:
-            attn = self.layers[self.attention_layers[0]].self_attn
+            attn = self._first_attention()
             return [attn.q_size, attn.kv_size, attn.kv_size]
         inter = param.shape[0] // 2  # the MLP's gate and up
         return [inter, inter]
