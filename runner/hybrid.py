@@ -1,5 +1,5 @@
-"""Hybrid Mamba models (Bamba, Granite 4.0-H: runner/models/mamba_hybrid.py): what their
-path switches off.
+"""Hybrid Mamba models (Bamba, Granite 4.0-H, NemotronH: runner/models/mamba_hybrid.py):
+what their path switches off.
 
 A Mamba layer's output depends on its request's whole history through the state in the
 request's slot (runner/mrv2/mamba_state.py), not on paged KV blocks. So:

@@ -46,6 +46,13 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
         and (getattr(hf_config, "num_local_experts", 0) or 0) > 0
     ):
         problems.append("Granite 4.0-H experts (num_local_experts > 0; its dense forms run)")
+    if getattr(hf_config, "model_type", "") == "nemotron_h":
+        kinds = set(hf_config.layers_block_type)
+        if "moe" in kinds:
+            problems.append("NemotronH MoE blocks (its dense forms run)")
+        if getattr(hf_config, "mlp_hidden_act", "relu2") != "relu2":
+            problems.append(f"NemotronH mlp_hidden_act {hf_config.mlp_hidden_act!r} (relu2 runs)")
+        act = getattr(hf_config, "mamba_hidden_act", "silu")
     if mamba_layers(hf_config) and act != "silu":  # the Mamba2 mixer's activation too
         problems.append(f"hidden_act {act!r} in Mamba layers (mrv2 implements silu)")
     if getattr(hf_config, "use_bidirectional_attention", False):

@@ -118,3 +118,57 @@ def test_pd_paths_are_refused_by_name(tiny_bamba_dir):
     with pytest.raises(ValueError, match="hold_kv is refused: a hybrid Mamba model's state"):
         llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2), hold_kv=True)
     assert not llm.engine.has_unfinished()
+
+
+@pytest.fixture(scope="module")
+def tiny_nemotron_h_dir(tmp_path_factory) -> str:
+    """NemotronH, dense: blocks Mamba2, ReLU^2 MLP, attention (no RoPE), MLP, Mamba2,
+    MLP; 8 Mamba heads of 16 in 2 groups (its own config keys)."""
+    from transformers import NemotronHConfig
+
+    cfg = NemotronHConfig(
+        vocab_size=1009, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=8,
+        mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
+        max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, architectures=["NemotronHForCausalLM"],
+    )  # fmt: skip
+    return _slow_decay(_save_tiny(tmp_path_factory, "tiny-nemotron-h", cfg))
+
+
+def test_nemotron_h_matches_transformers(tiny_nemotron_h_dir):
+    assert_greedy_matches_hf(tiny_nemotron_h_dir, (2, 33, 70), 16, seed=3)
+    assert_logprobs_match_hf(tiny_nemotron_h_dir, [(3 * i + 7) % 1000 + 3 for i in range(31)],
+                             8, block_size=16, max_num_batched_tokens=16)  # fmt: skip
+
+
+def test_nemotron_h_reads_its_released_names(tiny_nemotron_h_dir, tmp_path):
+    """NVIDIA's checkpoints name the base model `backbone` (embeddings, norm_f): the same
+    weights under those names decode the same tokens."""
+    import shutil
+
+    folder = tmp_path / "backbone"
+    shutil.copytree(tiny_nemotron_h_dir, folder)
+    (file,) = sorted(folder.glob("*.safetensors"))
+    tensors = load_file(file)
+    renamed = {}
+    for name, t in tensors.items():
+        if name.startswith("model."):
+            name = "backbone." + name.removeprefix("model.")
+            name = name.replace("backbone.embed_tokens.", "backbone.embeddings.")
+            name = name.replace("backbone.norm.", "backbone.norm_f.")
+        renamed[name] = t
+    assert "backbone.embeddings.weight" in renamed and "backbone.norm_f.weight" in renamed
+    save_file(renamed, file, metadata={"format": "pt"})
+    assert_greedy_matches_hf(str(folder), (5, 40), 8, seed=2, ref_dir=tiny_nemotron_h_dir)
+
+
+def test_nemotron_h_experts_are_refused_by_name():
+    from transformers import NemotronHConfig
+
+    from pdserve.runner.runner_select import mrv2_unsupported_features
+
+    cfg = NemotronHConfig(num_hidden_layers=2, layers_block_type=["mamba", "moe"],
+                          architectures=["NemotronHForCausalLM"])  # fmt: skip
+    assert any("MoE blocks" in p for p in mrv2_unsupported_features(cfg))

@@ -7,7 +7,11 @@ from pdserve.runner.models.gemma import GemmaForCausalLM
 from pdserve.runner.models.glm4_moe import Glm4MoeForCausalLM
 from pdserve.runner.models.gpt_oss import GptOssForCausalLM
 from pdserve.runner.models.llama import LlamaFamilyForCausalLM
-from pdserve.runner.models.mamba_hybrid import BambaForCausalLM, GraniteHybridForCausalLM
+from pdserve.runner.models.mamba_hybrid import (
+    BambaForCausalLM,
+    GraniteHybridForCausalLM,
+    NemotronHForCausalLM,
+)
 from pdserve.runner.models.post_norm import PostNormForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
@@ -27,6 +31,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "MinistralForCausalLM": LlamaFamilyForCausalLM,
     "MistralForCausalLM": LlamaFamilyForCausalLM,
     "MixtralForCausalLM": LlamaFamilyForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,  # dense forms (runner/hybrid.py)
     "Olmo2ForCausalLM": PostNormForCausalLM,
     "Olmo3ForCausalLM": PostNormForCausalLM,
     "Phi3ForCausalLM": LlamaFamilyForCausalLM,

@@ -52,6 +52,8 @@ class Mamba2Dims:
     eps: float
     dt_min: float
     dt_max: float
+    conv_bias: bool = True
+    proj_bias: bool = False  # in_proj's and out_proj's
 
     @property
     def inner(self) -> int:
@@ -63,16 +65,25 @@ class Mamba2Dims:
 
 
 def mamba2_dims(cfg: Any) -> Mamba2Dims:
-    heads = int(cfg.mamba_n_heads)
-    head_dim = int(cfg.mamba_d_head)
+    """The mixer's geometry as the family's config names it: NemotronH's keys, or Bamba's
+    (`mamba_*`, which Granite 4.0-H shares)."""
     limit = getattr(cfg, "time_step_limit", None) or (0.0, float("inf"))
-    dims = Mamba2Dims(
-        cfg.hidden_size, heads, head_dim, int(cfg.mamba_n_groups), int(cfg.mamba_d_state),
-        int(cfg.mamba_d_conv), int(cfg.mamba_chunk_size), float(cfg.rms_norm_eps),
-        float(limit[0]), float(limit[1]),
-    )  # fmt: skip
-    assert dims.inner == int(cfg.mamba_expand * cfg.hidden_size), "heads x head_dim"
-    assert heads % dims.groups == 0, "mamba_n_groups divides mamba_n_heads"
+    if cfg.model_type == "nemotron_h":
+        dims = Mamba2Dims(
+            cfg.hidden_size, int(cfg.mamba_num_heads), int(cfg.mamba_head_dim),
+            int(cfg.n_groups), int(cfg.ssm_state_size), int(cfg.conv_kernel),
+            int(cfg.chunk_size), float(cfg.layer_norm_epsilon), float(limit[0]),
+            float(limit[1]), bool(cfg.use_conv_bias), bool(cfg.use_bias),
+        )  # fmt: skip
+    else:
+        dims = Mamba2Dims(
+            cfg.hidden_size, int(cfg.mamba_n_heads), int(cfg.mamba_d_head),
+            int(cfg.mamba_n_groups), int(cfg.mamba_d_state), int(cfg.mamba_d_conv),
+            int(cfg.mamba_chunk_size), float(cfg.rms_norm_eps), float(limit[0]),
+            float(limit[1]), bool(getattr(cfg, "mamba_conv_bias", True)),
+            bool(getattr(cfg, "mamba_proj_bias", False)),
+        )  # fmt: skip
+    assert dims.heads % dims.groups == 0, "the groups divide the Mamba heads"
     return dims
 
 
@@ -81,11 +92,11 @@ class Mamba2Mixer(nn.Module):
         super().__init__()
         d = self.dims = mamba2_dims(cfg)
         self.state_index = state_index  # this layer's index into the state tensors
-        bias = bool(getattr(cfg, "mamba_proj_bias", False))
+        bias = d.proj_bias
         self.in_proj = nn.Linear(d.hidden, d.inner + d.conv_dim + d.heads, bias=bias)
         # [conv_dim, 1, K], as the checkpoint stores a depthwise Conv1d
         self.conv1d = nn.Conv1d(d.conv_dim, d.conv_dim, d.conv_kernel, groups=d.conv_dim,
-                                bias=bool(getattr(cfg, "mamba_conv_bias", True)))  # fmt: skip
+                                bias=d.conv_bias)  # fmt: skip
         self.dt_bias = nn.Parameter(torch.empty(d.heads))
         self.A_log = nn.Parameter(torch.empty(d.heads))
         self.D = nn.Parameter(torch.empty(d.heads))

@@ -1,5 +1,6 @@
 """Hybrids of Mamba2 and attention layers, as members of the Llama family: Bamba
-(BambaForCausalLM) and Granite 4.0-H (GraniteMoeHybridForCausalLM, its dense form).
+(BambaForCausalLM), Granite 4.0-H (GraniteMoeHybridForCausalLM) and NemotronH
+(NemotronHForCausalLM), their dense forms.
 
 Each decoder layer normalises its input, mixes tokens with either a Mamba2 mixer
 (runner/models/mamba2.py, state per request slot) or llama.py's Attention, adds the
@@ -15,6 +16,8 @@ KV: the cache holds `num_kv_layers` layers, and attention layer j reads the j-th
   `position_embedding_type` is "rope"; the MLP is `shared_mlp` (`input_linear`: gate and
   up, fused; `output_linear`). Its MoE forms (`num_local_experts` > 0) are refused by
   name (runner_select.py).
+- NemotronH: blocks of one mixer each (`HybridBlock`: norm, then Mamba2, attention
+  without RoPE or a ReLU^2 MLP), as `layers_block_type` lists them; MoE blocks refused.
 
 What this path does not do (refused or switched off by name, runner/hybrid.py): prefix
 caching (a cached block would need the Mamba state at its end), PD transfer and the KV
@@ -29,12 +32,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from pdserve.kernels.skinny_linear import linear
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.models.llama import Attention, LlamaFamilyForCausalLM, RMSNorm, family_spec
 from pdserve.runner.models.mamba2 import Mamba2Mixer, MambaStep, mamba2_dims
 from pdserve.runner.models.mlp import MLP
 
-HYBRID_TYPES = ("bamba", "granitemoehybrid")
+HYBRID_TYPES = ("bamba", "granitemoehybrid", "nemotron_h")
 
 
 def mamba_layers(cfg: Any) -> list[int]:
@@ -46,9 +50,12 @@ def mamba_layers(cfg: Any) -> list[int]:
 
 
 class HybridDecoderLayer(nn.Module):
+    """Norm, token mixer (Mamba2 or attention), norm, MLP (Bamba, Granite 4.0-H)."""
+
     def __init__(self, cfg: Any, mixer: nn.Module, mlp: nn.Module):
         super().__init__()
         self.is_mamba = isinstance(mixer, Mamba2Mixer)
+        self.has_attention = not self.is_mamba
         if self.is_mamba:
             self.mamba = mixer
         else:
@@ -70,6 +77,53 @@ class HybridDecoderLayer(nn.Module):
         return self.feed_forward(x), residual
 
 
+class HybridBlock(nn.Module):
+    """NemotronH's block: norm, then one mixer (Mamba2, attention or an MLP), as the
+    checkpoint names them (`norm`, `mixer`)."""
+
+    def __init__(self, cfg: Any, mixer: nn.Module):
+        super().__init__()
+        self.mixer = mixer
+        self.is_mamba = isinstance(mixer, Mamba2Mixer)
+        self.has_attention = isinstance(mixer, Attention)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+
+    @property
+    def mamba(self) -> nn.Module:
+        return self.mixer
+
+    @property
+    def self_attn(self) -> nn.Module:
+        return self.mixer
+
+    def forward(self, x, residual, positions, cos_sin, kv_cache, attn, mamba):
+        if residual is None:
+            residual, x = x, self.norm(x)
+        else:
+            x, residual = self.norm(x, residual)
+        if self.is_mamba:
+            return self.mixer(x, *mamba), residual
+        if self.has_attention:
+            return self.mixer(x, positions, cos_sin, kv_cache, attn), residual
+        return self.mixer(x), residual
+
+
+class ReluSquaredMLP(nn.Module):
+    """NemotronH's MLP: down(relu(up(x))^2), no gate. (`up`: the checkpoint's `up_proj`,
+    renamed at load, as llama.py's loader fuses every `up_proj` with a gate.)"""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, workspace):
+        super().__init__()
+        self.workspace = workspace
+        self.up = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, down = self.up, self.down_proj
+        h = torch.relu(linear(x, up.weight, up.bias, self.workspace)).square()
+        return linear(h, down.weight, down.bias, self.workspace)
+
+
 class MambaHybridForCausalLM(LlamaFamilyForCausalLM):
     norms_foldable = False  # the folded chain is Attention's, not the mixer's
     # checkpoint name fragment -> ours (Bamba's; Granite 4.0-H's below)
@@ -78,8 +132,7 @@ class MambaHybridForCausalLM(LlamaFamilyForCausalLM):
     def __init__(self, cfg: Any, max_positions: int):
         self._mamba_ids = mamba_layers(cfg)
         super().__init__(cfg, max_positions)
-        self.attention_layers = [i for i in range(cfg.num_hidden_layers)
-                                 if i not in self._mamba_ids]  # fmt: skip
+        self.attention_layers = [i for i, layer in enumerate(self.layers) if layer.has_attention]
         self.mamba_dims = mamba2_dims(cfg)
         # Set by runner/mrv2/mamba_state.py: the state tensors, and each step's rows
         self.mamba_states: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -125,11 +178,12 @@ class MambaHybridForCausalLM(LlamaFamilyForCausalLM):
         kv_index = 0
         for i, layer in enumerate(self.layers):
             cache = None
+            mamba = None
             if layer.is_mamba:
                 j = layer.mamba.state_index
                 mamba = (self.mamba_step, conv[j], ssm[j])
-            else:
-                cache, mamba = kv_caches[kv_index], None
+            elif layer.has_attention:
+                cache = kv_caches[kv_index]
                 kv_index += 1
             x, residual = layer(x, residual, positions, self.layer_cos_sin(i), cache, attn, mamba)
             if layer_hook is not None:
@@ -151,7 +205,7 @@ class MambaHybridForCausalLM(LlamaFamilyForCausalLM):
         and the MLP's), whose outputs it scales."""
         if self.residual_multiplier == 1.0:
             return
-        for layer in self.layers:
+        for layer in self.layers:  # (Bamba's layers: both 1.0, nothing scaled)
             mixer_out = layer.mamba.out_proj if layer.is_mamba else layer.self_attn.o_proj
             for linear_layer in (mixer_out, layer.feed_forward.down_proj):
                 linear_layer.weight.mul_(self.residual_multiplier)
@@ -163,7 +217,7 @@ class MambaHybridForCausalLM(LlamaFamilyForCausalLM):
         and the MLP's), whose outputs it scales."""
         if self.residual_multiplier == 1.0:
             return
-        for layer in self.layers:
+        for layer in self.layers:  # (Bamba's layers: both 1.0, nothing scaled)
             mixer_out = layer.mamba.out_proj if layer.is_mamba else layer.self_attn.o_proj
             for linear_layer in (mixer_out, layer.feed_forward.down_proj):
                 linear_layer.weight.mul_(self.residual_multiplier)
@@ -191,3 +245,32 @@ class GraniteHybridForCausalLM(MambaHybridForCausalLM):
 
     def _mlp_width(self, cfg: Any) -> int:
         return cfg.shared_intermediate_size
+
+
+class NemotronHForCausalLM(MambaHybridForCausalLM):
+    """NemotronH (Nemotron-H, Nemotron Nano 2): blocks of one mixer each, Mamba2, attention
+    without RoPE, or a ReLU^2 MLP (`layers_block_type`); its MoE blocks are refused by
+    name (runner_select.py). Real checkpoints name the base model `backbone`."""
+
+    _RENAMES = (
+        ("backbone.", "model."),
+        ("model.embeddings.", "model.embed_tokens."),
+        ("model.norm_f.", "model.norm."),
+        (".mixer.up_proj.", ".mixer.up."),
+    )
+
+    def __init__(self, cfg: Any, max_positions: int):
+        if getattr(cfg, "rms_norm_eps", None) is None:  # the Llama family's name for it
+            cfg.rms_norm_eps = cfg.layer_norm_epsilon
+        super().__init__(cfg, max_positions)
+
+    def _decoder_layer(self, cfg: Any, layer: int) -> nn.Module:
+        kind = cfg.layers_block_type[layer]
+        if layer in self._mamba_ids:
+            return HybridBlock(cfg, Mamba2Mixer(cfg, self._mamba_ids.index(layer)))
+        if kind in ("attention", "full_attention"):
+            return HybridBlock(cfg, Attention(cfg, family_spec(cfg), self.workspace))
+        assert kind == "mlp", f"NemotronH block type {kind!r}"
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        mlp = ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, bias, self.workspace)
+        return HybridBlock(cfg, mlp)
