@@ -27,7 +27,8 @@ def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x[..., :half], approximate="tanh") * x[..., half:]
 
 
-SQRT_2_OVER_PI = 0.7978845608028654
+# read by a @jit function: a tl.constexpr instance (the GPU compiler refuses a plain float)
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit

@@ -38,7 +38,9 @@ def attention_dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constex
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
-LOG2E: tl.constexpr = 1.4426950408889634
+# A global a @jit function reads must be a tl.constexpr instance (the GPU compiler refuses
+# a plain float or an annotation; the interpreter took either)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

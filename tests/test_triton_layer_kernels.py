@@ -155,6 +155,19 @@ def test_apply_rope_matches_ref(case, dtype):
     assert torch.equal(q, q_before) and torch.equal(k, k_before)
 
 
+def test_apply_rope_on_the_first_dims_of_each_head():
+    """Guards partial RoPE (Bamba, GLM-4.5, Phi-4-mini): the rotated dims are a strided view
+    of each head (`q[..., :rot]`), and the output, packed, must hold them in order (the
+    kernel once wrote it with the view's head stride, on the GPU only)."""
+    t, hq, hk, d, rot = 5, 4, 2, 16, 8
+    q, k, _ = _qkv_views(t, hq, hk, d, torch.float32, seed=3)
+    cos_sin = torch.randn(t + 9, rot, generator=_gen(4)).to(DEVICE)
+    positions = torch.randperm(t + 9, generator=_gen(5))[:t].to(DEVICE)
+    got_q, got_k = rope.apply_rope_triton(q[..., :rot], k[..., :rot], positions, cos_sin)
+    want_q, want_k = rope.apply_rope_ref(q[..., :rot], k[..., :rot], positions, cos_sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
 # ----------------------------------------------------------------------- activation
 
 

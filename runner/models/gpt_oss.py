@@ -49,7 +49,9 @@ class GptOssMoe(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.router = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=True)
         self.experts = GptOssExperts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size)
-        self.act = ExpertAct("swiglu_oai", float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
+        # transformers before 5.2x keeps alpha in the modeling code, not the config
+        alpha = float(getattr(cfg, "swiglu_alpha", None) or 1.702)
+        self.act = ExpertAct("swiglu_oai", alpha, float(getattr(cfg, "swiglu_limit", 7.0)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.router.weight, self.router.bias)
