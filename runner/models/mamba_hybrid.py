@@ -205,31 +205,12 @@ class MambaHybridForCausalLM(LlamaFamilyForCausalLM):
         and the MLP's), whose outputs it scales."""
         if self.residual_multiplier == 1.0:
             return
-        for layer in self.layers:  # (Bamba's layers: both 1.0, nothing scaled)
+        for layer in self.layers:  # Granite 4.0-H (Bamba and NemotronH keep 1.0)
             mixer_out = layer.mamba.out_proj if layer.is_mamba else layer.self_attn.o_proj
             for linear_layer in (mixer_out, layer.feed_forward.down_proj):
                 linear_layer.weight.mul_(self.residual_multiplier)
                 if linear_layer.bias is not None:
                     linear_layer.bias.mul_(self.residual_multiplier)
-
-    def _after_load(self) -> None:
-        """Granite's residual multiplier into each branch's output projection (the mixer's
-        and the MLP's), whose outputs it scales."""
-        if self.residual_multiplier == 1.0:
-            return
-        for layer in self.layers:  # (Bamba's layers: both 1.0, nothing scaled)
-            mixer_out = layer.mamba.out_proj if layer.is_mamba else layer.self_attn.o_proj
-            for linear_layer in (mixer_out, layer.feed_forward.down_proj):
-                linear_layer.weight.mul_(self.residual_multiplier)
-                if linear_layer.bias is not None:
-                    linear_layer.bias.mul_(self.residual_multiplier)
-
-    def _shard_sizes(self, target: str, param: nn.Parameter) -> list[int]:
-        if "qkv_proj" in target:
-            attn = self._first_attention()
-            return [attn.q_size, attn.kv_size, attn.kv_size]
-        inter = param.shape[0] // 2  # the MLP's gate and up
-        return [inter, inter]
 
 
 class BambaForCausalLM(MambaHybridForCausalLM):
