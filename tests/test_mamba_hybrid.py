@@ -25,14 +25,17 @@ from pdserve import SamplingParams
 
 @pytest.fixture(scope="module")
 def tiny_bamba_dir(tmp_path_factory) -> str:
-    """4 layers (attention at 1 and 3), 8 Mamba heads of 16 in 2 groups, state 16, conv 4,
-    16-token scan chunks (so a prompt's scan spans several)."""
+    """4 layers (attention at 1 and 3), 8 Mamba heads of 16 in one group (the released
+    Bamba's; transformers before 5.2x normalises Bamba's gated output over all its
+    features, not per group, which only one group makes the same: the grouped norm is
+    NemotronH's test below), state 16, conv 4, 16-token scan chunks (so a prompt's scan
+    spans several)."""
     from transformers import BambaConfig
 
     cfg = BambaConfig(
         vocab_size=1009, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1, 3],
-        mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+        mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
         mamba_expand=2, mamba_chunk_size=16, max_position_embeddings=512,
         initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
         pad_token_id=0, architectures=["BambaForCausalLM"],
