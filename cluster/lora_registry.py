@@ -9,7 +9,7 @@ first names it (runner/lora/).
 The key is what workers run the adapter as: its slot and the root its prompts' block
 hashes chain from (runner/block_hash.py), in the workers' caches, the router's prefix index
 and the KV tier alike. An adapter given at start is keyed by its name; one loaded at run
-time gets a key of its own (`name@n`, never used before), so an adapter unloaded and
+time under a name keyed before gets a key of its own (`name@n`), so an adapter unloaded and
 loaded again under the same name, maybe from other weights, never meets the cached KV of
 the one before it.
 """
@@ -27,11 +27,9 @@ class ServedAdapter:
 
 
 class LoraRegistry:
-    def __init__(self, modules: dict[str, str] | None = None) -> None:
-        self._by_name: dict[str, ServedAdapter] = {
-            name: ServedAdapter(name, name, path) for name, path in (modules or {}).items()
-        }
-        self._names: dict[str, str] = {a.key: a.name for a in self._by_name.values()}
+    def __init__(self) -> None:
+        self._by_name: dict[str, ServedAdapter] = {}
+        self._names: dict[str, str] = {}  # every key ever given -> its name
         self._loads = 0
 
     def __contains__(self, name: object) -> bool:
@@ -44,7 +42,8 @@ class LoraRegistry:
         return list(self._by_name.values())
 
     def add(self, name: str, path: str) -> ServedAdapter:
-        """Serve a runtime-loaded adapter under `name` (the caller checked its files)."""
+        """Serve an adapter under `name` (the caller checked its files): keyed by its name
+        unless some adapter had that key before."""
         assert name not in self._by_name, name
         key = name
         while key in self._names:  # every key this registry ever gave is kept

@@ -50,6 +50,13 @@ def is_classifier(hf_config: Any) -> bool:
     return str(archs[0]).endswith(_SUFFIX)
 
 
+def pooling_only(hf_config: Any) -> bool:
+    """A checkpoint without an LM head: a base model (`Qwen3Model`, ...: embeddings) or a
+    classifier. It pools; it does not generate."""
+    archs = getattr(hf_config, "architectures", None) or [""]
+    return str(archs[0]).endswith("Model") or is_classifier(hf_config)
+
+
 def classifier_spec(hf_config: Any, tokenizer: Any | None) -> ClassifierSpec | None:
     """The head a classifier config describes (None: not a classifier); ValueError naming
     a conversion that cannot be made."""

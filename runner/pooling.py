@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.runner.classify import ACTIVATIONS, ClassifierSpec, is_classifier
+from pdserve.runner.classify import ACTIVATIONS, ClassifierSpec, pooling_only
 
 POOLING_METHODS = ("last", "mean", "cls")
 POOLING_TASKS = ("embed", "classify")
@@ -125,7 +125,8 @@ class ModelPooling:
         does not take."""
         assert task in POOLING_TASKS, task
         if task != self.task:
-            raise ValueError(_wrong_task(task, self.task))
+            kind = "a classifier" if self.task == "classify" else "not a classifier"
+            raise ValueError(f"this model is {kind}: it serves {self.serves()}, not {task}")
         params = params or PoolingParams()
         params.check_task(task)
         spec = self.default
@@ -150,18 +151,6 @@ class ModelPooling:
         return dims
 
 
-def _wrong_task(task: str, model_task: str) -> str:
-    if model_task == "classify":
-        return ("this model is a classifier: it serves classify, score and rerank "
-                "(LLM.classify, /classify), not embeddings")  # fmt: skip
-    return f"this model is not a classifier: it serves embeddings, not {task}"
-
-
-def _generates(hf_config: Any) -> bool:
-    archs = getattr(hf_config, "architectures", None) or [""]
-    return not (str(archs[0]).endswith("Model") or is_classifier(hf_config))
-
-
 def model_pooling(
     model_dir: str | Path, hf_config: Any, classifier: ClassifierSpec | None
 ) -> ModelPooling:
@@ -171,7 +160,7 @@ def model_pooling(
         spec = PoolingSpec("last", False, activation=classifier.activation, classify=True)
         return ModelPooling("classify", spec, hidden, classifier=classifier, generates=False)
     return ModelPooling("embed", _embedding_spec(model_dir), hidden, _matryoshka(hf_config),
-                        generates=_generates(hf_config))  # fmt: skip
+                        generates=not pooling_only(hf_config))  # fmt: skip
 
 
 def _matryoshka(hf_config: Any) -> tuple[int, ...] | None:

@@ -153,16 +153,17 @@ def test_runtime_lora_routes_need_vllms_switch():
     from pdserve.cluster.route_policy import RouterConfig
     from pdserve.cluster.router import Router
 
-    async def status(runtime_rank: int | None) -> int:
+    async def statuses(runtime_rank: int | None) -> list[int]:
         router = Router(RouterConfig(mode="colocated"), [], [])
         app = build_app(AppState(router, None, "m", 64, Metrics("m"),
                                  runtime_lora_rank=runtime_rank))  # fmt: skip
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            return (await c.post("/v1/unload_lora_adapter", json={"lora_name": "a"})).status_code
+            return [(await c.post(path, json={})).status_code
+                    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")]  # fmt: skip
 
-    assert asyncio.run(status(None)) == 404  # no route
-    assert asyncio.run(status(8)) == 404  # the route: no adapter of that name
+    assert asyncio.run(statuses(None)) == [404, 404]  # no routes
+    assert asyncio.run(statuses(8)) == [400, 400]  # the routes: the body lacks lora_name
     for value, allowed in (("True", True), ("1", True), (" true ", True), ("0", False),
                            ("false", False), ("", False)):  # fmt: skip
         assert runtime_updates_allowed({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": value}) is allowed
@@ -174,8 +175,8 @@ def test_runtime_keys_never_repeat():
     block hashes never meet the earlier weights' cached KV."""
     from pdserve.cluster.lora_registry import LoraRegistry
 
-    reg = LoraRegistry({"a": "/p1"})
-    assert reg.get("a").key == "a"
+    reg = LoraRegistry()
+    assert reg.add("a", "/p1").key == "a"  # a name never keyed before keeps it
     reg.remove("a")
     assert reg.add("a", "/p2").key == "a@1"
     reg.remove("a")

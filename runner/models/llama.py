@@ -31,7 +31,7 @@ from pdserve.kernels.rope import apply_rope
 from pdserve.kernels.row_squares import ScaleRows
 from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
-from pdserve.runner.classify import ClassifierSpec, is_classifier
+from pdserve.runner.classify import ClassifierSpec, pooling_only
 from pdserve.runner.models import moe
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.models.attention_window import sliding_window_of
@@ -284,8 +284,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         # A base-model checkpoint (`Qwen3Model`, ...) has no LM head: embeddings only; a
         # classifier (`...ForSequenceClassification`) has its `score` head instead, which
         # runner/models/loader.py attaches (`attach_classifier`)
-        archs = getattr(cfg, "architectures", None) or [""]
-        self.pooling_only = archs[0].endswith("Model") or is_classifier(cfg)
+        self.pooling_only = pooling_only(cfg)
         self.score: nn.Linear | None = None
         self.classifier: ClassifierSpec | None = None
         self.lm_head = (

@@ -15,8 +15,8 @@ A row's final conv and SSM states are written back to its slot.
 The scan of a row's tokens runs in the chunked (quadratic within a chunk of
 `mamba_chunk_size` tokens, recurrent across chunks) form; decode rows (one token each)
 update their states in one batched recurrence. The SSM state and the scan are float32.
-This is the torch path (CPU, and the GPU eagerly); steps with Mamba layers never run as
-CUDA graphs (runner_select / config: `enforce_eager` for these models).
+This is the torch path (CPU, and the GPU eagerly); models with Mamba layers capture no
+CUDA graphs (runner/config_resolve.py, runner/hybrid.py).
 """
 
 from __future__ import annotations
@@ -126,8 +126,13 @@ class Mamba2Mixer(nn.Module):
 
     # ---- parts ----------------------------------------------------------------------
 
-    def _weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.conv1d.weight[:, 0, :], self.conv1d.bias  # [C, K], [C]
+    def _conv(self, windows: torch.Tensor):
+        """Each token's window of K conv inputs [N, C, K] -> (x, B, C) of `_split`, after
+        the depthwise convolution and SiLU."""
+        out = (windows.float() * self.conv1d.weight[:, 0, :].float()[None]).sum(-1)
+        if self.conv1d.bias is not None:
+            out = out + self.conv1d.bias.float()
+        return self._split(F.silu(out))
 
     def _time_steps(self, dt: torch.Tensor) -> torch.Tensor:
         d = self.dims
@@ -151,15 +156,10 @@ class Mamba2Mixer(nn.Module):
         d = self.dims
         slot = step.slots[r]
         fresh = bool(step.fresh[r])
-        w, bias = self._weights()
         prev = torch.zeros_like(conv[0]) if fresh else conv[slot]  # [K-1, C]
         full = torch.cat([prev, xbc.to(conv.dtype)], dim=0)  # [K-1+T, C]
         conv[slot] = full[full.shape[0] - (d.conv_kernel - 1) :]
-        windows = full.unfold(0, d.conv_kernel, 1)  # [T, C, K]
-        out = (windows.float() * w.float()[None]).sum(-1)
-        if bias is not None:
-            out = out + bias.float()
-        x, b, c = self._split(F.silu(out))
+        x, b, c = self._conv(full.unfold(0, d.conv_kernel, 1))  # windows [T, C, K]
         state = torch.zeros_like(ssm[0]) if fresh else ssm[slot]
         y, state = ssd_scan(x, self._time_steps(dt), -torch.exp(self.A_log.float()), b, c,
                             self.D.float(), state, d.chunk)  # fmt: skip
@@ -169,14 +169,10 @@ class Mamba2Mixer(nn.Module):
     def _decode(self, xbc, dt, step: MambaStep, conv, ssm) -> torch.Tensor:
         """One token a row, all rows at once."""
         keep = (~step.fresh_dev)[:, None, None]
-        w, bias = self._weights()
         prev = conv[step.slots] * keep.to(conv.dtype)  # [R, K-1, C]
         full = torch.cat([prev, xbc.to(conv.dtype)[:, None]], dim=1)  # [R, K, C]
         conv[step.slots] = full[:, 1:]
-        out = (full.float() * w.float().t()[None]).sum(1)
-        if bias is not None:
-            out = out + bias.float()
-        x, b, c = self._split(F.silu(out))  # [R, H, P], [R, H, N]
+        x, b, c = self._conv(full.transpose(1, 2))  # [R, H, P], [R, H, N]
         dt = self._time_steps(dt)  # [R, H]
         a = -torch.exp(self.A_log.float())
         state = ssm[step.slots] * keep[..., None].float()  # [R, H, P, N]
