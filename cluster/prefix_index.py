@@ -15,9 +15,14 @@ from pdserve.runner.block_hash import extend_block_hashes
 
 
 class PrefixIndex:
-    def __init__(self, block_size: int, max_blocks_per_worker: int = 1 << 16) -> None:
+    def __init__(
+        self, block_size: int, max_blocks_per_worker: int = 1 << 16, enabled: bool = True
+    ) -> None:
+        """`enabled=False`: the workers cache no prefixes (`--no-enable-prefix-caching`, or
+        a hybrid Mamba model), so nothing is remembered and no worker has a hit."""
         self.block_size = block_size
         self.max_blocks = max_blocks_per_worker
+        self.enabled = enabled
         self._by_worker: dict[str, OrderedDict[int, None]] = {}
 
     def hashes(
@@ -56,6 +61,8 @@ class PrefixIndex:
         return n * self.block_size
 
     def remember(self, worker_id: str, hashes: list[int]) -> None:
+        if not self.enabled:
+            return
         seen = self._by_worker.setdefault(worker_id, OrderedDict())
         for h in hashes:
             seen[h] = None

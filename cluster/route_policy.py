@@ -54,6 +54,9 @@ class RouterConfig:
     # busy: a conversation's next turn finds its KV, and a hot prefix cannot pile load
     # on one worker past that band (`prefer_cached`).
     decode_prefix_slack: int = 8
+    # The workers cache prefixes: False (`--no-enable-prefix-caching`, a hybrid Mamba
+    # model) leaves no prefix hit to route by, so every long prompt prefills remotely.
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):

@@ -67,7 +67,7 @@ class Router:
         self.prefill_failures: Counter[str] = Counter()
         self.worker_stats: dict[str, dict] = {}  # worker id -> last polled stats
         self.stats_failures: Counter[str] = Counter()  # worker id -> polls it did not answer
-        self.prefix_index = PrefixIndex(config.block_size)
+        self.prefix_index = PrefixIndex(config.block_size, enabled=config.prefix_caching)
         self.tier = None  # the KV tier actor, when there is one (stats only)
         self.tier_stats: dict = {}
         # (role, state) -> workers, from the controller's last member list (/metrics)

@@ -125,11 +125,17 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, runner=cfg.runner,
         hf_overrides=cfg.hf_overrides,
     )  # fmt: skip
-    if cfg.mode == "pd" and is_hybrid(ecfg.model.hf_config):
-        raise ValueError(
-            f"--mode pd is refused for {ecfg.model.architecture}: {HYBRID_WHY}; use "
-            "--mode colocated"
-        )
+    tier_bytes = cfg.tier_bytes
+    hybrid = is_hybrid(ecfg.model.hf_config)
+    if cfg.mode == "pd" and hybrid:
+        if cfg.kv_layer_wise:
+            raise ValueError(
+                f"--kv-layer-wise is refused for {ecfg.model.architecture}: {HYBRID_WHY}"
+            )
+        if tier_bytes > 0:
+            print(f"pdserve: the KV tier is off for {ecfg.model.architecture}: {HYBRID_WHY}",
+                  flush=True)  # fmt: skip
+            tier_bytes = 0
     if cfg.mode == "pd" and ecfg.runner.runner != "mrv2":
         raise ValueError(
             f"--mode pd moves paged KV blocks, which the {ecfg.runner.runner} runner does not "
@@ -215,14 +221,14 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         host = placement.host
         stream_bind = f"tcp://{host}:{_free_port(host)}"
         tier = None
-        if cfg.tier_bytes > 0 and cfg.mode == "pd":  # prefill workers are its writers
+        if tier_bytes > 0 and cfg.mode == "pd":  # prefill workers are its writers
             tier = (
                 ray.remote(TierService)
                 .options(
                     num_cpus=0, name="pdserve-tier",
                     resources=actor_resources(cfg.pool_resources, "tier"),
                 )
-                .remote(cfg.tier_bytes)
+                .remote(tier_bytes)
             )  # fmt: skip
         whole = placement.gpus_per_worker >= 1 < placement.num_gpus and not placement.joined
         spec = PoolSpec(
@@ -266,6 +272,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
                 policy=cfg.policy,
                 seed=cfg.seed,
                 decode_capacity=decode_capacity(cfg),
+                prefix_caching=cfg.enable_prefix_caching and not hybrid,
             ),
             [],
             [],

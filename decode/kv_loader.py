@@ -4,7 +4,10 @@ For each load (runner/kv_hooks.py `KVLoadSpec`), on a background thread:
 1. blocks already in the local prefix cache are skipped;
 2. the next full blocks found in the secondary tier (by chain hash) are copied from it;
 3. the rest comes from the prefill worker named in the ticket, over the transport its
-   endpoint's scheme names (`local://`, `tcp://`, ...); then the lease is released.
+   endpoint's scheme names (`local://`, `tcp://`, ...); then the lease is released. A
+   hybrid Mamba model's ticket has a second group, the prompt's final state, pulled into
+   the request's state unit with the blocks (all or nothing: a failed pull leaves the
+   whole prompt to compute).
    An early ticket (no first token yet: layer-wise mode) is always pulled, even when
    nothing is left to move, since the pull's end brings the first token; only a
    transport that streams it (tcp) can take one.
@@ -184,8 +187,17 @@ class TransferLoader:
                     f"ticket covers {ticket.num_tokens} tokens, the prompt has "
                     f"{spec.num_prompt_tokens}",
                 )
+            if len(ticket.group_unit_ids) != len(self._dst):
+                raise TransferError(
+                    "bad_ticket",
+                    f"ticket has {len(ticket.group_unit_ids)} unit groups, this worker's "
+                    f"layout {len(self._dst)}",
+                )
             n = len(ticket.group_unit_ids[0])
-            pull = PullSpec(ticket, (tuple(spec.block_ids[:n]),), (min(first, n),))
+            dst, firsts = (tuple(spec.block_ids[:n]),), (min(first, n),)
+            if spec.state_unit is not None:  # a hybrid's final Mamba state: its one unit
+                dst, firsts = (*dst, (spec.state_unit,)), (*firsts, 0)
+            pull = PullSpec(ticket, dst, firsts)
             start = time.perf_counter()
             first_token = first_logprobs = None
             if not early:

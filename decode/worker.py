@@ -16,11 +16,12 @@ from collections.abc import Callable
 
 from pdserve.decode.kv_loader import TransferLoader, logprobs_from_rows
 from pdserve.decode.lease_keeper import EVERY_S, LeaseKeeper
-from pdserve.kvtransfer.layout import GroupStorage, paged_cache_storage
+from pdserve.kvtransfer.layout import GroupStorage, worker_storage
 from pdserve.kvtransfer.protocol import Ticket
 from pdserve.kvtransfer.tier import HostKVTier
 from pdserve.kvtransfer.transport import Transport
 from pdserve.runner.engine import Engine
+from pdserve.runner.hybrid import WHY, is_hybrid
 from pdserve.runner.lora.request import LoRARequest
 from pdserve.runner.outputs import RequestDelta
 from pdserve.runner.pooling import pooling_from_wire
@@ -54,14 +55,17 @@ class DecodeWorker:
         self.imports_kv = self.engine.config.runner.runner == "mrv2"
         self.layout = None
         self.storages: tuple[GroupStorage, ...] = ()  # what pulls and tier loads write
+        if tier is not None and is_hybrid(self.engine.config.model.hf_config):
+            arch = self.engine.config.model.architecture
+            raise ValueError(f"the KV tier cannot serve {arch}: {WHY}")
         if self.imports_kv:
             self.engine.kv_loader = self.loader
-            self.layout, storage = paged_cache_storage(
+            self.layout, self.storages = worker_storage(
                 self.engine.config.model.source or "model", self.engine.runner.kv_cache,
                 getattr(self.engine.config.model.hf_config, "kv_lora_rank", None),
+                getattr(self.engine.runner.model, "mamba_states", None),
             )  # fmt: skip
             self.loader.layout_hash = self.layout.compat_hash()
-            self.storages = (storage,)
             self.loader.attach(self.storages)
         else:
             self.engine.kv_loader = None

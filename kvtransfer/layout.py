@@ -388,3 +388,25 @@ def paged_cache_storage(
         model_name, num_layers, block_size, num_kv_heads, head_dim, kv_cache.dtype
     )
     return layout, GroupStorage(layout.groups[0], (kv_cache,))
+
+
+def worker_storage(
+    model_name: str,
+    kv_cache: torch.Tensor,
+    kv_lora_rank: int | None = None,
+    mamba_states: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[KVLayout, tuple[GroupStorage, ...]]:
+    """Layout and storages of a worker's KV: the paged cache (`paged_cache_storage`), and
+    for a hybrid Mamba model a second group, "mamba", over its state units: conv
+    `[L, units, K-1, conv_dim]` and ssm `[L, units, heads, head_dim, state]`
+    (runner/mrv2/mamba_state.py), one unit a request."""
+    layout, storage = paged_cache_storage(model_name, kv_cache, kv_lora_rank)
+    if mamba_states is None:
+        return layout, (storage,)
+    conv, ssm = mamba_states
+    group = MambaStateGroup(
+        "mamba", conv.shape[0], tuple(conv.shape[2:]), tuple(ssm.shape[2:]),
+        str(conv.dtype).removeprefix("torch."), str(ssm.dtype).removeprefix("torch."),
+    )  # fmt: skip
+    layout = KVLayout(model=model_name, groups=(*layout.groups, group))
+    return layout, (storage, GroupStorage(group, (conv, ssm)))

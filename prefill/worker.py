@@ -15,6 +15,11 @@ ticket goes out at once, with no first token (`on_early_ticket`, or the next `st
 results). The source server streams each layer as the forward marks it done and ends
 the pull with the first token, which `step` records on the lease when it is sampled.
 
+A hybrid Mamba model's held prompt also keeps its state unit (runner/state_pool.py): its
+ticket lists the blocks, then the unit, and the puller takes both. Such a model has no
+tier (blocks without states) and no early tickets (the state is final only after the
+whole forward): both are refused by name.
+
 It knows nothing about routing or HTTP.
 """
 
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kvtransfer.layer_marks import LayerMarks
-from pdserve.kvtransfer.layout import paged_cache_storage
+from pdserve.kvtransfer.layout import worker_storage
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.pack import pack
 from pdserve.kvtransfer.protocol import Ticket
@@ -37,6 +42,7 @@ from pdserve.kvtransfer.tier import HostKVTier
 from pdserve.kvtransfer.transport_cuda_ipc import export_storages
 from pdserve.kvtransfer.transport_local import LocalRegistry
 from pdserve.runner.engine import Engine
+from pdserve.runner.hybrid import WHY, is_hybrid
 from pdserve.runner.kv_hooks import KVPromptScheduled
 from pdserve.runner.lora.request import LoRARequest
 from pdserve.runner.outputs import RequestDelta
@@ -98,6 +104,10 @@ class PrefillWorker:
         by the caller), and advertise `nccl+tcp://`. `early_tickets`: layer-wise early
         tickets (module docstring); tcp only, since only its stream carries the token."""
         engine.require_paged("a prefill worker")
+        hybrid = is_hybrid(engine.config.model.hf_config)
+        if hybrid and (early_tickets or tier is not None):
+            what = "layer-wise early tickets" if early_tickets else "the KV tier"
+            raise ValueError(f"{what} cannot serve {engine.config.model.architecture}: {WHY}")
         if early_tickets and (cuda_ipc or nccl or registry is not None):
             raise ValueError(
                 "early tickets (layer-wise) stream KV over tcp; they cannot be combined "
@@ -106,11 +116,12 @@ class PrefillWorker:
         self.engine = engine
         self.worker_id = worker_id
         self.tier = tier
-        layout, storage = paged_cache_storage(
+        layout, storages = worker_storage(
             engine.config.model.source or "model", engine.runner.kv_cache,
             getattr(engine.config.model.hf_config, "kv_lora_rank", None),
+            getattr(engine.runner.model, "mamba_states", None),
         )  # fmt: skip
-        self.source = KVSource(worker_id, layout, (storage,), LeaseTable(lease_s))
+        self.source = KVSource(worker_id, layout, storages, LeaseTable(lease_s))
         self.leases = self.source.leases
         self.server: KVSourceServer | None = None
         if registry is not None:
@@ -193,7 +204,7 @@ class PrefillWorker:
             self._early[s.request_id] = s.block_ids
             self.num_early_tickets += 1
             ticket = self._ticket(
-                s.request_id, s.block_ids, s.num_tokens, lease.expiry, None, None,
+                s.request_id, [list(s.block_ids)], s.num_tokens, lease.expiry, None, None,
                 s.num_cached_tokens, s.queue_s,
             )  # fmt: skip
             result = PrefillResult(s.request_id, ticket)
@@ -233,9 +244,12 @@ class PrefillWorker:
                     self._free_when_held.discard(rid)
                     self.engine.release_held(rid)
                 continue
-            lease = self.leases.add(delta.request_id, [list(held.block_ids)], held.num_tokens)
+            units = [list(held.block_ids)]
+            if held.state_unit is not None:  # a hybrid's final Mamba state rides along
+                units.append([held.state_unit])
+            lease = self.leases.add(delta.request_id, units, held.num_tokens)
             ticket = self._ticket(
-                rid, held.block_ids, held.num_tokens, lease.expiry, delta.new_token_ids[0],
+                rid, units, held.num_tokens, lease.expiry, delta.new_token_ids[0],
                 ticket_logprobs(delta), delta.num_cached_tokens, delta.queue_s,
             )  # fmt: skip
             out.append(PrefillResult(rid, ticket))
@@ -246,7 +260,7 @@ class PrefillWorker:
     def _ticket(
         self,
         request_id: str,
-        block_ids: tuple[int, ...],
+        group_unit_ids: list[list[int]],
         num_tokens: int,
         expiry: float,
         first_token: int | None,
@@ -258,7 +272,7 @@ class PrefillWorker:
             request_id=request_id,
             worker_id=self.worker_id,
             endpoint=self.endpoint,
-            group_unit_ids=[list(block_ids)],
+            group_unit_ids=group_unit_ids,
             num_tokens=num_tokens,
             layout_hash=self.source.layout_hash,
             lease_expiry=expiry,

@@ -24,8 +24,6 @@ from pdserve.runner.config_resolve import resolve_engine_config
 from pdserve.runner.detokenizer import IncrementalDetokenizer
 from pdserve.runner.engine_pd import PDRoles
 from pdserve.runner.engine_state import StepStats, Track
-from pdserve.runner.hybrid import WHY as HYBRID_WHY
-from pdserve.runner.hybrid import is_hybrid
 from pdserve.runner.kv_cache_manager import KVCacheManager
 from pdserve.runner.kv_hooks import KVLoader, KVPublisher
 from pdserve.runner.lora.request import LoRARequest
@@ -77,7 +75,10 @@ class Engine(PDRoles):
                 f"one request of max_model_len={config.model.max_model_len} tokens; lower "
                 "max_model_len or give the cache more memory"
             )
-        self.kv = KVCacheManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, bs, config.cache.enable_prefix_caching,
+            self.runner.num_state_units,
+        )  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, self.kv, config.runner.async_scheduling)
         self._inflight: tuple[SchedulerOutput, Any] | None = None  # async: step N on device
         # The last step ran, launched and emitted nothing: whatever is unfinished waits on
@@ -88,7 +89,8 @@ class Engine(PDRoles):
         self.stats = StepStats()
         self._tracks: dict[str, Track] = {}
         self._pending: list[RequestDelta] = []
-        self._held: dict[str, tuple[int, ...]] = {}  # prefill role: blocks under a lease
+        # prefill role: blocks (and a hybrid's state unit) under a lease
+        self._held: dict[str, tuple[tuple[int, ...], int | None]] = {}
         # Embeddings and classifications (runner/pooling.py): how this model pools, and
         # vectors a step gave
         self.pooling = model_pooling(
@@ -257,8 +259,6 @@ class Engine(PDRoles):
                 f"{what} moves paged KV blocks, which the {self.runner_name} runner does not "
                 "have; use runner='mrv2'"
             )
-        if is_hybrid(self.config.model.hf_config):
-            raise ValueError(f"{what} is refused: {HYBRID_WHY} (runner/hybrid.py)")
 
     def _new_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **pd: Any

@@ -2,8 +2,8 @@
 puller, and the decode side that takes a request whose prompt ran elsewhere.
 
 `Engine` (runner/engine.py) inherits this; the hooks it drives are runner/kv_hooks.py's.
-Prefill role: `add_request(hold_kv=True)` ends a request with its blocks held
-(`_hold`), `_publish` tells a `KVPublisher` which held prompts a step finishes (layer-wise
+Prefill role: `add_request(hold_kv=True)` ends a request with its blocks (and a hybrid
+Mamba model's state unit) held (`_hold`), `_publish` tells a `KVPublisher` which held prompts a step finishes (layer-wise
 early tickets), and `release_held` frees the blocks. Decode role:
 `add_prefilled_request` queues a request for the `KVLoader` to fill, `add_first_token`
 takes an early ticket's first token, and `_finish_load` applies a load's result.
@@ -49,7 +49,8 @@ class PDRoles:
     kv_loader: KVLoader | None
     kv_publisher: KVPublisher | None
     first_tokens_by_source: Counter[str]
-    _held: dict[str, tuple[int, ...]]  # prefill role: blocks under a lease
+    # prefill role: blocks (and a hybrid's state unit) under a lease
+    _held: dict[str, tuple[tuple[int, ...], int | None]]
     _pending: list[RequestDelta]
     _tracks: dict[str, Track]
 
@@ -99,10 +100,10 @@ class PDRoles:
     def release_held(self, request_id: str) -> bool:
         """Prefill role: free the blocks a held request left behind (transfer done, lease
         expired or aborted). False if nothing was held under that id."""
-        block_ids = self._held.pop(request_id, None)
-        if block_ids is None:
+        held = self._held.pop(request_id, None)
+        if held is None:
             return False
-        self.kv.release(block_ids)
+        self.kv.release(*held)
         return True
 
     @property
@@ -194,8 +195,9 @@ class PDRoles:
         """Prefill role: the first token is sampled; keep the prompt's blocks, end here."""
         track = self._tracks.pop(req.request_id)
         self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_HELD)
-        block_ids = tuple(self.kv.detach(req))
-        self._held[req.request_id] = block_ids
+        blocks, unit = self.kv.detach(req)
+        block_ids = tuple(blocks)
+        self._held[req.request_id] = (block_ids, unit)
         delta = RequestDelta(
             req.request_id,
             [req.output_token_ids[-1]],
@@ -208,6 +210,7 @@ class PDRoles:
                 block_ids,
                 req.num_prompt_tokens,
                 tuple(self.kv.block_hashes(req)[: req.num_prompt_tokens // self.kv.block_size]),
+                unit,
             ),
         )
         if lp is not None:

@@ -2,12 +2,14 @@
 what their path switches off.
 
 A Mamba layer's output depends on its request's whole history through the state in the
-request's slot (runner/mrv2/mamba_state.py), not on paged KV blocks. So:
-- prefix caching is off: a cached block would need the Mamba state at its end, which is
-  not kept;
-- PD and the KV tier are refused: they move paged KV blocks, and the Mamba state does not
-  travel with them (the `mamba_state` layout of kvtransfer/ is not wired to this model);
+request's state unit (runner/state_pool.py, runner/mrv2/mamba_state.py), which exists only
+at the end of what the request computed so far, not at every block boundary. So:
+- prefix caching is off: a cached block would need the Mamba state at its end;
+- the KV tier is off: it keeps blocks by prefix hash, without states;
+- layer-wise early tickets are refused: the state is final only after the whole forward;
 - CUDA graphs are off: the mixer runs in torch, eagerly (runner/models/mamba2.py).
+PD itself works: a held prompt keeps its unit with its blocks, and the ticket moves the
+unit's final state with them (kvtransfer/ `mamba_state`), all or nothing.
 Each is logged or refused by name, so the path an operator sees is the one that runs.
 """
 
@@ -17,7 +19,10 @@ from typing import Any
 
 from pdserve.runner.models.mamba_hybrid import mamba_layers
 
-WHY = "a hybrid Mamba model's state does not travel with its KV blocks"
+WHY = (
+    "a hybrid Mamba model's state exists only at the end of a prompt, not for each block "
+    "(runner/hybrid.py)"
+)
 
 
 def is_hybrid(hf_config: Any) -> bool:

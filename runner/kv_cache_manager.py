@@ -10,6 +10,9 @@ that back tokens [0, len(blocks) * block_size); block i holds tokens
     cache_blocks(req, req.num_computed_tokens)    # publish blocks that are now full
     free(req)                                     # finish, abort or preempt
 
+A hybrid Mamba model's manager also hands each request a state unit (runner/state_pool.py)
+with its first blocks, and takes it back with them: `state_unit`, `detach`, `release`.
+
 This module does not know about the GPU tensors the block ids index, the scheduler's
 policy (who gets memory, who is preempted) or how KV is transferred; it is bookkeeping.
 """
@@ -21,6 +24,7 @@ from collections.abc import Sequence
 from pdserve.runner.block_hash import extend_block_hashes
 from pdserve.runner.block_pool import BlockPool
 from pdserve.runner.request import Request
+from pdserve.runner.state_pool import StatePool
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -28,13 +32,22 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        num_state_units: int = 0,
+    ) -> None:
+        """`num_state_units` > 0: a hybrid Mamba model's state units (module docstring)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
         self._req_blocks: dict[str, list[int]] = {}
+        self.state_pool = StatePool(num_state_units) if num_state_units else None
+        self._req_unit: dict[str, int] = {}
         # How many leading blocks of each request were already offered to the cache, so
         # cache_blocks does work only for blocks completed since its last call.
         self._num_cached_blocks: dict[str, int] = {}
@@ -53,6 +66,10 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.block_pool.usage
+
+    def state_unit(self, request_id: str) -> int | None:
+        """The request's state unit (None: the model has none, or it holds no blocks)."""
+        return self._req_unit.get(request_id)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block list ([] for a request holding none)."""
@@ -119,6 +136,11 @@ class KVCacheManager:
         num_revived = sum(1 for b in new_computed_blocks if self.block_pool.ref_cnt(b) == 0)
         if num_to_allocate + num_revived > self.block_pool.num_free_blocks:
             return None
+        pool = self.state_pool
+        if pool is not None and request.request_id not in self._req_unit:
+            if pool.num_free == 0:
+                return None
+            self._req_unit[request.request_id] = pool.allocate()
 
         for i, block_id in enumerate(new_computed_blocks):
             assert self.block_pool.block_hash(block_id) == request.block_hashes[i], (
@@ -166,21 +188,28 @@ class KVCacheManager:
         self._num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, last block first, and forget the request."""
+        """Release the request's blocks, last block first, and its state unit, and forget
+        the request."""
         blocks = self._req_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if blocks is not None:
             self.block_pool.free(reversed(blocks))
+        unit = self._req_unit.pop(request.request_id, None)
+        if unit is not None:
+            self.state_pool.free(unit)
 
-    def detach(self, request: Request) -> list[int]:
-        """Forget the request but keep its blocks referenced (prefill role: they back a
-        transfer lease); hand them back later with `release`."""
+    def detach(self, request: Request) -> tuple[list[int], int | None]:
+        """Forget the request but keep its blocks referenced and its state unit taken
+        (prefill role: they back a transfer lease); hand them back later with `release`."""
         self._num_cached_blocks.pop(request.request_id, None)
-        return self._req_blocks.pop(request.request_id, [])
+        unit = self._req_unit.pop(request.request_id, None)
+        return self._req_blocks.pop(request.request_id, []), unit
 
-    def release(self, block_ids: Sequence[int]) -> None:
+    def release(self, block_ids: Sequence[int], state_unit: int | None = None) -> None:
         """Drop the references `detach` kept, last block first (like `free`)."""
         self.block_pool.free(reversed(block_ids))
+        if state_unit is not None:
+            self.state_pool.free(state_unit)
 
     def block_hashes(self, request: Request) -> list[int]:
         """Chain hashes of the request's full blocks (computed now if missing)."""

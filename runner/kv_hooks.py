@@ -33,6 +33,7 @@ class KVHeld:
     block_ids: tuple[int, ...]
     num_tokens: int  # prompt tokens whose KV the blocks hold
     block_hashes: tuple[int, ...]  # chain hashes of the full blocks (tier keys)
+    state_unit: int | None = None  # a hybrid Mamba model's: the prompt's final state
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class KVLoadSpec:
     num_prompt_tokens: int
     block_hashes: tuple[int, ...]  # chain hashes of the prompt's full blocks (tier lookups)
     ticket: object  # whatever add_prefilled_request was given; opaque to the engine
+    # A hybrid Mamba model's: the unit that takes the prompt's final state. Such a load is
+    # all or nothing: the state exists only at the prompt's end (runner/state_pool.py).
+    state_unit: int | None = None
 
 
 @dataclass(frozen=True)

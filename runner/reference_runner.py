@@ -53,6 +53,7 @@ class ReferenceRunner:
         self.num_blocks = config.cache.num_blocks or (
             config.scheduler.max_num_seqs * config.max_blocks_per_request + 1
         )
+        self.num_state_units = 0  # transformers keeps any recurrent state in its own cache
         max_reqs = config.scheduler.max_num_seqs
         self.sampling = SamplingState(max_reqs, config.model.vocab_size, self.device)
         self._free_slots = list(range(max_reqs - 1, -1, -1))

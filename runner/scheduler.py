@@ -250,6 +250,7 @@ class Scheduler:
                     grammar=req.grammar,
                     lora_name=req.lora_name,
                     pooling=req.pooling,
+                    state_unit=self.kv.state_unit(req.request_id),
                 )
             )
             self._in_runner.add(req.request_id)
@@ -327,6 +328,7 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             block_hashes=tuple(self.kv.block_hashes(req)[:num_full]),
             ticket=req.kv_ticket,
+            state_unit=self.kv.state_unit(req.request_id),
         )
 
     def _preempt_until_allocated(

@@ -29,6 +29,7 @@ class NewRequestData:
     grammar: TokenGrammar | None = None  # structured output: what the output must follow
     lora_name: str | None = None  # the LoRA adapter it runs with (runner/lora/)
     pooling: PoolingSpec | None = None  # an embedding request: how its prompt is pooled
+    state_unit: int | None = None  # a hybrid Mamba model's: its state unit (state_pool.py)
 
 
 @dataclass

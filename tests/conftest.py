@@ -583,3 +583,61 @@ def make_lora_adapter(base_dir: str, folder: Path, targets, rank: int, alpha: fl
               "bias": "none", "use_rslora": rslora, "task_type": "CAUSAL_LM"}  # fmt: skip
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return deltas
+
+
+# ---- hybrid Mamba models (test_mamba_hybrid.py, test_mamba_pd.py) -------------------
+
+
+def slow_decay(path: str) -> str:
+    from safetensors.torch import load_file, save_file
+
+    _randomize_tensors(path, "norm", scale=0.5)
+    # Slow decay (|A| 0.02-0.3, time steps ~0.2): the state a token leaves still counts
+    # dozens of tokens later, across scan chunks and steps, so carrying it is tested
+    (file,) = sorted(Path(path).glob("*.safetensors"))
+    tensors = load_file(file)
+    g = torch.Generator().manual_seed(9)
+    for name, t in tensors.items():
+        if name.endswith("A_log"):
+            tensors[name] = torch.log(torch.linspace(0.02, 0.3, t.numel()))
+        elif name.endswith("dt_bias"):
+            tensors[name] = torch.randn(t.shape, generator=g) * 0.5 - 1.5
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_bamba_dir(tmp_path_factory) -> str:
+    """4 layers (attention at 1 and 3), 8 Mamba heads of 16 in one group (the released
+    Bamba's; transformers before 5.2x normalises Bamba's gated output over all its
+    features, not per group, which only one group makes the same: the grouped norm is
+    NemotronH's test below), state 16, conv 4, 16-token scan chunks (so a prompt's scan
+    spans several)."""
+    from transformers import BambaConfig
+
+    cfg = BambaConfig(
+        vocab_size=1009, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1, 3],
+        mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=16, max_position_embeddings=512,
+        initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, architectures=["BambaForCausalLM"],
+    )  # fmt: skip
+    return slow_decay(_save_tiny(tmp_path_factory, "tiny-bamba", cfg))
+
+
+@pytest.fixture(scope="session")
+def tiny_nemotron_h_dir(tmp_path_factory) -> str:
+    """NemotronH, dense: blocks Mamba2, ReLU^2 MLP, attention (no RoPE), MLP, Mamba2,
+    MLP; 8 Mamba heads of 16 in 2 groups (its own config keys)."""
+    from transformers import NemotronHConfig
+
+    cfg = NemotronHConfig(
+        vocab_size=1009, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=8,
+        mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
+        max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, architectures=["NemotronHForCausalLM"],
+    )  # fmt: skip
+    return slow_decay(_save_tiny(tmp_path_factory, "tiny-nemotron-h", cfg))

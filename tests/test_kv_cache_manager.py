@@ -61,6 +61,33 @@ def test_allocate_and_free_counts() -> None:
     assert kv.num_free_blocks == 9 and kv.get_block_ids("a") == []
 
 
+def test_state_units_come_and_go_with_the_blocks() -> None:
+    """A hybrid Mamba model's state units (runner/state_pool.py): one with a request's first
+    blocks, none with its later ones; a request that finds no free unit gets nothing (its
+    blocks are not taken either); `detach` keeps the unit past the request, `release`
+    and `free` give it back."""
+    kv = KVCacheManager(num_blocks=10, block_size=BS, enable_prefix_caching=False,
+                        num_state_units=2)  # fmt: skip
+    a, b, c = (make_request(r, list(range(6))) for r in "abc")
+    assert kv.allocate_slots(a, 6) is not None and kv.state_unit("a") == 0
+    a.num_computed_tokens = 6
+    assert len(kv.allocate_slots(a, 4)) == 1 and kv.state_unit("a") == 0
+    assert kv.allocate_slots(b, 6) is not None and kv.state_unit("b") == 1
+    free_blocks = kv.num_free_blocks
+    assert kv.allocate_slots(c, 6) is None, "no unit left: nothing is allocated"
+    assert kv.num_free_blocks == free_blocks and kv.state_unit("c") is None
+    blocks, unit = kv.detach(a)
+    assert unit == 0 and kv.state_unit("a") is None and kv.state_pool.num_free == 0
+    assert kv.allocate_slots(c, 6) is None, "a detached unit is still taken"
+    kv.release(blocks, unit)
+    assert kv.allocate_slots(c, 6) is not None and kv.state_unit("c") == 0
+    kv.free(b)
+    kv.free(c)
+    assert kv.state_pool.num_free == 2 and kv.num_free_blocks == 9
+    plain = KVCacheManager(num_blocks=10, block_size=BS, enable_prefix_caching=False)
+    assert plain.allocate_slots(a, 6) is not None and plain.state_unit("a") is None
+
+
 def test_null_block_never_handed_out() -> None:
     """Guards against block 0 (the pad target of block tables) being given to a request."""
     kv = KVCacheManager(num_blocks=5, block_size=BS, enable_prefix_caching=True)
@@ -284,6 +311,12 @@ def test_a_salted_request_hits_only_blocks_of_its_own_salt() -> None:
     index = PrefixIndex(BS)
     for salt in (None, "tenant-a"):
         assert index.hashes(prompt, salt) == kv.block_hashes(make_request("h", prompt, salt))
+    # Workers that cache nothing (no prefix caching, a hybrid Mamba model): no hits.
+    index.remember("w", index.hashes(prompt))
+    assert index.hit_tokens("w", index.hashes(prompt)) == 3 * BS
+    off = PrefixIndex(BS, enabled=False)
+    off.remember("w", off.hashes(prompt))
+    assert off.hit_tokens("w", off.hashes(prompt)) == 0
 
 
 def test_cache_blocks_skips_tokens_not_known_yet() -> None:

@@ -2,45 +2,13 @@
 mrv2: greedy tokens and logprobs equal transformers' for prompts prefilled in chunks (the
 Mamba state carried across steps, the scan across its own chunks), in mixed batches
 (prompt chunks beside decode rows), and after preemption (a recomputed request starts
-from a zero state); prefix caching is off and the PD paths are refused by name
-(runner/hybrid.py)."""
+from a zero state); prefix caching is off (runner/hybrid.py). PD: test_mamba_pd.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
-from conftest import (
-    DEVICE,
-    _randomize_tensors,
-    _save_tiny,
-    assert_greedy_matches_hf,
-    assert_logprobs_match_hf,
-)
+from conftest import _save_tiny, assert_greedy_matches_hf, assert_logprobs_match_hf, slow_decay
 from safetensors.torch import load_file, save_file
-
-from pdserve import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tiny_bamba_dir(tmp_path_factory) -> str:
-    """4 layers (attention at 1 and 3), 8 Mamba heads of 16 in one group (the released
-    Bamba's; transformers before 5.2x normalises Bamba's gated output over all its
-    features, not per group, which only one group makes the same: the grouped norm is
-    NemotronH's test below), state 16, conv 4, 16-token scan chunks (so a prompt's scan
-    spans several)."""
-    from transformers import BambaConfig
-
-    cfg = BambaConfig(
-        vocab_size=1009, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1, 3],
-        mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
-        mamba_expand=2, mamba_chunk_size=16, max_position_embeddings=512,
-        initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, architectures=["BambaForCausalLM"],
-    )  # fmt: skip
-    return _slow_decay(_save_tiny(tmp_path_factory, "tiny-bamba", cfg))
 
 
 @pytest.fixture(scope="module")
@@ -61,23 +29,7 @@ def tiny_granite_hybrid_dir(tmp_path_factory) -> str:
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         architectures=["GraniteMoeHybridForCausalLM"],
     )  # fmt: skip
-    return _slow_decay(_save_tiny(tmp_path_factory, "tiny-granite-hybrid", cfg))
-
-
-def _slow_decay(path: str) -> str:
-    _randomize_tensors(path, "norm", scale=0.5)
-    # Slow decay (|A| 0.02-0.3, time steps ~0.2): the state a token leaves still counts
-    # dozens of tokens later, across scan chunks and steps, so carrying it is tested
-    (file,) = sorted(Path(path).glob("*.safetensors"))
-    tensors = load_file(file)
-    g = torch.Generator().manual_seed(9)
-    for name, t in tensors.items():
-        if name.endswith("A_log"):
-            tensors[name] = torch.log(torch.linspace(0.02, 0.3, t.numel()))
-        elif name.endswith("dt_bias"):
-            tensors[name] = torch.randn(t.shape, generator=g) * 0.5 - 1.5
-    save_file(tensors, file, metadata={"format": "pt"})
-    return path
+    return slow_decay(_save_tiny(tmp_path_factory, "tiny-granite-hybrid", cfg))
 
 
 def test_granite_hybrid_matches_transformers(tiny_granite_hybrid_dir):
@@ -112,32 +64,6 @@ def test_preempted_requests_restart_from_a_zero_state(tiny_bamba_dir):
     llm = assert_greedy_matches_hf(tiny_bamba_dir, (30, 41, 35, 28), 24, seed=8,
                                    num_gpu_blocks=10, max_model_len=100)  # fmt: skip
     assert llm.engine.scheduler.num_preemptions > 0
-
-
-def test_pd_paths_are_refused_by_name(tiny_bamba_dir):
-    from pdserve import LLM
-
-    llm = LLM(model=tiny_bamba_dir, device=DEVICE, dtype="float32")
-    with pytest.raises(ValueError, match="hold_kv is refused: a hybrid Mamba model's state"):
-        llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2), hold_kv=True)
-    assert not llm.engine.has_unfinished()
-
-
-@pytest.fixture(scope="module")
-def tiny_nemotron_h_dir(tmp_path_factory) -> str:
-    """NemotronH, dense: blocks Mamba2, ReLU^2 MLP, attention (no RoPE), MLP, Mamba2,
-    MLP; 8 Mamba heads of 16 in 2 groups (its own config keys)."""
-    from transformers import NemotronHConfig
-
-    cfg = NemotronHConfig(
-        vocab_size=1009, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
-        layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=8,
-        mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
-        max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, architectures=["NemotronHForCausalLM"],
-    )  # fmt: skip
-    return _slow_decay(_save_tiny(tmp_path_factory, "tiny-nemotron-h", cfg))
 
 
 def test_nemotron_h_matches_transformers(tiny_nemotron_h_dir):

@@ -1,5 +1,5 @@
 """The Mamba2 token mixer of hybrid models (Bamba: runner/models/mamba_hybrid.py) over per-request
-state slots (runner/mrv2/mamba_state.py).
+state units (runner/mrv2/mamba_state.py, runner/state_pool.py).
 
 One mixer step over a batch's rows (each row a request's new tokens, maybe a chunk of its
 prompt, maybe one decode token):
@@ -10,7 +10,7 @@ prompt, maybe one decode token):
   head, `S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T`, `y_t = S_t C_t + D x_t`, from the
   row's SSM state; dt is softplus(dt + dt_bias), clamped to `time_step_limit`;
 - y * silu(z) is RMS-normalised per group and goes through `out_proj`.
-A row's final conv and SSM states are written back to its slot.
+A row's final conv and SSM states are written back to its request's unit.
 
 The scan of a row's tokens runs in the chunked (quadratic within a chunk of
 `mamba_chunk_size` tokens, recurrent across chunks) form; decode rows (one token each)
@@ -34,7 +34,7 @@ from torch import nn
 class MambaStep:
     """What a step's Mamba layers read about its rows (set by MambaModelState.prepare)."""
 
-    slots: torch.Tensor  # [R] int64 device: each row's state slot
+    units: torch.Tensor  # [R] int64 device: each row's state unit
     query_start: np.ndarray  # [R + 1] host: row r's tokens are [qs[r], qs[r + 1])
     fresh: np.ndarray  # [R] bool host: the row's first tokens (its state starts at zero)
     fresh_dev: torch.Tensor  # [R] bool device, the same
@@ -106,9 +106,9 @@ class Mamba2Mixer(nn.Module):
     def forward(
         self, x: torch.Tensor, step: MambaStep, conv: torch.Tensor, ssm: torch.Tensor
     ) -> torch.Tensor:
-        """x [T, hidden] (the rows' tokens in order) -> [T, hidden]; `conv` [slots, K-1,
-        conv_dim] and `ssm` [slots, heads, head_dim, state] (this layer's) are read and
-        written at the rows' slots."""
+        """x [T, hidden] (the rows' tokens in order) -> [T, hidden]; `conv` [units, K-1,
+        conv_dim] and `ssm` [units, heads, head_dim, state] (this layer's) are read and
+        written at the rows' units."""
         d = self.dims
         zxbcdt = self.in_proj(x)
         z, xbc, dt = zxbcdt.split([d.inner, d.conv_dim, d.heads], dim=-1)
@@ -154,33 +154,33 @@ class Mamba2Mixer(nn.Module):
     def _segment(self, xbc, dt, step: MambaStep, r: int, conv, ssm) -> torch.Tensor:
         """One row's tokens (a prompt chunk): its convolution and chunked scan."""
         d = self.dims
-        slot = step.slots[r]
+        unit = step.units[r]
         fresh = bool(step.fresh[r])
-        prev = torch.zeros_like(conv[0]) if fresh else conv[slot]  # [K-1, C]
+        prev = torch.zeros_like(conv[0]) if fresh else conv[unit]  # [K-1, C]
         full = torch.cat([prev, xbc.to(conv.dtype)], dim=0)  # [K-1+T, C]
-        conv[slot] = full[full.shape[0] - (d.conv_kernel - 1) :]
+        conv[unit] = full[full.shape[0] - (d.conv_kernel - 1) :]
         x, b, c = self._conv(full.unfold(0, d.conv_kernel, 1))  # windows [T, C, K]
-        state = torch.zeros_like(ssm[0]) if fresh else ssm[slot]
+        state = torch.zeros_like(ssm[0]) if fresh else ssm[unit]
         y, state = ssd_scan(x, self._time_steps(dt), -torch.exp(self.A_log.float()), b, c,
                             self.D.float(), state, d.chunk)  # fmt: skip
-        ssm[slot] = state
+        ssm[unit] = state
         return y.reshape(y.shape[0], d.inner)
 
     def _decode(self, xbc, dt, step: MambaStep, conv, ssm) -> torch.Tensor:
         """One token a row, all rows at once."""
         keep = (~step.fresh_dev)[:, None, None]
-        prev = conv[step.slots] * keep.to(conv.dtype)  # [R, K-1, C]
+        prev = conv[step.units] * keep.to(conv.dtype)  # [R, K-1, C]
         full = torch.cat([prev, xbc.to(conv.dtype)[:, None]], dim=1)  # [R, K, C]
-        conv[step.slots] = full[:, 1:]
+        conv[step.units] = full[:, 1:]
         x, b, c = self._conv(full.transpose(1, 2))  # [R, H, P], [R, H, N]
         dt = self._time_steps(dt)  # [R, H]
         a = -torch.exp(self.A_log.float())
-        state = ssm[step.slots] * keep[..., None].float()  # [R, H, P, N]
+        state = ssm[step.units] * keep[..., None].float()  # [R, H, P, N]
         state = (
             state * torch.exp(dt * a)[..., None, None]
             + (dt[..., None] * x)[..., None] * b[:, :, None, :]
         )
-        ssm[step.slots] = state
+        ssm[step.units] = state
         y = (state * c[:, :, None, :]).sum(-1) + self.D.float()[:, None] * x
         return y.reshape(y.shape[0], -1)
 

@@ -3,7 +3,7 @@
 (NemotronHForCausalLM), their dense forms.
 
 Each decoder layer normalises its input, mixes tokens with either a Mamba2 mixer
-(runner/models/mamba2.py, state per request slot) or llama.py's Attention, adds the
+(runner/models/mamba2.py, state per request unit) or llama.py's Attention, adds the
 residual, then normalises again into a SwiGLU MLP. Only the attention layers have paged
 KV: the cache holds `num_kv_layers` layers, and attention layer j reads the j-th.
 
@@ -20,8 +20,9 @@ KV: the cache holds `num_kv_layers` layers, and attention layer j reads the j-th
   without RoPE or a ReLU^2 MLP), as `layers_block_type` lists them; MoE blocks refused.
 
 What this path does not do (refused or switched off by name, runner/hybrid.py): prefix
-caching (a cached block would need the Mamba state at its end), PD transfer and the KV
-tier (the state does not travel), CUDA graphs and norm folding.
+caching and the KV tier (a cached block would need the Mamba state at its end),
+layer-wise early tickets, CUDA graphs and norm folding. PD moves the prompt's final
+state with its blocks.
 """
 
 from __future__ import annotations

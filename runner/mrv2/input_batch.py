@@ -39,6 +39,7 @@ class InputBatch:
     slot_mapping: torch.Tensor  # [T_pad] int64, -1 for pads
     block_tables: torch.Tensor  # [R_pad, max_blocks] int32
     # Host copies the CPU already had (no device->host sync needed to read them).
+    idx_mapping_np: np.ndarray  # [R] int64
     seq_lens_np: np.ndarray  # [R]
     query_start_loc_np: np.ndarray  # [R + 1]
     max_query_len: int
@@ -179,6 +180,7 @@ class InputBuffers:
             seq_lens=seq_lens,
             slot_mapping=slot_mapping,
             block_tables=block_tables,
+            idx_mapping_np=slots,
             seq_lens_np=seq_lens_np,
             query_start_loc_np=qsl,
             max_query_len=int(num_scheduled.max(initial=0)),

@@ -100,15 +100,17 @@ class MRV2ModelRunner:
             )  # fmt: skip
         max_reqs = config.scheduler.max_num_seqs
         # Model-family state (model_state.py); a hybrid's Mamba state is allocated before
-        # the KV cache is sized, so a GPU budget counts it
+        # the KV cache is sized, so a GPU budget counts it. Its units are the scheduler's to
+        # hand out (runner/state_pool.py): one a request, held past its slot in PD.
+        self.num_state_units = max_reqs if getattr(m, "num_mamba_layers", 0) else 0
         self.model_state = model_state or (
-            MambaModelState(m, max_reqs, self.device)
-            if getattr(m, "num_mamba_layers", 0)
+            MambaModelState(m, max_reqs, self.num_state_units, self.device)
+            if self.num_state_units
             else GQAModelState()
         )
         if isinstance(self.model_state, MambaModelState):
-            logger.info("mrv2 runner: Mamba state for %d slots (%.1f MiB)", max_reqs,
-                        self.model_state.bytes / 2**20)  # fmt: skip
+            logger.info("mrv2 runner: Mamba state for %d requests (%.1f MiB)",
+                        self.num_state_units, self.model_state.bytes / 2**20)  # fmt: skip
         # Layers with paged KV: all of them, but a hybrid's attention layers only
         kv_layers = getattr(m, "num_kv_layers", len(m.layers))
         block_shape = m.kv_block_shape(self.block_size)
@@ -184,7 +186,7 @@ class MRV2ModelRunner:
                 self.model_state.on_remove(slot)
         for new in so.new_requests:
             slot = st.add(new)
-            self.model_state.on_add(slot)
+            self.model_state.on_add(slot, new)
             if self.lora is not None:
                 self.slot_lora[slot] = self.lora.index_of(new.lora_name)
             self.pooling.add(slot, new.pooling)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 
 from pdserve.runner.mrv2.input_batch import InputBatch
+from pdserve.runner.scheduler_output import NewRequestData
 
 
 class ModelState:
-    def on_add(self, slot: int) -> None:
-        """A request took `slot`: reset any per-slot model state (e.g. recurrent state)."""
+    def on_add(self, slot: int, new: NewRequestData) -> None:
+        """A request took `slot` (e.g. map the slot to the request's recurrent state)."""
 
     def on_remove(self, slot: int) -> None:
         """The request in `slot` left."""
