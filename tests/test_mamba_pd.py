@@ -210,7 +210,7 @@ def bamba_chat_dir(tmp_path_factory, smollm_dir) -> str:
     return path
 
 
-def test_pd_server_serves_a_hybrid(bamba_chat_dir, tmp_path):
+def test_pd_server_serves_a_hybrid_with_the_bundled_tokenizer(bamba_chat_dir, tmp_path):
     """`pdserve serve --mode pd` on a hybrid: the tier it would start is off (said so), the
     completion equals the offline engine's, a repeated prompt is not routed to a decode
     worker's prefix cache (there is none), and layer-wise KV is refused by name."""
