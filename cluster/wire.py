@@ -15,7 +15,9 @@ from pdserve.runner.lora.request import LoRARequest
 from pdserve.runner.pooling import pooling_from_wire
 from pdserve.runner.sampling_params import SamplingParams
 
-WIRE_VERSION = 1
+# 2: a request's adapter travels as its key and folder (`lora_path`), and `embed` is the
+# pooling map ({task, normalize, dimensions, activation}); a version-1 peer is refused.
+WIRE_VERSION = 2
 # SamplingParams fields a request may carry (the rest are derived or engine-internal).
 PARAM_FIELDS = tuple(
     f.name for f in dataclasses.fields(SamplingParams) if f.init and not f.name.startswith("_")
