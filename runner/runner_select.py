@@ -41,11 +41,6 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
     supported = ("silu",) if experts_per_pick(hf_config) is not None else DENSE_ACTIVATIONS
     if act not in supported:
         problems.append(f"hidden_act {act!r} (mrv2 implements {', '.join(supported)})")
-    if (
-        getattr(hf_config, "model_type", "") == "granitemoehybrid"
-        and (getattr(hf_config, "num_local_experts", 0) or 0) > 0
-    ):
-        problems.append("Granite 4.0-H experts (num_local_experts > 0; its dense forms run)")
     if getattr(hf_config, "model_type", "") == "nemotron_h":
         kinds = set(hf_config.layers_block_type)
         if "moe" in kinds:

@@ -6,6 +6,8 @@ from a zero state); prefix caching is off (runner/hybrid.py). PD: test_mamba_pd.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import _save_tiny, assert_greedy_matches_hf, assert_logprobs_match_hf, slow_decay
 from safetensors.torch import load_file, save_file
@@ -38,13 +40,62 @@ def test_granite_hybrid_matches_transformers(tiny_granite_hybrid_dir):
                              8, block_size=16, max_num_batched_tokens=16)  # fmt: skip
 
 
-def test_granite_hybrid_experts_are_refused_by_name():
+@pytest.fixture(scope="module")
+def tiny_granite_moe_dir(tmp_path_factory) -> str:
+    """Granite 4.0-H with experts (H-Tiny's form): 4 SwiGLU experts of 48, top 2, beside
+    the shared MLP; Mamba at layers 1 and 3. Saved under the released checkpoints' names
+    (`block_sparse_moe.input_linear`, `output_linear`, `router.layer`)."""
     from transformers import GraniteMoeHybridConfig
 
-    from pdserve.runner.runner_select import mrv2_unsupported_features
+    cfg = GraniteMoeHybridConfig(
+        vocab_size=1009, hidden_size=64, shared_intermediate_size=80, intermediate_size=48,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention", "linear_attention", "full_attention",
+                     "linear_attention"],
+        mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=16, max_position_embeddings=512,
+        embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.4,
+        logits_scaling=3.0, position_embedding_type="nope", initializer_range=0.1,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        architectures=["GraniteMoeHybridForCausalLM"],
+    )  # fmt: skip
+    path = slow_decay(_save_tiny(tmp_path_factory, "tiny-granite-moe", cfg))
+    (file,) = sorted(Path(path).glob("*.safetensors"))
+    assert "model.layers.1.block_sparse_moe.input_linear.weight" in load_file(file)
+    return path
 
-    cfg = GraniteMoeHybridConfig(num_local_experts=4, architectures=["GraniteMoeHybridForCausalLM"])
-    assert any("num_local_experts" in p for p in mrv2_unsupported_features(cfg))
+
+def test_granite_hybrid_experts_match_transformers(tiny_granite_moe_dir):
+    """Routing (top 2 of 4, softmax over the two), the experts' SwiGLU, the shared MLP
+    beside them and Granite's residual multiplier on both: greedy tokens and prompt
+    logprobs equal transformers', in batches where tokens pick different experts."""
+    assert_greedy_matches_hf(tiny_granite_moe_dir, (3, 40, 77), 16, seed=6)
+    assert_logprobs_match_hf(tiny_granite_moe_dir, [(11 * i + 2) % 1000 + 3 for i in range(33)],
+                             8, block_size=16, max_num_batched_tokens=16)  # fmt: skip
+
+
+def test_granite_hybrid_experts_read_transformers_5_names(tiny_granite_moe_dir, tmp_path):
+    """The same weights under transformers 5's names (`experts.gate_up_proj`,
+    `experts.down_proj`, `router.weight`) decode the same tokens."""
+    import shutil
+
+    folder = tmp_path / "t5-names"
+    shutil.copytree(tiny_granite_moe_dir, folder)
+    (file,) = sorted(folder.glob("*.safetensors"))
+    renames = (
+        (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
+        (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
+        (".block_sparse_moe.router.layer.weight", ".block_sparse_moe.router.weight"),
+    )
+    renamed = {}
+    for name, t in load_file(file).items():
+        for theirs, ours in renames:
+            name = name.replace(theirs, ours)
+        renamed[name] = t
+    assert "model.layers.0.block_sparse_moe.experts.gate_up_proj" in renamed
+    save_file(renamed, file, metadata={"format": "pt"})
+    assert_greedy_matches_hf(str(folder), (5, 40), 8, seed=2, ref_dir=tiny_granite_moe_dir)
 
 
 def test_greedy_tokens_match_transformers(tiny_bamba_dir):

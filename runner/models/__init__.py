@@ -25,7 +25,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": LlamaFamilyForCausalLM,
-    "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,  # dense forms (runner/hybrid.py)
+    "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,  # dense or MoE (runner/hybrid.py)
     "LlamaForCausalLM": LlamaFamilyForCausalLM,
     "Ministral3ForCausalLM": LlamaFamilyForCausalLM,
     "MinistralForCausalLM": LlamaFamilyForCausalLM,

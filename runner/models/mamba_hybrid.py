@@ -1,6 +1,6 @@
 """Hybrids of Mamba2 and attention layers, as members of the Llama family: Bamba
 (BambaForCausalLM), Granite 4.0-H (GraniteMoeHybridForCausalLM) and NemotronH
-(NemotronHForCausalLM), their dense forms.
+(NemotronHForCausalLM): Granite 4.0-H dense or with experts, NemotronH's dense forms.
 
 Each decoder layer normalises its input, mixes tokens with either a Mamba2 mixer
 (runner/models/mamba2.py, state per request unit) or llama.py's Attention, adds the
@@ -14,8 +14,8 @@ KV: the cache holds `num_kv_layers` layers, and attention layer j reads the j-th
   multipliers; the residual one folded into each branch's output projection at load, the
   Mamba mixer's `out_proj` included); attention without RoPE unless
   `position_embedding_type` is "rope"; the MLP is `shared_mlp` (`input_linear`: gate and
-  up, fused; `output_linear`). Its MoE forms (`num_local_experts` > 0) are refused by
-  name (runner_select.py).
+  up, fused; `output_linear`); its MoE forms (`num_local_experts` > 0) add top-k SwiGLU
+  experts (runner/models/moe.py) to the shared MLP.
 - NemotronH: blocks of one mixer each (`HybridBlock`: norm, then Mamba2, attention
   without RoPE or a ReLU^2 MLP), as `layers_block_type` lists them; MoE blocks refused.
 
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels.skinny_linear import linear
+from pdserve.runner.models import moe
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.models.llama import Attention, LlamaFamilyForCausalLM, RMSNorm, family_spec
 from pdserve.runner.models.mamba2 import Mamba2Mixer, MambaStep, mamba2_dims
@@ -51,10 +52,15 @@ def mamba_layers(cfg: Any) -> list[int]:
 
 
 class HybridDecoderLayer(nn.Module):
-    """Norm, token mixer (Mamba2 or attention), norm, MLP (Bamba, Granite 4.0-H)."""
+    """Norm, token mixer (Mamba2 or attention), norm, MLP (Bamba, Granite 4.0-H); with
+    `experts` (Granite 4.0-H's MoE forms) the MLP is the shared one, added to the experts'
+    output. The experts are `mlp`, the name llama.py's expert loader fills."""
 
-    def __init__(self, cfg: Any, mixer: nn.Module, mlp: nn.Module):
+    def __init__(
+        self, cfg: Any, mixer: nn.Module, mlp: nn.Module, experts: nn.Module | None = None
+    ):
         super().__init__()
+        self.mlp = experts
         self.is_mamba = isinstance(mixer, Mamba2Mixer)
         self.has_attention = not self.is_mamba
         if self.is_mamba:
@@ -75,7 +81,9 @@ class HybridDecoderLayer(nn.Module):
         else:
             x = self.self_attn(x, positions, cos_sin, kv_cache, attn)
         x, residual = self.pre_ff_layernorm(x, residual)
-        return self.feed_forward(x), residual
+        if self.mlp is None:
+            return self.feed_forward(x), residual
+        return self.mlp(x) + self.feed_forward(x), residual
 
 
 class HybridBlock(nn.Module):
@@ -146,7 +154,9 @@ class MambaHybridForCausalLM(LlamaFamilyForCausalLM):
             mixer = Attention(cfg, family_spec(cfg), self.workspace)
         bias = bool(getattr(cfg, "mlp_bias", False))
         mlp = MLP(cfg.hidden_size, self._mlp_width(cfg), bias, self.workspace)
-        return HybridDecoderLayer(cfg, mixer, mlp)
+        spec = moe.moe_spec(cfg)
+        experts = moe.SparseMoeBlock(cfg.hidden_size, spec, self.workspace) if spec else None
+        return HybridDecoderLayer(cfg, mixer, mlp, experts)
 
     def _mlp_width(self, cfg: Any) -> int:
         return cfg.intermediate_size
@@ -212,6 +222,8 @@ class MambaHybridForCausalLM(LlamaFamilyForCausalLM):
                 linear_layer.weight.mul_(self.residual_multiplier)
                 if linear_layer.bias is not None:
                     linear_layer.bias.mul_(self.residual_multiplier)
+            if layer.mlp is not None:  # the experts' down projections, as the shared one's
+                layer.mlp.experts_down.mul_(self.residual_multiplier)
 
 
 class BambaForCausalLM(MambaHybridForCausalLM):
@@ -219,10 +231,21 @@ class BambaForCausalLM(MambaHybridForCausalLM):
 
 
 class GraniteHybridForCausalLM(MambaHybridForCausalLM):
+    """Granite 4.0-H, dense (H-Micro) or with experts (H-Tiny, H-Small: top-k of
+    `num_local_experts`, SwiGLU, beside the shared MLP). Released checkpoints store the
+    experts as `block_sparse_moe.input_linear` / `output_linear` and the router as
+    `router.layer`; transformers 5 as `experts.gate_up_proj` / `down_proj` and
+    `router.weight`: both load."""
+
     _RENAMES = (
         (".shared_mlp.input_linear.", ".feed_forward.gate_up_proj."),
         (".shared_mlp.output_linear.", ".feed_forward.down_proj."),
         (".post_attention_layernorm.", ".pre_ff_layernorm."),
+        (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
+        (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),
+        (".block_sparse_moe.router.layer.", ".mlp.gate."),
+        (".block_sparse_moe.router.weight", ".mlp.gate.weight"),
+        (".block_sparse_moe.experts.", ".mlp.experts."),
     )
 
     def _mlp_width(self, cfg: Any) -> int:

@@ -1,5 +1,6 @@
 """Sparse MoE feed-forward layers of the Llama family's MoE members: Mixtral, Qwen2-MoE
-(with a sigmoid-gated shared expert) and Qwen3-MoE.
+(with a sigmoid-gated shared expert) and Qwen3-MoE; and Granite 4.0-H's experts
+(runner/models/mamba_hybrid.py adds their ungated shared MLP).
 
 Which layers are sparse, how many experts a token takes and whether their weights are
 renormalised are config data (`MoeSpec`); attention is the family's own. The experts'
@@ -44,6 +45,12 @@ def moe_spec(cfg: Any) -> MoeSpec | None:
     """The config's MoE layer shape, None for a dense model."""
     model_type = getattr(cfg, "model_type", "")
     if model_type == "mixtral":
+        return MoeSpec(
+            cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, True, 0
+        )
+    if model_type == "granitemoehybrid" and (getattr(cfg, "num_local_experts", 0) or 0) > 0:
+        # Softmax over the k largest logits: the same k weights as renormalising the top k
+        # of a softmax over all experts. Its shared MLP is not gated (mamba_hybrid.py).
         return MoeSpec(
             cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, True, 0
         )
