@@ -4,8 +4,9 @@ A sparse layer sends each token to `top_k` of `E` experts, each a gated MLP with
 weights, and sums the experts' outputs weighted by the router's probabilities. The
 weights are stacked per layer: gate/up `[E, 2I, H]` (the gate's I rows, then the up's) and
 down `[E, H, I]`, the layout transformers keeps in memory too, with optional biases
-`[E, 2I]` and `[E, H]` (gpt-oss). The gate is SwiGLU's silu(gate) * up, or gpt-oss's
-clamped variant (`ExpertAct`).
+`[E, 2I]` and `[E, H]` (gpt-oss). The gate is SwiGLU's silu(gate) * up, gpt-oss's
+clamped variant, or NemotronH's ungated relu(up)^2, whose first projection is the up
+rows alone, `[E, I, H]` (`ExpertAct`).
 
 `moe_experts_ref` is the spec and the CPU path: a loop over the experts a batch uses, each
 a dense SwiGLU over its tokens. It reads which experts those are on the host, so on a
@@ -51,14 +52,15 @@ def route_top_k(
 
 def _check(
     x: Tensor, w_gate_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor,
-    b_gate_up: Tensor | None = None, b_down: Tensor | None = None,
+    b_gate_up: Tensor | None = None, b_down: Tensor | None = None, act: ExpertAct = SILU,
 ) -> None:  # fmt: skip
     num_experts, two_inter, hidden = w_gate_up.shape
+    halves = 2 if act.gated else 1
     assert x.dim() == 2 and x.shape[1] == hidden, f"x {tuple(x.shape)} must be [T, {hidden}]"
-    assert two_inter % 2 == 0, f"gate/up weights {tuple(w_gate_up.shape)} must be [E, 2I, H]"
-    assert w_down.shape == (num_experts, hidden, two_inter // 2), (
+    assert two_inter % halves == 0, f"gate/up weights {tuple(w_gate_up.shape)} must be [E, 2I, H]"
+    assert w_down.shape == (num_experts, hidden, two_inter // halves), (
         f"down weights {tuple(w_down.shape)} must be [E, H, I] = "
-        f"[{num_experts}, {hidden}, {two_inter // 2}]"
+        f"[{num_experts}, {hidden}, {two_inter // halves}]"
     )
     assert ids.dim() == 2 and ids.shape[0] == x.shape[0] and weights.shape == ids.shape, (
         f"expert ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T, k]"
@@ -75,7 +77,10 @@ def _check(
 
 
 def gate_act_ref(gate_up: Tensor, inter: int, act: ExpertAct) -> Tensor:
-    """[N, 2I] gate | up -> [N, I], in the input's dtype, rounding after each op."""
+    """[N, 2I] gate | up (relu2: [N, I] up) -> [N, I], in the input's dtype, rounding after
+    each op."""
+    if not act.gated:
+        return torch.relu(gate_up).square()
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
     if act.kind == "silu":
         return F.silu(gate) * up
@@ -96,7 +101,7 @@ def moe_experts_ref(
     the k rounded terms of a token are summed by `Tensor.sum` (float32 accumulation, one
     final rounding).
     """
-    _check(x, w_gate_up, w_down, ids, weights, b_gate_up, b_down)
+    _check(x, w_gate_up, w_down, ids, weights, b_gate_up, b_down, act)
     num_tokens, top_k = ids.shape
     inter = w_down.shape[2]
     flat_ids = ids.reshape(-1)
@@ -117,7 +122,7 @@ def moe_experts(
     b_gate_up: Tensor | None = None, b_down: Tensor | None = None, act: ExpertAct = SILU,
 ):  # fmt: skip
     if x.is_cuda:
-        _check(x, w_gate_up, w_down, ids, weights, b_gate_up, b_down)
+        _check(x, w_gate_up, w_down, ids, weights, b_gate_up, b_down, act)
         return moe_triton.moe_experts_triton(
             x, w_gate_up, w_down, ids, weights, b_gate_up=b_gate_up, b_down=b_down, act=act
         )

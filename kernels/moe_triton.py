@@ -11,8 +11,8 @@ CUDA graph):
    host by S and E, so the grid never depends on device values.
 2. `_gate_up_kernel`: a program takes one block and BLOCK_N intermediate features; it
    gathers its tokens' rows of x, multiplies them by the expert's gate and up rows (plus
-   their biases, gpt-oss) and writes the gate (silu(gate) * up, or gpt-oss's clamped
-   variant) for its slots ([S, I]).
+   their biases, gpt-oss) and writes the gate (silu(gate) * up, gpt-oss's clamped
+   variant, or NemotronH's relu(up)^2 from up rows alone) for its slots ([S, I]).
 3. `_down_kernel`: the same over the down projection (plus its bias), scaling each slot's
    row by its routing weight ([S, H]).
 4. The k rows of a token are summed by `Tensor.sum` (fixed order: no atomics, so a
@@ -103,9 +103,12 @@ def _block_slots(sorted_slots_ptr, block, num_slots, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _gate(gate, up, dtype: tl.constexpr, OAI_GATE: tl.constexpr, ALPHA: tl.constexpr,
-          LIMIT: tl.constexpr):  # fmt: skip
+          LIMIT: tl.constexpr, RELU2: tl.constexpr):  # fmt: skip
     """float32 gate and up (already rounded to `dtype`) -> the gated value in `dtype`,
-    rounding after each op as `gate_act_ref` does."""
+    rounding after each op as `gate_act_ref` does (RELU2: `up` alone, relu(up)^2)."""
+    if RELU2:
+        r = tl.maximum(up, 0.0)
+        return (r * r).to(dtype)
     if OAI_GATE:
         gate = tl.minimum(gate, LIMIT)
         up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
@@ -120,8 +123,8 @@ def _gate(gate, up, dtype: tl.constexpr, OAI_GATE: tl.constexpr, ALPHA: tl.const
 @triton.jit(do_not_specialize=["num_slots"])
 def _gate_up_kernel(
     x_ptr,  # [T, H]
-    w_ptr,  # [E, 2I, H], unit stride on H
-    bias_ptr,  # [E, 2I] (HAS_BIAS)
+    w_ptr,  # [E, 2I, H] ([E, I, H]: RELU2), unit stride on H
+    bias_ptr,  # [E, 2I] ([E, I]: RELU2) (HAS_BIAS)
     out_ptr,  # [S, I]
     sorted_slots_ptr,  # [B * BLOCK_M] int32
     block_expert_ptr,  # [B] int32
@@ -139,6 +142,7 @@ def _gate_up_kernel(
     OAI_GATE: tl.constexpr,  # gpt-oss's clamped gate, else silu
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
+    RELU2: tl.constexpr,  # NemotronH's ungated relu(up)^2: no gate rows
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -150,7 +154,7 @@ def _gate_up_kernel(
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
         gate_rows = w_ptr + expert * stride_we + n.to(tl.int64)[None, :] * stride_wn
-        up_rows = gate_rows + inter * stride_wn
+        up_rows = gate_rows if RELU2 else gate_rows + inter * stride_wn
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
@@ -161,20 +165,27 @@ def _gate_up_kernel(
                 mask=valid[:, None] & k_ok[None, :], other=0.0,
             )  # fmt: skip
             w_mask = k_ok[:, None] & n_ok[None, :]
-            w_gate = tl.load(gate_rows + k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, N]
+            if not RELU2:
+                w_gate = tl.load(gate_rows + k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, N]
+                acc_gate = attention_dot(a, w_gate, acc_gate, DOT_PRECISION, UPCAST_DOT)
             w_up = tl.load(up_rows + k[:, None], mask=w_mask, other=0.0)
-            acc_gate = attention_dot(a, w_gate, acc_gate, DOT_PRECISION, UPCAST_DOT)
             acc_up = attention_dot(a, w_up, acc_up, DOT_PRECISION, UPCAST_DOT)
         if HAS_BIAS:
-            bias_row = bias_ptr + expert * 2 * inter + n
-            acc_gate += tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            acc_up += tl.load(bias_row + inter, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if RELU2:
+                bias_row = bias_ptr + expert * inter + n
+                acc_up += tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            else:
+                bias_row = bias_ptr + expert * 2 * inter + n
+                acc_gate += tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                acc_up += tl.load(bias_row + inter, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         dtype = out_ptr.dtype.element_ty
         gate = acc_gate.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
         out = out_ptr + slots.to(tl.int64)[:, None] * inter + n[None, :]
         tl.store(
-            out, _gate(gate, up, dtype, OAI_GATE, ALPHA, LIMIT), mask=valid[:, None] & n_ok[None, :]
+            out,
+            _gate(gate, up, dtype, OAI_GATE, ALPHA, LIMIT, RELU2),
+            mask=valid[:, None] & n_ok[None, :],
         )
 
 
@@ -267,7 +278,7 @@ def moe_experts_triton(
         x, w_gate_up, b_gate_up if has_bias else x, h, sorted_slots, block_expert, num_slots,
         top_k, hidden, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         HAS_BIAS=has_bias, OAI_GATE=act.kind == "swiglu_oai", ALPHA=act.alpha,
-        LIMIT=act.limit, **launch,
+        LIMIT=act.limit, RELU2=act.kind == "relu2", **launch,
     )  # fmt: skip
     terms = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
