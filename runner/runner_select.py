@@ -42,9 +42,6 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
     if act not in supported:
         problems.append(f"hidden_act {act!r} (mrv2 implements {', '.join(supported)})")
     if getattr(hf_config, "model_type", "") == "nemotron_h":
-        kinds = set(hf_config.layers_block_type)
-        if "moe" in kinds:
-            problems.append("NemotronH MoE blocks (its dense forms run)")
         if getattr(hf_config, "mlp_hidden_act", "relu2") != "relu2":
             problems.append(f"NemotronH mlp_hidden_act {hf_config.mlp_hidden_act!r} (relu2 runs)")
         act = getattr(hf_config, "mamba_hidden_act", "silu")

@@ -9,7 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import _save_tiny, assert_greedy_matches_hf, assert_logprobs_match_hf, slow_decay
+from conftest import (
+    _randomize_tensors,
+    _save_tiny,
+    assert_greedy_matches_hf,
+    assert_logprobs_match_hf,
+    slow_decay,
+)
 from safetensors.torch import load_file, save_file
 
 
@@ -144,11 +150,71 @@ def test_nemotron_h_reads_its_released_names(tiny_nemotron_h_dir, tmp_path):
     assert_greedy_matches_hf(str(folder), (5, 40), 8, seed=2, ref_dir=tiny_nemotron_h_dir)
 
 
-def test_nemotron_h_experts_are_refused_by_name():
+def _nemotron_moe(tmp_path_factory, name: str, **extra) -> str:
+    """NemotronH with MoE blocks (Nemotron 3 Nano's form): 8 relu^2 experts of 32 in 2
+    groups, top 2 from the best group, scaled by 2.5, and a shared expert of 48; a random
+    correction bias, so it changes which experts win."""
     from transformers import NemotronHConfig
 
-    from pdserve.runner.runner_select import mrv2_unsupported_features
+    cfg = NemotronHConfig(
+        vocab_size=1009, hidden_size=64, intermediate_size=96,
+        layers_block_type=["mamba", "moe", "attention", "mlp", "mamba", "moe"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=8,
+        mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=512,
+        initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, architectures=["NemotronHForCausalLM"], **extra,
+    )  # fmt: skip
+    path = slow_decay(_save_tiny(tmp_path_factory, name, cfg))
+    _randomize_tensors(path, "e_score_correction_bias", scale=0.3)
+    (file,) = sorted(Path(path).glob("*.safetensors"))
+    assert "backbone.layers.1.mixer.experts.7.up_proj.weight" in load_file(file)
+    return path
 
-    cfg = NemotronHConfig(num_hidden_layers=2, layers_block_type=["mamba", "moe"],
-                          architectures=["NemotronHForCausalLM"])  # fmt: skip
-    assert any("MoE blocks" in p for p in mrv2_unsupported_features(cfg))
+
+@pytest.fixture(scope="module")
+def tiny_nemotron_moe_dir(tmp_path_factory) -> str:
+    return _nemotron_moe(tmp_path_factory, "tiny-nemotron-moe")
+
+
+def test_nemotron_h_experts_match_transformers(tiny_nemotron_moe_dir):
+    """Group-limited sigmoid routing with its correction bias, the relu^2 experts read one
+    by one from the released names, the scaling and the shared expert: greedy tokens and
+    prompt logprobs equal transformers'."""
+    assert_greedy_matches_hf(tiny_nemotron_moe_dir, (2, 33, 70), 16, seed=3)
+    assert_logprobs_match_hf(tiny_nemotron_moe_dir, [(5 * i + 4) % 1000 + 3 for i in range(31)],
+                             8, block_size=16, max_num_batched_tokens=16)  # fmt: skip
+
+
+def test_nemotron_h_latent_experts_match_transformers(tmp_path_factory):
+    """`moe_latent_size`: the experts work in a 24-wide latent between two projections."""
+    path = _nemotron_moe(tmp_path_factory, "tiny-nemotron-latent", moe_latent_size=24)
+    assert_greedy_matches_hf(path, (4, 37), 12, seed=5)
+    assert_logprobs_match_hf(path, [(7 * i + 5) % 1000 + 3 for i in range(21)], 6)
+
+
+def test_nemotron_h_experts_read_transformers_5_names(tiny_nemotron_moe_dir, tmp_path):
+    """The experts stacked (`mixer.experts.up_proj` [E, I, H]), as transformers 5 keeps
+    them in memory: the same tokens."""
+    import re
+    import shutil
+
+    import torch
+
+    folder = tmp_path / "stacked"
+    shutil.copytree(tiny_nemotron_moe_dir, folder)
+    (file,) = sorted(folder.glob("*.safetensors"))
+    tensors, parts = {}, {}
+    for name, t in load_file(file).items():
+        m = re.match(r"(.*mixer\.experts\.)(\d+)\.(up|down)_proj\.weight$", name)
+        if m is None:
+            tensors[name] = t
+        else:
+            parts.setdefault(f"{m.group(1)}{m.group(3)}_proj", {})[int(m.group(2))] = t
+    for name, experts in parts.items():
+        tensors[name] = torch.stack([experts[e] for e in range(len(experts))])
+    assert "backbone.layers.5.mixer.experts.down_proj" in tensors
+    save_file(tensors, file, metadata={"format": "pt"})
+    assert_greedy_matches_hf(str(folder), (5, 40), 8, seed=2, ref_dir=tiny_nemotron_moe_dir)

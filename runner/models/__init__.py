@@ -31,7 +31,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "MinistralForCausalLM": LlamaFamilyForCausalLM,
     "MistralForCausalLM": LlamaFamilyForCausalLM,
     "MixtralForCausalLM": LlamaFamilyForCausalLM,
-    "NemotronHForCausalLM": NemotronHForCausalLM,  # dense forms (runner/hybrid.py)
+    "NemotronHForCausalLM": NemotronHForCausalLM,  # dense or MoE (runner/hybrid.py)
     "Olmo2ForCausalLM": PostNormForCausalLM,
     "Olmo3ForCausalLM": PostNormForCausalLM,
     "Phi3ForCausalLM": LlamaFamilyForCausalLM,

@@ -462,6 +462,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                     )
                 params[local].data.copy_(tensor)
                 loaded.add(local)
+                loaded.update(moe.expert_keys(local, params[local]) or ())  # all experts
                 if "qkv_proj" in local or "gate_up_proj" in local:  # stored fused (Phi-3)
                     loaded.update(f"{local}#{i}" for i in range(3 if "qkv" in local else 2))
         if self._score_from_tokens() and "score.weight" not in loaded:  # tied: the embedding
