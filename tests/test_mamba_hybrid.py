@@ -19,15 +19,14 @@ from conftest import (
 from safetensors.torch import load_file, save_file
 
 
-@pytest.fixture(scope="module")
-def tiny_granite_hybrid_dir(tmp_path_factory) -> str:
-    """Granite 4.0-H, dense: Granite's four multipliers, attention without RoPE at layers
-    0 and 2 of 4, a fused shared MLP."""
+def _granite_hybrid(tmp_path_factory, name: str, **extra) -> str:
+    """Granite 4.0-H: Granite's four multipliers, attention without RoPE at layers 0 and 2
+    of 4, Mamba at 1 and 3, a fused shared MLP (and `extra`'s experts)."""
     from transformers import GraniteMoeHybridConfig
 
     cfg = GraniteMoeHybridConfig(
         vocab_size=1009, hidden_size=64, shared_intermediate_size=80, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=0,
+        num_attention_heads=4, num_key_value_heads=2,
         layer_types=["full_attention", "linear_attention", "full_attention",
                      "linear_attention"],
         mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
@@ -35,9 +34,15 @@ def tiny_granite_hybrid_dir(tmp_path_factory) -> str:
         embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.4,
         logits_scaling=3.0, position_embedding_type="nope", initializer_range=0.1,
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        architectures=["GraniteMoeHybridForCausalLM"],
+        architectures=["GraniteMoeHybridForCausalLM"], **extra,
     )  # fmt: skip
-    return slow_decay(_save_tiny(tmp_path_factory, "tiny-granite-hybrid", cfg))
+    return slow_decay(_save_tiny(tmp_path_factory, name, cfg))
+
+
+@pytest.fixture(scope="module")
+def tiny_granite_hybrid_dir(tmp_path_factory) -> str:
+    """The dense form (H-Micro's)."""
+    return _granite_hybrid(tmp_path_factory, "tiny-granite-hybrid", num_local_experts=0)
 
 
 def test_granite_hybrid_matches_transformers(tiny_granite_hybrid_dir):
@@ -48,25 +53,11 @@ def test_granite_hybrid_matches_transformers(tiny_granite_hybrid_dir):
 
 @pytest.fixture(scope="module")
 def tiny_granite_moe_dir(tmp_path_factory) -> str:
-    """Granite 4.0-H with experts (H-Tiny's form): 4 SwiGLU experts of 48, top 2, beside
-    the shared MLP; Mamba at layers 1 and 3. Saved under the released checkpoints' names
-    (`block_sparse_moe.input_linear`, `output_linear`, `router.layer`)."""
-    from transformers import GraniteMoeHybridConfig
-
-    cfg = GraniteMoeHybridConfig(
-        vocab_size=1009, hidden_size=64, shared_intermediate_size=80, intermediate_size=48,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        num_local_experts=4, num_experts_per_tok=2,
-        layer_types=["full_attention", "linear_attention", "full_attention",
-                     "linear_attention"],
-        mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
-        mamba_expand=2, mamba_chunk_size=16, max_position_embeddings=512,
-        embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.4,
-        logits_scaling=3.0, position_embedding_type="nope", initializer_range=0.1,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        architectures=["GraniteMoeHybridForCausalLM"],
-    )  # fmt: skip
-    path = slow_decay(_save_tiny(tmp_path_factory, "tiny-granite-moe", cfg))
+    """With experts (H-Tiny's form): 4 SwiGLU experts of 48, top 2, beside the shared MLP.
+    Saved under the released checkpoints' names (`block_sparse_moe.input_linear`,
+    `output_linear`, `router.layer`)."""
+    path = _granite_hybrid(tmp_path_factory, "tiny-granite-moe", intermediate_size=48,
+                           num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
     (file,) = sorted(Path(path).glob("*.safetensors"))
     assert "model.layers.1.block_sparse_moe.input_linear.weight" in load_file(file)
     return path
