@@ -209,3 +209,49 @@ def test_nemotron_h_experts_read_transformers_5_names(tiny_nemotron_moe_dir, tmp
     assert "backbone.layers.5.mixer.experts.down_proj" in tensors
     save_file(tensors, file, metadata={"format": "pt"})
     assert_greedy_matches_hf(str(folder), (5, 40), 8, seed=2, ref_dir=tiny_nemotron_moe_dir)
+
+
+def test_a_mixed_step_equals_its_rows_alone():
+    """One step of prompt chunks and one-token rows (decodes, and a one-token prompt) in any
+    order, on units that are not the row numbers: each row's output and its state equal
+    those of the row run alone (the one-token rows take the batched recurrence, the others
+    the scan)."""
+    import numpy as np
+    import torch
+    from transformers import BambaConfig
+
+    from pdserve.runner.models.mamba2 import Mamba2Mixer, MambaStep
+
+    cfg = BambaConfig(hidden_size=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=2,
+                      mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=4)  # fmt: skip
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(cfg, 0)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.normal_(0, 0.3)
+    d = mixer.dims
+    counts = np.array([5, 1, 7, 1, 1])
+    fresh = np.array([False, False, True, True, False])
+    units = torch.tensor([3, 0, 4, 1, 2])
+    conv0 = torch.randn(5, d.conv_kernel - 1, d.conv_dim)
+    ssm0 = torch.randn(5, d.heads, d.head_dim, d.state)
+    x = torch.randn(int(counts.sum()), d.hidden)
+    qs = np.concatenate([[0], np.cumsum(counts)])
+
+    def run(rows):
+        conv, ssm = conv0.clone(), ssm0.clone()
+        sub_counts = counts[rows]
+        sub_qs = np.concatenate([[0], np.cumsum(sub_counts)])
+        xs = torch.cat([x[qs[r] : qs[r + 1]] for r in rows])
+        f = fresh[rows]
+        step = MambaStep(units[rows], sub_qs, f, torch.from_numpy(f))
+        with torch.no_grad():
+            return mixer(xs, step, conv, ssm), conv, ssm
+
+    together, conv_all, ssm_all = run(list(range(5)))
+    for r in range(5):
+        alone, conv_r, ssm_r = run([r])
+        torch.testing.assert_close(together[qs[r] : qs[r + 1]], alone, rtol=1e-5, atol=1e-5)
+        u = int(units[r])
+        torch.testing.assert_close(conv_all[u], conv_r[u])
+        torch.testing.assert_close(ssm_all[u], ssm_r[u], rtol=1e-5, atol=1e-5)

@@ -112,13 +112,20 @@ class Mamba2Mixer(nn.Module):
         d = self.dims
         zxbcdt = self.in_proj(x)
         z, xbc, dt = zxbcdt.split([d.inner, d.conv_dim, d.heads], dim=-1)
-        rows = len(step.query_start) - 1
         counts = np.diff(step.query_start)
         y = torch.zeros(x.shape[0], d.inner, dtype=torch.float32, device=x.device)
-        if rows and counts.max() == 1:  # decode rows: one batched recurrence
-            y[:rows] = self._decode(xbc[:rows], dt[:rows], step, conv, ssm)
+        single = counts == 1  # decode rows (and one-token chunks): one batched recurrence
+        if single.all():
+            n = len(counts)
+            y[:n] = self._decode(xbc[:n], dt[:n], step.units, step.fresh_dev, conv, ssm)
         else:
-            for r in range(rows):
+            if single.any():
+                rows = np.flatnonzero(single)
+                at = torch.from_numpy(step.query_start[rows]).to(x.device, non_blocking=True)
+                on = torch.from_numpy(rows).to(x.device, non_blocking=True)
+                y[at] = self._decode(xbc[at], dt[at], step.units[on], step.fresh_dev[on],
+                                     conv, ssm)  # fmt: skip
+            for r in np.flatnonzero(~single).tolist():
                 first, end = int(step.query_start[r]), int(step.query_start[r + 1])
                 y[first:end] = self._segment(xbc[first:end], dt[first:end], step, r, conv, ssm)
         out = self.norm(y, z.float()).to(x.dtype)
@@ -166,21 +173,21 @@ class Mamba2Mixer(nn.Module):
         ssm[unit] = state
         return y.reshape(y.shape[0], d.inner)
 
-    def _decode(self, xbc, dt, step: MambaStep, conv, ssm) -> torch.Tensor:
-        """One token a row, all rows at once."""
-        keep = (~step.fresh_dev)[:, None, None]
-        prev = conv[step.units] * keep.to(conv.dtype)  # [R, K-1, C]
+    def _decode(self, xbc, dt, units, fresh, conv, ssm) -> torch.Tensor:
+        """One token a row, these rows (their `units`, and which are `fresh`) at once."""
+        keep = (~fresh)[:, None, None]
+        prev = conv[units] * keep.to(conv.dtype)  # [R, K-1, C]
         full = torch.cat([prev, xbc.to(conv.dtype)[:, None]], dim=1)  # [R, K, C]
-        conv[step.units] = full[:, 1:]
+        conv[units] = full[:, 1:]
         x, b, c = self._conv(full.transpose(1, 2))  # [R, H, P], [R, H, N]
         dt = self._time_steps(dt)  # [R, H]
         a = -torch.exp(self.A_log.float())
-        state = ssm[step.units] * keep[..., None].float()  # [R, H, P, N]
+        state = ssm[units] * keep[..., None].float()  # [R, H, P, N]
         state = (
             state * torch.exp(dt * a)[..., None, None]
             + (dt[..., None] * x)[..., None] * b[:, :, None, :]
         )
-        ssm[step.units] = state
+        ssm[units] = state
         y = (state * c[:, :, None, :]).sum(-1) + self.D.float()[:, None] * x
         return y.reshape(y.shape[0], -1)
 

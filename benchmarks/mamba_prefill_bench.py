@@ -1,0 +1,94 @@
+"""Benchmark of one Mamba2 mixer's prompt step (runner/models/mamba2.py); prints and writes JSON.
+
+Not a test. A Granite-4.0-H-Tiny-shaped mixer (hidden 1536, 48 heads of 64, state 128, one
+group, conv 4, scan chunks of 256; random weights) runs one step of R prompt chunks of the
+given lengths, fresh or continuing from a state, and, for the mixed case, decode rows
+beside them. Reported per case: milliseconds per forward (median of `--reps`), on the CPU
+or the GPU it finds.
+
+    python benchmarks/mamba_prefill_bench.py [--dtype bfloat16] [--reps 5] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+from run_meta import write_result
+
+from pdserve.runner.models.mamba2 import Mamba2Mixer, MambaStep
+
+# name -> (prompt chunk lengths, decode rows)
+CASES = {
+    "1x2048": ([2048], 0),
+    "8x512": ([512] * 8, 0),
+    "32x256": ([256] * 32, 0),
+    "16_mixed_lengths": ([37, 600, 256, 1024, 5, 90, 300, 700, 12, 256, 512, 64, 128, 40, 900,
+                          333], 0),  # fmt: skip
+    "4x512+60_decode": ([512] * 4, 60),
+}
+
+
+class _Cfg:
+    model_type = "bamba"
+    hidden_size, rms_norm_eps = 1536, 1e-5
+    mamba_n_heads, mamba_d_head, mamba_n_groups, mamba_d_state = 48, 64, 1, 128
+    mamba_d_conv, mamba_chunk_size = 4, 256
+    time_step_limit = (0.0, float("inf"))
+
+
+def run(case: str, dtype: torch.dtype, device: torch.device, reps: int) -> dict:
+    lengths, decodes = CASES[case]
+    counts = np.array(lengths + [1] * decodes)
+    rows = len(counts)
+    mixer = Mamba2Mixer(_Cfg(), 0).to(device)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.normal_(0, 0.02)
+        mixer.A_log.copy_(torch.log(torch.linspace(0.5, 8, mixer.A_log.numel())))
+    mixer = mixer.to(dtype)
+    d = mixer.dims
+    conv = torch.zeros(rows, d.conv_kernel - 1, d.conv_dim, dtype=dtype, device=device)
+    ssm = torch.zeros(rows, d.heads, d.head_dim, d.state, dtype=torch.float32, device=device)
+    qs = np.concatenate([[0], np.cumsum(counts)])
+    fresh = np.array([True] * len(lengths) + [False] * decodes)
+    step = MambaStep(torch.arange(rows, device=device), qs, fresh,
+                     torch.from_numpy(fresh).to(device))  # fmt: skip
+    x = torch.randn(int(qs[-1]), d.hidden, dtype=dtype, device=device)
+    times = []
+    with torch.inference_mode():
+        for i in range(reps + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            mixer(x, step, conv, ssm)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:  # the first is warm-up
+                times.append((time.perf_counter() - start) * 1e3)
+    return {"case": case, "rows": rows, "tokens": int(qs[-1]), "ms": statistics.median(times)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on CPU")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    rows = [run(c, dtype, device, args.reps) for c in args.cases.split(",")]
+    for r in rows:
+        print(f"{r['case']:>18}: {r['ms']:9.2f} ms ({r['rows']} rows, {r['tokens']} tokens)")
+    if args.out:
+        write_result(args.out, "mamba_prefill", __file__, sys.argv,
+                     {"dtype": str(dtype).removeprefix("torch."), "rows": rows})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
