@@ -18,6 +18,7 @@ from pdserve.sizes import parse_size
 ENV_KEYS = {"api_key": "PDSERVE_API_KEY", "admin_key": "PDSERVE_ADMIN_KEY"}
 UVICORN_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # runner/config.py's, without importing torch
+MAMBA_DTYPES = ("auto", "float32", "bfloat16", "float16")  # runner/config.py's, no torch
 # Keys that take human-readable sizes ("32k", "4G"; pdserve/sizes.py), as vLLM's flags do.
 SIZE_KEYS = (
     "max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "responses_store_bytes",
@@ -131,6 +132,9 @@ class ServeConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     kv_cache_dtype: str = "auto"  # the KV cache is in the model's dtype
+    # vLLM's: a hybrid Mamba model's state dtypes (runner/config.py CacheConfig)
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "float32"
     # A Jinja chat template (a file, or the template itself) instead of the tokenizer's.
     chat_template: str | None = None
     # vLLM's: tool_choice auto (OpenAI's default with tools) is answered only with both,

@@ -13,6 +13,7 @@ from pdserve.cluster.cors import json_list
 from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.cluster.serve_args import (
     ENV_KEYS,
+    MAMBA_DTYPES,
     SCHEDULING_POLICIES,
     SIZE_KEYS,
     UVICORN_LEVELS,
@@ -58,6 +59,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None,
                    help="1 only: a worker runs on one GPU")  # fmt: skip
     p.add_argument("--kv-cache-dtype", default=None, help="auto only: the model's dtype")
+    p.add_argument("--mamba-cache-dtype", choices=list(MAMBA_DTYPES), default=None,
+                   help="a hybrid Mamba model's conv state (default auto: the model's dtype)")  # fmt: skip
+    p.add_argument("--mamba-ssm-cache-dtype", choices=list(MAMBA_DTYPES), default=None,
+                   help="its SSM state (auto: as --mamba-cache-dtype; default float32, where "
+                   "vLLM's default is auto)")  # fmt: skip
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or the template itself) to use instead "
                    "of the tokenizer's")  # fmt: skip

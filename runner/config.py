@@ -74,6 +74,9 @@ class ModelConfig:
         return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+MAMBA_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache geometry. `num_blocks` is None until the engine has sized it."""
@@ -83,8 +86,18 @@ class CacheConfig:
     num_blocks: int | None = None  # explicit override; else sized from the memory budget
     kv_cache_memory_bytes: int | None = None  # explicit budget; else device default
     gpu_memory_utilization: float = 0.9
+    # vLLM's: a hybrid Mamba model's state dtypes (runner/mrv2/mamba_state.py): the conv
+    # state's ("auto": the model's dtype), and the SSM state's ("auto": the conv state's).
+    # The SSM state defaults to float32 here (vLLM's default is "auto"): it accumulates over
+    # the whole sequence, and 16-bit rounding compounds.
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+            value = getattr(self, name)
+            _require(value in MAMBA_DTYPES,
+                     f"{name} must be one of {', '.join(MAMBA_DTYPES)} (got {value!r})")  # fmt: skip
         bs = self.block_size
         _require(
             bs >= 1 and (bs & (bs - 1)) == 0 and bs <= 256,
@@ -103,6 +116,14 @@ class CacheConfig:
             f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})",
         )
 
+    def mamba_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+        """(conv state, SSM state) dtypes of a hybrid Mamba model run in `model_dtype`."""
+        conv = model_dtype if self.mamba_cache_dtype == "auto" else _TORCH[self.mamba_cache_dtype]
+        ssm = conv if self.mamba_ssm_cache_dtype == "auto" else _TORCH[self.mamba_ssm_cache_dtype]
+        return conv, ssm
+
+
+_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 

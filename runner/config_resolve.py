@@ -90,6 +90,8 @@ def resolve_engine_config(
     max_loras: int = 1,
     max_lora_rank: int = 16,
     hf_overrides: dict | str | None = None,
+    mamba_cache_dtype: str = "auto",
+    mamba_ssm_cache_dtype: str = "float32",
 ) -> EngineConfig:
     from transformers import AutoConfig
 
@@ -155,6 +157,8 @@ def resolve_engine_config(
             num_blocks=num_gpu_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
+            mamba_cache_dtype=mamba_cache_dtype,
+            mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,

@@ -255,3 +255,41 @@ def test_a_mixed_step_equals_its_rows_alone():
         u = int(units[r])
         torch.testing.assert_close(conv_all[u], conv_r[u])
         torch.testing.assert_close(ssm_all[u], ssm_r[u], rtol=1e-5, atol=1e-5)
+
+
+def test_mamba_state_dtypes_follow_vllms_flags(tiny_bamba_dir):
+    """`mamba_cache_dtype` / `mamba_ssm_cache_dtype` (vLLM's names): the SSM state defaults
+    to float32; "auto" follows the conv state, which follows the model; a 16-bit SSM state
+    rounds each step's state and stays close (16-bit rounding of a state that decays over
+    tens of tokens: logprobs within 0.05), and a bad name is refused."""
+    import torch
+
+    from pdserve import LLM, SamplingParams
+    from pdserve.runner.config import CacheConfig
+
+    prompts = [{"prompt_token_ids": [(13 * i + 5) % 1000 + 3 for i in range(40)]}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
+
+    def run(**kw):
+        llm = LLM(model=tiny_bamba_dir, device="cpu", max_model_len=256, **kw)
+        conv, ssm = llm.engine.runner.model.mamba_states
+        out = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+        return (
+            (conv.dtype, ssm.dtype),
+            out.token_ids,
+            [next(iter(lp.values())).logprob for lp in out.logprobs],
+        )
+
+    dtypes, tokens, lps = run()
+    assert dtypes == (torch.float32, torch.float32)
+    dtypes16, tokens16, lps16 = run(mamba_ssm_cache_dtype="bfloat16")
+    assert dtypes16 == (torch.float32, torch.bfloat16)
+    assert tokens16 == tokens
+    diff = max(abs(a - b) for a, b in zip(lps, lps16, strict=True))
+    assert 0 < diff < 0.05, diff
+    assert run(mamba_cache_dtype="bfloat16", mamba_ssm_cache_dtype="auto")[0] == (
+        torch.bfloat16, torch.bfloat16,
+    )  # fmt: skip
+    assert CacheConfig().mamba_dtypes(torch.bfloat16) == (torch.bfloat16, torch.float32)
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of"):
+        LLM(model=tiny_bamba_dir, device="cpu", mamba_ssm_cache_dtype="fp8")

@@ -72,6 +72,10 @@ def test_defaults_and_names_as_vllm_picks_them():
     from pdserve.runner import config
 
     assert serve_args.SCHEDULING_POLICIES == config.SCHEDULING_POLICIES
+    assert serve_args.MAMBA_DTYPES == config.MAMBA_DTYPES
+    assert (cfg.mamba_cache_dtype, cfg.mamba_ssm_cache_dtype) == ("auto", "float32")
+    hybrid = _args("--mamba-cache-dtype", "float32", "--mamba-ssm-cache-dtype", "auto")
+    assert (hybrid.mamba_cache_dtype, hybrid.mamba_ssm_cache_dtype) == ("float32", "auto")
     assert cfg.generation_config == "auto"
     assert served_names(cfg) == ("SmolLM2-135M-Instruct",)
     # The model as given, not its last path part: what a vLLM client already sends.

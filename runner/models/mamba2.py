@@ -167,10 +167,10 @@ class Mamba2Mixer(nn.Module):
         full = torch.cat([prev, xbc.to(conv.dtype)], dim=0)  # [K-1+T, C]
         conv[unit] = full[full.shape[0] - (d.conv_kernel - 1) :]
         x, b, c = self._conv(full.unfold(0, d.conv_kernel, 1))  # windows [T, C, K]
-        state = torch.zeros_like(ssm[0]) if fresh else ssm[unit]
+        state = torch.zeros_like(ssm[0], dtype=torch.float32) if fresh else ssm[unit].float()
         y, state = ssd_scan(x, self._time_steps(dt), -torch.exp(self.A_log.float()), b, c,
                             self.D.float(), state, d.chunk)  # fmt: skip
-        ssm[unit] = state
+        ssm[unit] = state.to(ssm.dtype)
         return y.reshape(y.shape[0], d.inner)
 
     def _decode(self, xbc, dt, units, fresh, conv, ssm) -> torch.Tensor:
@@ -187,7 +187,7 @@ class Mamba2Mixer(nn.Module):
             state * torch.exp(dt * a)[..., None, None]
             + (dt[..., None] * x)[..., None] * b[:, :, None, :]
         )
-        ssm[units] = state
+        ssm[units] = state.to(ssm.dtype)
         y = (state * c[:, :, None, :]).sum(-1) + self.D.float()[:, None] * x
         return y.reshape(y.shape[0], -1)
 

@@ -23,16 +23,26 @@ from pdserve.runner.scheduler_output import NewRequestData
 
 
 class MambaModelState(ModelState):
-    def __init__(self, model: torch.nn.Module, max_reqs: int, num_units: int, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_reqs: int,
+        num_units: int,
+        device: torch.device,
+        conv_dtype: torch.dtype | None = None,
+        ssm_dtype: torch.dtype = torch.float32,
+    ):
+        """`conv_dtype` None: the model's (`--mamba-cache-dtype`, `--mamba-ssm-cache-dtype`:
+        runner/config.py). The mixer computes in float32 and rounds to these on store."""
         d, layers = model.mamba_dims, model.num_mamba_layers
-        dtype = model.embed_tokens.weight.dtype
-        conv = torch.zeros(layers, num_units, d.conv_kernel - 1, d.conv_dim, dtype=dtype,
+        conv_dtype = conv_dtype or model.embed_tokens.weight.dtype
+        conv = torch.zeros(layers, num_units, d.conv_kernel - 1, d.conv_dim, dtype=conv_dtype,
                            device=device)  # fmt: skip
-        ssm = torch.zeros(layers, num_units, d.heads, d.head_dim, d.state, dtype=torch.float32,
+        ssm = torch.zeros(layers, num_units, d.heads, d.head_dim, d.state, dtype=ssm_dtype,
                           device=device)  # fmt: skip
         model.mamba_states = (conv, ssm)
         self.model, self.device = model, device
-        self.bytes = conv.numel() * conv.element_size() + ssm.numel() * 4
+        self.bytes = conv.numel() * conv.element_size() + ssm.numel() * ssm.element_size()
         self.slot_unit = np.zeros(max_reqs, dtype=np.int64)
 
     def on_add(self, slot: int, new: NewRequestData) -> None:

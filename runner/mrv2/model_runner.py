@@ -104,13 +104,22 @@ class MRV2ModelRunner:
         # hand out (runner/state_pool.py): one a request, held past its slot in PD.
         self.num_state_units = max_reqs if getattr(m, "num_mamba_layers", 0) else 0
         self.model_state = model_state or (
-            MambaModelState(m, max_reqs, self.num_state_units, self.device)
+            MambaModelState(
+                m,
+                max_reqs,
+                self.num_state_units,
+                self.device,
+                *config.cache.mamba_dtypes(config.model.dtype),
+            )  # fmt: skip
             if self.num_state_units
             else GQAModelState()
         )
         if isinstance(self.model_state, MambaModelState):
-            logger.info("mrv2 runner: Mamba state for %d requests (%.1f MiB)",
-                        self.num_state_units, self.model_state.bytes / 2**20)  # fmt: skip
+            conv, ssm = m.mamba_states
+            logger.info("mrv2 runner: Mamba state for %d requests (%.1f MiB; conv %s, SSM %s)",
+                        self.num_state_units, self.model_state.bytes / 2**20,
+                        str(conv.dtype).removeprefix("torch."),
+                        str(ssm.dtype).removeprefix("torch."))  # fmt: skip
         # Layers with paged KV: all of them, but a hybrid's attention layers only
         kv_layers = getattr(m, "num_kv_layers", len(m.layers))
         block_shape = m.kv_block_shape(self.block_size)
