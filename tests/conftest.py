@@ -473,13 +473,24 @@ def qwen3_shaped_dir(tmp_path_factory):
     shutil.rmtree(path, ignore_errors=True)
 
 
+def hf_reference(model_dir: str) -> Any:
+    """transformers' model in float32 on DEVICE, eval mode. A model with an attention logit
+    softcap (Gemma 2) gets transformers' eager attention, the only one that applies it:
+    5.2x refuses sdpa for Gemma 2, but 5.17 (the GPU image's) runs it by default with the
+    softcap dropped. Others keep the default (DeepSeek-V3's eager path fails on the tiny
+    test config in both versions)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    softcap = getattr(AutoConfig.from_pretrained(model_dir), "attn_logit_softcapping", None)
+    kw = {"attn_implementation": "eager"} if softcap else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw)
+    return model.to(DEVICE).eval()
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time (no padding), EOS suppressed for
     `max_new_tokens` like our min_tokens, so every output has exactly max_new_tokens."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = model.to(DEVICE).eval()
+    model = hf_reference(model_dir)
     outs = []
     with torch.inference_mode():
         for ids in prompts:
@@ -503,7 +514,6 @@ def assert_logprobs_match_hf(
     each sampled token's logprob against transformers' log-softmax of its logits for the
     same sequence, run on `ref_dir` (default: the same model). Float32 differs only in
     summation order: 1e-4. Greedy tokens alone can hide a wrong scale; these cannot."""
-    from transformers import AutoModelForCausalLM
 
     from pdserve import LLM, SamplingParams
 
@@ -511,10 +521,10 @@ def assert_logprobs_match_hf(
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens,
                             logprobs=1)  # fmt: skip
     out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
-    model = AutoModelForCausalLM.from_pretrained(ref_dir or model_dir, dtype=torch.float32)
+    model = hf_reference(ref_dir or model_dir)
     ids = torch.tensor([prompt + out.token_ids])
     with torch.inference_mode():
-        logits = model.to(DEVICE)(ids.to(DEVICE)).logits[0].float().cpu()
+        logits = model(ids.to(DEVICE)).logits[0].float().cpu()
     want = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(
         1, torch.tensor(out.token_ids)[:, None]
     )
