@@ -123,7 +123,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     ecfg = resolve_engine_config(
         model=cfg.model, dtype=cfg.dtype, device=cfg.device, max_model_len=cfg.max_model_len,
         block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, runner=cfg.runner,
-        hf_overrides=cfg.hf_overrides,
+        hf_overrides=cfg.hf_overrides, mamba_cache_dtype=cfg.mamba_cache_dtype,
+        mamba_ssm_cache_dtype=cfg.mamba_ssm_cache_dtype,
     )  # fmt: skip
     tier_bytes = cfg.tier_bytes
     hybrid = is_hybrid(ecfg.model.hf_config)

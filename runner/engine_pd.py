@@ -3,8 +3,9 @@ puller, and the decode side that takes a request whose prompt ran elsewhere.
 
 `Engine` (runner/engine.py) inherits this; the hooks it drives are runner/kv_hooks.py's.
 Prefill role: `add_request(hold_kv=True)` ends a request with its blocks (and a hybrid
-Mamba model's state unit) held (`_hold`), `_publish` tells a `KVPublisher` which held prompts a step finishes (layer-wise
-early tickets), and `release_held` frees the blocks. Decode role:
+Mamba model's state unit) held (`_hold`), `_publish` tells a `KVPublisher` which held
+prompts a step finishes (layer-wise early tickets), and `release_held` frees them. Decode
+role:
 `add_prefilled_request` queues a request for the `KVLoader` to fill, `add_first_token`
 takes an early ticket's first token, and `_finish_load` applies a load's result.
 """

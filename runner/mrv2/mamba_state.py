@@ -1,6 +1,7 @@
 """Mamba state (DESIGN §3 ModelState, §4 `mamba_state`): per Mamba layer and state unit,
-the conv state (the last K-1 conv inputs, model dtype) and the SSM state (heads x head_dim
-x state, float32), which runner/models/mamba2.py reads and writes in place.
+the conv state (the last K-1 conv inputs; the model's dtype unless `--mamba-cache-dtype`)
+and the SSM state (heads x head_dim x state; float32 unless `--mamba-ssm-cache-dtype`),
+which runner/models/mamba2.py reads and writes in place.
 
 A request's unit is the scheduler's (runner/state_pool.py: it comes with the request's
 first KV blocks and stays while they do, past the batch slot in PD); `on_add` maps the
