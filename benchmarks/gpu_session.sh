@@ -51,7 +51,7 @@ SECOND=(tests/test_paged_attention_triton.py tests/test_skinny_linear.py
     tests/test_layer_wise.py tests/test_norm_fold.py tests/test_gpu_norm_fold.py
     tests/test_sampling_triton.py tests/test_grammar_kernels.py tests/test_structured_tiny.py
     tests/test_moe_kernels.py tests/test_gpu_moe.py tests/test_moe_models.py tests/test_mla.py
-    tests/test_gpu_mla.py)
+    tests/test_gpu_mla.py tests/test_moe_relu2_experts.py)
 # The families and kernel features of the 2026-12-05 sessions (windows, softcaps, sinks,
 # Gemma, gpt-oss, FP8/MXFP4 checkpoints), none yet run on a GPU.
 THIRD=(tests/test_sliding_window_attention.py tests/test_sliding_window_models.py
@@ -60,7 +60,8 @@ THIRD=(tests/test_sliding_window_attention.py tests/test_sliding_window_models.p
     tests/test_attention_sinks.py tests/test_moe_oai_experts.py tests/test_gpt_oss.py
     tests/test_text_only_checkpoints.py tests/test_ministral3.py tests/test_post_norm_models.py
     tests/test_llama_variants.py tests/test_lora.py tests/test_lora_kernels.py
-    tests/test_embeddings.py tests/test_classify.py tests/test_mamba_hybrid.py)
+    tests/test_embeddings.py tests/test_classify.py tests/test_mamba_hybrid.py
+    tests/test_mamba_pd.py tests/test_lora_hybrid.py)
 case "${TESTS:-all}" in
   1) FILES=("${FIRST[@]}") ;;
   2) FILES=("${SECOND[@]}") ;;

@@ -20,14 +20,23 @@ import torch
 from safetensors import safe_open
 
 # The projections an adapter may target, by the names PEFT saves them under (Phi-3's
-# checkpoints fuse q/k/v and gate/up, so its adapters target the fused ones).
+# checkpoints fuse q/k/v and gate/up, so its adapters target the fused ones; Granite
+# 4.0-H's shared MLP is `input_linear` (gate and up) and `output_linear`; a Mamba mixer's
+# are `in_proj` and `out_proj`).
 TARGETS = (
     "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj",
     "gate_proj", "up_proj", "gate_up_proj", "down_proj",
+    "input_linear", "output_linear", "in_proj", "out_proj",
 )  # fmt: skip
+# The modules that hold them: attention, MLPs (Bamba's `feed_forward`, Granite 4.0-H's
+# `shared_mlp`), Mamba mixers, and NemotronH's one-mixer blocks
+_CONTAINERS = ("self_attn", "mlp", "feed_forward", "shared_mlp", "mamba", "mixer")
 _KEY = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(TARGETS) + r")\.lora_([AB])"
-    r"(?:\.[A-Za-z0-9_-]+)?\.weight$"
+    r"(?:^|\.)layers\.(\d+)\.(?:"
+    + "|".join(_CONTAINERS)
+    + r")\.("
+    + "|".join(TARGETS)
+    + r")\.lora_([AB])(?:\.[A-Za-z0-9_-]+)?\.weight$"
 )
 # adapter_config.json entries that change the math; refused when set
 _REFUSED = {

@@ -92,23 +92,38 @@ class LoraSlots:
         self.sites: dict[tuple[int, str], tuple[LoraSite, str]] = {}  # (layer, target) ->
         slots, res = max_loras + 1, float(getattr(model, "residual_multiplier", 1.0))
         for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            q, kv = attn.q_size, attn.kv_size
-            qkv = {"q_proj": (0, 0, q), "k_proj": (1, q, q + kv), "v_proj": (2, q + kv, q + 2 * kv),
-                   "qkv_proj": (0, 0, q + 2 * kv)}  # fmt: skip
-            attn.qkv_lora = self._site(i, qkv, attn.qkv_proj.in_features, slots)
-            o = {"o_proj": (0, 0, attn.o_proj.out_features)}
-            attn.o_lora = self._site(i, o, attn.o_proj.in_features, slots, res)
+            if getattr(layer, "has_attention", True):  # a hybrid's Mamba/MLP layers have none
+                attn = layer.self_attn
+                q, kv = attn.q_size, attn.kv_size
+                qkv = {"q_proj": (0, 0, q), "k_proj": (1, q, q + kv),
+                       "v_proj": (2, q + kv, q + 2 * kv), "qkv_proj": (0, 0, q + 2 * kv)}  # fmt: skip
+                attn.qkv_lora = self._site(i, qkv, attn.qkv_proj.in_features, slots)
+                o = {"o_proj": (0, 0, attn.o_proj.out_features)}
+                attn.o_lora = self._site(i, o, attn.o_proj.in_features, slots, res)
+            mlp = _dense_mlp(layer)
             if isinstance(mlp, MLP):
                 n = mlp.down_proj.in_features
-                gu = {
+                gu = {  # Granite 4.0-H's shared MLP stores gate and up as `input_linear`
                     "gate_proj": (0, 0, n),
                     "up_proj": (1, n, 2 * n),
                     "gate_up_proj": (0, 0, 2 * n),
+                    "input_linear": (0, 0, 2 * n),
                 }
                 mlp.gate_up_lora = self._site(i, gu, mlp.gate_up_proj.in_features, slots)
-                down = {"down_proj": (0, 0, mlp.down_proj.out_features)}
+                down = {"down_proj": (0, 0, mlp.down_proj.out_features),
+                        "output_linear": (0, 0, mlp.down_proj.out_features)}  # fmt: skip
                 mlp.down_lora = self._site(i, down, n, slots, res)
+            elif mlp is not None:  # NemotronH's relu^2 MLP: up, then down, no gate
+                up = {"up_proj": (0, 0, mlp.up.out_features)}
+                mlp.up_lora = self._site(i, up, mlp.up.in_features, slots)
+                down = {"down_proj": (0, 0, mlp.down_proj.out_features)}
+                mlp.down_lora = self._site(i, down, mlp.down_proj.in_features, slots, res)
+            if getattr(layer, "is_mamba", False):  # a hybrid's Mamba2 mixer
+                mixer = layer.mamba
+                inp = {"in_proj": (0, 0, mixer.in_proj.out_features)}
+                mixer.in_lora = self._site(i, inp, mixer.in_proj.in_features, slots)
+                out = {"out_proj": (0, 0, mixer.out_proj.out_features)}
+                mixer.out_lora = self._site(i, out, mixer.out_proj.in_features, slots, res)
 
     def _site(self, layer, parts, in_features, slots, out_scale=1.0) -> LoraSite:
         site = LoraSite(
@@ -163,12 +178,26 @@ class LoraSlots:
         return slot
 
 
+def _dense_mlp(layer: nn.Module) -> nn.Module | None:
+    """The layer's dense MLP: llama's `MLP` (a Llama-family `mlp`, a hybrid's
+    `feed_forward`, Granite 4.0-H's shared one beside its experts) or NemotronH's relu^2
+    block; None for an MoE layer's experts and a Mamba or attention block."""
+    from pdserve.runner.models.mamba_hybrid import ReluSquaredMLP
+
+    for name in ("feed_forward", "mlp", "mixer"):
+        module = getattr(layer, name, None)
+        if isinstance(module, MLP | ReluSquaredMLP):
+            return module
+    return None
+
+
 def check_supported(model: nn.Module) -> None:
     """LoRA runs where the layers are llama.py's Attention and MLP: the plain Llama-family
     model (Llama, Mistral, Qwen2/3, SmolLM, Granite, Phi-3, Seed-OSS, and the attention of
-    Mixtral / Qwen-MoE), Gemma 2/3 (sandwich norms around the same projections) and the
-    post-norm families (OLMo 2/3, EXAONE 4); families whose attention or weight layout
-    differs (MLA, gpt-oss, GLM-4 MoE) are refused by name."""
+    Mixtral / Qwen-MoE), Gemma 2/3 (sandwich norms around the same projections), the
+    post-norm families (OLMo 2/3, EXAONE 4) and the hybrid Mamba models (their attention,
+    dense MLPs and Mamba mixers' in/out projections; not their experts); families whose
+    attention or weight layout differs (MLA, gpt-oss, GLM-4 MoE) are refused by name."""
     check_model_class(type(model), model.config)
 
 
@@ -176,12 +205,14 @@ def check_model_class(cls: type, hf_config: Any) -> None:
     """`check_supported` before a model is built (`pdserve serve` at start)."""
     from pdserve.runner.models.gemma import GemmaForCausalLM
     from pdserve.runner.models.llama import LlamaFamilyForCausalLM, family_spec
+    from pdserve.runner.models.mamba_hybrid import MambaHybridForCausalLM
     from pdserve.runner.models.post_norm import PostNormForCausalLM
 
-    if cls not in (LlamaFamilyForCausalLM, GemmaForCausalLM, PostNormForCausalLM):
+    served = (LlamaFamilyForCausalLM, GemmaForCausalLM, PostNormForCausalLM)
+    if cls not in served and not issubclass(cls, MambaHybridForCausalLM):
         raise ValueError(
-            f"LoRA adapters are served on Llama-family, Gemma and OLMo/EXAONE models; "
-            f"{cls.__name__} ({hf_config.model_type}) is not one"
+            f"LoRA adapters are served on Llama-family, Gemma, OLMo/EXAONE and hybrid Mamba "
+            f"models; {cls.__name__} ({hf_config.model_type}) is not one"
         )
     if family_spec(hf_config).rope_interleaved:
         raise ValueError(

@@ -22,12 +22,15 @@ CUDA graphs (runner/config_resolve.py, runner/hybrid.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from pdserve.runner.lora.slots import LoraSite
 
 
 @dataclass
@@ -102,6 +105,9 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(d.heads))
         self.norm = GatedRMSNorm(d.inner, d.inner // d.groups, d.eps)
         self.out_proj = nn.Linear(d.inner, d.hidden, bias=bias)
+        # LoRA adapters' sites (runner/lora/slots.py), when the engine serves them
+        self.in_lora: LoraSite | None = None
+        self.out_lora: LoraSite | None = None
 
     def forward(
         self, x: torch.Tensor, step: MambaStep, conv: torch.Tensor, ssm: torch.Tensor
@@ -111,6 +117,8 @@ class Mamba2Mixer(nn.Module):
         written at the rows' units."""
         d = self.dims
         zxbcdt = self.in_proj(x)
+        if self.in_lora is not None:
+            zxbcdt = self.in_lora.apply(zxbcdt, x)
         z, xbc, dt = zxbcdt.split([d.inner, d.conv_dim, d.heads], dim=-1)
         counts = np.diff(step.query_start)
         y = torch.zeros(x.shape[0], d.inner, dtype=torch.float32, device=x.device)
@@ -129,7 +137,8 @@ class Mamba2Mixer(nn.Module):
                 first, end = int(step.query_start[r]), int(step.query_start[r + 1])
                 y[first:end] = self._segment(xbc[first:end], dt[first:end], step, r, conv, ssm)
         out = self.norm(y, z.float()).to(x.dtype)
-        return self.out_proj(out)
+        y = self.out_proj(out)
+        return y if self.out_lora is None else self.out_lora.apply(y, out)
 
     # ---- parts ----------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -44,6 +44,9 @@ from pdserve.runner.models.deepseek_moe import KEEP_FP32, DeepseekRouting, Route
 from pdserve.runner.models.llama import Attention, LlamaFamilyForCausalLM, RMSNorm, family_spec
 from pdserve.runner.models.mamba2 import Mamba2Mixer, MambaStep, mamba2_dims
 from pdserve.runner.models.mlp import MLP
+
+if TYPE_CHECKING:
+    from pdserve.runner.lora.slots import LoraSite
 
 HYBRID_TYPES = ("bamba", "granitemoehybrid", "nemotron_h")
 
@@ -131,11 +134,17 @@ class ReluSquaredMLP(nn.Module):
         self.workspace = workspace
         self.up = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.up_lora: LoraSite | None = None  # LoRA adapters' sites (runner/lora/slots.py)
+        self.down_lora: LoraSite | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up, down = self.up, self.down_proj
-        h = torch.relu(linear(x, up.weight, up.bias, self.workspace)).square()
-        return linear(h, down.weight, down.bias, self.workspace)
+        u = linear(x, up.weight, up.bias, self.workspace)
+        if self.up_lora is not None:
+            u = self.up_lora.apply(u, x)
+        h = torch.relu(u).square()
+        y = linear(h, down.weight, down.bias, self.workspace)
+        return y if self.down_lora is None else self.down_lora.apply(y, h)
 
 
 def nemotron_routing(cfg: Any) -> DeepseekRouting:
