@@ -15,7 +15,7 @@ import torch
 from conftest import hf_greedy
 from safetensors.torch import load_file, save_file
 from test_lora import _generate, _llm, _merged, _prompts
-from test_mamba_hybrid import _granite_hybrid
+from test_mamba_hybrid import _granite_hybrid, _nemotron_moe
 
 from pdserve import LoRARequest
 
@@ -27,7 +27,8 @@ def hybrid_adapter(base_dir: str, folder: Path, targets: tuple[str, ...], seed: 
     whichever layers have it; returns the merged weights' deltas by base name."""
     base = load_file(next(Path(base_dir).glob("*.safetensors")))
     pattern = re.compile(  # not the experts (`block_sparse_moe`): no LoRA there
-        r"^(model|backbone)\.layers\.\d+\.(self_attn|feed_forward|shared_mlp|mamba|mixer)\.("
+        r"^(model|backbone)\.layers\.\d+\.(self_attn|feed_forward|shared_mlp|mamba|mixer"
+        r"|mixer\.shared_experts)\.("
         + "|".join(targets) + r")\.weight$"
     )  # fmt: skip
     g = torch.Generator().manual_seed(seed)
@@ -77,3 +78,12 @@ def test_granite_hybrid_adapter_matches_the_merged_model(tmp_path_factory, tmp_p
 def test_nemotron_h_adapter_matches_the_merged_model(tiny_nemotron_h_dir, tmp_path):
     targets = ("q_proj", "k_proj", "o_proj", "up_proj", "down_proj")
     _check(tiny_nemotron_h_dir, targets + MAMBA, tmp_path, seed=3)
+
+
+def test_nemotron_h_moe_adapter_matches_the_merged_model(tmp_path_factory, tmp_path):
+    """Nemotron 3 Nano's form: the MoE blocks' shared expert (`mixer.shared_experts`)
+    takes the adapter's up/down; the routed experts take none."""
+    base = _nemotron_moe(tmp_path_factory, "nemotron-moe-lora")
+    names = load_file(next(Path(base).glob("*.safetensors")))
+    assert any(".mixer.shared_experts.up_proj." in n for n in names)
+    _check(base, ("q_proj", "o_proj", "up_proj", "down_proj") + MAMBA, tmp_path, seed=4)

@@ -29,11 +29,14 @@ TARGETS = (
     "input_linear", "output_linear", "in_proj", "out_proj",
 )  # fmt: skip
 # The modules that hold them: attention, MLPs (Bamba's `feed_forward`, Granite 4.0-H's
-# `shared_mlp`), Mamba mixers, and NemotronH's one-mixer blocks
-_CONTAINERS = ("self_attn", "mlp", "feed_forward", "shared_mlp", "mamba", "mixer")
+# `shared_mlp`), Mamba mixers, and NemotronH's one-mixer blocks (its MoE blocks' shared
+# expert: `mixer.shared_experts`)
+_CONTAINERS = (
+    "self_attn", "mlp", "feed_forward", "shared_mlp", "mamba", "mixer", "mixer.shared_experts",
+)  # fmt: skip
 _KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:"
-    + "|".join(_CONTAINERS)
+    + "|".join(map(re.escape, _CONTAINERS))
     + r")\.("
     + "|".join(TARGETS)
     + r")\.lora_([AB])(?:\.[A-Za-z0-9_-]+)?\.weight$"

@@ -181,14 +181,16 @@ class LoraSlots:
 def _dense_mlp(layer: nn.Module) -> nn.Module | None:
     """The layer's dense MLP: llama's `MLP` (a Llama-family `mlp`, a hybrid's
     `feed_forward`, Granite 4.0-H's shared one beside its experts) or NemotronH's relu^2
-    block; None for an MoE layer's experts and a Mamba or attention block."""
+    block (or its MoE block's shared expert); None for a Llama-family MoE layer and a Mamba
+    or attention block. Routed experts take no adapter."""
     from pdserve.runner.models.mamba_hybrid import ReluSquaredMLP
 
     for name in ("feed_forward", "mlp", "mixer"):
         module = getattr(layer, name, None)
         if isinstance(module, MLP | ReluSquaredMLP):
             return module
-    return None
+    shared = getattr(getattr(layer, "mixer", None), "shared_experts", None)
+    return shared if isinstance(shared, ReluSquaredMLP) else None  # NemotronH's MoE block
 
 
 def check_supported(model: nn.Module) -> None:
