@@ -1,4 +1,4 @@
-"""Hybrid Mamba models (Bamba, Granite 4.0-H, NemotronH: runner/models/mamba_hybrid.py):
+"""Hybrid Mamba models (Bamba, Granite 4.0-H, NemotronH, Jamba: runner/models/mamba_hybrid.py):
 what their path switches off.
 
 A Mamba layer's output depends on its request's whole history through the state in the

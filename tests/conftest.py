@@ -651,3 +651,34 @@ def tiny_nemotron_h_dir(tmp_path_factory) -> str:
         bos_token_id=1, eos_token_id=2, pad_token_id=0, architectures=["NemotronHForCausalLM"],
     )  # fmt: skip
     return slow_decay(_save_tiny(tmp_path_factory, "tiny-nemotron-h", cfg))
+
+
+@pytest.fixture(scope="session")
+def tiny_jamba_dir(tmp_path_factory) -> str:
+    """Jamba: Mamba1 layers 0 and 2, attention (no positional embedding) at 1 and 3, an MoE
+    of 4 SwiGLU experts (top 2, not renormalised) in layers 0 and 2; d_inner 128, state 8,
+    dt rank 8; slow decay (A 0.02-0.3, time steps ~0.2) so the state carries across chunks."""
+    from safetensors.torch import load_file, save_file
+    from transformers import JambaConfig
+
+    cfg = JambaConfig(
+        vocab_size=1009, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+        attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0, num_experts=4,
+        num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        mamba_dt_rank=8, max_position_embeddings=512, initializer_range=0.1,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        architectures=["JambaForCausalLM"],
+    )  # fmt: skip
+    path = _save_tiny(tmp_path_factory, "tiny-jamba", cfg)
+    _randomize_tensors(path, "norm", scale=0.5)
+    (file,) = sorted(Path(path).glob("*.safetensors"))
+    tensors = load_file(file)
+    g = torch.Generator().manual_seed(9)
+    for name, t in tensors.items():
+        if name.endswith("A_log"):
+            tensors[name] = torch.log(torch.linspace(0.02, 0.3, t.numel())).view(t.shape)
+        elif name.endswith("dt_proj.bias"):
+            tensors[name] = torch.randn(t.shape, generator=g) * 0.5 - 1.5
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path

@@ -87,3 +87,10 @@ def test_nemotron_h_moe_adapter_matches_the_merged_model(tmp_path_factory, tmp_p
     names = load_file(next(Path(base).glob("*.safetensors")))
     assert any(".mixer.shared_experts.up_proj." in n for n in names)
     _check(base, ("q_proj", "o_proj", "up_proj", "down_proj") + MAMBA, tmp_path, seed=4)
+
+
+def test_jamba_adapter_matches_the_merged_model(tiny_jamba_dir, tmp_path):
+    """Jamba: its attention, its dense layers' MLP and its Mamba1 mixers' in/out projections
+    (the MoE layers' experts take none)."""
+    targets = ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    _check(tiny_jamba_dir, targets + MAMBA, tmp_path, seed=5)

@@ -293,3 +293,13 @@ def test_mamba_state_dtypes_follow_vllms_flags(tiny_bamba_dir):
     assert CacheConfig().mamba_dtypes(torch.bfloat16) == (torch.bfloat16, torch.float32)
     with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of"):
         LLM(model=tiny_bamba_dir, device="cpu", mamba_ssm_cache_dtype="fp8")
+
+
+def test_jamba_matches_transformers(tiny_jamba_dir):
+    """Jamba (Mamba1, runner/models/mamba1.py): the per-channel selective scan with its dt,
+    B and C norms, carried across prompt chunks and decode steps; attention without RoPE;
+    MoE layers without renormalisation. Greedy tokens and prompt logprobs equal
+    transformers'."""
+    assert_greedy_matches_hf(tiny_jamba_dir, (1, 9, 40, 90), 16, seed=5)
+    assert_logprobs_match_hf(tiny_jamba_dir, [(7 * i + 3) % 1000 + 3 for i in range(37)], 8,
+                             block_size=16, max_num_batched_tokens=16)  # fmt: skip

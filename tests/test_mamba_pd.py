@@ -246,3 +246,14 @@ def test_pd_server_serves_a_hybrid_with_the_bundled_tokenizer(bamba_chat_dir, tm
     with pytest.raises(RuntimeError, match="--kv-layer-wise is refused for BambaForCausalLM"):
         ServeProcess(tmp_path, "--model", bamba_chat_dir, "--device", "cpu", "--max-model-len",
                      "256", "--kv-layer-wise")  # fmt: skip
+
+
+def test_pd_local_equals_colocated_jamba(tiny_jamba_dir):
+    """Jamba's Mamba1 state (conv [K-1, d_inner], SSM [d_inner, N]) crosses as its unit."""
+    prompts = _prompts(4, VOCAB, seed=9, lo=5, hi=60)
+    want = _colocated(tiny_jamba_dir, prompts)
+    prefill, decode = _local_pair(tiny_jamba_dir)
+    mamba = prefill.source.layout.groups[1]
+    assert (mamba.conv_shape, mamba.ssm_shape) == ((3, 128), (128, 8))
+    assert _pd(prefill, decode, prompts) == want
+    assert decode.loader.stats.loads == len(prompts) and decode.loader.stats.recomputes == 0

@@ -10,6 +10,7 @@ from pdserve.runner.models.llama import LlamaFamilyForCausalLM
 from pdserve.runner.models.mamba_hybrid import (
     BambaForCausalLM,
     GraniteHybridForCausalLM,
+    JambaForCausalLM,
     NemotronHForCausalLM,
 )
 from pdserve.runner.models.post_norm import PostNormForCausalLM
@@ -26,6 +27,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": LlamaFamilyForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,  # dense or MoE (runner/hybrid.py)
+    "JambaForCausalLM": JambaForCausalLM,  # Mamba1 + attention hybrid (runner/hybrid.py)
     "LlamaForCausalLM": LlamaFamilyForCausalLM,
     "Ministral3ForCausalLM": LlamaFamilyForCausalLM,
     "MinistralForCausalLM": LlamaFamilyForCausalLM,

@@ -109,6 +109,12 @@ class Mamba2Mixer(nn.Module):
         self.in_lora: LoraSite | None = None
         self.out_lora: LoraSite | None = None
 
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One unit's conv state and SSM state in one layer."""
+        d = self.dims
+        return (d.conv_kernel - 1, d.conv_dim), (d.heads, d.head_dim, d.state)
+
     def forward(
         self, x: torch.Tensor, step: MambaStep, conv: torch.Tensor, ssm: torch.Tensor
     ) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""Hybrids of Mamba2 and attention layers, as members of the Llama family: Bamba
+"""Hybrids of Mamba and attention layers, as members of the Llama family: Bamba
 (BambaForCausalLM), Granite 4.0-H (GraniteMoeHybridForCausalLM) and NemotronH
-(NemotronHForCausalLM), dense or with experts.
+(NemotronHForCausalLM), dense or with experts, on Mamba2; Jamba (JambaForCausalLM) on
+Mamba1.
 
-Each decoder layer normalises its input, mixes tokens with either a Mamba2 mixer
-(runner/models/mamba2.py, state per request unit) or llama.py's Attention, adds the
+Each decoder layer normalises its input, mixes tokens with either a Mamba mixer
+(runner/models/mamba2.py or mamba1.py, state per request unit) or llama.py's Attention, adds the
 residual, then normalises again into a SwiGLU MLP. Only the attention layers have paged
 KV: the cache holds `num_kv_layers` layers, and attention layer j reads the j-th.
 
@@ -16,6 +17,9 @@ KV: the cache holds `num_kv_layers` layers, and attention layer j reads the j-th
   `position_embedding_type` is "rope"; the MLP is `shared_mlp` (`input_linear`: gate and
   up, fused; `output_linear`); its MoE forms (`num_local_experts` > 0) add top-k SwiGLU
   experts (runner/models/moe.py) to the shared MLP.
+- Jamba: Mamba1 mixers (a per-channel scan with dt/B/C norms), attention without any
+  positional embedding, every `expert_layer_period`-th feed-forward an MoE without
+  renormalisation and without a shared MLP.
 - NemotronH: blocks of one mixer each (`HybridBlock`: norm, then Mamba2, attention
   without RoPE, a ReLU^2 MLP or an MoE of ReLU^2 experts, `NemotronHMoe`), as
   `layers_block_type` lists them.
@@ -42,13 +46,14 @@ from pdserve.runner.models import moe
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.models.deepseek_moe import KEEP_FP32, DeepseekRouting, Router
 from pdserve.runner.models.llama import Attention, LlamaFamilyForCausalLM, RMSNorm, family_spec
-from pdserve.runner.models.mamba2 import Mamba2Mixer, MambaStep, mamba2_dims
+from pdserve.runner.models.mamba1 import Mamba1Mixer
+from pdserve.runner.models.mamba2 import Mamba2Mixer, MambaStep
 from pdserve.runner.models.mlp import MLP
 
 if TYPE_CHECKING:
     from pdserve.runner.lora.slots import LoraSite
 
-HYBRID_TYPES = ("bamba", "granitemoehybrid", "nemotron_h")
+HYBRID_TYPES = ("bamba", "granitemoehybrid", "nemotron_h", "jamba")
 
 
 def mamba_layers(cfg: Any) -> list[int]:
@@ -60,16 +65,17 @@ def mamba_layers(cfg: Any) -> list[int]:
 
 
 class HybridDecoderLayer(nn.Module):
-    """Norm, token mixer (Mamba2 or attention), norm, MLP (Bamba, Granite 4.0-H); with
-    `experts` (Granite 4.0-H's MoE forms) the MLP is the shared one, added to the experts'
-    output. The experts are `mlp`, the name llama.py's expert loader fills."""
+    """Norm, token mixer (Mamba2, Mamba1 or attention), norm, MLP (Bamba, Granite 4.0-H,
+    Jamba); with `experts` (Granite 4.0-H's MoE forms) the MLP is the shared one, added to
+    the experts' output, or absent (Jamba's MoE layers). The experts are `mlp`, the name
+    llama.py's expert loader fills."""
 
     def __init__(
-        self, cfg: Any, mixer: nn.Module, mlp: nn.Module, experts: nn.Module | None = None
+        self, cfg: Any, mixer: nn.Module, mlp: nn.Module | None, experts: nn.Module | None = None
     ):
         super().__init__()
         self.mlp = experts
-        self.is_mamba = isinstance(mixer, Mamba2Mixer)
+        self.is_mamba = isinstance(mixer, Mamba2Mixer | Mamba1Mixer)
         self.has_attention = not self.is_mamba
         if self.is_mamba:
             self.mamba = mixer
@@ -91,6 +97,8 @@ class HybridDecoderLayer(nn.Module):
         x, residual = self.pre_ff_layernorm(x, residual)
         if self.mlp is None:
             return self.feed_forward(x), residual
+        if self.feed_forward is None:  # Jamba's MoE layers: the experts alone
+            return self.mlp(x), residual
         return self.mlp(x) + self.feed_forward(x), residual
 
 
@@ -230,7 +238,6 @@ class MambaHybridForCausalLM(LlamaFamilyForCausalLM):
         self._mamba_ids = mamba_layers(cfg)
         super().__init__(cfg, max_positions)
         self.attention_layers = [i for i, layer in enumerate(self.layers) if layer.has_attention]
-        self.mamba_dims = mamba2_dims(cfg)
         # Set by runner/mrv2/mamba_state.py: the state tensors, and each step's rows
         self.mamba_states: tuple[torch.Tensor, torch.Tensor] | None = None
         self.mamba_step: MambaStep | None = None
@@ -256,6 +263,11 @@ class MambaHybridForCausalLM(LlamaFamilyForCausalLM):
     @property
     def num_mamba_layers(self) -> int:
         return len(self._mamba_ids)
+
+    @property
+    def mamba_state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One request's conv and SSM state shapes in one Mamba layer (mamba_state.py)."""
+        return self.layers[self._mamba_ids[0]].mamba.state_shapes
 
     def _first_attention(self) -> nn.Module:
         return self.layers[self.attention_layers[0]].self_attn
@@ -377,3 +389,27 @@ class NemotronHForCausalLM(MambaHybridForCausalLM):
         """As the hybrids', the experts stacked first."""
         experts = int(getattr(self.config, "n_routed_experts", 0) or 0)
         super().load_weights(stacked_nemotron_experts(weights, experts) if experts else weights)
+
+
+class JambaForCausalLM(MambaHybridForCausalLM):
+    """Jamba: Mamba (Mamba1, runner/models/mamba1.py) and attention layers (every
+    `attn_layer_period`-th from `attn_layer_offset`), attention without any positional
+    embedding, and every `expert_layer_period`-th feed-forward an MoE (softmax over all
+    experts, the top k not renormalised; Mixtral-style SwiGLU experts)."""
+
+    _RENAMES = (
+        ("model.final_layernorm.", "model.norm."),
+        (".feed_forward.router.", ".mlp.gate."),
+        (".feed_forward.experts.", ".mlp.experts."),
+    )
+
+    def _decoder_layer(self, cfg: Any, layer: int) -> nn.Module:
+        if layer in self._mamba_ids:
+            mixer: nn.Module = Mamba1Mixer(cfg, self._mamba_ids.index(layer))
+        else:
+            mixer = Attention(cfg, family_spec(cfg), self.workspace)
+        if cfg.layers_num_experts[layer] > 1:
+            experts = moe.SparseMoeBlock(cfg.hidden_size, moe.moe_spec(cfg), self.workspace)
+            return HybridDecoderLayer(cfg, mixer, None, experts)
+        mlp = MLP(cfg.hidden_size, cfg.intermediate_size, False, self.workspace)
+        return HybridDecoderLayer(cfg, mixer, mlp)

@@ -48,6 +48,8 @@ def moe_spec(cfg: Any) -> MoeSpec | None:
         return MoeSpec(
             cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, True, 0
         )
+    if model_type == "jamba" and cfg.num_experts > 1:  # its sparse layers: mamba_hybrid.py
+        return MoeSpec(cfg.num_experts, cfg.num_experts_per_tok, cfg.intermediate_size, False, 0)
     if model_type == "granitemoehybrid" and (getattr(cfg, "num_local_experts", 0) or 0) > 0:
         # Softmax over the k largest logits: the same k weights as renormalising the top k
         # of a softmax over all experts. Its shared MLP is not gated (mamba_hybrid.py).

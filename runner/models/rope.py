@@ -62,9 +62,10 @@ def rope_layer_types(hf_config: Any) -> list[str | None]:
 def rope_free_layers(hf_config: Any) -> frozenset[int]:
     """Layers that rotate no position (NoPE): SmolLM3's `no_rope_layers[i] == 0`, EXAONE
     4's full-attention layers when it has sliding ones (its "global NoPE"), and every
-    layer of NemotronH and of Granite 4.0-H without `position_embedding_type: rope`."""
+    layer of NemotronH and Jamba, and of Granite 4.0-H without `position_embedding_type:
+    rope`."""
     model_type = getattr(hf_config, "model_type", "")
-    if model_type == "nemotron_h" or (
+    if model_type in ("nemotron_h", "jamba") or (
         model_type == "granitemoehybrid"
         and getattr(hf_config, "position_embedding_type", None) != "rope"
     ):  # NemotronH's attention, and Granite 4.0-H's unless its config says "rope": NoPE

@@ -35,12 +35,10 @@ class MambaModelState(ModelState):
     ):
         """`conv_dtype` None: the model's (`--mamba-cache-dtype`, `--mamba-ssm-cache-dtype`:
         runner/config.py). The mixer computes in float32 and rounds to these on store."""
-        d, layers = model.mamba_dims, model.num_mamba_layers
+        (conv_shape, ssm_shape), layers = model.mamba_state_shapes, model.num_mamba_layers
         conv_dtype = conv_dtype or model.embed_tokens.weight.dtype
-        conv = torch.zeros(layers, num_units, d.conv_kernel - 1, d.conv_dim, dtype=conv_dtype,
-                           device=device)  # fmt: skip
-        ssm = torch.zeros(layers, num_units, d.heads, d.head_dim, d.state, dtype=ssm_dtype,
-                          device=device)  # fmt: skip
+        conv = torch.zeros(layers, num_units, *conv_shape, dtype=conv_dtype, device=device)
+        ssm = torch.zeros(layers, num_units, *ssm_shape, dtype=ssm_dtype, device=device)
         model.mamba_states = (conv, ssm)
         self.model, self.device = model, device
         self.bytes = conv.numel() * conv.element_size() + ssm.numel() * ssm.element_size()

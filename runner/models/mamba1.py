@@ -1,0 +1,122 @@
+"""The Mamba (Mamba1) token mixer of Jamba (runner/models/mamba_hybrid.py), over per-request
+state units (runner/mrv2/mamba_state.py, runner/state_pool.py).
+
+Per token, as transformers' JambaMambaMixer:
+- `in_proj` gives the conv input and the gate z (d_inner each);
+- a causal depthwise conv (K taps, continuing from the unit's last K-1 inputs), SiLU: u;
+- `x_proj(u)` gives the time-step rank's input, B and C (state N each), each RMS-normed
+  (Jamba's dt / B / C norms); dt = softplus(dt_proj(...)) per channel;
+- the selective scan per channel d and state n: h = exp(dt A) h + dt u B, y = h . C + D u;
+- y * silu(z) through `out_proj`.
+The state is the conv's last K-1 inputs `[K-1, d_inner]` and h `[d_inner, N]` (float32).
+
+The scan runs token by token within a row (A is a matrix, so the Mamba2 mixer's chunked
+form does not apply); decode rows update in one batched step. Torch only, eagerly, as
+the Mamba2 mixer (runner/hybrid.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.runner.models.mamba2 import MambaStep
+
+if TYPE_CHECKING:
+    from pdserve.runner.lora.slots import LoraSite
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Mamba1Mixer(nn.Module):
+    def __init__(self, cfg: Any, state_index: int):
+        super().__init__()
+        self.state_index = state_index  # this layer's index into the state tensors
+        hidden, inner = cfg.hidden_size, cfg.mamba_expand * cfg.hidden_size
+        self.inner, self.state, self.rank = inner, cfg.mamba_d_state, int(cfg.mamba_dt_rank)
+        self.conv_kernel = cfg.mamba_d_conv
+        bias = bool(cfg.mamba_proj_bias)
+        self.in_proj = nn.Linear(hidden, 2 * inner, bias=bias)
+        self.conv1d = nn.Conv1d(inner, inner, self.conv_kernel, groups=inner,
+                                bias=bool(cfg.mamba_conv_bias))  # fmt: skip
+        self.x_proj = nn.Linear(inner, self.rank + 2 * self.state, bias=False)
+        self.dt_proj = nn.Linear(self.rank, inner, bias=True)
+        self.A_log = nn.Parameter(torch.empty(inner, self.state))
+        self.D = nn.Parameter(torch.empty(inner))
+        self.out_proj = nn.Linear(inner, hidden, bias=bias)
+        eps = cfg.rms_norm_eps
+        self.dt_layernorm = _RMSNorm(self.rank, eps)
+        self.b_layernorm = _RMSNorm(self.state, eps)
+        self.c_layernorm = _RMSNorm(self.state, eps)
+        # LoRA adapters' sites (runner/lora/slots.py), when the engine serves them
+        self.in_lora: LoraSite | None = None
+        self.out_lora: LoraSite | None = None
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One unit's conv state and SSM state in one layer."""
+        return (self.conv_kernel - 1, self.inner), (self.inner, self.state)
+
+    def forward(
+        self, x: torch.Tensor, step: MambaStep, conv: torch.Tensor, ssm: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `conv` [units, K-1, d_inner] and `ssm` [units,
+        d_inner, N] (this layer's) are read and written at the rows' units."""
+        xz = self.in_proj(x)
+        if self.in_lora is not None:
+            xz = self.in_lora.apply(xz, x)
+        xs, z = xz.split([self.inner, self.inner], dim=-1)
+        counts = np.diff(step.query_start)
+        y = torch.zeros(x.shape[0], self.inner, dtype=torch.float32, device=x.device)
+        k = self.conv_kernel - 1
+        for r in range(len(counts)):
+            first, end = int(step.query_start[r]), int(step.query_start[r + 1])
+            unit = step.units[r]
+            fresh = bool(step.fresh[r])
+            prev = torch.zeros_like(conv[0]) if fresh else conv[unit]  # [K-1, D]
+            full = torch.cat([prev, xs[first:end].to(conv.dtype)], dim=0)  # [K-1+T, D]
+            conv[unit] = full[full.shape[0] - k :]
+            windows = full.unfold(0, self.conv_kernel, 1)  # [T, D, K]
+            h = torch.zeros_like(ssm[0], dtype=torch.float32) if fresh else ssm[unit].float()
+            y[first:end], h = self._scan(self._conv(windows, x.dtype), h)
+            ssm[unit] = h.to(ssm.dtype)
+        out = (y * F.silu(z.float())).to(x.dtype)
+        result = self.out_proj(out)
+        return result if self.out_lora is None else self.out_lora.apply(result, out)
+
+    def _conv(self, windows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[T, D, K] windows of conv inputs -> u [T, D] in the model's dtype (conv, SiLU)."""
+        out = (windows.float() * self.conv1d.weight[:, 0, :].float()[None]).sum(-1)
+        if self.conv1d.bias is not None:
+            out = out + self.conv1d.bias.float()
+        return F.silu(out).to(dtype)
+
+    def _scan(self, u: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """u [T, D] from `h` [D, N] -> (y [T, D] before the gate, the final h), float32."""
+        dt, b, c = self.x_proj(u).split([self.rank, self.state, self.state], dim=-1)
+        dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b).float(), self.c_layernorm(c).float()
+        delta = F.softplus(dt.float() @ self.dt_proj.weight.float().T + self.dt_proj.bias.float())
+        a = -torch.exp(self.A_log.float())  # [D, N]
+        uf = u.float()
+        decay = torch.exp(delta[..., None] * a)  # [T, D, N]
+        inject = (delta * uf)[..., None] * b[:, None, :]  # [T, D, N]
+        ys = []
+        for t in range(u.shape[0]):
+            h = decay[t] * h + inject[t]
+            ys.append(h @ c[t])
+        y = torch.stack(ys) if ys else uf.new_zeros(0, self.inner)
+        return y + self.D.float() * uf, h
