@@ -211,37 +211,31 @@ def test_nemotron_h_experts_read_transformers_5_names(tiny_nemotron_moe_dir, tmp
     assert_greedy_matches_hf(str(folder), (5, 40), 8, seed=2, ref_dir=tiny_nemotron_moe_dir)
 
 
-def test_a_mixed_step_equals_its_rows_alone():
+def _mixed_step_equals_rows_alone(mixer, hidden: int) -> None:
     """One step of prompt chunks and one-token rows (decodes, and a one-token prompt) in any
     order, on units that are not the row numbers: each row's output and its state equal
     those of the row run alone (the one-token rows take the batched recurrence, the others
     the scan)."""
     import numpy as np
     import torch
-    from transformers import BambaConfig
 
-    from pdserve.runner.models.mamba2 import Mamba2Mixer, MambaStep
+    from pdserve.runner.models.mamba2 import MambaStep
 
-    cfg = BambaConfig(hidden_size=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=2,
-                      mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=4)  # fmt: skip
     torch.manual_seed(0)
-    mixer = Mamba2Mixer(cfg, 0)
     with torch.no_grad():
         for p in mixer.parameters():
             p.normal_(0, 0.3)
-    d = mixer.dims
+    (conv_shape, ssm_shape) = mixer.state_shapes
     counts = np.array([5, 1, 7, 1, 1])
     fresh = np.array([False, False, True, True, False])
     units = torch.tensor([3, 0, 4, 1, 2])
-    conv0 = torch.randn(5, d.conv_kernel - 1, d.conv_dim)
-    ssm0 = torch.randn(5, d.heads, d.head_dim, d.state)
-    x = torch.randn(int(counts.sum()), d.hidden)
+    conv0, ssm0 = torch.randn(5, *conv_shape), torch.randn(5, *ssm_shape)
+    x = torch.randn(int(counts.sum()), hidden)
     qs = np.concatenate([[0], np.cumsum(counts)])
 
     def run(rows):
         conv, ssm = conv0.clone(), ssm0.clone()
-        sub_counts = counts[rows]
-        sub_qs = np.concatenate([[0], np.cumsum(sub_counts)])
+        sub_qs = np.concatenate([[0], np.cumsum(counts[rows])])
         xs = torch.cat([x[qs[r] : qs[r + 1]] for r in rows])
         f = fresh[rows]
         step = MambaStep(units[rows], sub_qs, f, torch.from_numpy(f))
@@ -255,6 +249,26 @@ def test_a_mixed_step_equals_its_rows_alone():
         u = int(units[r])
         torch.testing.assert_close(conv_all[u], conv_r[u])
         torch.testing.assert_close(ssm_all[u], ssm_r[u], rtol=1e-5, atol=1e-5)
+
+
+def test_a_mamba2_mixed_step_equals_its_rows_alone():
+    from transformers import BambaConfig
+
+    from pdserve.runner.models.mamba2 import Mamba2Mixer
+
+    cfg = BambaConfig(hidden_size=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=2,
+                      mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=4)  # fmt: skip
+    _mixed_step_equals_rows_alone(Mamba2Mixer(cfg, 0), 32)
+
+
+def test_a_mamba1_mixed_step_equals_its_rows_alone():
+    from transformers import JambaConfig
+
+    from pdserve.runner.models.mamba1 import Mamba1Mixer
+
+    cfg = JambaConfig(hidden_size=32, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                      mamba_dt_rank=4)  # fmt: skip
+    _mixed_step_equals_rows_alone(Mamba1Mixer(cfg, 0), 32)
 
 
 def test_mamba_state_dtypes_follow_vllms_flags(tiny_bamba_dir):

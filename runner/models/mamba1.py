@@ -10,8 +10,8 @@ Per token, as transformers' JambaMambaMixer:
 - y * silu(z) through `out_proj`.
 The state is the conv's last K-1 inputs `[K-1, d_inner]` and h `[d_inner, N]` (float32).
 
-The scan runs token by token within a row (A is a matrix, so the Mamba2 mixer's chunked
-form does not apply); decode rows update in one batched step. Torch only, eagerly, as
+The scan runs token by token within a prompt row (A is a matrix, so the Mamba2 mixer's
+chunked form does not apply); one-token rows (decodes) update in one batched step. Torch only, eagerly, as
 the Mamba2 mixer (runner/hybrid.py).
 """
 
@@ -83,7 +83,12 @@ class Mamba1Mixer(nn.Module):
         counts = np.diff(step.query_start)
         y = torch.zeros(x.shape[0], self.inner, dtype=torch.float32, device=x.device)
         k = self.conv_kernel - 1
-        for r in range(len(counts)):
+        single = np.flatnonzero(counts == 1)  # decode rows (and one-token chunks): at once
+        if single.size:
+            at = torch.from_numpy(step.query_start[single]).to(x.device, non_blocking=True)
+            on = torch.from_numpy(single).to(x.device, non_blocking=True)
+            y[at] = self._decode(xs[at], step.units[on], step.fresh_dev[on], conv, ssm)
+        for r in np.flatnonzero(counts > 1).tolist():
             first, end = int(step.query_start[r]), int(step.query_start[r + 1])
             unit = step.units[r]
             fresh = bool(step.fresh[r])
@@ -105,18 +110,32 @@ class Mamba1Mixer(nn.Module):
             out = out + self.conv1d.bias.float()
         return F.silu(out).to(dtype)
 
-    def _scan(self, u: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """u [T, D] from `h` [D, N] -> (y [T, D] before the gate, the final h), float32."""
+    def _coefficients(self, u: torch.Tensor):
+        """u [T, D] -> (decay exp(dt A) [T, D, N], input dt u B [T, D, N], C [T, N]), float32."""
         dt, b, c = self.x_proj(u).split([self.rank, self.state, self.state], dim=-1)
         dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b).float(), self.c_layernorm(c).float()
         delta = F.softplus(dt.float() @ self.dt_proj.weight.float().T + self.dt_proj.bias.float())
         a = -torch.exp(self.A_log.float())  # [D, N]
-        uf = u.float()
-        decay = torch.exp(delta[..., None] * a)  # [T, D, N]
-        inject = (delta * uf)[..., None] * b[:, None, :]  # [T, D, N]
+        return torch.exp(delta[..., None] * a), (delta * u.float())[..., None] * b[:, None, :], c
+
+    def _scan(self, u: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """u [T, D] from `h` [D, N] -> (y [T, D] before the gate, the final h), float32."""
+        decay, inject, c = self._coefficients(u)
         ys = []
         for t in range(u.shape[0]):
             h = decay[t] * h + inject[t]
             ys.append(h @ c[t])
-        y = torch.stack(ys) if ys else uf.new_zeros(0, self.inner)
-        return y + self.D.float() * uf, h
+        y = torch.stack(ys) if ys else u.new_zeros(0, self.inner, dtype=torch.float32)
+        return y + self.D.float() * u.float(), h
+
+    def _decode(self, xs, units, fresh, conv, ssm) -> torch.Tensor:
+        """One token a row, these rows (their `units`, and which are `fresh`) at once."""
+        keep = (~fresh)[:, None, None]
+        prev = conv[units] * keep.to(conv.dtype)  # [R, K-1, D]
+        full = torch.cat([prev, xs.to(conv.dtype)[:, None]], dim=1)  # [R, K, D]
+        conv[units] = full[:, 1:]
+        u = self._conv(full.transpose(1, 2), xs.dtype)  # [R, D]
+        decay, inject, c = self._coefficients(u)
+        h = decay * (ssm[units].float() * keep.float()) + inject  # [R, D, N]
+        ssm[units] = h.to(ssm.dtype)
+        return (h * c[:, None, :]).sum(-1) + self.D.float() * u.float()
