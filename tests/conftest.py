@@ -608,9 +608,9 @@ def slow_decay(path: str) -> str:
     tensors = load_file(file)
     g = torch.Generator().manual_seed(9)
     for name, t in tensors.items():
-        if name.endswith("A_log"):
-            tensors[name] = torch.log(torch.linspace(0.02, 0.3, t.numel()))
-        elif name.endswith("dt_bias"):
+        if name.endswith("A_log"):  # Mamba2's [heads], Mamba1's [d_inner, state]
+            tensors[name] = torch.log(torch.linspace(0.02, 0.3, t.numel())).view(t.shape)
+        elif name.endswith(("dt_bias", "dt_proj.bias")):
             tensors[name] = torch.randn(t.shape, generator=g) * 0.5 - 1.5
     save_file(tensors, file, metadata={"format": "pt"})
     return path
@@ -657,8 +657,7 @@ def tiny_nemotron_h_dir(tmp_path_factory) -> str:
 def tiny_jamba_dir(tmp_path_factory) -> str:
     """Jamba: Mamba1 layers 0 and 2, attention (no positional embedding) at 1 and 3, an MoE
     of 4 SwiGLU experts (top 2, not renormalised) in layers 0 and 2; d_inner 128, state 8,
-    dt rank 8; slow decay (A 0.02-0.3, time steps ~0.2) so the state carries across chunks."""
-    from safetensors.torch import load_file, save_file
+    dt rank 8; `slow_decay`, so the state carries across chunks."""
     from transformers import JambaConfig
 
     cfg = JambaConfig(
@@ -670,15 +669,4 @@ def tiny_jamba_dir(tmp_path_factory) -> str:
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         architectures=["JambaForCausalLM"],
     )  # fmt: skip
-    path = _save_tiny(tmp_path_factory, "tiny-jamba", cfg)
-    _randomize_tensors(path, "norm", scale=0.5)
-    (file,) = sorted(Path(path).glob("*.safetensors"))
-    tensors = load_file(file)
-    g = torch.Generator().manual_seed(9)
-    for name, t in tensors.items():
-        if name.endswith("A_log"):
-            tensors[name] = torch.log(torch.linspace(0.02, 0.3, t.numel())).view(t.shape)
-        elif name.endswith("dt_proj.bias"):
-            tensors[name] = torch.randn(t.shape, generator=g) * 0.5 - 1.5
-    save_file(tensors, file, metadata={"format": "pt"})
-    return path
+    return slow_decay(_save_tiny(tmp_path_factory, "tiny-jamba", cfg))
