@@ -118,7 +118,7 @@ class LoraSlots:
                 mlp.up_lora = self._site(i, up, mlp.up.in_features, slots)
                 down = {"down_proj": (0, 0, mlp.down_proj.out_features)}
                 mlp.down_lora = self._site(i, down, mlp.down_proj.in_features, slots, res)
-            if getattr(layer, "is_mamba", False):  # a hybrid's Mamba2 mixer
+            if getattr(layer, "is_mamba", False):  # a hybrid's Mamba mixer (Mamba2 or Mamba1)
                 mixer = layer.mamba
                 inp = {"in_proj": (0, 0, mixer.in_proj.out_features)}
                 mixer.in_lora = self._site(i, inp, mixer.in_proj.in_features, slots)

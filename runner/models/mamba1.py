@@ -11,8 +11,8 @@ Per token, as transformers' JambaMambaMixer:
 The state is the conv's last K-1 inputs `[K-1, d_inner]` and h `[d_inner, N]` (float32).
 
 The scan runs token by token within a prompt row (A is a matrix, so the Mamba2 mixer's
-chunked form does not apply); one-token rows (decodes) update in one batched step. Torch only, eagerly, as
-the Mamba2 mixer (runner/hybrid.py).
+chunked form does not apply); one-token rows (decodes) update in one batched step. Torch
+only, eagerly, as the Mamba2 mixer (runner/hybrid.py).
 """
 
 from __future__ import annotations
