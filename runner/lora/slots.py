@@ -183,7 +183,7 @@ def _dense_mlp(layer: nn.Module) -> nn.Module | None:
     `feed_forward`, Granite 4.0-H's shared one beside its experts) or NemotronH's relu^2
     block (or its MoE block's shared expert); None for a Llama-family MoE layer and a Mamba
     or attention block. Routed experts take no adapter."""
-    from pdserve.runner.models.mamba_hybrid import ReluSquaredMLP
+    from pdserve.runner.models.nemotron_mlp import ReluSquaredMLP
 
     for name in ("feed_forward", "mlp", "mixer"):
         module = getattr(layer, name, None)
