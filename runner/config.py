@@ -118,12 +118,19 @@ class CacheConfig:
 
     def mamba_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
         """(conv state, SSM state) dtypes of a hybrid Mamba model run in `model_dtype`."""
-        conv = model_dtype if self.mamba_cache_dtype == "auto" else _TORCH[self.mamba_cache_dtype]
-        ssm = conv if self.mamba_ssm_cache_dtype == "auto" else _TORCH[self.mamba_ssm_cache_dtype]
+        # MAMBA_DTYPES' names are torch's own
+        conv = (
+            model_dtype
+            if self.mamba_cache_dtype == "auto"
+            else getattr(torch, self.mamba_cache_dtype)
+        )
+        ssm = (
+            conv
+            if self.mamba_ssm_cache_dtype == "auto"
+            else getattr(torch, self.mamba_ssm_cache_dtype)
+        )
         return conv, ssm
 
-
-_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 

@@ -60,7 +60,7 @@ def _check(base_dir: str, targets: tuple[str, ...], tmp_path: Path, seed: int) -
     want = hf_greedy(merged, prompts[0::2], 12)
     assert got[0::2] == want
     assert got[1::2] == hf_greedy(base_dir, prompts[1::2], 12)
-    assert got[0] != got[1] or want != hf_greedy(base_dir, prompts[0:1], 12)
+    assert want != hf_greedy(base_dir, prompts[0::2], 12), "the adapter must change tokens"
 
 
 def test_bamba_adapter_matches_the_merged_model(tiny_bamba_dir, tmp_path):

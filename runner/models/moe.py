@@ -1,6 +1,6 @@
 """Sparse MoE feed-forward layers of the Llama family's MoE members: Mixtral, Qwen2-MoE
-(with a sigmoid-gated shared expert) and Qwen3-MoE; and Granite 4.0-H's experts
-(runner/models/mamba_hybrid.py adds their ungated shared MLP).
+(with a sigmoid-gated shared expert) and Qwen3-MoE; and the hybrids' (runner/models/
+mamba_hybrid.py): Granite 4.0-H's experts, beside an ungated shared MLP, and Jamba's.
 
 Which layers are sparse, how many experts a token takes and whether their weights are
 renormalised are config data (`MoeSpec`); attention is the family's own. The experts'
