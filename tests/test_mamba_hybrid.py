@@ -226,10 +226,10 @@ def _mixed_step_equals_rows_alone(mixer, hidden: int) -> None:
         for p in mixer.parameters():
             p.normal_(0, 0.3)
     (conv_shape, ssm_shape) = mixer.state_shapes
-    counts = np.array([5, 1, 7, 1, 1])
-    fresh = np.array([False, False, True, True, False])
-    units = torch.tensor([3, 0, 4, 1, 2])
-    conv0, ssm0 = torch.randn(5, *conv_shape), torch.randn(5, *ssm_shape)
+    counts = np.array([5, 1, 7, 1, 1, 10])
+    fresh = np.array([False, False, True, True, False, False])
+    units = torch.tensor([3, 0, 4, 1, 2, 5])
+    conv0, ssm0 = torch.randn(6, *conv_shape), torch.randn(6, *ssm_shape)
     x = torch.randn(int(counts.sum()), hidden)
     qs = np.concatenate([[0], np.cumsum(counts)])
 
@@ -242,8 +242,8 @@ def _mixed_step_equals_rows_alone(mixer, hidden: int) -> None:
         with torch.no_grad():
             return mixer(xs, step, conv, ssm), conv, ssm
 
-    together, conv_all, ssm_all = run(list(range(5)))
-    for r in range(5):
+    together, conv_all, ssm_all = run(list(range(6)))
+    for r in range(6):
         alone, conv_r, ssm_r = run([r])
         torch.testing.assert_close(together[qs[r] : qs[r + 1]], alone, rtol=1e-5, atol=1e-5)
         u = int(units[r])
@@ -251,11 +251,17 @@ def _mixed_step_equals_rows_alone(mixer, hidden: int) -> None:
         torch.testing.assert_close(ssm_all[u], ssm_r[u], rtol=1e-5, atol=1e-5)
 
 
-def test_a_mamba2_mixed_step_equals_its_rows_alone():
+@pytest.mark.parametrize("scan_bytes", [1, 256 << 20])
+def test_a_mamba2_mixed_step_equals_its_rows_alone(scan_bytes, monkeypatch):
+    """Mamba2's prompt rows scan together, padded to the longest row of their scan-chunk
+    count (the shorter row's pads must leave its state alone), or one a group when the
+    group's scan budget holds a single row."""
     from transformers import BambaConfig
 
+    from pdserve.runner.models import mamba2
     from pdserve.runner.models.mamba2 import Mamba2Mixer
 
+    monkeypatch.setattr(mamba2, "SCAN_BYTES", scan_bytes)
     cfg = BambaConfig(hidden_size=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=2,
                       mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=4)  # fmt: skip
     _mixed_step_equals_rows_alone(Mamba2Mixer(cfg, 0), 32)

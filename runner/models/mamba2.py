@@ -32,6 +32,11 @@ from torch import nn
 if TYPE_CHECKING:
     from pdserve.runner.lora.slots import LoraSite
 
+# Bytes a group of prompt rows may spend on one scan chunk's [G, L, L, heads] float32
+# score and decay tensors (the scan's largest): a Granite-4.0-H-Tiny layer (48 heads,
+# 256-token chunks) takes 21 rows a group.
+SCAN_BYTES = 256 << 20
+
 
 @dataclass
 class MambaStep:
@@ -139,9 +144,8 @@ class Mamba2Mixer(nn.Module):
                 on = torch.from_numpy(rows).to(x.device, non_blocking=True)
                 y[at] = self._decode(xbc[at], dt[at], step.units[on], step.fresh_dev[on],
                                      conv, ssm)  # fmt: skip
-            for r in np.flatnonzero(~single).tolist():
-                first, end = int(step.query_start[r]), int(step.query_start[r + 1])
-                y[first:end] = self._segment(xbc[first:end], dt[first:end], step, r, conv, ssm)
+            for rows in self._row_groups(counts, np.flatnonzero(~single)):
+                self._segments(xbc, dt, step, rows, conv, ssm, y)
         out = self.norm(y, z.float()).to(x.dtype)
         y = self.out_proj(out)
         return y if self.out_lora is None else self.out_lora.apply(y, out)
@@ -173,20 +177,65 @@ class Mamba2Mixer(nn.Module):
         return (x.view(t, d.heads, d.head_dim), b.reshape(t, d.heads, d.state),
                 c.reshape(t, d.heads, d.state))  # fmt: skip
 
-    def _segment(self, xbc, dt, step: MambaStep, r: int, conv, ssm) -> torch.Tensor:
-        """One row's tokens (a prompt chunk): its convolution and chunked scan."""
+    def _row_groups(self, counts: np.ndarray, rows: np.ndarray) -> list[np.ndarray]:
+        """The prompt rows in groups scanned together: longest first, so a group's rows pad
+        to similar lengths, and few enough that a group's per-chunk score tensors
+        ([G, L, L, heads] float32) stay within SCAN_BYTES."""
         d = self.dims
-        unit = step.units[r]
-        fresh = bool(step.fresh[r])
-        prev = torch.zeros_like(conv[0]) if fresh else conv[unit]  # [K-1, C]
-        full = torch.cat([prev, xbc.to(conv.dtype)], dim=0)  # [K-1+T, C]
-        conv[unit] = full[full.shape[0] - (d.conv_kernel - 1) :]
-        x, b, c = self._conv(full.unfold(0, d.conv_kernel, 1))  # windows [T, C, K]
-        state = torch.zeros_like(ssm[0], dtype=torch.float32) if fresh else ssm[unit].float()
-        y, state = ssd_scan(x, self._time_steps(dt), -torch.exp(self.A_log.float()), b, c,
-                            self.D.float(), state, d.chunk)  # fmt: skip
-        ssm[unit] = state.to(ssm.dtype)
-        return y.reshape(y.shape[0], d.inner)
+        per_row = min(d.chunk, int(counts[rows].max())) ** 2 * d.heads * 4
+        size = max(1, SCAN_BYTES // per_row)
+        chunks = -(-counts[rows] // d.chunk)  # rows of one chunk count pad by < a chunk
+        groups = []
+        for n in np.unique(chunks)[::-1]:
+            same = rows[chunks == n]
+            same = same[np.argsort(-counts[same], kind="stable")]
+            groups += [same[i : i + size] for i in range(0, len(same), size)]
+        return groups
+
+    def _segments(self, xbc, dt, step: MambaStep, rows: np.ndarray, conv, ssm, y) -> None:
+        """Prompt chunks of several rows at once: each row's tokens padded to the longest
+        row's (time step 0 on the pads, so its state passes through them unchanged), the
+        convolution from each row's conv state, one chunked scan from each row's SSM
+        state; writes the rows' outputs into `y` and their final states back."""
+        d, device = self.dims, xbc.device
+        starts, ends = step.query_start[rows], step.query_start[rows + 1]
+        lengths = ends - starts
+        longest = int(lengths.max())
+        on = torch.from_numpy(rows).to(device, non_blocking=True)
+        units, keep = step.units[on], ~step.fresh_dev[on]
+        if len(rows) == 1:  # one row: its tokens are a slice, no pads to gather or mask
+            first, end = int(starts[0]), int(ends[0])
+            tokens, dt_rows = xbc[first:end][None], dt[first:end][None]
+            index = valid = None
+        else:
+            offsets = np.arange(longest)
+            valid_np = offsets[None, :] < lengths[:, None]  # [G, L]
+            index_np = np.where(valid_np, starts[:, None] + offsets[None, :], 0)
+            index = torch.from_numpy(index_np).to(device, non_blocking=True)
+            valid = torch.from_numpy(valid_np).to(device, non_blocking=True)
+            tokens, dt_rows = xbc[index], dt[index]
+        k = d.conv_kernel - 1
+        prev = conv[units] * keep[:, None, None].to(conv.dtype)  # [G, K-1, C]
+        full = torch.cat([prev, tokens.to(conv.dtype)], dim=1)  # [G, K-1+L, C]
+        last = torch.from_numpy(lengths[:, None] + np.arange(k)[None, :]).to(device)
+        conv[units] = full.gather(1, last[..., None].expand(-1, -1, full.shape[2]))
+        windows = full.unfold(1, d.conv_kernel, 1)  # [G, L, C, K]
+        g = len(rows)
+        x, b, c = self._conv(windows.reshape(g * longest, *windows.shape[2:]))
+        dts = self._time_steps(dt_rows)  # [G, L, H]
+        if valid is not None:
+            dts = dts * valid[..., None]  # 0 on the pads
+        state = ssm[units].float() * keep[:, None, None, None]
+        out, state = ssd_scan(
+            x.view(g, longest, d.heads, d.head_dim), dts, -torch.exp(self.A_log.float()),
+            b.view(g, longest, d.heads, d.state), c.view(g, longest, d.heads, d.state),
+            self.D.float(), state, d.chunk,
+        )  # fmt: skip
+        ssm[units] = state.to(ssm.dtype)
+        if index is None:
+            y[int(starts[0]) : int(ends[0])] = out[0].reshape(-1, d.inner)
+        else:
+            y[index[valid]] = out[valid].reshape(-1, d.inner)
 
     def _decode(self, xbc, dt, units, fresh, conv, ssm) -> torch.Tensor:
         """One token a row, these rows (their `units`, and which are `fresh`) at once."""
@@ -208,25 +257,28 @@ class Mamba2Mixer(nn.Module):
 
 
 def ssd_scan(x, dt, a, b, c, d_skip, state, chunk: int):
-    """The selective scan of one row's T tokens from `state`, chunk by chunk.
-    x [T, H, P], dt [T, H], a [H] (negative), b / c [T, H, N], d_skip [H], state
-    [H, P, N] -> (y [T, H, P], the final state); all float32."""
+    """The selective scan of G rows of T tokens each from their `state`s, chunk by chunk.
+    x [G, T, H, P], dt [G, T, H], a [H] (negative), b / c [G, T, H, N], d_skip [H], state
+    [G, H, P, N] -> (y [G, T, H, P], the final states); all float32. A token with time
+    step 0 leaves the state as it is (rows padded to one length end so)."""
     out = []
-    for s in range(0, x.shape[0], chunk):
-        xs, dts, bs, cs = x[s : s + chunk], dt[s : s + chunk], b[s : s + chunk], c[s : s + chunk]
-        logd = torch.cumsum(dts * a[None], dim=0)  # [L, H]: log decay from the chunk start
-        rel = logd[:, None, :] - logd[None, :, :]  # [L(t), L(s), H]
-        causal = torch.ones(rel.shape[:2], dtype=torch.bool, device=x.device).tril()
-        decay = torch.exp(rel.masked_fill(~causal[..., None], float("-inf")))
-        scores = torch.einsum("thn,shn->tsh", cs, bs) * decay
-        y = torch.einsum("tsh,sh,shp->thp", scores, dts, xs)
-        y = y + torch.einsum("thn,hpn->thp", cs, state) * torch.exp(logd)[..., None]
-        out.append(y + d_skip[None, :, None] * xs)
-        to_end = torch.exp(logd[-1][None] - logd) * dts  # [L, H]
-        state = state * torch.exp(logd[-1])[:, None, None] + torch.einsum(
-            "sh,shp,shn->hpn", to_end, xs, bs
+    for s in range(0, x.shape[1], chunk):
+        xs, dts = x[:, s : s + chunk], dt[:, s : s + chunk]
+        bs, cs = b[:, s : s + chunk], c[:, s : s + chunk]
+        logd = torch.cumsum(dts * a, dim=1)  # [G, L, H]: log decay from the chunk start
+        rel = logd[:, :, None, :] - logd[:, None, :, :]  # [G, L(t), L(s), H]
+        length = xs.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+        decay = torch.exp(rel.masked_fill(~causal[None, :, :, None], float("-inf")))
+        scores = torch.einsum("gthn,gshn->gtsh", cs, bs) * decay
+        y = torch.einsum("gtsh,gsh,gshp->gthp", scores, dts, xs)
+        y = y + torch.einsum("gthn,ghpn->gthp", cs, state) * torch.exp(logd)[..., None]
+        out.append(y + d_skip[:, None] * xs)
+        to_end = torch.exp(logd[:, -1:] - logd) * dts  # [G, L, H]
+        state = state * torch.exp(logd[:, -1])[..., None, None] + torch.einsum(
+            "gsh,gshp,gshn->ghpn", to_end, xs, bs
         )
-    return torch.cat(out), state
+    return torch.cat(out, dim=1), state
 
 
 class GatedRMSNorm(nn.Module):
