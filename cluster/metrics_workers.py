@@ -200,7 +200,15 @@ def _lora_info(router: Any, roles: dict[str, str]) -> GaugeMetricFamily:
 
 
 # Engine.execution_path
-_PATH_KEYS = ("runner", "decode_attention", "norms", "graph_scope", "experts", "weights")
+_PATH_KEYS = (
+    "runner",
+    "decode_attention",
+    "norms",
+    "graph_scope",
+    "experts",
+    "weights",
+    "kv_cache",
+)
 
 
 def _path_families(router: Any, roles: dict[str, str]):
@@ -209,7 +217,7 @@ def _path_families(router: Any, roles: dict[str, str]):
     info = GaugeMetricFamily(
         PREFIX + "engine_info",
         "The engine's execution path (runner, decode attention kernel, norms, graph scope, "
-        "MoE experts, weights dtype)",
+        "MoE experts, weights dtype, KV cache dtype)",
         labels=["role", "worker", *_PATH_KEYS],
     )
     steps = CounterMetricFamily(

@@ -123,7 +123,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     ecfg = resolve_engine_config(
         model=cfg.model, dtype=cfg.dtype, device=cfg.device, max_model_len=cfg.max_model_len,
         block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, runner=cfg.runner,
-        hf_overrides=cfg.hf_overrides, mamba_cache_dtype=cfg.mamba_cache_dtype,
+        hf_overrides=cfg.hf_overrides, kv_cache_dtype=cfg.kv_cache_dtype,
+        mamba_cache_dtype=cfg.mamba_cache_dtype,
         mamba_ssm_cache_dtype=cfg.mamba_ssm_cache_dtype,
     )  # fmt: skip
     tier_bytes = cfg.tier_bytes
@@ -176,7 +177,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         scheduling_policy=cfg.scheduling_policy, num_gpu_blocks=cfg.num_gpu_blocks_override,
         enable_chunked_prefill=cfg.enable_chunked_prefill, async_scheduling=cfg.async_scheduling,
         enable_lora=cfg.enable_lora, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
-        hf_overrides=cfg.hf_overrides, mamba_cache_dtype=cfg.mamba_cache_dtype,
+        hf_overrides=cfg.hf_overrides, kv_cache_dtype=cfg.kv_cache_dtype,
+        mamba_cache_dtype=cfg.mamba_cache_dtype,
         mamba_ssm_cache_dtype=cfg.mamba_ssm_cache_dtype,
     )  # fmt: skip
     # The step budget's rules (e.g. no chunking needs a budget of max_model_len), refused

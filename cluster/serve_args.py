@@ -19,6 +19,7 @@ ENV_KEYS = {"api_key": "PDSERVE_API_KEY", "admin_key": "PDSERVE_ADMIN_KEY"}
 UVICORN_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # runner/config.py's, without importing torch
 MAMBA_DTYPES = ("auto", "float32", "bfloat16", "float16")  # runner/config.py's, no torch
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # runner/config.py's names
 # Keys that take human-readable sizes ("32k", "4G"; pdserve/sizes.py), as vLLM's flags do.
 SIZE_KEYS = (
     "max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "responses_store_bytes",
@@ -131,7 +132,7 @@ class ServeConfig:
     # One GPU a worker: accepted at 1 so vLLM command lines parse, refused above.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    kv_cache_dtype: str = "auto"  # the KV cache is in the model's dtype
+    kv_cache_dtype: str = "auto"  # the model's dtype, or FP8 (fp8 = fp8_e4m3, fp8_e5m2)
     # vLLM's: a hybrid Mamba model's state dtypes (runner/config.py CacheConfig)
     mamba_cache_dtype: str = "auto"
     mamba_ssm_cache_dtype: str = "float32"
@@ -247,10 +248,10 @@ class ServeConfig:
                     f"{flag} {value}: a pdserve worker runs on one GPU; scale out with "
                     "--prefill-workers and --decode-workers"
                 )
-        if self.kv_cache_dtype != "auto":
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"--kv-cache-dtype {self.kv_cache_dtype}: only auto (the model's dtype) is "
-                "supported"
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                f"{self.kv_cache_dtype!r}"
             )
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(

@@ -13,6 +13,7 @@ from pdserve.cluster.cors import json_list
 from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.cluster.serve_args import (
     ENV_KEYS,
+    KV_CACHE_DTYPES,
     MAMBA_DTYPES,
     SCHEDULING_POLICIES,
     SIZE_KEYS,
@@ -58,7 +59,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="1 only: a worker runs on one GPU")  # fmt: skip
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None,
                    help="1 only: a worker runs on one GPU")  # fmt: skip
-    p.add_argument("--kv-cache-dtype", default=None, help="auto only: the model's dtype")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
+                   help="the paged KV cache's: auto (the model's dtype) or FP8, half the "
+                   "bytes a token (fp8 = fp8_e4m3; scales from the checkpoint, else 1.0)")  # fmt: skip
     p.add_argument("--mamba-cache-dtype", choices=list(MAMBA_DTYPES), default=None,
                    help="a hybrid Mamba model's conv state (default auto: the model's dtype)")  # fmt: skip
     p.add_argument("--mamba-ssm-cache-dtype", choices=list(MAMBA_DTYPES), default=None,

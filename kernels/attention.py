@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.fp8_kv import is_fp8, quantize_ref
 from pdserve.kernels.paged_attention_triton import paged_attention_triton
 from pdserve.kernels.workspace import KernelWorkspace
 
@@ -25,23 +26,30 @@ def write_kv_ref(
     value: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D], updated in place
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    scales: tuple[float, float] = (1.0, 1.0),  # an FP8 cache's (k_scale, v_scale)
 ) -> None:
     block_size = kv_cache.shape[2]
     n = slot_mapping.numel()
     valid = (slot_mapping >= 0).nonzero().squeeze(1)
     slots = slot_mapping[valid]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, 0, offsets] = key[:n][valid].to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = value[:n][valid].to(kv_cache.dtype)
+    fp8 = is_fp8(kv_cache.dtype)
+    for i, (x, scale) in enumerate(((key, scales[0]), (value, scales[1]))):
+        rows = x[:n][valid]
+        kv_cache[blocks, i, offsets] = (
+            quantize_ref(rows, scale, kv_cache.dtype) if fp8 else rows.to(kv_cache.dtype)
+        )
 
 
-def write_kv(key, value, kv_cache, slot_mapping) -> None:
+def write_kv(key, value, kv_cache, slot_mapping, scales: tuple[float, float] = (1.0, 1.0)):
+    """K and V of each token into its slot (an FP8 cache: divided by `scales`)."""
     assert key.shape == value.shape and key.shape[1:] == kv_cache.shape[3:], (
         f"key/value [T, Hkv, D] must match the cache's heads/dim (got {tuple(key.shape)} vs {tuple(kv_cache.shape)})"
     )
     from pdserve.kernels.kv_write import write_kv_triton
 
-    (write_kv_triton if kv_cache.is_cuda else write_kv_ref)(key, value, kv_cache, slot_mapping)
+    fn = write_kv_triton if kv_cache.is_cuda else write_kv_ref
+    fn(key, value, kv_cache, slot_mapping, scales)
 
 
 def _gather_context(kv_cache, block_row, num_ctx):

@@ -8,6 +8,9 @@ launch never reads the device and can be captured in a CUDA graph.
 
 What this module does not know: which tokens are pads (the slot mapping says so) or
 anything about blocks beyond `slot // block_size`.
+
+An FP8 cache (kernels/fp8_kv.py) stores `K / k_scale` and `V / v_scale` as their float8
+bytes, through a uint8 view.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pdserve.kernels.fp8_kv import cache_value, inverse_scale, store_target
 
 
 @triton.jit
@@ -34,8 +39,11 @@ def _write_kv_kernel(
     block_size,
     num_heads,
     head_dim,
+    k_inv_scale,
+    v_inv_scale,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr,  # 0: the cache's own dtype; else kv_cache_ptr is its bytes
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -56,8 +64,10 @@ def _write_kv_kernel(
     slot_base = block * cache_block_stride + offset * cache_offset_stride
     cache_offs = slot_base + heads[:, None] * cache_head_stride + dims[None, :]
     cache_dtype = kv_cache_ptr.dtype.element_ty
-    tl.store(kv_cache_ptr + cache_offs, k.to(cache_dtype), mask=mask)
-    tl.store(kv_cache_ptr + cache_kv_stride + cache_offs, v.to(cache_dtype), mask=mask)
+    k = cache_value(k, k_inv_scale, cache_dtype, FP8_MANTISSA)
+    v = cache_value(v, v_inv_scale, cache_dtype, FP8_MANTISSA)
+    tl.store(kv_cache_ptr + cache_offs, k, mask=mask)
+    tl.store(kv_cache_ptr + cache_kv_stride + cache_offs, v, mask=mask)
 
 
 def write_kv_triton(
@@ -65,6 +75,7 @@ def write_kv_triton(
     value: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D], updated in place
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    scales: tuple[float, float] = (1.0, 1.0),  # an FP8 cache's (k_scale, v_scale)
 ) -> None:
     assert key.dim() == 3 and key.shape == value.shape, "key and value are both [T, Hkv, D]"
     assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, (
@@ -88,10 +99,11 @@ def write_kv_triton(
     block_d = triton.next_power_of_2(head_dim)
     # 4 warps cover a 1024-element tile (8 heads x 128) with 8 bf16 (16 B) per thread.
     num_warps = 4 if block_h * block_d <= 2048 else 8
+    target, fp8_mantissa = store_target(kv_cache)
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
-        kv_cache,
+        target,
         slot_mapping,
         key.stride(0),
         key.stride(1),
@@ -104,7 +116,10 @@ def write_kv_triton(
         block_size,
         num_heads,
         head_dim,
+        inverse_scale(scales[0]),
+        inverse_scale(scales[1]),
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        FP8_MANTISSA=fp8_mantissa,
         num_warps=num_warps,
     )

@@ -8,7 +8,8 @@ whole row, values its first r entries, so MLA is multi-query attention with a ke
 r + rope and a value dim of r. The caller applies W_UV to the output.
 
 `paged_mla_attention_ref` and `write_latent_ref` are the spec and the CPU path; CUDA
-tensors go to kernels/mla_attention_triton.py.
+tensors go to kernels/mla_attention_triton.py. An FP8 cache (kernels/fp8_kv.py) holds
+`latent / scale`; the caller folds the scale into the softmax scale and the output.
 """
 
 from __future__ import annotations
@@ -17,19 +18,25 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import mla_attention_triton
+from pdserve.kernels.fp8_kv import is_fp8, quantize_ref
 
 
 def write_latent_ref(
     latent: torch.Tensor,  # [T, r + rope]
     cache: torch.Tensor,  # [num_blocks, block_size, r + rope], updated in place
     slot_mapping: torch.Tensor,  # [T] int64, -1 = pad (not written)
+    scale: float = 1.0,  # an FP8 cache's
 ) -> None:
     assert cache.dim() == 3 and latent.shape[1:] == cache.shape[2:], (
         f"latent {tuple(latent.shape)} must be [T, {cache.shape[2]}] for cache {tuple(cache.shape)}"
     )
     keep = slot_mapping >= 0
     flat = cache.view(-1, cache.shape[2])
-    flat[slot_mapping[keep]] = latent[keep].to(cache.dtype)
+    rows = latent[keep]
+    fp8 = is_fp8(cache.dtype)
+    flat[slot_mapping[keep]] = (
+        quantize_ref(rows, scale, cache.dtype) if fp8 else rows.to(cache.dtype)
+    )
 
 
 def paged_mla_attention_ref(
@@ -66,10 +73,10 @@ def paged_mla_attention_ref(
         out[qsl[r] : qsl[r + 1]] = o.transpose(0, 1)
 
 
-def write_latent(latent, cache, slot_mapping) -> None:
+def write_latent(latent, cache, slot_mapping, scale: float = 1.0) -> None:
     if latent.is_cuda:
-        return mla_attention_triton.write_latent_triton(latent, cache, slot_mapping)
-    write_latent_ref(latent, cache, slot_mapping)
+        return mla_attention_triton.write_latent_triton(latent, cache, slot_mapping, scale)
+    write_latent_ref(latent, cache, slot_mapping, scale)
 
 
 def paged_mla_attention(

@@ -22,13 +22,22 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.attention_parts import attention_dot
+from pdserve.kernels.fp8_kv import FORMATS as FP8_DTYPES
+from pdserve.kernels.fp8_kv import cache_value, inverse_scale, store_target
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _write_latent_kernel(
-    latent_ptr, cache_ptr, slot_ptr, latent_stride, width, BLOCK_W: tl.constexpr
+    latent_ptr,
+    cache_ptr,
+    slot_ptr,
+    latent_stride,
+    width,
+    inv_scale,
+    BLOCK_W: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr,  # 0: the cache's own dtype; else cache_ptr is its bytes
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -37,10 +46,13 @@ def _write_latent_kernel(
     mask = cols < tl.where(slot >= 0, width, 0)
     row = tl.load(latent_ptr + t * latent_stride + cols, mask=mask)
     target = cache_ptr + tl.maximum(slot, 0) * width + cols
-    tl.store(target, row.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(target, cache_value(row, inv_scale, cache_ptr.dtype.element_ty, FP8_MANTISSA),
+             mask=mask)  # fmt: skip
 
 
-def write_latent_triton(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor):
+def write_latent_triton(
+    latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0
+):
     assert cache.dim() == 3 and cache.is_contiguous(), "a layer's cache is [blocks, bs, r + rope]"
     assert latent.dim() == 2 and latent.shape[1] == cache.shape[2] and latent.stride(1) == 1, (
         f"latent {tuple(latent.shape)} must be [T, {cache.shape[2]}] with unit stride"
@@ -50,9 +62,10 @@ def write_latent_triton(latent: torch.Tensor, cache: torch.Tensor, slot_mapping:
     if num_tokens == 0:
         return
     width = cache.shape[2]
+    target, fp8_mantissa = store_target(cache)
     _write_latent_kernel[(num_tokens,)](
-        latent, cache, slot_mapping, latent.stride(0), width,
-        BLOCK_W=triton.next_power_of_2(width),
+        latent, target, slot_mapping, latent.stride(0), width, inverse_scale(scale),
+        BLOCK_W=triton.next_power_of_2(width), FP8_MANTISSA=fp8_mantissa,
     )  # fmt: skip
 
 
@@ -120,11 +133,11 @@ def _mla_attention_kernel(
             c = tl.load(
                 cache_ptr + k_rows[:, None] + r_offs[None, :],
                 mask=k_ok[:, None] & r_ok[None, :], other=0.0,
-            )  # fmt: skip
+            ).to(q_lat.dtype)  # fmt: skip
             k_pe = tl.load(
                 cache_ptr + k_rows[:, None] + rank + p_offs[None, :],
                 mask=k_ok[:, None] & p_ok[None, :], other=0.0,
-            )  # fmt: skip
+            ).to(q_lat.dtype)  # fmt: skip
             s = tl.zeros((BLOCK_Q * BLOCK_H, BLOCK_N), dtype=tl.float32)
             s = attention_dot(q_lat, tl.trans(c), s, DOT_PRECISION, UPCAST_DOT)
             s = attention_dot(q_pe, tl.trans(k_pe), s, DOT_PRECISION, UPCAST_DOT)
@@ -164,7 +177,9 @@ def paged_mla_attention_triton(
         f"out {tuple(out.shape)} must be [T, H, r={kv_lora_rank}]"
     )
     assert q.stride(2) == 1 and out.stride(2) == 1, "q and out need unit stride on the last dim"
-    assert q.dtype == cache.dtype == out.dtype, "q, the cache and out share a dtype"
+    assert q.dtype == out.dtype and cache.dtype in (q.dtype, *FP8_DTYPES), (
+        "q and out share a dtype; the cache is in it or FP8"
+    )
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     assert query_start_loc.dtype == torch.int32 and seq_lens.dtype == torch.int32
     num_rows = query_start_loc.numel() - 1

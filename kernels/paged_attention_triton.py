@@ -30,6 +30,7 @@ import torch
 import triton
 
 from pdserve.kernels.attention_parts import tile_for
+from pdserve.kernels.fp8_kv import FORMATS as FP8_DTYPES
 from pdserve.kernels.paged_decode_flat import decode_flat, flat_programs
 from pdserve.kernels.paged_decode_packed import DEFAULT_CONFIG as PACKED_16BIT
 from pdserve.kernels.paged_decode_packed import PackedConfig, decode_packed
@@ -86,8 +87,8 @@ def paged_attention_triton(
         "q and out are [T, Hq, D] with unit stride on D"
     )
     assert kv_cache.is_contiguous(), "the cache is one contiguous tensor per layer"
-    assert q.dtype.is_floating_point and kv_cache.dtype == q.dtype, (
-        f"q and the cache share a float dtype (got {q.dtype}, {kv_cache.dtype})"
+    assert q.dtype.is_floating_point and kv_cache.dtype in (q.dtype, *FP8_DTYPES), (
+        f"the cache is in q's float dtype or FP8 (got {q.dtype}, {kv_cache.dtype})"
     )
     for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc)):
         assert t.dtype == torch.int32 and t.stride(-1) == 1, f"{name} is int32, unit stride"

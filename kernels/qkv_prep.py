@@ -19,6 +19,8 @@ projection was computed from the un-normalised residual stream: each token's q, 
 are first multiplied by its RMSNorm factor and rounded to the dtype, as if a norm had run
 before the projection (the spec scales the rows, then runs the sequence above).
 
+An FP8 cache (kernels/fp8_kv.py) takes `k / k_scale` and `v / v_scale` as float8 bytes.
+
 What this module does not know: the cache's block structure beyond `slot // block_size`,
 or which tokens are real (slot -1 writes nothing; its q is computed and ignored).
 """
@@ -30,6 +32,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.attention import write_kv_ref
+from pdserve.kernels.fp8_kv import cache_value, inverse_scale, is_fp8, store_target
 from pdserve.kernels.norm import gemma_style, rms_norm_ref
 from pdserve.kernels.rope import apply_rope_ref
 from pdserve.kernels.row_squares import SQ_ROWS, ScaleRows, row_scale, row_scale_ref
@@ -48,6 +51,7 @@ def prepare_qkv_ref(
     slot_mapping: torch.Tensor,  # [T'] int64, T' <= T, -1 = skip
     scale_rows: ScaleRows | None = None,  # qkv is the projection of un-normalised rows
     bias: torch.Tensor | None = None,  # [(Hq + 2 Hkv) * D], with scale_rows: not yet added
+    scales: tuple[float, float] = (1.0, 1.0),  # an FP8 cache's (k_scale, v_scale)
 ) -> torch.Tensor:
     """-> q [T, Hq, D], normed and rotated; k (normed, rotated) and v land in the cache."""
     t = qkv.shape[0]
@@ -63,7 +67,7 @@ def prepare_qkv_ref(
     if q_norm_weight is not None:
         q, k = rms_norm_ref(q, q_norm_weight, eps), rms_norm_ref(k, k_norm_weight, eps)
     q, k = apply_rope_ref(q, k, positions, cos_sin_cache)
-    write_kv_ref(k, v, kv_cache, slot_mapping)
+    write_kv_ref(k, v, kv_cache, slot_mapping, scales)
     return q
 
 
@@ -143,6 +147,8 @@ def _prepare_qkv_kernel(
     cache_head_stride,
     block_size,
     eps,
+    k_inv_scale,
+    v_inv_scale,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -156,6 +162,7 @@ def _prepare_qkv_kernel(
     SQ_PARTS_PAD: tl.constexpr,
     SQ_STRIDE: tl.constexpr,
     SPLIT_HEADS: tl.constexpr,  # grid (T, Hq + Hkv): one q head, or one k and v head, each
+    FP8_MANTISSA: tl.constexpr,  # 0: the cache's own dtype; else kv_cache_ptr is its bytes
 ):
     t = tl.program_id(0).to(tl.int64)
     if SPLIT_HEADS:
@@ -214,10 +221,12 @@ def _prepare_qkv_kernel(
     cache_dtype = kv_cache_ptr.dtype.element_ty
     live = tl.where(slot >= 0, kv_count, 0)
     w_mask = (tl.arange(0, BLOCK_HK) < live)[:, None] & col_mask[None, :]
-    tl.store(dst, k1.to(cache_dtype), mask=w_mask)
-    tl.store(dst + half, k2.to(cache_dtype), mask=w_mask)
-    tl.store(dst + cache_kv_stride, v1.to(cache_dtype), mask=w_mask)
-    tl.store(dst + cache_kv_stride + half, v2.to(cache_dtype), mask=w_mask)
+    tl.store(dst, cache_value(k1, k_inv_scale, cache_dtype, FP8_MANTISSA), mask=w_mask)
+    tl.store(dst + half, cache_value(k2, k_inv_scale, cache_dtype, FP8_MANTISSA), mask=w_mask)
+    v1 = cache_value(v1, v_inv_scale, cache_dtype, FP8_MANTISSA)
+    v2 = cache_value(v2, v_inv_scale, cache_dtype, FP8_MANTISSA)
+    tl.store(dst + cache_kv_stride, v1, mask=w_mask)
+    tl.store(dst + cache_kv_stride + half, v2, mask=w_mask)
 
 
 SPLIT_HEADS_MAX_TOKENS = 64  # up to this many tokens a program takes one head, not a token
@@ -226,7 +235,7 @@ SPLIT_HEADS_MAX_TOKENS = 64  # up to this many tokens a program takes one head, 
 def prepare_qkv_triton(
     qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, positions,
     cos_sin_cache, kv_cache, slot_mapping, scale_rows: ScaleRows | None = None,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:  # fmt: skip
     _check(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, positions,
            cos_sin_cache, kv_cache, slot_mapping)  # fmt: skip
@@ -249,19 +258,21 @@ def prepare_qkv_triton(
     block_hq = 1 if split else triton.next_power_of_2(num_q_heads)
     block_hk = 1 if split else triton.next_power_of_2(num_kv_heads)
     grid = (num_tokens, num_q_heads + num_kv_heads if split else 1)
+    target, fp8_mantissa = store_target(kv_cache)
     _prepare_qkv_kernel[grid](
         qkv, q, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
-        positions, cos_sin_cache, kv_cache, slot_mapping, qkv if sq is None else sq.buf,
+        positions, cos_sin_cache, target, slot_mapping, qkv if sq is None else sq.buf,
         qkv if bias is None else bias,
         slot_mapping.numel(), 1 if sq is None else sq.parts, 1 if sq is None else sq.dim,
         0.0 if sq is None else scale_rows.eps, qkv.stride(0),
         cos_sin_cache.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        kv_cache.stride(3), kv_cache.shape[2], eps, NUM_Q_HEADS=num_q_heads,
+        kv_cache.stride(3), kv_cache.shape[2], eps, inverse_scale(scales[0]),
+        inverse_scale(scales[1]), NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk, BLOCK_HALF=half, HAS_NORM=has_norm,
         ROUND_NORMED=not (has_norm and gemma_style(qkv, q_norm_weight)),
         SCALE_ROWS=sq is not None, HAS_BIAS=bias is not None, SQ_PARTS_PAD=1 if sq is None else sq.parts_pad,
-        SQ_STRIDE=SQ_ROWS, SPLIT_HEADS=split,
+        SQ_STRIDE=SQ_ROWS, SPLIT_HEADS=split, FP8_MANTISSA=fp8_mantissa,
         # 16 q heads x 64 = 1024 values per half: 4 warps, 8 per thread; one head: 1 warp.
         num_warps=1 if split else 4 if block_hq * half <= 2048 else 8,
         # See rope.py: fusion would contract a rope product into an fma and skip its
@@ -290,14 +301,16 @@ def _check(qkv, hq, hkv, qw, kw, positions, cos_sin_cache, kv_cache, slot_mappin
     assert positions.is_contiguous() and cos_sin_cache.stride(1) == 1
     assert slot_mapping.dim() == 1 and slot_mapping.is_contiguous()
     assert slot_mapping.numel() <= qkv.shape[0], "at most one slot per token"
-    assert qkv.dtype == kv_cache.dtype, f"qkv {qkv.dtype} and cache {kv_cache.dtype} dtypes differ"
+    assert qkv.dtype == kv_cache.dtype or is_fp8(kv_cache.dtype), (
+        f"qkv {qkv.dtype} and cache {kv_cache.dtype} dtypes differ"
+    )
 
 
 def prepare_qkv(
     qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, positions,
     cos_sin_cache, kv_cache, slot_mapping, scale_rows: ScaleRows | None = None,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:  # fmt: skip
     fn = prepare_qkv_triton if qkv.is_cuda else prepare_qkv_ref
     return fn(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, positions,
-              cos_sin_cache, kv_cache, slot_mapping, scale_rows, bias)  # fmt: skip
+              cos_sin_cache, kv_cache, slot_mapping, scale_rows, bias, scales)  # fmt: skip

@@ -75,6 +75,14 @@ class ModelConfig:
 
 
 MAMBA_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# `--kv-cache-dtype` names (vLLM's) -> the paged KV cache's dtype; "auto": the model's.
+# fp8 is fp8_e4m3 (kernels/fp8_kv.py says how values become bytes).
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 @dataclass(frozen=True)
@@ -92,12 +100,18 @@ class CacheConfig:
     # the whole sequence, and 16-bit rounding compounds.
     mamba_cache_dtype: str = "auto"
     mamba_ssm_cache_dtype: str = "float32"
+    # vLLM's `--kv-cache-dtype` (KV_CACHE_DTYPES): an FP8 cache takes half a 16-bit
+    # cache's bytes a token
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
             value = getattr(self, name)
             _require(value in MAMBA_DTYPES,
                      f"{name} must be one of {', '.join(MAMBA_DTYPES)} (got {value!r})")  # fmt: skip
+        _require(self.cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} "
+                 f"(got {self.cache_dtype!r})")  # fmt: skip
         bs = self.block_size
         _require(
             bs >= 1 and (bs & (bs - 1)) == 0 and bs <= 256,
@@ -115,6 +129,10 @@ class CacheConfig:
             0.0 < self.gpu_memory_utilization <= 1.0,
             f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})",
         )
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The paged KV cache's dtype for a model run in `model_dtype`."""
+        return KV_CACHE_DTYPES[self.cache_dtype] or model_dtype
 
     def mamba_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
         """(conv state, SSM state) dtypes of a hybrid Mamba model run in `model_dtype`."""

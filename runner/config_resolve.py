@@ -90,6 +90,7 @@ def resolve_engine_config(
     max_loras: int = 1,
     max_lora_rank: int = 16,
     hf_overrides: dict | str | None = None,
+    kv_cache_dtype: str = "auto",
     mamba_cache_dtype: str = "auto",
     mamba_ssm_cache_dtype: str = "float32",
 ) -> EngineConfig:
@@ -119,6 +120,11 @@ def resolve_engine_config(
             f"max_position_embeddings ({limit})"
         )
     runner_name = select_runner(runner, hf_config)
+    if kv_cache_dtype != "auto" and runner_name != "mrv2":
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} needs the mrv2 runner (the {runner_name} "
+            "runner keeps transformers' own cache)"
+        )
     hybrid = runner_name == "mrv2" and is_hybrid(hf_config)
     if hybrid and enable_prefix_caching:  # runner/hybrid.py
         logger.warning("prefix caching is off for %s: Mamba state is not cached",
@@ -159,6 +165,7 @@ def resolve_engine_config(
             gpu_memory_utilization=gpu_memory_utilization,
             mamba_cache_dtype=mamba_cache_dtype,
             mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+            cache_dtype=kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,

@@ -106,7 +106,8 @@ class Engine(PDRoles):
         path = self.execution_path
         logger.info(
             "engine ready: model=%s runner=%s device=%s dtype=%s max_model_len=%d "
-            "decode_attention=%s norms=%s graph_scope=%s experts=%s weights=%s lora=%s",
+            "decode_attention=%s norms=%s graph_scope=%s experts=%s weights=%s lora=%s "
+            "kv_cache=%s",
             config.model.source,
             path["runner"],
             config.runner.device,
@@ -118,6 +119,7 @@ class Engine(PDRoles):
             path["experts"],
             path["weights"],
             path["lora"],
+            path["kv_cache"],
         )
 
     @classmethod

@@ -87,8 +87,8 @@ def select_runner(requested: str | None, hf_config: Any) -> str:
 
 def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
     """What an engine with this runner config and runner runs: its runner, decode attention,
-    norms, CUDA-graph scope, MoE experts, weights and LoRA slots, as the engine's ready log
-    and the workers' stats say it."""
+    norms, CUDA-graph scope, MoE experts, weights, LoRA slots and KV cache dtype, as the
+    engine's ready log and the workers' stats say it."""
     cfg = runner_config
     model = getattr(runner, "model", None)
     folded = getattr(model, "norms_folded", False)
@@ -104,7 +104,15 @@ def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
         "weights": _weights_path(model),
         # runner/lora/slots.py: "off", or the adapter slots and the largest rank served
         "lora": _lora_path(runner),
+        # the paged KV cache's dtype (--kv-cache-dtype: float8_e4m3fn / float8_e5m2 for
+        # fp8, kernels/fp8_kv.py); "transformers" where the reference runner keeps its own
+        "kv_cache": _kv_cache_path(runner),
     }
+
+
+def _kv_cache_path(runner: Any) -> str:
+    cache = getattr(runner, "kv_cache", None)
+    return str(cache.dtype).removeprefix("torch.") if cache is not None else "transformers"
 
 
 def _lora_path(runner: Any) -> str:

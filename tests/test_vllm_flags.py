@@ -73,6 +73,11 @@ def test_defaults_and_names_as_vllm_picks_them():
 
     assert serve_args.SCHEDULING_POLICIES == config.SCHEDULING_POLICIES
     assert serve_args.MAMBA_DTYPES == config.MAMBA_DTYPES
+    assert tuple(config.KV_CACHE_DTYPES) == serve_args.KV_CACHE_DTYPES
+    assert cfg.kv_cache_dtype == "auto"
+    assert _args("--kv-cache-dtype", "fp8_e5m2").kv_cache_dtype == "fp8_e5m2"
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, fp8"):
+        ServeConfig(kv_cache_dtype="int8")  # a config file's
     assert (cfg.mamba_cache_dtype, cfg.mamba_ssm_cache_dtype) == ("auto", "float32")
     hybrid = _args("--mamba-cache-dtype", "float32", "--mamba-ssm-cache-dtype", "auto")
     assert (hybrid.mamba_cache_dtype, hybrid.mamba_ssm_cache_dtype) == ("float32", "auto")
@@ -90,7 +95,6 @@ def test_defaults_and_names_as_vllm_picks_them():
         (["a", "--model", "b"], "given twice"),
         (["-tp", "2"], "--tensor-parallel-size 2: a pdserve worker runs on one GPU"),
         (["--pipeline-parallel-size", "4"], "--decode-workers"),
-        (["--kv-cache-dtype", "fp8"], "only auto"),
         (["--override-generation-config", "{temperature: 1}"], "not valid JSON"),
         (["--override-generation-config", "[1]"], "must be a JSON object"),
     ],

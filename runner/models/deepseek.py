@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pdserve.kernels.fp8_kv import is_fp8
 from pdserve.kernels.mla_attention import paged_mla_attention, write_latent
 from pdserve.kernels.rope import apply_rope
 from pdserve.kernels.skinny_linear import linear
@@ -67,6 +68,11 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
         self.kv_b_proj = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=bias)
+        # An FP8 latent cache's scale (kernels/fp8_kv.py; the checkpoint's k_scale, as vLLM
+        # reads it, else 1.0). The latent is both key and value: the scale joins the
+        # softmax scale and multiplies the output. v_scale is accepted and unused.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def _linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return linear(x, layer.weight, layer.bias, self.workspace)
@@ -91,15 +97,20 @@ class MLAAttention(nn.Module):
         c, k_pe = latent.split([self.rank, self.rope], dim=-1)
         q_pe, k_pe = apply_rope(q_pe, k_pe.unsqueeze(1), positions, cos_sin)
         c = self.kv_a_layernorm(c.contiguous())
-        write_latent(torch.cat([c, k_pe[:, 0]], dim=-1), kv_cache, attn.slot_mapping)
+        write_latent(torch.cat([c, k_pe[:, 0]], dim=-1), kv_cache, attn.slot_mapping,
+                     self.k_scale)  # fmt: skip
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope :]  # [H, nope, r], [H, v, r]
         q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)
         out = q.new_empty(num_tokens, self.num_heads, self.rank)
+        fp8 = is_fp8(kv_cache.dtype)
         paged_mla_attention(
             torch.cat([q_latent, q_pe], dim=-1), kv_cache, attn.block_tables,
-            attn.query_start_loc, attn.seq_lens, self.scale, self.rank, out, attn.max_query_len,
+            attn.query_start_loc, attn.seq_lens, self.scale * self.k_scale if fp8 else self.scale,
+            self.rank, out, attn.max_query_len,
         )  # fmt: skip
+        if fp8 and self.k_scale != 1.0:
+            out.mul_(self.k_scale)
         values = torch.einsum("thr,hvr->thv", out, w_uv).reshape(num_tokens, -1)
         return self._linear(values, self.o_proj)
 

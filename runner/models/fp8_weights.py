@@ -12,8 +12,9 @@ them back:
 
 What this does not do: run FP8 GEMMs. The weights take the dtype's memory (twice FP8's
 in bf16) and the matmuls run as for any 16-bit model; the execution path says so
-(`weights=fp8->bfloat16`). Activation and KV-cache scales (`input_scale`, `k_scale`,
-`v_scale`) are dropped: activations and the cache stay in the model's dtype.
+(`weights=fp8->bfloat16`). Activation scales (`input_scale`) are dropped: activations
+stay in the model's dtype. KV-cache scales never reach this module: runner/models/
+kv_scales.py takes them first, for `--kv-cache-dtype fp8`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 # Tensors of an FP8 checkpoint that only an FP8 activation or KV path would use.
-_DROPPED_SUFFIXES = ("input_scale", "k_scale", "v_scale", "kv_scale")
+_DROPPED_SUFFIXES = ("input_scale",)
 
 
 @dataclass(frozen=True)

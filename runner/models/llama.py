@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels.attention import paged_attention, write_kv
+from pdserve.kernels.fp8_kv import is_fp8
 from pdserve.kernels.norm import fused_add_rms_norm, rms_norm
 from pdserve.kernels.qkv_prep import prepare_qkv
 from pdserve.kernels.rope import apply_rope
@@ -142,6 +143,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if spec.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if spec.sinks else None
+        # An FP8 cache's dequantization scales (kernels/fp8_kv.py): the checkpoint's, where
+        # it has them (runner/models/kv_scales.py), else 1.0; other caches ignore them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         # Ministral 3 scales each query by 1 + beta * log(1 + floor(pos / original length))
         rope = rope_parameters(cfg)
         beta = rope.get("llama_4_scaling_beta") if cfg.model_type == "ministral3" else None
@@ -185,7 +190,7 @@ class Attention(nn.Module):
                 qkv, self.num_heads, self.num_kv_heads,
                 None if qn is None else qn.weight, None if kn is None else kn.weight,
                 0.0 if qn is None else qn.eps, positions, cos_sin, kv_cache, attn.slot_mapping,
-                scale_rows, bias,
+                scale_rows, bias, (self.k_scale, self.v_scale),
             )  # fmt: skip
         if self.q_position_scale is not None:
             beta, length = self.q_position_scale
@@ -208,18 +213,24 @@ class Attention(nn.Module):
         q_rot, k_rot = apply_rope(q[..., :rot], k[..., :rot], positions, cos_sin)
         q = torch.cat([q_rot, q[..., rot:]], dim=-1)
         k = torch.cat([k_rot, k[..., rot:]], dim=-1)
-        write_kv(k, v.reshape(t, self.num_kv_heads, d), kv_cache, attn.slot_mapping)
+        write_kv(k, v.reshape(t, self.num_kv_heads, d), kv_cache, attn.slot_mapping,
+                 (self.k_scale, self.v_scale))  # fmt: skip
         return q
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata):
-        """Paged attention of q [T, Hq, D] -> [T, Hq * D], the o projection's input."""
+        """Paged attention of q [T, Hq, D] -> [T, Hq * D], the o projection's input. An
+        FP8 cache holds K / k_scale and V / v_scale: the K scale joins the softmax scale,
+        the V scale multiplies the output."""
         out = torch.empty_like(q)
+        fp8 = is_fp8(kv_cache.dtype)
         paged_attention(
-            q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens, self.scale,
-            out, attn.max_query_len, attn.max_seq_len, workspace=self.workspace,
-            decode_kernel=attn.decode_kernel, window=self.window, softcap=self.softcap,
-            sinks=self.sinks,
+            q, kv_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens,
+            self.scale * self.k_scale if fp8 else self.scale, out, attn.max_query_len,
+            attn.max_seq_len, workspace=self.workspace, decode_kernel=attn.decode_kernel,
+            window=self.window, softcap=self.softcap, sinks=self.sinks,
         )  # fmt: skip
+        if fp8 and self.v_scale != 1.0:
+            out.mul_(self.v_scale)
         return out.reshape(q.shape[0], self.q_size)
 
 

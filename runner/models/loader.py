@@ -15,6 +15,7 @@ from safetensors import safe_open
 from pdserve.runner.config import ModelConfig
 from pdserve.runner.models import MODEL_REGISTRY
 from pdserve.runner.models.fp8_weights import dequantized_weights, fp8_format, quantized_source
+from pdserve.runner.models.kv_scales import KvScales
 from pdserve.runner.models.norm_fold import fold_norms
 from pdserve.runner.models.text_only import language_model_weights
 
@@ -54,11 +55,14 @@ def load_model(
     weights = iter_safetensors(model_config.path)
     if model_config.text_only_of is not None:  # a multimodal checkpoint's language model
         weights = language_model_weights(weights)
+    kv_scales = KvScales()  # an FP8 KV cache's scales, where the checkpoint has them
+    weights = kv_scales.take(weights)
     fp8 = fp8_format(cfg)
     if fp8 is not None:  # dequantized as they stream in (runner/models/fp8_weights.py)
         weights = dequantized_weights(weights, fp8, model_config.dtype)
     with torch.no_grad():
         model.load_weights(weights)
+    kv_scales.apply(model)
     model.weights_from = quantized_source(cfg)
     if fold and device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
         # 16-bit decode batches on the GPU run without norm launches (norm_fold.py); fp32

@@ -123,7 +123,8 @@ class MRV2ModelRunner:
         # Layers with paged KV: all of them, but a hybrid's attention layers only
         kv_layers = getattr(m, "num_kv_layers", len(m.layers))
         block_shape = m.kv_block_shape(self.block_size)
-        per_block = block_bytes(kv_layers, block_shape, config.model.dtype)
+        kv_dtype = config.cache.kv_dtype(config.model.dtype)
+        per_block = block_bytes(kv_layers, block_shape, kv_dtype)
         max_useful = config.scheduler.max_num_seqs * config.max_blocks_per_request
         self.num_blocks = config.cache.num_blocks or choose_num_blocks(
             per_block,
@@ -133,13 +134,14 @@ class MRV2ModelRunner:
             max_useful,
         )
         self.kv_cache, self.kv_caches = allocate_blocks(
-            kv_layers, self.num_blocks, block_shape, config.model.dtype, self.device
+            kv_layers, self.num_blocks, block_shape, kv_dtype, self.device
         )
         logger.info(
-            "mrv2 runner: %d KV blocks of %d tokens (%.1f MiB)",
+            "mrv2 runner: %d KV blocks of %d tokens (%.1f MiB, %s)",
             self.num_blocks,
             self.block_size,
             self.num_blocks * per_block / 2**20,
+            str(kv_dtype).removeprefix("torch."),
         )
         self.ring = HostRing(self.device)
         self.to_host = DeviceToHost(self.device)
