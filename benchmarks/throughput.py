@@ -233,6 +233,12 @@ def main() -> int:
         help="what a decode graph holds: the layers, or the whole step (runner/config.py)",
     )
     ap.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        default="auto",
+        help="the paged KV cache's dtype (vLLM's flag; the floor stays the bf16 cache's)",
+    )
+    ap.add_argument(
         "--peer",
         choices=["vllm"],
         default=None,
@@ -260,6 +266,7 @@ def main() -> int:
         gpu_memory_utilization=0.8,
         decode_attention=args.decode_attention,
         cuda_graph_scope=args.cuda_graph_scope,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     startup = time.perf_counter() - t
     graphs = getattr(engine.runner, "graphs", None)
@@ -301,6 +308,8 @@ def main() -> int:
                 "runner": engine.runner_name,
                 "cuda_graphs": len(graphs.graphs) if graphs else 0,
                 "cuda_graph_scope": args.cuda_graph_scope,
+                "kv_cache_dtype": args.kv_cache_dtype,
+                "kv_blocks": engine.runner.num_blocks,
                 "greedy_tail_graphs": len(graphs.tail_graphs) if graphs else 0,
                 "graph_capture_s": graphs.capture_seconds if graphs else 0.0,
                 "graph_memory_mib": graphs.memory_bytes / 2**20 if graphs else 0.0,
@@ -321,7 +330,9 @@ def main() -> int:
 
 def write_row(out_dir: Path, row: dict) -> None:
     print(json.dumps(row), flush=True)
-    (out_dir / f"throughput_{row['workload']}.json").write_text(json.dumps(row, indent=2) + "\n")
+    kv = row.get("kv_cache_dtype", "auto")
+    name = f"throughput_{row['workload']}{'' if kv == 'auto' else '_kv_' + kv}.json"
+    (out_dir / name).write_text(json.dumps(row, indent=2) + "\n")
 
 
 def run_vllm_peer(
@@ -337,6 +348,7 @@ def run_vllm_peer(
         f"--max-num-seqs={args.max_num_seqs}",
         f"--max-num-batched-tokens={args.max_num_batched_tokens}",
         f"--vocab={vocab}",
+        f"--kv-cache-dtype={args.kv_cache_dtype}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480)
     sys.stderr.write(proc.stderr[-4000:])

@@ -28,6 +28,7 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--vocab", type=int, default=151_936, help="prompt ids are below this")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -39,6 +40,7 @@ def main() -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=0.7,  # our parent process still holds a CUDA context
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=0,
     )
     for name in args.workloads.split(","):
