@@ -98,9 +98,13 @@ def fp8_code(x, MANTISSA_BITS: tl.constexpr):
 
 
 @triton.jit
-def cache_value(x, inv_scale, dtype, FP8_MANTISSA: tl.constexpr):
+def cache_value(x, inv_scale, dtype: tl.constexpr, FP8_MANTISSA: tl.constexpr):
     """What a writer stores for `x`: its uint8 FP8 code of `x * inv_scale`, or `x` in the
-    cache's `dtype` (FP8_MANTISSA 0)."""
+    cache's `dtype` (FP8_MANTISSA 0). One return after the branch: the GPU compiler goes on
+    past a return inside a constexpr `if` and then refuses the second return's other type
+    (the interpreter does not)."""
     if FP8_MANTISSA == 0:
-        return x.to(dtype)
-    return fp8_code(x.to(tl.float32) * inv_scale, FP8_MANTISSA)
+        value = x.to(dtype)
+    else:
+        value = fp8_code(x.to(tl.float32) * inv_scale, FP8_MANTISSA)
+    return value
