@@ -208,16 +208,17 @@ def _engine_logprobs(model_dir: str, cache_dtype: str, prompts, n: int):
 
 
 def _assert_engine_equals_hf(model_dir, cache_name, scales, prompts, n=8):
-    """Our sampled tokens are transformers' argmax at every step and their logprobs agree
-    to 2e-4. Float32 summation order alone is 1e-4 (conftest.assert_logprobs_match_hf);
-    a value that summation order moves across a float8 midpoint rounds one code (2^-4 of
-    it) the other way, and at these sizes that moves a logprob by < 1e-4 more. Returns the
-    logprobs, to show the rounding matters."""
+    """Our sampled tokens are transformers' argmax at every step, and their logprobs
+    agree: the median step to 2e-5 (float32 summation order, conftest.assert_logprobs_
+    match_hf), every step to 1e-3. A K, V or latent value that summation order moves
+    across a float8 midpoint rounds one code the other way (up to 2^-3 of it in e4m3),
+    which moved a few logprobs by up to 2.6e-4 on an H100 (MLA, k_scale 0.02). The float8
+    rounding itself moves them by 0.15-0.8 against a float32 cache (test below)."""
     cache_dtype = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[cache_name]
     llm, outs = _engine_logprobs(model_dir, cache_name, prompts, n)
     assert llm.engine.execution_path["kv_cache"] == str(cache_dtype).removeprefix("torch.")
     model = _hf_with_fp8_kv(model_dir, cache_dtype, scales)
-    got_all = []
+    got_all, want_all = [], []
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.inference_mode():
             logits = model(torch.tensor([prompt + out.token_ids], device=DEVICE)).logits[0]
@@ -225,8 +226,10 @@ def _assert_engine_equals_hf(model_dir, cache_name, scales, prompts, n=8):
         assert steps.argmax(-1).tolist() == out.token_ids
         want = steps.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
         got = torch.tensor([lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)])
-        torch.testing.assert_close(got, want, rtol=0, atol=2e-4)
         got_all.append(got)
+        want_all.append(want)
+    err = (torch.cat(got_all) - torch.cat(want_all)).abs()
+    assert err.max() <= 1e-3 and err.median() <= 2e-5, err
     return torch.cat(got_all)
 
 
@@ -243,7 +246,7 @@ def test_the_engine_equals_transformers_with_fp8_rounded_kv(tiny_qwen3_dir, cach
     _, plain = _engine_logprobs(tiny_qwen3_dir, "auto", PROMPTS, 8)
     if [o.token_ids for o in plain] == [o.token_ids for o in fp8]:
         lps = [lp[t].logprob for o in plain for t, lp in zip(o.token_ids, o.logprobs)]
-        assert (torch.tensor(lps) - got).abs().max() > 1e-3
+        assert (torch.tensor(lps) - got).abs().max() > 1e-2
 
 
 def _with_tensors(src: str, out: Path, extra: dict[str, torch.Tensor]) -> str:
