@@ -1,4 +1,5 @@
-"""Offline throughput of the engine on random-weight bf16 MoE / MLA models (GPU), with vLLM.
+"""Offline throughput of the engine on random-weight bf16 MoE / MLA / hybrid models (GPU),
+with vLLM.
 
     python benchmarks/model_throughput.py --shape qwen3_30b_a3b [--layers 12]
         [--workloads decode_heavy,small_batch] [--peer vllm] [--out benchmarks/results]
@@ -13,6 +14,9 @@ device's disk and a call's time, and throughput per layer is what compares):
   mixtral_8x7b      Mixtral-8x7B: 8 experts of 14336, 2 picks, GQA 32/8 x 128
   gemma3_12b        Gemma-3-12B's text layers: GQA 16/8 x 256, GeGLU 15360, five local layers
                     (1,024-key window) to one global, 262k vocabulary
+  granite4_h_tiny   Granite-4.0-H-Tiny: Mamba2 layers (48 heads of 64, state 128) and one
+                    NoPE attention layer (GQA 12/4 x 128) in ten, 64 experts of 512, 6 picks,
+                    a shared MLP of 1024
 The workloads, prompts (seeded random ids) and forced output lengths are throughput.py's.
 Each row records the runner and execution path (`experts`, graph scope) that ran it.
 `--peer vllm` runs vLLM 0.25 on the same directory in a child process afterwards.
@@ -106,6 +110,23 @@ SHAPES = {
         ),
         6,
     ),
+    "granite4_h_tiny": (
+        "GraniteMoeHybridConfig",
+        dict(
+            vocab_size=100_352, hidden_size=1536, intermediate_size=512,
+            shared_intermediate_size=1024, num_local_experts=64, num_experts_per_tok=6,
+            num_attention_heads=12, num_key_value_heads=4, position_embedding_type="nope",
+            mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1,
+            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
+            embedding_multiplier=12.0, logits_scaling=6.0, residual_multiplier=0.22,
+            attention_multiplier=0.0078125, max_position_embeddings=131_072,
+            rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=100_257,
+            eos_token_id=100_257, architectures=["GraniteMoeHybridForCausalLM"],
+            # one attention layer in ten, as the released 4 in 40
+            layer_types=lambda n: ["attention" if i % 10 == 5 else "mamba" for i in range(n)],
+        ),
+        10,
+    ),
 }  # fmt: skip
 
 
@@ -114,6 +135,7 @@ def build_model_dir(shape: str, layers: int, path: Path) -> int:
     import transformers
 
     cls_name, fields, _ = SHAPES[shape]
+    fields = {k: v(layers) if callable(v) else v for k, v in fields.items()}  # per layer count
     cfg = getattr(transformers, cls_name)(num_hidden_layers=layers, **fields)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
@@ -170,7 +192,10 @@ def main() -> int:
         peer = run_vllm_peer(model_dir, args, vocab)
         for row in rows:
             row.update(peer.get(row["workload"], {"vllm_output_tok_s": None}))
-    out = Path(args.out) / f"model_throughput_{args.shape}_{device_kind()}_{git_commit()}.json"
+    eager = "_eager" if args.enforce_eager else ""
+    out = (
+        Path(args.out) / f"model_throughput_{args.shape}{eager}_{device_kind()}_{git_commit()}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     print(f"wrote {out}", file=sys.stderr)

@@ -348,7 +348,7 @@ def run_vllm_peer(
         f"--max-num-seqs={args.max_num_seqs}",
         f"--max-num-batched-tokens={args.max_num_batched_tokens}",
         f"--vocab={vocab}",
-        f"--kv-cache-dtype={args.kv_cache_dtype}",
+        f"--kv-cache-dtype={getattr(args, 'kv_cache_dtype', 'auto')}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480)
     sys.stderr.write(proc.stderr[-4000:])

@@ -140,10 +140,7 @@ def resolve_engine_config(
     if async_scheduling is None:
         async_scheduling = on_cuda
     graphs: tuple[int, ...] = ()
-    if hybrid and on_cuda and not enforce_eager:
-        logger.warning("CUDA graphs are off for %s: its Mamba layers run eagerly",
-                       architecture_of(hf_config))  # fmt: skip
-    if on_cuda and runner_name == "mrv2" and not enforce_eager and not hybrid:
+    if on_cuda and runner_name == "mrv2" and not enforce_eager:
         from pdserve.runner.mrv2.cuda_graphs import capture_sizes
 
         graphs = capture_sizes(cuda_graph_sizes, max_num_seqs, max_num_batched_tokens)

@@ -6,8 +6,10 @@ request's state unit (runner/state_pool.py, runner/mrv2/mamba_state.py), which e
 at the end of what the request computed so far, not at every block boundary. So:
 - prefix caching is off: a cached block would need the Mamba state at its end;
 - the KV tier is off: it keeps blocks by prefix hash, without states;
-- layer-wise early tickets are refused: the state is final only after the whole forward;
-- CUDA graphs are off: the mixer runs in torch, eagerly (runner/models/mamba2.py).
+- layer-wise early tickets are refused: the state is final only after the whole forward.
+Decode steps take the CUDA graphs as other models' do: the mixers' one-token step is
+plain torch over the rows' state units, which come from persistent buffers (pad rows on a
+scratch unit: runner/mrv2/mamba_state.py); prompt steps run eagerly.
 PD itself works: a held prompt keeps its unit with its blocks, and the ticket moves the
 unit's final state with them (kvtransfer/ `mamba_state`), all or nothing.
 Each is logged or refused by name, so the path an operator sees is the one that runs.

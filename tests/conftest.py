@@ -47,6 +47,7 @@ collect_ignore = ([] if _num_gpus() >= 2 else ["test_gpu_peer_ipc.py"]) + (
         "test_gpu_compile_watch.py",
         "test_gpu_moe.py",
         "test_gpu_mla.py",
+        "test_gpu_hybrid_graphs.py",
         "gpu_ipc_source_proc.py",
         "gpu_ipc_dead_source_proc.py",
         "gpu_ipc_layouts.py",

@@ -84,7 +84,10 @@ class Mamba1Mixer(nn.Module):
         y = torch.zeros(x.shape[0], self.inner, dtype=torch.float32, device=x.device)
         k = self.conv_kernel - 1
         single = np.flatnonzero(counts == 1)  # decode rows (and one-token chunks): at once
-        if single.size:
+        if single.size == len(counts):  # a decode step (no index copies: graph-capturable)
+            n = len(counts)
+            y[:n] = self._decode(xs[:n], step.units, step.fresh_dev, conv, ssm)
+        elif single.size:
             at = torch.from_numpy(step.query_start[single]).to(x.device, non_blocking=True)
             on = torch.from_numpy(single).to(x.device, non_blocking=True)
             y[at] = self._decode(xs[at], step.units[on], step.fresh_dev[on], conv, ssm)

@@ -6,7 +6,9 @@ buffers, whose addresses never change. The LM head runs after the replay, eagerl
 real rows only: keeping [size, 151,936] logits alive per graph would pin ~3 GB of the
 pool for 28 sizes, against one extra GEMM launch per step. Batches are padded
 explicitly to the next capture size (pad rows: zero block-table row, seq_len 0, slot -1),
-which the prepare kernels already do. Mixed and prefill steps run eagerly.
+which the prepare kernels already do; a model's own per-row inputs (a hybrid's Mamba state
+units) come from its ModelState's persistent buffers (`capture_inputs`). Mixed and
+prefill steps run eagerly.
 
 Step scope (`--cuda-graph-scope step`: `prep` and `tail` given). Every graph first runs
 `prep(size)`, the step's input prep (kernels/decode_prep.py: it reads the number of real
@@ -32,6 +34,7 @@ import torch
 
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.mrv2.input_batch import InputBuffers
+from pdserve.runner.mrv2.model_state import ModelState
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ class CudaGraphs:
         prep: Callable[[int], None] | None = None,  # size -> launch the decode input prep
         tail: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
         # ^ (hidden [size, H], size) -> sampled ids [size]: the greedy tail, captured too
+        model_state: ModelState | None = None,  # its capture_inputs(size), before each
     ):
         self.model = model
         self.buffers = buffers
@@ -76,6 +80,7 @@ class CudaGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.prep = prep
         self.tail = tail
+        self.model_state = model_state
         self.tail_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.tail_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.replays = 0  # plain replays (the LM head then runs eagerly)
@@ -105,6 +110,8 @@ class CudaGraphs:
         )
         if self.prep is not None:
             self.prep(size)
+        if self.model_state is not None:
+            self.model_state.capture_inputs(size)
         return self.model(b.input_ids[:size], b.positions[:size], self.kv_caches, attn)
 
     @torch.inference_mode()

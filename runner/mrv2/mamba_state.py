@@ -10,6 +10,11 @@ their units, their token spans and which rows start a request (num_computed 0: a
 prompt, or one recomputed after preemption), whose states start from zero. Nothing is
 reset on add or remove: a row's first step overwrites its unit, and a request whose
 prompt came with its state (a decode-role load) starts past its prompt, from that state.
+
+Decode graphs (runner/mrv2/cuda_graphs.py): the rows' units and fresh flags live in
+persistent device buffers, refilled every step; a graph's pad rows read and write one
+extra scratch unit past the scheduler's, as fresh rows (their state starts from zero), so
+a padded replay never touches a request's state.
 """
 
 from __future__ import annotations
@@ -37,12 +42,17 @@ class MambaModelState(ModelState):
         runner/config.py). The mixer computes in float32 and rounds to these on store."""
         (conv_shape, ssm_shape), layers = model.mamba_state_shapes, model.num_mamba_layers
         conv_dtype = conv_dtype or model.embed_tokens.weight.dtype
-        conv = torch.zeros(layers, num_units, *conv_shape, dtype=conv_dtype, device=device)
-        ssm = torch.zeros(layers, num_units, *ssm_shape, dtype=ssm_dtype, device=device)
+        units = num_units + 1  # the last: pad rows' scratch
+        conv = torch.zeros(layers, units, *conv_shape, dtype=conv_dtype, device=device)
+        ssm = torch.zeros(layers, units, *ssm_shape, dtype=ssm_dtype, device=device)
         model.mamba_states = (conv, ssm)
         self.model, self.device = model, device
         self.bytes = conv.numel() * conv.element_size() + ssm.numel() * ssm.element_size()
         self.slot_unit = np.zeros(max_reqs, dtype=np.int64)
+        self.scratch_unit = num_units
+        # Every step's rows (then pads: the scratch unit, fresh) at fixed addresses
+        self.units = torch.full((max_reqs,), num_units, dtype=torch.int64, device=device)
+        self.fresh = torch.ones(max_reqs, dtype=torch.bool, device=device)
 
     def on_add(self, slot: int, new: NewRequestData) -> None:
         assert new.state_unit is not None, f"{new.req_id}: a hybrid request needs a state unit"
@@ -52,8 +62,19 @@ class MambaModelState(ModelState):
         rows = batch.num_reqs
         starts = batch.query_start_loc_np[: rows + 1]
         fresh = (batch.seq_lens_np[:rows] - np.diff(starts)) == 0
-        units = self.slot_unit[batch.idx_mapping_np[:rows]]
+        units = np.full(self.units.numel(), self.scratch_unit, dtype=np.int64)
+        units[:rows] = self.slot_unit[batch.idx_mapping_np[:rows]]
+        all_fresh = np.ones(self.fresh.numel(), dtype=bool)
+        all_fresh[:rows] = fresh
+        # Stream-ordered after the step before (whose graph may read these buffers); a
+        # pageable source is staged before the call returns.
+        self.units.copy_(torch.from_numpy(units), non_blocking=True)
+        self.fresh.copy_(torch.from_numpy(all_fresh), non_blocking=True)
+        self.model.mamba_step = MambaStep(self.units[:rows], starts, fresh, self.fresh[:rows])
+
+    def capture_inputs(self, size: int) -> None:
+        self.units.fill_(self.scratch_unit)
+        self.fresh.fill_(True)
         self.model.mamba_step = MambaStep(
-            torch.from_numpy(units).to(self.device, non_blocking=True), starts, fresh,
-            torch.from_numpy(fresh).to(self.device, non_blocking=True),
-        )  # fmt: skip
+            self.units[:size], np.arange(size + 1), np.ones(size, dtype=bool), self.fresh[:size]
+        )

@@ -180,6 +180,7 @@ class MRV2ModelRunner:
                 config.model.max_model_len + 1,
                 self.decode_kernel,
                 **(self._step_parts() if config.runner.cuda_graph_scope == "step" else {}),
+                model_state=self.model_state,
             )
             self.graphs.capture()
 

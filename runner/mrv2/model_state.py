@@ -27,6 +27,11 @@ class ModelState:
         the step mailbox) are written by the graph's own prep, after this has run: read
         host fields here, not the device tensors."""
 
+    def capture_inputs(self, size: int) -> None:
+        """Before a decode graph of `size` one-token rows is captured (all rows pads): point
+        the model at the persistent inputs that `prepare` fills on every later step, pad
+        rows included (runner/mrv2/cuda_graphs.py)."""
+
     def post_forward(self, batch: InputBatch, hidden: torch.Tensor) -> None:
         """Runs after the forward pass (e.g. commit recurrent state of finished prompts)."""
 
