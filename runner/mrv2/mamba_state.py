@@ -73,8 +73,9 @@ class MambaModelState(ModelState):
         self.model.mamba_step = MambaStep(self.units[:rows], starts, fresh, self.fresh[:rows])
 
     def capture_inputs(self, size: int) -> None:
-        self.units.fill_(self.scratch_unit)
-        self.fresh.fill_(True)
+        # No device op here: it would join the capture and undo every step's `prepare`
+        # at each replay. The buffers still hold what __init__ put there (every row a pad)
+        # because graphs are captured before the first step.
         self.model.mamba_step = MambaStep(
             self.units[:size], np.arange(size + 1), np.ones(size, dtype=bool), self.fresh[:size]
         )

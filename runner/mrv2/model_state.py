@@ -30,7 +30,8 @@ class ModelState:
     def capture_inputs(self, size: int) -> None:
         """Before a decode graph of `size` one-token rows is captured (all rows pads): point
         the model at the persistent inputs that `prepare` fills on every later step, pad
-        rows included (runner/mrv2/cuda_graphs.py)."""
+        rows included (runner/mrv2/cuda_graphs.py). Host work only: a device op issued here
+        is captured into the graph and replayed at every step."""
 
     def post_forward(self, batch: InputBatch, hidden: torch.Tensor) -> None:
         """Runs after the forward pass (e.g. commit recurrent state of finished prompts)."""
