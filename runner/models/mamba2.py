@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels.ssm_update import ssm_decode
+
 if TYPE_CHECKING:
     from pdserve.runner.lora.slots import LoraSite
 
@@ -152,13 +154,13 @@ class Mamba2Mixer(nn.Module):
 
     # ---- parts ----------------------------------------------------------------------
 
-    def _conv(self, windows: torch.Tensor):
-        """Each token's window of K conv inputs [N, C, K] -> (x, B, C) of `_split`, after
-        the depthwise convolution and SiLU."""
+    def _conv(self, windows: torch.Tensor, split=None):
+        """Each token's window of K conv inputs [N, C, K] -> (x, B, C) of `split` (default
+        `_split`), after the depthwise convolution and SiLU."""
         out = (windows.float() * self.conv1d.weight[:, 0, :].float()[None]).sum(-1)
         if self.conv1d.bias is not None:
             out = out + self.conv1d.bias.float()
-        return self._split(F.silu(out))
+        return (split or self._split)(F.silu(out))
 
     def _time_steps(self, dt: torch.Tensor) -> torch.Tensor:
         d = self.dims
@@ -167,15 +169,23 @@ class Mamba2Mixer(nn.Module):
             dt = dt.clamp(d.dt_min, d.dt_max)
         return dt
 
-    def _split(self, xbc: torch.Tensor):
+    def _split_groups(self, xbc: torch.Tensor):
+        """-> x [T, heads, head_dim], B and C [T, groups, state], float32, contiguous."""
         d = self.dims
         x, b, c = xbc.float().split([d.inner, d.groups * d.state, d.groups * d.state], dim=-1)
+        t = x.shape[0]
+        return (x.reshape(t, d.heads, d.head_dim), b.reshape(t, d.groups, d.state),
+                c.reshape(t, d.groups, d.state))  # fmt: skip
+
+    def _split(self, xbc: torch.Tensor):
+        """`_split_groups` with B and C per head, [T, heads, state]."""
+        d = self.dims
+        x, b, c = self._split_groups(xbc)
         per = d.heads // d.groups  # heads sharing a group's B and C
         t = x.shape[0]
         b = b.view(t, d.groups, 1, d.state).expand(t, d.groups, per, d.state)
         c = c.view(t, d.groups, 1, d.state).expand(t, d.groups, per, d.state)
-        return (x.view(t, d.heads, d.head_dim), b.reshape(t, d.heads, d.state),
-                c.reshape(t, d.heads, d.state))  # fmt: skip
+        return x, b.reshape(t, d.heads, d.state), c.reshape(t, d.heads, d.state)
 
     def _row_groups(self, counts: np.ndarray, rows: np.ndarray) -> list[np.ndarray]:
         """The prompt rows in groups scanned together: longest first, so a group's rows pad
@@ -243,16 +253,11 @@ class Mamba2Mixer(nn.Module):
         prev = conv[units] * keep.to(conv.dtype)  # [R, K-1, C]
         full = torch.cat([prev, xbc.to(conv.dtype)[:, None]], dim=1)  # [R, K, C]
         conv[units] = full[:, 1:]
-        x, b, c = self._conv(full.transpose(1, 2))  # [R, H, P], [R, H, N]
+        x, b, c = self._conv(full.transpose(1, 2), self._split_groups)  # [R, H, P], [R, G, N]
         dt = self._time_steps(dt)  # [R, H]
         a = -torch.exp(self.A_log.float())
-        state = ssm[units] * keep[..., None].float()  # [R, H, P, N]
-        state = (
-            state * torch.exp(dt * a)[..., None, None]
-            + (dt[..., None] * x)[..., None] * b[:, :, None, :]
-        )
-        ssm[units] = state.to(ssm.dtype)
-        y = (state * c[:, :, None, :]).sum(-1) + self.D.float()[:, None] * x
+        # kernels/ssm_update.py: the state read and written once on a GPU
+        y = ssm_decode(ssm, units, fresh, x, dt.contiguous(), a, b, c, self.D.float())
         return y.reshape(y.shape[0], -1)
 
 
