@@ -101,7 +101,7 @@ def ssm_decode_triton(cache, units, fresh, x, dt, a, b, c, d_skip) -> torch.Tens
     block_p = min(triton.next_power_of_2(head_dim), max(1, 8192 // block_n))
     grid = (rows, heads, triton.cdiv(head_dim, block_p))
     _ssm_decode_kernel[grid](
-        cache, units, fresh, x, dt, a, b, c, d_skip, y, heads, head_dim, state_dim,
+        cache, units, fresh.view(torch.uint8), x, dt, a, b, c, d_skip, y, heads, head_dim, state_dim,
         heads // groups, groups, BLOCK_P=block_p, BLOCK_N=block_n,
         num_warps=8 if block_p * block_n >= 4096 else 4,
     )  # fmt: skip
