@@ -17,6 +17,9 @@ device's disk and a call's time, and throughput per layer is what compares):
   granite4_h_tiny   Granite-4.0-H-Tiny: Mamba2 layers (48 heads of 64, state 128) and one
                     NoPE attention layer (GQA 12/4 x 128) in ten, 64 experts of 512, 6 picks,
                     a shared MLP of 1024
+  qwen3_next_80b    Qwen3-Next-80B-A3B: three Gated DeltaNet layers (16 key / 32 value heads
+                    of 128) to one gated attention layer (GQA 16/2 x 256, RoPE on a
+                    quarter), 512 experts of 512, 10 picks, a gated shared expert of 512
 The workloads, prompts (seeded random ids) and forced output lengths are throughput.py's.
 Each row records the runner and execution path (`experts`, graph scope) that ran it.
 `--peer vllm` runs vLLM 0.25 on the same directory in a child process afterwards.
@@ -126,6 +129,23 @@ SHAPES = {
             layer_types=lambda n: ["attention" if i % 10 == 5 else "mamba" for i in range(n)],
         ),
         10,
+    ),
+    "qwen3_next_80b": (
+        "Qwen3NextConfig",
+        dict(
+            vocab_size=151_936, hidden_size=2048, intermediate_size=5120,
+            num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+            partial_rotary_factor=0.25, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+            decoder_sparse_step=1, moe_intermediate_size=512,
+            shared_expert_intermediate_size=512, num_experts_per_tok=10, num_experts=512,
+            norm_topk_prob=True, rope_theta=10_000_000.0, max_position_embeddings=262_144,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151_643,
+            eos_token_id=151_645, architectures=["Qwen3NextForCausalLM"],
+            layer_types=lambda n: ["full_attention" if i % 4 == 3 else "linear_attention"
+                                   for i in range(n)],
+        ),
+        8,
     ),
 }  # fmt: skip
 

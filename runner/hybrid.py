@@ -1,5 +1,6 @@
-"""Hybrid Mamba models (Bamba, Granite 4.0-H, NemotronH, Jamba: runner/models/mamba_hybrid.py):
-what their path switches off.
+"""Hybrid Mamba models (Bamba, Granite 4.0-H, NemotronH, Jamba: runner/models/mamba_hybrid.py;
+Qwen3-Next's Gated DeltaNet layers the same way: runner/models/qwen3_next.py): what their
+path switches off.
 
 A Mamba layer's output depends on its request's whole history through the state in the
 request's state unit (runner/state_pool.py, runner/mrv2/mamba_state.py), which exists only

@@ -671,3 +671,26 @@ def tiny_jamba_dir(tmp_path_factory) -> str:
         architectures=["JambaForCausalLM"],
     )  # fmt: skip
     return slow_decay(_save_tiny(tmp_path_factory, "tiny-jamba", cfg))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next_dir(tmp_path_factory) -> str:
+    """Qwen3-Next: Gated DeltaNet layers 0-2 (2 key heads of 8 shared by 4 value heads of
+    12, conv 4) and gated attention at 3 (4 q / 2 kv heads of 16, RoPE over a quarter of
+    each head); an MoE of 4 experts (top 2, renormalised) with a gated shared expert,
+    except layer 1's dense MLP; `slow_decay`, so the state carries across chunks."""
+    from transformers import Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(
+        vocab_size=1009, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.25,
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_num_key_heads=2, linear_num_value_heads=4, decoder_sparse_step=1,
+        moe_intermediate_size=32, shared_expert_intermediate_size=40, num_experts_per_tok=2,
+        num_experts=4, norm_topk_prob=True, mlp_only_layers=[1],
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.1,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        architectures=["Qwen3NextForCausalLM"],
+    )  # fmt: skip
+    return slow_decay(_save_tiny(tmp_path_factory, "tiny-qwen3-next", cfg))

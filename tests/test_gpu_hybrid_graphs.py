@@ -28,7 +28,9 @@ def _run(model_dir: str, prompts, lengths, **kw):
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_bamba_dir", "tiny_jamba_dir", "tiny_nemotron_h_dir"])
+@pytest.mark.parametrize(
+    "fixture", ["tiny_bamba_dir", "tiny_jamba_dir", "tiny_nemotron_h_dir", "tiny_qwen3_next_dir"]
+)
 @pytest.mark.parametrize("scope", ["step", "layers"])
 def test_hybrid_decode_graphs_equal_the_eager_engine(fixture, scope, request):
     """7 prompts finishing at different steps: decode batches of 7 down to 1 rows, padded

@@ -199,7 +199,8 @@ def check_supported(model: nn.Module) -> None:
     Mixtral / Qwen-MoE), Gemma 2/3 (sandwich norms around the same projections), the
     post-norm families (OLMo 2/3, EXAONE 4) and the hybrid Mamba models (their attention,
     dense MLPs and Mamba mixers' in/out projections; not their experts); families whose
-    attention or weight layout differs (MLA, gpt-oss, GLM-4 MoE) are refused by name."""
+    attention or weight layout differs (MLA, gpt-oss, GLM-4 MoE, Qwen3-Next) are refused by
+    name."""
     check_model_class(type(model), model.config)
 
 
@@ -215,6 +216,13 @@ def check_model_class(cls: type, hf_config: Any) -> None:
         raise ValueError(
             f"LoRA adapters are served on Llama-family, Gemma, OLMo/EXAONE and hybrid Mamba "
             f"models; {cls.__name__} ({hf_config.model_type}) is not one"
+        )
+    from pdserve.runner.models.qwen3_next import Qwen3NextForCausalLM
+
+    if issubclass(cls, Qwen3NextForCausalLM):
+        raise ValueError(
+            "LoRA adapters are not served on qwen3_next (its query rows carry the output "
+            "gate and its Gated DeltaNet projections have no LoRA sites)"
         )
     if family_spec(hf_config).rope_interleaved:
         raise ValueError(

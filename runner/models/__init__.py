@@ -14,6 +14,7 @@ from pdserve.runner.models.mamba_hybrid import (
     NemotronHForCausalLM,
 )
 from pdserve.runner.models.post_norm import PostNormForCausalLM
+from pdserve.runner.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "BambaForCausalLM": BambaForCausalLM,  # Mamba2 + attention hybrid (runner/hybrid.py)
@@ -41,6 +42,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen2MoeForCausalLM": LlamaFamilyForCausalLM,
     "Qwen3ForCausalLM": LlamaFamilyForCausalLM,
     "Qwen3MoeForCausalLM": LlamaFamilyForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # Gated DeltaNet hybrid (runner/hybrid.py)
     "SeedOssForCausalLM": LlamaFamilyForCausalLM,
     "SmolLM3ForCausalLM": LlamaFamilyForCausalLM,
     # Base models without an LM head (embedding checkpoints such as Qwen3-Embedding's):

@@ -24,10 +24,12 @@ KV: the cache holds `num_kv_layers` layers, and attention layer j reads the j-th
   without RoPE, a ReLU^2 MLP or an MoE of ReLU^2 experts: runner/models/nemotron_mlp.py),
   as `layers_block_type` lists them.
 
+Qwen3-Next's Gated DeltaNet layers use the same state units (runner/models/qwen3_next.py).
+
 What this path does not do (refused or switched off by name, runner/hybrid.py): prefix
 caching and the KV tier (a cached block would need the Mamba state at its end),
-layer-wise early tickets, CUDA graphs and norm folding. PD moves the prompt's final
-state with its blocks.
+layer-wise early tickets and norm folding. PD moves the prompt's final state with its
+blocks; decode steps run in the CUDA graphs (runner/mrv2/mamba_state.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch import nn
 from pdserve.runner.models import moe
 from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.models.deepseek_moe import KEEP_FP32
+from pdserve.runner.models.gated_deltanet import GatedDeltaNet
 from pdserve.runner.models.llama import Attention, LlamaFamilyForCausalLM, RMSNorm, family_spec
 from pdserve.runner.models.mamba1 import Mamba1Mixer
 from pdserve.runner.models.mamba2 import Mamba2Mixer, MambaStep
@@ -51,11 +54,12 @@ from pdserve.runner.models.nemotron_mlp import (
     stacked_nemotron_experts,
 )
 
-HYBRID_TYPES = ("bamba", "granitemoehybrid", "nemotron_h", "jamba")
+HYBRID_TYPES = ("bamba", "granitemoehybrid", "nemotron_h", "jamba", "qwen3_next")
 
 
 def mamba_layers(cfg: Any) -> list[int]:
-    """Indices of a hybrid config's Mamba layers (its `layers_block_type`)."""
+    """Indices of a hybrid config's Mamba layers (its `layers_block_type`), or Qwen3-Next's
+    Gated DeltaNet layers (`linear_attention`), which keep state units the same way."""
     if getattr(cfg, "model_type", "") not in HYBRID_TYPES:
         return []
     types = getattr(cfg, "layers_block_type", None) or getattr(cfg, "layer_types", None) or []
@@ -73,7 +77,7 @@ class HybridDecoderLayer(nn.Module):
     ):
         super().__init__()
         self.mlp = experts
-        self.is_mamba = isinstance(mixer, Mamba2Mixer | Mamba1Mixer)
+        self.is_mamba = isinstance(mixer, Mamba2Mixer | Mamba1Mixer | GatedDeltaNet)
         self.has_attention = not self.is_mamba
         if self.is_mamba:
             self.mamba = mixer

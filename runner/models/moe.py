@@ -56,8 +56,8 @@ def moe_spec(cfg: Any) -> MoeSpec | None:
         return MoeSpec(
             cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, True, 0
         )
-    if model_type in ("qwen2_moe", "qwen3_moe"):
-        shared = cfg.shared_expert_intermediate_size if model_type == "qwen2_moe" else 0
+    if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
+        shared = cfg.shared_expert_intermediate_size if model_type != "qwen3_moe" else 0
         return MoeSpec(
             cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
             bool(cfg.norm_topk_prob), int(shared),

@@ -1,0 +1,95 @@
+"""Qwen3-Next (runner/models/qwen3_next.py, gated_deltanet.py): Gated DeltaNet layers over
+state units, gated attention, MoE with a gated shared expert.
+
+- The blocked delta rule equals the per-token recurrence it stands for (float64), for
+  blocks of 1, 3 and 64 tokens, from a nonzero state.
+- The engine equals transformers (float32) in greedy tokens and logprobs, through
+  chunked prefill that continues from the state, with blocks smaller than a chunk too.
+- A mixed step equals its rows alone; PD moves the state and equals one engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_greedy_matches_hf, assert_logprobs_match_hf
+from test_mamba_hybrid import _mixed_step_equals_rows_alone
+from test_mamba_pd import VOCAB, _local_pair
+from test_pd_engine import GREEDY, _colocated, _prompts, _run, wait_for_tickets
+
+from pdserve.runner.models import gated_deltanet
+from pdserve.runner.models.gated_deltanet import GatedDeltaNet, delta_rule_blocks
+
+
+def _recurrence(q, k, v, beta, g, s):
+    """The gated delta rule token by token: S <- e^g S; u = beta (v - S^T k);
+    S <- S + k u^T; o = S^T q."""
+    out = []
+    for t in range(q.shape[0]):
+        s = s * torch.exp(g[t])[:, None, None]
+        u = (v[t] - torch.einsum("hkv,hk->hv", s, k[t])) * beta[t][:, None]
+        s = s + k[t][:, :, None] * u[:, None, :]
+        out.append(torch.einsum("hkv,hk->hv", s, q[t]))
+    return torch.stack(out), s
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_the_blocked_delta_rule_is_the_recurrence(chunk):
+    g = torch.Generator().manual_seed(chunk)
+    t, h, dk, dv = 70, 3, 8, 5
+    f64 = dict(dtype=torch.float64, generator=g)
+    q, k = torch.randn(t, h, dk, **f64), torch.randn(t, h, dk, **f64)
+    k = k / k.norm(dim=-1, keepdim=True)  # the model's keys are L2-normalised
+    v = torch.randn(t, h, dv, **f64)
+    beta = torch.rand(t, h, **f64)
+    g_log = -torch.rand(t, h, **f64) * 0.3
+    s0 = torch.randn(h, dk, dv, **f64)
+    want_o, want_s = _recurrence(q, k, v, beta, g_log, s0)
+    o, s = delta_rule_blocks(q, k, v, beta, g_log, s0, chunk)
+    torch.testing.assert_close(o, want_o, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s, want_s, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("chunk", [64, 8])
+def test_qwen3_next_matches_transformers(tiny_qwen3_next_dir, chunk, monkeypatch):
+    """Prompts of 5, 40 and 130 tokens prefill in 64-token chunks, each continuing the
+    conv and recurrent states; with 8-token blocks a chunk also spans several blocks."""
+    monkeypatch.setattr(gated_deltanet, "CHUNK", chunk)
+    assert_greedy_matches_hf(tiny_qwen3_next_dir, (5, 40, 130), 8, seed=4)
+
+
+def test_qwen3_next_logprobs_match_transformers(tiny_qwen3_next_dir):
+    """Greedy tokens can hide a wrong gate or norm shift; logprobs cannot."""
+    assert_logprobs_match_hf(tiny_qwen3_next_dir, [5, 17, 101, 9, 250, 33, 7, 400], 8)
+
+
+def test_a_gated_deltanet_mixed_step_equals_its_rows_alone():
+    from transformers import Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(hidden_size=32, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                          linear_value_head_dim=6, linear_num_key_heads=2,
+                          linear_num_value_heads=4, rms_norm_eps=1e-6)  # fmt: skip
+    _mixed_step_equals_rows_alone(GatedDeltaNet(cfg, 0), 32)
+
+
+def test_pd_local_equals_colocated_qwen3_next(tiny_qwen3_next_dir):
+    """The DeltaNet layers' conv and recurrent states travel as the Mamba state group."""
+    prompts = _prompts(4, VOCAB, seed=6, lo=5, hi=70)
+    extra = dict(max_num_batched_tokens=24, block_size=16)
+    want = _colocated(tiny_qwen3_next_dir, prompts, **extra)
+    prefill, decode = _local_pair(tiny_qwen3_next_dir, **extra)
+    assert [g.kind for g in prefill.source.layout.groups] == ["paged_gqa", "mamba_state"]
+    for i, p in enumerate(prompts):
+        prefill.submit(str(i), p, GREEDY)
+    for r in wait_for_tickets(prefill, len(prompts), timeout_s=120):
+        decode.submit(r.request_id, prompts[int(r.request_id)], GREEDY, r.ticket)
+    assert _run(decode.step, decode.has_work) == want
+    assert decode.loader.stats.loads == len(prompts)
+    assert decode.loader.stats.recomputes == 0
+
+
+def test_lora_is_refused_by_name(tiny_qwen3_next_dir):
+    from pdserve import LLM
+
+    with pytest.raises(ValueError, match="not served on qwen3_next"):
+        LLM(model=tiny_qwen3_next_dir, device="cpu", dtype="float32", enable_lora=True)
