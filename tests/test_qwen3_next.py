@@ -93,3 +93,21 @@ def test_lora_is_refused_by_name(tiny_qwen3_next_dir):
 
     with pytest.raises(ValueError, match="not served on qwen3_next"):
         LLM(model=tiny_qwen3_next_dir, device="cpu", dtype="float32", enable_lora=True)
+
+
+def test_the_released_checkpoints_mtp_layer_is_left_out(tiny_qwen3_next_dir, tmp_path):
+    """Released checkpoints carry `mtp.*` tensors (a draft head): they load, unused, and
+    the tokens stay transformers'."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    for f in Path(tiny_qwen3_next_dir).iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    (file,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(str(file))
+    tensors["mtp.fc.weight"] = torch.randn(64, 128)
+    tensors["mtp.layers.0.mlp.gate.weight"] = torch.randn(4, 64)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    assert_greedy_matches_hf(str(tmp_path), (7, 30), 6, seed=5, ref_dir=tiny_qwen3_next_dir)

@@ -11,11 +11,13 @@ SwiGLU MLP.
   the weights are shifted by one at load, so the ordinary kernels apply them (as Gemma's).
 
 What this path does not do: the hybrids' (runner/hybrid.py): no prefix caching, KV
-tier or layer-wise tickets; LoRA is refused for it (runner/lora/).
+tier or layer-wise tickets; LoRA is refused for it (runner/lora/); the checkpoint's MTP
+layer (speculative decoding's draft) is not loaded.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -69,6 +71,11 @@ class Qwen3NextForCausalLM(MambaHybridForCausalLM):
             return HybridDecoderLayer(cfg, mixer, None, experts)
         mlp = MLP(cfg.hidden_size, cfg.intermediate_size, False, self.workspace)
         return HybridDecoderLayer(cfg, mixer, mlp)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """As the hybrids', without the released checkpoints' multi-token-prediction layer
+        (`mtp.*`, a draft head for speculative decoding, which this engine does not run)."""
+        super().load_weights((n, t) for n, t in weights if not n.startswith("mtp."))
 
     def _shard_sizes(self, target: str, param: nn.Parameter) -> list[int]:
         if "qkv_proj" in target:  # the query rows carry the output gate
