@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels.delta_rule_update import delta_rule_decode
 from pdserve.runner.models.mamba2 import MambaStep
 
 CHUNK = 64  # tokens a block of the chunked prompt form solves at once
@@ -138,12 +139,9 @@ class GatedDeltaNet(nn.Module):
         conv[units] = full[:, 1:]
         q, k, v = self._conv(full.transpose(1, 2))  # [R, Hv, d]
         beta, g = self._gates(b, a)
-        s = state[units].float() * keep[..., None].float()  # [R, Hv, dk, dv]
-        s = s * torch.exp(g)[..., None, None]
-        u = (v - torch.einsum("rhkv,rhk->rhv", s, k)) * beta[..., None]
-        s = s + k[..., None] * u[..., None, :]
-        state[units] = s.to(state.dtype)
-        return torch.einsum("rhkv,rhk->rhv", s, q)
+        # kernels/delta_rule_update.py: each state read and written once on a GPU
+        return delta_rule_decode(state, units, fresh, q.contiguous(), k.contiguous(),
+                                 v.contiguous(), beta, g)  # fmt: skip
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

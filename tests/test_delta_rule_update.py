@@ -1,0 +1,58 @@
+"""The gated delta rule's decode-step kernel (kernels/delta_rule_update.py) against its
+torch spec: dims not powers of two, dv split over several programs, fresh rows beside
+continuing ones, units that are not the row numbers, float32 and 16-bit caches (bfloat16
+on CUDA only: Triton's interpreter truncates bfloat16 stores, see test_ssm_update)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+
+from pdserve.kernels.delta_rule_update import delta_rule_decode_ref, delta_rule_decode_triton
+
+# (rows, heads, dk, dv)
+CASES = [(5, 3, 12, 20), (3, 4, 8, 16), (2, 2, 128, 128)]
+CACHE_DTYPES = [torch.float32, torch.float16]
+if DEVICE == "cuda":
+    CASES.append((256, 32, 128, 128))
+    CACHE_DTYPES.append(torch.bfloat16)
+
+
+def _inputs(rows, heads, dk, dv, cache_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    units = torch.randperm(rows + 3, generator=g)[:rows]
+    fresh = torch.rand(rows, generator=g) < 0.4
+    cache = (0.3 * torch.randn(rows + 3, heads, dk, dv, generator=g)).to(cache_dtype)
+    q = torch.randn(rows, heads, dk, generator=g) * dk**-0.5
+    k = torch.randn(rows, heads, dk, generator=g)
+    k = k / k.norm(dim=-1, keepdim=True)
+    v = torch.randn(rows, heads, dv, generator=g)
+    beta = torch.rand(rows, heads, generator=g)
+    log_decay = -torch.rand(rows, heads, generator=g)
+    on = lambda t: t.to(DEVICE)  # noqa: E731
+    return cache.to(DEVICE), tuple(map(on, (units, fresh, q, k, v, beta, log_decay)))
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_the_kernel_updates_states_as_the_spec_does(case, cache_dtype):
+    """Guards the decay before the read (S^T k of the decayed state), beta on the error
+    not the state, the rank-one update's orientation (k rows, u columns), a fresh row
+    reading its stale state, a unit's tile at the wrong offset (untouched units stay
+    bitwise), and masked dk/dv tails."""
+    cache, args = _inputs(*case, cache_dtype, seed=sum(case))
+    want_cache, got_cache = cache.clone(), cache.clone()
+    want = delta_rule_decode_ref(want_cache, *args)
+    got = delta_rule_decode_triton(got_cache, *args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    untouched = torch.ones(cache.shape[0], dtype=torch.bool, device=cache.device)
+    untouched[args[0]] = False
+    assert torch.equal(got_cache[untouched], cache[untouched])
+    if cache_dtype == torch.float32:
+        torch.testing.assert_close(got_cache, want_cache, rtol=1e-6, atol=1e-6)
+    else:  # float32 states a rounding apart may round to 16 bits one ulp apart
+        diff = (got_cache.float() - want_cache.float()).abs()
+        ulp = torch.finfo(cache_dtype).eps
+        assert (diff <= want_cache.float().abs() * ulp + 1e-30).all()
+        assert (got_cache != want_cache).float().mean() < 0.01
