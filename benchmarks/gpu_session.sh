@@ -53,7 +53,7 @@ SECOND=(tests/test_paged_attention_triton.py tests/test_skinny_linear.py
     tests/test_moe_kernels.py tests/test_gpu_moe.py tests/test_moe_models.py tests/test_mla.py
     tests/test_gpu_mla.py tests/test_moe_relu2_experts.py)
 # The families and kernel features of the 2026-12-05 sessions (windows, softcaps, sinks,
-# Gemma, gpt-oss, FP8/MXFP4 checkpoints), none yet run on a GPU.
+# Gemma, gpt-oss, FP8/MXFP4 checkpoints, hybrids, the FP8 KV cache, Qwen3-Next).
 THIRD=(tests/test_sliding_window_attention.py tests/test_sliding_window_models.py
     tests/test_gemma.py tests/test_triton_layer_kernels.py tests/test_softcap_attention.py
     tests/test_fp8_checkpoints.py tests/test_longrope.py tests/test_gemma_norm.py
@@ -61,7 +61,9 @@ THIRD=(tests/test_sliding_window_attention.py tests/test_sliding_window_models.p
     tests/test_text_only_checkpoints.py tests/test_ministral3.py tests/test_post_norm_models.py
     tests/test_llama_variants.py tests/test_lora.py tests/test_lora_kernels.py
     tests/test_embeddings.py tests/test_classify.py tests/test_mamba_hybrid.py
-    tests/test_mamba_pd.py tests/test_lora_hybrid.py)
+    tests/test_mamba_pd.py tests/test_lora_hybrid.py tests/test_fp8_kv_cache.py
+    tests/test_gpu_hybrid_graphs.py tests/test_ssm_update.py tests/test_delta_rule_update.py
+    tests/test_qwen3_next.py)
 case "${TESTS:-all}" in
   1) FILES=("${FIRST[@]}") ;;
   2) FILES=("${SECOND[@]}") ;;
