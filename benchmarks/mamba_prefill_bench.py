@@ -1,12 +1,15 @@
-"""Benchmark of one Mamba2 mixer's prompt step (runner/models/mamba2.py); prints and writes JSON.
+"""Benchmark of one recurrent mixer's prompt step; prints and writes JSON.
 
-Not a test. A Granite-4.0-H-Tiny-shaped mixer (hidden 1536, 48 heads of 64, state 128, one
-group, conv 4, scan chunks of 256; random weights) runs one step of R prompt chunks of the
-given lengths, fresh or continuing from a state, and, for the mixed case, decode rows
-beside them. Reported per case: milliseconds per forward (median of `--reps`), on the CPU
-or the GPU it finds.
+Not a test. `--mixer mamba2` (the default): a Granite-4.0-H-Tiny-shaped Mamba2 mixer
+(runner/models/mamba2.py; hidden 1536, 48 heads of 64, state 128, one group, conv 4, scan
+chunks of 256). `--mixer gated_deltanet`: a Qwen3-Next-80B-shaped Gated DeltaNet
+(runner/models/gated_deltanet.py; hidden 2048, 16 key heads and 32 value heads of 128,
+conv 4). Random weights; one step of R prompt chunks of the given lengths, fresh or
+continuing from a state, and, for the mixed case, decode rows beside them. Reported per
+case: milliseconds per forward (median of `--reps`), on the CPU or the GPU it finds.
 
-    python benchmarks/mamba_prefill_bench.py [--dtype bfloat16] [--reps 5] [--out DIR]
+    python benchmarks/mamba_prefill_bench.py [--mixer gated_deltanet] [--dtype bfloat16]
+        [--reps 5] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 from run_meta import write_result
 
+from pdserve.runner.models.gated_deltanet import GatedDeltaNet
 from pdserve.runner.models.mamba2 import Mamba2Mixer, MambaStep
 
 # name -> (prompt chunk lengths, decode rows)
@@ -43,24 +47,38 @@ class _Cfg:
     time_step_limit = (0.0, float("inf"))
 
 
-def run(case: str, dtype: torch.dtype, device: torch.device, reps: int) -> dict:
+class _DeltaCfg:
+    hidden_size, rms_norm_eps = 2048, 1e-6
+    linear_num_key_heads, linear_num_value_heads = 16, 32
+    linear_key_head_dim = linear_value_head_dim = 128
+    linear_conv_kernel_dim = 4
+
+
+MIXERS = {
+    "mamba2": lambda: Mamba2Mixer(_Cfg(), 0),
+    "gated_deltanet": lambda: GatedDeltaNet(_DeltaCfg(), 0),
+}
+
+
+def run(case: str, mixer_name: str, dtype: torch.dtype, device: torch.device, reps: int) -> dict:
     lengths, decodes = CASES[case]
     counts = np.array(lengths + [1] * decodes)
     rows = len(counts)
-    mixer = Mamba2Mixer(_Cfg(), 0).to(device)
+    mixer = MIXERS[mixer_name]().to(device)
     with torch.no_grad():
         for p in mixer.parameters():
             p.normal_(0, 0.02)
         mixer.A_log.copy_(torch.log(torch.linspace(0.5, 8, mixer.A_log.numel())))
     mixer = mixer.to(dtype)
-    d = mixer.dims
-    conv = torch.zeros(rows, d.conv_kernel - 1, d.conv_dim, dtype=dtype, device=device)
-    ssm = torch.zeros(rows, d.heads, d.head_dim, d.state, dtype=torch.float32, device=device)
+    conv_shape, ssm_shape = mixer.state_shapes
+    conv = torch.zeros(rows, *conv_shape, dtype=dtype, device=device)
+    ssm = torch.zeros(rows, *ssm_shape, dtype=torch.float32, device=device)
     qs = np.concatenate([[0], np.cumsum(counts)])
     fresh = np.array([True] * len(lengths) + [False] * decodes)
     step = MambaStep(torch.arange(rows, device=device), qs, fresh,
                      torch.from_numpy(fresh).to(device))  # fmt: skip
-    x = torch.randn(int(qs[-1]), d.hidden, dtype=dtype, device=device)
+    hidden = mixer.out_proj.out_features
+    x = torch.randn(int(qs[-1]), hidden, dtype=dtype, device=device)
     times = []
     with torch.inference_mode():
         for i in range(reps + 1):
@@ -77,6 +95,7 @@ def run(case: str, dtype: torch.dtype, device: torch.device, reps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mixer", choices=sorted(MIXERS), default="mamba2")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on CPU")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cases", default=",".join(CASES))
@@ -84,11 +103,12 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    rows = [run(c, dtype, device, args.reps) for c in args.cases.split(",")]
+    rows = [run(c, args.mixer, dtype, device, args.reps) for c in args.cases.split(",")]
     for r in rows:
         print(f"{r['case']:>18}: {r['ms']:9.2f} ms ({r['rows']} rows, {r['tokens']} tokens)")
     if args.out:
-        write_result(args.out, "mamba_prefill", __file__, sys.argv,
+        stem = "mamba_prefill" if args.mixer == "mamba2" else f"{args.mixer}_prefill"
+        write_result(args.out, stem, __file__, sys.argv,
                      {"dtype": str(dtype).removeprefix("torch."), "rows": rows})  # fmt: skip
 
 
