@@ -310,6 +310,18 @@ def test_bad_kv_scales_are_refused_by_name():
         scales.apply(torch.nn.Linear(2, 2))
 
 
+def test_kv_scales_follow_the_familys_renames(tiny_nemotron_h_dir, tmp_path):
+    """NemotronH's released names (`backbone.layers.N.mixer`) reach our attention block."""
+    attention = 2  # tiny_nemotron_h's attention block (conftest: layers_block_type)
+    model = _with_tensors(tiny_nemotron_h_dir, tmp_path, {
+        f"backbone.layers.{attention}.mixer.k_scale": torch.tensor(0.25),
+        f"backbone.layers.{attention}.mixer.v_scale": torch.tensor(0.5),
+    })  # fmt: skip
+    llm = LLM(model=model, device=DEVICE, dtype="float32", kv_cache_dtype="fp8")
+    mixer = llm.engine.runner.model.layers[attention].mixer
+    assert (mixer.k_scale, mixer.v_scale) == (0.25, 0.5)
+
+
 def test_an_fp8_cache_holds_four_times_a_float32_caches_blocks(tiny_qwen3_dir):
     kw = dict(model=tiny_qwen3_dir, device=DEVICE, dtype="float32", kv_cache_memory_bytes=1 << 20)
     auto, fp8 = LLM(**kw), LLM(**kw, kv_cache_dtype="fp8")

@@ -51,13 +51,17 @@ class KvScales:
             value = float(tensor.float().reshape(()))
             if not value > 0:
                 raise ValueError(f"{name}: a KV-cache scale must be positive, got {value}")
-            path = name[: -len(suffix)].removeprefix("model.")
             for attr in _SUFFIXES[suffix]:
-                self.found.setdefault(path, {})[attr] = value
+                self.found.setdefault(name[: -len(suffix)], {})[attr] = value
 
     def apply(self, model: nn.Module) -> None:
-        """Set each scale on its attention module (the checkpoint path without "model.")."""
-        for path, values in self.found.items():
+        """Set each scale on its attention module: the checkpoint's path after the model
+        family's renames (`_RENAMES`, e.g. NemotronH's `backbone.`), without "model."."""
+        for checkpoint_path, values in self.found.items():
+            path = checkpoint_path + "."
+            for theirs, ours in getattr(model, "_RENAMES", ()):
+                path = path.replace(theirs, ours)
+            path = path.removesuffix(".").removeprefix("model.")
             try:
                 module = model.get_submodule(path)
             except AttributeError:
