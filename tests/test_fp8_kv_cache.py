@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from conftest import DEVICE
 from test_paged_attention_triton import DECODE_KERNELS, MIXED, check, make_batch, run_kernel
-from test_pd_engine import GREEDY, _colocated, _kw, _pd, _prompts
+from test_pd_engine import GREEDY, _colocated, _kw, _pd, _prompts, _run, wait_for_tickets
 from test_qkv_prep import _inputs
 
 from pdserve import LLM, SamplingParams
@@ -358,6 +358,43 @@ def test_pd_moves_fp8_pages_over_a_socket(tiny_qwen3_dir):
         assert got == want
         assert decode.loader.stats.loads == len(prompts)
         assert decode.loader.stats.recomputes == 0
+        decode.close()
+    finally:
+        prefill.close()
+
+
+def test_the_kv_tier_and_layer_wise_pulls_carry_fp8_blocks(tiny_qwen3_dir):
+    """The tier's host copies and tcp's layer-wise frames move the float8 bytes as they
+    are: B reads A's prompts from the tier, C pulls them in per-layer frames, both decode
+    as one FP8 engine."""
+    from test_pd_engine import _local_pair
+
+    from pdserve.decode.worker import DecodeWorker
+    from pdserve.kvtransfer.tier import HostKVTier
+    from pdserve.kvtransfer.transport_tcp import TcpTransport
+    from pdserve.prefill.worker import PrefillWorker
+    from pdserve.runner.engine import Engine
+
+    fp8 = dict(kv_cache_dtype="fp8")
+    prompts = _prompts(3, 990, seed=11, lo=40, hi=80)
+    want = _colocated(tiny_qwen3_dir, prompts, GREEDY, **fp8)
+    tier = HostKVTier(byte_budget=64 << 20)
+    prefill, decode = _local_pair(tiny_qwen3_dir, tier=tier, **fp8)
+    for i, p in enumerate(prompts):
+        prefill.submit(str(i), p, GREEDY)
+    for r in wait_for_tickets(prefill, len(prompts), 60):
+        prefill.abort(r.request_id)  # only the tier has the KV now
+    for i, p in enumerate(prompts):
+        decode.submit(str(i), p, GREEDY, ticket=None)
+    assert _run(decode.step, decode.has_work) == want
+    assert decode.loader.stats.tier_blocks == sum(len(p) // 16 for p in prompts)
+
+    prefill = PrefillWorker(Engine.from_args(**_kw(tiny_qwen3_dir, **fp8)), "P1")
+    try:
+        tcp = TcpTransport("D1", prefill.source.layout, layer_wise=True)
+        decode = DecodeWorker(_kw(tiny_qwen3_dir, **fp8), "D1", {"tcp": tcp})
+        assert _pd(prefill, decode, prompts) == want
+        assert decode.loader.stats.bytes_pulled > 0
         decode.close()
     finally:
         prefill.close()
