@@ -19,10 +19,8 @@ from pdserve.runner.config import (
     ModelConfig,
     RunnerConfig,
     SchedulerConfig,
-    architecture_of,
 )
 from pdserve.runner.hf_overrides import apply_hf_overrides, parse_hf_overrides
-from pdserve.runner.hybrid import is_hybrid
 from pdserve.runner.model_source import resolve_model_dir
 from pdserve.runner.models.text_only import text_view
 from pdserve.runner.runner_select import select_runner
@@ -125,10 +123,6 @@ def resolve_engine_config(
             f"kv_cache_dtype {kv_cache_dtype!r} needs the mrv2 runner (the {runner_name} "
             "runner keeps transformers' own cache)"
         )
-    hybrid = runner_name == "mrv2" and is_hybrid(hf_config)
-    if hybrid and enable_prefix_caching:  # runner/hybrid.py
-        logger.warning("prefix caching is off for %s: Mamba state is not cached",
-                       architecture_of(hf_config))  # fmt: skip
         enable_prefix_caching = False
     classifier = None
     if is_classifier(hf_config):

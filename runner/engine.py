@@ -77,7 +77,7 @@ class Engine(PDRoles):
             )
         self.kv = KVCacheManager(
             self.runner.num_blocks, bs, config.cache.enable_prefix_caching,
-            self.runner.num_state_units,
+            self.runner.num_state_units, getattr(self.runner, "num_snapshot_units", 0),
         )  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, self.kv, config.runner.async_scheduling)
         self._inflight: tuple[SchedulerOutput, Any] | None = None  # async: step N on device
@@ -366,7 +366,7 @@ class Engine(PDRoles):
         for spec in so.kv_loads:
             self.kv_loader.start_load(spec)
         handle = None
-        if so.num_reqs or so.finished_req_ids:
+        if so.num_reqs or so.finished_req_ids or so.state_copies:
             hook = self._publish(so) if self.kv_publisher is not None else None
             handle = self.runner.execute(so) if hook is None else self.runner.execute(so, hook)
         if not self.config.runner.async_scheduling:

@@ -5,8 +5,12 @@ path switches off.
 A Mamba layer's output depends on its request's whole history through the state in the
 request's state unit (runner/state_pool.py, runner/mrv2/mamba_state.py), which exists only
 at the end of what the request computed so far, not at every block boundary. So:
-- prefix caching is off: a cached block would need the Mamba state at its end;
+- prefix caching reaches only block boundaries where a state was saved: each prompt's
+  last one (runner/state_snapshots.py), so a chat's next turn starts from the last turn's
+  prompt;
 - the KV tier is off: it keeps blocks by prefix hash, without states;
+- the router does not route hybrids by remembered prefixes (a hit needs a saved state
+  the router cannot see);
 - layer-wise early tickets are refused: the state is final only after the whole forward.
 Decode steps take the CUDA graphs as other models' do: the mixers' one-token step is
 plain torch over the rows' state units, which come from persistent buffers (pad rows on a

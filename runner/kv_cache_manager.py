@@ -12,6 +12,11 @@ that back tokens [0, len(blocks) * block_size); block i holds tokens
 
 A hybrid Mamba model's manager also hands each request a state unit (runner/state_pool.py)
 with its first blocks, and takes it back with them: `state_unit`, `detach`, `release`.
+With prefix caching it keeps state snapshots at block boundaries (runner/state_snapshots.py):
+a prefix hit reaches only as far as the last block with a snapshot, `snapshot_cut` ends a
+prompt chunk at the prompt's last block boundary, `scheduled` reserves a snapshot for a
+request that reached it, and `take_state_copies` hands the runner each step's unit copies
+(last step's saves, then this step's restores).
 
 This module does not know about the GPU tensors the block ids index, the scheduler's
 policy (who gets memory, who is preempted) or how KV is transferred; it is bookkeeping.
@@ -25,6 +30,7 @@ from pdserve.runner.block_hash import extend_block_hashes
 from pdserve.runner.block_pool import BlockPool
 from pdserve.runner.request import Request
 from pdserve.runner.state_pool import StatePool
+from pdserve.runner.state_snapshots import StateSnapshots
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -38,8 +44,10 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool,
         num_state_units: int = 0,
+        num_snapshot_units: int = 0,
     ) -> None:
-        """`num_state_units` > 0: a hybrid Mamba model's state units (module docstring)."""
+        """`num_state_units` > 0: a hybrid Mamba model's state units; with prefix caching,
+        `num_snapshot_units` more after them hold snapshots (module docstring)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -48,6 +56,15 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[int]] = {}
         self.state_pool = StatePool(num_state_units) if num_state_units else None
         self._req_unit: dict[str, int] = {}
+        self.snapshots = (
+            StateSnapshots(num_state_units, num_snapshot_units)
+            if num_state_units and num_snapshot_units and enable_prefix_caching
+            else None
+        )
+        self._restore_from: dict[str, int] = {}  # request -> the snapshot its hit reached
+        self._saves: list[tuple[int, int]] = []  # (request unit, snapshot unit), this step
+        self._saves_due: list[tuple[int, int]] = []  # last step's: copied before this one
+        self._restores: list[tuple[int, int]] = []  # (snapshot unit, request unit)
         # How many leading blocks of each request were already offered to the cache, so
         # cache_blocks does work only for blocks completed since its last call.
         self._num_cached_blocks: dict[str, int] = {}
@@ -76,6 +93,8 @@ class KVCacheManager:
         return list(self._req_blocks.get(request_id, ()))
 
     def reset_prefix_cache(self) -> bool:
+        if self.snapshots is not None:
+            self.snapshots.clear()
         return self.block_pool.reset_prefix_cache()
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -85,7 +104,7 @@ class KVCacheManager:
         else allocates, or they may be evicted. The last token is never a hit (at most
         (num_tokens - 1) // block_size blocks): it must be computed to produce logits.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or (self.state_pool is not None and not self.snapshots):
             return [], 0
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -95,6 +114,14 @@ class KVCacheManager:
             if block_id is None:
                 break
             hit_blocks.append(block_id)
+        if self.snapshots is not None:  # a hybrid: only as far as a saved state reaches
+            self._restore_from.pop(request.request_id, None)
+            while hit_blocks:
+                unit = self.snapshots.lookup(request.block_hashes[len(hit_blocks) - 1])
+                if unit is not None:
+                    self._restore_from[request.request_id] = unit
+                    break
+                hit_blocks.pop()
         num_hit_tokens = len(hit_blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
@@ -155,6 +182,48 @@ class KVCacheManager:
         self._req_blocks.setdefault(request.request_id, []).extend(new_blocks)
         return new_blocks
 
+    # ---- hybrid state snapshots (module docstring) ------------------------------------
+
+    def restore_state(self, request: Request) -> None:
+        """The request was admitted on a prefix hit (its unit is allocated): fill its unit
+        from the snapshot the hit reached, before its first step."""
+        src = self._restore_from.pop(request.request_id, None)
+        if src is not None:
+            self._restores.append((src, self._req_unit[request.request_id]))
+
+    def snapshot_cut(self, request: Request, done: int, num_new: int) -> int:
+        """`num_new` tokens from `done`, or fewer so the chunk ends at the prompt's last
+        block boundary when it would cross it (its state is saved there)."""
+        if self.snapshots is None:
+            return num_new
+        boundary = request.num_prompt_tokens // self.block_size * self.block_size
+        return boundary - done if done < boundary < done + num_new else num_new
+
+    def scheduled(self, request: Request) -> None:
+        """The request's computed tokens (scheduled ones included) were just advanced:
+        reaching its prompt's last block boundary, its state there is saved before the
+        next step."""
+        if self.snapshots is None:
+            return
+        n = request.num_computed_tokens
+        if (
+            n == 0
+            or n % self.block_size
+            or n != request.num_prompt_tokens // self.block_size * self.block_size
+        ):
+            return
+        unit = self.snapshots.reserve(self.block_hashes(request)[n // self.block_size - 1])
+        if unit is not None:
+            self._saves.append((self._req_unit[request.request_id], unit))
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """This step's (source unit, target unit) copies, in order: the saves reserved a
+        step ago (those requests' states are at their boundary now), then the restores
+        for this step's admissions. Call once per step, after scheduling it."""
+        copies = self._saves_due + self._restores
+        self._saves_due, self._saves, self._restores = self._saves, [], []
+        return copies
+
     def num_cached_blocks(self, request_id: str) -> int:
         """How many of the request's leading blocks are in the prefix cache (hit, or
         published by `cache_blocks`)."""
@@ -192,6 +261,7 @@ class KVCacheManager:
         the request."""
         blocks = self._req_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        self._restore_from.pop(request.request_id, None)
         if blocks is not None:
             self.block_pool.free(reversed(blocks))
         unit = self._req_unit.pop(request.request_id, None)
@@ -202,6 +272,7 @@ class KVCacheManager:
         """Forget the request but keep its blocks referenced and its state unit taken
         (prefill role: they back a transfer lease); hand them back later with `release`."""
         self._num_cached_blocks.pop(request.request_id, None)
+        self._restore_from.pop(request.request_id, None)
         unit = self._req_unit.pop(request.request_id, None)
         return self._req_blocks.pop(request.request_id, []), unit
 

@@ -166,7 +166,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if req.num_output_tokens + req.num_output_placeholders >= req.max_new_tokens:
                 continue  # async: its last token is in flight; another would be thrown away
-            num_new = min(behind, budget)
+            num_new = self._chunk(req, req.num_computed_tokens, min(behind, budget))
             assert num_new > 0, f"running request {req.request_id} has nothing to compute"
             new_blocks = self.kv.allocate_slots(req, num_new)
             if new_blocks is None:
@@ -223,7 +223,7 @@ class Scheduler:
             behind = req.num_tokens - num_hit - loaded
             if behind > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(behind, budget)
+            num_new = self._chunk(req, num_hit + loaded, min(behind, budget))
             if self.kv.allocate_slots(req, num_new, hit_blocks, num_hit) is None:
                 if self._take_blocks_from_waiting(req):
                     continue
@@ -232,6 +232,8 @@ class Scheduler:
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit + loaded
+            if num_hit:
+                self.kv.restore_state(req)  # a hybrid's state at the hit, from its snapshot
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             if req.queue_s < 0:
@@ -262,7 +264,16 @@ class Scheduler:
 
         out.finished_req_ids = self._free_in_runner
         self._free_in_runner = set()
+        out.state_copies = self.kv.take_state_copies()
         return out
+
+    def _chunk(self, req: Request, done: int, num_new: int) -> int:
+        """`num_new` tokens from `done`, or, for a hybrid with prefix caching and chunked
+        prefill, fewer so the chunk ends at the prompt's last block boundary, where its
+        state is saved (runner/state_snapshots.py)."""
+        if not self.config.enable_chunked_prefill:
+            return num_new
+        return self.kv.snapshot_cut(req, done, num_new)
 
     def _take(self, out: SchedulerOutput, req: Request, num_new: int, samples: bool) -> None:
         """Put `num_new` tokens of `req` in this step; they count as computed from now on.
@@ -272,7 +283,10 @@ class Scheduler:
         done = req.num_computed_tokens
         if done < req.num_prompt_tokens:
             self.num_prompt_tokens_computed += min(num_new, req.num_prompt_tokens - done)
-        req.num_computed_tokens = done + num_new
+            req.num_computed_tokens = done + num_new
+            self.kv.scheduled(req)  # a hybrid's prompt boundary: its state is saved
+        else:
+            req.num_computed_tokens = done + num_new
         if samples and self.async_scheduling:
             req.num_output_placeholders += 1
 

@@ -46,6 +46,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # batch order
     finished_req_ids: set[str] = field(default_factory=set)  # free these slots first
     kv_loads: list[KVLoadSpec] = field(default_factory=list)  # decode role: start these loads
+    # A hybrid's state-unit copies (source, target), done in order before the step runs:
+    # prefix-caching snapshots saved and restored (runner/state_snapshots.py)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

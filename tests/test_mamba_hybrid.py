@@ -2,7 +2,7 @@
 mrv2: greedy tokens and logprobs equal transformers' for prompts prefilled in chunks (the
 Mamba state carried across steps, the scan across its own chunks), in mixed batches
 (prompt chunks beside decode rows), and after preemption (a recomputed request starts
-from a zero state); prefix caching is off (runner/hybrid.py). PD: test_mamba_pd.py."""
+from a zero state). PD: test_mamba_pd.py; prefix caching: test_hybrid_prefix_caching.py."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_granite_hybrid_experts_read_transformers_5_names(tiny_granite_moe_dir, 
 
 def test_greedy_tokens_match_transformers(tiny_bamba_dir):
     llm = assert_greedy_matches_hf(tiny_bamba_dir, (1, 9, 40, 90), 20, seed=5)
-    assert llm.config.cache.enable_prefix_caching is False
+    assert llm.engine.kv.snapshots is not None  # prefix caching: test_hybrid_prefix_caching
     assert llm.engine.execution_path["runner"] == "mrv2"
 
 

@@ -26,9 +26,10 @@ KV: the cache holds `num_kv_layers` layers, and attention layer j reads the j-th
 
 Qwen3-Next's Gated DeltaNet layers use the same state units (runner/models/qwen3_next.py).
 
-What this path does not do (refused or switched off by name, runner/hybrid.py): prefix
-caching and the KV tier (a cached block would need the Mamba state at its end),
-layer-wise early tickets and norm folding. PD moves the prompt's final state with its
+What this path does not do (refused or switched off by name, runner/hybrid.py): the KV
+tier (its blocks come without states), layer-wise early tickets and norm folding; prefix
+caching reaches only the block boundaries where a state was saved
+(runner/state_snapshots.py). PD moves the prompt's final state with its
 blocks; decode steps run in the CUDA graphs (runner/mrv2/mamba_state.py).
 """
 

@@ -10,8 +10,8 @@ SwiGLU MLP.
 - Every RMSNorm outside the DeltaNet (layer, q/k and final norms) scales by 1 + weight:
   the weights are shifted by one at load, so the ordinary kernels apply them (as Gemma's).
 
-What this path does not do: the hybrids' (runner/hybrid.py): no prefix caching, KV
-tier or layer-wise tickets; LoRA is refused for it (runner/lora/); the checkpoint's MTP
+What this path does not do: the hybrids' (runner/hybrid.py): no KV tier or layer-wise
+tickets, prefix hits only at saved states; LoRA is refused for it (runner/lora/); the checkpoint's MTP
 layer (speculative decoding's draft) is not loaded.
 """
 

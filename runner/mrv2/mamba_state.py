@@ -72,6 +72,12 @@ class MambaModelState(ModelState):
         self.fresh.copy_(torch.from_numpy(all_fresh), non_blocking=True)
         self.model.mamba_step = MambaStep(self.units[:rows], starts, fresh, self.fresh[:rows])
 
+    def copy_units(self, pairs: list[tuple[int, int]]) -> None:
+        conv, ssm = self.model.mamba_states
+        for src, dst in pairs:  # in order: a save may free the unit a restore then fills
+            conv[:, dst].copy_(conv[:, src])
+            ssm[:, dst].copy_(ssm[:, src])
+
     def capture_inputs(self, size: int) -> None:
         # No device op here: it would join the capture and undo every step's `prepare`
         # at each replay. The buffers still hold what __init__ put there (every row a pad)

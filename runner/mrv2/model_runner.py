@@ -103,11 +103,18 @@ class MRV2ModelRunner:
         # the KV cache is sized, so a GPU budget counts it. Its units are the scheduler's to
         # hand out (runner/state_pool.py): one a request, held past its slot in PD.
         self.num_state_units = max_reqs if getattr(m, "num_mamba_layers", 0) else 0
+        # With prefix caching, as many again for half as many requests hold states saved at
+        # prompts' block boundaries (runner/state_snapshots.py)
+        self.num_snapshot_units = (
+            max(1, max_reqs // 2)
+            if self.num_state_units and config.cache.enable_prefix_caching
+            else 0
+        )
         self.model_state = model_state or (
             MambaModelState(
                 m,
                 max_reqs,
-                self.num_state_units,
+                self.num_state_units + self.num_snapshot_units,
                 self.device,
                 *config.cache.mamba_dtypes(config.model.dtype),
             )  # fmt: skip
@@ -116,8 +123,9 @@ class MRV2ModelRunner:
         )
         if isinstance(self.model_state, MambaModelState):
             conv, ssm = m.mamba_states
-            logger.info("mrv2 runner: Mamba state for %d requests (%.1f MiB; conv %s, SSM %s)",
-                        self.num_state_units, self.model_state.bytes / 2**20,
+            logger.info("mrv2 runner: Mamba state for %d requests and %d prefix snapshots "
+                        "(%.1f MiB; conv %s, SSM %s)", self.num_state_units,
+                        self.num_snapshot_units, self.model_state.bytes / 2**20,
                         str(conv.dtype).removeprefix("torch."),
                         str(ssm.dtype).removeprefix("torch."))  # fmt: skip
         # Layers with paged KV: all of them, but a hybrid's attention layers only
@@ -191,6 +199,8 @@ class MRV2ModelRunner:
         """One step. `layer_hook(i)` is called once decoder layer i's KV writes are queued
         (after a graph replay: for every layer at once); see runner/kv_hooks.py."""
         st = self.state
+        if so.state_copies:  # a hybrid's prefix snapshots, before anything reads the units
+            self.model_state.copy_units(so.state_copies)
         for req_id in so.finished_req_ids:
             slot = st.req_to_slot.get(req_id)
             st.remove(req_id)

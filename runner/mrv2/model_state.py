@@ -27,6 +27,11 @@ class ModelState:
         the step mailbox) are written by the graph's own prep, after this has run: read
         host fields here, not the device tensors."""
 
+    def copy_units(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy recurrent-state units (source, target), in order (a hybrid's prefix
+        snapshots: runner/state_snapshots.py)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no state units")
+
     def capture_inputs(self, size: int) -> None:
         """Before a decode graph of `size` one-token rows is captured (all rows pads): point
         the model at the persistent inputs that `prepare` fills on every later step, pad
