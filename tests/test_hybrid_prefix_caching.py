@@ -79,3 +79,16 @@ def test_an_evicted_snapshot_is_not_restored(tiny_bamba_dir):
         got, hits = _gen(cached, [prompt])  # own save would evict the other's snapshot
         assert hits == [hit]
         assert got == _gen(plain, [prompt])[0]
+
+
+def test_snapshot_units_are_reused_least_recently_used_first():
+    from pdserve.runner.state_snapshots import StateSnapshots
+
+    snaps = StateSnapshots(first_unit=8, num_units=2)
+    assert (snaps.reserve(101), snaps.reserve(102)) == (8, 9)
+    assert snaps.reserve(101) is None  # saved already (and now the most recent use)
+    assert snaps.reserve(103) == 9  # 102 was the least recently used
+    assert (snaps.lookup(102), snaps.lookup(101), snaps.lookup(103)) == (None, 8, 9)
+    assert snaps.reserve(104) == 8  # 101's lookup came before 103's
+    snaps.clear()
+    assert len(snaps) == 0 and snaps.reserve(105) == 8
