@@ -59,6 +59,7 @@ def engine_settings(engine: Engine) -> dict[str, Any]:
         "max_num_batched_tokens": c.scheduler.max_num_batched_tokens,
         "enable_chunked_prefill": c.scheduler.enable_chunked_prefill,
         "enable_prefix_caching": c.cache.enable_prefix_caching,
+        "kv_cache_dtype": c.cache.cache_dtype,
         "async_scheduling": c.runner.async_scheduling,
         "scheduling_policy": c.scheduler.policy,
     }

@@ -244,5 +244,6 @@ def test_the_workers_report_the_engine_settings_the_flags_gave(server):
     assert worker["startup"]["engine"] == {
         "runner": "mrv2", "device": "cpu", "dtype": "float32", "block_size": 16,
         "max_num_seqs": 64, "max_num_batched_tokens": 2048, "enable_chunked_prefill": False,
-        "enable_prefix_caching": False, "async_scheduling": True, "scheduling_policy": "fcfs",
+        "enable_prefix_caching": False, "kv_cache_dtype": "auto", "async_scheduling": True,
+        "scheduling_policy": "fcfs",
     }  # fmt: skip
