@@ -104,7 +104,9 @@ class KVCacheManager:
         else allocates, or they may be evicted. The last token is never a hit (at most
         (num_tokens - 1) // block_size blocks): it must be computed to produce logits.
         """
-        if not self.enable_prefix_caching or (self.state_pool is not None and not self.snapshots):
+        if not self.enable_prefix_caching or (
+            self.state_pool is not None and self.snapshots is None
+        ):
             return [], 0
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -196,8 +198,12 @@ class KVCacheManager:
         block boundary when it would cross it (its state is saved there)."""
         if self.snapshots is None:
             return num_new
-        boundary = request.num_prompt_tokens // self.block_size * self.block_size
+        boundary = self._snapshot_boundary(request)
         return boundary - done if done < boundary < done + num_new else num_new
+
+    def _snapshot_boundary(self, request: Request) -> int:
+        """Where a prompt's state is saved: its last block boundary."""
+        return request.num_prompt_tokens // self.block_size * self.block_size
 
     def scheduled(self, request: Request) -> None:
         """The request's computed tokens (scheduled ones included) were just advanced:
@@ -206,11 +212,7 @@ class KVCacheManager:
         if self.snapshots is None:
             return
         n = request.num_computed_tokens
-        if (
-            n == 0
-            or n % self.block_size
-            or n != request.num_prompt_tokens // self.block_size * self.block_size
-        ):
+        if n == 0 or n != self._snapshot_boundary(request):
             return
         unit = self.snapshots.reserve(self.block_hashes(request)[n // self.block_size - 1])
         if unit is not None:

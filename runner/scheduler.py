@@ -281,12 +281,10 @@ class Scheduler:
         async scheduling holds as a placeholder until the value reaches the host."""
         out.num_scheduled_tokens[req.request_id] = num_new
         done = req.num_computed_tokens
+        req.num_computed_tokens = done + num_new
         if done < req.num_prompt_tokens:
             self.num_prompt_tokens_computed += min(num_new, req.num_prompt_tokens - done)
-            req.num_computed_tokens = done + num_new
             self.kv.scheduled(req)  # a hybrid's prompt boundary: its state is saved
-        else:
-            req.num_computed_tokens = done + num_new
         if samples and self.async_scheduling:
             req.num_output_placeholders += 1
 

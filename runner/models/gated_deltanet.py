@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.delta_rule_update import delta_rule_decode
-from pdserve.runner.models.mamba2 import MambaStep
+from pdserve.runner.models.mamba2 import MambaStep, conv_row_inputs, conv_step_windows
 
 CHUNK = 64  # tokens a block of the chunked prompt form solves at once
 
@@ -121,9 +121,7 @@ class GatedDeltaNet(nn.Module):
         """One row's tokens (a prompt chunk): its convolution and the blocked delta rule."""
         unit = step.units[r]
         fresh = bool(step.fresh[r])
-        prev = torch.zeros_like(conv[0]) if fresh else conv[unit]  # [K-1, C]
-        full = torch.cat([prev, mixed.to(conv.dtype)], dim=0)  # [K-1+T, C]
-        conv[unit] = full[full.shape[0] - (self.kernel - 1) :]
+        full = conv_row_inputs(conv, unit, fresh, mixed)  # [K-1+T, C]
         q, k, v = self._conv(full.unfold(0, self.kernel, 1))
         beta, g = self._gates(b, a)
         s0 = torch.zeros_like(state[0], dtype=torch.float32) if fresh else state[unit].float()
@@ -133,10 +131,7 @@ class GatedDeltaNet(nn.Module):
 
     def _decode(self, mixed, b, a, units, fresh, conv, state) -> torch.Tensor:
         """One token a row, these rows (their `units`, and which are `fresh`) at once."""
-        keep = (~fresh)[:, None, None]
-        prev = conv[units] * keep.to(conv.dtype)  # [R, K-1, C]
-        full = torch.cat([prev, mixed.to(conv.dtype)[:, None]], dim=1)  # [R, K, C]
-        conv[units] = full[:, 1:]
+        full = conv_step_windows(conv, units, fresh, mixed)  # [R, K, C]
         q, k, v = self._conv(full.transpose(1, 2))  # [R, Hv, d]
         beta, g = self._gates(b, a)
         # kernels/delta_rule_update.py: each state read and written once on a GPU

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.runner.models.mamba2 import MambaStep
+from pdserve.runner.models.mamba2 import MambaStep, conv_row_inputs, conv_step_windows
 
 if TYPE_CHECKING:
     from pdserve.runner.lora.slots import LoraSite
@@ -82,7 +82,6 @@ class Mamba1Mixer(nn.Module):
         xs, z = xz.split([self.inner, self.inner], dim=-1)
         counts = np.diff(step.query_start)
         y = torch.zeros(x.shape[0], self.inner, dtype=torch.float32, device=x.device)
-        k = self.conv_kernel - 1
         single = np.flatnonzero(counts == 1)  # decode rows (and one-token chunks): at once
         if single.size == len(counts):  # a decode step (no index copies: graph-capturable)
             n = len(counts)
@@ -95,9 +94,7 @@ class Mamba1Mixer(nn.Module):
             first, end = int(step.query_start[r]), int(step.query_start[r + 1])
             unit = step.units[r]
             fresh = bool(step.fresh[r])
-            prev = torch.zeros_like(conv[0]) if fresh else conv[unit]  # [K-1, D]
-            full = torch.cat([prev, xs[first:end].to(conv.dtype)], dim=0)  # [K-1+T, D]
-            conv[unit] = full[full.shape[0] - k :]
+            full = conv_row_inputs(conv, unit, fresh, xs[first:end])  # [K-1+T, D]
             windows = full.unfold(0, self.conv_kernel, 1)  # [T, D, K]
             h = torch.zeros_like(ssm[0], dtype=torch.float32) if fresh else ssm[unit].float()
             y[first:end], h = self._scan(self._conv(windows, x.dtype), h)
@@ -133,12 +130,10 @@ class Mamba1Mixer(nn.Module):
 
     def _decode(self, xs, units, fresh, conv, ssm) -> torch.Tensor:
         """One token a row, these rows (their `units`, and which are `fresh`) at once."""
-        keep = (~fresh)[:, None, None]
-        prev = conv[units] * keep.to(conv.dtype)  # [R, K-1, D]
-        full = torch.cat([prev, xs.to(conv.dtype)[:, None]], dim=1)  # [R, K, D]
-        conv[units] = full[:, 1:]
+        full = conv_step_windows(conv, units, fresh, xs)  # [R, K, D]
         u = self._conv(full.transpose(1, 2), xs.dtype)  # [R, D]
         decay, inject, c = self._coefficients(u)
-        h = decay * (ssm[units].float() * keep.float()) + inject  # [R, D, N]
+        keep = (~fresh)[:, None, None].float()
+        h = decay * (ssm[units].float() * keep) + inject  # [R, D, N]
         ssm[units] = h.to(ssm.dtype)
         return (h * c[:, None, :]).sum(-1) + self.D.float() * u.float()

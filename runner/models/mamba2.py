@@ -249,16 +249,32 @@ class Mamba2Mixer(nn.Module):
 
     def _decode(self, xbc, dt, units, fresh, conv, ssm) -> torch.Tensor:
         """One token a row, these rows (their `units`, and which are `fresh`) at once."""
-        keep = (~fresh)[:, None, None]
-        prev = conv[units] * keep.to(conv.dtype)  # [R, K-1, C]
-        full = torch.cat([prev, xbc.to(conv.dtype)[:, None]], dim=1)  # [R, K, C]
-        conv[units] = full[:, 1:]
+        full = conv_step_windows(conv, units, fresh, xbc)  # [R, K, C]
         x, b, c = self._conv(full.transpose(1, 2), self._split_groups)  # [R, H, P], [R, G, N]
         dt = self._time_steps(dt)  # [R, H]
         a = -torch.exp(self.A_log.float())
         # kernels/ssm_update.py: the state read and written once on a GPU
         y = ssm_decode(ssm, units, fresh, x, dt.contiguous(), a, b, c, self.D.float())
         return y.reshape(y.shape[0], -1)
+
+
+def conv_step_windows(conv, units, fresh, x) -> torch.Tensor:
+    """One token a row: each row's K-1 stored conv inputs (zeros for a fresh row) then its
+    new one -> windows [R, K, C]; each unit keeps its last K-1. The Mamba1, Mamba2 and
+    Gated DeltaNet decode steps share it."""
+    prev = conv[units] * (~fresh)[:, None, None].to(conv.dtype)  # [R, K-1, C]
+    full = torch.cat([prev, x.to(conv.dtype)[:, None]], dim=1)  # [R, K, C]
+    conv[units] = full[:, 1:]
+    return full
+
+
+def conv_row_inputs(conv, unit, fresh: bool, x) -> torch.Tensor:
+    """One row's T tokens after its K-1 stored conv inputs (zeros if fresh) -> [K-1+T, C];
+    the unit keeps the last K-1."""
+    prev = torch.zeros_like(conv[0]) if fresh else conv[unit]  # [K-1, C]
+    full = torch.cat([prev, x.to(conv.dtype)], dim=0)
+    conv[unit] = full[full.shape[0] - conv.shape[1] :]
+    return full
 
 
 def ssd_scan(x, dt, a, b, c, d_skip, state, chunk: int):
