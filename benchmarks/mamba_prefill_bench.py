@@ -4,11 +4,12 @@ Not a test. `--mixer mamba2` (the default): a Granite-4.0-H-Tiny-shaped Mamba2 m
 (runner/models/mamba2.py; hidden 1536, 48 heads of 64, state 128, one group, conv 4, scan
 chunks of 256). `--mixer gated_deltanet`: a Qwen3-Next-80B-shaped Gated DeltaNet
 (runner/models/gated_deltanet.py; hidden 2048, 16 key heads and 32 value heads of 128,
-conv 4). Random weights; one step of R prompt chunks of the given lengths, fresh or
+conv 4). `--mixer mamba1`: a Jamba-1.5-Mini-shaped Mamba1 mixer (runner/models/mamba1.py;
+hidden 4096, 8,192 channels, state 16, dt rank 256, conv 4). Random weights; one step of R prompt chunks of the given lengths, fresh or
 continuing from a state, and, for the mixed case, decode rows beside them. Reported per
 case: milliseconds per forward (median of `--reps`), on the CPU or the GPU it finds.
 
-    python benchmarks/mamba_prefill_bench.py [--mixer gated_deltanet] [--dtype bfloat16]
+    python benchmarks/mamba_prefill_bench.py [--mixer gated_deltanet|mamba1] [--dtype bfloat16]
         [--reps 5] [--out DIR]
 """
 
@@ -24,6 +25,7 @@ import torch
 from run_meta import write_result
 
 from pdserve.runner.models.gated_deltanet import GatedDeltaNet
+from pdserve.runner.models.mamba1 import Mamba1Mixer
 from pdserve.runner.models.mamba2 import Mamba2Mixer, MambaStep
 
 # name -> (prompt chunk lengths, decode rows)
@@ -54,9 +56,16 @@ class _DeltaCfg:
     linear_conv_kernel_dim = 4
 
 
+class _JambaCfg:
+    hidden_size, rms_norm_eps = 4096, 1e-6
+    mamba_expand, mamba_d_state, mamba_dt_rank, mamba_d_conv = 2, 16, 256, 4
+    mamba_proj_bias, mamba_conv_bias = False, True
+
+
 MIXERS = {
     "mamba2": lambda: Mamba2Mixer(_Cfg(), 0),
     "gated_deltanet": lambda: GatedDeltaNet(_DeltaCfg(), 0),
+    "mamba1": lambda: Mamba1Mixer(_JambaCfg(), 0),
 }
 
 
@@ -68,7 +77,8 @@ def run(case: str, mixer_name: str, dtype: torch.dtype, device: torch.device, re
     with torch.no_grad():
         for p in mixer.parameters():
             p.normal_(0, 0.02)
-        mixer.A_log.copy_(torch.log(torch.linspace(0.5, 8, mixer.A_log.numel())))
+        a = torch.linspace(0.5, 8, mixer.A_log.numel()).view_as(mixer.A_log)
+        mixer.A_log.copy_(torch.log(a))
     mixer = mixer.to(dtype)
     conv_shape, ssm_shape = mixer.state_shapes
     conv = torch.zeros(rows, *conv_shape, dtype=dtype, device=device)

@@ -10,9 +10,11 @@ Per token, as transformers' JambaMambaMixer:
 - y * silu(z) through `out_proj`.
 The state is the conv's last K-1 inputs `[K-1, d_inner]` and h `[d_inner, N]` (float32).
 
-The scan runs token by token within a prompt row (A is a matrix, so the Mamba2 mixer's
-chunked form does not apply); one-token rows (decodes) update in one batched step. Torch
-only, eagerly, as the Mamba2 mixer (runner/hybrid.py).
+The convolution runs a prompt row at a time and the decode rows at once; x_proj, the
+norms and dt_proj over the step's tokens at once; then the scan over every row
+(kernels/selective_scan.py: A is a matrix, so the Mamba2 mixer's chunked form does not
+apply, and the recurrence runs token by token: on a GPU one Triton launch, on the CPU its
+torch spec). A decode step reads nothing from the host, so decode graphs capture it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels.selective_scan import selective_scan
 from pdserve.runner.models.mamba2 import MambaStep, conv_row_inputs, conv_step_windows
 
 if TYPE_CHECKING:
@@ -81,24 +84,27 @@ class Mamba1Mixer(nn.Module):
             xz = self.in_lora.apply(xz, x)
         xs, z = xz.split([self.inner, self.inner], dim=-1)
         counts = np.diff(step.query_start)
-        y = torch.zeros(x.shape[0], self.inner, dtype=torch.float32, device=x.device)
-        single = np.flatnonzero(counts == 1)  # decode rows (and one-token chunks): at once
-        if single.size == len(counts):  # a decode step (no index copies: graph-capturable)
-            n = len(counts)
-            y[:n] = self._decode(xs[:n], step.units, step.fresh_dev, conv, ssm)
-        elif single.size:
-            at = torch.from_numpy(step.query_start[single]).to(x.device, non_blocking=True)
-            on = torch.from_numpy(single).to(x.device, non_blocking=True)
-            y[at] = self._decode(xs[at], step.units[on], step.fresh_dev[on], conv, ssm)
-        for r in np.flatnonzero(counts > 1).tolist():
-            first, end = int(step.query_start[r]), int(step.query_start[r + 1])
-            unit = step.units[r]
-            fresh = bool(step.fresh[r])
-            full = conv_row_inputs(conv, unit, fresh, xs[first:end])  # [K-1+T, D]
-            windows = full.unfold(0, self.conv_kernel, 1)  # [T, D, K]
-            h = torch.zeros_like(ssm[0], dtype=torch.float32) if fresh else ssm[unit].float()
-            y[first:end], h = self._scan(self._conv(windows, x.dtype), h)
-            ssm[unit] = h.to(ssm.dtype)
+        if (counts == 1).all():  # a decode step (no index copies: graph-capturable)
+            u = self._conv_steps(xs, step.units, step.fresh_dev, conv, x.dtype)
+            query_start = None
+        else:
+            u = torch.empty_like(xs)
+            single = np.flatnonzero(counts == 1)  # decode rows (and one-token chunks)
+            if single.size:
+                at = torch.from_numpy(step.query_start[single]).to(x.device, non_blocking=True)
+                on = torch.from_numpy(single).to(x.device, non_blocking=True)
+                units, fresh = step.units[on], step.fresh_dev[on]
+                u[at] = self._conv_steps(xs[at], units, fresh, conv, x.dtype)
+            for r in np.flatnonzero(counts > 1).tolist():
+                first, end = int(step.query_start[r]), int(step.query_start[r + 1])
+                full = conv_row_inputs(conv, step.units[r], bool(step.fresh[r]), xs[first:end])
+                u[first:end] = self._conv(full.unfold(0, self.conv_kernel, 1), x.dtype)
+            query_start = torch.from_numpy(step.query_start).to(x.device, non_blocking=True)
+        delta, b, c = self._coefficients(u)
+        a = -torch.exp(self.A_log.float())  # [D, N]
+        # kernels/selective_scan.py: one launch over every row's tokens on a GPU
+        y = selective_scan(ssm, step.units, step.fresh_dev, query_start, u.float(), delta, a,
+                           b, c, self.D.float())  # fmt: skip
         out = (y * F.silu(z.float())).to(x.dtype)
         result = self.out_proj(out)
         return result if self.out_lora is None else self.out_lora.apply(result, out)
@@ -110,30 +116,13 @@ class Mamba1Mixer(nn.Module):
             out = out + self.conv1d.bias.float()
         return F.silu(out).to(dtype)
 
+    def _conv_steps(self, xs, units, fresh, conv, dtype) -> torch.Tensor:
+        """One token a row, these rows' conv steps at once -> u [R, D]."""
+        return self._conv(conv_step_windows(conv, units, fresh, xs).transpose(1, 2), dtype)
+
     def _coefficients(self, u: torch.Tensor):
-        """u [T, D] -> (decay exp(dt A) [T, D, N], input dt u B [T, D, N], C [T, N]), float32."""
+        """u [T, D] -> (delta [T, D], B [T, N], C [T, N]), contiguous float32."""
         dt, b, c = self.x_proj(u).split([self.rank, self.state, self.state], dim=-1)
-        dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b).float(), self.c_layernorm(c).float()
+        dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
         delta = F.softplus(dt.float() @ self.dt_proj.weight.float().T + self.dt_proj.bias.float())
-        a = -torch.exp(self.A_log.float())  # [D, N]
-        return torch.exp(delta[..., None] * a), (delta * u.float())[..., None] * b[:, None, :], c
-
-    def _scan(self, u: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """u [T, D] from `h` [D, N] -> (y [T, D] before the gate, the final h), float32."""
-        decay, inject, c = self._coefficients(u)
-        ys = []
-        for t in range(u.shape[0]):
-            h = decay[t] * h + inject[t]
-            ys.append(h @ c[t])
-        y = torch.stack(ys) if ys else u.new_zeros(0, self.inner, dtype=torch.float32)
-        return y + self.D.float() * u.float(), h
-
-    def _decode(self, xs, units, fresh, conv, ssm) -> torch.Tensor:
-        """One token a row, these rows (their `units`, and which are `fresh`) at once."""
-        full = conv_step_windows(conv, units, fresh, xs)  # [R, K, D]
-        u = self._conv(full.transpose(1, 2), xs.dtype)  # [R, D]
-        decay, inject, c = self._coefficients(u)
-        keep = (~fresh)[:, None, None].float()
-        h = decay * (ssm[units].float() * keep) + inject  # [R, D, N]
-        ssm[units] = h.to(ssm.dtype)
-        return (h * c[:, None, :]).sum(-1) + self.D.float() * u.float()
+        return delta, b.float().contiguous(), c.float().contiguous()
