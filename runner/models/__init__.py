@@ -7,6 +7,7 @@ from pdserve.runner.models.gemma import GemmaForCausalLM
 from pdserve.runner.models.glm4_moe import Glm4MoeForCausalLM
 from pdserve.runner.models.gpt_oss import GptOssForCausalLM
 from pdserve.runner.models.llama import LlamaFamilyForCausalLM
+from pdserve.runner.models.llama4 import Llama4ForCausalLM
 from pdserve.runner.models.mamba_hybrid import (
     BambaForCausalLM,
     GraniteHybridForCausalLM,
@@ -30,6 +31,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,  # dense or MoE (runner/hybrid.py)
     "JambaForCausalLM": JambaForCausalLM,  # Mamba1 + attention hybrid (runner/hybrid.py)
     "LlamaForCausalLM": LlamaFamilyForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,  # Llama 4's language model (llama4.py)
     "Ministral3ForCausalLM": LlamaFamilyForCausalLM,
     "MinistralForCausalLM": LlamaFamilyForCausalLM,
     "MistralForCausalLM": LlamaFamilyForCausalLM,

@@ -76,6 +76,8 @@ def family_spec(hf_config: Any) -> FamilySpec:
     if model_type == "seed_oss":
         out_bias = bool(getattr(hf_config, "attention_out_bias", False))
         return FamilySpec(qkv_bias=bias, o_bias=out_bias, qk_norm=False)
+    if model_type == "llama4_text":  # per layer: runner/models/llama4.py
+        return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=False, rope_interleaved=True)
     if model_type == "ernie4_5":
         use_bias = bool(getattr(hf_config, "use_bias", False))
         return FamilySpec(qkv_bias=use_bias, o_bias=use_bias, qk_norm=False, rope_interleaved=True)
@@ -147,11 +149,14 @@ class Attention(nn.Module):
         # it has them (runner/models/kv_scales.py), else 1.0; other caches ignore them.
         self.k_scale = 1.0
         self.v_scale = 1.0
-        # Ministral 3 scales each query by 1 + beta * log(1 + floor(pos / original length))
+        # (beta, length, offset): each query scaled by 1 + beta * log(1 + floor((pos +
+        # offset) / length)): Ministral 3's (offset 0), Llama 4's NoPE layers' (llama4.py)
         rope = rope_parameters(cfg)
         beta = rope.get("llama_4_scaling_beta") if cfg.model_type == "ministral3" else None
-        self.q_position_scale = (
-            None if beta is None else (float(beta), int(rope["original_max_position_embeddings"]))
+        self.q_position_scale: tuple[float, int, int] | None = (
+            None
+            if beta is None
+            else (float(beta), int(rope["original_max_position_embeddings"]), 0)
         )
 
     def forward(
@@ -193,8 +198,9 @@ class Attention(nn.Module):
                 scale_rows, bias, (self.k_scale, self.v_scale),
             )  # fmt: skip
         if self.q_position_scale is not None:
-            beta, length = self.q_position_scale
-            scale = 1 + beta * torch.log(1 + torch.floor(positions[: q.shape[0]] / length))
+            beta, length, offset = self.q_position_scale
+            pos = positions[: q.shape[0]] + offset
+            scale = 1 + beta * torch.log(1 + torch.floor(pos / length))
             q = q * scale[:, None, None].to(q.dtype)
         return q
 

@@ -1,5 +1,6 @@
 """Multimodal checkpoints served as text models: the language model inside Gemma 3
-4B/12B/27B (Gemma3ForConditionalGeneration) runs as Gemma3ForCausalLM, the one inside
+4B/12B/27B (Gemma3ForConditionalGeneration) runs as Gemma3ForCausalLM, Llama 4 Scout's
+and Maverick's (Llama4ForConditionalGeneration) as Llama4ForCausalLM, the one inside
 Mistral Small 3.1/3.2 and Ministral 3 (Mistral3ForConditionalGeneration) as
 MistralForCausalLM or Ministral3ForCausalLM, by its text config's model type.
 
@@ -26,6 +27,7 @@ from pdserve.runner.config import architecture_of
 # causal-LM architecture of each
 TEXT_ONLY = {
     "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
+    "Llama4ForConditionalGeneration": {"llama4_text": "Llama4ForCausalLM"},  # Scout, Maverick
     "Mistral3ForConditionalGeneration": {
         "mistral": "MistralForCausalLM",  # Mistral Small 3.1, 3.2
         "ministral3": "Ministral3ForCausalLM",  # Ministral 3
@@ -38,8 +40,8 @@ _RENAMES = (
     ("model.language_model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )
-_DROPPED = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.",
-            "model.multi_modal_projector.")  # fmt: skip
+_DROPPED = ("vision_tower.", "model.vision_tower.", "vision_model.", "model.vision_model.",
+            "multi_modal_projector.", "model.multi_modal_projector.")  # fmt: skip
 _INHERITED = ("eos_token_id", "bos_token_id", "pad_token_id", "dtype", "quantization_config")
 
 
