@@ -62,6 +62,17 @@ def _gather_context(kv_cache, block_row, num_ctx):
     return k, v
 
 
+def first_visible(pos: torch.Tensor, window: int) -> torch.Tensor:
+    """The first key position a query at `pos` sees: 0 (full attention), `pos - window + 1`
+    (a sliding window, `window > 0`), or its chunk's first, `pos - pos % -window` (chunked
+    attention, `window < 0`); kernels/attention_parts.py's `first_visible_key`."""
+    if window > 0:
+        return (pos - window + 1).clamp(min=0)
+    if window < 0:
+        return pos - pos % -window
+    return torch.zeros_like(pos)
+
+
 def paged_attention_ref(
     q: torch.Tensor,  # [T, Hq, D]
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
@@ -72,7 +83,7 @@ def paged_attention_ref(
     out: torch.Tensor,  # [T, Hq, D] out
     max_query_len: int,  # host-known bounds: size grids without reading the device
     max_seq_len: int,
-    window: int = 0,  # > 0: sliding window, query p sees keys (p - window, p]
+    window: int = 0,  # > 0: sliding window, query p sees keys (p - window, p]; < 0: chunks
     softcap: float = 0.0,  # > 0: attention logit softcapping
     sinks: torch.Tensor | None = None,  # [Hq]: a sink logit per query head
 ) -> None:
@@ -83,7 +94,9 @@ def paged_attention_ref(
     (`out` untouched); the Triton path writes zeros there. `max_query_len` / `max_seq_len`
     bound the rows' query and context lengths (the Triton path sizes its grids from them).
     With `window > 0` (sliding-window attention, transformers' convention) query position
-    p attends keys `p - window + 1..p` only. With `softcap > 0` (Gemma 2) the scaled scores
+    p attends keys `p - window + 1..p` only; with `window < 0` (chunked attention, Llama 4's
+    local layers) keys from the start of its block of `-window` positions, `p - p % -window`,
+    to p (`first_visible`). With `softcap > 0` (Gemma 2) the scaled scores
     become `softcap * tanh(scores / softcap)` before the softmax. With `sinks` (gpt-oss)
     each query head's softmax has one more logit, `sinks[h]`, in its denominator only.
     """
@@ -106,16 +119,14 @@ def paged_attention_ref(
         kr = k.transpose(0, 1).unsqueeze(0).to(q.dtype)
         vr = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
         prefix = ctx - q_len  # tokens already cached before this chunk
-        if prefix == 0 and (window == 0 or window >= ctx):
+        if prefix == 0 and (window == 0 or abs(window) >= ctx):
             o = F.scaled_dot_product_attention(
                 qr, kr, vr, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
             qpos = torch.arange(q_len, device=q.device).unsqueeze(1) + prefix
             kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
-            mask = kpos <= qpos  # [q_len, ctx]
-            if window:
-                mask &= kpos > qpos - window
+            mask = (kpos <= qpos) & (kpos >= first_visible(qpos, window))  # [q_len, ctx]
             o = F.scaled_dot_product_attention(
                 qr, kr, vr, attn_mask=mask, scale=scale, enable_gqa=True
             )
@@ -140,7 +151,7 @@ def _explicit_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, o
             s = torch.tanh(s / softcap) * softcap  # [Hq, q_len, ctx]
         qpos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
         kpos = torch.arange(ctx, device=q.device)[None, :]
-        visible = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+        visible = (kpos <= qpos) & (kpos >= first_visible(qpos, window))
         s = s.masked_fill(~visible, float("-inf"))
         if sinks is not None:  # one more logit per head, dropped after the softmax
             sink = sinks.to(s.dtype)[:, None, None].expand(-1, q_len, 1)
@@ -162,9 +173,8 @@ def _decode_batch(q, kv_cache, block_tables, qsl, lens, rows, scale, out, window
     qd = q[tok].unsqueeze(2)  # [n, Hq, 1, D]
     ctx = torch.tensor([lens[r] for r in rows], device=q.device)
     kpos = torch.arange(nb * block_size, device=q.device).unsqueeze(0)
-    mask = kpos < ctx.unsqueeze(1)
-    if window:
-        mask &= kpos >= ctx.unsqueeze(1) - window
+    newest = ctx.unsqueeze(1) - 1  # each row's query position
+    mask = (kpos <= newest) & (kpos >= first_visible(newest, window))
     # Slots past a row's context hold whatever the block had (a failed transfer can leave
     # NaN bits there): NaN + (-inf) is NaN in the scores and 0 x NaN is NaN in P @ V, so
     # both K and V are zeroed there (the Triton kernel never loads them).
@@ -188,7 +198,7 @@ def paged_attention(
     max_seq_len,
     workspace: KernelWorkspace | None = None,
     decode_kernel: str | None = None,  # the Triton path's decode kernel; None = by shape
-    window: int = 0,  # > 0: sliding-window attention over the last `window` keys
+    window: int = 0,  # > 0: sliding-window attention over the last `window` keys; < 0: chunks
     softcap: float = 0.0,  # > 0: attention logit softcapping (Gemma 2)
     sinks: torch.Tensor | None = None,  # [Hq] float32 attention sinks (gpt-oss)
 ) -> None:

@@ -1,8 +1,13 @@
 """What the Triton attention kernels share (paged_prefill, paged_decode_split,
 paged_decode_packed, paged_decode_flat): their tile config and its choice by dtype and
-head dim, their dot, one key tile's online-softmax step over a paged cache, and the decode
+head dim, their dot, the first key a query sees (full, sliding-window or chunked
+attention), one key tile's online-softmax step over a paged cache, and the decode
 kernels' cut of a row's context into split-K slices, and the merge of those slices'
-partial outputs."""
+partial outputs.
+
+Every kernel takes the attention's span as one `WINDOW` constexpr, as kernels/attention.py
+documents `window`: 0 full causal attention, > 0 a sliding window of WINDOW keys, < 0
+chunked attention in blocks of -WINDOW positions (Llama 4's local layers)."""
 
 from __future__ import annotations
 
@@ -13,6 +18,19 @@ import triton
 import triton.language as tl
 
 C = TypeVar("C")
+
+
+@triton.jit
+def first_visible_key(pos, WINDOW: tl.constexpr):
+    """The first key a query at position `pos` sees (>= 0): 0; `pos - WINDOW + 1` for a
+    sliding window; the start of its chunk, `pos - pos % -WINDOW`, for chunked attention.
+    Non-decreasing in `pos`, so the first query of a tile bounds all of its keys."""
+    first = pos * 0
+    if WINDOW > 0:
+        first = pos - WINDOW + 1
+    if WINDOW < 0:
+        first = pos - pos % (-WINDOW)
+    return tl.maximum(first, 0)
 
 
 class TileConfig(NamedTuple):
@@ -93,7 +111,7 @@ def attend_tile(
     BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every query
     CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,  # > 0 with CAUSAL: query p sees keys (p - WINDOW, p] only
+    WINDOW: tl.constexpr,  # != 0 with CAUSAL: query p sees keys first_visible_key(p)..p
     SOFTCAP: tl.constexpr,  # > 0: scores become SOFTCAP * tanh(score * scale / SOFTCAP)
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -101,10 +119,10 @@ def attend_tile(
     keys = n0 + offs_n
     if MASKED:
         k_valid = keys < key_end
-        if CAUSAL and WINDOW > 0:
-            # Keys below the first query's window are no query's: not even loaded (a
-            # stale block there may hold NaN, and 0 * NaN would reach P @ V).
-            k_valid = k_valid & (keys > tl.min(q_pos, 0) - WINDOW)
+        if CAUSAL and WINDOW != 0:
+            # Keys below the first query's window or chunk are no query's: not even loaded
+            # (a stale block there may hold NaN, and 0 * NaN would reach P @ V).
+            k_valid = k_valid & (keys >= first_visible_key(tl.min(q_pos, 0), WINDOW))
         blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE, mask=k_valid, other=0)
         kv_mask = k_valid[:, None] & d_mask[None, :]
     else:
@@ -125,8 +143,8 @@ def attend_tile(
         visible = k_valid[None, :]
         if CAUSAL:  # k_valid already holds the first query's window
             visible = visible & (keys[None, :] <= q_pos[:, None])
-            if WINDOW > 0:
-                visible = visible & (keys[None, :] > q_pos[:, None] - WINDOW)
+            if WINDOW != 0:
+                visible = visible & (keys[None, :] >= first_visible_key(q_pos[:, None], WINDOW))
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     if MASKED:
@@ -162,18 +180,15 @@ def decode_slice(
 ):  # fmt: skip
     """A decode program's row and slice: (q_start, span, split_len, key_start, key_end,
     skip). The row's query sees its last `span` keys: all `seq_len` of them, or the last
-    WINDOW (> 0, sliding-window attention), and those are what the slices cut, so no key
-    below the window is read. Rows with several queries belong to the prefill kernel.
+    WINDOW (> 0, sliding-window attention), or those of its chunk (WINDOW < 0), and those
+    are what the slices cut, so no key below them is read. Rows with several queries belong to the prefill kernel.
     Splits past the span write nothing and do not count in: the merging program derives
     the number of valid splits from the span (`valid_splits`). Split 0 always runs, so an
     empty pad row still gets its zeros."""
     q_start = tl.load(qsl_ptr + row)
     q_len = tl.load(qsl_ptr + row + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + row)
-    if WINDOW > 0:
-        first_key = tl.maximum(seq_len - WINDOW, 0)
-    else:
-        first_key = seq_len * 0
+    first_key = first_visible_key(seq_len - 1, WINDOW)  # the query is the newest token
     span = seq_len - first_key
     split_len = row_split_len(span, min_split_keys, num_splits, BLOCK_N)
     key_start = first_key + split * split_len

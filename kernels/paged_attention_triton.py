@@ -73,7 +73,7 @@ def paged_attention_triton(
     num_splits: int | None = None,  # decode splits per (row, kv head); None = heuristic
     workspace: KernelWorkspace | None = None,  # the model's; None: counters for this call
     decode_kernel: str | None = None,  # per_head | packed | flat; None: choose_decode_kernel
-    window: int = 0,  # > 0: sliding-window attention, query p sees keys (p - window, p]
+    window: int = 0,  # kernels/attention.py's: > 0 sliding, < 0 chunked
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
     sinks: torch.Tensor | None = None,  # [Hq] float32: a sink logit per query head (gpt-oss)
 ) -> None:
@@ -94,7 +94,6 @@ def paged_attention_triton(
         assert t.dtype == torch.int32 and t.stride(-1) == 1, f"{name} is int32, unit stride"
     assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(), "seq_lens is int32"
     assert scale > 0, "softmax scale must be positive (the kernels take max before scaling)"
-    assert window >= 0, "window is a key count, 0 for full attention"
     assert softcap >= 0, "softcap is a logit bound, 0 for none"
     assert sinks is None or (
         sinks.shape == (num_q_heads,) and sinks.dtype == torch.float32 and sinks.is_contiguous()
@@ -118,8 +117,8 @@ def paged_attention_triton(
         )  # fmt: skip
 
     # Decode rows (and one-query pad rows), also inside a mixed step. A row reads at most
-    # `window` keys, which bounds the splits as the context does.
-    span = min(max_seq_len, window) if window else max_seq_len
+    # `window` keys (or a chunk's), which bounds the splits as the context does.
+    span = min(max_seq_len, abs(window)) if window else max_seq_len
     kernel = decode_kernel or choose_decode_kernel(num_rows, num_kv_heads)
     if kernel == "packed":
         packed_cfg = tile_for(q.dtype, d_pad, PACKED_16BIT, PACKED_WIDE)

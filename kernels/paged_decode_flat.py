@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.attention_parts import attend_tile, softmax_start
+from pdserve.kernels.attention_parts import attend_tile, first_visible_key, softmax_start
 
 # Pairs one program may take: 4 x 132 SMs covers 64 rows of 8 kv heads.
 MAX_PAIRS = 4
@@ -77,11 +77,8 @@ def _decode_flat_kernel(
     q_starts = tl.load(qsl_ptr + rows, mask=valid, other=0)
     q_lens = tl.load(qsl_ptr + rows + 1, mask=valid, other=0) - q_starts
     seq_lens = tl.load(seq_lens_ptr + rows, mask=valid, other=0)
-    # A pair's keys are [first_keys, seq_lens): all of them, or the last WINDOW.
-    if WINDOW > 0:
-        first_keys = tl.maximum(seq_lens - WINDOW, 0)
-    else:
-        first_keys = seq_lens * 0
+    # A pair's keys are [first_keys, seq_lens): all of them, the last WINDOW, or its chunk's.
+    first_keys = first_visible_key(seq_lens - 1, WINDOW)
     spans = seq_lens - first_keys
     tiles = tl.where(valid & (q_lens == 1), tl.maximum((spans + BLOCK_N - 1) // BLOCK_N, 1), 0)
     ends = tl.cumsum(tiles, 0)  # a pair's tiles are [ends - tiles, ends)
@@ -162,7 +159,7 @@ def decode_flat(
     tile: tuple[int, int, int],  # (keys per tile, warps, stages)
     dot_precision: str,
     upcast: bool,
-    window: int = 0,  # > 0: each row attends to its last `window` keys
+    window: int = 0,  # kernels/attention.py's: > 0 sliding, < 0 chunked
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
     sinks: torch.Tensor | None = None,  # [Hq] float32 attention sinks
 ) -> None:

@@ -227,7 +227,7 @@ def decode_split(
     workspace: KernelWorkspace | None,  # the model's; None: counters for this call
     dot_precision: str,
     upcast: bool,
-    window: int = 0,  # > 0: each row attends to its last `window` keys
+    window: int = 0,  # kernels/attention.py's: > 0 sliding, < 0 chunked
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
     sinks: torch.Tensor | None = None,  # [Hq] float32 attention sinks
 ) -> None:

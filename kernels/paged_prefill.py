@@ -19,7 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.attention_parts import TileConfig, attend_tile, softmax_start, tile_for
+from pdserve.kernels.attention_parts import (
+    TileConfig,
+    attend_tile,
+    first_visible_key,
+    softmax_start,
+    tile_for,
+)
 
 # Prefill, 16-bit, head dim <= 128: one Hopper warpgroup (4 warps) per 64-query tile, wgmma's
 # natural M; 3 stages of a 64-key K and V tile (2 x 16 KiB at D=128) beside Q (16 KiB) leave
@@ -109,13 +115,14 @@ def _prefill_kernel(
     # need no mask. The rest, up to the last query's position, is masked causally.
     full_end = tl.maximum(prefix + m_start + 1, 0) // BLOCK_N * BLOCK_N
     causal_end = tl.minimum(prefix + tl.minimum(m_start + BLOCK_M, q_len), seq_len)
-    # With a sliding window, key tiles start at the first query's window; keys from the
-    # last query's window start on are visible to every query, so the tiles below that
-    # are masked (by the window) and the tiles from there to full_end are not.
-    if WINDOW > 0:
+    # With a sliding window (or chunks), key tiles start at the first query's first
+    # visible key; keys from the last query's first visible key on are visible to every
+    # query, so the tiles below that are masked (by the window) and the tiles from there
+    # to full_end are not.
+    if WINDOW != 0:
         last_pos = prefix + tl.minimum(m_start + BLOCK_M, q_len) - 1
-        win_lo = tl.maximum(prefix + m_start - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
-        win_all = tl.cdiv(tl.maximum(last_pos - WINDOW + 1, 0), BLOCK_N) * BLOCK_N
+        win_lo = first_visible_key(prefix + m_start, WINDOW) // BLOCK_N * BLOCK_N
+        win_all = tl.cdiv(first_visible_key(last_pos, WINDOW), BLOCK_N) * BLOCK_N
         win_all = tl.maximum(tl.minimum(win_all, full_end), win_lo)
         for n0 in range(win_lo, win_all, BLOCK_N):
             acc, m_i, l_i = attend_tile(
@@ -154,7 +161,7 @@ def prefill(
     out: torch.Tensor,  # [T, Hq, D]
     dot_precision: str,
     upcast: bool,
-    window: int = 0,  # > 0: query p attends to keys (p - window, p]
+    window: int = 0,  # kernels/attention.py's: > 0 sliding, < 0 chunked
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
     sinks: torch.Tensor | None = None,  # [Hq] float32 attention sinks
 ) -> None:

@@ -1,8 +1,9 @@
 """Llama 4's language model on mrv2 (runner/models/llama4.py) equals transformers.
 
 The tiny model has four layers: dense, MoE, dense, MoE (`interleave_moe_layer_step` 2),
-RoPE on interleaved pairs with the weightless q/k norm on layers 0-2, and layer 3 NoPE
-with temperature tuning. Its `floor_scale` is 16 and `attn_scale` 0.5, so queries past
+RoPE on interleaved pairs with the weightless q/k norm and chunked attention (chunks of 32
+positions, so prompts of 40 and 90 tokens cross one and two chunk edges, in prefill
+chunks of 64 and in decode) on layers 0-2, and layer 3 NoPE with temperature tuning. Its `floor_scale` is 16 and `attn_scale` 0.5, so queries past
 position 14 are scaled (1.35 from 15, 1.55 from 31): prompts of 5-90 tokens and 16 decoded
 ones cross several steps of it. The MoE layers take one of four experts a token, its
 sigmoid score scaling the expert's input, beside the shared expert."""
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, _save_tiny, assert_greedy_matches_hf, assert_logprobs_match_hf
+from conftest import _save_tiny, assert_greedy_matches_hf, assert_logprobs_match_hf
 
 from pdserve.runner.models.llama4 import Llama4ForCausalLM, Llama4Moe
 from pdserve.runner.models.text_only import text_view
@@ -24,7 +25,7 @@ def _config(**kw):
         vocab_size=1009, hidden_size=64, intermediate_size=48, intermediate_size_mlp=96,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
-        max_position_embeddings=128, attention_chunk_size=128, use_qk_norm=True,
+        max_position_embeddings=128, attention_chunk_size=32, use_qk_norm=True,
         attn_temperature_tuning=True, floor_scale=16, attn_scale=0.5, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -43,6 +44,7 @@ def tiny_llama4_dir(tmp_path_factory) -> str:
 def test_the_tiny_model_has_each_kind_of_layer():
     cfg = _config()
     assert cfg.moe_layers == [1, 3] and cfg.no_rope_layers == [1, 1, 1, 0]
+    assert cfg.layer_types == ["chunked_attention"] * 3 + ["full_attention"]
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(tiny_llama4_dir):
@@ -52,17 +54,8 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny_llama4_dir):
     assert model.layers[0].self_attn.q_norm is not None
     assert model.layers[3].self_attn.q_norm is None
     assert model.layers[3].self_attn.q_position_scale == (0.5, 16, 1)
+    assert [layer.self_attn.window for layer in model.layers] == [-32, -32, -32, 0]
     assert_logprobs_match_hf(tiny_llama4_dir, [(5 * i + 2) % 1000 + 3 for i in range(40)], 8)
-
-
-def test_a_context_past_the_attention_chunk_is_refused(tiny_llama4_dir):
-    """Chunked attention is not implemented: a max_model_len past the chunk would attend
-    where the model does not, so it is refused by name."""
-    from pdserve import LLM
-
-    with pytest.raises(ValueError, match="attention_chunk_size 64"):
-        LLM(model=tiny_llama4_dir, device=DEVICE, dtype="float32", max_model_len=100,
-            hf_overrides={"attention_chunk_size": 64})  # fmt: skip
 
 
 def test_more_than_one_expert_a_token_is_refused():

@@ -68,7 +68,7 @@ class Batch:
     contexts: list[tuple[torch.Tensor, torch.Tensor]]  # per row: K, V [ctx, Hkv, D] on CPU
     scale: float
     seq_len_limit: int | None = None  # max_seq_len passed to the kernels, else the longest
-    window: int = 0  # sliding window (keys a query sees), 0 = full causal
+    window: int = 0  # sliding window (keys a query sees), 0 = full causal, < 0 chunked
     softcap: float = 0.0  # attention logit softcapping, 0 = none
     sinks: torch.Tensor | None = None  # [Hq] float32 attention sinks (on CPU), None = none
 
@@ -122,7 +122,7 @@ def run_kernel(batch: Batch, kernel: str, monkeypatch) -> torch.Tensor:
 
 def make_batch(rows, hq, hk, d, bs, dtype=torch.float32, seed=0, window=0) -> Batch:
     """Rows' blocks are shuffled over the cache; block 0 (null) and spare blocks stay NaN.
-    With a sliding `window`, the keys below every query's window are NaN too."""
+    With a sliding `window` (or chunks), the keys below every query's window are NaN too."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_row = [-(-ctx // bs) for ctx, _ in rows]
     num_blocks = 1 + sum(blocks_per_row) + 5
@@ -140,8 +140,8 @@ def make_batch(rows, hq, hk, d, bs, dtype=torch.float32, seed=0, window=0) -> Ba
         blk = tables[r, pos // bs].long()
         cache[blk, 0, pos % bs] = k
         cache[blk, 1, pos % bs] = v
-        if window:  # the first query, at ctx - q_len, sees keys from ctx - q_len - window + 1
-            unseen = pos[: max(0, ctx - rows[r][1] - window + 1)]
+        if window:  # none of the row's queries sees keys below its first query's first key
+            unseen = pos[: int(first_seen(torch.tensor(ctx - rows[r][1]), window))]
             cache[tables[r, unseen // bs].long(), :, unseen % bs] = float("nan")
         contexts.append((k.double(), v.double()))
     qlens = torch.tensor([ql for _, ql in rows])
@@ -154,9 +154,19 @@ def make_batch(rows, hq, hk, d, bs, dtype=torch.float32, seed=0, window=0) -> Ba
     )  # fmt: skip
 
 
+def first_seen(pos: torch.Tensor, window: int) -> torch.Tensor:
+    """The first key position p sees: 0; p - window + 1 for a sliding window; the first of
+    its block of -window positions for chunked attention (window < 0)."""
+    if window > 0:
+        return (pos - window + 1).clamp(min=0)
+    if window < 0:
+        return torch.div(pos, -window, rounding_mode="floor") * -window
+    return pos * 0
+
+
 def dense_causal(q, k, v, scale, window=0, softcap=0.0, sinks=None) -> torch.Tensor:
     """Attention of the last q_len positions of a context, by plain float64 matmuls; with a
-    `window`, position p sees keys p - window + 1..p; with a `softcap`, the scaled scores
+    `window`, position p sees keys from `first_seen(p, window)` to p; with a `softcap`, the scaled scores
     become softcap * tanh(scores / softcap); with `sinks`, each head's softmax has one more
     logit in its denominator."""
     q_len, hq, _ = q.shape
@@ -167,9 +177,7 @@ def dense_causal(q, k, v, scale, window=0, softcap=0.0, sinks=None) -> torch.Ten
     if softcap:
         s = torch.tanh(s / softcap) * softcap
     keys, queries = torch.arange(ctx)[None, :], torch.arange(ctx - q_len, ctx)[:, None]
-    visible = keys <= queries
-    if window:
-        visible &= keys > queries - window
+    visible = (keys <= queries) & (keys >= first_seen(queries, window))
     s = s.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         s = torch.cat([s, sinks.double()[:, None, None].expand(-1, q_len, 1)], dim=-1)

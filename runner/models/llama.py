@@ -119,7 +119,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: Any, spec: FamilySpec, workspace: KernelWorkspace, window: int = 0):
         super().__init__()
         self.workspace = workspace
-        self.window = window  # > 0: sliding-window attention over the last `window` keys
+        # > 0: sliding-window attention over the last `window` keys; < 0: chunked attention
+        # in blocks of -window positions (Llama 4's); attention_window.py
+        self.window = window
         # > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
         self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         self.num_heads = cfg.num_attention_heads

@@ -1,7 +1,7 @@
 """Llama 4's language model (`Llama4ForCausalLM`; Scout and Maverick's, inside
 `Llama4ForConditionalGeneration`, through runner/models/text_only.py).
 
-The Llama family's layer with four differences, all config data:
+The Llama family's layer with five differences, all config data:
 - **Attention.** RoPE on interleaved pairs (q/k rows reordered at load, as ERNIE 4.5's)
   on three layers in four; every fourth (`no_rope_layers[i] == 0`) is NoPE. The RoPE
   layers normalise q and k per head with a weightless RMSNorm (`use_qk_norm`).
@@ -17,10 +17,10 @@ The Llama family's layer with four differences, all config data:
 - **Experts' checkpoint layout.** `experts.gate_up_proj` is `[E, H, 2I]` and
   `experts.down_proj` is `[E, I, H]`: transposed into ours.
 
-What it does not do: chunked attention. The RoPE layers attend within blocks of
-`attention_chunk_size` (8,192) positions. Below that length, chunked attention is
-causal attention. So a `max_model_len` above it is refused by name rather than served
-wrong.
+- **Chunked attention.** The RoPE layers (`layer_types` "chunked_attention") attend
+  within blocks of `attention_chunk_size` (8,192) positions: a query at p sees keys
+  `p - p % 8192..p` (runner/models/attention_window.py gives them a negative window, which
+  every attention kernel reads so, kernels/attention.py); the NoPE layers see everything.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch import nn
 
 from pdserve.kernels.moe import moe_experts
 from pdserve.kernels.workspace import KernelWorkspace
+from pdserve.runner.models.attention_window import sliding_window_of
 from pdserve.runner.models.llama import Attention, LlamaFamilyForCausalLM, family_spec
 from pdserve.runner.models.mlp import MLP
 from pdserve.runner.models.rope import rope_free_layers
@@ -63,22 +64,11 @@ class Llama4Moe(nn.Module):
 
 
 class Llama4ForCausalLM(LlamaFamilyForCausalLM):
-    def __init__(self, cfg: Any, max_positions: int):
-        chunk = getattr(cfg, "attention_chunk_size", None)
-        if chunk and max_positions - 1 > chunk:
-            raise ValueError(
-                f"max_model_len {max_positions - 1} > Llama 4's attention_chunk_size {chunk}: "
-                "its chunked attention is not implemented (below that length it equals causal "
-                f"attention); serve it with max_model_len <= {chunk}"
-            )
-        super().__init__(cfg, max_positions)
-
     def _attention(self, cfg: Any, layer: int) -> nn.Module:
         rope = layer not in rope_free_layers(cfg)
         qk_norm = bool(getattr(cfg, "use_qk_norm", False)) and rope
-        attn = Attention(
-            cfg, dataclasses.replace(family_spec(cfg), qk_norm=qk_norm), self.workspace
-        )
+        spec = dataclasses.replace(family_spec(cfg), qk_norm=qk_norm)
+        attn = Attention(cfg, spec, self.workspace, sliding_window_of(cfg, layer))
         for norm in (attn.q_norm, attn.k_norm):
             if norm is not None:  # weightless: unit weights the checkpoint does not hold,
                 del norm.weight  # set by _after_load (the loader builds on "meta")
