@@ -20,6 +20,9 @@ device's disk and a call's time, and throughput per layer is what compares):
   qwen3_next_80b    Qwen3-Next-80B-A3B: three Gated DeltaNet layers (16 key / 32 value heads
                     of 128) to one gated attention layer (GQA 16/2 x 256, RoPE on a
                     quarter), 512 experts of 512, 10 picks, a gated shared expert of 512
+  llama4_scout      Llama-4-Scout-17B-16E's language model: GQA 40/8 x 128, interleaved RoPE
+                    with q/k norms and 8,192-position chunks on three layers in four, 16
+                    experts of 8192 (one a token, on its input) beside a shared one
 The workloads, prompts (seeded random ids) and forced output lengths are throughput.py's.
 Each row records the runner and execution path (`experts`, graph scope) that ran it.
 `--peer vllm` runs vLLM 0.25 on the same directory in a child process afterwards.
@@ -146,6 +149,23 @@ SHAPES = {
                                    for i in range(n)],
         ),
         8,
+    ),
+    "llama4_scout": (
+        "Llama4TextConfig",
+        dict(
+            vocab_size=202_048, hidden_size=5120, intermediate_size=8192,
+            intermediate_size_mlp=16_384, num_local_experts=16, num_experts_per_tok=1,
+            interleave_moe_layer_step=1, num_attention_heads=40, num_key_value_heads=8,
+            head_dim=128, attention_chunk_size=8192, use_qk_norm=True,
+            attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 16.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                             "original_max_position_embeddings": 8192},
+            # the released 10M positions would give 5 GB cos/sin tables a layer type
+            max_position_embeddings=131_072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            bos_token_id=200_000, eos_token_id=200_008, architectures=["Llama4ForCausalLM"],
+        ),
+        4,
     ),
 }  # fmt: skip
 
