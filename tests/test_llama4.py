@@ -55,6 +55,8 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny_llama4_dir):
     assert model.layers[3].self_attn.q_norm is None
     assert model.layers[3].self_attn.q_position_scale == (0.5, 16, 1)
     assert [layer.self_attn.window for layer in model.layers] == [-32, -32, -32, 0]
+    # the NoPE layer's identity table is one row seen at every position (no second table)
+    assert model.layer_cos_sin(3).stride(0) == 0 and model.layer_cos_sin(3).shape[0] == 129
     assert_logprobs_match_hf(tiny_llama4_dir, [(5 * i + 2) % 1000 + 3 for i in range(40)], 8)
 
 

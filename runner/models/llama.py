@@ -315,14 +315,19 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.register_buffer(
             "cos_sin_cache", torch.empty(max_positions, rotary_dim_of(cfg)), persistent=False
         )
-        # Layers that rotate no position (SmolLM3's, EXAONE 4's global ones) read an
-        # identity table (cos 1, sin 0: the rope kernels return q and k as they came);
-        # layer types with their own RoPE (Gemma 3, OLMo 3) each have a table.
+        # Layers that rotate no position (SmolLM3's, EXAONE 4's global ones, Llama 4's every
+        # fourth) read an identity table (cos 1, sin 0: the rope kernels return q and k as
+        # they came): one row, which `init_rope` expands to every position as a view
+        # (stride 0; the kernels index rows by their stride), so a long max_model_len does
+        # not cost a second table (Llama 4's 10M positions: 5.4 GB). Layer types with
+        # their own RoPE (Gemma 3, OLMo 3) each have a table.
         self.nope_layers = rope_free_layers(cfg)
         self.rope_types = rope_layer_types(cfg)
-        extra = ["identity"] if self.nope_layers else []
-        extra += [t for t in self.rope_types if t is not None]
-        for name in extra:
+        self.register_buffer(
+            "cos_sin_identity_row", torch.empty(1, rotary_dim_of(cfg)), persistent=False
+        )
+        self._cos_sin_identity: torch.Tensor | None = None  # set by init_rope
+        for name in [t for t in self.rope_types if t is not None]:
             table = torch.empty(max_positions, rotary_dim_of(cfg))
             self.register_buffer(f"cos_sin_{name}", table, persistent=False)
 
@@ -369,10 +374,10 @@ class LlamaFamilyForCausalLM(nn.Module):
             self.config, rotary_dim_of(self.config), cache.shape[0], cache.device
         )
         if self.nope_layers:
-            half = cache.shape[1] // 2
-            identity = torch.zeros_like(self.cos_sin_cache)
-            identity[:, :half] = 1.0
-            self.cos_sin_identity = identity
+            row = self.cos_sin_identity_row
+            row.zero_()
+            row[:, : row.shape[1] // 2] = 1.0
+            self._cos_sin_identity = row.expand(cache.shape[0], -1)
         for layer_type in self.rope_types:
             if layer_type is not None:
                 table = build_cos_sin_cache(
@@ -384,7 +389,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         """The cos/sin table layer `layer` rotates with: its layer type's, or the one for
         all layers; the identity for a NoPE layer."""
         if layer in self.nope_layers:
-            return self.cos_sin_identity
+            return self._cos_sin_identity
         if self.rope_types == [None]:
             return self.cos_sin_cache
         return getattr(self, f"cos_sin_{self.config.layer_types[layer]}")
