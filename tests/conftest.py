@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -474,17 +475,24 @@ def qwen3_shaped_dir(tmp_path_factory):
     shutil.rmtree(path, ignore_errors=True)
 
 
+VISION_LANGUAGE = re.compile(r"^qwen(2|2_5|3)_vl$")
+
+
 def hf_reference(model_dir: str) -> Any:
     """transformers' model in float32 on DEVICE, eval mode. A model with an attention logit
     softcap (Gemma 2) gets transformers' eager attention, the only one that applies it:
     5.2x refuses sdpa for Gemma 2, but 5.17 (the GPU image's) runs it by default with the
     softcap dropped. Others keep the default (DeepSeek-V3's eager path fails on the tiny
     test config in both versions)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    softcap = getattr(AutoConfig.from_pretrained(model_dir), "attn_logit_softcapping", None)
+    config = AutoConfig.from_pretrained(model_dir)
+    softcap = getattr(config, "attn_logit_softcapping", None)
     kw = {"attn_implementation": "eager"} if softcap else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw)
+    # multimodal checkpoints without a causal-LM class (Qwen2.5-VL, Qwen3-VL): the
+    # image-text model, fed text only
+    auto = AutoModelForImageTextToText if VISION_LANGUAGE.match(config.model_type) else None
+    model = (auto or AutoModelForCausalLM).from_pretrained(model_dir, dtype=torch.float32, **kw)
     return model.to(DEVICE).eval()
 
 

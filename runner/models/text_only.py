@@ -1,6 +1,8 @@
 """Multimodal checkpoints served as text models: the language model inside Gemma 3
 4B/12B/27B (Gemma3ForConditionalGeneration) runs as Gemma3ForCausalLM, Llama 4 Scout's
-and Maverick's (Llama4ForConditionalGeneration) as Llama4ForCausalLM, the one inside
+and Maverick's (Llama4ForConditionalGeneration) as Llama4ForCausalLM, Qwen2-VL's and
+Qwen2.5-VL's as Qwen2ForCausalLM and Qwen3-VL's as Qwen3ForCausalLM (their multimodal
+RoPE, fed a text token's one position on every axis, is the text model's RoPE), the one inside
 Mistral Small 3.1/3.2 and Ministral 3 (Mistral3ForConditionalGeneration) as
 MistralForCausalLM or Ministral3ForCausalLM, by its text config's model type.
 
@@ -28,6 +30,11 @@ from pdserve.runner.config import architecture_of
 TEXT_ONLY = {
     "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
     "Llama4ForConditionalGeneration": {"llama4_text": "Llama4ForCausalLM"},  # Scout, Maverick
+    # Qwen2-VL, Qwen2.5-VL and Qwen3-VL: their multimodal RoPE gives a text token the same
+    # position on all three axes, which is the plain RoPE of the text model they extend
+    "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": "Qwen2ForCausalLM"},
+    "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
+    "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
     "Mistral3ForConditionalGeneration": {
         "mistral": "MistralForCausalLM",  # Mistral Small 3.1, 3.2
         "ministral3": "Ministral3ForCausalLM",  # Ministral 3
@@ -41,7 +48,8 @@ _RENAMES = (
     ("language_model.lm_head.", "lm_head."),
 )
 _DROPPED = ("vision_tower.", "model.vision_tower.", "vision_model.", "model.vision_model.",
-            "multi_modal_projector.", "model.multi_modal_projector.")  # fmt: skip
+            "visual.", "model.visual.", "multi_modal_projector.",
+            "model.multi_modal_projector.")  # fmt: skip
 _INHERITED = ("eos_token_id", "bos_token_id", "pad_token_id", "dtype", "quantization_config")
 
 
