@@ -14,6 +14,7 @@ from pdserve.runner.models.mamba_hybrid import (
     JambaForCausalLM,
     NemotronHForCausalLM,
 )
+from pdserve.runner.models.minimax_m2 import MiniMaxM2ForCausalLM
 from pdserve.runner.models.post_norm import PostNormForCausalLM
 from pdserve.runner.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -33,6 +34,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaFamilyForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,  # Llama 4's language model (llama4.py)
     "Ministral3ForCausalLM": LlamaFamilyForCausalLM,
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,  # DeepSeek-V3-routed MoE (minimax_m2.py)
     "MinistralForCausalLM": LlamaFamilyForCausalLM,
     "MistralForCausalLM": LlamaFamilyForCausalLM,
     "MixtralForCausalLM": LlamaFamilyForCausalLM,

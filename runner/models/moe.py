@@ -71,7 +71,7 @@ def experts_per_pick(cfg: Any) -> float | None:
     spec = moe_spec(cfg)
     if spec is not None:
         return spec.num_experts / spec.top_k
-    if getattr(cfg, "model_type", "") in ("gpt_oss", "llama4_text"):
+    if getattr(cfg, "model_type", "") in ("gpt_oss", "llama4_text", "minimax_m2"):
         return cfg.num_local_experts / cfg.num_experts_per_tok
     if getattr(cfg, "n_routed_experts", 0):
         return cfg.n_routed_experts / cfg.num_experts_per_tok
