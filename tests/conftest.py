@@ -475,7 +475,7 @@ def qwen3_shaped_dir(tmp_path_factory):
     shutil.rmtree(path, ignore_errors=True)
 
 
-VISION_LANGUAGE = re.compile(r"^qwen(2|2_5|3)_vl$")
+VISION_LANGUAGE = re.compile(r"^qwen(2|2_5|3)_vl(_moe)?$")
 
 
 def hf_reference(model_dir: str) -> Any:

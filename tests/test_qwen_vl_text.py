@@ -1,5 +1,6 @@
-"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints served as text (runner/models/
-text_only.py): their language model runs as Qwen2ForCausalLM / Qwen3ForCausalLM on mrv2
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE checkpoints served as text (runner/models/
+text_only.py): their language model runs as Qwen2ForCausalLM / Qwen3ForCausalLM (Qwen3-MoE's
+layer for the MoE) on mrv2
 and equals transformers' image-text model fed text only.
 
 Why that holds: the multimodal RoPE rotates each frequency band by one of a token's
@@ -14,11 +15,13 @@ is never loaded.
 from __future__ import annotations
 
 import glob
+import shutil
 
 import pytest
 import torch
 from conftest import DEVICE, assert_greedy_matches_hf, assert_logprobs_match_hf
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from pdserve import LLM
 
@@ -57,10 +60,24 @@ def _qwen3_vl():
                          architectures=["Qwen3VLForConditionalGeneration"])  # fmt: skip
 
 
+def _qwen3_vl_moe():
+    from transformers import Qwen3VLMoeConfig
+
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
+            "rope_theta": 1e6}  # fmt: skip
+    moe = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+               decoder_sparse_step=1, mlp_only_layers=[0])  # fmt: skip
+    return Qwen3VLMoeConfig(text_config=TEXT | moe | {"rope_parameters": rope},
+                            vision_config=VISION | {"deepstack_visual_indexes": [0]},
+                            architectures=["Qwen3VLMoeForConditionalGeneration"])  # fmt: skip
+
+
 CONFIGS = {
     "qwen2_vl": (_qwen2_vl, "Qwen2ForCausalLM"),
     "qwen2_5_vl": (_qwen2_5_vl, "Qwen2ForCausalLM"),
     "qwen3_vl": (_qwen3_vl, "Qwen3ForCausalLM"),
+    # a dense layer 0 and a sparse layer 1, its experts saved [E, in, out]
+    "qwen3_vl_moe": (_qwen3_vl_moe, "Qwen3MoeForCausalLM"),
 }
 
 
@@ -98,3 +115,28 @@ def test_the_text_config_keeps_the_bias_and_norms_of_its_family(vl_dir):
         assert attn.qkv_proj.bias is not None and attn.q_norm is None
     else:
         assert attn.qkv_proj.bias is None and attn.q_norm is not None
+    if text_arch == "Qwen2ForCausalLM":
+        return
+
+
+def test_experts_saved_as_released_load_the_same(tmp_path):
+    """Qwen3-VL-MoE's released checkpoints stack the experts [E, in, out] (gate/up
+    [E, H, 2I], down [E, I, H]); transformers 5 saves them [E, out, in], as ours. Either
+    loads to the same experts: turned when the shape says so, as transformers does."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    saved = tmp_path / "saved"
+    AutoModelForImageTextToText.from_config(_qwen3_vl_moe()).save_pretrained(saved)
+    released = tmp_path / "released"
+    shutil.copytree(saved, released)
+    (file,) = released.glob("*.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    assert tensors["model.language_model.layers.1.mlp.experts.gate_up_proj"].shape == (6, 64, 48)
+    save_file(tensors, file, metadata={"format": "pt"})
+    models = [LLM(model=str(p), device=DEVICE, dtype="float32").engine.runner.model
+              for p in (saved, released)]  # fmt: skip
+    for a, b in zip(*(m.layers[1].mlp.parameters() for m in models), strict=True):
+        assert torch.equal(a, b)

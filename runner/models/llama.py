@@ -67,7 +67,7 @@ def family_spec(hf_config: Any) -> FamilySpec:
     if model_type in ("qwen2", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text"):
         qkv_bias = bool(getattr(hf_config, "qkv_bias", True))
         return FamilySpec(qkv_bias=qkv_bias, o_bias=False, qk_norm=False)
-    if model_type in ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_vl_text"):
+    if model_type in ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_vl_text", "qwen3_vl_moe_text"):
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=True)
     if model_type == "gpt_oss":
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=False, sinks=True)

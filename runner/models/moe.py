@@ -6,7 +6,8 @@ Which layers are sparse, how many experts a token takes and whether their weight
 renormalised are config data (`MoeSpec`); attention is the family's own. The experts'
 weights are stacked per layer into gate/up `[E, 2I, H]` and down `[E, H, I]`
 (kernels/moe.py), filled from checkpoints that store them per expert (`experts.N.
-gate_proj`, Mixtral's `experts.N.w1/w3/w2`) or already stacked (`experts.gate_up_proj`).
+gate_proj`, Mixtral's `experts.N.w1/w3/w2`) or already stacked (`experts.gate_up_proj`,
+as ours or, when the shape says so, `[E, in, out]`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def moe_spec(cfg: Any) -> MoeSpec | None:
         return MoeSpec(
             cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, True, 0
         )
+    if model_type == "qwen3_vl_moe_text":  # always renormalised (no norm_topk_prob)
+        return MoeSpec(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, True, 0)
     if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         shared = cfg.shared_expert_intermediate_size if model_type != "qwen3_moe" else 0
         return MoeSpec(
@@ -156,6 +159,10 @@ def load_expert_tensor(
         which = "gate_up" if match.group(2) == "gate_up_proj" else "down"
         name = f"{match.group(1)}.mlp.experts_{which}"
         param = _param(params, name, local)
+        if tensor.shape != param.shape and tensor.transpose(1, 2).shape == param.shape:
+            # saved [E, in, out] (Qwen3-VL-MoE's released checkpoints): turned, as
+            # transformers turns them, only when the shape says so
+            tensor = tensor.transpose(1, 2)
         param.data.copy_(tensor)
         loaded.update(expert_keys(name, param) or ())
         return True

@@ -1,7 +1,8 @@
 """Multimodal checkpoints served as text models: the language model inside Gemma 3
 4B/12B/27B (Gemma3ForConditionalGeneration) runs as Gemma3ForCausalLM, Llama 4 Scout's
 and Maverick's (Llama4ForConditionalGeneration) as Llama4ForCausalLM, Qwen2-VL's and
-Qwen2.5-VL's as Qwen2ForCausalLM and Qwen3-VL's as Qwen3ForCausalLM (their multimodal
+Qwen2.5-VL's as Qwen2ForCausalLM, Qwen3-VL's as Qwen3ForCausalLM and Qwen3-VL-MoE's as
+Qwen3MoeForCausalLM (their multimodal
 RoPE, fed a text token's one position on every axis, is the text model's RoPE), the one inside
 Mistral Small 3.1/3.2 and Ministral 3 (Mistral3ForConditionalGeneration) as
 MistralForCausalLM or Ministral3ForCausalLM, by its text config's model type.
@@ -35,6 +36,7 @@ TEXT_ONLY = {
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": "Qwen2ForCausalLM"},
     "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
     "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
+    "Qwen3VLMoeForConditionalGeneration": {"qwen3_vl_moe_text": "Qwen3MoeForCausalLM"},
     "Mistral3ForConditionalGeneration": {
         "mistral": "MistralForCausalLM",  # Mistral Small 3.1, 3.2
         "ministral3": "Ministral3ForCausalLM",  # Ministral 3
