@@ -44,13 +44,19 @@ def test_the_kernel_updates_states_as_the_spec_does(case, cache_dtype):
     state, the decay on the wrong axis, a unit's tile at the wrong offset (the untouched
     units must stay bitwise as they were), and masked tails of P and N."""
     cache, args = _inputs(*case, cache_dtype, seed=sum(case))
+    assert_kernel_matches_spec(ssm_decode_ref, ssm_decode_triton, cache, args)
+
+
+def assert_kernel_matches_spec(spec, kernel, cache: torch.Tensor, args: tuple) -> None:
+    """`kernel(cache, *args)` against `spec` on a copy of the same cache (`args[0]` the
+    rows' units): outputs to 1e-5, the units it does not own bitwise as they were, its
+    own within `assert_states_close`."""
     want_cache, got_cache = cache.clone(), cache.clone()
-    want = ssm_decode_ref(want_cache, *args)
-    got = ssm_decode_triton(got_cache, *args)
+    want = spec(want_cache, *args)
+    got = kernel(got_cache, *args)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    units = args[0]
     untouched = torch.ones(cache.shape[0], dtype=torch.bool, device=cache.device)
-    untouched[units] = False
+    untouched[args[0]] = False
     assert torch.equal(got_cache[untouched], cache[untouched])
     assert_states_close(got_cache, want_cache)
 
