@@ -30,6 +30,40 @@ def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]
                 yield name, f.get_tensor(name)
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's parameters and buffers take (on "meta" too), with the parameters
+    a family keeps in float32 counted so."""
+    keep = getattr(model, "keep_fp32", ())
+    total = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        size = 4 if keep and name.endswith(keep) else t.element_size()
+        total += t.numel() * size
+    return total
+
+
+def check_weights_fit(
+    model: torch.nn.Module,
+    device: torch.device,
+    quantized: str | None,
+    memory: tuple[int, int] | None = None,  # (free, total) bytes; default: the device's
+) -> None:
+    """Refuses, before a byte is allocated, weights larger than the GPU's free memory: a
+    worker runs on one GPU (no tensor parallelism), so a model that does not fit would
+    otherwise fail mid-load with an allocator error."""
+    if device.type != "cuda":
+        return
+    need = weight_bytes(model)
+    free, total = memory or torch.cuda.mem_get_info(device)
+    if need <= free:
+        return
+    stored = f" (its {quantized} weights are dequantized at load)" if quantized else ""
+    raise ValueError(
+        f"the model's weights take {need / 2**30:.1f} GiB{stored}, more than the "
+        f"{free / 2**30:.1f} GiB free of this GPU's {total / 2**30:.1f} GiB: a pdserve worker "
+        "runs a model on one GPU, so serve it on a GPU with more memory or a smaller model"
+    )
+
+
 def load_model(
     model_config: ModelConfig, device: torch.device, fold: bool = True
 ) -> torch.nn.Module:
@@ -43,7 +77,9 @@ def load_model(
         model = cls(cfg, max_positions)
         if model_config.classifier is not None:  # its score head (runner/classify.py)
             model.attach_classifier(model_config.classifier)
-    model = model.to(dtype=model_config.dtype).to_empty(device=device)
+    model = model.to(dtype=model_config.dtype)
+    check_weights_fit(model, device, quantized_source(cfg))
+    model = model.to_empty(device=device)
     # Parameters the family keeps in float32 whatever the dtype (DeepSeek's and GLM-4's
     # router and its correction bias, as transformers keeps them): expert choice compares
     # scores whose bf16 rounding would change which experts win.
