@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pdserve.runner.models.cohere import CohereForCausalLM
 from pdserve.runner.models.deepseek import DeepseekForCausalLM
 from pdserve.runner.models.gemma import GemmaForCausalLM
 from pdserve.runner.models.glm4_moe import Glm4MoeForCausalLM
@@ -20,6 +21,8 @@ from pdserve.runner.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "BambaForCausalLM": BambaForCausalLM,  # Mamba2 + attention hybrid (runner/hybrid.py)
+    "Cohere2ForCausalLM": CohereForCausalLM,  # parallel blocks, LayerNorms (cohere.py)
+    "CohereForCausalLM": CohereForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Ernie4_5ForCausalLM": LlamaFamilyForCausalLM,

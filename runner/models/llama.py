@@ -78,6 +78,8 @@ def family_spec(hf_config: Any) -> FamilySpec:
         return FamilySpec(qkv_bias=bias, o_bias=out_bias, qk_norm=False)
     if model_type == "llama4_text":  # per layer: runner/models/llama4.py
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=False, rope_interleaved=True)
+    if model_type in ("cohere", "cohere2"):  # runner/models/cohere.py
+        return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=False, rope_interleaved=True)
     if model_type == "ernie4_5":
         use_bias = bool(getattr(hf_config, "use_bias", False))
         return FamilySpec(qkv_bias=use_bias, o_bias=use_bias, qk_norm=False, rope_interleaved=True)
@@ -288,7 +290,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             self._decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = self._final_norm(cfg)
         # Set by runner/models/norm_fold.fold_norms: decode batches of up to this many
         # tokens take the folded chain.
         self.norms_folded = False
@@ -338,6 +340,9 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def _decoder_layer(self, cfg: Any, layer: int) -> nn.Module:
         return DecoderLayer(cfg, self._attention(cfg, layer), self._feed_forward(cfg, layer))
+
+    def _final_norm(self, cfg: Any) -> nn.Module:
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def _attention(self, cfg: Any, layer: int) -> nn.Module:
         return Attention(cfg, family_spec(cfg), self.workspace, sliding_window_of(cfg, layer))

@@ -61,7 +61,8 @@ def rope_layer_types(hf_config: Any) -> list[str | None]:
 
 def rope_free_layers(hf_config: Any) -> frozenset[int]:
     """Layers that rotate no position (NoPE): SmolLM3's `no_rope_layers[i] == 0`, EXAONE
-    4's full-attention layers when it has sliding ones (its "global NoPE"), and every
+    4's and Cohere 2's full-attention layers when they have sliding ones (their "global
+    NoPE"), and every
     layer of NemotronH and Jamba, and of Granite 4.0-H without `position_embedding_type:
     rope`."""
     model_type = getattr(hf_config, "model_type", "")
@@ -73,7 +74,7 @@ def rope_free_layers(hf_config: Any) -> frozenset[int]:
     flags = getattr(hf_config, "no_rope_layers", None)
     if flags:
         return frozenset(i for i, rope in enumerate(flags) if not rope)
-    if getattr(hf_config, "model_type", "") == "exaone4" and hf_config.sliding_window:
+    if getattr(hf_config, "model_type", "") in ("exaone4", "cohere2") and hf_config.sliding_window:
         types = hf_config.layer_types
         return frozenset(i for i, t in enumerate(types) if t == "full_attention")
     return frozenset()

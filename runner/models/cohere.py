@@ -1,0 +1,75 @@
+"""Cohere's Command R (`CohereForCausalLM`) and Command R7B / Command A
+(`Cohere2ForCausalLM`) on the paged KV cache, as members of the Llama family.
+
+What differs from Llama, and where it is handled:
+- A parallel block: one norm, and attention and MLP both read it, their outputs joining
+  the stream together (`ParallelDecoderLayer`). transformers adds attention first, then
+  the MLP; so does the stream here.
+- LayerNorm without a bias (`CohereLayerNorm`: the mean taken away, float32, rounded once),
+  in torch, not RMSNorm: no norm kernel, no folding (`norms_foldable`).
+- RoPE on interleaved pairs (q/k rows reordered at load, llama.FamilySpec).
+- Cohere 2's layers are three sliding-window ones (with RoPE) to one full-attention one
+  with no RoPE (runner/models/rope.py `rope_free_layers`, attention_window.py).
+- Logits times `logit_scale`.
+
+Command R's per-head q/k LayerNorms (`use_qk_norm`, Command R+) are not implemented:
+runner/runner_select.py names them, and such a config runs on the reference runner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdserve.runner.models.llama import LlamaFamilyForCausalLM
+
+
+class CohereLayerNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h - h.mean(-1, keepdim=True)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+class ParallelDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, attention: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        self.input_layernorm = CohereLayerNorm(cfg.hidden_size, cfg.layer_norm_eps)
+
+    def forward(self, x, residual, positions, cos_sin, kv_cache, attn):
+        """(branch output, residual) in and out, as llama.DecoderLayer (the stream is
+        `x + residual`): out goes the MLP's output beside stream + attention, so the next
+        sum is transformers' (stream + attention) + MLP."""
+        stream = x if residual is None else x + residual
+        h = self.input_layernorm(stream)
+        return self.mlp(h), stream + self.self_attn(h, positions, cos_sin, kv_cache, attn)
+
+
+class CohereForCausalLM(LlamaFamilyForCausalLM):
+    norms_foldable = False  # LayerNorms (runner/models/norm_fold.py folds RMSNorms)
+
+    def __init__(self, cfg: Any, max_positions: int):
+        super().__init__(cfg, max_positions)
+        self.logit_scale = float(cfg.logit_scale)
+
+    def _decoder_layer(self, cfg: Any, layer: int) -> nn.Module:
+        return ParallelDecoderLayer(
+            cfg, self._attention(cfg, layer), self._feed_forward(cfg, layer)
+        )
+
+    def _final_norm(self, cfg: Any) -> nn.Module:
+        return CohereLayerNorm(cfg.hidden_size, cfg.layer_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        logits = super().compute_logits(hidden, float32=False) * self.logit_scale
+        return logits.float() if float32 else logits
