@@ -18,8 +18,8 @@ class PrefixIndex:
     def __init__(
         self, block_size: int, max_blocks_per_worker: int = 1 << 16, enabled: bool = True
     ) -> None:
-        """`enabled=False`: the workers cache no prefixes (`--no-enable-prefix-caching`, or
-        a hybrid Mamba model), so nothing is remembered and no worker has a hit."""
+        """`enabled=False`: the workers cache no prefixes (`--no-enable-prefix-caching`), so
+        nothing is remembered and no worker has a hit."""
         self.block_size = block_size
         self.max_blocks = max_blocks_per_worker
         self.enabled = enabled

@@ -54,9 +54,14 @@ class RouterConfig:
     # busy: a conversation's next turn finds its KV, and a hot prefix cannot pile load
     # on one worker past that band (`prefer_cached`).
     decode_prefix_slack: int = 8
-    # The workers cache prefixes: False (`--no-enable-prefix-caching`, a hybrid Mamba
-    # model) leaves no prefix hit to route by, so every long prompt prefills remotely.
+    # The workers cache prefixes: False (`--no-enable-prefix-caching`) leaves no prefix hit
+    # to route by, so every long prompt prefills remotely.
     prefix_caching: bool = True
+    # A hybrid Mamba model's hits reach only where its recurrent state was saved: the end
+    # of a prompt the worker prefilled itself (runner/state_snapshots.py). So a decode
+    # worker counts a prompt as cached only when it computed it, never a pulled one (its
+    # state came whole, saved nowhere) nor a reply; the prefill workers count theirs.
+    state_snapshots: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("pd", "colocated"):

@@ -270,6 +270,9 @@ class Router:
             # The decode worker holds the prompt's KV once it computes it (no ticket) or
             # pulls it, which it does only for a request its first token did not end.
             on_decode, output = ticket is None, []
+            # remember what the decode worker holds: all of it once it computed or pulled
+            # it, for a hybrid only a prompt it computed (RouterConfig.state_snapshots)
+            remember = not self.config.state_snapshots
             if on_decode:
                 self.prefix_index.remember(decode_w.worker_id, hashes)
             work = replace(work, ticket=ticket_to_wire(ticket) if ticket is not None else None)
@@ -292,11 +295,12 @@ class Router:
                 output += delta.token_ids
                 if not on_decode and (delta.finish_reason is None or len(output) > 1):
                     on_decode = True  # it went on past its first token: the KV is pulled
-                    self.prefix_index.remember(decode_w.worker_id, hashes)
+                    if remember:
+                        self.prefix_index.remember(decode_w.worker_id, hashes)
                 await out.put((index, delta))
                 if delta.finish_reason is not None:
                     finished = True
-                    if on_decode and delta.finish_reason != "error":
+                    if remember and on_decode and delta.finish_reason != "error":
                         # The reply's KV is cached there too (all but its last token's):
                         # a conversation's next turn resends it.
                         seq = list(prompt) + output[:-1]

@@ -123,7 +123,6 @@ def resolve_engine_config(
             f"kv_cache_dtype {kv_cache_dtype!r} needs the mrv2 runner (the {runner_name} "
             "runner keeps transformers' own cache)"
         )
-        enable_prefix_caching = False
     classifier = None
     if is_classifier(hf_config):
         tokenizer = (

@@ -189,6 +189,41 @@ def test_the_router_remembers_a_reply_on_its_decode_worker(pools, stream_endpoin
     asyncio.run(scenario())
 
 
+def test_a_hybrids_router_counts_only_prompts_a_worker_computed(pools, stream_endpoint):
+    """Guards RouterConfig.state_snapshots (a hybrid Mamba model: a worker's hit reaches
+    only where it saved a state, the end of a prompt it prefilled). A remotely prefilled
+    prompt counts on its prefill worker, not on the decode worker that pulled it; a prompt
+    a worker computed counts there, its reply not."""
+    prompt = [(7 * i) % 900 + 3 for i in range(40)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    req = ParsedRequest("completion", "m", prompt, params, True, False, False, None)
+
+    async def run(config: RouterConfig) -> tuple[Router, list]:
+        router = Router(config, [], [])
+        subscriber = TokenSubscriber(stream_endpoint, router.on_delta)
+        subscriber.start()
+        try:
+            sync_members(router, await PoolControl(pools).members())
+            routes, output = [], []
+            async for _, delta in router.generate(req, routes.append):
+                output += delta.token_ids
+            assert len(output) == 20 and len(routes) == 1
+            return router, routes
+        finally:
+            await router.close()
+            await subscriber.close()
+
+    router, routes = asyncio.run(run(RouterConfig(mode="pd", state_snapshots=True)))
+    index, hashes = router.prefix_index, router.prefix_index.hashes(prompt)
+    assert routes[0].decision == "remote_prefill"
+    assert index.hit_tokens(routes[0].decode, hashes) == 0
+    assert index.hit_tokens(routes[0].prefill, hashes) == 32
+    router, routes = asyncio.run(run(RouterConfig(mode="colocated", state_snapshots=True)))
+    index = router.prefix_index
+    reply_too = index.hashes(prompt + [5] * 20)
+    assert index.hit_tokens(routes[0].decode, reply_too) == 32  # the prompt's blocks only
+
+
 def test_a_request_queued_for_a_decode_slot_goes_to_a_worker_added_by_scaling(
     pools, stream_endpoint
 ):
