@@ -5,6 +5,7 @@ from __future__ import annotations
 from pdserve.runner.models.cohere import CohereForCausalLM
 from pdserve.runner.models.deepseek import DeepseekForCausalLM
 from pdserve.runner.models.gemma import GemmaForCausalLM
+from pdserve.runner.models.glm4 import Glm4ForCausalLM
 from pdserve.runner.models.glm4_moe import Glm4MoeForCausalLM
 from pdserve.runner.models.gpt_oss import GptOssForCausalLM
 from pdserve.runner.models.llama import LlamaFamilyForCausalLM
@@ -29,7 +30,9 @@ MODEL_REGISTRY: dict[str, type] = {
     "Exaone4ForCausalLM": PostNormForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,  # GLM-4-0414: sandwich norms (glm4.py)
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "GlmForCausalLM": LlamaFamilyForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": LlamaFamilyForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,  # dense or MoE (runner/hybrid.py)

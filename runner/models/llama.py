@@ -78,6 +78,8 @@ def family_spec(hf_config: Any) -> FamilySpec:
         return FamilySpec(qkv_bias=bias, o_bias=out_bias, qk_norm=False)
     if model_type == "llama4_text":  # per layer: runner/models/llama4.py
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=False, rope_interleaved=True)
+    if model_type in ("glm", "glm4"):  # GLM-4 dense: interleaved RoPE over half of a head
+        return FamilySpec(qkv_bias=bias, o_bias=False, qk_norm=False, rope_interleaved=True)
     if model_type in ("cohere", "cohere2"):  # runner/models/cohere.py
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=False, rope_interleaved=True)
     if model_type == "ernie4_5":
@@ -245,11 +247,13 @@ class Attention(nn.Module):
 
 
 def _interleaved_to_halves(attn: Attention) -> None:
-    """Reorders each q and k head's output rows [0, 2, 4, ..., 1, 3, 5, ...]: the pairs an
-    interleaved RoPE rotates, (2i, 2i+1), become the halves kernels' (i, i + D/2) at the
-    same frequency i. q.k is unchanged (both move alike); v and o are untouched."""
-    d = attn.head_dim
-    within = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+    """Reorders each q and k head's rotated output rows [0, 2, 4, ..., 1, 3, 5, ...]: the
+    pairs an interleaved RoPE rotates, (2i, 2i+1), become the halves kernels' (i, i + R/2)
+    at the same frequency i, over the head's first R = `rotary_dim` rows (GLM-4 rotates
+    half a head); the rest stay. q.k is unchanged (both move alike); v and o are
+    untouched."""
+    d, rot = attn.head_dim, attn.rotary_dim
+    within = torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, d)])
     heads = attn.num_heads + attn.num_kv_heads
     rows = (torch.arange(heads)[:, None] * d + within[None, :]).reshape(-1)
     rows = rows.to(attn.qkv_proj.weight.device)
