@@ -48,9 +48,14 @@ def controller_on_ray(
 
 
 def free_endpoint() -> str:
-    """A TCP endpoint on the loopback nobody listens on now (for a subscriber bound later)."""
+    """A TCP endpoint on the loopback nobody listens on now (for a subscriber bound later).
+    From 20000-32000: below the kernel's ephemeral ports (32768 up), which the Ray
+    processes a test starts between this choice and the bind take at random, and above
+    Ray's worker ports (10002-19999). zmq's default range (49152 up) lies in the ephemeral
+    one, and a CI run once lost the port to Ray that way."""
     probe = zmq.Context.instance().socket(zmq.PULL)
     try:
-        return f"tcp://127.0.0.1:{probe.bind_to_random_port('tcp://127.0.0.1')}"
+        port = probe.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=32000)
+        return f"tcp://127.0.0.1:{port}"
     finally:
         probe.close(linger=0)
