@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pdserve.runner.models.cohere import CohereForCausalLM
 from pdserve.runner.models.deepseek import DeepseekForCausalLM
+from pdserve.runner.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from pdserve.runner.models.gemma import GemmaForCausalLM
 from pdserve.runner.models.glm4 import Glm4ForCausalLM
 from pdserve.runner.models.glm4_moe import Glm4MoeForCausalLM
@@ -27,6 +28,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Ernie4_5ForCausalLM": LlamaFamilyForCausalLM,
+    "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,  # softmax + bias routing
     "Exaone4ForCausalLM": PostNormForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,

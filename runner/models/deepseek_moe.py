@@ -41,6 +41,13 @@ class DeepseekRouting:
     topk_groups: int
     renormalize: bool
     routed_scaling: float
+    # an `e_score_correction_bias` added to the scores to choose (not to weigh): V3's, and
+    # ERNIE 4.5's on softmax scores (runner/models/ernie4_5_moe.py); default: sigmoid's
+    correction_bias: bool | None = None
+
+    @property
+    def biased(self) -> bool:
+        return self.sigmoid if self.correction_bias is None else self.correction_bias
 
     def __post_init__(self) -> None:
         if self.topk_method not in TOPK_METHODS:
@@ -86,7 +93,7 @@ class Router(nn.Module):
         super().__init__()
         self.routing = routing
         self.weight = nn.Parameter(torch.empty(routing.num_experts, hidden))
-        bias = torch.empty(routing.num_experts) if routing.sigmoid else None
+        bias = torch.empty(routing.num_experts) if routing.biased else None
         self.e_score_correction_bias = None if bias is None else nn.Parameter(bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

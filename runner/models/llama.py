@@ -82,7 +82,7 @@ def family_spec(hf_config: Any) -> FamilySpec:
         return FamilySpec(qkv_bias=bias, o_bias=False, qk_norm=False, rope_interleaved=True)
     if model_type in ("cohere", "cohere2"):  # runner/models/cohere.py
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=False, rope_interleaved=True)
-    if model_type == "ernie4_5":
+    if model_type in ("ernie4_5", "ernie4_5_moe"):
         use_bias = bool(getattr(hf_config, "use_bias", False))
         return FamilySpec(qkv_bias=use_bias, o_bias=use_bias, qk_norm=False, rope_interleaved=True)
     if model_type in ("olmo2", "olmo3", "minimax_m2"):

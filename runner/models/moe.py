@@ -76,6 +76,8 @@ def experts_per_pick(cfg: Any) -> float | None:
         return spec.num_experts / spec.top_k
     if getattr(cfg, "model_type", "") in ("gpt_oss", "llama4_text", "minimax_m2"):
         return cfg.num_local_experts / cfg.num_experts_per_tok
+    if getattr(cfg, "model_type", "") == "ernie4_5_moe":
+        return cfg.num_experts / cfg.num_experts_per_tok
     if getattr(cfg, "n_routed_experts", 0):
         return cfg.n_routed_experts / cfg.num_experts_per_tok
     return None
