@@ -47,6 +47,8 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
         act = getattr(hf_config, "mamba_hidden_act", "silu")
     if mamba_layers(hf_config) and act != "silu":  # the Mamba2 mixer's activation too
         problems.append(f"hidden_act {act!r} in Mamba layers (mrv2 implements silu)")
+    if getattr(hf_config, "clip_qkv", None) is not None:  # OLMoE's option
+        problems.append(f"clip_qkv={hf_config.clip_qkv} (q/k/v clamped after projection)")
     if getattr(hf_config, "model_type", "") == "cohere" and getattr(
         hf_config, "use_qk_norm", False
     ):

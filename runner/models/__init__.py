@@ -48,6 +48,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "MixtralForCausalLM": LlamaFamilyForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,  # dense or MoE (runner/hybrid.py)
     "Olmo2ForCausalLM": PostNormForCausalLM,
+    "OlmoeForCausalLM": LlamaFamilyForCausalLM,  # OLMoE: q/k norms over all heads, MoE
     "Olmo3ForCausalLM": PostNormForCausalLM,
     "Phi3ForCausalLM": LlamaFamilyForCausalLM,
     "Qwen2ForCausalLM": LlamaFamilyForCausalLM,

@@ -85,7 +85,7 @@ def family_spec(hf_config: Any) -> FamilySpec:
     if model_type in ("ernie4_5", "ernie4_5_moe"):
         use_bias = bool(getattr(hf_config, "use_bias", False))
         return FamilySpec(qkv_bias=use_bias, o_bias=use_bias, qk_norm=False, rope_interleaved=True)
-    if model_type in ("olmo2", "olmo3", "minimax_m2"):
+    if model_type in ("olmo2", "olmo3", "olmoe", "minimax_m2"):
         return FamilySpec(qkv_bias=bias, o_bias=bias, qk_norm=True, qk_norm_whole=True)
     if model_type == "glm4_moe":
         qk_norm = bool(getattr(hf_config, "use_qk_norm", False))

@@ -57,6 +57,11 @@ def moe_spec(cfg: Any) -> MoeSpec | None:
         return MoeSpec(
             cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, True, 0
         )
+    if model_type == "olmoe":  # OLMoE: softmax top-k, renormalised per norm_topk_prob
+        return MoeSpec(
+            cfg.num_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
+            bool(cfg.norm_topk_prob), 0,
+        )  # fmt: skip
     if model_type == "qwen3_vl_moe_text":  # always renormalised (no norm_topk_prob)
         return MoeSpec(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, True, 0)
     if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
