@@ -9,6 +9,7 @@ from pdserve.runner.models.gemma import GemmaForCausalLM
 from pdserve.runner.models.glm4 import Glm4ForCausalLM
 from pdserve.runner.models.glm4_moe import Glm4MoeForCausalLM
 from pdserve.runner.models.gpt_oss import GptOssForCausalLM
+from pdserve.runner.models.granite_moe import GraniteMoeForCausalLM
 from pdserve.runner.models.llama import LlamaFamilyForCausalLM
 from pdserve.runner.models.llama4 import Llama4ForCausalLM
 from pdserve.runner.models.mamba_hybrid import (
@@ -37,6 +38,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "GlmForCausalLM": LlamaFamilyForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": LlamaFamilyForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,  # Granite 3.x MoE (granite_moe.py)
     "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,  # dense or MoE (runner/hybrid.py)
     "JambaForCausalLM": JambaForCausalLM,  # Mamba1 + attention hybrid (runner/hybrid.py)
     "LlamaForCausalLM": LlamaFamilyForCausalLM,

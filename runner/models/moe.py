@@ -57,6 +57,10 @@ def moe_spec(cfg: Any) -> MoeSpec | None:
         return MoeSpec(
             cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, True, 0
         )
+    if model_type == "granitemoe":  # Granite 3.x MoE: softmax over the k largest logits
+        return MoeSpec(
+            cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, True, 0
+        )
     if model_type == "olmoe":  # OLMoE: softmax top-k, renormalised per norm_topk_prob
         return MoeSpec(
             cfg.num_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
