@@ -7,7 +7,7 @@
 #  `pdserve serve`; fastapi 0.165 imports opentelemetry).
 #   BENCH=throughput|transfer|both|moe|none (default both)   BENCH_ARGS=...   TESTS=0 to skip tests
 #   (moe: benchmarks/moe_bench.py, the MoE experts' kernels, with MOE_ARGS=...)
-#   TESTS=1 / TESTS=2 / TESTS=3 runs the first / second / third group of the GPU test files
+#   TESTS=1 / 2 / 3 / 4 runs the first / second / third / fourth group of the GPU test files
 #   (the whole set takes more test time than a call can give it after the set-up and a
 #   benchmark: the groups fit a call each, each with its own summary line); TEST_FILES="a b"
 #   runs just those files
@@ -63,7 +63,10 @@ THIRD=(tests/test_sliding_window_attention.py tests/test_sliding_window_models.p
     tests/test_embeddings.py tests/test_classify.py tests/test_mamba_hybrid.py
     tests/test_mamba_pd.py tests/test_lora_hybrid.py tests/test_fp8_kv_cache.py
     tests/test_gpu_hybrid_graphs.py tests/test_ssm_update.py tests/test_delta_rule_update.py
-    tests/test_qwen3_next.py tests/test_hybrid_prefix_caching.py tests/test_selective_scan.py
+    tests/test_qwen3_next.py tests/test_hybrid_prefix_caching.py)
+# The 2026-12-05 thirty-fifth session's kernels and families (no device was lent then):
+# the Mamba1 scan, chunked attention in every attention kernel, and the new models.
+FOURTH=(tests/test_selective_scan.py tests/test_sliding_window_attention.py
     tests/test_llama4.py tests/test_qwen_vl_text.py tests/test_minimax_m2.py
     tests/test_cohere.py tests/test_weights_fit.py tests/test_glm4.py
     tests/test_ernie4_5_moe.py tests/test_olmoe.py tests/test_granite_moe.py)
@@ -71,7 +74,8 @@ case "${TESTS:-all}" in
   1) FILES=("${FIRST[@]}") ;;
   2) FILES=("${SECOND[@]}") ;;
   3) FILES=("${THIRD[@]}") ;;
-  *) FILES=("${FIRST[@]}" "${SECOND[@]}" "${THIRD[@]}") ;;
+  4) FILES=("${FOURTH[@]}") ;;
+  *) FILES=("${FIRST[@]}" "${SECOND[@]}" "${THIRD[@]}" "${FOURTH[@]}") ;;
 esac
 [ -n "${TEST_FILES:-}" ] && read -r -a FILES <<< "$TEST_FILES"
 # From /tmp: Ray's workers (the tier actor tests) put the driver's working directory on
