@@ -65,8 +65,9 @@ THIRD=(tests/test_sliding_window_attention.py tests/test_sliding_window_models.p
     tests/test_gpu_hybrid_graphs.py tests/test_ssm_update.py tests/test_delta_rule_update.py
     tests/test_qwen3_next.py tests/test_hybrid_prefix_caching.py)
 # The 2026-12-05 thirty-fifth session's kernels and families (no device was lent then):
-# the Mamba1 scan, chunked attention in every attention kernel, and the new models.
-FOURTH=(tests/test_selective_scan.py tests/test_sliding_window_attention.py
+# the Mamba1 scan and the new models (chunked attention's kernel cases are in THIRD's
+# test_sliding_window_attention.py).
+FOURTH=(tests/test_selective_scan.py
     tests/test_llama4.py tests/test_qwen_vl_text.py tests/test_minimax_m2.py
     tests/test_cohere.py tests/test_weights_fit.py tests/test_glm4.py
     tests/test_ernie4_5_moe.py tests/test_olmoe.py tests/test_granite_moe.py)
