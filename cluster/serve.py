@@ -125,7 +125,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, runner=cfg.runner,
         hf_overrides=cfg.hf_overrides, kv_cache_dtype=cfg.kv_cache_dtype,
         mamba_cache_dtype=cfg.mamba_cache_dtype,
-        mamba_ssm_cache_dtype=cfg.mamba_ssm_cache_dtype,
+        mamba_ssm_cache_dtype=cfg.mamba_ssm_cache_dtype, quantization=cfg.quantization,
     )  # fmt: skip
     tier_bytes = cfg.tier_bytes
     hybrid = is_hybrid(ecfg.model.hf_config)

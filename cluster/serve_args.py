@@ -133,6 +133,9 @@ class ServeConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     kv_cache_dtype: str = "auto"  # the model's dtype, or FP8 (fp8 = fp8_e4m3, fp8_e5m2)
+    # vLLM's: the checkpoint's own quantization method (fp8, mxfp4) or None; any other is
+    # refused at start (runner/models/fp8_weights.py check_quantization)
+    quantization: str | None = None
     # vLLM's: a hybrid Mamba model's state dtypes (runner/config.py CacheConfig)
     mamba_cache_dtype: str = "auto"
     mamba_ssm_cache_dtype: str = "float32"

@@ -59,6 +59,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="1 only: a worker runs on one GPU")  # fmt: skip
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None,
                    help="1 only: a worker runs on one GPU")  # fmt: skip
+    p.add_argument("-q", "--quantization", default=None, metavar="METHOD",
+                   help="the checkpoint's own method (fp8, mxfp4) or none: read from its "
+                   "config either way; any other is refused (nothing is quantized at load)")  # fmt: skip
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
                    help="the paged KV cache's: auto (the model's dtype) or FP8, half the "
                    "bytes a token (fp8 = fp8_e4m3; scales from the checkpoint, else 1.0)")  # fmt: skip

@@ -22,6 +22,7 @@ from pdserve.runner.config import (
 )
 from pdserve.runner.hf_overrides import apply_hf_overrides, parse_hf_overrides
 from pdserve.runner.model_source import resolve_model_dir
+from pdserve.runner.models.fp8_weights import check_quantization
 from pdserve.runner.models.text_only import text_view
 from pdserve.runner.runner_select import select_runner
 from pdserve.runner.tokenizer import load_tokenizer
@@ -89,6 +90,7 @@ def resolve_engine_config(
     max_lora_rank: int = 16,
     hf_overrides: dict | str | None = None,
     kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
     mamba_cache_dtype: str = "auto",
     mamba_ssm_cache_dtype: str = "float32",
 ) -> EngineConfig:
@@ -117,6 +119,7 @@ def resolve_engine_config(
             f"max_model_len ({max_model_len}) must be <= the model's "
             f"max_position_embeddings ({limit})"
         )
+    check_quantization(quantization, hf_config)  # vLLM's argument: the checkpoint's or none
     runner_name = select_runner(runner, hf_config)
     if kv_cache_dtype != "auto" and runner_name != "mrv2":
         raise ValueError(

@@ -51,6 +51,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
         "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 99}',
         "--max-model-len", "2048", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "32",
         "--scheduling-policy", "priority", "--no-enable-chunked-prefill", "--no-async-scheduling",
+        "-q", "fp8",
     )  # fmt: skip
     assert cfg.model == "Qwen/Qwen3-0.6B"
     assert served_names(cfg) == ("qwen", "qwen3")
@@ -60,6 +61,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
     assert (cfg.max_model_len, cfg.gpu_memory_utilization, cfg.max_num_seqs) == (2048, 0.8, 32)
     assert cfg.scheduling_policy == "priority"
     assert (cfg.enable_chunked_prefill, cfg.async_scheduling) == (False, False)
+    assert cfg.quantization == "fp8"  # checked against the checkpoint at start
 
 
 def test_defaults_and_names_as_vllm_picks_them():

@@ -70,6 +70,28 @@ def quantized_source(hf_config: Any) -> str | None:
     return "mxfp4" if method == "mxfp4" else "fp8"
 
 
+def check_quantization(requested: str | None, hf_config: Any) -> None:
+    """vLLM's `quantization` argument against the checkpoint: None (or the checkpoint's own
+    method, "fp8" or "mxfp4") is what runs; anything else is refused by name, since
+    weights are never quantized at load here (vLLM's `--quantization fp8` on a 16-bit
+    checkpoint) and other methods are not read."""
+    if requested is None:
+        return
+    have = quantized_source(hf_config)
+    if requested == have:
+        return
+    if have is None and requested == "fp8":
+        raise ValueError(
+            "quantization='fp8' on a 16-bit checkpoint would quantize its weights at load, "
+            "which pdserve does not do; serve an FP8 checkpoint (read as it is) instead"
+        )
+    raise ValueError(
+        f"quantization={requested!r}: the checkpoint is "
+        f"{have + ' (read as such without the argument)' if have else '16-bit'}, and pdserve "
+        "reads FP8 and MXFP4 (gpt-oss) checkpoints only"
+    )
+
+
 def _float8_weights_only(quant: dict) -> bool:
     groups = quant.get("config_groups") or {}
     weights = [g.get("weights") or {} for g in groups.values()]
