@@ -126,6 +126,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         hf_overrides=cfg.hf_overrides, kv_cache_dtype=cfg.kv_cache_dtype,
         mamba_cache_dtype=cfg.mamba_cache_dtype,
         mamba_ssm_cache_dtype=cfg.mamba_ssm_cache_dtype, quantization=cfg.quantization,
+        trust_remote_code=cfg.trust_remote_code, revision=cfg.revision,
+        download_dir=cfg.download_dir,
     )  # fmt: skip
     tier_bytes = cfg.tier_bytes
     hybrid = is_hybrid(ecfg.model.hf_config)
@@ -143,7 +145,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             f"--mode pd moves paged KV blocks, which the {ecfg.runner.runner} runner does not "
             "have; use --mode colocated with it"
         )
-    tokenizer = load_tokenizer(ecfg.model.path)
+    tokenizer = load_tokenizer(ecfg.model.path, cfg.trust_remote_code)
     if tokenizer is None:
         raise ValueError(f"{ecfg.model.path} has no tokenizer; the HTTP API needs one")
     model_names = served_names(cfg)
@@ -180,6 +182,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         hf_overrides=cfg.hf_overrides, kv_cache_dtype=cfg.kv_cache_dtype,
         mamba_cache_dtype=cfg.mamba_cache_dtype,
         mamba_ssm_cache_dtype=cfg.mamba_ssm_cache_dtype,
+        trust_remote_code=cfg.trust_remote_code,
     )  # fmt: skip
     # The step budget's rules (e.g. no chunking needs a budget of max_model_len), refused
     # here rather than in every worker's start.

@@ -133,6 +133,11 @@ class ServeConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     kv_cache_dtype: str = "auto"  # the model's dtype, or FP8 (fp8 = fp8_e4m3, fp8_e5m2)
+    # vLLM's: a checkpoint's own Python (config, tokenizer) may run; a hub model's revision
+    # and download folder
+    trust_remote_code: bool = False
+    revision: str | None = None
+    download_dir: str | None = None
     # vLLM's: the checkpoint's own quantization method (fp8, mxfp4) or None; any other is
     # refused at start (runner/models/fp8_weights.py check_quantization)
     quantization: str | None = None

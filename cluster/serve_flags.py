@@ -59,6 +59,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="1 only: a worker runs on one GPU")  # fmt: skip
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None,
                    help="1 only: a worker runs on one GPU")  # fmt: skip
+    p.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="let the checkpoint's own Python (its config or tokenizer class) run, "
+                   "as transformers does with it; pdserve's models are its own")  # fmt: skip
+    p.add_argument("--revision", default=None,
+                   help="a hub model's branch, tag or commit to fetch (default: main)")  # fmt: skip
+    p.add_argument("--download-dir", default=None,
+                   help="where a hub model is fetched to (default: the hub's cache)")  # fmt: skip
     p.add_argument("-q", "--quantization", default=None, metavar="METHOD",
                    help="the checkpoint's own method (fp8, mxfp4) or none: read from its "
                    "config either way; any other is refused (nothing is quantized at load)")  # fmt: skip

@@ -50,6 +50,9 @@ class ModelConfig:
     # A sequence classifier's head (runner/classify.py); None for a generating or
     # embedding model.
     classifier: ClassifierSpec | None = None
+    # vLLM's: the checkpoint's own Python (its config, tokenizer or, on the reference
+    # runner, model class) may run; the mrv2 runner's models are always this package's
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         _require(

@@ -8,6 +8,8 @@ downstream sees an "auto".
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,6 +65,22 @@ def resolve_dtype(dtype: str | torch.dtype, device: str, hf_config) -> torch.dty
     return cfg if cfg in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def _read_config(path: Path, trust_remote_code: bool) -> Any:
+    """The checkpoint's transformers config; a config class the checkpoint ships needs
+    `trust_remote_code` (vLLM's `--trust-remote-code`), and the refusal says so."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if not trust_remote_code and "trust_remote_code" in str(exc):
+            raise ValueError(
+                f"{path}'s config is a class the checkpoint ships (its own Python): pass "
+                "trust_remote_code=True (--trust-remote-code) to let it run"
+            ) from exc
+        raise
+
+
 def resolve_engine_config(
     model: str | None = None,
     dtype: str | torch.dtype = "auto",
@@ -91,19 +109,20 @@ def resolve_engine_config(
     hf_overrides: dict | str | None = None,
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    download_dir: str | None = None,
     mamba_cache_dtype: str = "auto",
     mamba_ssm_cache_dtype: str = "float32",
 ) -> EngineConfig:
-    from transformers import AutoConfig
-
     if num_gpu_blocks is not None and num_gpu_blocks_override is not None:
         raise ValueError("give num_gpu_blocks or num_gpu_blocks_override, not both")
     if num_gpu_blocks is None:
         num_gpu_blocks = num_gpu_blocks_override
 
-    path, name = resolve_model_dir(model)
+    path, name = resolve_model_dir(model, revision, download_dir)
     checkpoint_config = apply_hf_overrides(
-        AutoConfig.from_pretrained(path), parse_hf_overrides(hf_overrides)
+        _read_config(path, trust_remote_code), parse_hf_overrides(hf_overrides)
     )
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev, checkpoint_config)
@@ -129,7 +148,9 @@ def resolve_engine_config(
     classifier = None
     if is_classifier(hf_config):
         tokenizer = (
-            load_tokenizer(path) if getattr(hf_config, "classifier_from_token", None) else None
+            load_tokenizer(path, trust_remote_code)
+            if getattr(hf_config, "classifier_from_token", None)
+            else None
         )
         classifier = classifier_spec(hf_config, tokenizer)
     on_cuda = dev.startswith("cuda")
@@ -149,6 +170,7 @@ def resolve_engine_config(
             source=name if model is None else str(model),
             text_only_of=text_only_of,
             classifier=classifier,
+            trust_remote_code=trust_remote_code,
         ),
         cache=CacheConfig(
             block_size=block_size,

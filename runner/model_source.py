@@ -46,8 +46,14 @@ def bundled_gguf_path() -> Path:
     return path
 
 
-def resolve_model_dir(model: str | os.PathLike | None) -> tuple[Path, str]:
-    """Return (local directory with config.json + safetensors, a display name)."""
+def resolve_model_dir(
+    model: str | os.PathLike | None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+) -> tuple[Path, str]:
+    """Return (local directory with config.json + safetensors, a display name). A hub id
+    is fetched at `revision` (vLLM's: a branch, tag or commit) into `download_dir` (the
+    hub's cache by default); both mean nothing for a local model."""
     if model is None:
         return convert_gguf(bundled_gguf_path()), BUNDLED_NAME
     text = os.fspath(model)
@@ -71,21 +77,32 @@ def resolve_model_dir(model: str | os.PathLike | None) -> tuple[Path, str]:
         )
     looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
     if looks_like_hub_id:
-        return _download_hub(text), text.split("/")[-1]
+        return _download_hub(text, revision, download_dir), text.split("/")[-1]
     raise ValueError(
         f"unknown model {text!r}: not a directory, not a .gguf file and not a "
         "hub id of the form 'org/name'"
     )
 
 
-def _download_hub(repo_id: str) -> Path:
+def _download_hub(repo_id: str, revision: str | None, download_dir: str | None) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
         return Path(
             snapshot_download(
                 repo_id,
-                allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"],
+                revision=revision,
+                cache_dir=download_dir,
+                # *.py: a checkpoint's own config/tokenizer code, run only with
+                # trust_remote_code (runner/config_resolve.py)
+                allow_patterns=[
+                    "*.json",
+                    "*.safetensors",
+                    "tokenizer*",
+                    "*.model",
+                    "*.txt",
+                    "*.py",
+                ],
             )
         )
     except Exception as exc:  # offline, missing repo, auth: all mean "cannot use this id"

@@ -44,7 +44,11 @@ class ReferenceRunner:
         self.config = config
         self.device = config.runner.torch_device
         self.model = (
-            AutoModelForCausalLM.from_pretrained(config.model.path, dtype=config.model.dtype)
+            AutoModelForCausalLM.from_pretrained(
+                config.model.path,
+                dtype=config.model.dtype,
+                trust_remote_code=config.model.trust_remote_code,
+            )  # fmt: skip
             .to(self.device)
             .eval()
         )

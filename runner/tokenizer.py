@@ -12,15 +12,16 @@ logger = logging.getLogger(__name__)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(model_dir: str | Path) -> Any | None:
-    """The directory's tokenizer, or None when it ships none (random-weight test models)."""
+def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False) -> Any | None:
+    """The directory's tokenizer, or None when it ships none (random-weight test models).
+    `trust_remote_code`: a tokenizer class the checkpoint ships may run (vLLM's flag)."""
     path = Path(model_dir)
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         logger.info("no tokenizer in %s: outputs carry token ids only", path)
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def eos_token_ids(model_dir: str | Path, hf_config: Any, tokenizer: Any | None) -> tuple[int, ...]:

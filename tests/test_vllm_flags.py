@@ -51,7 +51,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
         "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 99}',
         "--max-model-len", "2048", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "32",
         "--scheduling-policy", "priority", "--no-enable-chunked-prefill", "--no-async-scheduling",
-        "-q", "fp8",
+        "-q", "fp8", "--trust-remote-code", "--revision", "v1.0", "--download-dir", "/data/hf",
     )  # fmt: skip
     assert cfg.model == "Qwen/Qwen3-0.6B"
     assert served_names(cfg) == ("qwen", "qwen3")
@@ -62,6 +62,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
     assert cfg.scheduling_policy == "priority"
     assert (cfg.enable_chunked_prefill, cfg.async_scheduling) == (False, False)
     assert cfg.quantization == "fp8"  # checked against the checkpoint at start
+    assert (cfg.trust_remote_code, cfg.revision, cfg.download_dir) == (True, "v1.0", "/data/hf")
 
 
 def test_defaults_and_names_as_vllm_picks_them():
