@@ -174,6 +174,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         max_model_len=ecfg.model.max_model_len, block_size=cfg.block_size,
         max_num_seqs=cfg.max_num_seqs, runner=cfg.runner, decode_attention=cfg.decode_attention,
         cuda_graph_scope=cfg.cuda_graph_scope, enforce_eager=cfg.enforce_eager,
+        cuda_graph_sizes=cfg.cuda_graph_sizes,
         enable_prefix_caching=cfg.enable_prefix_caching,
         max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(cfg, ecfg),
         scheduling_policy=cfg.scheduling_policy, num_gpu_blocks=cfg.num_gpu_blocks_override,

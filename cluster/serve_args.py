@@ -55,6 +55,8 @@ class ServeConfig:
     decode_attention: str = "auto"
     # What a decode CUDA graph holds: layers | step (runner/config.py)
     cuda_graph_scope: str = "step"
+    # vLLM's: the decode batch sizes captured (runner/mrv2/cuda_graphs.py); None: default
+    cuda_graph_sizes: list[int] | None = None
     dtype: str = "auto"
     device: str = "auto"
     policy: str = "recompute"
@@ -256,6 +258,13 @@ class ServeConfig:
                     f"{flag} {value}: a pdserve worker runs on one GPU; scale out with "
                     "--prefill-workers and --decode-workers"
                 )
+        if self.cuda_graph_sizes is not None and not (
+            self.cuda_graph_sizes
+            and all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes)
+        ):
+            raise ValueError(
+                f"cuda_graph_sizes must be positive integers, got {self.cuda_graph_sizes!r}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "

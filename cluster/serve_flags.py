@@ -181,6 +181,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="GPU decode attention kernel: a program per kv head, all heads packed "
                    "in one, or per kv head with one program per SM walking several (flat: "
                    "slower at small batches on an H200) (default auto: chosen by batch shape)")  # fmt: skip
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes to capture CUDA graphs at (vLLM's; default 1, 2, "
+                   "4, 8, every 16 to 256, every 32 to 1,024, up to max_num_seqs; sizes above "
+                   "a step's bounds are dropped)")  # fmt: skip
     p.add_argument("--cuda-graph-scope", choices=["layers", "step"], default=None,
                    help="GPU: what a decode CUDA graph holds: the layers, or the whole step "
                    "(input prep and, for greedy steps, LM head, argmax and token update: about "
@@ -271,6 +275,7 @@ _FILE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "str": ((str,), "a string"),
     "dict": ((dict,), "a mapping"),
     "tuple[str, ...]": ((str, list), "a name or a list of names"),
+    "list[int]": ((list,), "a list of integers"),
 }
 
 

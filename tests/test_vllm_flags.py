@@ -52,6 +52,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
         "--max-model-len", "2048", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "32",
         "--scheduling-policy", "priority", "--no-enable-chunked-prefill", "--no-async-scheduling",
         "-q", "fp8", "--trust-remote-code", "--revision", "v1.0", "--download-dir", "/data/hf",
+        "--cuda-graph-sizes", "1", "8", "32",
     )  # fmt: skip
     assert cfg.model == "Qwen/Qwen3-0.6B"
     assert served_names(cfg) == ("qwen", "qwen3")
@@ -63,6 +64,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
     assert (cfg.enable_chunked_prefill, cfg.async_scheduling) == (False, False)
     assert cfg.quantization == "fp8"  # checked against the checkpoint at start
     assert (cfg.trust_remote_code, cfg.revision, cfg.download_dir) == (True, "v1.0", "/data/hf")
+    assert cfg.cuda_graph_sizes == [1, 8, 32]
 
 
 def test_defaults_and_names_as_vllm_picks_them():
@@ -97,6 +99,7 @@ def test_defaults_and_names_as_vllm_picks_them():
     [
         (["a", "--model", "b"], "given twice"),
         (["-tp", "2"], "--tensor-parallel-size 2: a pdserve worker runs on one GPU"),
+        (["--cuda-graph-sizes", "0", "8"], "cuda_graph_sizes must be positive"),
         (["--pipeline-parallel-size", "4"], "--decode-workers"),
         (["--override-generation-config", "{temperature: 1}"], "not valid JSON"),
         (["--override-generation-config", "[1]"], "must be a JSON object"),
@@ -140,6 +143,8 @@ def test_a_config_file_takes_sizes_and_refuses_wrong_types(tmp_path, monkeypatch
                  "override_generation_config: {temperature: 0.5}"):  # fmt: skip
         path.write_text(text + "\n")
         assert _args("--config", str(path)).override_generation_config == {"temperature": 0.5}
+    path.write_text("cuda_graph_sizes: [1, 4, 16]\n")
+    assert _args("--config", str(path)).cuda_graph_sizes == [1, 4, 16]
     for text, message in (
         ('port: "8080"', "port must be an integer, got '8080'"),
         ("max_num_seqs: 1.5", "max_num_seqs must be an integer"),
@@ -150,6 +155,8 @@ def test_a_config_file_takes_sizes_and_refuses_wrong_types(tmp_path, monkeypatch
         ("api_key: 123", "api_key must be a string or null"),
         ("autoscale_policy: [1]", "autoscale_policy must be a mapping or null"),
         ("host: null", "host must be a string, got None"),
+        ("cuda_graph_sizes: 8", "cuda_graph_sizes must be a list of integers or null"),
+        ("cuda_graph_sizes: [8, x]", "cuda_graph_sizes must be positive integers"),
     ):
         path.write_text(text + "\n")
         with pytest.raises(ValueError, match=re.escape(message)):
