@@ -57,6 +57,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny_llama4_dir):
     assert [layer.self_attn.window for layer in model.layers] == [-32, -32, -32, 0]
     # the NoPE layer's identity table is one row seen at every position (no second table)
     assert model.layer_cos_sin(3).stride(0) == 0 and model.layer_cos_sin(3).shape[0] == 129
+    assert model.layer_cos_sin(3).dtype == model.layer_cos_sin(0).dtype == torch.float32
     assert_logprobs_match_hf(tiny_llama4_dir, [(5 * i + 2) % 1000 + 3 for i in range(40)], 8)
 
 
@@ -99,3 +100,12 @@ def test_expert_weights_load_transposed():
     assert torch.equal(moe.experts_gate_up[2, :48], gate_up[2, :, :48].T)  # gate
     assert torch.equal(moe.experts_gate_up[2, 48:], gate_up[2, :, 48:].T)  # up
     assert torch.equal(moe.experts_down[1], down[1].T)
+
+
+def test_the_identity_table_stays_float32_in_a_16_bit_model():
+    """Every cos/sin table is float32, the one a NoPE layer reads too, though the model's
+    `.to(bfloat16)` converted its buffer before `init_rope` (the loader's order)."""
+    model = Llama4ForCausalLM(_config(), 129).to(torch.bfloat16)
+    model.init_rope()
+    assert model.layer_cos_sin(3).dtype == model.layer_cos_sin(0).dtype == torch.float32
+    assert model.layer_cos_sin(3)[100].tolist() == [1.0] * 8 + [0.0] * 8

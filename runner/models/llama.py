@@ -382,10 +382,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.cos_sin_cache = build_cos_sin_cache(
             self.config, rotary_dim_of(self.config), cache.shape[0], cache.device
         )
-        if self.nope_layers:
-            row = self.cos_sin_identity_row
-            row.zero_()
+        if self.nope_layers:  # float32, as every table (the buffer took the model's dtype)
+            row = torch.zeros(1, cache.shape[1], dtype=torch.float32, device=cache.device)
             row[:, : row.shape[1] // 2] = 1.0
+            self.cos_sin_identity_row = row
             self._cos_sin_identity = row.expand(cache.shape[0], -1)
         for layer_type in self.rope_types:
             if layer_type is not None:
