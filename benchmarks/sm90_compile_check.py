@@ -1,0 +1,243 @@
+"""Do the Triton kernels compile for the H100/H200, without one? Runs the kernels' Python
+launchers on CPU tensors of real shapes, catches each launch before it runs (the kernel,
+its arguments, its constexprs, its warps and stages), and compiles it for sm_90 with the
+Triton on the path. Not a test (no GPU runs anything); prints a JSON line a launch and
+exits 1 if any fails to compile.
+
+    PYTHONPATH=<triton 3.6 dir>:$PYTHONPATH python benchmarks/sm90_compile_check.py [--only NAME]
+
+Why: Triton's interpreter (the CPU tests) accepts code the compiler refuses (a `return`
+inside a constexpr `if` in a jitted helper passed every CPU test and failed on the first
+GPU run), so kernels written without a GPU at hand get this check before their first
+device call. Arguments are typed as the launcher would type them: tensors by dtype,
+integers as i32 (i64 past 2^31), 1 specialised away, pointers and multiples of 16 marked
+16-byte divisible. What it does not show: run-time faults or wrong results (the GPU tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+DTYPES = {
+    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+    torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64",
+    torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.bool: "i1",
+}  # fmt: skip
+
+
+class Launch:
+    def __init__(self, fn: JITFunction, args: tuple, kwargs: dict):
+        self.fn = fn
+        self.options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        bound = dict(zip(fn.arg_names, args, strict=False)) | kwargs
+        self.constexprs, self.signature, self.attrs = {}, {}, {}
+        for i, name in enumerate(fn.arg_names):
+            value = bound.get(name, fn.params[i].default)
+            if fn.params[i].is_constexpr or value is None:
+                # a CUDA launch never upcasts its dots (the CPU interpreter's bf16 path does)
+                self.constexprs[name] = False if name == "UPCAST_DOT" else value
+                self.signature[name] = "constexpr"
+            elif isinstance(value, torch.Tensor):
+                self.signature[name] = "*" + DTYPES[value.dtype]
+                self.attrs[(i,)] = [["tt.divisibility", 16]]
+            elif isinstance(value, bool):
+                self.signature[name] = "i1"
+            elif isinstance(value, int):
+                if value == 1 and not fn.params[i].do_not_specialize:
+                    self.constexprs[name] = 1
+                    self.signature[name] = "constexpr"
+                    continue
+                self.signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+                if value % 16 == 0 and not fn.params[i].do_not_specialize:
+                    self.attrs[(i,)] = [["tt.divisibility", 16]]
+            elif isinstance(value, float):
+                self.signature[name] = "fp32"
+            else:
+                raise TypeError(f"{fn.__name__}: argument {name} = {value!r}")
+
+    @property
+    def name(self) -> str:
+        shown = {k: v for k, v in self.constexprs.items() if k.isupper()}
+        return f"{self.fn.__name__}{shown}"
+
+    def compile(self) -> None:
+        src = ASTSource(fn=self.fn, signature=self.signature, constexprs=self.constexprs,
+                        attrs=self.attrs)  # fmt: skip
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=self.options)
+
+
+def capture(run: Callable[[], object]) -> tuple[list[Launch], str | None]:
+    """The launches `run` makes, none of them run, and what stopped it early, if anything
+    (a launcher reading a result that never came, or a CUDA-only call: the launches
+    before it still count)."""
+    launches: list[Launch] = []
+    original = JITFunction.run
+
+    def caught(self, *args, grid, warmup, **kwargs):
+        launches.append(Launch(self, args, kwargs))
+
+    JITFunction.run = caught
+    try:
+        run()
+        stopped = None
+    except Exception as exc:  # noqa: BLE001 - reported beside the launches caught
+        stopped = f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        JITFunction.run = original
+    return launches, stopped
+
+
+# ---- scenarios: each calls public launchers at real sizes on CPU tensors -----------------
+
+
+def selective_scan() -> None:
+    from pdserve.kernels.selective_scan import selective_scan_triton
+
+    d, n = 8192, 16
+    for qs in (None, torch.tensor([0, 300, 301, 1000])):
+        rows = 4 if qs is None else 3
+        t = rows if qs is None else 1000
+        f = dict(dtype=torch.float32)
+        selective_scan_triton(
+            torch.zeros(8, d, n), torch.arange(rows), torch.zeros(rows, dtype=torch.bool), qs,
+            torch.zeros(t, d, **f), torch.zeros(t, d, **f), torch.zeros(d, n, **f),
+            torch.zeros(t, n, **f), torch.zeros(t, n, **f), torch.zeros(d, **f),
+        )  # fmt: skip
+
+
+def state_updates() -> None:
+    from pdserve.kernels.delta_rule_update import delta_rule_decode_triton
+    from pdserve.kernels.ssm_update import ssm_decode_triton
+
+    f = dict(dtype=torch.float32)
+    r = 32
+    ssm_decode_triton(
+        torch.zeros(40, 48, 64, 128), torch.arange(r), torch.zeros(r, dtype=torch.bool),
+        torch.zeros(r, 48, 64, **f), torch.zeros(r, 48, **f), torch.zeros(48, **f),
+        torch.zeros(r, 1, 128, **f), torch.zeros(r, 1, 128, **f), torch.zeros(48, **f),
+    )  # fmt: skip
+    try:
+        delta_rule_decode_triton(
+            torch.zeros(40, 32, 128, 128), torch.arange(r), torch.zeros(r, dtype=torch.bool),
+            torch.zeros(r, 32, 128, **f), torch.zeros(r, 32, 128, **f),
+            torch.zeros(r, 32, 128, **f), torch.zeros(r, 32, **f), torch.zeros(r, 32, **f),
+        )  # fmt: skip
+    except TypeError:
+        pass  # a signature the scenario does not know: the capture still holds what ran
+
+
+def attention(window: int) -> Callable[[], None]:
+    def run() -> None:
+        from pdserve.kernels.paged_attention_triton import paged_attention_triton
+        from pdserve.kernels.workspace import KernelWorkspace
+
+        bs, hq, hkv, d = 16, 16, 8, 128
+        cache = torch.zeros(64, 2, bs, hkv, d, dtype=torch.bfloat16)
+        for rows in ([(300, 300), (40, 1)], [(500, 1)] * 32, [(500, 1)] * 300):
+            ctx = torch.tensor([c for c, _ in rows], dtype=torch.int32)
+            ql = torch.tensor([q for _, q in rows])
+            qsl = torch.cat([torch.zeros(1, dtype=torch.int64), ql.cumsum(0)]).int()
+            q = torch.zeros(int(qsl[-1]), hq, d, dtype=torch.bfloat16)
+            tables = torch.zeros(len(rows), 40, dtype=torch.int32)
+            for kernel in ("per_head", "packed", "flat"):
+                paged_attention_triton(
+                    q, cache, tables, qsl, ctx, d**-0.5, torch.empty_like(q), int(ql.max()),
+                    int(ctx.max()), workspace=KernelWorkspace(), decode_kernel=kernel,
+                    window=window,
+                )  # fmt: skip
+
+    return run
+
+
+def moe(quant: str) -> Callable[[], None]:
+    def run() -> None:
+        from pdserve.kernels.moe_triton import moe_experts_triton
+
+        t, h, inter, e, k = 64, 2880, 2880, 32, 4
+        x = torch.zeros(t, h, dtype=torch.bfloat16)
+        ids = torch.randint(0, e, (t, k))
+        w = torch.full((t, k), 0.25)
+        if quant == "bf16":
+            gu = torch.zeros(e, 2 * inter, h, dtype=torch.bfloat16)
+            dn = torch.zeros(e, h, inter, dtype=torch.bfloat16)
+        elif quant == "mxfp4":
+            from pdserve.kernels.mxfp4 import Mxfp4Stack
+
+            gu = Mxfp4Stack(torch.zeros(e, 2 * inter, h // 2, dtype=torch.uint8),
+                            torch.zeros(e, 2 * inter, h // 32, dtype=torch.uint8))  # fmt: skip
+            dn = Mxfp4Stack(torch.zeros(e, h, inter // 2, dtype=torch.uint8),
+                            torch.zeros(e, h, inter // 32, dtype=torch.uint8))  # fmt: skip
+        else:
+            from pdserve.kernels.fp8_experts import Fp8Stack
+
+            f8 = torch.float8_e4m3fn
+            gu = Fp8Stack(torch.zeros(e, 2 * inter, h, dtype=f8),
+                          torch.zeros(e, 2 * inter, -(-h // 128)), 128)  # fmt: skip
+            dn = Fp8Stack(torch.zeros(e, h, inter, dtype=f8), torch.zeros(e, h, -(-inter // 128)),
+                          128)  # fmt: skip
+        moe_experts_triton(x, gu, dn, ids, w)
+
+    return run
+
+
+def scenarios() -> dict[str, Callable[[], None]]:
+    out = {
+        "selective_scan": selective_scan,
+        "state_updates": state_updates,
+        "attention_full": attention(0),
+        "attention_sliding": attention(4096),
+        "attention_chunked": attention(-8192),
+        "moe_bf16": moe("bf16"),
+    }
+    try:  # the quantized experts' stacks (branch exp/mxfp4-experts)
+        import pdserve.kernels.fp8_experts  # noqa: F401
+        import pdserve.kernels.mxfp4  # noqa: F401
+
+        out |= {"moe_mxfp4": moe("mxfp4"), "moe_fp8": moe("fp8")}
+    except ImportError:
+        pass
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=None, help="one scenario by name")
+    args = ap.parse_args()
+    failed, seen = 0, set()
+    for name, run in scenarios().items():
+        if args.only and name != args.only:
+            continue
+        launches, stopped = capture(run)
+        if stopped:
+            print(json.dumps({"scenario": name, "launcher_stopped": stopped}), flush=True)
+        if not launches:
+            print(json.dumps({"scenario": name, "error": "no launch caught"}), flush=True)
+            failed += 1
+        for launch in launches:
+            key = (launch.fn, json.dumps(launch.signature), repr(launch.constexprs))
+            if key in seen:
+                continue
+            seen.add(key)
+            row = {"scenario": name, "kernel": launch.name, **launch.options}
+            try:
+                launch.compile()
+                row["compiled"] = True
+            except Exception as exc:  # noqa: BLE001 - reported, and counted
+                row["compiled"], row["error"] = False, f"{type(exc).__name__}: {exc}"[:2000]
+                failed += 1
+            print(json.dumps(row), flush=True)
+    print(json.dumps({"triton": triton.__version__, "failed": failed}), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
