@@ -157,6 +157,7 @@ def attention(window: int) -> Callable[[], None]:
 
 def moe(quant: str) -> Callable[[], None]:
     def run() -> None:
+        from pdserve.kernels.expert_act import ExpertAct
         from pdserve.kernels.moe_triton import moe_experts_triton
 
         t, h, inter, e, k = 64, 2880, 2880, 32, 4
@@ -182,6 +183,10 @@ def moe(quant: str) -> Callable[[], None]:
             dn = Fp8Stack(torch.zeros(e, h, inter, dtype=f8), torch.zeros(e, h, -(-inter // 128)),
                           128)  # fmt: skip
         moe_experts_triton(x, gu, dn, ids, w)
+        # gpt-oss's call: biases and the clamped gate
+        biases = dict(b_gate_up=torch.zeros(e, 2 * inter, dtype=torch.bfloat16),
+                      b_down=torch.zeros(e, h, dtype=torch.bfloat16))  # fmt: skip
+        moe_experts_triton(x, gu, dn, ids, w, act=ExpertAct("swiglu_oai", 1.702, 7.0), **biases)
 
     return run
 
