@@ -131,6 +131,9 @@ class ServeConfig:
     # vLLM's: keys set on the model's transformers config (runner/hf_overrides.py), e.g.
     # {"is_matryoshka": true}, or a causal LM converted into a reranker.
     hf_overrides: dict | None = None
+    # vLLM's media limits a prompt: accepted at zero (images are refused, the vision tower
+    # never loads: runner/models/text_only.py), refused above.
+    limit_mm_per_prompt: dict | None = None
     # One GPU a worker: accepted at 1 so vLLM command lines parse, refused above.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -249,6 +252,8 @@ class ServeConfig:
             object.__setattr__(
                 self, "override_generation_config", parse_override(self.override_generation_config)
             )
+        if self.limit_mm_per_prompt is not None:
+            object.__setattr__(self, "limit_mm_per_prompt", _media_limits(self.limit_mm_per_prompt))
         for flag, value in (
             ("--tensor-parallel-size", self.tensor_parallel_size),
             ("--pipeline-parallel-size", self.pipeline_parallel_size),
@@ -422,3 +427,22 @@ def served_names(cfg: ServeConfig) -> tuple[str, ...]:
     if cfg.served_model_name:
         return cfg.served_model_name
     return (cfg.model,) if cfg.model else ("SmolLM2-135M-Instruct",)
+
+
+def _media_limits(value: dict | str) -> dict:
+    """`--limit-mm-per-prompt` as vLLM takes it (a JSON object of media kind -> count): only
+    zeros run here, as no request may carry media."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--limit-mm-per-prompt: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--limit-mm-per-prompt must be a JSON object, got {value!r}")
+    allowed = {k: v for k, v in value.items() if v not in (0, {"count": 0})}
+    if allowed:
+        raise ValueError(
+            f"--limit-mm-per-prompt {allowed}: pdserve serves text only (images and other "
+            "media are refused, no vision tower loads); give 0 for each kind"
+        )
+    return value

@@ -55,6 +55,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-overrides", default=None, metavar="JSON",
                    help='keys set on the model\'s config, e.g. \'{"is_matryoshka": true}\' '
                    "or a causal LM made a reranker (classifier_from_token)")  # fmt: skip
+    p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='vLLM\'s per-prompt media limits: only zeros (e.g. \'{"image": 0}\'), '
+                   "as images are refused and no vision tower loads")  # fmt: skip
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=None,
                    help="1 only: a worker runs on one GPU")  # fmt: skip
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None,

@@ -52,7 +52,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
         "--max-model-len", "2048", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "32",
         "--scheduling-policy", "priority", "--no-enable-chunked-prefill", "--no-async-scheduling",
         "-q", "fp8", "--trust-remote-code", "--revision", "v1.0", "--download-dir", "/data/hf",
-        "--cuda-graph-sizes", "1", "8", "32",
+        "--cuda-graph-sizes", "1", "8", "32", "--limit-mm-per-prompt", '{"image": 0, "video": 0}',
     )  # fmt: skip
     assert cfg.model == "Qwen/Qwen3-0.6B"
     assert served_names(cfg) == ("qwen", "qwen3")
@@ -65,6 +65,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
     assert cfg.quantization == "fp8"  # checked against the checkpoint at start
     assert (cfg.trust_remote_code, cfg.revision, cfg.download_dir) == (True, "v1.0", "/data/hf")
     assert cfg.cuda_graph_sizes == [1, 8, 32]
+    assert cfg.limit_mm_per_prompt == {"image": 0, "video": 0}
 
 
 def test_defaults_and_names_as_vllm_picks_them():
@@ -100,6 +101,8 @@ def test_defaults_and_names_as_vllm_picks_them():
         (["a", "--model", "b"], "given twice"),
         (["-tp", "2"], "--tensor-parallel-size 2: a pdserve worker runs on one GPU"),
         (["--cuda-graph-sizes", "0", "8"], "cuda_graph_sizes must be positive"),
+        (["--limit-mm-per-prompt", '{"image": 2}'], "serves text only"),
+        (["--limit-mm-per-prompt", "image=0"], "not valid JSON"),
         (["--pipeline-parallel-size", "4"], "--decode-workers"),
         (["--override-generation-config", "{temperature: 1}"], "not valid JSON"),
         (["--override-generation-config", "[1]"], "must be a JSON object"),
