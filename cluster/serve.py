@@ -126,7 +126,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         hf_overrides=cfg.hf_overrides, kv_cache_dtype=cfg.kv_cache_dtype,
         mamba_cache_dtype=cfg.mamba_cache_dtype,
         mamba_ssm_cache_dtype=cfg.mamba_ssm_cache_dtype, quantization=cfg.quantization,
-        trust_remote_code=cfg.trust_remote_code, revision=cfg.revision,
+        trust_remote_code=cfg.trust_remote_code, tokenizer=cfg.tokenizer, revision=cfg.revision,
         download_dir=cfg.download_dir,
     )  # fmt: skip
     tier_bytes = cfg.tier_bytes
@@ -145,9 +145,11 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             f"--mode pd moves paged KV blocks, which the {ecfg.runner.runner} runner does not "
             "have; use --mode colocated with it"
         )
-    tokenizer = load_tokenizer(ecfg.model.path, cfg.trust_remote_code)
+    tokenizer = load_tokenizer(ecfg.model.tokenizer_path, cfg.trust_remote_code)
     if tokenizer is None:
-        raise ValueError(f"{ecfg.model.path} has no tokenizer; the HTTP API needs one")
+        raise ValueError(
+            f"{ecfg.model.tokenizer_path} has no tokenizer; the HTTP API needs one (--tokenizer)"
+        )
     model_names = served_names(cfg)
     chat_template = load_chat_template(cfg.chat_template)
     defaults = sampling_defaults(
@@ -183,7 +185,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         hf_overrides=cfg.hf_overrides, kv_cache_dtype=cfg.kv_cache_dtype,
         mamba_cache_dtype=cfg.mamba_cache_dtype,
         mamba_ssm_cache_dtype=cfg.mamba_ssm_cache_dtype,
-        trust_remote_code=cfg.trust_remote_code,
+        trust_remote_code=cfg.trust_remote_code, tokenizer=ecfg.model.tokenizer,
     )  # fmt: skip
     # The step budget's rules (e.g. no chunking needs a budget of max_model_len), refused
     # here rather than in every worker's start.

@@ -141,6 +141,7 @@ class ServeConfig:
     # vLLM's: a checkpoint's own Python (config, tokenizer) may run; a hub model's revision
     # and download folder
     trust_remote_code: bool = False
+    tokenizer: str | None = None
     revision: str | None = None
     download_dir: str | None = None
     # vLLM's: the checkpoint's own quantization method (fp8, mxfp4) or None; any other is

@@ -65,6 +65,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="let the checkpoint's own Python (its config or tokenizer class) run, "
                    "as transformers does with it; pdserve's models are its own")  # fmt: skip
+    p.add_argument("--tokenizer", default=None,
+                   help="a folder or hub id holding the tokenizer, when not the model's own")  # fmt: skip
     p.add_argument("--revision", default=None,
                    help="a hub model's branch, tag or commit to fetch (default: main)")  # fmt: skip
     p.add_argument("--download-dir", default=None,

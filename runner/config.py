@@ -53,6 +53,12 @@ class ModelConfig:
     # vLLM's: the checkpoint's own Python (its config, tokenizer or, on the reference
     # runner, model class) may run; the mrv2 runner's models are always this package's
     trust_remote_code: bool = False
+    # vLLM's --tokenizer: a folder holding the tokenizer, when not the model's own
+    tokenizer: str | None = None
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.path
 
     def __post_init__(self) -> None:
         _require(

@@ -23,7 +23,7 @@ from pdserve.runner.config import (
     SchedulerConfig,
 )
 from pdserve.runner.hf_overrides import apply_hf_overrides, parse_hf_overrides
-from pdserve.runner.model_source import resolve_model_dir
+from pdserve.runner.model_source import resolve_model_dir, resolve_tokenizer_dir
 from pdserve.runner.models.fp8_weights import check_quantization
 from pdserve.runner.models.text_only import text_view
 from pdserve.runner.runner_select import select_runner
@@ -110,6 +110,7 @@ def resolve_engine_config(
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
     trust_remote_code: bool = False,
+    tokenizer: str | None = None,
     revision: str | None = None,
     download_dir: str | None = None,
     mamba_cache_dtype: str = "auto",
@@ -121,6 +122,9 @@ def resolve_engine_config(
         num_gpu_blocks = num_gpu_blocks_override
 
     path, name = resolve_model_dir(model, revision, download_dir)
+    tokenizer_dir = (
+        None if tokenizer is None else str(resolve_tokenizer_dir(tokenizer, revision, download_dir))
+    )
     checkpoint_config = apply_hf_overrides(
         _read_config(path, trust_remote_code), parse_hf_overrides(hf_overrides)
     )
@@ -148,7 +152,7 @@ def resolve_engine_config(
     classifier = None
     if is_classifier(hf_config):
         tokenizer = (
-            load_tokenizer(path, trust_remote_code)
+            load_tokenizer(tokenizer_dir or path, trust_remote_code)
             if getattr(hf_config, "classifier_from_token", None)
             else None
         )
@@ -171,6 +175,7 @@ def resolve_engine_config(
             text_only_of=text_only_of,
             classifier=classifier,
             trust_remote_code=trust_remote_code,
+            tokenizer=tokenizer_dir,
         ),
         cache=CacheConfig(
             block_size=block_size,

@@ -52,7 +52,7 @@ class Engine(PDRoles):
         # Prefill role, layer-wise early tickets: told which held prompts finish in a step
         # before its forward (runner/kv_hooks.py); set by the prefill worker.
         self.kv_publisher: KVPublisher | None = None
-        self.tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.trust_remote_code)
         self.eos_token_ids = eos_token_ids(
             config.model.path, config.model.hf_config, self.tokenizer
         )

@@ -84,6 +84,40 @@ def resolve_model_dir(
     )
 
 
+def resolve_tokenizer_dir(
+    tokenizer: str | os.PathLike, revision: str | None = None, download_dir: str | None = None
+) -> Path:
+    """vLLM's `--tokenizer`: a local folder holding a tokenizer, or a hub id whose
+    tokenizer files are fetched (at `revision`, into `download_dir`)."""
+    text = os.fspath(tokenizer)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(
+                snapshot_download(
+                    text,
+                    revision=revision,
+                    cache_dir=download_dir,
+                    allow_patterns=[
+                        "tokenizer*",
+                        "*.model",
+                        "vocab*",
+                        "merges.txt",
+                        "special_tokens_map.json",
+                        "*.py",
+                        "chat_template*",
+                    ],
+                )  # fmt: skip
+            )
+        except Exception as exc:  # offline, missing repo, auth
+            raise ValueError(f"cannot fetch tokenizer {text!r} from the hub: {exc}") from exc
+    raise ValueError(f"unknown tokenizer {text!r}: not a directory and not a hub id 'org/name'")
+
+
 def _download_hub(repo_id: str, revision: str | None, download_dir: str | None) -> Path:
     try:
         from huggingface_hub import snapshot_download
