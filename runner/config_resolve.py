@@ -123,7 +123,7 @@ def resolve_engine_config(
 
     path, name = resolve_model_dir(model, revision, download_dir)
     tokenizer_dir = (
-        None if tokenizer is None else str(resolve_tokenizer_dir(tokenizer, revision, download_dir))
+        None if tokenizer is None else str(resolve_tokenizer_dir(tokenizer, download_dir))
     )
     checkpoint_config = apply_hf_overrides(
         _read_config(path, trust_remote_code), parse_hf_overrides(hf_overrides)

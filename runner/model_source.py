@@ -75,72 +75,55 @@ def resolve_model_dir(
             f"model directory {path} holds no config.json and "
             f"{len(ggufs)} .gguf files (need config.json + safetensors, or one .gguf)"
         )
-    looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
-    if looks_like_hub_id:
-        return _download_hub(text, revision, download_dir), text.split("/")[-1]
+    if _looks_like_hub_id(text):
+        return _download_hub(text, revision, download_dir, MODEL_FILES), text.split("/")[-1]
     raise ValueError(
         f"unknown model {text!r}: not a directory, not a .gguf file and not a "
         "hub id of the form 'org/name'"
     )
 
 
-def resolve_tokenizer_dir(
-    tokenizer: str | os.PathLike, revision: str | None = None, download_dir: str | None = None
-) -> Path:
+def resolve_tokenizer_dir(tokenizer: str | os.PathLike, download_dir: str | None = None) -> Path:
     """vLLM's `--tokenizer`: a local folder holding a tokenizer, or a hub id whose
-    tokenizer files are fetched (at `revision`, into `download_dir`)."""
+    tokenizer files are fetched (its main revision: `--revision` is the model's) into
+    `download_dir`."""
     text = os.fspath(tokenizer)
     path = Path(text).expanduser()
     if path.is_dir():
         return path
-    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(
-                snapshot_download(
-                    text,
-                    revision=revision,
-                    cache_dir=download_dir,
-                    allow_patterns=[
-                        "tokenizer*",
-                        "*.model",
-                        "vocab*",
-                        "merges.txt",
-                        "special_tokens_map.json",
-                        "*.py",
-                        "chat_template*",
-                    ],
-                )  # fmt: skip
-            )
-        except Exception as exc:  # offline, missing repo, auth
-            raise ValueError(f"cannot fetch tokenizer {text!r} from the hub: {exc}") from exc
+    if _looks_like_hub_id(text):
+        return _download_hub(text, None, download_dir, TOKENIZER_FILES, "tokenizer")
     raise ValueError(f"unknown tokenizer {text!r}: not a directory and not a hub id 'org/name'")
 
 
-def _download_hub(repo_id: str, revision: str | None, download_dir: str | None) -> Path:
+# What a model's and a tokenizer's fetch take from the hub (*.py: a checkpoint's own config
+# or tokenizer code, run only with trust_remote_code, runner/config_resolve.py)
+MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.py"]
+TOKENIZER_FILES = ["tokenizer*", "*.model", "vocab*", "merges.txt", "special_tokens_map.json",
+                   "chat_template*", "*.py"]  # fmt: skip
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    return text.count("/") == 1 and not text.startswith((".", "/", "~"))
+
+
+def _download_hub(
+    repo_id: str,
+    revision: str | None,
+    download_dir: str | None,
+    patterns: list[str],
+    what: str = "model",
+) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
         return Path(
             snapshot_download(
-                repo_id,
-                revision=revision,
-                cache_dir=download_dir,
-                # *.py: a checkpoint's own config/tokenizer code, run only with
-                # trust_remote_code (runner/config_resolve.py)
-                allow_patterns=[
-                    "*.json",
-                    "*.safetensors",
-                    "tokenizer*",
-                    "*.model",
-                    "*.txt",
-                    "*.py",
-                ],
+                repo_id, revision=revision, cache_dir=download_dir, allow_patterns=patterns
             )
         )
     except Exception as exc:  # offline, missing repo, auth: all mean "cannot use this id"
-        raise ValueError(f"cannot fetch model {repo_id!r} from the hub: {exc}") from exc
+        raise ValueError(f"cannot fetch {what} {repo_id!r} from the hub: {exc}") from exc
 
 
 def content_key(path: Path) -> str:
