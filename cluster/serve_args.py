@@ -11,6 +11,7 @@ from pdserve.cluster.metric_names import check_prefix
 from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.cluster.response_store import DEFAULT_STORE_BYTES
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
+from pdserve.json_arg import json_object
 from pdserve.sizes import parse_size
 
 # Keys that may come from the environment when neither a flag nor the config file gives
@@ -433,13 +434,7 @@ def served_names(cfg: ServeConfig) -> tuple[str, ...]:
 def _media_limits(value: dict | str) -> dict:
     """`--limit-mm-per-prompt` as vLLM takes it (a JSON object of media kind -> count): only
     zeros run here, as no request may carry media."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--limit-mm-per-prompt: not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--limit-mm-per-prompt must be a JSON object, got {value!r}")
+    value = json_object("--limit-mm-per-prompt", value)
     allowed = {k: v for k, v in value.items() if v not in (0, {"count": 0})}
     if allowed:
         raise ValueError(

@@ -18,24 +18,15 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
+from pdserve.json_arg import json_object
+
 # What a default may set, in the generation config's words (the override's too).
 KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 
 
 def parse_override(text: str | Mapping | None) -> dict:
     """`--override-generation-config`: a JSON object (a mapping from a config file)."""
-    if text is None:
-        return {}
-    if isinstance(text, Mapping):
-        data = dict(text)
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--override-generation-config is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError("--override-generation-config must be a JSON object")
-    return data
+    return json_object("--override-generation-config", text)
 
 
 def from_file(folder: Path) -> dict:

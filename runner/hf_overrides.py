@@ -11,24 +11,15 @@ overrides from its engine arguments, so P, D and the router see one config.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
+
+from pdserve.json_arg import json_object
 
 
 def parse_hf_overrides(value: str | Mapping | None) -> dict:
     """`--hf-overrides`: a JSON object (a mapping from a config file or `LLM(...)`)."""
-    if value is None:
-        return {}
-    if isinstance(value, Mapping):
-        data: Any = dict(value)
-    else:
-        try:
-            data = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--hf-overrides is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"--hf-overrides must be a JSON object (got {type(data).__name__})")
+    data = json_object("--hf-overrides", value)
     bad = [k for k in data if not isinstance(k, str) or not k or k.startswith("_")]
     if bad:
         raise ValueError(f"--hf-overrides: {bad[0]!r} is not a config key")
