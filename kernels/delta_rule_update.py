@@ -71,9 +71,9 @@ def _delta_rule_decode_kernel(
     tl.store(o_ptr + row_h * dv + vv, tl.sum(s * q[:, None], axis=0), mask=v_ok)
 
 
-def delta_rule_decode_triton(cache, units, fresh, q, k, v, beta, g) -> torch.Tensor:
-    """`delta_rule_decode_ref` on the GPU (or Triton's interpreter); no host sync, so a
-    decode graph captures it."""
+def _check(cache, units, fresh, q, k, v, beta, g) -> None:
+    """The kernel's layout, checked on every path (`delta_rule_decode`), so the CPU tests
+    see an input the GPU kernel would refuse."""
     rows, heads, dk = q.shape
     dv = v.shape[2]
     assert cache.shape[1:] == (heads, dk, dv) and cache.is_contiguous(), (
@@ -83,6 +83,14 @@ def delta_rule_decode_triton(cache, units, fresh, q, k, v, beta, g) -> torch.Ten
         assert t.dtype == torch.float32 and t.is_contiguous(), f"{name}: contiguous float32"
     assert k.shape == q.shape and v.shape[:2] == beta.shape == g.shape == (rows, heads)
     assert units.shape == fresh.shape == (rows,) and fresh.dtype == torch.bool
+
+
+def delta_rule_decode_triton(cache, units, fresh, q, k, v, beta, g) -> torch.Tensor:
+    """`delta_rule_decode_ref` on the GPU (or Triton's interpreter); no host sync, so a
+    decode graph captures it."""
+    _check(cache, units, fresh, q, k, v, beta, g)
+    rows, heads, dk = q.shape
+    dv = v.shape[2]
     o = torch.empty_like(v)
     if rows == 0:
         return o
@@ -98,5 +106,6 @@ def delta_rule_decode_triton(cache, units, fresh, q, k, v, beta, g) -> torch.Ten
 
 
 def delta_rule_decode(cache, units, fresh, q, k, v, beta, g) -> torch.Tensor:
+    _check(cache, units, fresh, q, k, v, beta, g)
     fn = delta_rule_decode_triton if cache.is_cuda else delta_rule_decode_ref
     return fn(cache, units, fresh, q, k, v, beta, g)

@@ -93,9 +93,9 @@ def _selective_scan_kernel(
     tl.store(cache_ptr + tile, h.to(cache_ptr.dtype.element_ty), mask=tile_ok)
 
 
-def selective_scan_triton(cache, units, fresh, query_start, u, delta, a, b, c, d_skip):
-    """`selective_scan_ref` on the GPU (or Triton's interpreter). With `query_start=None`
-    no host sync, so a decode graph captures it."""
+def _check(cache, units, fresh, query_start, u, delta, a, b, c, d_skip) -> None:
+    """The kernel's layout, checked on every path (`selective_scan`), so the CPU tests see
+    an input the GPU kernel would refuse."""
     tokens, channels = u.shape
     state_dim = b.shape[1]
     rows = units.shape[0]
@@ -112,6 +112,13 @@ def selective_scan_triton(cache, units, fresh, query_start, u, delta, a, b, c, d
     else:
         assert query_start.shape == (rows + 1,) and query_start.device == u.device
         assert query_start.dtype == torch.int64, "query_start: int64 (token offsets x D)"
+
+
+def selective_scan_triton(cache, units, fresh, query_start, u, delta, a, b, c, d_skip):
+    """`selective_scan_ref` on the GPU (or Triton's interpreter). With `query_start=None`
+    no host sync, so a decode graph captures it."""
+    _check(cache, units, fresh, query_start, u, delta, a, b, c, d_skip)
+    channels, state_dim, rows = u.shape[1], b.shape[1], units.shape[0]
     y = torch.empty_like(u)
     if rows == 0:
         return y
@@ -133,5 +140,6 @@ def selective_scan_triton(cache, units, fresh, query_start, u, delta, a, b, c, d
 
 
 def selective_scan(cache, units, fresh, query_start, u, delta, a, b, c, d_skip) -> torch.Tensor:
+    _check(cache, units, fresh, query_start, u, delta, a, b, c, d_skip)
     fn = selective_scan_triton if cache.is_cuda else selective_scan_ref
     return fn(cache, units, fresh, query_start, u, delta, a, b, c, d_skip)

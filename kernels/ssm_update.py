@@ -81,9 +81,9 @@ def _ssm_decode_kernel(
     tl.store(y_ptr + row_h * head_dim + p, y, mask=p_ok)
 
 
-def ssm_decode_triton(cache, units, fresh, x, dt, a, b, c, d_skip) -> torch.Tensor:
-    """`ssm_decode_ref` on the GPU (or Triton's interpreter); no host sync, so a decode
-    graph captures it."""
+def _check(cache, units, fresh, x, dt, a, b, c, d_skip) -> None:
+    """The kernel's layout, checked on every path (`ssm_decode`), so the CPU tests see an
+    input the GPU kernel would refuse."""
     rows, heads, head_dim = x.shape
     groups, state_dim = b.shape[1], b.shape[2]
     assert cache.shape[1:] == (heads, head_dim, state_dim) and cache.is_contiguous(), (
@@ -93,6 +93,14 @@ def ssm_decode_triton(cache, units, fresh, x, dt, a, b, c, d_skip) -> torch.Tens
     for name, t in (("x", x), ("dt", dt), ("a", a), ("b", b), ("c", c), ("d_skip", d_skip)):
         assert t.dtype == torch.float32 and t.is_contiguous(), f"{name}: contiguous float32"
     assert units.shape == fresh.shape == (rows,) and fresh.dtype == torch.bool
+
+
+def ssm_decode_triton(cache, units, fresh, x, dt, a, b, c, d_skip) -> torch.Tensor:
+    """`ssm_decode_ref` on the GPU (or Triton's interpreter); no host sync, so a decode
+    graph captures it."""
+    _check(cache, units, fresh, x, dt, a, b, c, d_skip)
+    rows, heads, head_dim = x.shape
+    groups, state_dim = b.shape[1], b.shape[2]
     y = torch.empty_like(x)
     if rows == 0:
         return y
@@ -109,5 +117,6 @@ def ssm_decode_triton(cache, units, fresh, x, dt, a, b, c, d_skip) -> torch.Tens
 
 
 def ssm_decode(cache, units, fresh, x, dt, a, b, c, d_skip) -> torch.Tensor:
+    _check(cache, units, fresh, x, dt, a, b, c, d_skip)
     fn = ssm_decode_triton if cache.is_cuda else ssm_decode_ref
     return fn(cache, units, fresh, x, dt, a, b, c, d_skip)

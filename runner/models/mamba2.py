@@ -174,8 +174,10 @@ class Mamba2Mixer(nn.Module):
         d = self.dims
         x, b, c = xbc.float().split([d.inner, d.groups * d.state, d.groups * d.state], dim=-1)
         t = x.shape[0]
-        return (x.reshape(t, d.heads, d.head_dim), b.reshape(t, d.groups, d.state),
-                c.reshape(t, d.groups, d.state))  # fmt: skip
+        # slices of one [T, C] row block: made contiguous, as the decode kernels read them
+        return (x.reshape(t, d.heads, d.head_dim).contiguous(),
+                b.reshape(t, d.groups, d.state).contiguous(),
+                c.reshape(t, d.groups, d.state).contiguous())  # fmt: skip
 
     def _split(self, xbc: torch.Tensor):
         """`_split_groups` with B and C per head, [T, heads, state]."""
