@@ -47,26 +47,58 @@ def test_the_kernel_updates_states_as_the_spec_does(case, cache_dtype):
     assert_kernel_matches_spec(ssm_decode_ref, ssm_decode_triton, cache, args)
 
 
+# The GPU's float32 exp (Triton's: ex2.approx after a prescale, a few ulp) is less exact
+# than torch's (about one ulp), and a recurrence over thousands of tokens compounds it: on an
+# H100 Jamba's 2,048-token scan ended 1.6e-3 from the spec (1e-5 was asked). So outputs and
+# float32 states are held to a float64 run of the spec: the kernel may stray from it up to
+# DRIFT times as far as the float32 spec does, plus 2^-20 of the largest value (the exp's
+# error ratio is ~4-8 for the |x| <= 2 these decays take; a wrong index or layout errs by
+# O(|y|)). Under the interpreter numpy's exp is exact to rounding: there the two stray alike.
+DRIFT = 16
+
+
+def _float64(args: tuple) -> tuple:
+    return tuple(t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                 for t in args)  # fmt: skip
+
+
+def assert_drift_bounded(got, want, exact, what: str) -> None:
+    """`got` (the kernel's) strays from `exact` (float64) at most DRIFT times as far as `want`
+    (the float32 spec's) does, plus 2^-20 of the largest exact value."""
+    err_kernel = float((got.double() - exact).abs().max())
+    err_spec = float((want.double() - exact).abs().max())
+    floor = 2.0**-20 * float(exact.abs().max())
+    assert err_kernel <= DRIFT * err_spec + floor, (
+        f"{what}: the kernel strays {err_kernel:.3g} from float64, the float32 spec {err_spec:.3g}"
+    )
+
+
 def assert_kernel_matches_spec(spec, kernel, cache: torch.Tensor, args: tuple) -> None:
-    """`kernel(cache, *args)` against `spec` on a copy of the same cache (`args[0]` the
-    rows' units): outputs to 1e-5, the units it does not own bitwise as they were, its
-    own within `assert_states_close`."""
-    want_cache, got_cache = cache.clone(), cache.clone()
+    """`kernel(cache, *args)` against `spec` on copies of the same cache (`args[0]` the rows'
+    units) and against the spec in float64: outputs within `assert_drift_bounded`, the units
+    it does not own bitwise as they were, its own within `assert_states_close`."""
+    want_cache, got_cache, exact_cache = cache.clone(), cache.clone(), cache.double()
     want = spec(want_cache, *args)
     got = kernel(got_cache, *args)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    exact = spec(exact_cache, *_float64(args))
+    assert_drift_bounded(got, want, exact, "outputs")
     untouched = torch.ones(cache.shape[0], dtype=torch.bool, device=cache.device)
     untouched[args[0]] = False
     assert torch.equal(got_cache[untouched], cache[untouched])
-    assert_states_close(got_cache, want_cache)
+    units = args[0]
+    assert_states_close(got_cache[units], want_cache[units], exact_cache[units])
 
 
-def assert_states_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """A kernel's stored states against the spec's: float32 to 1e-6; in 16 bits, float32
-    states a rounding apart may round one ulp apart (at most 1% of them)."""
+def assert_states_close(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor) -> None:
+    """A kernel's stored states against the spec's: float32 ones within
+    `assert_drift_bounded`; 16-bit ones, stored from float32 values a few ulp apart, at most
+    one ulp of the dtype apart (of the larger of the two; values under float32's normal
+    range may flush to zero on a GPU), and at most 1% of them differ."""
     if got.dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert_drift_bounded(got, want, exact, "states")
         return
+    larger = torch.maximum(got.abs(), want.abs())
+    ulp = (torch.nextafter(larger, torch.full_like(larger, float("inf"))) - larger).float()
     diff = (got.float() - want.float()).abs()
-    assert (diff <= want.float().abs() * torch.finfo(got.dtype).eps + 1e-30).all()
+    assert (diff <= ulp + torch.finfo(torch.float32).tiny).all()
     assert (got != want).float().mean() < 0.01
