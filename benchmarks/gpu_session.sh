@@ -10,7 +10,8 @@
 #   TESTS=1 / 2 / 3 / 4 runs the first / second / third / fourth group of the GPU test files
 #   (the whole set takes more test time than a call can give it after the set-up and a
 #   benchmark: the groups fit a call each, each with its own summary line); TEST_FILES="a b"
-#   runs just those files
+#   runs just those files; PYTEST_ARGS adds pytest options ("-v --tb=line": each test's
+#   outcome as it ends, so a run cut by its timeout still names what failed)
 set -o pipefail
 OUT=${OUT:-/tmp/pdserve-out}
 mkdir -p "$OUT"
@@ -83,5 +84,5 @@ esac
 # their path, and the repo root's pdserve/ would shadow /tmp/pdpkg's there too.
 ROOT=$PWD
 cd /tmp && PDSERVE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-360}" python3 -P -m pytest -q \
-    -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pyproject.toml" "${FILES[@]/#/$ROOT/}" \
+    -p no:cacheprovider ${PYTEST_ARGS:-} --rootdir "$ROOT" -c "$ROOT/pyproject.toml" "${FILES[@]/#/$ROOT/}" \
     -k "not smollm2 and not bundled and not stop_strings" 2>&1 | tee "$OUT/gpu_tests.log"
