@@ -51,7 +51,7 @@ SECOND=(tests/test_paged_attention_triton.py tests/test_skinny_linear.py
     tests/test_parity_hf.py tests/test_self_consistency.py tests/test_async_scheduling.py
     tests/test_layer_wise.py tests/test_norm_fold.py tests/test_gpu_norm_fold.py
     tests/test_sampling_triton.py tests/test_grammar_kernels.py tests/test_structured_tiny.py
-    tests/test_moe_kernels.py tests/test_gpu_moe.py tests/test_moe_models.py tests/test_mla.py
+    tests/test_moe_kernels.py tests/test_gpu_moe.py tests/test_moe_grouped.py tests/test_moe_models.py tests/test_mla.py
     tests/test_gpu_mla.py tests/test_moe_relu2_experts.py)
 # The families and kernel features of the 2026-12-05 sessions (windows, softcaps, sinks,
 # Gemma, gpt-oss, FP8/MXFP4 checkpoints, hybrids, the FP8 KV cache, Qwen3-Next).

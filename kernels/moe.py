@@ -12,7 +12,8 @@ rows alone, `[E, I, H]` (`ExpertAct`).
 a dense SwiGLU over its tokens. It reads which experts those are on the host, so on a
 GPU it would sync every layer and could not be captured in a graph; `moe_experts` sends
 CUDA tensors to kernels/moe_triton.py instead (grouped GEMMs over expert-sorted token
-blocks, no host reads). Nothing here knows about requests, caches or the router's
+blocks, no host reads), or, when every expert gets a long run of tokens, to torch's grouped
+GEMM (kernels/moe_grouped.py). Nothing here knows about requests, caches or the router's
 checkpoint names.
 """
 
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from pdserve.kernels import moe_triton
 from pdserve.kernels.expert_act import SILU, ExpertAct
+from pdserve.kernels.moe_grouped import grouped_applies, moe_experts_grouped
 
 
 def route_top_k(
@@ -123,6 +125,8 @@ def moe_experts(
 ):  # fmt: skip
     if x.is_cuda:
         _check(x, w_gate_up, w_down, ids, weights, b_gate_up, b_down, act)
+        if grouped_applies(x, w_gate_up, ids.numel(), b_gate_up, act):  # long runs an expert
+            return moe_experts_grouped(x, w_gate_up, w_down, ids, weights)
         return moe_triton.moe_experts_triton(
             x, w_gate_up, w_down, ids, weights, b_gate_up=b_gate_up, b_down=b_down, act=act
         )

@@ -13,6 +13,8 @@ import logging
 import os
 from typing import Any
 
+import torch
+
 from pdserve.runner.config import RUNNER_CHOICES, architecture_of
 from pdserve.runner.models import MODEL_REGISTRY
 from pdserve.runner.models.fp8_weights import fp8_format
@@ -144,11 +146,19 @@ def _weights_path(model: Any) -> str:
 
 def _experts_path(runner_name: str, model: Any, device: str) -> str:
     """How an MoE model's experts run (kernels/moe.py): "triton" grouped GEMMs on CUDA,
-    the "torch" loop over experts on the CPU, "transformers" on the reference runner;
-    "none" for a dense model."""
+    with ", grouped_mm for long runs" where bf16 SwiGLU experts take torch's grouped GEMM
+    once every expert gets a long run of tokens (kernels/moe_grouped.py); the "torch" loop
+    over experts on the CPU, "transformers" on the reference runner; "none" for a dense
+    model."""
     config = getattr(model, "config", None)
     if config is None or experts_per_pick(config) is None:
         return "none"
     if runner_name != "mrv2":
         return "transformers"
-    return "triton" if device.startswith("cuda") else "torch"
+    if not device.startswith("cuda"):
+        return "torch"
+    # the SwiGLU stacks without biases (runner/models/moe.py's `experts_gate_up`; gpt-oss's
+    # biased and NemotronH's ungated experts are named otherwise)
+    stacks = [m.experts_gate_up for m in model.modules() if hasattr(m, "experts_gate_up")]
+    grouped = any(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in stacks)
+    return "triton, grouped_mm for long runs" if grouped else "triton"

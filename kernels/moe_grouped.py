@@ -1,0 +1,66 @@
+"""The experts as torch's grouped GEMM (`F.grouped_mm`, CUTLASS on sm90) over expert-sorted
+slots: for batches that give every expert a long run of tokens (a prefill chunk through
+few, large experts), where it beats kernels/moe_triton.py.
+
+Measured on an H100 (benchmarks/moe_bench.py, `moe_bench_h100_d935e2b.json`, µs a layer):
+Mixtral's experts (8 of intermediate 14,336, 2 picks) at 8,192 tokens, 2,048 slots an
+expert: the Triton kernels 22,185, the grouped GEMM 10,751; at 512 tokens (128 slots an
+expert) 1,451 against 1,685. Qwen3-30B-A3B's (128 of 768, 8 picks) at 8,192 tokens, 512
+slots an expert: 2,862 against 3,636. So the grouped GEMM runs from GROUPED_MIN_RUN slots an
+expert (between the 512 it lost at and the 2,048 it won at), for plain SwiGLU experts in
+bfloat16 (no biases, no clamped or ungated activations, no quantized stacks).
+
+Rounding points are the reference's (kernels/moe.py `moe_experts_ref`): each projection
+rounds to the dtype, the gate's ops round, the expert's output times its float32 weight
+rounds once, and a token's k terms sum in float32. No host reads: the run offsets are
+computed on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pdserve.kernels.expert_act import ExpertAct
+
+GROUPED_MIN_RUN = 1024  # mean slots an expert from which the grouped GEMM runs
+
+
+def grouped_applies(
+    x: Tensor, w_gate_up: object, num_slots: int, b_gate_up: Tensor | None, act: ExpertAct
+) -> bool:
+    """Whether `moe_experts` takes the grouped GEMM for this call (module docstring)."""
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and isinstance(w_gate_up, Tensor)
+        and b_gate_up is None
+        and act.kind == "silu"
+        and long_runs(num_slots, w_gate_up.shape[0])
+    )
+
+
+def long_runs(num_slots: int, num_experts: int) -> bool:
+    """At least GROUPED_MIN_RUN slots an expert, on average."""
+    return num_slots >= GROUPED_MIN_RUN * num_experts
+
+
+def moe_experts_grouped(x: Tensor, w_gate_up: Tensor, w_down: Tensor, ids: Tensor,
+                        weights: Tensor) -> Tensor:  # fmt: skip
+    """`moe_experts_ref` (SwiGLU, no biases) as two grouped GEMMs over the slots sorted by
+    expert: [T, H] -> [T, H]."""
+    num_tokens, top_k = ids.shape
+    num_experts, _, hidden = w_gate_up.shape
+    inter = w_down.shape[2]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # slots by expert, in slot order within one
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host read (bincount sizes on it)
+    ends = counts.cumsum(0).to(torch.int32)  # each expert's run ends here
+    gate_up = F.grouped_mm(x[order // top_k], w_gate_up.transpose(1, 2), offs=ends)
+    h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    y = F.grouped_mm(h, w_down.transpose(1, 2), offs=ends)
+    terms = torch.empty_like(y)
+    terms[order] = (y.float() * weights.reshape(-1)[order, None].float()).to(x.dtype)
+    return terms.view(num_tokens, top_k, hidden).sum(dim=1)
