@@ -8,7 +8,8 @@ expert: the Triton kernels 22,185, the grouped GEMM 10,751; at 512 tokens (128 s
 expert) 1,451 against 1,685. Qwen3-30B-A3B's (128 of 768, 8 picks) at 8,192 tokens, 512
 slots an expert: 2,862 against 3,636. So the grouped GEMM runs from GROUPED_MIN_RUN slots an
 expert (between the 512 it lost at and the 2,048 it won at), for plain SwiGLU experts in
-bfloat16 (no biases, no clamped or ungated activations, no quantized stacks).
+bfloat16 (no biases, no clamped or ungated activations, no quantized stacks) on Hopper or
+newer GPUs.
 
 Rounding points are the reference's (kernels/moe.py `moe_experts_ref`): each projection
 rounds to the dtype, the gate's ops round, the expert's output times its float32 weight
@@ -17,6 +18,8 @@ computed on the device.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +36,19 @@ def grouped_applies(
     """Whether `moe_experts` takes the grouped GEMM for this call (module docstring)."""
     return (
         x.is_cuda
+        and _sm90(x.device.index)
         and x.dtype == torch.bfloat16
         and isinstance(w_gate_up, Tensor)
         and b_gate_up is None
         and act.kind == "silu"
         and long_runs(num_slots, w_gate_up.shape[0])
     )
+
+
+@functools.cache
+def _sm90(device_index: int | None) -> bool:
+    """Hopper or newer: where the grouped GEMM was measured (and CUTLASS's runs)."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def long_runs(num_slots: int, num_experts: int) -> bool:
