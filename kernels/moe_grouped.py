@@ -51,6 +51,12 @@ def _sm90(device_index: int | None) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+def grouped_device(device: str | torch.device) -> bool:
+    """Whether this device runs the grouped GEMM for long runs (a Hopper or newer GPU)."""
+    d = torch.device(device)
+    return d.type == "cuda" and torch.cuda.is_available() and _sm90(d.index)
+
+
 def long_runs(num_slots: int, num_experts: int) -> bool:
     """At least GROUPED_MIN_RUN slots an expert, on average."""
     return num_slots >= GROUPED_MIN_RUN * num_experts

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pdserve.kernels.moe_grouped import grouped_device
 from pdserve.runner.config import RUNNER_CHOICES, architecture_of
 from pdserve.runner.models import MODEL_REGISTRY
 from pdserve.runner.models.fp8_weights import fp8_format
@@ -157,8 +158,13 @@ def _experts_path(runner_name: str, model: Any, device: str) -> str:
         return "transformers"
     if not device.startswith("cuda"):
         return "torch"
-    # the SwiGLU stacks without biases (runner/models/moe.py's `experts_gate_up`; gpt-oss's
-    # biased and NemotronH's ungated experts are named otherwise)
-    stacks = [m.experts_gate_up for m in model.modules() if hasattr(m, "experts_gate_up")]
-    grouped = any(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in stacks)
+    grouped = grouped_stacks(model) and grouped_device(device)
     return "triton, grouped_mm for long runs" if grouped else "triton"
+
+
+def grouped_stacks(model: Any) -> bool:
+    """Whether the model has experts kernels/moe_grouped.py takes: bf16 SwiGLU stacks
+    without biases (runner/models/moe.py's `experts_gate_up`; gpt-oss's biased and
+    NemotronH's ungated experts are named otherwise)."""
+    stacks = [m.experts_gate_up for m in model.modules() if hasattr(m, "experts_gate_up")]
+    return any(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in stacks)

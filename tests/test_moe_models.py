@@ -156,13 +156,18 @@ def test_execution_path_names_how_experts_run(tiny_qwen2_moe_dir, tiny_qwen3_dir
     assert moe_path["runner"] == "mrv2"
     assert moe_path["experts"] == ("triton" if DEVICE == "cuda" else "torch")
     assert moe_path["norms"] == "kernels"
-    # on CUDA, bf16 SwiGLU experts may take torch's grouped GEMM (kernels/moe_grouped.py):
-    # the label says so for them and for no other dtype
-    from pdserve.runner.runner_select import _experts_path
+    # on a Hopper GPU, bf16 SwiGLU experts may take torch's grouped GEMM
+    # (kernels/moe_grouped.py): the label says so for them and for no other dtype
+    from pdserve.kernels.moe_grouped import grouped_device
+    from pdserve.runner.runner_select import _experts_path, grouped_stacks
 
     bf16 = LLM(model=tiny_qwen2_moe_dir, device=DEVICE, dtype="bfloat16").engine.runner.model
-    assert _experts_path("mrv2", bf16, "cuda:0") == "triton, grouped_mm for long runs"
     fp32 = LLM(model=tiny_qwen2_moe_dir, **kw).engine.runner.model
+    assert grouped_stacks(bf16) and not grouped_stacks(fp32)
+    hopper = grouped_device("cuda:0")
+    assert hopper == (DEVICE == "cuda" and torch.cuda.get_device_capability(0) >= (9, 0))
+    grouped = "triton, grouped_mm for long runs" if hopper else "triton"
+    assert _experts_path("mrv2", bf16, "cuda:0") == grouped
     assert _experts_path("mrv2", fp32, "cuda:0") == "triton"
     reference = LLM(model=tiny_qwen2_moe_dir, runner="reference", **kw).engine.execution_path
     assert reference["experts"] == "transformers"
