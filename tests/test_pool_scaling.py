@@ -198,27 +198,37 @@ def test_a_hybrids_router_counts_only_prompts_a_worker_computed(pools, stream_en
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     req = ParsedRequest("completion", "m", prompt, params, True, False, False, None)
 
-    async def run(config: RouterConfig) -> tuple[Router, list]:
-        router = Router(config, [], [])
-        subscriber = TokenSubscriber(stream_endpoint, router.on_delta)
+    async def run(configs: list[RouterConfig]) -> list[tuple[Router, list]]:
+        # One subscriber for both routers: a socket closes in zmq's I/O thread, so binding
+        # the stream endpoint again at once may find it still taken.
+        current: list[Router] = []
+        subscriber = TokenSubscriber(stream_endpoint, lambda w, d: current[-1].on_delta(w, d))
         subscriber.start()
+        results = []
         try:
-            sync_members(router, await PoolControl(pools).members())
-            routes, output = [], []
-            async for _, delta in router.generate(req, routes.append):
-                output += delta.token_ids
-            assert len(output) == 20 and len(routes) == 1
-            return router, routes
+            for config in configs:
+                router = Router(config, [], [])
+                current.append(router)
+                try:
+                    sync_members(router, await PoolControl(pools).members())
+                    routes, output = [], []
+                    async for _, delta in router.generate(req, routes.append):
+                        output += delta.token_ids
+                    assert len(output) == 20 and len(routes) == 1
+                    results.append((router, routes))
+                finally:
+                    await router.close()
+            return results
         finally:
-            await router.close()
             await subscriber.close()
 
-    router, routes = asyncio.run(run(RouterConfig(mode="pd", state_snapshots=True)))
+    modes = [RouterConfig(mode=m, state_snapshots=True) for m in ("pd", "colocated")]
+    (router, routes), (colocated, colocated_routes) = asyncio.run(run(modes))
     index, hashes = router.prefix_index, router.prefix_index.hashes(prompt)
     assert routes[0].decision == "remote_prefill"
     assert index.hit_tokens(routes[0].decode, hashes) == 0
     assert index.hit_tokens(routes[0].prefill, hashes) == 32
-    router, routes = asyncio.run(run(RouterConfig(mode="colocated", state_snapshots=True)))
+    router, routes = colocated, colocated_routes
     index = router.prefix_index
     reply_too = index.hashes(prompt + [5] * 20)
     assert index.hit_tokens(routes[0].decode, reply_too) == 32  # the prompt's blocks only
