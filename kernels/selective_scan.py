@@ -140,6 +140,8 @@ def selective_scan_triton(cache, units, fresh, query_start, u, delta, a, b, c, d
 
 
 def selective_scan(cache, units, fresh, query_start, u, delta, a, b, c, d_skip) -> torch.Tensor:
+    if cache.is_cuda:  # the launcher checks the layout itself
+        return selective_scan_triton(cache, units, fresh, query_start, u, delta, a, b, c, d_skip)
+    # the GPU's layout on the CPU path too, so CPU tests catch a view
     _check(cache, units, fresh, query_start, u, delta, a, b, c, d_skip)
-    fn = selective_scan_triton if cache.is_cuda else selective_scan_ref
-    return fn(cache, units, fresh, query_start, u, delta, a, b, c, d_skip)
+    return selective_scan_ref(cache, units, fresh, query_start, u, delta, a, b, c, d_skip)
