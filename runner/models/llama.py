@@ -100,10 +100,15 @@ def head_dim_of(hf_config: Any) -> int:
 
 def rotary_dim_of(hf_config: Any) -> int:
     """The leading dims of each head that RoPE rotates (`partial_rotary_factor`, e.g.
-    GLM-4's 0.5; transformers 5 keeps it in `rope_parameters`); the rest pass through."""
+    GLM-4's 0.5; transformers 5 keeps it in `rope_parameters`); the rest pass through.
+    Released MiniMax-M2 checkpoints name a count instead (legacy `rotary_dim`), which
+    older transformers releases drop from the factor: read here, whatever the release."""
     factor = rope_parameters(hf_config).get("partial_rotary_factor")
     if factor is None:
         factor = getattr(hf_config, "partial_rotary_factor", None)
+    legacy = getattr(hf_config, "rotary_dim", None)
+    if factor is None and isinstance(legacy, int) and legacy > 0:
+        return legacy
     return int(head_dim_of(hf_config) * float(factor or 1.0))
 
 
