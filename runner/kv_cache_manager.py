@@ -15,8 +15,9 @@ with its first blocks, and takes it back with them: `state_unit`, `detach`, `rel
 With prefix caching it keeps state snapshots at block boundaries (runner/state_snapshots.py):
 a prefix hit reaches only as far as the last block with a snapshot, `snapshot_cut` ends a
 prompt chunk at the prompt's last block boundary, `scheduled` reserves a snapshot for a
-request that reached it, and `take_state_copies` hands the runner each step's unit copies
-(last step's saves, then this step's restores).
+request that reached it (or, decoding, saves into the request's own unit at each block
+boundary it crosses, published by `free`), and `take_state_copies` hands the runner each
+step's unit copies (last step's saves, then this step's restores).
 
 This module does not know about the GPU tensors the block ids index, the scheduler's
 policy (who gets memory, who is preempted) or how KV is transferred; it is bookkeeping.
@@ -65,6 +66,8 @@ class KVCacheManager:
         self._saves: list[tuple[int, int]] = []  # (request unit, snapshot unit), this step
         self._saves_due: list[tuple[int, int]] = []  # last step's: copied before this one
         self._restores: list[tuple[int, int]] = []  # (snapshot unit, request unit)
+        # request -> (its taken snapshot unit, the boundary its last decode save is at)
+        self._decode_saves: dict[str, tuple[int, int]] = {}
         # How many leading blocks of each request were already offered to the cache, so
         # cache_blocks does work only for blocks completed since its last call.
         self._num_cached_blocks: dict[str, int] = {}
@@ -208,15 +211,39 @@ class KVCacheManager:
     def scheduled(self, request: Request) -> None:
         """The request's computed tokens (scheduled ones included) were just advanced:
         reaching its prompt's last block boundary, its state there is saved before the
-        next step."""
+        next step; reaching a block boundary past it (decoding), into the request's own
+        snapshot unit, which `free` publishes."""
         if self.snapshots is None:
             return
         n = request.num_computed_tokens
-        if n == 0 or n != self._snapshot_boundary(request):
+        if n == 0 or n % self.block_size:
             return
-        unit = self.snapshots.reserve(self.block_hashes(request)[n // self.block_size - 1])
+        boundary = self._snapshot_boundary(request)
+        if n == boundary:
+            unit = self.snapshots.reserve(self.block_hashes(request)[n // self.block_size - 1])
+        elif n > boundary:  # the hash waits for `free`: the last tokens may be in flight
+            rid = request.request_id
+            saved = self._decode_saves.get(rid)
+            unit = saved[0] if saved is not None else self.snapshots.take()
+            if unit is not None:
+                self._decode_saves[rid] = (unit, n)
+        else:
+            return
         if unit is not None:
             self._saves.append((self._req_unit[request.request_id], unit))
+
+    def _end_decode_saves(self, request: Request) -> None:
+        """Publish the state the request saved at its last block boundary, under that
+        block's hash, if its tokens are known that far (not, e.g., past a token that
+        async scheduling still has in flight); else give its unit back."""
+        saved = self._decode_saves.pop(request.request_id, None)
+        if saved is None:
+            return
+        unit, n = saved
+        if n <= request.num_tokens:
+            self.snapshots.publish(self.block_hashes(request)[n // self.block_size - 1], unit)
+        else:
+            self.snapshots.give_back(unit)
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """This step's (source unit, target unit) copies, in order: the saves reserved a
@@ -264,6 +291,7 @@ class KVCacheManager:
         blocks = self._req_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self._restore_from.pop(request.request_id, None)
+        self._end_decode_saves(request)
         if blocks is not None:
             self.block_pool.free(reversed(blocks))
         unit = self._req_unit.pop(request.request_id, None)
@@ -275,6 +303,7 @@ class KVCacheManager:
         (prefill role: they back a transfer lease); hand them back later with `release`."""
         self._num_cached_blocks.pop(request.request_id, None)
         self._restore_from.pop(request.request_id, None)
+        self._end_decode_saves(request)
         unit = self._req_unit.pop(request.request_id, None)
         return self._req_blocks.pop(request.request_id, []), unit
 

@@ -7,10 +7,16 @@ each prompt's prefill at its last block boundary B (runner/scheduler.py) and sav
 request's state there into a snapshot unit, keyed by the chain hash of the block that
 ends at B. A new request whose cached prefix reaches a block with a snapshot starts from
 it: its unit is filled from the snapshot before its first step (KVCacheManager's state
-copies), and it computes from B on. Chat turns reuse the last turn's prompt this way.
+copies), and it computes from B on.
+
+A decoding request also saves its state each time it crosses a block boundary, into one
+unit of its own that is not yet looked up (`take`): each crossing overwrites the last.
+When the request ends, that unit is published under the hash of the block ending at its
+last crossing (`publish`), so the next chat turn, which repeats the prompt and the reply,
+resumes after the reply, not just after the prompt.
 
 Snapshot units are numbered after the requests' units (runner/mrv2/mamba_state.py holds
-the tensors); when all are taken the least recently used is overwritten.
+the tensors); when none is free the least recently used snapshot is overwritten.
 
 What this module does not know: tensors, or whether a snapshot's KV blocks are still
 cached (a lookup only follows a prefix hit, so a snapshot whose blocks were evicted is
@@ -28,6 +34,8 @@ class StateSnapshots:
             raise ValueError(f"num_units must be >= 1, got {num_units}")
         self.first_unit, self.num_units = first_unit, num_units
         self._by_hash: OrderedDict[int, int] = OrderedDict()  # oldest use first
+        self._taken: set[int] = set()  # units saved into by decoding requests, unpublished
+        self._free = list(range(first_unit + num_units - 1, first_unit - 1, -1))  # pop: lowest
 
     def lookup(self, block_hash: int) -> int | None:
         """The unit holding the state at the end of this block, if any (a use)."""
@@ -38,19 +46,54 @@ class StateSnapshots:
 
     def reserve(self, block_hash: int) -> int | None:
         """A unit to save the state at the end of this block into (a free one, else the
-        least recently used one's), or None if it is saved already."""
+        least recently used snapshot's), or None if it is saved already or every unit is
+        taken by a decoding request."""
         if block_hash in self._by_hash:
             self._by_hash.move_to_end(block_hash)
             return None
-        if len(self._by_hash) < self.num_units:
-            unit = self.first_unit + len(self._by_hash)
-        else:
-            _, unit = self._by_hash.popitem(last=False)
-        self._by_hash[block_hash] = unit
+        unit = self._unit()
+        if unit is not None:
+            self._by_hash[block_hash] = unit
         return unit
 
+    def take(self) -> int | None:
+        """A unit for a decoding request's saves, looked up by nobody until `publish` or
+        `give_back`; None if every unit is taken so."""
+        unit = self._unit()
+        if unit is not None:
+            self._taken.add(unit)
+        return unit
+
+    def publish(self, block_hash: int, unit: int) -> None:
+        """A taken unit now holds the state at the end of this block (or will, once the
+        save a step ago is copied: copies run before any restore of the same step)."""
+        self._taken.remove(unit)
+        if block_hash in self._by_hash:  # the same prefix, saved already: keep that one
+            self._by_hash.move_to_end(block_hash)
+            self._free.append(unit)
+        else:
+            self._by_hash[block_hash] = unit
+
+    def give_back(self, unit: int) -> None:
+        """A taken unit whose state will not be looked up."""
+        self._taken.remove(unit)
+        self._free.append(unit)
+
+    def _unit(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        if self._by_hash:
+            return self._by_hash.popitem(last=False)[1]
+        return None
+
     def clear(self) -> None:
+        """Forget every snapshot (units taken by decoding requests stay theirs)."""
         self._by_hash.clear()
+        self._free = [
+            u
+            for u in range(self.first_unit + self.num_units - 1, self.first_unit - 1, -1)
+            if u not in self._taken
+        ]
 
     def __len__(self) -> int:
         return len(self._by_hash)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from conftest import DEVICE
 
 from pdserve import LLM, SamplingParams
@@ -46,6 +47,65 @@ def test_a_chat_turn_resumes_from_the_last_turns_state(fixture, request):
     got, (hit,) = _gen(cached, [second])
     assert hit == 64
     assert got == _gen(plain, [second])[0]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("fixture", ["tiny_bamba_dir", "tiny_qwen3_next_dir"])
+def test_a_chat_turn_resumes_after_the_last_turns_reply(fixture, async_scheduling, request):
+    """Turn 1's reply crosses the block boundaries at 80 and 96 (70 prompt tokens and 29
+    of its 30 reply tokens are computed): turn 2 resumes from the state saved at 96, past
+    the prompt's 64, and decodes as the engine without caching does. With async
+    scheduling the save at 96 is planned before token 96's value is known on the host."""
+    model = request.getfixturevalue(fixture)
+    cached, plain = _llms(model, async_scheduling=async_scheduling)
+    long_reply = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=30)
+    rng = random.Random(4)
+    first = [rng.randrange(3, 990) for _ in range(70)]
+    (out,) = cached.generate([{"prompt_token_ids": first}], long_reply, use_tqdm=False)
+    reply = out.outputs[0].token_ids
+    (want,) = plain.generate([{"prompt_token_ids": first}], long_reply, use_tqdm=False)
+    assert reply == want.outputs[0].token_ids
+    second = first + reply + [rng.randrange(3, 990) for _ in range(11)]
+    # Logprobs too: a state one token off can leave a tiny model's greedy tokens alone.
+    scored = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=1)
+    (got,), (want,) = (
+        llm.generate([{"prompt_token_ids": second}], scored, use_tqdm=False)
+        for llm in (cached, plain)
+    )
+    assert got.num_cached_tokens == 96
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    lp = [[d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+          for o in (got, want)]  # fmt: skip
+    assert torch.allclose(torch.tensor(lp[0]), torch.tensor(lp[1]), atol=1e-4), lp
+    # The reply's own last boundary is published once, the prompt's too; nothing is held.
+    snaps = cached.engine.kv.snapshots
+    assert len(snaps) == 3 and not snaps._taken  # 64 and 96 of turn 1, 112 of turn 2
+
+
+def test_a_decode_save_reaches_no_further_than_the_known_tokens():
+    """The request's last save is at a boundary whose tokens are not all known (async
+    scheduling planned it past the last sampled value): its unit goes back unpublished."""
+    from pdserve.runner.kv_cache_manager import KVCacheManager
+    from pdserve.runner.request import Request
+
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True,
+                        num_state_units=2, num_snapshot_units=2)  # fmt: skip
+    req = Request("r", list(range(3, 9)), GREEDY, seed=0)  # 6 prompt tokens: boundary 4
+    assert kv.allocate_slots(req, 8) is not None
+    req.num_computed_tokens = 8  # 6 prompt + 2 outputs scheduled, only one known
+    req.append_output_token(11)
+    kv.scheduled(req)
+    assert kv.take_state_copies() == [] and kv.take_state_copies() == [(0, 2)]
+    kv.free(req)
+    assert len(kv.snapshots) == 0 and not kv.snapshots._taken
+    req2 = Request("q", list(range(3, 9)), GREEDY, seed=0)
+    assert kv.allocate_slots(req2, 8) is not None
+    req2.num_computed_tokens = 8
+    req2.append_output_token(11)
+    req2.append_output_token(12)
+    kv.scheduled(req2)
+    kv.free(req2)
+    assert len(kv.snapshots) == 1 and kv.snapshots.lookup(kv.block_hashes(req2)[1]) == 2
 
 
 def test_many_prompts_share_prefixes_in_one_batch(tiny_bamba_dir):
@@ -92,3 +152,16 @@ def test_snapshot_units_are_reused_least_recently_used_first():
     assert snaps.reserve(104) == 8  # 101's lookup came before 103's
     snaps.clear()
     assert len(snaps) == 0 and snaps.reserve(105) == 8
+    # A decoding request's unit: out of the lookups until published, then like any other.
+    taken = snaps.take()  # the free one
+    second = snaps.take()  # 105's: the least recently used snapshot
+    assert (taken, second, snaps.lookup(105)) == (9, 8, None)
+    assert snaps.reserve(106) is None  # every unit is taken by a decoding request
+    snaps.clear()  # taken units stay their requests'
+    snaps.give_back(second)
+    assert snaps.reserve(107) == 8 and snaps.lookup(107) == 8
+    snaps.publish(108, taken)
+    assert snaps.lookup(108) == 9 and len(snaps) == 2
+    again = snaps.take()  # evicts 107, the least recently used
+    snaps.publish(108, again)  # 108 is saved already: the unit is free again
+    assert snaps.lookup(107) is None and snaps.reserve(109) == again == 8
