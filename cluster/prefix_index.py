@@ -4,6 +4,11 @@ Keyed by the same chain hash of full token blocks the KV cache and the tier use.
 what the router sent each worker recently, not what the worker still holds (a worker may
 have evicted a block since): a stale hit costs a local prefill that finds less in the
 cache than hoped, never a wrong token. Each worker's entry is an LRU bounded in blocks.
+
+For a hybrid Mamba model (`state_points`), a hit reaches only as far as the last block
+after which the worker saved a recurrent state (runner/state_snapshots.py): the end of a
+prompt it computed, the last block boundary a reply it decoded crossed. So each block
+remembered also says whether a state ends there, and a hit stops at the last that does.
 """
 
 from __future__ import annotations
@@ -16,14 +21,21 @@ from pdserve.runner.block_hash import extend_block_hashes
 
 class PrefixIndex:
     def __init__(
-        self, block_size: int, max_blocks_per_worker: int = 1 << 16, enabled: bool = True
+        self,
+        block_size: int,
+        max_blocks_per_worker: int = 1 << 16,
+        enabled: bool = True,
+        state_points: bool = False,
     ) -> None:
         """`enabled=False`: the workers cache no prefixes (`--no-enable-prefix-caching`), so
-        nothing is remembered and no worker has a hit."""
+        nothing is remembered and no worker has a hit. `state_points`: a hybrid's hits
+        (module docstring)."""
         self.block_size = block_size
         self.max_blocks = max_blocks_per_worker
         self.enabled = enabled
-        self._by_worker: dict[str, OrderedDict[int, None]] = {}
+        self.state_points = state_points
+        # block hash -> whether a saved state ends there (state_points only), oldest first
+        self._by_worker: dict[str, OrderedDict[int, bool]] = {}
 
     def hashes(
         self, prompt: Sequence[int], salt: str | None = None, adapter: str | None = None
@@ -53,20 +65,26 @@ class PrefixIndex:
         seen = self._by_worker.get(worker_id)
         if not seen:
             return 0
-        n = 0
-        for h in hashes:
-            if h not in seen:
+        reached = 0
+        for n, h in enumerate(hashes, 1):
+            point = seen.get(h)
+            if point is None:
                 break
-            n += 1
-        return n * self.block_size
+            if point or not self.state_points:
+                reached = n
+        return reached * self.block_size
 
-    def remember(self, worker_id: str, hashes: list[int]) -> None:
+    def remember(self, worker_id: str, hashes: list[int], state: bool = True) -> None:
+        """The worker holds these blocks; `state` (state_points only): and a state saved
+        after the last of them."""
         if not self.enabled:
             return
         seen = self._by_worker.setdefault(worker_id, OrderedDict())
         for h in hashes:
-            seen[h] = None
+            seen[h] = seen.get(h, False)
             seen.move_to_end(h)
+        if state and hashes:
+            seen[hashes[-1]] = True
         while len(seen) > self.max_blocks:
             seen.popitem(last=False)
 

@@ -67,7 +67,9 @@ class Router:
         self.prefill_failures: Counter[str] = Counter()
         self.worker_stats: dict[str, dict] = {}  # worker id -> last polled stats
         self.stats_failures: Counter[str] = Counter()  # worker id -> polls it did not answer
-        self.prefix_index = PrefixIndex(config.block_size, enabled=config.prefix_caching)
+        self.prefix_index = PrefixIndex(
+            config.block_size, enabled=config.prefix_caching, state_points=config.state_snapshots
+        )
         self.tier = None  # the KV tier actor, when there is one (stats only)
         self.tier_stats: dict = {}
         # (role, state) -> workers, from the controller's last member list (/metrics)
@@ -270,9 +272,8 @@ class Router:
             # The decode worker holds the prompt's KV once it computes it (no ticket) or
             # pulls it, which it does only for a request its first token did not end.
             on_decode, output = ticket is None, []
-            # remember what the decode worker holds: all of it once it computed or pulled
-            # it, for a hybrid only a prompt it computed (RouterConfig.state_snapshots)
-            remember = not self.config.state_snapshots
+            # remember what the decode worker holds once it computed or pulled the prompt;
+            # a hybrid's state only where it computed it (RouterConfig.state_snapshots)
             if on_decode:
                 self.prefix_index.remember(decode_w.worker_id, hashes)
             work = replace(work, ticket=ticket_to_wire(ticket) if ticket is not None else None)
@@ -295,20 +296,18 @@ class Router:
                 output += delta.token_ids
                 if not on_decode and (delta.finish_reason is None or len(output) > 1):
                     on_decode = True  # it went on past its first token: the KV is pulled
-                    if remember:
-                        self.prefix_index.remember(decode_w.worker_id, hashes)
+                    self.prefix_index.remember(decode_w.worker_id, hashes, state=False)
                 await out.put((index, delta))
                 if delta.finish_reason is not None:
                     finished = True
-                    if remember and on_decode and delta.finish_reason != "error":
+                    if on_decode and delta.finish_reason != "error":
                         # The reply's KV is cached there too (all but its last token's):
-                        # a conversation's next turn resends it.
+                        # a conversation's next turn resends it. A hybrid saved its state
+                        # at the last block boundary the reply crossed, if it crossed one.
                         seq = list(prompt) + output[:-1]
                         prefixes = self.prefix_index
-                        prefixes.remember(
-                            decode_w.worker_id,
-                            prefixes.extended(hashes, seq, params.cache_salt, lora),
-                        )
+                        reply = prefixes.extended(hashes, seq, params.cache_salt, lora)
+                        prefixes.remember(decode_w.worker_id, reply, state=len(reply) > len(hashes))
                     return
         except asyncio.CancelledError:
             raise

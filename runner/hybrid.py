@@ -6,15 +6,16 @@ A Mamba layer's output depends on its request's whole history through the state 
 request's state unit (runner/state_pool.py, runner/mrv2/mamba_state.py), which exists only
 at the end of what the request computed so far, not at every block boundary. So:
 - prefix caching reaches only block boundaries where a state was saved: each prompt's
-  last one (runner/state_snapshots.py), so a chat's next turn starts from the last turn's
-  prompt;
+  last one, and the last one each reply crossed (runner/state_snapshots.py), so a chat's
+  next turn starts after the last turn's reply;
 - the KV tier is off: it keeps blocks by prefix hash, without states;
-- the router does not route hybrids by remembered prefixes (a hit needs a saved state
-  the router cannot see);
+- the router counts a worker's remembered prefix only as far as the last block after which
+  it saved a state (cluster/prefix_index.py's state points);
 - layer-wise early tickets are refused: the state is final only after the whole forward.
-Decode steps take the CUDA graphs as other models' do: the mixers' one-token step is
-plain torch over the rows' state units, which come from persistent buffers (pad rows on a
-scratch unit: runner/mrv2/mamba_state.py); prompt steps run eagerly.
+Decode steps take the CUDA graphs as other models' do: the mixers' one-token step reads
+and writes the rows' state units (Triton state updates on CUDA), which come from
+persistent buffers (pad rows on a scratch unit: runner/mrv2/mamba_state.py); prompt steps
+run eagerly.
 PD itself works: a held prompt keeps its unit with its blocks, and the ticket moves the
 unit's final state with them (kvtransfer/ `mamba_state`), all or nothing.
 Each is logged or refused by name, so the path an operator sees is the one that runs.

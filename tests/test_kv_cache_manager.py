@@ -319,6 +319,22 @@ def test_a_salted_request_hits_only_blocks_of_its_own_salt() -> None:
     assert off.hit_tokens("w", off.hashes(prompt)) == 0
 
 
+def test_a_hybrids_router_hits_stop_at_the_last_saved_state() -> None:
+    """PrefixIndex(state_points=True): a hit reaches the last remembered block after which
+    a state was saved, not the last remembered block; a block remembered later with a
+    state gains one, and one remembered without keeps the one it had."""
+    index = PrefixIndex(BS, state_points=True)
+    seq = index.hashes(list(range(10, 10 + 6 * BS)))
+    index.remember("w", seq[:2])  # a prompt it computed: a state after block 2
+    index.remember("w", seq[:4], state=False)  # a pulled prompt's blocks
+    assert index.hit_tokens("w", seq) == 2 * BS
+    index.remember("w", seq[:5])  # a reply's last boundary
+    assert index.hit_tokens("w", seq) == 5 * BS and index.hit_tokens("w", seq[:4]) == 2 * BS
+    index.remember("w", seq[:2], state=False)
+    assert index.hit_tokens("w", seq[:3]) == 2 * BS
+    assert index.hit_tokens("v", seq) == 0
+
+
 def test_cache_blocks_skips_tokens_not_known_yet() -> None:
     """Guards against hashing a block whose last tokens are still being sampled (async
     scheduling computes positions before their token ids reach the CPU)."""

@@ -191,9 +191,11 @@ def test_the_router_remembers_a_reply_on_its_decode_worker(pools, stream_endpoin
 
 def test_a_hybrids_router_counts_only_prompts_a_worker_computed(pools, stream_endpoint):
     """Guards RouterConfig.state_snapshots (a hybrid Mamba model: a worker's hit reaches
-    only where it saved a state, the end of a prompt it prefilled). A remotely prefilled
-    prompt counts on its prefill worker, not on the decode worker that pulled it; a prompt
-    a worker computed counts there, its reply not."""
+    only where it saved a state, the end of a prompt it prefilled or the last block
+    boundary its reply crossed). A remotely prefilled prompt counts on its prefill worker,
+    not on the decode worker that pulled it; a prompt a worker computed counts there; the
+    reply (40 + 19 computed tokens: a state at 48) counts on the decode worker either way,
+    and a prompt sharing only part of it reaches no further than the last state before."""
     prompt = [(7 * i) % 900 + 3 for i in range(40)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     req = ParsedRequest("completion", "m", prompt, params, True, False, False, None)
@@ -215,7 +217,7 @@ def test_a_hybrids_router_counts_only_prompts_a_worker_computed(pools, stream_en
                     async for _, delta in router.generate(req, routes.append):
                         output += delta.token_ids
                     assert len(output) == 20 and len(routes) == 1
-                    results.append((router, routes))
+                    results.append((router, routes, output))
                 finally:
                     await router.close()
             return results
@@ -223,15 +225,19 @@ def test_a_hybrids_router_counts_only_prompts_a_worker_computed(pools, stream_en
             await subscriber.close()
 
     modes = [RouterConfig(mode=m, state_snapshots=True) for m in ("pd", "colocated")]
-    (router, routes), (colocated, colocated_routes) = asyncio.run(run(modes))
+    (router, routes, output), colocated = asyncio.run(run(modes))
     index, hashes = router.prefix_index, router.prefix_index.hashes(prompt)
     assert routes[0].decision == "remote_prefill"
     assert index.hit_tokens(routes[0].decode, hashes) == 0
     assert index.hit_tokens(routes[0].prefill, hashes) == 32
-    router, routes = colocated, colocated_routes
+    next_turn = index.hashes(prompt + output + [5] * 9)
+    assert index.hit_tokens(routes[0].decode, next_turn) == 48
+    assert index.hit_tokens(routes[0].prefill, next_turn) == 32
+    router, routes, output = colocated
     index = router.prefix_index
-    reply_too = index.hashes(prompt + [5] * 20)
-    assert index.hit_tokens(routes[0].decode, reply_too) == 32  # the prompt's blocks only
+    assert index.hit_tokens(routes[0].decode, index.hashes(prompt + output + [5] * 9)) == 48
+    other_reply = index.hashes(prompt + [5] * 20)
+    assert index.hit_tokens(routes[0].decode, other_reply) == 32  # the prompt's state only
 
 
 def test_a_request_queued_for_a_decode_slot_goes_to_a_worker_added_by_scaling(
