@@ -1,16 +1,20 @@
-"""RMSNorm, alone and with the residual add fused in front of it.
+"""RMSNorm, alone and with the residual add fused in front of it; and Cohere's LayerNorm
+(no bias), which is RMSNorm over the row less its mean.
 
 The reference follows transformers' Llama RMSNorm operation for operation (square and
 mean in float32, scale by rsqrt, cast back, multiply by the weight), so that CPU float32
 results are bit-identical to the transformers oracle. A float32 weight on 16-bit inputs is
 Gemma's norm (its `1 + w` kept in float32, runner/models/gemma.py): the product is taken
 in float32 and rounded once, to the input's dtype, as transformers' Gemma RMSNorm does.
+Cohere's LayerNorm (`layer_norm_ref`) follows transformers' CohereLayerNorm the same way:
+mean and variance in float32, the weight's product in float32, rounded once.
 
 Device path: one Triton kernel for both, with the residual add behind a constexpr. Each
 program normalises BLOCK_ROWS rows held whole in registers (BLOCK_D >= hidden, one
 reduction, no second pass over memory), in float32, rounding at the points the reference
 rounds: the sum `x + residual` and the normalised value to the input dtype, the product
-with the weight to the output dtype. Rows may be a strided `[T, H, D]` view (q/k norm on
+with the weight to the output dtype. The LayerNorm is the same kernel with the row's mean
+taken away first (a constexpr) and the normalised value left unrounded. Rows may be a strided `[T, H, D]` view (q/k norm on
 the fused QKV projection's output) as long as each row's D values are contiguous.
 """
 
@@ -44,6 +48,22 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(summed, weight, eps), summed
 
 
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Cohere's LayerNorm: no bias, float32 throughout, rounded once to x's dtype."""
+    h = x.float()
+    h = h - h.mean(-1, keepdim=True)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * h).to(x.dtype)
+
+
+def fused_add_layer_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (layer_norm(x + residual), x + residual)."""
+    summed = x + residual
+    return layer_norm_ref(summed, weight, eps), summed
+
+
 # num_rows is the step's token count: not specialised on, or each new value class
 # (== 1, % 16) would compile a variant mid-serving.
 @triton.jit(do_not_specialize=["num_rows"])
@@ -63,6 +83,7 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     ROUND_NORMED: tl.constexpr,  # False: Gemma's float32 product, rounded once
+    CENTER: tl.constexpr,  # the row's mean taken away first: Cohere's LayerNorm
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -86,6 +107,9 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + out_offs, x, mask=mask)
     xf = x.to(tl.float32)
     # Masked lanes hold 0 and add nothing; divide by the true dim, not BLOCK_D.
+    if CENTER:
+        mean = tl.sum(xf, axis=1) / dim
+        xf = tl.where(mask, xf - mean[:, None], 0.0)  # masked lanes stay out of the sum
     variance = tl.sum(xf * xf, axis=1) / dim
     normed = xf * tl.rsqrt(variance + eps)[:, None]
     if ROUND_NORMED:
@@ -104,7 +128,7 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
     return x3 if x3.stride(2) == 1 else x3.contiguous()
 
 
-def _launch_rms_norm(x, residual, weight, eps, out, residual_out) -> None:
+def _launch_rms_norm(x, residual, weight, eps, out, residual_out, center=False) -> None:
     if x.numel() == 0:
         return
     x3 = _rows_view(x)
@@ -132,7 +156,8 @@ def _launch_rms_norm(x, residual, weight, eps, out, residual_out) -> None:
         dim,
         eps,
         HAS_RESIDUAL=residual is not None,
-        ROUND_NORMED=not gemma_style(x, weight),
+        ROUND_NORMED=not (center or gemma_style(x, weight)),
+        CENTER=center,
         BLOCK_ROWS=block_rows,
         BLOCK_D=block_d,
         num_warps=num_warps,
@@ -173,6 +198,26 @@ def fused_add_rms_norm_triton(
     return out, residual_out
 
 
+def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check_norm_args(x, weight)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_rms_norm(x, None, weight, eps, out, None, center=True)
+    return out
+
+
+def fused_add_layer_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (layer_norm(x + residual), x + residual)."""
+    _check_norm_args(x, weight)
+    assert x.shape == residual.shape, "residual and input have the same shape"
+    assert x.dtype == residual.dtype, f"x ({x.dtype}) and residual ({residual.dtype}) differ"
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_rms_norm(x, residual, weight, eps, out, residual_out, center=True)
+    return out, residual_out
+
+
 def rms_norm(x, weight, eps: float):
     assert x.shape[-1] == weight.shape[0], "weight has one scale per feature"
     if x.is_cuda:
@@ -185,3 +230,17 @@ def fused_add_rms_norm(x, residual, weight, eps: float):
     if x.is_cuda:
         return fused_add_rms_norm_triton(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+def layer_norm(x, weight, eps: float):
+    assert x.shape[-1] == weight.shape[0], "weight has one scale per feature"
+    if x.is_cuda:
+        return layer_norm_triton(x, weight, eps)
+    return layer_norm_ref(x, weight, eps)
+
+
+def fused_add_layer_norm(x, residual, weight, eps: float):
+    assert x.shape == residual.shape, "residual and input have the same shape"
+    if x.is_cuda:
+        return fused_add_layer_norm_triton(x, residual, weight, eps)
+    return fused_add_layer_norm_ref(x, residual, weight, eps)

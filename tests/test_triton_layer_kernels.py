@@ -131,6 +131,36 @@ def test_rms_norm_float32_weight_keeps_the_input_dtype():
     _assert_close(got, want)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", SIZES["norm"])
+def test_layer_norm_matches_ref(shape, dtype):
+    """Cohere's LayerNorm (kernels/norm.py CENTER): guards the mean left in, the padded
+    lanes' `0 - mean` entering the variance (77, 1000 are not powers of two), and a
+    rounding the reference does not do (the normalised value stays float32). Rows are
+    offset by up to 3x their spread, so a missing mean shows whatever the row."""
+    x, weight = _norm_input(*shape, dtype, seed=shape[0] + 7)
+    offset = torch.linspace(-3, 3, shape[0])[:, None].to(DEVICE)
+    x = (x.float() + offset * x.float().std(-1, keepdim=True)).to(dtype)
+    _assert_close(norm.layer_norm_triton(x, weight, 1e-5), norm.layer_norm_ref(x, weight, 1e-5))
+    residual, _ = _norm_input(*shape, dtype, seed=shape[1] + 9)
+    normed, new_residual = norm.fused_add_layer_norm_triton(x, residual, weight, 1e-5)
+    want_normed, want_residual = norm.fused_add_layer_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(new_residual, want_residual)
+    _assert_close(normed, want_normed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_ref_is_transformers_cohere_layer_norm(dtype):
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+
+    x, weight = _norm_input(9, 96, dtype, seed=21)
+    hf = CohereLayerNorm(96, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(weight.cpu().float())
+    hf = hf.to(dtype)
+    assert torch.equal(norm.layer_norm_ref(x.cpu(), weight.cpu(), 1e-5), hf(x.cpu()))
+
+
 # ----------------------------------------------------------------------------- rope
 
 
@@ -244,6 +274,13 @@ def _cpu_calls():
     positions = torch.tensor([4, 5, 0, 7, 8, 9, 0, 0])
     return [
         ("rms_norm", norm.rms_norm, norm.rms_norm_ref, (x, w, 1e-6)),
+        ("layer_norm", norm.layer_norm, norm.layer_norm_ref, (x, w, 1e-6)),
+        (
+            "fused_add_layer_norm",
+            norm.fused_add_layer_norm,
+            norm.fused_add_layer_norm_ref,
+            (x, x.flip(0), w, 1e-6),
+        ),  # fmt: skip
         (
             "fused_add_rms_norm",
             norm.fused_add_rms_norm,
@@ -301,6 +338,8 @@ def _cpu_calls():
 _TRITON_LAUNCHERS = {
     "rms_norm": (norm, "rms_norm_triton"),
     "fused_add_rms_norm": (norm, "fused_add_rms_norm_triton"),
+    "layer_norm": (norm, "layer_norm_triton"),
+    "fused_add_layer_norm": (norm, "fused_add_layer_norm_triton"),
     "apply_rope": (rope, "apply_rope_triton"),
     "silu_and_mul": (activation, "silu_and_mul_triton"),
     "gelu_tanh_and_mul": (activation, "gelu_tanh_and_mul_triton"),

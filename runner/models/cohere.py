@@ -5,8 +5,9 @@ What differs from Llama, and where it is handled:
 - A parallel block: one norm, and attention and MLP both read it, their outputs joining
   the stream together (`ParallelDecoderLayer`). transformers adds attention first, then
   the MLP; so does the stream here.
-- LayerNorm without a bias (`CohereLayerNorm`: the mean taken away, float32, rounded once),
-  in torch, not RMSNorm: no norm kernel, no folding (`norms_foldable`).
+- LayerNorm without a bias (`CohereLayerNorm`: the mean taken away, float32, rounded once;
+  kernels/norm.py's LayerNorm form, with the residual add fused in front of it on a GPU),
+  not RMSNorm: no folding (`norms_foldable`).
 - RoPE on interleaved pairs (q/k rows reordered at load, llama.FamilySpec).
 - Cohere 2's layers are three sliding-window ones (with RoPE) to one full-attention one
   with no RoPE (runner/models/rope.py `rope_free_layers`, attention_window.py).
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pdserve.kernels.norm import fused_add_layer_norm, layer_norm
 from pdserve.runner.models.llama import LlamaFamilyForCausalLM
 
 
@@ -32,11 +34,11 @@ class CohereLayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h - h.mean(-1, keepdim=True)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * h).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The norm of x, or (the norm of x + residual, x + residual)."""
+        if residual is None:
+            return layer_norm(x, self.weight, self.eps)
+        return fused_add_layer_norm(x, residual, self.weight, self.eps)
 
 
 class ParallelDecoderLayer(nn.Module):
@@ -50,8 +52,10 @@ class ParallelDecoderLayer(nn.Module):
         """(branch output, residual) in and out, as llama.DecoderLayer (the stream is
         `x + residual`): out goes the MLP's output beside stream + attention, so the next
         sum is transformers' (stream + attention) + MLP."""
-        stream = x if residual is None else x + residual
-        h = self.input_layernorm(stream)
+        if residual is None:
+            stream, h = x, self.input_layernorm(x)
+        else:
+            h, stream = self.input_layernorm(x, residual)
         return self.mlp(h), stream + self.self_attn(h, positions, cos_sin, kv_cache, attn)
 
 
