@@ -7,7 +7,7 @@ cache than hoped, never a wrong token. Each worker's entry is an LRU bounded in 
 
 For a hybrid Mamba model (`state_points`), a hit reaches only as far as the last block
 after which the worker saved a recurrent state (runner/state_snapshots.py): the end of a
-prompt it computed, the last block boundary a reply it decoded crossed. So each block
+prompt it computed, the last save point a reply it decoded passed. So each block
 remembered also says whether a state ends there, and a hit stops at the last that does.
 """
 
@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from pdserve.runner.block_hash import extend_block_hashes
+from pdserve.runner.state_snapshots import decode_save_stride
 
 
 class PrefixIndex:
@@ -87,6 +88,16 @@ class PrefixIndex:
             seen[hashes[-1]] = True
         while len(seen) > self.max_blocks:
             seen.popitem(last=False)
+
+    def remember_reply(self, worker_id: str, hashes: list[int], num_prompt_blocks: int) -> None:
+        """A sequence the worker decoded (`hashes` over its prompt and reply): a hybrid saved
+        its state at the last multiple of `decode_save_stride` past the prompt's blocks."""
+        self.remember(worker_id, hashes, state=False)
+        if self.state_points:
+            per_save = decode_save_stride(self.block_size) // self.block_size
+            saved = len(hashes) // per_save * per_save
+            if saved > num_prompt_blocks:
+                self.remember(worker_id, hashes[:saved])
 
     def forget(self, worker_id: str) -> None:
         """A restarted worker starts with an empty cache."""

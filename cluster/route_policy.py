@@ -58,8 +58,8 @@ class RouterConfig:
     # to route by, so every long prompt prefills remotely.
     prefix_caching: bool = True
     # A hybrid Mamba model's hits reach only where its recurrent state was saved: the end
-    # of a prompt the worker prefilled itself, the last block boundary a reply it decoded
-    # crossed (runner/state_snapshots.py). So a decode worker counts a pulled prompt (its
+    # of a prompt the worker prefilled itself, the last save point (every 64 tokens) a
+    # reply it decoded passed (runner/state_snapshots.py). So a decode worker counts a pulled prompt (its
     # state came whole, saved nowhere) only as far as its reply reaches
     # (cluster/prefix_index.py's state points); the prefill workers count theirs.
     state_snapshots: bool = False

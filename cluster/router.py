@@ -302,12 +302,11 @@ class Router:
                     finished = True
                     if on_decode and delta.finish_reason != "error":
                         # The reply's KV is cached there too (all but its last token's):
-                        # a conversation's next turn resends it. A hybrid saved its state
-                        # at the last block boundary the reply crossed, if it crossed one.
+                        # a conversation's next turn resends it.
                         seq = list(prompt) + output[:-1]
                         prefixes = self.prefix_index
                         reply = prefixes.extended(hashes, seq, params.cache_salt, lora)
-                        prefixes.remember(decode_w.worker_id, reply, state=len(reply) > len(hashes))
+                        prefixes.remember_reply(decode_w.worker_id, reply, len(hashes))
                     return
         except asyncio.CancelledError:
             raise

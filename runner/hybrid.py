@@ -6,8 +6,8 @@ A Mamba layer's output depends on its request's whole history through the state 
 request's state unit (runner/state_pool.py, runner/mrv2/mamba_state.py), which exists only
 at the end of what the request computed so far, not at every block boundary. So:
 - prefix caching reaches only block boundaries where a state was saved: each prompt's
-  last one, and the last one each reply crossed (runner/state_snapshots.py), so a chat's
-  next turn starts after the last turn's reply;
+  last one, and a reply's last save point, every 64 tokens (runner/state_snapshots.py),
+  so a chat's next turn starts near the end of the last turn's reply;
 - the KV tier is off: it keeps blocks by prefix hash, without states;
 - the router counts a worker's remembered prefix only as far as the last block after which
   it saved a state (cluster/prefix_index.py's state points);

@@ -31,7 +31,7 @@ from pdserve.runner.block_hash import extend_block_hashes
 from pdserve.runner.block_pool import BlockPool
 from pdserve.runner.request import Request
 from pdserve.runner.state_pool import StatePool
-from pdserve.runner.state_snapshots import StateSnapshots
+from pdserve.runner.state_snapshots import StateSnapshots, decode_save_stride
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -68,6 +68,7 @@ class KVCacheManager:
         self._restores: list[tuple[int, int]] = []  # (snapshot unit, request unit)
         # request -> (its taken snapshot unit, the boundary its last decode save is at)
         self._decode_saves: dict[str, tuple[int, int]] = {}
+        self.decode_save_stride = decode_save_stride(block_size)
         # How many leading blocks of each request were already offered to the cache, so
         # cache_blocks does work only for blocks completed since its last call.
         self._num_cached_blocks: dict[str, int] = {}
@@ -211,8 +212,8 @@ class KVCacheManager:
     def scheduled(self, request: Request) -> None:
         """The request's computed tokens (scheduled ones included) were just advanced:
         reaching its prompt's last block boundary, its state there is saved before the
-        next step; reaching a block boundary past it (decoding), into the request's own
-        snapshot unit, which `free` publishes."""
+        next step; reaching a multiple of `decode_save_stride` past it (decoding), into
+        the request's own snapshot unit, which `free` publishes."""
         if self.snapshots is None:
             return
         n = request.num_computed_tokens
@@ -221,7 +222,8 @@ class KVCacheManager:
         boundary = self._snapshot_boundary(request)
         if n == boundary:
             unit = self.snapshots.reserve(self.block_hashes(request)[n // self.block_size - 1])
-        elif n > boundary:  # the hash waits for `free`: the last tokens may be in flight
+        elif n > boundary and n % self.decode_save_stride == 0:
+            # the hash waits for `free`: the last tokens may be in flight
             rid = request.request_id
             saved = self._decode_saves.get(rid)
             unit = saved[0] if saved is not None else self.snapshots.take()

@@ -64,9 +64,9 @@ class Scheduler:
         # (runner/prefix_sharing.py), and how many steps a waiting prompt was held so.
         self._in_flight = PromptsInFlight(kv)
         self.num_prefix_waits = 0
-        # A hybrid with prefix caching saves a decoding request's state at each block
-        # boundary it crosses (runner/state_snapshots.py); 0: no such saves.
-        self._decode_save_every = kv.block_size if kv.snapshots is not None else 0
+        # A hybrid with prefix caching saves a decoding request's state every this many
+        # tokens (runner/state_snapshots.py); 0: no such saves.
+        self._decode_save_every = kv.decode_save_stride if kv.snapshots is not None else 0
 
     # ---- membership -----------------------------------------------------------------------
 
@@ -289,7 +289,7 @@ class Scheduler:
             self.num_prompt_tokens_computed += min(num_new, req.num_prompt_tokens - done)
             self.kv.scheduled(req)  # a hybrid's prompt boundary: its state is saved
         elif self._decode_save_every and req.num_computed_tokens % self._decode_save_every == 0:
-            self.kv.scheduled(req)  # a hybrid's decode crossed a block boundary
+            self.kv.scheduled(req)  # a hybrid's decode reached a save point
         if samples and self.async_scheduling:
             req.num_output_placeholders += 1
 

@@ -9,11 +9,12 @@ ends at B. A new request whose cached prefix reaches a block with a snapshot sta
 it: its unit is filled from the snapshot before its first step (KVCacheManager's state
 copies), and it computes from B on.
 
-A decoding request also saves its state each time it crosses a block boundary, into one
-unit of its own that is not yet looked up (`take`): each crossing overwrites the last.
-When the request ends, that unit is published under the hash of the block ending at its
-last crossing (`publish`), so the next chat turn, which repeats the prompt and the reply,
-resumes after the reply, not just after the prompt.
+A decoding request also saves its state at block boundaries (every 64 tokens at 16-token
+blocks: `decode_save_stride`), into one unit of its own that is not yet
+looked up (`take`): each save overwrites the last. When the request ends, that unit is
+published under the hash of the block ending at its last save (`publish`), so the next
+chat turn, which repeats the prompt and the reply, resumes near the reply's end, not
+just after the prompt.
 
 Snapshot units are numbered after the requests' units (runner/mrv2/mamba_state.py holds
 the tensors); when none is free the least recently used snapshot is overwritten.
@@ -26,6 +27,15 @@ never reached, and is overwritten in its turn).
 from __future__ import annotations
 
 from collections import OrderedDict
+
+
+def decode_save_stride(block_size: int) -> int:
+    """How often a decoding request saves its state, in tokens: whole blocks, at least 64
+    tokens. A save copies the request's whole state, so one every 16-token block would add
+    1/16 to a decode step's state traffic; one every 64 tokens adds 1/64, and the next
+    turn recomputes at most 63 reply tokens more. The router marks the same points
+    (cluster/prefix_index.py)."""
+    return block_size * max(1, 64 // block_size)
 
 
 class StateSnapshots:

@@ -52,13 +52,14 @@ def test_a_chat_turn_resumes_from_the_last_turns_state(fixture, request):
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("fixture", ["tiny_bamba_dir", "tiny_qwen3_next_dir"])
 def test_a_chat_turn_resumes_after_the_last_turns_reply(fixture, async_scheduling, request):
-    """Turn 1's reply crosses the block boundaries at 80 and 96 (70 prompt tokens and 29
-    of its 30 reply tokens are computed): turn 2 resumes from the state saved at 96, past
-    the prompt's 64, and decodes as the engine without caching does. With async
-    scheduling the save at 96 is planned before token 96's value is known on the host."""
+    """Turn 1's reply passes the decode save point at 128 (70 prompt tokens and 59 of its
+    60 reply tokens are computed; saves every 64 tokens): turn 2 resumes from the state
+    saved at 128, past the prompt's 64, and decodes as the engine without caching does.
+    With async scheduling the save at 128 is planned before token 127's value is known on
+    the host."""
     model = request.getfixturevalue(fixture)
     cached, plain = _llms(model, async_scheduling=async_scheduling)
-    long_reply = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=30)
+    long_reply = SamplingParams(temperature=0.0, max_tokens=60, min_tokens=60)
     rng = random.Random(4)
     first = [rng.randrange(3, 990) for _ in range(70)]
     (out,) = cached.generate([{"prompt_token_ids": first}], long_reply, use_tqdm=False)
@@ -72,40 +73,40 @@ def test_a_chat_turn_resumes_after_the_last_turns_reply(fixture, async_schedulin
         llm.generate([{"prompt_token_ids": second}], scored, use_tqdm=False)
         for llm in (cached, plain)
     )
-    assert got.num_cached_tokens == 96
+    assert got.num_cached_tokens == 128
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     lp = [[d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
           for o in (got, want)]  # fmt: skip
     assert torch.allclose(torch.tensor(lp[0]), torch.tensor(lp[1]), atol=1e-4), lp
-    # The reply's own last boundary is published once, the prompt's too; nothing is held.
+    # Turn 1's prompt end (64) and reply save (128) are published; turn 2's prompt ends at
+    # 128 + 13, whose boundary is saved already; no unit stays taken.
     snaps = cached.engine.kv.snapshots
-    assert len(snaps) == 3 and not snaps._taken  # 64 and 96 of turn 1, 112 of turn 2
+    assert len(snaps) == 2 and not snaps._taken
 
 
 def test_a_decode_save_reaches_no_further_than_the_known_tokens():
-    """The request's last save is at a boundary whose tokens are not all known (async
-    scheduling planned it past the last sampled value): its unit goes back unpublished."""
+    """The request's last save (at 64: every 64 tokens) is at a boundary whose tokens are
+    not all known (async scheduling planned it past the last sampled value): its unit goes
+    back unpublished. One more known token, and it is published under block 16's hash."""
     from pdserve.runner.kv_cache_manager import KVCacheManager
     from pdserve.runner.request import Request
 
-    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True,
+    kv = KVCacheManager(num_blocks=40, block_size=4, enable_prefix_caching=True,
                         num_state_units=2, num_snapshot_units=2)  # fmt: skip
-    req = Request("r", list(range(3, 9)), GREEDY, seed=0)  # 6 prompt tokens: boundary 4
-    assert kv.allocate_slots(req, 8) is not None
-    req.num_computed_tokens = 8  # 6 prompt + 2 outputs scheduled, only one known
-    req.append_output_token(11)
-    kv.scheduled(req)
-    assert kv.take_state_copies() == [] and kv.take_state_copies() == [(0, 2)]
-    kv.free(req)
-    assert len(kv.snapshots) == 0 and not kv.snapshots._taken
-    req2 = Request("q", list(range(3, 9)), GREEDY, seed=0)
-    assert kv.allocate_slots(req2, 8) is not None
-    req2.num_computed_tokens = 8
-    req2.append_output_token(11)
-    req2.append_output_token(12)
-    kv.scheduled(req2)
-    kv.free(req2)
-    assert len(kv.snapshots) == 1 and kv.snapshots.lookup(kv.block_hashes(req2)[1]) == 2
+    assert kv.decode_save_stride == 64
+    for outputs, published in ((57, False), (58, True)):
+        req = Request(f"r{outputs}", list(range(3, 9)), GREEDY, seed=0)  # boundary 4
+        assert kv.allocate_slots(req, 64) is not None
+        req.num_computed_tokens = 64  # 6 prompt tokens and 58 outputs scheduled
+        for t in range(outputs):
+            req.append_output_token(11 + t)
+        kv.scheduled(req)
+        kv.take_state_copies()
+        assert kv.take_state_copies() == [(0, 2)]  # due a step after it was planned
+        kv.free(req)
+        assert not kv.snapshots._taken
+        assert len(kv.snapshots) == published
+    assert kv.snapshots.lookup(kv.block_hashes(req)[15]) == 2
 
 
 def test_many_prompts_share_prefixes_in_one_batch(tiny_bamba_dir):

@@ -333,6 +333,13 @@ def test_a_hybrids_router_hits_stop_at_the_last_saved_state() -> None:
     index.remember("w", seq[:2], state=False)
     assert index.hit_tokens("w", seq[:3]) == 2 * BS
     assert index.hit_tokens("v", seq) == 0
+    # A decoded reply: its state was saved at the last multiple of 64 tokens (16 blocks
+    # of 4) past the prompt's blocks, if there is one (runner/state_snapshots.py).
+    turn = index.hashes(list(range(10, 10 + 21 * BS)))
+    index.remember_reply("u", turn[:20], num_prompt_blocks=3)
+    assert index.hit_tokens("u", turn) == 16 * BS
+    index.remember_reply("t", turn[:20], num_prompt_blocks=17)
+    assert index.hit_tokens("t", turn) == 0
 
 
 def test_cache_blocks_skips_tokens_not_known_yet() -> None:

@@ -194,10 +194,10 @@ def test_a_hybrids_router_counts_only_prompts_a_worker_computed(pools, stream_en
     only where it saved a state, the end of a prompt it prefilled or the last block
     boundary its reply crossed). A remotely prefilled prompt counts on its prefill worker,
     not on the decode worker that pulled it; a prompt a worker computed counts there; the
-    reply (40 + 19 computed tokens: a state at 48) counts on the decode worker either way,
+    reply (40 + 39 computed tokens: a state saved at 64) counts on the decode worker either way,
     and a prompt sharing only part of it reaches no further than the last state before."""
     prompt = [(7 * i) % 900 + 3 for i in range(40)]
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     req = ParsedRequest("completion", "m", prompt, params, True, False, False, None)
 
     async def run(configs: list[RouterConfig]) -> list[tuple[Router, list]]:
@@ -216,7 +216,7 @@ def test_a_hybrids_router_counts_only_prompts_a_worker_computed(pools, stream_en
                     routes, output = [], []
                     async for _, delta in router.generate(req, routes.append):
                         output += delta.token_ids
-                    assert len(output) == 20 and len(routes) == 1
+                    assert len(output) == 40 and len(routes) == 1
                     results.append((router, routes, output))
                 finally:
                     await router.close()
@@ -231,12 +231,12 @@ def test_a_hybrids_router_counts_only_prompts_a_worker_computed(pools, stream_en
     assert index.hit_tokens(routes[0].decode, hashes) == 0
     assert index.hit_tokens(routes[0].prefill, hashes) == 32
     next_turn = index.hashes(prompt + output + [5] * 9)
-    assert index.hit_tokens(routes[0].decode, next_turn) == 48
+    assert index.hit_tokens(routes[0].decode, next_turn) == 64
     assert index.hit_tokens(routes[0].prefill, next_turn) == 32
     router, routes, output = colocated
     index = router.prefix_index
-    assert index.hit_tokens(routes[0].decode, index.hashes(prompt + output + [5] * 9)) == 48
-    other_reply = index.hashes(prompt + [5] * 20)
+    assert index.hit_tokens(routes[0].decode, index.hashes(prompt + output + [5] * 9)) == 64
+    other_reply = index.hashes(prompt + [5] * 40)
     assert index.hit_tokens(routes[0].decode, other_reply) == 32  # the prompt's state only
 
 
