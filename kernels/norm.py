@@ -14,7 +14,8 @@ program normalises BLOCK_ROWS rows held whole in registers (BLOCK_D >= hidden, o
 reduction, no second pass over memory), in float32, rounding at the points the reference
 rounds: the sum `x + residual` and the normalised value to the input dtype, the product
 with the weight to the output dtype. The LayerNorm is the same kernel with the row's mean
-taken away first (a constexpr) and the normalised value left unrounded. Rows may be a strided `[T, H, D]` view (q/k norm on
+taken away first (a constexpr) and the normalised value left unrounded; its weight may be
+`[H, D]`, one row per head of a `[T, H, D]` input (Command R+'s q/k norms). Rows may be a strided `[T, H, D]` view (q/k norm on
 the fused QKV projection's output) as long as each row's D values are contiguous.
 """
 
@@ -84,6 +85,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     ROUND_NORMED: tl.constexpr,  # False: Gemma's float32 product, rounded once
     CENTER: tl.constexpr,  # the row's mean taken away first: Cohere's LayerNorm
+    WEIGHT_PER_INNER: tl.constexpr,  # weight [inner, D]: row i takes row i % inner
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -114,10 +116,14 @@ def _rms_norm_kernel(
     normed = xf * tl.rsqrt(variance + eps)[:, None]
     if ROUND_NORMED:
         normed = normed.to(in_dtype).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
     # A product of two bf16/fp16 values is exact in fp32: rounding it once to the output
     # dtype gives torch's correctly rounded product in that dtype.
-    out = normed * w.to(tl.float32)[None, :]
+    if WEIGHT_PER_INNER:
+        w = tl.load(weight_ptr + (within * dim)[:, None] + cols[None, :], mask=mask, other=0.0)
+        out = normed * w.to(tl.float32)
+    else:
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
+        out = normed * w.to(tl.float32)[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -158,6 +164,7 @@ def _launch_rms_norm(x, residual, weight, eps, out, residual_out, center=False) 
         HAS_RESIDUAL=residual is not None,
         ROUND_NORMED=not (center or gemma_style(x, weight)),
         CENTER=center,
+        WEIGHT_PER_INNER=weight.dim() == 2,
         BLOCK_ROWS=block_rows,
         BLOCK_D=block_d,
         num_warps=num_warps,
@@ -199,7 +206,13 @@ def fused_add_rms_norm_triton(
 
 
 def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    _check_norm_args(x, weight)
+    """`weight` [D], or [H, D] for x [..., H, D] (one row per head)."""
+    if weight.dim() == 2:
+        assert x.dim() >= 3 and x.shape[-2:] == weight.shape, "weight [H, D] for x [..., H, D]"
+        _check_norm_args(x, weight[0])
+        assert weight.is_contiguous(), "weight must be contiguous"
+    else:
+        _check_norm_args(x, weight)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_rms_norm(x, None, weight, eps, out, None, center=True)
     return out
@@ -233,7 +246,7 @@ def fused_add_rms_norm(x, residual, weight, eps: float):
 
 
 def layer_norm(x, weight, eps: float):
-    assert x.shape[-1] == weight.shape[0], "weight has one scale per feature"
+    assert x.shape[-1] == weight.shape[-1], "weight has one scale per feature"
     if x.is_cuda:
         return layer_norm_triton(x, weight, eps)
     return layer_norm_ref(x, weight, eps)

@@ -52,10 +52,6 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
         problems.append(f"hidden_act {act!r} in Mamba layers (mrv2 implements silu)")
     if getattr(hf_config, "clip_qkv", None) is not None:  # OLMoE's option
         problems.append(f"clip_qkv={hf_config.clip_qkv} (q/k/v clamped after projection)")
-    if getattr(hf_config, "model_type", "") == "cohere" and getattr(
-        hf_config, "use_qk_norm", False
-    ):
-        problems.append("Cohere's per-head q/k LayerNorms (use_qk_norm)")
     if getattr(hf_config, "use_bidirectional_attention", False):
         problems.append("bidirectional attention")
     try:

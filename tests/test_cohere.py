@@ -2,11 +2,14 @@
 cohere.py) equal transformers: parallel attention and MLP on one LayerNorm, interleaved
 RoPE, logits scaled. The tiny Cohere 2 has four layers, three sliding-window ones (a
 window of 24 keys, so 40- and 90-token prompts slide) with RoPE and a full-attention one
-without; Command R's per-head q/k LayerNorms are refused by name."""
+without. Command R+'s form adds q/k LayerNorms with a weight row per head (random here:
+transformers initialises them to ones, which would hide a weight applied to the wrong head
+or left out of the interleaved RoPE's reorder)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import _save_tiny, assert_greedy_matches_hf, assert_logprobs_match_hf
 
 from pdserve.runner.models.cohere import CohereLayerNorm, ParallelDecoderLayer
@@ -34,8 +37,24 @@ def _cohere2():
                          architectures=["Cohere2ForCausalLM"], **COMMON)  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["cohere", "cohere2"])
+def _save_with_random_qk_norms(tmp_path_factory, config) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape))
+    path = tmp_path_factory.mktemp("tiny-cohere-qk-norm")
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["cohere", "cohere2", "cohere_qk_norm"])
 def cohere_dir(request, tmp_path_factory) -> str:
+    if request.param == "cohere_qk_norm":  # Command R+'s form
+        return _save_with_random_qk_norms(tmp_path_factory, _cohere(use_qk_norm=True))
     config = _cohere() if request.param == "cohere" else _cohere2()
     return _save_tiny(tmp_path_factory, f"tiny-{request.param}", config)
 
@@ -48,9 +67,13 @@ def test_greedy_tokens_and_logprobs_match_transformers(cohere_dir):
     if model.config.model_type == "cohere2":
         assert [layer.self_attn.window for layer in model.layers] == [24, 24, 24, 0]
         assert model.nope_layers == frozenset({3})
+    qk_norm = getattr(model.config, "use_qk_norm", False)
+    assert model.layers[0].self_attn.qk_norm_heads == qk_norm
+    if qk_norm:
+        assert model.layers[0].self_attn.q_norm.weight.shape == (4, 16)
     assert_logprobs_match_hf(cohere_dir, [(3 * i + 5) % 1000 + 3 for i in range(40)], 8)
 
 
-def test_per_head_qk_layernorms_are_named_unsupported():
-    assert any("use_qk_norm" in p for p in mrv2_unsupported_features(_cohere(use_qk_norm=True)))
+def test_per_head_qk_layernorms_run_on_mrv2():
+    assert mrv2_unsupported_features(_cohere(use_qk_norm=True)) == []
     assert mrv2_unsupported_features(_cohere()) == []

@@ -149,6 +149,19 @@ def test_layer_norm_matches_ref(shape, dtype):
     _assert_close(normed, want_normed)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_layer_norm_with_a_weight_row_per_head(dtype):
+    """Command R+'s q/k norms: x a strided [T, H, D] view of the fused QKV output, weight
+    [H, D]. Guards every head taking row 0 (or the row of another head)."""
+    t = 4096 if ON_CUDA else 9
+    q, k, _ = _qkv_views(t, 16, 8, 128, dtype, seed=8)
+    for x, heads in ((q, 16), (k, 8)):
+        weight = (1 + 0.5 * torch.randn(heads, 128, generator=_gen(heads))).to(dtype).to(DEVICE)
+        want = norm.layer_norm_ref(x, weight, 1e-5)
+        _assert_close(norm.layer_norm_triton(x, weight, 1e-5), want)
+        assert not torch.equal(want, norm.layer_norm_ref(x, weight[:1].expand_as(weight), 1e-5))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_norm_ref_is_transformers_cohere_layer_norm(dtype):
     from transformers.models.cohere.modeling_cohere import CohereLayerNorm
@@ -159,6 +172,13 @@ def test_layer_norm_ref_is_transformers_cohere_layer_norm(dtype):
         hf.weight.copy_(weight.cpu().float())
     hf = hf.to(dtype)
     assert torch.equal(norm.layer_norm_ref(x.cpu(), weight.cpu(), 1e-5), hf(x.cpu()))
+    # Command R+'s q/k form: [T, H, D] with a weight row per head
+    heads = CohereLayerNorm((3, 32), eps=1e-5)
+    with torch.no_grad():
+        heads.weight.copy_(torch.randn(3, 32, generator=_gen(22)))
+    heads = heads.to(dtype)
+    xh = x.cpu().reshape(9, 3, 32)
+    assert torch.equal(norm.layer_norm_ref(xh, heads.weight.data, 1e-5), heads(xh))
 
 
 # ----------------------------------------------------------------------------- rope

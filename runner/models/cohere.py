@@ -13,8 +13,10 @@ What differs from Llama, and where it is handled:
   with no RoPE (runner/models/rope.py `rope_free_layers`, attention_window.py).
 - Logits times `logit_scale`.
 
-Command R's per-head q/k LayerNorms (`use_qk_norm`, Command R+) are not implemented:
-runner/runner_select.py names them, and such a config runs on the reference runner.
+- Command R+'s q/k LayerNorms (`use_qk_norm`): over each head, with a weight row per head
+  (`[H, D]`), before RoPE; they run outside the fused prepare kernel
+  (llama.Attention.qk_norm_heads), and their weights' columns follow the interleaved
+  RoPE's reorder of the q/k rows at load.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import torch
 from torch import nn
 
 from pdserve.kernels.norm import fused_add_layer_norm, layer_norm
-from pdserve.runner.models.llama import LlamaFamilyForCausalLM
+from pdserve.runner.models.llama import LlamaFamilyForCausalLM, interleaved_order
 
 
 class CohereLayerNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int | tuple[int, int], eps: float):
+        """`size` (H, D): a weight row per head, for x [..., H, D] (Command R+'s q/k)."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
@@ -70,6 +73,27 @@ class CohereForCausalLM(LlamaFamilyForCausalLM):
         return ParallelDecoderLayer(
             cfg, self._attention(cfg, layer), self._feed_forward(cfg, layer)
         )
+
+    def _attention(self, cfg: Any, layer: int) -> nn.Module:
+        attn = super()._attention(cfg, layer)
+        if getattr(cfg, "use_qk_norm", False):
+            attn.q_norm = CohereLayerNorm((attn.num_heads, attn.head_dim), cfg.layer_norm_eps)
+            attn.k_norm = CohereLayerNorm((attn.num_kv_heads, attn.head_dim), cfg.layer_norm_eps)
+            attn.qk_norm_heads = True
+        return attn
+
+    def _after_load(self) -> None:
+        """The q/k rows of each head are reordered for the halves RoPE (llama.py): so are
+        the columns of the per-head q/k norm weights (the norm itself does not care)."""
+        super()._after_load()
+        for layer in self.layers:
+            attn = layer.self_attn
+            if attn.qk_norm_heads:
+                order = interleaved_order(attn.head_dim, attn.rotary_dim).to(
+                    attn.q_norm.weight.device
+                )
+                for norm in (attn.q_norm, attn.k_norm):
+                    norm.weight.data = norm.weight.data[:, order].contiguous()
 
     def _final_norm(self, cfg: Any) -> nn.Module:
         return CohereLayerNorm(cfg.hidden_size, cfg.layer_norm_eps)

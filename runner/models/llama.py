@@ -155,6 +155,9 @@ class Attention(nn.Module):
         k_width = self.kv_size if spec.qk_norm_whole else self.head_dim
         self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if spec.qk_norm else None
+        # q/k norms with a weight row per head (Command R+'s LayerNorms, cohere.py): they run
+        # outside the fused prepare kernel, whose norm weight is one row for every head
+        self.qk_norm_heads = False
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if spec.sinks else None
         # An FP8 cache's dequantization scales (kernels/fp8_kv.py): the checkpoint's, where
         # it has them (runner/models/kv_scales.py), else 1.0; other caches ignore them.
@@ -197,7 +200,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Split, q/k norm, rope and the KV write in one kernel (kernels/qkv_prep.py) ->
         q [T, Hq, D]. `scale_rows` / `bias`: the folded-norm chain's projection."""
-        if self.rotary_dim < self.head_dim or self.qk_norm_whole:
+        if self.rotary_dim < self.head_dim or self.qk_norm_whole or self.qk_norm_heads:
             assert scale_rows is None, "these models keep their norms (norm_fold.py)"
             q = self._prepare_unfused(qkv, positions, cos_sin, kv_cache, attn)
         else:
@@ -217,16 +220,15 @@ class Attention(nn.Module):
 
     def _prepare_unfused(self, qkv, positions, cos_sin, kv_cache, attn) -> torch.Tensor:
         """`prepare` for RoPE over the first `rotary_dim` dims of each head, or q/k norms
-        over all heads at once: the same steps as the fused kernel's spec (split, norm,
-        rope, KV write), as separate kernels."""
+        over all heads at once or weighted per head: the same steps as the fused kernel's
+        spec (split, norm, rope, KV write), as separate kernels."""
         t, d, rot = qkv.shape[0], self.head_dim, self.rotary_dim
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm_whole:
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d)
-        if self.q_norm is not None and not self.qk_norm_whole:
-            q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
-            k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
+        if self.q_norm is not None and not self.qk_norm_whole:  # [T, H, D]: each head a row
+            q, k = self.q_norm(q), self.k_norm(k)
         q_rot, k_rot = apply_rope(q[..., :rot], k[..., :rot], positions, cos_sin)
         q = torch.cat([q_rot, q[..., rot:]], dim=-1)
         k = torch.cat([k_rot, k[..., rot:]], dim=-1)
@@ -251,6 +253,15 @@ class Attention(nn.Module):
         return out.reshape(q.shape[0], self.q_size)
 
 
+def interleaved_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """A head's rows in the order `_interleaved_to_halves` puts them: the rotated pairs'
+    first members, then their second, then the unrotated rest."""
+    return torch.cat([
+        torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
+        torch.arange(rotary_dim, head_dim),
+    ])  # fmt: skip
+
+
 def _interleaved_to_halves(attn: Attention) -> None:
     """Reorders each q and k head's rotated output rows [0, 2, 4, ..., 1, 3, 5, ...]: the
     pairs an interleaved RoPE rotates, (2i, 2i+1), become the halves kernels' (i, i + R/2)
@@ -258,7 +269,7 @@ def _interleaved_to_halves(attn: Attention) -> None:
     half a head); the rest stay. q.k is unchanged (both move alike); v and o are
     untouched."""
     d, rot = attn.head_dim, attn.rotary_dim
-    within = torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, d)])
+    within = interleaved_order(d, rot)
     heads = attn.num_heads + attn.num_kv_heads
     rows = (torch.arange(heads)[:, None] * d + within[None, :]).reshape(-1)
     rows = rows.to(attn.qkv_proj.weight.device)
