@@ -196,12 +196,16 @@ def fused_add_rms_norm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual): the normed input and the new residual."""
+    return _fused_add(x, residual, weight, eps, _out_dtype(x, weight), center=False)
+
+
+def _fused_add(x, residual, weight, eps, out_dtype, center: bool):
     _check_norm_args(x, weight)
     assert x.shape == residual.shape, "residual and input have the same shape"
     assert x.dtype == residual.dtype, f"x ({x.dtype}) and residual ({residual.dtype}) differ"
-    out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch_rms_norm(x, residual, weight, eps, out, residual_out)
+    _launch_rms_norm(x, residual, weight, eps, out, residual_out, center)
     return out, residual_out
 
 
@@ -222,13 +226,7 @@ def fused_add_layer_norm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (layer_norm(x + residual), x + residual)."""
-    _check_norm_args(x, weight)
-    assert x.shape == residual.shape, "residual and input have the same shape"
-    assert x.dtype == residual.dtype, f"x ({x.dtype}) and residual ({residual.dtype}) differ"
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch_rms_norm(x, residual, weight, eps, out, residual_out, center=True)
-    return out, residual_out
+    return _fused_add(x, residual, weight, eps, x.dtype, center=True)
 
 
 def rms_norm(x, weight, eps: float):
