@@ -132,6 +132,20 @@ def state_updates() -> None:
     )  # fmt: skip
 
 
+def norms() -> None:
+    from pdserve.kernels import norm
+
+    bf = dict(dtype=torch.bfloat16)
+    x, w = torch.zeros(4096, 8192, **bf), torch.zeros(8192, **bf)
+    norm.rms_norm_triton(x, w, 1e-6)
+    norm.fused_add_rms_norm_triton(x, x, w, 1e-6)
+    norm.layer_norm_triton(x, w, 1e-5)  # Cohere's
+    norm.fused_add_layer_norm_triton(x, x, w, 1e-5)
+    qkv = torch.zeros(4096, (96 + 2 * 8) * 128, **bf)  # Command R+'s per-head q norms
+    q = qkv[:, : 96 * 128].view(4096, 96, 128)
+    norm.layer_norm_triton(q, torch.zeros(96, 128, **bf), 1e-5)
+
+
 def attention(window: int) -> Callable[[], None]:
     def run() -> None:
         from pdserve.kernels.paged_attention_triton import paged_attention_triton
@@ -195,6 +209,7 @@ def scenarios() -> dict[str, Callable[[], None]]:
     out = {
         "selective_scan": selective_scan,
         "state_updates": state_updates,
+        "norms": norms,
         "attention_full": attention(0),
         "attention_sliding": attention(4096),
         "attention_chunked": attention(-8192),
