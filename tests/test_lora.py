@@ -156,17 +156,47 @@ def tiny_olmo2_dir(tmp_path_factory) -> str:
     return _save_tiny(tmp_path_factory, "tiny-olmo2-lora", _configs()["olmo2"])
 
 
+def _tiny_glm(tmp_path_factory, arch: str) -> str:
+    from test_glm4 import COMMON
+    from transformers import Glm4Config, GlmConfig
+
+    config = GlmConfig if arch == "GlmForCausalLM" else Glm4Config
+    return _save_tiny(tmp_path_factory, f"tiny-{arch}-lora", config(architectures=[arch], **COMMON))
+
+
+@pytest.fixture(scope="module")
+def tiny_glm_dir(tmp_path_factory) -> str:
+    return _tiny_glm(tmp_path_factory, "GlmForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def tiny_glm4_0414_dir(tmp_path_factory) -> str:
+    return _tiny_glm(tmp_path_factory, "Glm4ForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def tiny_command_r_plus_dir(tmp_path_factory) -> str:
+    from test_cohere import _cohere, _save_with_random_qk_norms
+
+    return _save_with_random_qk_norms(tmp_path_factory, _cohere(use_qk_norm=True))
+
+
 @pytest.mark.parametrize(
     "family",
-    ["tiny_granite_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_olmo2_dir"],
-)
+    ["tiny_granite_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_olmo2_dir",
+     "tiny_glm_dir", "tiny_glm4_0414_dir", "tiny_command_r_plus_dir"],
+)  # fmt: skip
 def test_other_families_match_merged_models(family, request, tmp_path):
     """Granite folds its residual multiplier into the o and down weights at load, so their
     deltas are scaled alike; Qwen3's and Gemma 3's q/k norms, and OLMo 2's over all heads,
     read the adapted projections; Gemma's GeGLU reads the adapted gate and up, and its
-    sandwich norms and OLMo's post-norms the adapted o and down."""
+    sandwich norms and OLMo's post-norms the adapted o and down. GLM-4 (9B and 0414) and
+    Command R+ reorder their q/k rows at load for the interleaved RoPE: the q/k deltas'
+    rows move with them (GLM over half of each head); GLM's gate and up come fused, and
+    Command R+'s per-head q/k norms and parallel block read the adapted projections."""
     base_dir = request.getfixturevalue(family)
-    deltas = make_lora_adapter(base_dir, tmp_path / "a", ATTN + MLP, 4, 8.0, seed=4)
+    mlp = ("gate_up_proj", "down_proj") if "glm" in family else MLP
+    deltas = make_lora_adapter(base_dir, tmp_path / "a", ATTN + mlp, 4, 8.0, seed=4)
     merged = _merged(base_dir, deltas, tmp_path / "merged")
     prompts = _prompts(seed=11)[:2]
     got = _generate(_llm(base_dir), prompts, LoRARequest("a", 1, str(tmp_path / "a")))

@@ -8,6 +8,10 @@ the site's rank dimension and its row range of B, so the fused site's
 `(x A^T) B^T` is exactly the parts' deltas side by side (the other blocks are zeros). A
 rank below `max_rank` is padded with zero columns, which add exact zeros.
 
+Families whose interleaved RoPE had their q/k rows reordered at load (GLM-4, ERNIE 4.5,
+Command R: llama.py `interleaved_rows`) get the same order on their q/k B rows, so a
+delta lands on the row its base weight moved to.
+
 `apply` adds each token's `(x A_s^T) B_s^T` for its slot `s` (kernels/lora.py: two Triton
 launches on CUDA, a loop over the slots on the CPU): no host sync and fixed buffers, so it
 runs the same eagerly and inside the decode CUDA graphs (`token_slots` is written before
@@ -37,11 +41,13 @@ class LoraSite:
         max_rank: int,
         dtype: torch.dtype,
         out_scale: float = 1.0,  # what the load folded into the base weight's output
+        row_order: torch.Tensor | None = None,  # B's leading rows as the load reordered them
     ):
         self.token_slots = token_slots
         self.parts = parts
         self.max_rank = max_rank
         self.out_scale = out_scale
+        self.row_order = row_order
         blocks = 1 + max(block for block, _, _ in parts.values())
         rows = max(end for _, _, end in parts.values())
         dev, dt = token_slots.device, dtype
@@ -61,6 +67,9 @@ class LoraSite:
             k, r = block * self.max_rank, la.shape[0]
             a[k : k + r] = la.to(a.dtype)
             b[first:end, k : k + r] = (lb * self.out_scale).to(b.dtype)
+        if self.row_order is not None:
+            n = self.row_order.numel()
+            b[:n] = b[:n][self.row_order]
         self.a[slot].copy_(a)
         self.b[slot].copy_(b)
 
@@ -82,6 +91,9 @@ class LoraSlots:
         dtype: torch.dtype,
     ):
         check_supported(model)
+        from pdserve.runner.models.llama import family_spec, interleaved_rows
+
+        interleaved = family_spec(model.config).rope_interleaved
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1 ({max_loras}, {max_rank})")
         device = model.embed_tokens.weight.device
@@ -97,7 +109,8 @@ class LoraSlots:
                 q, kv = attn.q_size, attn.kv_size
                 qkv = {"q_proj": (0, 0, q), "k_proj": (1, q, q + kv),
                        "v_proj": (2, q + kv, q + 2 * kv), "qkv_proj": (0, 0, q + 2 * kv)}  # fmt: skip
-                attn.qkv_lora = self._site(i, qkv, attn.qkv_proj.in_features, slots)
+                order = interleaved_rows(attn) if interleaved else None
+                attn.qkv_lora = self._site(i, qkv, attn.qkv_proj.in_features, slots, order=order)
                 o = {"o_proj": (0, 0, attn.o_proj.out_features)}
                 attn.o_lora = self._site(i, o, attn.o_proj.in_features, slots, res)
             mlp = _dense_mlp(layer)
@@ -125,9 +138,16 @@ class LoraSlots:
                 out = {"out_proj": (0, 0, mixer.out_proj.out_features)}
                 mixer.out_lora = self._site(i, out, mixer.out_proj.in_features, slots, res)
 
-    def _site(self, layer, parts, in_features, slots, out_scale=1.0) -> LoraSite:
+    def _site(self, layer, parts, in_features, slots, out_scale=1.0, order=None) -> LoraSite:
         site = LoraSite(
-            self.token_slots, in_features, parts, slots, self.max_rank, self.dtype, out_scale
+            self.token_slots,
+            in_features,
+            parts,
+            slots,
+            self.max_rank,
+            self.dtype,
+            out_scale,
+            order,
         )
         for target in parts:
             self.sites[(layer, target)] = (site, target)
@@ -195,8 +215,9 @@ def _dense_mlp(layer: nn.Module) -> nn.Module | None:
 
 def check_supported(model: nn.Module) -> None:
     """LoRA runs where the layers are llama.py's Attention and MLP: the plain Llama-family
-    model (Llama, Mistral, Qwen2/3, SmolLM, Granite, Phi-3, Seed-OSS, and the attention of
-    Mixtral / Qwen-MoE), Gemma 2/3 (sandwich norms around the same projections), the
+    model (Llama, Mistral, Qwen2/3, SmolLM, Granite, Phi-3, Seed-OSS, GLM-4-9B, ERNIE 4.5,
+    and the attention of Mixtral / Qwen-MoE), Gemma 2/3 and GLM-4-0414 (sandwich norms
+    around the same projections), Command R / R+ / R7B / A (a parallel block), the
     post-norm families (OLMo 2/3, EXAONE 4) and the hybrid Mamba models (their attention,
     dense MLPs and Mamba mixers' in/out projections; not their experts); families whose
     attention or weight layout differs (MLA, gpt-oss, GLM-4 MoE, Qwen3-Next) are refused by
@@ -206,16 +227,19 @@ def check_supported(model: nn.Module) -> None:
 
 def check_model_class(cls: type, hf_config: Any) -> None:
     """`check_supported` before a model is built (`pdserve serve` at start)."""
+    from pdserve.runner.models.cohere import CohereForCausalLM
     from pdserve.runner.models.gemma import GemmaForCausalLM
-    from pdserve.runner.models.llama import LlamaFamilyForCausalLM, family_spec
+    from pdserve.runner.models.glm4 import Glm4ForCausalLM
+    from pdserve.runner.models.llama import LlamaFamilyForCausalLM
     from pdserve.runner.models.mamba_hybrid import MambaHybridForCausalLM
     from pdserve.runner.models.post_norm import PostNormForCausalLM
 
-    served = (LlamaFamilyForCausalLM, GemmaForCausalLM, PostNormForCausalLM)
+    served = (LlamaFamilyForCausalLM, GemmaForCausalLM, PostNormForCausalLM, CohereForCausalLM,
+              Glm4ForCausalLM)  # fmt: skip
     if cls not in served and not issubclass(cls, MambaHybridForCausalLM):
         raise ValueError(
-            f"LoRA adapters are served on Llama-family, Gemma, OLMo/EXAONE and hybrid Mamba "
-            f"models; {cls.__name__} ({hf_config.model_type}) is not one"
+            f"LoRA adapters are served on Llama-family, Gemma, GLM-4, Command R, OLMo/EXAONE "
+            f"and hybrid Mamba models; {cls.__name__} ({hf_config.model_type}) is not one"
         )
     from pdserve.runner.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -223,9 +247,4 @@ def check_model_class(cls: type, hf_config: Any) -> None:
         raise ValueError(
             "LoRA adapters are not served on qwen3_next (its query rows carry the output "
             "gate and its Gated DeltaNet projections have no LoRA sites)"
-        )
-    if family_spec(hf_config).rope_interleaved:
-        raise ValueError(
-            f"LoRA adapters are not served on {hf_config.model_type} (its q/k rows are "
-            "reordered at load)"
         )

@@ -262,18 +262,24 @@ def interleaved_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
     ])  # fmt: skip
 
 
+def interleaved_rows(attn: Attention) -> torch.Tensor:
+    """The fused projection's q and k output rows in the order `_interleaved_to_halves`
+    puts them (row j of the result is row `rows[j]` of the checkpoint's); v's follow
+    unmoved. A LoRA adapter's q/k deltas move the same way (runner/lora/slots.py)."""
+    within = interleaved_order(attn.head_dim, attn.rotary_dim)
+    heads = attn.num_heads + attn.num_kv_heads
+    rows = (torch.arange(heads)[:, None] * attn.head_dim + within[None, :]).reshape(-1)
+    return rows.to(attn.qkv_proj.weight.device)
+
+
 def _interleaved_to_halves(attn: Attention) -> None:
     """Reorders each q and k head's rotated output rows [0, 2, 4, ..., 1, 3, 5, ...]: the
     pairs an interleaved RoPE rotates, (2i, 2i+1), become the halves kernels' (i, i + R/2)
     at the same frequency i, over the head's first R = `rotary_dim` rows (GLM-4 rotates
     half a head); the rest stay. q.k is unchanged (both move alike); v and o are
     untouched."""
-    d, rot = attn.head_dim, attn.rotary_dim
-    within = interleaved_order(d, rot)
-    heads = attn.num_heads + attn.num_kv_heads
-    rows = (torch.arange(heads)[:, None] * d + within[None, :]).reshape(-1)
-    rows = rows.to(attn.qkv_proj.weight.device)
-    qk = heads * d
+    rows = interleaved_rows(attn)
+    qk = rows.numel()
     w = attn.qkv_proj.weight.data
     w[:qk] = w[:qk][rows]
     if attn.qkv_proj.bias is not None:
