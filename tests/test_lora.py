@@ -175,6 +175,13 @@ def tiny_glm4_0414_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def tiny_ernie_dir(tmp_path_factory) -> str:
+    from test_llama_variants import _config
+
+    return _save_tiny(tmp_path_factory, "tiny-ernie-lora", _config("ernie4_5"))
+
+
+@pytest.fixture(scope="module")
 def tiny_command_r_plus_dir(tmp_path_factory) -> str:
     from test_cohere import _cohere, _save_with_random_qk_norms
 
@@ -184,14 +191,14 @@ def tiny_command_r_plus_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize(
     "family",
     ["tiny_granite_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_olmo2_dir",
-     "tiny_glm_dir", "tiny_glm4_0414_dir", "tiny_command_r_plus_dir"],
+     "tiny_glm_dir", "tiny_glm4_0414_dir", "tiny_ernie_dir", "tiny_command_r_plus_dir"],
 )  # fmt: skip
 def test_other_families_match_merged_models(family, request, tmp_path):
     """Granite folds its residual multiplier into the o and down weights at load, so their
     deltas are scaled alike; Qwen3's and Gemma 3's q/k norms, and OLMo 2's over all heads,
     read the adapted projections; Gemma's GeGLU reads the adapted gate and up, and its
-    sandwich norms and OLMo's post-norms the adapted o and down. GLM-4 (9B and 0414) and
-    Command R+ reorder their q/k rows at load for the interleaved RoPE: the q/k deltas'
+    sandwich norms and OLMo's post-norms the adapted o and down. GLM-4 (9B and 0414), ERNIE
+    4.5 and Command R+ reorder their q/k rows at load for the interleaved RoPE: the q/k deltas'
     rows move with them (GLM over half of each head); GLM's gate and up come fused, and
     Command R+'s per-head q/k norms and parallel block read the adapted projections."""
     base_dir = request.getfixturevalue(family)
