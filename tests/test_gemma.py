@@ -74,6 +74,33 @@ def tiny_gemma2_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def tiny_gemma1_dir(tmp_path_factory) -> str:
+    """Gemma (1): Llama's two norms a layer (offsets from one, randomised), one kv head for
+    four query heads (the 2B's multi-query attention), head_dim 32, GeGLU, sqrt(hidden)
+    embeddings, tied."""
+    from transformers import GemmaConfig
+
+    cfg = GemmaConfig(
+        vocab_size=1009, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+        initializer_range=0.1, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, architectures=["GemmaForCausalLM"],
+    )  # fmt: skip
+    path = _save_tiny(tmp_path_factory, "tiny-gemma1", cfg)
+    _randomize_tensors(path, "norm", scale=0.5)
+    return path
+
+
+def test_gemma1_matches_transformers(tiny_gemma1_dir):
+    from pdserve.runner.models.llama import DecoderLayer
+
+    llm = assert_greedy_matches_hf(tiny_gemma1_dir, (5, 40, 90), 16, seed=13)
+    model = llm.engine.runner.model
+    assert isinstance(model.layers[0], DecoderLayer) and model.embedding_multiplier == 8.0
+    assert_logprobs_match_hf(tiny_gemma1_dir, [(7 * i + 2) % 1000 + 3 for i in range(40)], 8)
+
+
+@pytest.fixture(scope="module")
 def tiny_gemma3_vision_dir(tmp_path_factory) -> str:
     """Gemma 3 as its 4B-27B checkpoints ship: Gemma3ForConditionalGeneration, the text
     model under `language_model.`, beside a (tiny) SigLIP tower and projector."""

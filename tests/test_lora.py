@@ -13,7 +13,11 @@ import pytest
 import torch
 from conftest import ATTN, DEVICE, MLP, _save_tiny, hf_greedy, make_lora_adapter
 from safetensors.torch import load_file, save_file
-from test_gemma import tiny_gemma2_dir, tiny_gemma3_dir  # noqa: F401 - fixtures used by name
+from test_gemma import (  # noqa: F401 - fixtures used by name
+    tiny_gemma1_dir,
+    tiny_gemma2_dir,
+    tiny_gemma3_dir,
+)
 
 from pdserve import LoRARequest
 from pdserve.runner.block_hash import salt_root
@@ -190,7 +194,8 @@ def tiny_command_r_plus_dir(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize(
     "family",
-    ["tiny_granite_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_olmo2_dir",
+    ["tiny_granite_dir", "tiny_qwen3_dir", "tiny_gemma1_dir", "tiny_gemma2_dir", "tiny_gemma3_dir",
+     "tiny_olmo2_dir",
      "tiny_glm_dir", "tiny_glm4_0414_dir", "tiny_ernie_dir", "tiny_command_r_plus_dir"],
 )  # fmt: skip
 def test_other_families_match_merged_models(family, request, tmp_path):

@@ -228,14 +228,14 @@ def check_supported(model: nn.Module) -> None:
 def check_model_class(cls: type, hf_config: Any) -> None:
     """`check_supported` before a model is built (`pdserve serve` at start)."""
     from pdserve.runner.models.cohere import CohereForCausalLM
-    from pdserve.runner.models.gemma import GemmaForCausalLM
+    from pdserve.runner.models.gemma import Gemma1ForCausalLM, GemmaForCausalLM
     from pdserve.runner.models.glm4 import Glm4ForCausalLM
     from pdserve.runner.models.llama import LlamaFamilyForCausalLM
     from pdserve.runner.models.mamba_hybrid import MambaHybridForCausalLM
     from pdserve.runner.models.post_norm import PostNormForCausalLM
 
-    served = (LlamaFamilyForCausalLM, GemmaForCausalLM, PostNormForCausalLM, CohereForCausalLM,
-              Glm4ForCausalLM)  # fmt: skip
+    served = (LlamaFamilyForCausalLM, GemmaForCausalLM, Gemma1ForCausalLM, PostNormForCausalLM,
+              CohereForCausalLM, Glm4ForCausalLM)  # fmt: skip
     if cls not in served and not issubclass(cls, MambaHybridForCausalLM):
         raise ValueError(
             f"LoRA adapters are served on Llama-family, Gemma, GLM-4, Command R, OLMo/EXAONE "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pdserve.runner.models.cohere import CohereForCausalLM
 from pdserve.runner.models.deepseek import DeepseekForCausalLM
 from pdserve.runner.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
-from pdserve.runner.models.gemma import GemmaForCausalLM
+from pdserve.runner.models.gemma import Gemma1ForCausalLM, GemmaForCausalLM
 from pdserve.runner.models.glm4 import Glm4ForCausalLM
 from pdserve.runner.models.glm4_moe import Glm4MoeForCausalLM
 from pdserve.runner.models.gpt_oss import GptOssForCausalLM
@@ -31,6 +31,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "Ernie4_5ForCausalLM": LlamaFamilyForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,  # softmax + bias routing
     "Exaone4ForCausalLM": PostNormForCausalLM,
+    "GemmaForCausalLM": Gemma1ForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,  # GLM-4-0414: sandwich norms (glm4.py)

@@ -1,9 +1,11 @@
-"""Gemma 2 and Gemma 3 (text: Gemma2ForCausalLM, Gemma3ForCausalLM) on the paged KV cache,
-as members of the Llama family.
+"""Gemma, Gemma 2 and Gemma 3 (text: GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM)
+on the paged KV cache, as members of the Llama family.
 
 What differs from Llama, and where it is handled:
-- Sandwich norms: a layer normalises its attention output and its MLP output before each
-  joins the residual stream (`GemmaDecoderLayer`), four RMSNorms a layer.
+- Sandwich norms (Gemma 2 and 3): a layer normalises its attention output and its MLP
+  output before each joins the residual stream (`GemmaDecoderLayer`), four RMSNorms a
+  layer. Gemma (1) has Llama's two (`Gemma1ForCausalLM`), with everything else below
+  that is not about Gemma 2 or 3.
 - RMSNorm weights are stored as offsets from one (`x * (1 + w)`): one is added at load,
   in float32 (`keep_fp32`), so the norm kernels run unchanged (the q/k norms too) but
   for taking the product in float32 (kernels/norm.py).
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdserve.runner.models.llama import LlamaFamilyForCausalLM, RMSNorm
+from pdserve.runner.models.llama import DecoderLayer, LlamaFamilyForCausalLM, RMSNorm
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -86,3 +88,11 @@ class GemmaForCausalLM(LlamaFamilyForCausalLM):
         logits = super().compute_logits(hidden, float32)
         cap = self.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
+
+
+class Gemma1ForCausalLM(GemmaForCausalLM):
+    """The first Gemma: Llama's layer (a norm before attention, one before the MLP) with
+    Gemma's `1 + w` norms, GeGLU and scaled embeddings."""
+
+    def _decoder_layer(self, cfg: Any, layer: int) -> nn.Module:
+        return DecoderLayer(cfg, self._attention(cfg, layer), self._feed_forward(cfg, layer))
