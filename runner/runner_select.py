@@ -42,6 +42,8 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
             )
     act = activation_of(hf_config)
     supported = ("silu",) if experts_per_pick(hf_config) is not None else DENSE_ACTIVATIONS
+    if getattr(hf_config, "model_type", "") == "arcee":
+        supported = ("relu2",)  # its MLP has no gate (runner/models/arcee.py)
     if act not in supported:
         problems.append(f"hidden_act {act!r} (mrv2 implements {', '.join(supported)})")
     if getattr(hf_config, "model_type", "") == "nemotron_h":

@@ -186,6 +186,13 @@ def tiny_ernie_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def tiny_arcee_dir(tmp_path_factory) -> str:
+    from test_arcee import _config
+
+    return _save_tiny(tmp_path_factory, "tiny-arcee-lora", _config())
+
+
+@pytest.fixture(scope="module")
 def tiny_command_r_plus_dir(tmp_path_factory) -> str:
     from test_cohere import _cohere, _save_with_random_qk_norms
 
@@ -196,7 +203,8 @@ def tiny_command_r_plus_dir(tmp_path_factory) -> str:
     "family",
     ["tiny_granite_dir", "tiny_qwen3_dir", "tiny_gemma1_dir", "tiny_gemma2_dir", "tiny_gemma3_dir",
      "tiny_olmo2_dir",
-     "tiny_glm_dir", "tiny_glm4_0414_dir", "tiny_ernie_dir", "tiny_command_r_plus_dir"],
+     "tiny_glm_dir", "tiny_glm4_0414_dir", "tiny_ernie_dir", "tiny_command_r_plus_dir",
+     "tiny_arcee_dir"],
 )  # fmt: skip
 def test_other_families_match_merged_models(family, request, tmp_path):
     """Granite folds its residual multiplier into the o and down weights at load, so their
@@ -205,9 +213,11 @@ def test_other_families_match_merged_models(family, request, tmp_path):
     sandwich norms and OLMo's post-norms the adapted o and down. GLM-4 (9B and 0414), ERNIE
     4.5 and Command R+ reorder their q/k rows at load for the interleaved RoPE: the q/k deltas'
     rows move with them (GLM over half of each head); GLM's gate and up come fused, and
-    Command R+'s per-head q/k norms and parallel block read the adapted projections."""
+    Command R+'s per-head q/k norms and parallel block read the adapted projections;
+    Arcee's gateless relu^2 MLP takes its up and down deltas."""
     base_dir = request.getfixturevalue(family)
     mlp = ("gate_up_proj", "down_proj") if "glm" in family else MLP
+    mlp = ("up_proj", "down_proj") if "arcee" in family else mlp
     deltas = make_lora_adapter(base_dir, tmp_path / "a", ATTN + mlp, 4, 8.0, seed=4)
     merged = _merged(base_dir, deltas, tmp_path / "merged")
     prompts = _prompts(seed=11)[:2]

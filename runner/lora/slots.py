@@ -227,6 +227,7 @@ def check_supported(model: nn.Module) -> None:
 
 def check_model_class(cls: type, hf_config: Any) -> None:
     """`check_supported` before a model is built (`pdserve serve` at start)."""
+    from pdserve.runner.models.arcee import ArceeForCausalLM
     from pdserve.runner.models.cohere import CohereForCausalLM
     from pdserve.runner.models.gemma import Gemma1ForCausalLM, GemmaForCausalLM
     from pdserve.runner.models.glm4 import Glm4ForCausalLM
@@ -235,11 +236,12 @@ def check_model_class(cls: type, hf_config: Any) -> None:
     from pdserve.runner.models.post_norm import PostNormForCausalLM
 
     served = (LlamaFamilyForCausalLM, GemmaForCausalLM, Gemma1ForCausalLM, PostNormForCausalLM,
-              CohereForCausalLM, Glm4ForCausalLM)  # fmt: skip
+              CohereForCausalLM, Glm4ForCausalLM, ArceeForCausalLM)  # fmt: skip
     if cls not in served and not issubclass(cls, MambaHybridForCausalLM):
         raise ValueError(
-            f"LoRA adapters are served on Llama-family, Gemma, GLM-4, Command R, OLMo/EXAONE "
-            f"and hybrid Mamba models; {cls.__name__} ({hf_config.model_type}) is not one"
+            "LoRA adapters are served on Llama-family, Gemma, GLM-4, Command R, Arcee, "
+            f"OLMo/EXAONE and hybrid Mamba models; {cls.__name__} ({hf_config.model_type}) "
+            "is not one"
         )
     from pdserve.runner.models.qwen3_next import Qwen3NextForCausalLM
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pdserve.runner.models.arcee import ArceeForCausalLM
 from pdserve.runner.models.cohere import CohereForCausalLM
 from pdserve.runner.models.deepseek import DeepseekForCausalLM
 from pdserve.runner.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
@@ -23,6 +24,7 @@ from pdserve.runner.models.post_norm import PostNormForCausalLM
 from pdserve.runner.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
+    "ArceeForCausalLM": ArceeForCausalLM,  # a Llama with a relu^2 MLP (arcee.py)
     "BambaForCausalLM": BambaForCausalLM,  # Mamba2 + attention hybrid (runner/hybrid.py)
     "Cohere2ForCausalLM": CohereForCausalLM,  # parallel blocks, LayerNorms (cohere.py)
     "CohereForCausalLM": CohereForCausalLM,
