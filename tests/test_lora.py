@@ -13,11 +13,13 @@ import pytest
 import torch
 from conftest import ATTN, DEVICE, MLP, _save_tiny, hf_greedy, make_lora_adapter
 from safetensors.torch import load_file, save_file
+from test_ernie4_5_moe import tiny_ernie_moe_dir  # noqa: F401 - fixtures used by name
 from test_gemma import (  # noqa: F401 - fixtures used by name
     tiny_gemma1_dir,
     tiny_gemma2_dir,
     tiny_gemma3_dir,
 )
+from test_llama4 import tiny_llama4_dir  # noqa: F401 - fixtures used by name
 
 from pdserve import LoRARequest
 from pdserve.runner.block_hash import salt_root
@@ -221,6 +223,19 @@ def test_other_families_match_merged_models(family, request, tmp_path):
     deltas = make_lora_adapter(base_dir, tmp_path / "a", ATTN + mlp, 4, 8.0, seed=4)
     merged = _merged(base_dir, deltas, tmp_path / "merged")
     prompts = _prompts(seed=11)[:2]
+    got = _generate(_llm(base_dir), prompts, LoRARequest("a", 1, str(tmp_path / "a")))
+    assert got == hf_greedy(merged, prompts, NEW)
+
+
+@pytest.mark.parametrize("family", ["tiny_ernie_moe_dir", "tiny_llama4_dir"])
+def test_moe_families_adapt_their_attention(family, request, tmp_path):
+    """ERNIE 4.5 MoE and Llama 4 (interleaved RoPE, reordered at load; Llama 4's NoPE
+    layers and chunked attention): an adapter on q/k/v/o of every layer equals the merged
+    model. Their experts take none (refused by name, like Mixtral's)."""
+    base_dir = request.getfixturevalue(family)
+    deltas = make_lora_adapter(base_dir, tmp_path / "a", ATTN, 4, 8.0, seed=5)
+    merged = _merged(base_dir, deltas, tmp_path / "merged")
+    prompts = _prompts(seed=12)[:2]
     got = _generate(_llm(base_dir), prompts, LoRARequest("a", 1, str(tmp_path / "a")))
     assert got == hf_greedy(merged, prompts, NEW)
 

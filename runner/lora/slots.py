@@ -216,7 +216,7 @@ def _dense_mlp(layer: nn.Module) -> nn.Module | None:
 def check_supported(model: nn.Module) -> None:
     """LoRA runs where the layers are llama.py's Attention and MLP: the plain Llama-family
     model (Llama, Mistral, Qwen2/3, SmolLM, Granite, Phi-3, Seed-OSS, GLM-4-9B, ERNIE 4.5,
-    and the attention of Mixtral / Qwen-MoE), Gemma 2/3 and GLM-4-0414 (sandwich norms
+    and the attention and dense layers of Mixtral / Qwen-MoE / ERNIE 4.5 MoE / Llama 4), Gemma 2/3 and GLM-4-0414 (sandwich norms
     around the same projections), Command R / R+ / R7B / A (a parallel block), the
     post-norm families (OLMo 2/3, EXAONE 4) and the hybrid Mamba models (their attention,
     dense MLPs and Mamba mixers' in/out projections; not their experts); families whose
@@ -229,17 +229,21 @@ def check_model_class(cls: type, hf_config: Any) -> None:
     """`check_supported` before a model is built (`pdserve serve` at start)."""
     from pdserve.runner.models.arcee import ArceeForCausalLM
     from pdserve.runner.models.cohere import CohereForCausalLM
+    from pdserve.runner.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
     from pdserve.runner.models.gemma import Gemma1ForCausalLM, GemmaForCausalLM
     from pdserve.runner.models.glm4 import Glm4ForCausalLM
     from pdserve.runner.models.llama import LlamaFamilyForCausalLM
+    from pdserve.runner.models.llama4 import Llama4ForCausalLM
     from pdserve.runner.models.mamba_hybrid import MambaHybridForCausalLM
     from pdserve.runner.models.post_norm import PostNormForCausalLM
 
     served = (LlamaFamilyForCausalLM, GemmaForCausalLM, Gemma1ForCausalLM, PostNormForCausalLM,
-              CohereForCausalLM, Glm4ForCausalLM, ArceeForCausalLM)  # fmt: skip
+              CohereForCausalLM, Glm4ForCausalLM, ArceeForCausalLM, Ernie4_5_MoeForCausalLM,
+              Llama4ForCausalLM)  # fmt: skip
     if cls not in served and not issubclass(cls, MambaHybridForCausalLM):
         raise ValueError(
-            "LoRA adapters are served on Llama-family, Gemma, GLM-4, Command R, Arcee, "
+            "LoRA adapters are served on Llama-family (Llama 4, ERNIE 4.5 MoE too), Gemma, "
+            "GLM-4, Command R, Arcee, "
             f"OLMo/EXAONE and hybrid Mamba models; {cls.__name__} ({hf_config.model_type}) "
             "is not one"
         )
