@@ -15,6 +15,9 @@ import random
 import pytest
 import torch
 from conftest import DEVICE
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pdserve import LLM, SamplingParams
 
@@ -166,3 +169,56 @@ def test_snapshot_units_are_reused_least_recently_used_first():
     again = snaps.take()  # evicts 107, the least recently used
     snaps.publish(108, again)  # 108 is saved already: the unit is free again
     assert snaps.lookup(107) is None and snaps.reserve(109) == again == 8
+
+
+class SnapshotUnitsMachine(RuleBasedStateMachine):
+    """StateSnapshots under any order of saves, decode units taken, published and given
+    back, lookups and clears: every unit is free, taken by one decoding request or holding
+    one snapshot, never two of these; a lookup finds only a published hash."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from pdserve.runner.state_snapshots import StateSnapshots
+
+        self.snaps = StateSnapshots(first_unit=5, num_units=3)
+        self.taken: list[int] = []
+
+    @rule(h=st.integers(0, 6))
+    def reserve(self, h: int) -> None:
+        unit = self.snaps.reserve(h)
+        assert unit is None or self.snaps.lookup(h) == unit
+
+    @rule()
+    def take(self) -> None:
+        unit = self.snaps.take()
+        if unit is not None:
+            assert unit not in self.taken
+            self.taken.append(unit)
+
+    @precondition(lambda self: self.taken)
+    @rule(h=st.integers(0, 6), i=st.integers(0, 2), publish=st.booleans())
+    def end(self, h: int, i: int, publish: bool) -> None:
+        unit = self.taken.pop(i % len(self.taken))
+        if publish:
+            before = self.snaps.lookup(h)
+            self.snaps.publish(h, unit)
+            assert self.snaps.lookup(h) == (unit if before is None else before)
+        else:
+            self.snaps.give_back(unit)
+
+    @rule()
+    def clear(self) -> None:
+        self.snaps.clear()
+
+    @invariant()
+    def units_are_partitioned(self) -> None:
+        published = list(self.snaps._by_hash.values())
+        free = list(self.snaps._free)
+        everything = published + free + self.taken
+        assert sorted(everything) == [5, 6, 7], (published, free, self.taken)
+        assert set(self.taken) == self.snaps._taken
+
+
+SnapshotUnitsMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30,
+                                                  deadline=None)  # fmt: skip
+test_snapshot_units_stay_partitioned = SnapshotUnitsMachine.TestCase
