@@ -76,7 +76,9 @@ class StateSnapshots:
 
     def publish(self, block_hash: int, unit: int) -> None:
         """A taken unit now holds the state at the end of this block (or will, once the
-        save a step ago is copied: copies run before any restore of the same step)."""
+        save a step ago is copied: copies run before any restore of the same step). A unit
+        freed here or by `give_back` may still have that save pending: it runs before any
+        later save into the unit, as copies run in the order they were planned."""
         self._taken.remove(unit)
         if block_hash in self._by_hash:  # the same prefix, saved already: keep that one
             self._by_hash.move_to_end(block_hash)
