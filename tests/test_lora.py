@@ -19,6 +19,7 @@ from test_gemma import (  # noqa: F401 - fixtures used by name
     tiny_gemma2_dir,
     tiny_gemma3_dir,
 )
+from test_gpt_oss import tiny_gpt_oss_dir  # noqa: F401 - fixtures used by name
 from test_llama4 import tiny_llama4_dir  # noqa: F401 - fixtures used by name
 
 from pdserve import LoRARequest
@@ -227,11 +228,14 @@ def test_other_families_match_merged_models(family, request, tmp_path):
     assert got == hf_greedy(merged, prompts, NEW)
 
 
-@pytest.mark.parametrize("family", ["tiny_ernie_moe_dir", "tiny_llama4_dir"])
+@pytest.mark.parametrize(
+    "family", ["tiny_ernie_moe_dir", "tiny_llama4_dir", "tiny_glm4_moe_dir", "tiny_gpt_oss_dir"]
+)
 def test_moe_families_adapt_their_attention(family, request, tmp_path):
     """ERNIE 4.5 MoE and Llama 4 (interleaved RoPE, reordered at load; Llama 4's NoPE
-    layers and chunked attention): an adapter on q/k/v/o of every layer equals the merged
-    model. Their experts take none (refused by name, like Mixtral's)."""
+    layers and chunked attention), GLM-4.5 (half-head RoPE, q/k norms) and gpt-oss
+    (attention sinks, biases, sliding layers): an adapter on q/k/v/o of every layer equals
+    the merged model. Their experts take none (refused by name, like Mixtral's)."""
     base_dir = request.getfixturevalue(family)
     deltas = make_lora_adapter(base_dir, tmp_path / "a", ATTN, 4, 8.0, seed=5)
     merged = _merged(base_dir, deltas, tmp_path / "merged")

@@ -216,12 +216,12 @@ def _dense_mlp(layer: nn.Module) -> nn.Module | None:
 def check_supported(model: nn.Module) -> None:
     """LoRA runs where the layers are llama.py's Attention and MLP: the plain Llama-family
     model (Llama, Mistral, Qwen2/3, SmolLM, Granite, Phi-3, Seed-OSS, GLM-4-9B, ERNIE 4.5,
-    and the attention and dense layers of Mixtral / Qwen-MoE / ERNIE 4.5 MoE / Llama 4), Gemma 2/3 and GLM-4-0414 (sandwich norms
+    and the attention and dense layers of Mixtral / Qwen-MoE / ERNIE 4.5 MoE / Llama 4 /
+    GLM-4.5 / gpt-oss), Gemma 2/3 and GLM-4-0414 (sandwich norms
     around the same projections), Command R / R+ / R7B / A (a parallel block), the
     post-norm families (OLMo 2/3, EXAONE 4) and the hybrid Mamba models (their attention,
     dense MLPs and Mamba mixers' in/out projections; not their experts); families whose
-    attention or weight layout differs (MLA, gpt-oss, GLM-4 MoE, Qwen3-Next) are refused by
-    name."""
+    attention or weight layout differs (MLA, Qwen3-Next) are refused by name."""
     check_model_class(type(model), model.config)
 
 
@@ -232,6 +232,8 @@ def check_model_class(cls: type, hf_config: Any) -> None:
     from pdserve.runner.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
     from pdserve.runner.models.gemma import Gemma1ForCausalLM, GemmaForCausalLM
     from pdserve.runner.models.glm4 import Glm4ForCausalLM
+    from pdserve.runner.models.glm4_moe import Glm4MoeForCausalLM
+    from pdserve.runner.models.gpt_oss import GptOssForCausalLM
     from pdserve.runner.models.llama import LlamaFamilyForCausalLM
     from pdserve.runner.models.llama4 import Llama4ForCausalLM
     from pdserve.runner.models.mamba_hybrid import MambaHybridForCausalLM
@@ -239,10 +241,11 @@ def check_model_class(cls: type, hf_config: Any) -> None:
 
     served = (LlamaFamilyForCausalLM, GemmaForCausalLM, Gemma1ForCausalLM, PostNormForCausalLM,
               CohereForCausalLM, Glm4ForCausalLM, ArceeForCausalLM, Ernie4_5_MoeForCausalLM,
-              Llama4ForCausalLM)  # fmt: skip
+              Llama4ForCausalLM, Glm4MoeForCausalLM, GptOssForCausalLM)  # fmt: skip
     if cls not in served and not issubclass(cls, MambaHybridForCausalLM):
         raise ValueError(
-            "LoRA adapters are served on Llama-family (Llama 4, ERNIE 4.5 MoE too), Gemma, "
+            "LoRA adapters are served on Llama-family (Llama 4, ERNIE 4.5 MoE, GLM-4.5, gpt-oss "
+            "too), Gemma, "
             "GLM-4, Command R, Arcee, "
             f"OLMo/EXAONE and hybrid Mamba models; {cls.__name__} ({hf_config.model_type}) "
             "is not one"
