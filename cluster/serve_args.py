@@ -12,6 +12,7 @@ from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.cluster.response_store import DEFAULT_STORE_BYTES
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from pdserve.json_arg import json_object
+from pdserve.runner.config import LOAD_FORMATS
 from pdserve.sizes import parse_size
 
 # Keys that may come from the environment when neither a flag nor the config file gives
@@ -145,6 +146,9 @@ class ServeConfig:
     tokenizer: str | None = None
     revision: str | None = None
     download_dir: str | None = None
+    # vLLM's: "auto"/"safetensors" read the checkpoint, "dummy" makes random weights of its
+    # shapes for timing (runner/models/dummy_weights.py; config.json and a tokenizer do)
+    load_format: str = "auto"
     # vLLM's: the checkpoint's own quantization method (fp8, mxfp4) or None; any other is
     # refused at start (runner/models/fp8_weights.py check_quantization)
     quantization: str | None = None
@@ -271,6 +275,10 @@ class ServeConfig:
         ):
             raise ValueError(
                 f"cuda_graph_sizes must be positive integers, got {self.cuda_graph_sizes!r}"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

@@ -21,6 +21,7 @@ from pdserve.cluster.serve_args import (
     ServeConfig,
 )
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
+from pdserve.runner.config import LOAD_FORMATS
 from pdserve.sizes import size_arg
 
 
@@ -71,6 +72,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="a hub model's branch, tag or commit to fetch (default: main)")  # fmt: skip
     p.add_argument("--download-dir", default=None,
                    help="where a hub model is fetched to (default: the hub's cache)")  # fmt: skip
+    p.add_argument("--load-format", choices=list(LOAD_FORMATS), default=None,
+                   help="dummy: random weights of the checkpoint's shapes, for timing without "
+                   "fetching them (config.json and a tokenizer do)")  # fmt: skip
     p.add_argument("-q", "--quantization", default=None, metavar="METHOD",
                    help="the checkpoint's own method (fp8, mxfp4) or none: read from its "
                    "config either way; any other is refused (nothing is quantized at load)")  # fmt: skip

@@ -17,6 +17,7 @@ from pdserve.runner.classify import ClassifierSpec
 
 RUNNER_CHOICES = ("auto", "mrv2", "reference")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -55,6 +56,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     # vLLM's --tokenizer: a folder holding the tokenizer, when not the model's own
     tokenizer: str | None = None
+    # vLLM's --load-format: "auto" / "safetensors" read the checkpoint; "dummy" makes random
+    # weights of its shapes (runner/models/dummy_weights.py), for timing without them
+    load_format: str = "auto"
 
     @property
     def tokenizer_path(self) -> str:
@@ -66,6 +70,10 @@ class ModelConfig:
             f"dtype must be one of float32, float16, bfloat16 (got {self.dtype})",
         )
         _require(self.max_model_len >= 1, f"max_model_len must be >= 1 (got {self.max_model_len})")
+        _require(
+            self.load_format in LOAD_FORMATS,
+            f"load_format must be one of {', '.join(LOAD_FORMATS)} (got {self.load_format!r})",
+        )
 
     @property
     def architecture(self) -> str:

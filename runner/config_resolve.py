@@ -15,6 +15,7 @@ import torch
 
 from pdserve.runner.classify import classifier_spec, is_classifier
 from pdserve.runner.config import (
+    LOAD_FORMATS,
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -113,6 +114,7 @@ def resolve_engine_config(
     tokenizer: str | None = None,
     revision: str | None = None,
     download_dir: str | None = None,
+    load_format: str = "auto",
     mamba_cache_dtype: str = "auto",
     mamba_ssm_cache_dtype: str = "float32",
 ) -> EngineConfig:
@@ -121,7 +123,11 @@ def resolve_engine_config(
     if num_gpu_blocks is None:
         num_gpu_blocks = num_gpu_blocks_override
 
-    path, name = resolve_model_dir(model, revision, download_dir)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format must be one of {', '.join(LOAD_FORMATS)} (got {load_format!r})"
+        )
+    path, name = resolve_model_dir(model, revision, download_dir, weights=load_format != "dummy")
     tokenizer_dir = (
         None if tokenizer is None else str(resolve_tokenizer_dir(tokenizer, download_dir))
     )
@@ -176,6 +182,7 @@ def resolve_engine_config(
             classifier=classifier,
             trust_remote_code=trust_remote_code,
             tokenizer=tokenizer_dir,
+            load_format=load_format,
         ),
         cache=CacheConfig(
             block_size=block_size,

@@ -50,10 +50,13 @@ def resolve_model_dir(
     model: str | os.PathLike | None,
     revision: str | None = None,
     download_dir: str | None = None,
+    weights: bool = True,
 ) -> tuple[Path, str]:
     """Return (local directory with config.json + safetensors, a display name). A hub id
     is fetched at `revision` (vLLM's: a branch, tag or commit) into `download_dir` (the
-    hub's cache by default); both mean nothing for a local model."""
+    hub's cache by default); both mean nothing for a local model. `weights=False`
+    (`--load-format dummy`): config.json alone will do, and a hub id's weights are not
+    fetched."""
     if model is None:
         return convert_gguf(bundled_gguf_path()), BUNDLED_NAME
     text = os.fspath(model)
@@ -62,10 +65,11 @@ def resolve_model_dir(
         return convert_gguf(path), path.stem
     if path.is_dir():
         if (path / "config.json").is_file():
-            if not any(path.glob("*.safetensors")):
+            if weights and not any(path.glob("*.safetensors")):
                 raise ValueError(
                     f"model directory {path} has config.json but no *.safetensors "
-                    "weights (only safetensors are loaded)"
+                    "weights (only safetensors are loaded; --load-format dummy makes random "
+                    "ones)"
                 )
             return path, path.name
         ggufs = sorted(path.glob("*.gguf"))
@@ -76,7 +80,8 @@ def resolve_model_dir(
             f"{len(ggufs)} .gguf files (need config.json + safetensors, or one .gguf)"
         )
     if _looks_like_hub_id(text):
-        return _download_hub(text, revision, download_dir, MODEL_FILES), text.split("/")[-1]
+        files = MODEL_FILES if weights else [p for p in MODEL_FILES if p != "*.safetensors"]
+        return _download_hub(text, revision, download_dir, files), text.split("/")[-1]
     raise ValueError(
         f"unknown model {text!r}: not a directory, not a .gguf file and not a "
         "hub id of the form 'org/name'"

@@ -35,6 +35,21 @@ class _Live:
         self.cache_len = 0
 
 
+def _dummy_model(model: Any, device: torch.device) -> torch.nn.Module:
+    """transformers' model for the config, holding the same random weights the mrv2 runner
+    loads under `--load-format dummy`."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.runner.models.dummy_weights import dummy_weights
+
+    hf = AutoModelForCausalLM.from_config(model.hf_config, dtype=model.dtype).to(device)
+    state = hf.state_dict()
+    with torch.no_grad():
+        for name, tensor in dummy_weights(model.hf_config, model.dtype, device):
+            state[name].copy_(tensor)
+    return hf.eval()
+
+
 class ReferenceRunner:
     name = "reference"
 
@@ -43,15 +58,18 @@ class ReferenceRunner:
 
         self.config = config
         self.device = config.runner.torch_device
-        self.model = (
-            AutoModelForCausalLM.from_pretrained(
-                config.model.path,
-                dtype=config.model.dtype,
-                trust_remote_code=config.model.trust_remote_code,
-            )  # fmt: skip
-            .to(self.device)
-            .eval()
-        )
+        if config.model.load_format == "dummy":  # runner/models/dummy_weights.py
+            self.model = _dummy_model(config.model, self.device)
+        else:
+            self.model = (
+                AutoModelForCausalLM.from_pretrained(
+                    config.model.path,
+                    dtype=config.model.dtype,
+                    trust_remote_code=config.model.trust_remote_code,
+                )  # fmt: skip
+                .to(self.device)
+                .eval()
+            )
         # Blocks are bookkeeping only here (no paged memory); size them so that the
         # scheduler never preempts for lack of them.
         self.num_blocks = config.cache.num_blocks or (

@@ -52,7 +52,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
         "--max-model-len", "2048", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "32",
         "--scheduling-policy", "priority", "--no-enable-chunked-prefill", "--no-async-scheduling",
         "-q", "fp8", "--trust-remote-code", "--revision", "v1.0", "--download-dir", "/data/hf",
-        "--tokenizer", "org/tok",
+        "--tokenizer", "org/tok", "--load-format", "dummy",
         "--cuda-graph-sizes", "1", "8", "32", "--limit-mm-per-prompt", '{"image": 0, "video": 0}',
     )  # fmt: skip
     assert cfg.model == "Qwen/Qwen3-0.6B"
@@ -65,7 +65,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
     assert (cfg.enable_chunked_prefill, cfg.async_scheduling) == (False, False)
     assert cfg.quantization == "fp8"  # checked against the checkpoint at start
     assert (cfg.trust_remote_code, cfg.revision, cfg.download_dir) == (True, "v1.0", "/data/hf")
-    assert cfg.tokenizer == "org/tok"
+    assert cfg.tokenizer == "org/tok" and cfg.load_format == "dummy"
     assert cfg.cuda_graph_sizes == [1, 8, 32]
     assert cfg.limit_mm_per_prompt == {"image": 0, "video": 0}
 

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from pdserve.runner.config import ModelConfig
 from pdserve.runner.models import MODEL_REGISTRY
+from pdserve.runner.models.dummy_weights import dummy_weights
 from pdserve.runner.models.fp8_weights import dequantized_weights, fp8_format, quantized_source
 from pdserve.runner.models.kv_scales import KvScales
 from pdserve.runner.models.norm_fold import fold_norms
@@ -73,6 +74,10 @@ def load_model(
     cls = MODEL_REGISTRY[model_config.architecture]
     # Positions up to max_model_len inclusive: the token sampled at the last position.
     max_positions = model_config.max_model_len + 1
+    if model_config.load_format == "dummy" and model_config.classifier is not None:
+        raise ValueError(
+            "load_format 'dummy' makes a generating model's weights, not a classifier's"
+        )
     with torch.device("meta"):
         model = cls(cfg, max_positions)
         if model_config.classifier is not None:  # its score head (runner/classify.py)
@@ -88,18 +93,22 @@ def load_model(
         if name.endswith(keep):
             param.data = param.data.float()
     model.init_rope()
-    weights = iter_safetensors(model_config.path)
-    if model_config.text_only_of is not None:  # a multimodal checkpoint's language model
+    dummy = model_config.load_format == "dummy"
+    if dummy:  # random weights in the checkpoint's names (runner/models/dummy_weights.py)
+        weights = dummy_weights(cfg, model_config.dtype, device)
+    else:
+        weights = iter_safetensors(model_config.path)
+    if model_config.text_only_of is not None and not dummy:  # a multimodal checkpoint's LM
         weights = language_model_weights(weights)
     kv_scales = KvScales()  # an FP8 KV cache's scales, where the checkpoint has them
     weights = kv_scales.take(weights)
-    fp8 = fp8_format(cfg)
+    fp8 = None if dummy else fp8_format(cfg)
     if fp8 is not None:  # dequantized as they stream in (runner/models/fp8_weights.py)
         weights = dequantized_weights(weights, fp8, model_config.dtype)
     with torch.no_grad():
         model.load_weights(weights)
     kv_scales.apply(model)
-    model.weights_from = quantized_source(cfg)
+    model.weights_from = "dummy" if dummy else quantized_source(cfg)
     if fold and device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
         # 16-bit decode batches on the GPU run without norm launches (norm_fold.py); fp32
         # (the parity runs against transformers) and CPU keep the weights as loaded.

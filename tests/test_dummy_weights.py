@@ -1,0 +1,70 @@
+"""`--load-format dummy` (runner/models/dummy_weights.py): a model folder with config.json
+and no weights runs on random weights of the checkpoint's shapes, the same ones in every
+process (a PD pair's two sides must agree), through the family's own loader; without the
+flag such a folder is refused by name."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from conftest import DEVICE
+
+from pdserve import LLM, SamplingParams
+from pdserve.runner.models.dummy_weights import DUMMY_RANGE, dummy_weights
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def config_only_dir(tiny_qwen3_dir, tmp_path_factory) -> str:
+    """The tiny Qwen3 (fused q/k/v and gate/up, q/k norms) without its safetensors."""
+    out = tmp_path_factory.mktemp("config-only")
+    shutil.copy(f"{tiny_qwen3_dir}/config.json", out / "config.json")
+    return str(out)
+
+
+def _llm(path: str, **kw) -> LLM:
+    return LLM(model=path, device=DEVICE, dtype="float32", load_format="dummy", **kw)
+
+
+def test_a_config_alone_runs_on_the_same_random_weights_each_time(config_only_dir):
+    first, second = _llm(config_only_dir), _llm(config_only_dir)
+    a, b = (dict(llm.engine.runner.model.named_parameters()) for llm in (first, second))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    qkv = a["layers.0.self_attn.qkv_proj.weight"]
+    assert 0 < qkv.abs().max() <= DUMMY_RANGE and qkv.std() > DUMMY_RANGE / 4
+    # the fused rows are q, k and v's own draws, not one tensor's repeated
+    q, k = qkv[: first.engine.runner.model.layers[0].self_attn.q_size], qkv[-64:]
+    assert not torch.equal(q[:64], k)
+    assert first.engine.execution_path["weights"] == "dummy->float32"
+    prompt = [{"prompt_token_ids": list(range(5, 40))}]
+    outs = [llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0] for llm in (first, second)]
+    assert len(outs[0].token_ids) == 6 and outs[0].token_ids == outs[1].token_ids
+
+
+def test_the_reference_runner_holds_the_same_weights(config_only_dir):
+    mrv2 = _llm(config_only_dir).engine.runner.model
+    ref = _llm(config_only_dir, runner="reference").engine.runner.model
+    assert torch.equal(ref.model.embed_tokens.weight, mrv2.embed_tokens.weight)
+    assert torch.equal(ref.model.norm.weight, mrv2.norm.weight)
+
+
+def test_the_draws_are_seeded_by_name():
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)  # fmt: skip
+    one = dict(dummy_weights(cfg, torch.float32, torch.device("cpu")))
+    two = dict(dummy_weights(cfg, torch.float32, torch.device("cpu")))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    up, gate = one["model.layers.0.mlp.up_proj.weight"], one["model.layers.0.mlp.gate_proj.weight"]
+    assert not torch.equal(up, gate)
+
+
+def test_a_folder_without_weights_is_refused_without_dummy(config_only_dir):
+    with pytest.raises(ValueError, match="no \\*.safetensors.*--load-format dummy"):
+        LLM(model=config_only_dir, device=DEVICE, dtype="float32")
+    with pytest.raises(ValueError, match="load_format must be one of auto, safetensors, dummy"):
+        LLM(model=config_only_dir, device=DEVICE, dtype="float32", load_format="pt")
