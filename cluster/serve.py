@@ -129,6 +129,9 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         trust_remote_code=cfg.trust_remote_code, tokenizer=cfg.tokenizer, revision=cfg.revision,
         download_dir=cfg.download_dir, load_format=cfg.load_format,
     )  # fmt: skip
+    if cfg.load_format == "dummy":
+        print(f"pdserve: --load-format dummy: {ecfg.model.architecture} runs on random weights "
+              "(runner/models/dummy_weights.py), so its outputs mean nothing", flush=True)  # fmt: skip
     tier_bytes = cfg.tier_bytes
     hybrid = is_hybrid(ecfg.model.hf_config)
     if cfg.mode == "pd" and hybrid:

@@ -68,3 +68,50 @@ def test_a_folder_without_weights_is_refused_without_dummy(config_only_dir):
         LLM(model=config_only_dir, device=DEVICE, dtype="float32")
     with pytest.raises(ValueError, match="load_format must be one of auto, safetensors, dummy"):
         LLM(model=config_only_dir, device=DEVICE, dtype="float32", load_format="pt")
+
+
+@pytest.fixture(scope="module")
+def weightless_chat_dir(smollm_dir, tmp_path_factory) -> str:
+    """A small Llama's config.json beside SmolLM2's tokenizer: no weights at all."""
+    from transformers import LlamaConfig
+
+    out = tmp_path_factory.mktemp("weightless")
+    LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(out)  # fmt: skip
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(f"{smollm_dir}/{name}", out)
+    return str(out)
+
+
+def test_a_pd_server_runs_dummy_weights_alike_on_both_sides(weightless_chat_dir, tmp_path):
+    """`pdserve serve --load-format dummy` in PD mode: the prompt prefills on the prefill
+    worker and decodes on the decode worker from its KV, and the text equals the offline
+    engine's on the same dummy weights; it could not if the two workers drew different
+    ones. The server says at start that the weights are random."""
+    from serve_server import Server
+    from test_serve_e2e import _metric
+
+    prompt = "Paris is the capital and largest city of France; the Seine runs through it, and"
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(model=weightless_chat_dir, device="cpu", max_model_len=256, load_format="dummy")
+    want = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    del llm
+    server = Server(tmp_path, "--model", weightless_chat_dir, "--device", "cpu",
+                    "--max-model-len", "256", "--load-format", "dummy")  # fmt: skip
+    try:
+        out = server.client().completions.create(
+            model=weightless_chat_dir, prompt=prompt, max_tokens=12, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert out.choices[0].text == want and out.usage.completion_tokens == 12
+        metrics = server.metrics()
+        assert _metric(metrics, "pdserve:pd_decisions_total", reason="remote_prefill") == 1
+        assert "--load-format dummy: LlamaForCausalLM runs on random weights" in (
+            server.log.read_text()
+        )
+    finally:
+        server.stop()
