@@ -87,7 +87,7 @@ def weightless_chat_dir(smollm_dir, tmp_path_factory) -> str:
     return str(out)
 
 
-def test_a_pd_server_runs_dummy_weights_alike_on_both_sides(weightless_chat_dir, tmp_path):
+def test_a_pd_server_with_the_bundled_tokenizer_runs_dummy_weights_alike(weightless_chat_dir, tmp_path):
     """`pdserve serve --load-format dummy` in PD mode: the prompt prefills on the prefill
     worker and decodes on the decode worker from its KV, and the text equals the offline
     engine's on the same dummy weights; it could not if the two workers drew different
