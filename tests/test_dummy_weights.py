@@ -44,6 +44,27 @@ def test_a_config_alone_runs_on_the_same_random_weights_each_time(config_only_di
     assert len(outs[0].token_ids) == 6 and outs[0].token_ids == outs[1].token_ids
 
 
+@pytest.mark.parametrize(
+    "family",
+    ["tiny_mixtral_dir", "tiny_deepseek_v3_dir", "tiny_phi3_dir", "tiny_bamba_dir",
+     "tiny_jamba_dir", "tiny_nemotron_h_dir", "tiny_qwen3_next_dir", "tiny_glm4_moe_dir"],
+)  # fmt: skip
+def test_other_layouts_load_dummy_weights(family, request, tmp_path):
+    """Families whose load fuses, stacks, splits or derives tensors (MoE experts, MLA's
+    compressed projections, Phi-3's stored-fused q/k/v, the Mamba and Gated DeltaNet
+    mixers) take the dummy tensors through it: every parameter drawn (none left zero),
+    all finite, and a
+    greedy run of 6 tokens."""
+    shutil.copy(f"{request.getfixturevalue(family)}/config.json", tmp_path / "config.json")
+    llm = _llm(str(tmp_path))
+    params = dict(llm.engine.runner.model.named_parameters())
+    assert all(torch.isfinite(p).all() for p in params.values())
+    drawn = [n for n, p in params.items() if p.abs().max() > 0]
+    assert len(drawn) == len(params), sorted(set(params) - set(drawn))
+    out = llm.generate([{"prompt_token_ids": list(range(5, 30))}], GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+
+
 def test_the_reference_runner_holds_the_same_weights(config_only_dir):
     mrv2 = _llm(config_only_dir).engine.runner.model
     ref = _llm(config_only_dir, runner="reference").engine.runner.model
@@ -87,7 +108,9 @@ def weightless_chat_dir(smollm_dir, tmp_path_factory) -> str:
     return str(out)
 
 
-def test_a_pd_server_with_the_bundled_tokenizer_runs_dummy_weights_alike(weightless_chat_dir, tmp_path):
+def test_a_pd_server_with_the_bundled_tokenizer_runs_dummy_weights_alike(
+    weightless_chat_dir, tmp_path
+):
     """`pdserve serve --load-format dummy` in PD mode: the prompt prefills on the prefill
     worker and decodes on the decode worker from its KV, and the text equals the offline
     engine's on the same dummy weights; it could not if the two workers drew different
