@@ -53,8 +53,7 @@ def test_other_layouts_load_dummy_weights(family, request, tmp_path):
     """Families whose load fuses, stacks, splits or derives tensors (MoE experts, MLA's
     compressed projections, Phi-3's stored-fused q/k/v, the Mamba and Gated DeltaNet
     mixers) take the dummy tensors through it: every parameter drawn (none left zero),
-    all finite, and a
-    greedy run of 6 tokens."""
+    all finite, and a greedy run of 6 tokens."""
     shutil.copy(f"{request.getfixturevalue(family)}/config.json", tmp_path / "config.json")
     llm = _llm(str(tmp_path))
     params = dict(llm.engine.runner.model.named_parameters())
