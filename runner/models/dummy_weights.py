@@ -6,10 +6,10 @@ The names and shapes come from transformers' model for the config, built on the 
 device (no memory); each tensor is drawn uniformly from [-1e-3, 1e-3], vLLM's range, on
 the target device by a generator seeded with the tensor's name, so every worker of a
 deployment (a PD pair's prefill and decode side) loads the same weights; a tensor tied to
-another (a tied LM head) is not drawn again. They stream
-through the family's own `load_weights`, so fused projections, reorders and derived
-buffers come out as from a real checkpoint. The checkpoint's quantization is ignored:
-the weights are the model's dtype.
+another (a tied LM head) is not drawn again. They stream through the family's own
+`load_weights`, so fused projections, reorders and derived buffers come out as from a
+real checkpoint. The checkpoint's quantization is ignored: the weights are the model's
+dtype.
 """
 
 from __future__ import annotations
