@@ -573,9 +573,10 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def make_lora_adapter(base_dir: str, folder: Path, targets, rank: int, alpha: float, seed: int,
-                  rslora: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+                  rslora: bool = False, where_present: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
     """A PEFT adapter folder for `base_dir`'s layers (random A and B); returns the merged
-    weights' deltas by the base checkpoint's names."""
+    weights' deltas by the base checkpoint's names. `where_present`: only the layers that
+    have a target (a hybrid's attention layers), not every layer."""
     import json
     import math
 
@@ -589,6 +590,8 @@ def make_lora_adapter(base_dir: str, folder: Path, targets, rank: int, alpha: fl
     for i in range(layers):
         for t in targets:
             part = "self_attn" if t in ATTN else "mlp"
+            if where_present and f"model.layers.{i}.{part}.{t}.weight" not in base:
+                continue
             w = base[f"model.layers.{i}.{part}.{t}.weight"]
             a = torch.randn(rank, w.shape[1], generator=g) * 0.3
             b = torch.randn(w.shape[0], rank, generator=g) * 0.3

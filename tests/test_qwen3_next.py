@@ -88,11 +88,37 @@ def test_pd_local_equals_colocated_qwen3_next(tiny_qwen3_next_dir):
     assert decode.loader.stats.recomputes == 0
 
 
-def test_lora_is_refused_by_name(tiny_qwen3_next_dir):
-    from pdserve import LLM
+def test_lora_on_the_gated_attention_equals_the_merged_model(tiny_qwen3_next_dir, tmp_path):
+    """An adapter on q/k/v/o of the attention layers: q_proj's delta covers each head's
+    query and output-gate rows (both read the adapted projection), o_proj's the gated
+    output; tokens equal transformers on the merged weights. An adapter on a Gated
+    DeltaNet projection is refused by name."""
+    from conftest import ATTN, hf_greedy, make_lora_adapter
+    from test_lora import _generate, _llm, _merged
 
-    with pytest.raises(ValueError, match="not served on qwen3_next"):
-        LLM(model=tiny_qwen3_next_dir, device="cpu", dtype="float32", enable_lora=True)
+    from pdserve import LoRARequest
+
+    deltas = make_lora_adapter(tiny_qwen3_next_dir, tmp_path / "a", ATTN, 4, 8.0, seed=6,
+                               where_present=True)  # fmt: skip
+    assert deltas and all(".self_attn." in name for name in deltas)
+    merged = _merged(tiny_qwen3_next_dir, deltas, tmp_path / "merged")
+    prompts = [[(7 * i + n) % 900 + 3 for i in range(n)] for n in (23, 41)]
+    got = _generate(_llm(tiny_qwen3_next_dir), prompts, LoRARequest("a", 1, str(tmp_path / "a")))
+    assert got == hf_greedy(merged, prompts, 12)
+    # the same adapter's layout, pointed at layer 0's Gated DeltaNet projection
+    import json
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "deltanet"
+    folder.mkdir()
+    key = "base_model.model.model.layers.0.linear_attn.in_proj_qkvz"
+    ab = {f"{key}.lora_A.weight": torch.zeros(4, 64), f"{key}.lora_B.weight": torch.zeros(8, 4)}
+    save_file(ab, folder / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["in_proj_qkvz"]}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="in_proj_qkvz.lora_A.weight' is not a LoRA A/B"):
+        _generate(_llm(tiny_qwen3_next_dir), prompts[:1], LoRARequest("d", 2, str(folder)))
 
 
 def test_the_released_checkpoints_mtp_layer_is_left_out(tiny_qwen3_next_dir, tmp_path):

@@ -106,7 +106,9 @@ class LoraSlots:
         for i, layer in enumerate(model.layers):
             if getattr(layer, "has_attention", True):  # a hybrid's Mamba/MLP layers have none
                 attn = layer.self_attn
-                q, kv = attn.q_size, attn.kv_size
+                # q's rows: Qwen3-Next's carry each head's output gate beside its query
+                kv = attn.kv_size
+                q = attn.qkv_proj.out_features - 2 * kv
                 qkv = {"q_proj": (0, 0, q), "k_proj": (1, q, q + kv),
                        "v_proj": (2, q + kv, q + 2 * kv), "qkv_proj": (0, 0, q + 2 * kv)}  # fmt: skip
                 order = interleaved_rows(attn) if interleaved else None
@@ -131,8 +133,9 @@ class LoraSlots:
                 mlp.up_lora = self._site(i, up, mlp.up.in_features, slots)
                 down = {"down_proj": (0, 0, mlp.down_proj.out_features)}
                 mlp.down_lora = self._site(i, down, mlp.down_proj.in_features, slots, res)
-            if getattr(layer, "is_mamba", False):  # a hybrid's Mamba mixer (Mamba2 or Mamba1)
-                mixer = layer.mamba
+            mixer = getattr(layer, "mamba", None)
+            if hasattr(mixer, "in_proj"):  # a hybrid's Mamba mixer (Mamba2 or Mamba1; Qwen3-
+                # Next's Gated DeltaNet has other projections, and no sites)
                 inp = {"in_proj": (0, 0, mixer.in_proj.out_features)}
                 mixer.in_lora = self._site(i, inp, mixer.in_proj.in_features, slots)
                 out = {"out_proj": (0, 0, mixer.out_proj.out_features)}
@@ -220,8 +223,8 @@ def check_supported(model: nn.Module) -> None:
     GLM-4.5 / gpt-oss), Gemma 2/3 and GLM-4-0414 (sandwich norms
     around the same projections), Command R / R+ / R7B / A (a parallel block), the
     post-norm families (OLMo 2/3, EXAONE 4) and the hybrid Mamba models (their attention,
-    dense MLPs and Mamba mixers' in/out projections; not their experts); families whose
-    attention or weight layout differs (MLA, Qwen3-Next) are refused by name."""
+    dense MLPs and Mamba mixers' in/out projections, Qwen3-Next's gated attention and dense
+    MLPs; not their experts, nor Gated DeltaNet's projections); MLA is refused by name."""
     check_model_class(type(model), model.config)
 
 
@@ -249,11 +252,4 @@ def check_model_class(cls: type, hf_config: Any) -> None:
             "GLM-4, Command R, Arcee, "
             f"OLMo/EXAONE and hybrid Mamba models; {cls.__name__} ({hf_config.model_type}) "
             "is not one"
-        )
-    from pdserve.runner.models.qwen3_next import Qwen3NextForCausalLM
-
-    if issubclass(cls, Qwen3NextForCausalLM):
-        raise ValueError(
-            "LoRA adapters are not served on qwen3_next (its query rows carry the output "
-            "gate and its Gated DeltaNet projections have no LoRA sites)"
         )

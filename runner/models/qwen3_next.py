@@ -11,8 +11,9 @@ SwiGLU MLP.
   the weights are shifted by one at load, so the ordinary kernels apply them (as Gemma's).
 
 What this path does not do: the hybrids' (runner/hybrid.py): no KV tier or layer-wise
-tickets, prefix hits only at saved states; LoRA is refused for it (runner/lora/); the checkpoint's MTP
-layer (speculative decoding's draft) is not loaded.
+tickets, prefix hits only at saved states; LoRA reaches its attention and dense MLPs, not
+its experts or Gated DeltaNet projections (runner/lora/); the checkpoint's MTP layer
+(speculative decoding's draft) is not loaded.
 """
 
 from __future__ import annotations
@@ -42,13 +43,17 @@ class GatedAttention(Attention):
 
     def forward(self, x, positions, cos_sin, kv_cache, attn: AttentionMetadata):
         t = x.shape[0]
-        query_gate, kv = self.qkv_proj(x).split([2 * self.q_size, 2 * self.kv_size], dim=-1)
+        projected = self.qkv_proj(x)
+        if self.qkv_lora is not None:  # LoRA's q rows are the query and gate rows (lora/)
+            projected = self.qkv_lora.apply(projected, x)
+        query_gate, kv = projected.split([2 * self.q_size, 2 * self.kv_size], dim=-1)
         query_gate = query_gate.view(t, self.num_heads, 2 * self.head_dim)
         q, gate = query_gate.split([self.head_dim, self.head_dim], dim=-1)
         qkv = torch.cat([q.reshape(t, self.q_size), kv], dim=-1)
         h = self.attend(self.prepare(qkv, positions, cos_sin, kv_cache, attn), kv_cache, attn)
         h = h * torch.sigmoid(gate.reshape(t, self.q_size))
-        return linear(h, self.o_proj.weight, self.o_proj.bias, self.workspace)
+        out = linear(h, self.o_proj.weight, self.o_proj.bias, self.workspace)
+        return out if self.o_lora is None else self.o_lora.apply(out, h)
 
 
 class Qwen3NextForCausalLM(MambaHybridForCausalLM):
