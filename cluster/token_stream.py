@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -150,15 +151,36 @@ class TokenPublisher:
         self._sock.close(linger=1000)
 
 
+def _bind(sock: zmq.Socket, endpoint: str, timeout_s: float) -> None:
+    """Bind, retrying for up to `timeout_s` while the address is in use: a subscriber this
+    process closed a moment ago releases it only once zmq's I/O thread gets to it (a router
+    started again on the same endpoint, a test after a test). A port another live socket
+    holds still fails, after the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
+
+
 class TokenSubscriber:
     """Router side: one PULL socket, a task that hands each delta to `on_delta`."""
 
-    def __init__(self, bind: str, on_delta: Callable[[str, StreamDelta], None]) -> None:
+    def __init__(
+        self,
+        bind: str,
+        on_delta: Callable[[str, StreamDelta], None],
+        bind_timeout_s: float = 2.0,
+    ) -> None:
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self._sock.bind(bind)
+        _bind(self._sock, bind, bind_timeout_s)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.on_delta = on_delta
         self.num_bad_frames = 0
