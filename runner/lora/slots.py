@@ -9,8 +9,8 @@ the site's rank dimension and its row range of B, so the fused site's
 rank below `max_rank` is padded with zero columns, which add exact zeros.
 
 Families whose interleaved RoPE had their q/k rows reordered at load (GLM-4, ERNIE 4.5,
-Command R: llama.py `interleaved_rows`) get the same order on their q/k B rows, so a
-delta lands on the row its base weight moved to.
+Llama 4, Command R: llama.py `interleaved_rows`) get the same order on their q/k B rows,
+so a delta lands on the row its base weight moved to.
 
 `apply` adds each token's `(x A_s^T) B_s^T` for its slot `s` (kernels/lora.py: two Triton
 launches on CUDA, a loop over the slots on the CPU): no host sync and fixed buffers, so it
@@ -220,11 +220,12 @@ def check_supported(model: nn.Module) -> None:
     """LoRA runs where the layers are llama.py's Attention and MLP: the plain Llama-family
     model (Llama, Mistral, Qwen2/3, SmolLM, Granite, Phi-3, Seed-OSS, GLM-4-9B, ERNIE 4.5,
     and the attention and dense layers of Mixtral / Qwen-MoE / ERNIE 4.5 MoE / Llama 4 /
-    GLM-4.5 / gpt-oss), Gemma 2/3 and GLM-4-0414 (sandwich norms
-    around the same projections), Command R / R+ / R7B / A (a parallel block), the
-    post-norm families (OLMo 2/3, EXAONE 4) and the hybrid Mamba models (their attention,
-    dense MLPs and Mamba mixers' in/out projections, Qwen3-Next's gated attention and dense
-    MLPs; not their experts, nor Gated DeltaNet's projections); MLA is refused by name."""
+    GLM-4.5 / gpt-oss), Gemma 1/2/3 and GLM-4-0414 (sandwich norms around the same
+    projections), Command R / R+ / R7B / A (a parallel block), Arcee (a gateless relu^2
+    MLP), the post-norm families (OLMo 2/3, EXAONE 4) and the hybrid Mamba models (their
+    attention, dense MLPs and Mamba mixers' in/out projections, Qwen3-Next's gated
+    attention and dense MLPs; not their experts, nor Gated DeltaNet's projections); MLA is
+    refused by name."""
     check_model_class(type(model), model.config)
 
 
@@ -247,9 +248,7 @@ def check_model_class(cls: type, hf_config: Any) -> None:
               Llama4ForCausalLM, Glm4MoeForCausalLM, GptOssForCausalLM)  # fmt: skip
     if cls not in served and not issubclass(cls, MambaHybridForCausalLM):
         raise ValueError(
-            "LoRA adapters are served on Llama-family (Llama 4, ERNIE 4.5 MoE, GLM-4.5, gpt-oss "
-            "too), Gemma, "
-            "GLM-4, Command R, Arcee, "
-            f"OLMo/EXAONE and hybrid Mamba models; {cls.__name__} ({hf_config.model_type}) "
-            "is not one"
+            "LoRA adapters are served on Llama-family models (Llama 4, ERNIE 4.5 MoE, GLM-4.5 "
+            "and gpt-oss too), Gemma, GLM-4, Command R, Arcee, OLMo/EXAONE and hybrid Mamba "
+            f"models; {cls.__name__} ({hf_config.model_type}) is not one"
         )
