@@ -35,9 +35,11 @@ def test_a_config_alone_runs_on_the_same_random_weights_each_time(config_only_di
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     qkv = a["layers.0.self_attn.qkv_proj.weight"]
     assert 0 < qkv.abs().max() <= DUMMY_RANGE and qkv.std() > DUMMY_RANGE / 4
-    # the fused rows are q, k and v's own draws, not one tensor's repeated
-    q, k = qkv[: first.engine.runner.model.layers[0].self_attn.q_size], qkv[-64:]
-    assert not torch.equal(q[:64], k)
+    # the fused rows are q, k and v's own draws (one seed for all would repeat q's first
+    # rows in k and v)
+    attn = first.engine.runner.model.layers[0].self_attn
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size])
+    assert not torch.equal(q[: attn.kv_size], k) and not torch.equal(k, v)
     assert first.engine.execution_path["weights"] == "dummy->float32"
     prompt = [{"prompt_token_ids": list(range(5, 40))}]
     outs = [llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0] for llm in (first, second)]
