@@ -6,10 +6,18 @@ Measured on an H100 (benchmarks/moe_bench.py, `moe_bench_h100_d935e2b.json`, µs
 Mixtral's experts (8 of intermediate 14,336, 2 picks) at 8,192 tokens, 2,048 slots an
 expert: the Triton kernels 22,185, the grouped GEMM 10,751; at 512 tokens (128 slots an
 expert) 1,451 against 1,685. Qwen3-30B-A3B's (128 of 768, 8 picks) at 8,192 tokens, 512
-slots an expert: 2,862 against 3,636. So the grouped GEMM runs from GROUPED_MIN_RUN slots an
-expert (between the 512 it lost at and the 2,048 it won at), for plain SwiGLU experts in
-bfloat16 (no biases, no clamped or ungated activations, no quantized stacks) on Hopper or
-newer GPUs.
+slots an expert: 2,862 against 3,636.
+
+Again on an H100 on 2026-12-06 (`moe_bench_h100_mixtral_small_24ef9a9.json`,
+`moe_bench_h100_qwen3_large_24ef9a9.json`): Mixtral at 512 / 768 / 1,024 / 2,048 tokens
+(128 / 192 / 256 / 512 slots an expert) 1,464 / 2,037 / 2,599 / 4,857 for the Triton
+kernels against 1,690 / 1,451 / 2,066 / 3,339; Qwen3-30B-A3B at 16,384 and 32,768 tokens
+(1,024 and 2,048 slots an expert) 5,391 / 10,693 against 6,910 / 13,481. So the run length
+alone does not decide: large experts take the grouped GEMM from short runs, small ones
+never did up to 2,048. It runs from GROUPED_MIN_RUN slots an expert for experts of at least
+GROUPED_MIN_INTERMEDIATE features (Mixtral's 14,336 measured; sizes between 768 and 14,336
+are not, and keep the Triton kernels), for plain SwiGLU experts in bfloat16 (no biases, no
+clamped or ungated activations, no quantized stacks) on Hopper or newer GPUs.
 
 Rounding points are the reference's (kernels/moe.py `moe_experts_ref`): each projection
 rounds to the dtype, the gate's ops round, the expert's output times its float32 weight
@@ -27,7 +35,8 @@ from torch import Tensor
 
 from pdserve.kernels.expert_act import ExpertAct
 
-GROUPED_MIN_RUN = 1024  # mean slots an expert from which the grouped GEMM runs
+GROUPED_MIN_RUN = 160  # mean slots an expert from which the grouped GEMM runs
+GROUPED_MIN_INTERMEDIATE = 8192  # an expert's intermediate size from which it may
 
 
 def grouped_applies(
@@ -41,7 +50,7 @@ def grouped_applies(
         and isinstance(w_gate_up, Tensor)
         and b_gate_up is None
         and act.kind == "silu"
-        and long_runs(num_slots, w_gate_up.shape[0])
+        and long_runs(num_slots, w_gate_up.shape[0], w_gate_up.shape[1] // 2)
     )
 
 
@@ -57,9 +66,10 @@ def grouped_device(device: str | torch.device) -> bool:
     return d.type == "cuda" and torch.cuda.is_available() and _sm90(d.index)
 
 
-def long_runs(num_slots: int, num_experts: int) -> bool:
-    """At least GROUPED_MIN_RUN slots an expert, on average."""
-    return num_slots >= GROUPED_MIN_RUN * num_experts
+def long_runs(num_slots: int, num_experts: int, intermediate: int) -> bool:
+    """At least GROUPED_MIN_RUN slots an expert, on average, through experts of at least
+    GROUPED_MIN_INTERMEDIATE features."""
+    return intermediate >= GROUPED_MIN_INTERMEDIATE and num_slots >= GROUPED_MIN_RUN * num_experts
 
 
 def moe_experts_grouped(x: Tensor, w_gate_up: Tensor, w_down: Tensor, ids: Tensor,

@@ -56,9 +56,15 @@ def test_moe_experts_replay_new_routings_in_a_cuda_graph():
 def test_long_runs_take_the_grouped_gemm_without_a_host_sync():
     """A batch with GROUPED_MIN_RUN slots an expert and more goes to torch's grouped GEMM
     (kernels/moe_grouped.py), bit for bit its result, and reads nothing back to the host."""
-    from pdserve.kernels.moe_grouped import GROUPED_MIN_RUN, moe_experts_grouped
+    from pdserve.kernels.moe_grouped import (
+        GROUPED_MIN_INTERMEDIATE,
+        GROUPED_MIN_RUN,
+        moe_experts_grouped,
+    )
 
-    x, wgu, wd, ids, weights = make(2 * GROUPED_MIN_RUN, 64, 48, 4, 2, torch.bfloat16)
+    x, wgu, wd, ids, weights = make(
+        2 * GROUPED_MIN_RUN, 64, GROUPED_MIN_INTERMEDIATE, 4, 2, torch.bfloat16
+    )
     want = moe_experts_grouped(x, wgu, wd, ids, weights)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

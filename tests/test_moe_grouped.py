@@ -16,7 +16,12 @@ from test_triton_index_kernels import ON_CUDA
 
 from pdserve.kernels.expert_act import SILU, ExpertAct
 from pdserve.kernels.moe import moe_experts_ref
-from pdserve.kernels.moe_grouped import GROUPED_MIN_RUN, grouped_applies, moe_experts_grouped
+from pdserve.kernels.moe_grouped import (
+    GROUPED_MIN_INTERMEDIATE,
+    GROUPED_MIN_RUN,
+    grouped_applies,
+    moe_experts_grouped,
+)
 from pdserve.kernels.moe_grouped import long_runs as runs_long
 
 # (tokens, hidden, intermediate, experts, picks): runs of 1 to 80 slots, an expert unused
@@ -40,13 +45,16 @@ def test_which_calls_take_it():
     clamped gate, ungated experts, other dtypes or the CPU (whose path is the reference)."""
     device = "cuda" if ON_CUDA else "cpu"
     x = torch.zeros(4, 8, dtype=torch.bfloat16, device=device)
-    w = torch.zeros(8, 16, 8, dtype=torch.bfloat16, device=device)
+    big = GROUPED_MIN_INTERMEDIATE
+    w = torch.zeros(8, 2 * big, 8, dtype=torch.bfloat16, device=device)
     long_runs = GROUPED_MIN_RUN * 8
     assert grouped_applies(x, w, long_runs, None, SILU) == ON_CUDA
     assert not grouped_applies(x, w, long_runs - 1, None, SILU)
     assert not grouped_applies(x, w, long_runs, torch.zeros(8, 16), SILU)
     assert not grouped_applies(x, w, long_runs, None, ExpertAct("swiglu_oai", 1.702, 7.0))
     assert not grouped_applies(x.float(), w.float(), long_runs, None, SILU)
+    assert not grouped_applies(x, w[:, 2:-2], long_runs, None, SILU)  # smaller experts
     # the rule itself, on any device: the mean run over all experts
-    assert runs_long(GROUPED_MIN_RUN * 8, 8) and not runs_long(GROUPED_MIN_RUN * 8 - 1, 8)
-    assert runs_long(GROUPED_MIN_RUN, 1) and not runs_long(GROUPED_MIN_RUN * 64, 128)
+    assert runs_long(GROUPED_MIN_RUN * 8, 8, big) and not runs_long(GROUPED_MIN_RUN * 8 - 1, 8, big)
+    assert runs_long(GROUPED_MIN_RUN, 1, big) and not runs_long(GROUPED_MIN_RUN * 64, 128, big)
+    assert not runs_long(GROUPED_MIN_RUN * 1000, 8, big - 1)
