@@ -54,6 +54,21 @@ _WORKER_SERIES = {
         "counter",
         "Seconds the worker's loop spent compiling them",
     ),
+    "spec_decode_num_drafts": (
+        "spec_decode_num_drafts",
+        "counter",
+        "Steps in which a request verified a draft",
+    ),
+    "spec_decode_num_draft_tokens": (
+        "spec_decode_num_draft_tokens",
+        "counter",
+        "Draft tokens verified",
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "spec_decode_num_accepted_tokens",
+        "counter",
+        "Draft tokens kept",
+    ),
     "transfer_bytes": ("kv_transfer_bytes", "counter", "KV bytes pulled"),
     "transfer_seconds": ("kv_transfer_seconds", "counter", "Seconds spent pulling KV"),
     "recompute_fallbacks": ("kv_recompute_fallbacks", "counter", "Failed pulls recomputed"),
@@ -208,6 +223,7 @@ _PATH_KEYS = (
     "experts",
     "weights",
     "kv_cache",
+    "speculative",
 )
 
 
@@ -217,7 +233,7 @@ def _path_families(router: Any, roles: dict[str, str]):
     info = GaugeMetricFamily(
         PREFIX + "engine_info",
         "The engine's execution path (runner, decode attention kernel, norms, graph scope, "
-        "MoE experts, weights dtype, KV cache dtype)",
+        "MoE experts, weights dtype, KV cache dtype, speculative decoding)",
         labels=["role", "worker", *_PATH_KEYS],
     )
     steps = CounterMetricFamily(

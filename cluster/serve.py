@@ -128,6 +128,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         mamba_ssm_cache_dtype=cfg.mamba_ssm_cache_dtype, quantization=cfg.quantization,
         trust_remote_code=cfg.trust_remote_code, tokenizer=cfg.tokenizer, revision=cfg.revision,
         download_dir=cfg.download_dir, load_format=cfg.load_format,
+        speculative_config=cfg.speculative_config,
     )  # fmt: skip
     if cfg.load_format == "dummy":
         print(f"pdserve: --load-format dummy: {ecfg.model.architecture} runs on random weights "
@@ -189,7 +190,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         mamba_cache_dtype=cfg.mamba_cache_dtype,
         mamba_ssm_cache_dtype=cfg.mamba_ssm_cache_dtype,
         trust_remote_code=cfg.trust_remote_code, tokenizer=ecfg.model.tokenizer,
-        load_format=cfg.load_format,
+        load_format=cfg.load_format, speculative_config=cfg.speculative_config,
     )  # fmt: skip
     # The step budget's rules (e.g. no chunking needs a budget of max_model_len), refused
     # here rather than in every worker's start.

@@ -149,6 +149,9 @@ class ServeConfig:
     # vLLM's: "auto"/"safetensors" read the checkpoint, "dummy" makes random weights of its
     # shapes for timing (runner/models/dummy_weights.py; config.json and a tokenizer do)
     load_format: str = "auto"
+    # vLLM's: speculative decoding (runner/config.py SpeculativeConfig), e.g.
+    # {"method": "ngram", "num_speculative_tokens": 3}; None: off
+    speculative_config: dict | None = None
     # vLLM's: the checkpoint's own quantization method (fp8, mxfp4) or None; any other is
     # refused at start (runner/models/fp8_weights.py check_quantization)
     quantization: str | None = None
@@ -248,6 +251,13 @@ class ServeConfig:
             self.served_model_name and all(isinstance(n, str) and n for n in self.served_model_name)
         ):
             raise ValueError("--served-model-name needs one or more non-empty names")
+        if self.speculative_config is not None:
+            from pdserve.json_arg import json_object
+            from pdserve.runner.config import SpeculativeConfig
+
+            spec = json_object("--speculative-config", self.speculative_config)
+            SpeculativeConfig.from_dict(spec)  # refused at parse time, by name
+            object.__setattr__(self, "speculative_config", spec)
         if self.hf_overrides is not None:
             from pdserve.runner.hf_overrides import parse_hf_overrides
 

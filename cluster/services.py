@@ -58,6 +58,10 @@ def _engine_stats(engine: Engine, compiles: CompileWatch | None) -> dict[str, An
         "grammar_compiles": engine.grammars.compiles,
         "grammar_compile_seconds": engine.grammars.compile_seconds,
         "lora_requests": engine.lora_requests(),
+        # speculative decoding (runner/speculative/): vLLM's counters
+        "spec_decode_num_drafts": s.num_drafts,
+        "spec_decode_num_draft_tokens": s.num_draft_tokens,
+        "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
     }
 
 

@@ -26,6 +26,9 @@ _COUNTERS = (
     "prefix_cache_hits",
     "num_preemptions",
     "kernel_compiles",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
 )
 _STEPS = "steps:"  # prefix of the flattened steps_by_path counters
 
@@ -127,6 +130,12 @@ def _pool_line(
         )
     if total.get("num_preemptions"):
         parts.append(f"Preemptions: {int(total['num_preemptions'])}")
+    drafted = total.get("spec_decode_num_draft_tokens", 0.0)
+    if drafted:  # runner/speculative/: as vLLM's SpecDecoding metrics line says it
+        kept = total.get("spec_decode_num_accepted_tokens", 0.0)
+        drafts = max(total.get("spec_decode_num_drafts", 0.0), 1.0)
+        parts.append(f"Draft acceptance rate: {100 * kept / drafted:.1f}%, "
+                     f"Mean acceptance length: {1 + kept / drafts:.2f}")  # fmt: skip
     if total.get("kernel_compiles"):  # runner/compile_watch.py: each one made a request wait
         parts.append(f"Kernel compiles: {int(total['kernel_compiles'])}")
     steps = {k[len(_STEPS) :]: n for k, n in total.items() if k.startswith(_STEPS) and n > 0}

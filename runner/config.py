@@ -270,6 +270,65 @@ class LoRAConfig:
         _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1 (got {self.max_lora_rank})")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: draft tokens proposed on the host and verified by the
+    target model in one step (runner/speculative/). "ngram": a request's last n tokens
+    (n from `prompt_lookup_max` down to `prompt_lookup_min`) are looked up earlier in its
+    prompt and output, and what followed them is the draft."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method in SPECULATIVE_METHODS,
+            f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)} "
+            f"(got {self.method!r}); draft-model, EAGLE and MTP methods are not built",
+        )
+        _require(
+            self.num_speculative_tokens >= 1,
+            f"num_speculative_tokens must be >= 1 (got {self.num_speculative_tokens})",
+        )
+        _require(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max (got "
+            f"{self.prompt_lookup_min} and {self.prompt_lookup_max})",
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
+        """vLLM's dict (or its JSON): unknown keys are refused by name, so a typo does not
+        silently run a default."""
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(d) - known)
+        _require(
+            not unknown,
+            f"speculative_config has unknown keys {unknown} (known: {', '.join(sorted(known))})",
+        )
+        _require("method" in d, 'speculative_config needs a method (e.g. "ngram")')
+        _require("num_speculative_tokens" in d, "speculative_config needs num_speculative_tokens")
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = d.get(key, 1)
+            _require(
+                isinstance(v, int) and not isinstance(v, bool),
+                f"speculative_config {key} must be an integer (got {v!r})",
+            )
+        return cls(**d)
+
+    def describe(self) -> str:
+        """How the ready log and the workers' stats name it."""
+        return (
+            f"{self.method}(k={self.num_speculative_tokens}, "
+            f"n={self.prompt_lookup_min}..{self.prompt_lookup_max})"
+        )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -277,6 +336,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     runner: RunnerConfig
     lora: LoRAConfig = LoRAConfig()
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -284,6 +344,17 @@ class EngineConfig:
             "scheduler.max_model_len must equal model.max_model_len "
             f"({self.scheduler.max_model_len} != {self.model.max_model_len})",
         )
+        if self.speculative is not None:
+            _require(
+                self.runner.runner == "mrv2",
+                f"speculative decoding needs the mrv2 runner (got {self.runner.runner!r})",
+            )
+            _require(
+                not self.runner.async_scheduling,
+                "speculative decoding runs with synchronous scheduling: a draft is made "
+                "from the request's last token, which async scheduling has not read back "
+                "yet when it plans the next step; pass async_scheduling=False",
+            )
 
     @property
     def max_blocks_per_request(self) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pdserve.json_arg import json_object
 from pdserve.runner.classify import classifier_spec, is_classifier
 from pdserve.runner.config import (
     LOAD_FORMATS,
@@ -22,8 +23,10 @@ from pdserve.runner.config import (
     ModelConfig,
     RunnerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from pdserve.runner.hf_overrides import apply_hf_overrides, parse_hf_overrides
+from pdserve.runner.hybrid import is_hybrid
 from pdserve.runner.model_source import resolve_model_dir, resolve_tokenizer_dir
 from pdserve.runner.models.fp8_weights import check_quantization
 from pdserve.runner.models.text_only import text_view
@@ -117,6 +120,7 @@ def resolve_engine_config(
     load_format: str = "auto",
     mamba_cache_dtype: str = "auto",
     mamba_ssm_cache_dtype: str = "float32",
+    speculative_config: dict | str | None = None,
 ) -> EngineConfig:
     if num_gpu_blocks is not None and num_gpu_blocks_override is not None:
         raise ValueError("give num_gpu_blocks or num_gpu_blocks_override, not both")
@@ -164,8 +168,10 @@ def resolve_engine_config(
         )
         classifier = classifier_spec(hf_config, tokenizer)
     on_cuda = dev.startswith("cuda")
+    speculative = _speculative(speculative_config, runner_name, hf_config)
     if async_scheduling is None:
-        async_scheduling = on_cuda
+        # A draft is made from the last token, which async scheduling reads back a step late.
+        async_scheduling = on_cuda and speculative is None
     graphs: tuple[int, ...] = ()
     if on_cuda and runner_name == "mrv2" and not enforce_eager:
         from pdserve.runner.mrv2.cuda_graphs import capture_sizes
@@ -211,4 +217,22 @@ def resolve_engine_config(
             cuda_graph_scope=cuda_graph_scope,
         ),
         lora=LoRAConfig(enable_lora, max_loras, max_lora_rank),
+        speculative=speculative,
     )
+
+
+def _speculative(
+    value: dict | str | None, runner_name: str, hf_config: Any
+) -> SpeculativeConfig | None:
+    """vLLM's `speculative_config` (a dict, or its JSON as `--speculative-config` gives it)."""
+    if value is None:
+        return None
+    config = SpeculativeConfig.from_dict(json_object("speculative_config", value))
+    if runner_name != "mrv2":
+        raise ValueError(f"speculative decoding needs the mrv2 runner (got {runner_name!r})")
+    if is_hybrid(hf_config):
+        raise ValueError(
+            "speculative decoding is not built for hybrid Mamba models: a rejected draft "
+            "would leave its tokens in the recurrent state, which cannot step back"
+        )
+    return config

@@ -38,6 +38,7 @@ from pdserve.runner.sampling_params import SamplingParams
 from pdserve.runner.scheduler import Scheduler
 from pdserve.runner.scheduler_output import SchedulerOutput
 from pdserve.runner.seeding import derive_seed
+from pdserve.runner.speculative.drafter import Drafter
 from pdserve.runner.stop_checker import check_stop
 from pdserve.runner.structured.grammar_cache import GrammarCache
 from pdserve.runner.tokenizer import eos_token_ids, load_tokenizer
@@ -79,7 +80,14 @@ class Engine(PDRoles):
             self.runner.num_blocks, bs, config.cache.enable_prefix_caching,
             self.runner.num_state_units, getattr(self.runner, "num_snapshot_units", 0),
         )  # fmt: skip
-        self.scheduler = Scheduler(config.scheduler, self.kv, config.runner.async_scheduling)
+        drafter = (
+            Drafter(config.speculative, config.model.max_model_len)
+            if config.speculative is not None
+            else None
+        )
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, config.runner.async_scheduling, drafter
+        )
         self._inflight: tuple[SchedulerOutput, Any] | None = None  # async: step N on device
         # The last step ran, launched and emitted nothing: whatever is unfinished waits on
         # something outside the engine (a KV load; blocks that held prompts keep until their
@@ -107,7 +115,7 @@ class Engine(PDRoles):
         logger.info(
             "engine ready: model=%s runner=%s device=%s dtype=%s max_model_len=%d "
             "decode_attention=%s norms=%s graph_scope=%s experts=%s weights=%s lora=%s "
-            "kv_cache=%s",
+            "kv_cache=%s speculative=%s",
             config.model.source,
             path["runner"],
             config.runner.device,
@@ -120,6 +128,7 @@ class Engine(PDRoles):
             path["weights"],
             path["lora"],
             path["kv_cache"],
+            path["speculative"],
         )
 
     @classmethod
@@ -133,7 +142,12 @@ class Engine(PDRoles):
     @property
     def execution_path(self) -> dict[str, str]:
         """What this engine runs, as its ready log and the workers' stats say it."""
-        return execution_path(self.config.runner, self.runner)
+        spec = self.config.speculative
+        return {
+            **execution_path(self.config.runner, self.runner),
+            # runner/speculative/: steps with drafts run eagerly (no decode graph)
+            "speculative": spec.describe() if spec is not None else "off",
+        }
 
     def steps_by_path(self) -> dict[str, int]:
         """Steps with tokens by what ran them (the runner's count: `eager`, and on the MRV2
@@ -392,11 +406,32 @@ class Engine(PDRoles):
             self._add_prompt_logprobs(rid, first, entries)
         live = self.scheduler.requests  # a vector of a request aborted meanwhile is dropped
         self._embeddings.update((rid, v) for rid, v in out.pooled.items() if rid in live)
+        more = out.more_token_ids
         for req in self.scheduler.update_from_output(so, out):
             lp = out.logprobs[row_of[req.request_id]] if row_of is not None else None
-            deltas.append(self._process_token(req, lp))
+            delta = self._process_token(req, lp)
+            if more and req.request_id in more:
+                delta = self._process_more(req, delta, out)
+                self.stats.generation_tokens += len(delta.new_token_ids) - 1
+            deltas.append(delta)
         self.stats.generation_tokens += len(deltas)  # one sampled token each
         return deltas
+
+    def _process_more(self, req: Request, delta: RequestDelta, out: ModelRunnerOutput):
+        """A drafted row's further tokens, each appended and stop-checked as if it had
+        come alone (those after a stop are dropped), folded into the row's one delta."""
+        lps = out.more_logprobs.get(req.request_id)
+        for i, token in enumerate(out.more_token_ids[req.request_id]):
+            if delta.finished:
+                break
+            req.append_output_token(token)
+            d = self._process_token(req, lps[i] if lps else None)
+            delta.new_token_ids += d.new_token_ids
+            delta.new_text += d.new_text
+            if d.new_logprobs:
+                delta.new_logprobs = (delta.new_logprobs or []) + d.new_logprobs
+            delta.finish_reason, delta.stop_reason = d.finish_reason, d.stop_reason
+        return delta
 
     def _process_token(self, req: Request, lp: TopLogprobs | None) -> RequestDelta:
         """Detokenize, check stops, and cut the delta's text. Costs O(new text) per token:

@@ -74,6 +74,9 @@ class Request:
     # Async scheduling: tokens sampled on the device but not yet seen by the host. The
     # scheduler counts them as present, so the next step is planned before they arrive.
     num_output_placeholders: int = 0
+    # Speculative decoding (runner/speculative/): the runner counted its last step's draft
+    # as kept, so the next step it is in tells the runner its real counts.
+    runner_counts_stale: bool = False
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     # Chain hashes of this request's full blocks, filled in lazily by the KV cache manager.

@@ -24,6 +24,11 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TopLogprobs]]] = field(default_factory=dict)
     # req_id -> its prompt's pooled vector (embedding requests, on the step that ends it)
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # Speculative decoding: req_id -> the tokens a row yields after its first this step
+    # (its accepted drafts' samples: runner/speculative/verify.py), with their logprobs
+    # where the row asked for them
+    more_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    more_logprobs: dict[str, list[TopLogprobs | None]] = field(default_factory=dict)
 
 
 class ReadyHandle:

@@ -35,6 +35,7 @@ from pdserve.runner.prefix_sharing import PromptsInFlight
 from pdserve.runner.request import Request, RequestStatus
 from pdserve.runner.runner_output import ModelRunnerOutput
 from pdserve.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pdserve.runner.speculative.drafter import Drafter
 
 # Looking an enum member up on its class costs ~0.1 us on Python 3.11, and the step loops
 # test every running request's status (512 a step at full decode).
@@ -42,7 +43,13 @@ _RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, async_scheduling: bool = False):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        async_scheduling: bool = False,
+        drafter: Drafter | None = None,
+    ):
         self.config = config
         self.kv = kv
         self.async_scheduling = async_scheduling
@@ -67,6 +74,10 @@ class Scheduler:
         # A hybrid with prefix caching saves a decoding request's state every this many
         # tokens (runner/state_snapshots.py); 0: no such saves.
         self._decode_save_every = kv.decode_save_stride if kv.snapshots is not None else 0
+        # Speculative decoding (runner/speculative/): a decode also schedules a draft after
+        # its last token when the drafter has one; vLLM's counters of what was kept
+        self.drafter = drafter
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
     # ---- membership -----------------------------------------------------------------------
 
@@ -151,6 +162,7 @@ class Scheduler:
         self._release_slot(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.runner_counts_stale = False  # it comes back as a new request, with its counts
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(req, first=True)
@@ -171,18 +183,31 @@ class Scheduler:
                 continue  # async: its last token is in flight; another would be thrown away
             num_new = self._chunk(req, req.num_computed_tokens, min(behind, budget))
             assert num_new > 0, f"running request {req.request_id} has nothing to compute"
-            new_blocks = self.kv.allocate_slots(req, num_new)
+            draft = self.drafter.drafts(req, budget) if self.drafter and behind == 1 else ()
+            new_blocks = self.kv.allocate_slots(req, num_new + len(draft))
+            if new_blocks is None and draft:  # a draft never costs a preemption
+                draft = ()
+                new_blocks = self.kv.allocate_slots(req, num_new)
             if new_blocks is None:
                 preempted_any = True
                 new_blocks = self._preempt_until_allocated(req, num_new, scheduled)
                 if new_blocks is None:
                     continue  # req itself was preempted
-            if new_blocks:  # the runner tracks computed counts itself; only blocks are news
+            # The runner tracks computed counts itself; only blocks are news, and after a
+            # step with a draft, the counts it could not know
+            if new_blocks or req.runner_counts_stale:
                 out.cached_requests.append(
-                    CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens)
-                )
-            self._take(out, req, num_new, samples=num_new == behind)
-            budget -= num_new
+                    CachedRequestData(
+                        req.request_id, new_blocks, req.num_computed_tokens,
+                        req.num_tokens if req.runner_counts_stale else None,
+                    )
+                )  # fmt: skip
+                req.runner_counts_stale = False
+            self._take(out, req, num_new + len(draft), samples=num_new == behind)
+            if draft:
+                out.spec_token_ids[req.request_id] = draft
+                req.runner_counts_stale = True
+            budget -= num_new + len(draft)
 
         share = self.kv.enable_prefix_caching and bool(self.waiting)
         # With nothing waiting the set goes unused, but building it forgets the prompts
@@ -385,15 +410,25 @@ class Scheduler:
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
         """Record computed tokens and append sampled ones; returns requests that got a token
         (stop checks are the caller's). Requests finished meanwhile are skipped; a request
-        preempted after this step was planned still receives its token."""
+        preempted after this step was planned still receives its token. A drafted row's
+        further tokens (`out.more_token_ids`) are the caller's to append, one at a time
+        between stop checks; its rejected drafts are no longer counted as computed."""
         got_token = []
         # Bound once: this loop runs once per batch row (512 a step at full decode).
         requests, cache_blocks = self.requests, self.kv.cache_blocks
+        drafts = so.spec_token_ids
         for req_id, token in zip(out.req_ids, out.sampled_token_ids, strict=True):
             req = requests.get(req_id)
             if req is None:
                 continue
             if req.status is _RUNNING:
+                draft = drafts.get(req_id) if drafts else None
+                if draft is not None:
+                    kept = len(out.more_token_ids.get(req_id, ()))
+                    req.num_computed_tokens -= len(draft) - kept
+                    self.num_drafts += 1
+                    self.num_draft_tokens += len(draft)
+                    self.num_accepted_tokens += kept
                 cache_blocks(req, req.num_computed_tokens)
             if token is not None:
                 if self.async_scheduling:

@@ -37,6 +37,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int  # before this step's tokens
+    # Set in the step after one with draft tokens: the tokens the request has now. The
+    # runner counted every draft as kept; the rejected ones' places are free again.
+    num_tokens: int | None = None
 
 
 @dataclass
@@ -49,6 +52,9 @@ class SchedulerOutput:
     # A hybrid's state-unit copies (source, target), done in order before the step runs:
     # prefix-caching snapshots saved and restored (runner/state_snapshots.py)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding (runner/speculative/): req_id -> its draft tokens, scheduled
+    # after its last token (their count is in `num_scheduled_tokens`)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -183,3 +183,18 @@ def test_the_warm_up_reaches_every_decode_attention_variant(tiny_qwen3_dir):
     few_blocks = engine(max_model_len=512, max_num_seqs=FEW_DECODE_PAIRS + 8, num_gpu_blocks=40)
     assert decode_variant_batches(few_blocks) == [(MIN_SPLIT_KEYS + 16,)]
     assert warm_up(few_blocks) > 0
+
+
+def test_speculative_decoding_adds_its_acceptance_over_the_interval():
+    """vLLM's SpecDecoding numbers for the interval: kept / drafted tokens, and 1 + kept
+    per draft (the tokens a drafted step yields on average)."""
+    log = StatsLog(start=0.0)
+    before = {"decode-0": _worker(spec_decode_num_drafts=10, spec_decode_num_draft_tokens=30,
+                                  spec_decode_num_accepted_tokens=3)}  # fmt: skip
+    log.lines(10.0, ROLES, before)
+    after = {"decode-0": _worker(spec_decode_num_drafts=30, spec_decode_num_draft_tokens=90,
+                                 spec_decode_num_accepted_tokens=33)}  # fmt: skip
+    line = log.lines(20.0, ROLES, after)[-1]
+    assert line.endswith("Draft acceptance rate: 50.0%, Mean acceptance length: 2.50")
+    quiet = log.lines(30.0, ROLES, after)  # nothing drafted since: no acceptance part
+    assert all("acceptance" not in x for x in quiet)

@@ -53,6 +53,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
         "--scheduling-policy", "priority", "--no-enable-chunked-prefill", "--no-async-scheduling",
         "-q", "fp8", "--trust-remote-code", "--revision", "v1.0", "--download-dir", "/data/hf",
         "--tokenizer", "org/tok", "--load-format", "dummy",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}',
         "--cuda-graph-sizes", "1", "8", "32", "--limit-mm-per-prompt", '{"image": 0, "video": 0}',
     )  # fmt: skip
     assert cfg.model == "Qwen/Qwen3-0.6B"
@@ -66,6 +67,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
     assert cfg.quantization == "fp8"  # checked against the checkpoint at start
     assert (cfg.trust_remote_code, cfg.revision, cfg.download_dir) == (True, "v1.0", "/data/hf")
     assert cfg.tokenizer == "org/tok" and cfg.load_format == "dummy"
+    assert cfg.speculative_config == {"method": "ngram", "num_speculative_tokens": 4}
     assert cfg.cuda_graph_sizes == [1, 8, 32]
     assert cfg.limit_mm_per_prompt == {"image": 0, "video": 0}
 
@@ -108,6 +110,9 @@ def test_defaults_and_names_as_vllm_picks_them():
         (["--pipeline-parallel-size", "4"], "--decode-workers"),
         (["--override-generation-config", "{temperature: 1}"], "not valid JSON"),
         (["--override-generation-config", "[1]"], "must be a JSON object"),
+        (["--speculative-config", "ngram"], "--speculative-config is not valid JSON"),
+        (["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'],
+         "method must be one of ngram"),
     ],
 )
 def test_bad_flags_are_refused(argv, message):

@@ -37,6 +37,7 @@ from pdserve.runner.mrv2.step_mailbox import StepMailbox
 from pdserve.runner.runner_output import ModelRunnerOutput
 from pdserve.runner.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from pdserve.runner.scheduler_output import SchedulerOutput
+from pdserve.runner.speculative.verify import SampleRows, accepted_length, sample_rows
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class StepHandle:
         default_factory=list
     )  # (req_id, first target index, k, tensors)
     pooled: list[tuple[str, PendingHost]] = field(default_factory=list)  # embeddings
+    spec: SampleRows | None = None  # a step with drafts: each row's sample rows
 
     def get(self) -> ModelRunnerOutput:
         if self.sampled is None:
@@ -66,6 +68,8 @@ class StepHandle:
         for req_id, first, k, tensors in self.prompt:
             ids, vals, ranks = (p.fetch() for p in tensors)
             prompt_lps[req_id] = (first, rows_to_top_logprobs(ids, vals, ranks, [k] * len(ids)))
+        if self.spec is not None:
+            return self._verified(sampled, lp, prompt_lps)
         return ModelRunnerOutput(
             req_ids=self.req_ids,
             sampled_token_ids=(
@@ -76,6 +80,35 @@ class StepHandle:
             logprobs=sampled_logprobs(lp, self.logprob_ks, self.sample_mask),
             prompt_logprobs=prompt_lps,
             pooled={req_id: p.fetch().tolist() for req_id, p in self.pooled},
+        )
+
+    def _verified(self, sampled: list[int], lp, prompt_lps) -> ModelRunnerOutput:
+        """A step with drafts: each row's first sample, and what it keeps after it."""
+        rows = self.spec
+        lps = (
+            sampled_logprobs(lp, self.logprob_ks, rows.keep)
+            if lp is not None
+            else [None] * rows.num_rows
+        )
+        first, first_lps, more, more_lps = [], [], {}, {}
+        offsets = rows.offsets.tolist()
+        for r, (req_id, keep) in enumerate(zip(self.req_ids, self.sample_mask.tolist())):
+            o = offsets[r]
+            first.append(sampled[o] if keep else None)
+            first_lps.append(lps[o])
+            draft = rows.drafts.get(r)
+            if draft is not None:
+                a = accepted_length(draft, sampled[o : offsets[r + 1]])
+                more[req_id] = sampled[o + 1 : o + 1 + a]
+                more_lps[req_id] = lps[o + 1 : o + 1 + a]
+        return ModelRunnerOutput(
+            req_ids=self.req_ids,
+            sampled_token_ids=first,
+            logprobs=first_lps if lp is not None else [],
+            prompt_logprobs=prompt_lps,
+            pooled={req_id: p.fetch().tolist() for req_id, p in self.pooled},
+            more_token_ids=more,
+            more_logprobs=more_lps if lp is not None else {},
         )
 
 
@@ -236,6 +269,12 @@ class MRV2ModelRunner:
             else None
         )
         prep_in_graph = graph_size is not None and self.graphs.prep is not None
+        spec = None
+        if so.spec_token_ids:  # drafts go after each row's last token (runner/speculative/)
+            assert graph_size is None, "a step with drafts is not a uniform decode"
+            spec = self._stage_drafts(
+                so.spec_token_ids, req_ids, slots, num_scheduled, seq_lens, sample_mask
+            )
         appends = None
         if prep_in_graph and st.block_writes.num_pending and not st.token_writes.num_pending:
             # This step's new blocks ride in the step buffer: no staged-write launch.
@@ -258,17 +297,24 @@ class MRV2ModelRunner:
         if self.lora is not None:  # each token's adapter slot, for the deltas (and graphs)
             ids = np.repeat(self.slot_lora[slots], num_scheduled)
             self.ring.to_device(ids, out=self.lora.token_slots)
-        penalty_rows = st.sampling.penalty_rows(slots)
+        # Sample rows: one a batch row, or with drafts one a drafted position too
+        s_slots, s_positions, s_keep = slots, seq_lens, sample_mask
+        num_outputs = num_tokens - st.num_prompt_tokens[slots]
+        if spec is not None:
+            s_slots, s_positions, s_keep = spec.slots, spec.positions, spec.keep
+            within = np.arange(spec.num_rows) - np.repeat(spec.offsets[:-1], spec.counts)
+            num_outputs = np.repeat(num_outputs, spec.counts) + within
+        penalty_rows = st.sampling.penalty_rows(s_slots)
         meta = st.sampling.metadata(
-            slots,
-            seq_lens,
-            num_tokens - st.num_prompt_tokens[slots],
-            [st.token_history(int(slots[r])) for r in penalty_rows] or None,
+            s_slots,
+            s_positions,
+            num_outputs,
+            [st.token_history(int(s_slots[r])) for r in penalty_rows] or None,
             to_device=self.ring.to_device,
             recent_tokens=lambda rows, width: st.recent_tokens(
-                slots[rows], width, self.ring.to_device
+                s_slots[rows], width, self.ring.to_device
             ),
-            keep=sample_mask,
+            keep=s_keep,
         )
         logprobs = None
         pending = None  # the sampled ids' host copy, when the mailbox has them
@@ -293,7 +339,12 @@ class MRV2ModelRunner:
                     batch.attn(self.decode_kernel),
                     layer_hook,
                 )
-                logits = self.model.compute_logits(hidden[batch.logits_indices], float32=False)
+                index = (
+                    batch.logits_indices
+                    if spec is None
+                    else self.ring.to_device(spec.logits_indices)
+                )
+                logits = self.model.compute_logits(hidden[index], float32=False)
                 if pooling:
                     pooled = self.pooling.collect(
                         self.model.norm, hidden, slots, batch.query_start_loc_np,
@@ -307,24 +358,33 @@ class MRV2ModelRunner:
             if prep_in_graph and self.mailbox is not None:
                 mail = self.mailbox.mail_out(self.buffers.mailbox_slot, False)
             sampled, logprobs = out.sampled_token_ids, out.logprobs
-            post_update(
-                batch.idx_mapping,
-                sampled,
-                batch.seq_lens[: batch.num_reqs],
-                batch.sample_mask,
-                st.token_ids,
-                mail,
-            )
+            if spec is None:
+                post_update(
+                    batch.idx_mapping,
+                    sampled,
+                    batch.seq_lens[: batch.num_reqs],
+                    batch.sample_mask,
+                    st.token_ids,
+                    mail,
+                )
+            else:  # every drafted position's sample goes to its place; the host keeps
+                # those up to the first rejected draft (a later step overwrites the rest)
+                rows = self.ring.to_device(
+                    np.stack([spec.slots, spec.positions, spec.keep]).astype(np.int32)
+                )
+                post_update(rows[0], sampled, rows[1], rows[2], st.token_ids)
             if mail is not None:  # its prep read the mailbox; this post-update moved it on
                 self.mailbox.launched()
         st.num_computed_tokens[slots] = seq_lens
-        st.num_tokens[slots] += sample_mask
+        # A drafted row counts every draft as kept; the next step's CachedRequestData
+        # corrects both counts (`num_tokens`) once the host knows what was kept.
+        st.num_tokens[slots] += sample_mask if spec is None else sample_mask * spec.counts
 
         if pending is None:
             pending = self.to_host.copy(sampled)
-        handle = StepHandle(req_ids, sample_mask, pending)
+        handle = StepHandle(req_ids, sample_mask, pending, spec=spec)
         if logprobs is not None:
-            handle.logprob_ks = st.sampling.num_logprobs[slots].tolist()
+            handle.logprob_ks = st.sampling.num_logprobs[s_slots].tolist()
             lp = logprobs
             handle.logprobs = (
                 self.to_host.copy(lp.token_ids),
@@ -336,6 +396,26 @@ class MRV2ModelRunner:
         if pooling:
             handle.pooled = [(req_ids[row], self.to_host.copy(v)) for row, v in pooled]
         return handle
+
+    def _stage_drafts(
+        self,
+        drafts: dict[str, list[int]],
+        req_ids: list[str],
+        slots: np.ndarray,
+        num_scheduled: np.ndarray,
+        seq_lens: np.ndarray,
+        sample_mask: np.ndarray,
+    ) -> SampleRows:
+        """Stage each drafted row's draft into its token history after its last token (the
+        step's input prep reads them from there) and lay out the step's sample rows."""
+        st, row_of = self.state, {rid: r for r, rid in enumerate(req_ids)}
+        by_row = {}
+        for req_id, draft in drafts.items():
+            row = row_of[req_id]
+            slot = int(slots[row])
+            st.token_writes.stage(slot, int(st.num_tokens[slot]), draft)
+            by_row[row] = draft
+        return sample_rows(slots, seq_lens, np.cumsum(num_scheduled), sample_mask, by_row)
 
     def add_lora(self, request: LoRARequest, evictable: Iterable[str] = ()) -> None:
         """Loads `request`'s adapter into a slot (no-op when it is loaded); an adapter in

@@ -80,6 +80,8 @@ class RequestState:
             self.block_writes.stage(slot, int(self.num_blocks[slot]), cached.new_block_ids)
             self.num_blocks[slot] += len(cached.new_block_ids)
         self.num_computed_tokens[slot] = cached.num_computed_tokens
+        if cached.num_tokens is not None:  # after a step with a draft: what it kept
+            self.num_tokens[slot] = cached.num_tokens
 
     def remove(self, req_id: str) -> None:
         slot = self.req_to_slot.pop(req_id, None)

@@ -1,0 +1,127 @@
+"""Speculative decoding's cost and gain on the random-weight Qwen3-0.6B shape.
+
+    python benchmarks/spec_decode_bench.py [--requests 32] [--prompt-len 256]
+        [--output-len 256] [--k 1,3,5] [--pattern 16] [--out benchmarks/results/DIR]
+
+Greedy decoding of prompts that repeat a random `--pattern`-token phrase, once without
+drafts and once per `--k` with n-gram drafts (`num_speculative_tokens` = k,
+`prompt_lookup_max` 4). Per run: output tok/s, TPOT p50, steps by path, the drafts and how
+many were kept, and the mean step time. A random model's text is not a real model's, so the
+acceptance here is whatever its greedy loops give; what carries over is the step time of a
+drafted batch against a plain one, i.e. the acceptance a workload needs before drafts pay (the plain run keeps async scheduling,
+which drafting turns off):
+
+    gain = (1 + kept per drafted row-step) x (plain step time / drafted step time)
+
+This is a benchmark, not a test: it measures and writes JSON; tests/ checks correctness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from run_meta import git_commit
+from throughput import random_model_engine
+
+from pdserve.runner.sampling_params import SamplingParams
+
+
+def prompts(n: int, length: int, pattern: int, vocab: int, seed: int = 7) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        phrase = rng.integers(0, vocab, size=pattern).tolist()
+        out.append((phrase * (length // pattern + 1))[:length])
+    return out
+
+
+def run(engine, reqs: list[list[int]], output_len: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    s = engine.scheduler
+    before = (engine.stats.num_steps, s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+    paths0 = engine.steps_by_path()
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    count: dict[str, int] = {}
+    start = time.perf_counter()
+    for i, p in enumerate(reqs):
+        engine.add_request(f"r{i}", p, params)
+    while engine.has_unfinished():
+        for d in engine.step():
+            now = time.perf_counter()
+            if d.new_token_ids:
+                first.setdefault(d.request_id, now)
+                last[d.request_id] = now
+                count[d.request_id] = count.get(d.request_id, 0) + len(d.new_token_ids)
+    elapsed = time.perf_counter() - start
+    steps = engine.stats.num_steps - before[0]
+    drafts, drafted, kept = (x - y for x, y in zip((s.num_drafts, s.num_draft_tokens,
+                                                    s.num_accepted_tokens), before[1:]))  # fmt: skip
+    tokens = sum(count.values())
+    tpots = sorted(1e3 * (last[r] - first[r]) / (count[r] - 1) for r in count if count[r] > 1)
+    return {
+        "elapsed_s": round(elapsed, 3),
+        "output_tok_s": round(tokens / elapsed, 1),
+        "tpot_p50_ms": round(statistics.median(tpots), 3),
+        "steps": steps,
+        "ms_per_step": round(1e3 * elapsed / max(steps, 1), 3),
+        "steps_by_path": {k: n - paths0.get(k, 0) for k, n in engine.steps_by_path().items()},
+        "drafts": drafts,
+        "draft_tokens": drafted,
+        "accepted_tokens": kept,
+        "acceptance_rate": round(kept / drafted, 4) if drafted else None,
+        "mean_acceptance_length": round(1 + kept / drafts, 3) if drafts else None,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--pattern", type=int, default=16)
+    ap.add_argument("--k", default="1,3,5")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("spec_decode_bench: needs a CUDA device", file=sys.stderr)
+        return 2
+    reqs = prompts(args.requests, args.prompt_len, args.pattern, 151_936)
+    rows = []
+    for k in [0, *(int(x) for x in args.k.split(","))]:
+        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+        # without drafts the engine runs as it does by default (async scheduling on)
+        engine = random_model_engine(
+            max_num_seqs=max(args.requests, 1), async_scheduling=False if k else None,
+            speculative_config=spec if k else None,
+        )  # fmt: skip
+        run(engine, reqs[:2], 8)  # warm-up: kernels compiled, graphs captured
+        row = {"k": k, **run(engine, reqs, args.output_len)}
+        row["device"] = torch.cuda.get_device_name()
+        row["commit"] = git_commit()
+        row["command"] = " ".join(sys.argv)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del engine
+        torch.cuda.empty_cache()
+    base = rows[0]["ms_per_step"]
+    for row in rows[1:]:
+        row["step_time_vs_plain"] = round(row["ms_per_step"] / base, 3)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name().lower().replace(" ", "-")
+    path = out / f"spec_decode_bench_{name}.json"
+    path.write_text(json.dumps({"rows": rows}, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

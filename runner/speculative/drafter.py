@@ -1,0 +1,54 @@
+"""Which requests get draft tokens, and how many: the scheduler's side of speculation.
+
+A step verifies a request's draft by sampling every drafted position with the request's
+own sampler and keeping the drafts up to the first one the sample disagrees with, then
+that sample (runner/speculative/verify.py). That is exact only while each position's
+sampling depends on nothing but its logits, its seed and its position. So a request
+drafts only when its sampling reads no token history and no per-request table:
+- no repetition, presence or frequency penalty (they count the tokens before each one);
+- no bad_words, logit_bias or allowed_token_ids, and no structured output;
+- min_tokens already met (until then EOS is banned per row);
+- a generating request on this engine (not a held prefill, not an embedding).
+The rest decode one token a step beside the drafting ones, in the same batch.
+"""
+
+from __future__ import annotations
+
+from pdserve.runner.config import SpeculativeConfig
+from pdserve.runner.request import Request
+from pdserve.runner.speculative.ngram import NgramProposer
+
+
+def can_draft(req: Request) -> bool:
+    p = req.params
+    return not (
+        req.hold_kv
+        or req.pooling is not None
+        or req.grammar is not None
+        or req.bad_words
+        or p.needs_penalties
+        or p.logit_bias
+        or p.allowed_token_ids
+        or p.min_tokens > req.num_output_tokens
+    )
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+
+    def drafts(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens to follow `req`'s last token, none past its token limit, the model
+        length or `budget - 1` (the step's tokens left, its last token included)."""
+        room = min(
+            budget - 1,
+            req.max_new_tokens - req.num_output_tokens - 1,  # the step samples one more
+            self.max_model_len - req.num_tokens,  # the last sample's place in the table
+        )
+        if room <= 0 or not can_draft(req):
+            return []
+        return self.proposer.propose(req.all_token_ids, room)

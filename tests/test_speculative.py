@@ -1,0 +1,237 @@
+"""Speculative decoding with n-gram drafts (runner/speculative/): a request's tokens are the
+same with and without drafts, whatever its sampling settings, and only the steps change.
+
+The tiny models here repeat themselves (random weights fall into loops under greedy
+decoding), and the prompts repeat a pattern, so drafts are both accepted and rejected:
+every test that claims equality also checks that both happened, or it would prove nothing.
+float32 on the CPU: a drafted row's logits come from the prefill path (a query of several
+tokens over the cache) and a lone decode's from the decode path, which sum in another
+order; ties that close do not occur in these runs, and logprobs agree to 1e-5.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import DEVICE
+
+from pdserve import LLM, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+def _prompts(n: int, seed: int = 3, vocab: int = 990) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        pattern = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 7))]
+        out.append({"prompt_token_ids": (pattern * 12)[: rng.randint(8, 40)]})
+    return out
+
+
+def _llm(model_dir: str, spec: dict | None = NGRAM, **kw) -> LLM:
+    kw.setdefault("device", DEVICE)
+    kw.setdefault("dtype", "float32")
+    if DEVICE != "cpu":
+        kw.setdefault("async_scheduling", False)  # the peer runs as the drafting one does
+    return LLM(model=model_dir, speculative_config=spec, **kw)
+
+
+def _both(model_dir: str, prompts, params, **kw):
+    plain = _llm(model_dir, spec=None, **kw).generate(prompts, params, use_tqdm=False)
+    llm = _llm(model_dir, **kw)
+    drafted = llm.generate(prompts, params, use_tqdm=False)
+    return plain, drafted, llm
+
+
+def _assert_same(plain, drafted, logprobs: bool = False) -> None:
+    for a, b in zip(plain, drafted, strict=True):
+        x, y = a.outputs[0], b.outputs[0]
+        assert x.token_ids == y.token_ids
+        assert x.text == y.text
+        assert (x.finish_reason, x.stop_reason) == (y.finish_reason, y.stop_reason)
+        if logprobs:
+            assert len(x.logprobs) == len(y.logprobs) == len(x.token_ids)
+            for p, q, t in zip(x.logprobs, y.logprobs, x.token_ids, strict=True):
+                assert set(p) == set(q)
+                assert abs(p[t].logprob - q[t].logprob) < 1e-5
+                assert p[t].rank == q[t].rank
+
+
+def _assert_drafts_accepted_and_rejected(llm: LLM) -> None:
+    s = llm.engine.scheduler
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens, (
+        s.num_accepted_tokens,
+        s.num_draft_tokens,
+    )
+
+
+def _count_tokens(llm: LLM) -> dict[str, int]:
+    """Counts what each engine step hands out: deltas (one a request that got tokens) and
+    their tokens."""
+    counts = {"deltas": 0, "tokens": 0}
+    step = llm.engine.step
+
+    def counted():
+        deltas = step()
+        counts["deltas"] += len(deltas)
+        counts["tokens"] += sum(len(d.new_token_ids) for d in deltas)
+        return deltas
+
+    llm.engine.step = counted
+    return counts
+
+
+def _record_drafts(llm: LLM) -> list[tuple[str, int, list[int]]]:
+    """(request id, its output length, draft) of every draft the scheduler puts in a step."""
+    seen = []
+    sched = llm.engine.scheduler
+    schedule = sched.schedule
+
+    def recorded():
+        so = schedule()
+        for rid, draft in so.spec_token_ids.items():
+            seen.append((rid, sched.requests[rid].num_output_tokens, list(draft)))
+        return so
+
+    sched.schedule = recorded
+    return seen
+
+
+def test_greedy_tokens_equal_the_plain_engine(tiny_llama_dir):
+    """Guards the verification itself: a draft kept past a disagreeing sample, a sample
+    read from the wrong row or the rejected positions' KV read later change greedy tokens.
+    A step that keeps fewer drafts than agree with the plain engine's tokens (e.g. the
+    sample after the last kept draft left out) gives the same tokens in more steps: the
+    kept count is checked against the drafts each step put in, read against the plain
+    engine's output."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = _prompts(8)
+    plain = _llm(tiny_llama_dir, spec=None).generate(prompts, params, use_tqdm=False)
+    llm = _llm(tiny_llama_dir)
+    counts, drafts = _count_tokens(llm), _record_drafts(llm)
+    drafted = llm.generate(prompts, params, use_tqdm=False)
+    _assert_same(plain, drafted)
+    _assert_drafts_accepted_and_rejected(llm)
+    ids = {o.request_id: p.outputs[0].token_ids for o, p in zip(drafted, plain, strict=True)}
+    agree = 0
+    for rid, done, draft in drafts:
+        # draft[j] stands where output[done + j] does ("#i": the engine's id of child i)
+        tokens = ids[rid.split("#")[0]][done:]
+        agree += next((j for j, (d, t) in enumerate(zip(draft, tokens)) if d != t), len(draft))
+    assert llm.engine.scheduler.num_accepted_tokens == agree
+    # drafts never reach past max_tokens, so no kept token is dropped by a stop
+    assert counts["tokens"] == counts["deltas"] + agree
+    assert counts["tokens"] == 8 * 40 == llm.engine.stats.generation_tokens
+    steps = llm.engine.stats.num_steps
+    assert steps < 40 + 2, f"{steps} steps: the drafts saved none"  # 8 prompts in 1-2 steps
+    assert llm.engine.execution_path["speculative"] == "ngram(k=3, n=1..3)"
+
+
+def test_seeded_sampling_equals_the_plain_engine(tiny_llama_dir):
+    """At a temperature, with top-k and top-p: each drafted position is sampled with the
+    request's seed at that position, so the kept tokens and their logprobs are the ones a
+    step without drafts draws (runner/speculative/verify.py says why that is exact)."""
+    params = [
+        SamplingParams(
+            temperature=0.3, top_k=50, top_p=0.9, seed=100 + i, max_tokens=30,
+            ignore_eos=True, logprobs=2,
+        )  # fmt: skip
+        for i in range(8)
+    ]
+    plain, drafted, llm = _both(tiny_llama_dir, _prompts(8, seed=5), params)
+    _assert_same(plain, drafted, logprobs=True)
+    _assert_drafts_accepted_and_rejected(llm)
+
+
+def test_stops_and_length_inside_a_draft(tiny_llama_dir):
+    """A stop token or the length limit met inside the kept part of a draft ends the
+    request there, as it would one token at a time: the tokens after it are dropped."""
+    prompts = _prompts(8, seed=9)
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    runs = _llm(tiny_llama_dir, spec=None).generate(prompts, free, use_tqdm=False)
+    # a token each run makes late in its output: it stops there
+    stops = sorted({o.outputs[0].token_ids[17] for o in runs})
+    params = SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True, stop_token_ids=stops)
+    plain, drafted, llm = _both(tiny_llama_dir, prompts, params)
+    _assert_same(plain, drafted)
+    reasons = {o.outputs[0].finish_reason for o in drafted}
+    assert reasons == {"stop", "length"} or reasons == {"stop"}, reasons
+    assert any(len(o.outputs[0].token_ids) < 23 for o in drafted)
+    _assert_drafts_accepted_and_rejected(llm)
+
+
+def test_rows_without_drafts_share_the_batch(tiny_llama_dir):
+    """Requests whose sampling reads their history (penalties, logit_bias, min_tokens not
+    yet met) decode one token a step beside drafted rows, and a long prompt is chunked
+    beside both (a budget of 24 tokens also cuts drafts short)."""
+    prompts = _prompts(6, seed=11) + [{"prompt_token_ids": list(range(3, 90))}]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logit_bias={5: 2.0}),
+        SamplingParams(temperature=0.0, max_tokens=30, min_tokens=20),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+    ]
+    plain, drafted, llm = _both(tiny_llama_dir, prompts, params, max_num_batched_tokens=24)
+    _assert_same(plain, drafted)
+    _assert_drafts_accepted_and_rejected(llm)
+
+
+def test_prefix_cache_and_preemption_with_drafts(tiny_qwen3_dir):
+    """Blocks filled through drafts hold the kept tokens' KV only: a second run of the same
+    prompts hits them and gives the same tokens; a cache small enough to preempt requests
+    mid-draft gives them too."""
+    prompts = _prompts(6, seed=13, vocab=990)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    plain = _llm(tiny_qwen3_dir, spec=None).generate(prompts, params, use_tqdm=False)
+    llm = _llm(tiny_qwen3_dir)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    again = llm.generate(prompts, params, use_tqdm=False)
+    _assert_same(plain, first)
+    _assert_same(plain, again)
+    assert all(o.num_cached_tokens > 0 for o in again if len(o.prompt_token_ids) > 16)
+    _assert_drafts_accepted_and_rejected(llm)
+    tight = _llm(tiny_qwen3_dir, num_gpu_blocks=14, max_model_len=128)
+    squeezed = tight.generate(prompts, params, use_tqdm=False)
+    _assert_same(plain, squeezed)
+    assert tight.engine.scheduler.num_preemptions > 0
+    _assert_drafts_accepted_and_rejected(tight)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"method": "eagle", "num_speculative_tokens": 3}, "method must be one of ngram"),
+        ({"method": "ngram"}, "needs num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}, "unknown keys"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+             "prompt_lookup_max": 2},
+            "prompt_lookup_min <= prompt_lookup_max",
+        ),  # fmt: skip
+        ('{"method": "ngram", "num_speculative_tokens": 2', "not valid JSON"),
+        ('["ngram"]', "must be a JSON object"),
+    ],
+)
+def test_bad_speculative_configs_are_refused_by_name(tiny_llama_dir, config, message):
+    with pytest.raises(ValueError, match=message):
+        _llm(tiny_llama_dir, spec=config)
+
+
+def test_what_speculation_does_not_run_with(tiny_llama_dir, tiny_bamba_dir):
+    """Async scheduling (a draft needs the last token on the host), the reference runner
+    and hybrid Mamba models (a rejected draft would stay in the recurrent state)."""
+    with pytest.raises(ValueError, match="synchronous scheduling"):
+        LLM(model=tiny_llama_dir, device=DEVICE, speculative_config=NGRAM, async_scheduling=True)
+    with pytest.raises(ValueError, match="needs the mrv2 runner"):
+        _llm(tiny_llama_dir, runner="reference")
+    with pytest.raises(ValueError, match="hybrid Mamba"):
+        _llm(tiny_bamba_dir)
+    # JSON, as --speculative-config gives it, is the dict's equal
+    llm = _llm(tiny_llama_dir, spec='{"method": "ngram", "num_speculative_tokens": 2}')
+    assert llm.engine.execution_path["speculative"] == "ngram(k=2, n=1..4)"
