@@ -235,3 +235,50 @@ def test_what_speculation_does_not_run_with(tiny_llama_dir, tiny_bamba_dir):
     # JSON, as --speculative-config gives it, is the dict's equal
     llm = _llm(tiny_llama_dir, spec='{"method": "ngram", "num_speculative_tokens": 2}')
     assert llm.engine.execution_path["speculative"] == "ngram(k=2, n=1..4)"
+
+
+def test_the_drafters_token_arrays_follow_each_request():
+    """The drafter's per-request arrays grow by new tokens only (runner/speculative/
+    drafter.py) and always equal prompt + output, past every regrowth."""
+    from pdserve.runner.config import SpeculativeConfig
+    from pdserve.runner.request import Request
+    from pdserve.runner.speculative.drafter import Drafter
+
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=2), max_model_len=10_000)
+    rng = random.Random(0)
+    reqs = [
+        Request(f"r{i}", [rng.randrange(50) for _ in range(rng.randint(1, 90))],
+                SamplingParams(max_tokens=5000), seed=i)  # fmt: skip
+        for i in range(4)
+    ]
+    for _ in range(300):
+        req = rng.choice(reqs)
+        for _ in range(rng.randint(0, 3)):
+            req.append_output_token(rng.randrange(50))
+        assert drafter.tokens(req).tolist() == req.all_token_ids
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(repetition_penalty=1.1),
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(frequency_penalty=0.5),
+        SamplingParams(logit_bias={3: 1.0}),
+        SamplingParams(allowed_token_ids=[3, 4]),
+        SamplingParams(min_tokens=4),
+    ],
+    ids=["repetition", "presence", "frequency", "logit_bias", "allowed", "min_tokens"],
+)
+def test_requests_whose_sampling_reads_history_get_no_draft(params):
+    from pdserve.runner.request import Request
+    from pdserve.runner.speculative.drafter import can_draft
+
+    looping = [5, 6, 7] * 10
+    assert can_draft(Request("plain", looping, SamplingParams(), seed=0))
+    req = Request("r", looping, params, seed=0)
+    assert not can_draft(req)
+    if params.min_tokens:  # met: drafts from then on
+        for t in (5, 6, 7, 5):
+            req.append_output_token(t)
+        assert can_draft(req)
