@@ -346,6 +346,11 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             + f"{'1 KV tier actor, ' if tier is not None else ''}"
             f"runner {ecfg.runner.runner}, "
             + (
+                f"speculative {ecfg.speculative.describe()} (synchronous scheduling), "
+                if ecfg.speculative is not None
+                else ""
+            )
+            + (
                 f"Ray cluster at {cfg.ray_address} ({placement.num_gpus} GPU(s))"
                 if placement.joined
                 else f"device {ecfg.runner.device}"
