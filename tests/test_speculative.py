@@ -121,6 +121,8 @@ def test_greedy_tokens_equal_the_plain_engine(tiny_llama_dir):
         tokens = ids[rid.split("#")[0]][done:]
         agree += next((j for j, (d, t) in enumerate(zip(draft, tokens)) if d != t), len(draft))
     assert llm.engine.scheduler.num_accepted_tokens == agree
+    # every step after the prompts' is decodes only: drafted positions run as decode rows
+    assert llm.engine.runner.draft_steps["decode_rows"] > 0
     # drafts never reach past max_tokens, so no kept token is dropped by a stop
     assert counts["tokens"] == counts["deltas"] + agree
     assert counts["tokens"] == 8 * 40 == llm.engine.stats.generation_tokens
@@ -179,6 +181,9 @@ def test_rows_without_drafts_share_the_batch(tiny_llama_dir):
     plain, drafted, llm = _both(tiny_llama_dir, prompts, params, max_num_batched_tokens=24)
     _assert_same(plain, drafted)
     _assert_drafts_accepted_and_rejected(llm)
+    # both ways a step with drafts runs: beside the long prompt's chunks (each drafted row
+    # sampling its positions), and as decode rows once every row decodes
+    assert min(llm.engine.runner.draft_steps.values()) > 0, llm.engine.runner.draft_steps
 
 
 def test_prefix_cache_and_preemption_with_drafts(tiny_qwen3_dir):
@@ -282,3 +287,13 @@ def test_requests_whose_sampling_reads_history_get_no_draft(params):
         for t in (5, 6, 7, 5):
             req.append_output_token(t)
         assert can_draft(req)
+
+
+def test_drafted_rows_past_the_slot_count_run_flat(tiny_llama_dir):
+    """Three requests of up to 4 positions each are more decode rows than max_num_seqs=3
+    buffers hold: such a step samples each row's positions in place (`flat`)."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    plain, drafted, llm = _both(tiny_llama_dir, _prompts(3, seed=17), params, max_num_seqs=3)
+    _assert_same(plain, drafted)
+    _assert_drafts_accepted_and_rejected(llm)
+    assert llm.engine.runner.draft_steps["flat"] > 0

@@ -207,6 +207,8 @@ class MRV2ModelRunner:
         self.graphs: CudaGraphs | None = None
         self.graph_block_appends = 0  # new blocks written by a graph's prep, not staged
         self.eager_steps = 0  # steps with tokens that ran no graph
+        # steps with drafts, by how they ran: each drafted position a decode row, or flat
+        self.draft_steps = {"decode_rows": 0, "flat": 0}
         sizes = config.runner.cuda_graph_sizes
         self.mailbox: StepMailbox | None = None
         if self.device.type == "cuda" and sizes:
@@ -261,41 +263,54 @@ class MRV2ModelRunner:
         seq_lens = num_computed + num_scheduled
         num_tokens = st.num_tokens[slots]
         sample_mask = seq_lens >= num_tokens  # caught up: the sample is kept
-        pooling = self.pooling.any(slots)  # embedding rows: eager (pooling_state.py)
-        uniform_decode = int(num_scheduled.max()) == 1 and not pooling
+        # A step with drafts (runner/speculative/) stages them after each row's last token.
+        # When every row is a decode, each drafted position becomes a decode row of its own
+        # (the slot's block table, the position's length): the step is a uniform decode of
+        # those rows, graphs and all, since a layer writes every row's K/V before attending.
+        # Otherwise (a prompt chunk beside them) it runs eagerly, a row sampling each of its
+        # drafted positions (`flat`).
+        spec = flat = None
+        b_slots, b_sched, b_computed, b_mask = slots, num_scheduled, num_computed, sample_mask
+        if so.spec_token_ids:
+            spec = self._stage_drafts(
+                so.spec_token_ids, req_ids, slots, num_scheduled, seq_lens, sample_mask
+            )
+            if (num_scheduled == spec.counts).all() and spec.num_rows <= self.buffers.max_num_reqs:
+                b_slots, b_sched = spec.slots, np.ones(spec.num_rows, dtype=np.int64)
+                b_computed, b_mask = spec.positions - 1, spec.keep
+                self.draft_steps["decode_rows"] += 1
+            else:
+                flat = spec
+                self.draft_steps["flat"] += 1
+        pooling = self.pooling.any(b_slots)  # embedding rows: eager (pooling_state.py)
+        uniform_decode = int(b_sched.max()) == 1 and not pooling
         graph_size = (
-            self.graphs.padded_size(len(req_ids))
+            self.graphs.padded_size(len(b_slots))
             if (self.graphs is not None and uniform_decode)
             else None
         )
         prep_in_graph = graph_size is not None and self.graphs.prep is not None
-        spec = None
-        if so.spec_token_ids:  # drafts go after each row's last token (runner/speculative/)
-            assert graph_size is None, "a step with drafts is not a uniform decode"
-            spec = self._stage_drafts(
-                so.spec_token_ids, req_ids, slots, num_scheduled, seq_lens, sample_mask
-            )
         appends = None
         if prep_in_graph and st.block_writes.num_pending and not st.token_writes.num_pending:
             # This step's new blocks ride in the step buffer: no staged-write launch.
-            appends = st.block_writes.take_appends(set(slots.tolist()))
+            appends = st.block_writes.take_appends(set(b_slots.tolist()))
             self.graph_block_appends += len(appends or ())
         st.apply_staged_writes()
         batch = self.buffers.build(
-            slots,
-            num_scheduled,
-            num_computed,
+            b_slots,
+            b_sched,
+            b_computed,
             st.token_ids,
             st.block_table,
             self.block_size,
-            sample_mask,
+            b_mask,
             graph_size,
             prep_in_graph=prep_in_graph,
             block_appends=appends,
         )
         self.model_state.prepare(batch)
         if self.lora is not None:  # each token's adapter slot, for the deltas (and graphs)
-            ids = np.repeat(self.slot_lora[slots], num_scheduled)
+            ids = np.repeat(self.slot_lora[b_slots], b_sched)
             self.ring.to_device(ids, out=self.lora.token_slots)
         # Sample rows: one a batch row, or with drafts one a drafted position too
         s_slots, s_positions, s_keep = slots, seq_lens, sample_mask
@@ -341,8 +356,8 @@ class MRV2ModelRunner:
                 )
                 index = (
                     batch.logits_indices
-                    if spec is None
-                    else self.ring.to_device(spec.logits_indices)
+                    if flat is None
+                    else self.ring.to_device(flat.logits_indices)
                 )
                 logits = self.model.compute_logits(hidden[index], float32=False)
                 if pooling:
@@ -358,7 +373,7 @@ class MRV2ModelRunner:
             if prep_in_graph and self.mailbox is not None:
                 mail = self.mailbox.mail_out(self.buffers.mailbox_slot, False)
             sampled, logprobs = out.sampled_token_ids, out.logprobs
-            if spec is None:
+            if flat is None:
                 post_update(
                     batch.idx_mapping,
                     sampled,
@@ -370,7 +385,7 @@ class MRV2ModelRunner:
             else:  # every drafted position's sample goes to its place; the host keeps
                 # those up to the first rejected draft (a later step overwrites the rest)
                 rows = self.ring.to_device(
-                    np.stack([spec.slots, spec.positions, spec.keep]).astype(np.int32)
+                    np.stack([flat.slots, flat.positions, flat.keep]).astype(np.int32)
                 )
                 post_update(rows[0], sampled, rows[1], rows[2], st.token_ids)
             if mail is not None:  # its prep read the mailbox; this post-update moved it on
@@ -391,7 +406,7 @@ class MRV2ModelRunner:
                 self.to_host.copy(lp.logprobs),
                 self.to_host.copy(lp.ranks),
             )
-        if graph_size is None:  # a graph step is pure decode: no prompt positions in it
+        if graph_size is None and b_slots is slots:  # decode rows only: no prompt positions
             handle.prompt = self._prompt_logprobs(req_ids, slots, batch, hidden, num_computed)
         if pooling:
             handle.pooled = [(req_ids[row], self.to_host.copy(v)) for row, v in pooled]
