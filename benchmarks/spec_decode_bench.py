@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from run_meta import git_commit
-from throughput import random_model_engine
-
-from pdserve.runner.sampling_params import SamplingParams
+from throughput import Workload, random_model_engine, run_engine
 
 
 def prompts(n: int, length: int, pattern: int, vocab: int, seed: int = 7) -> list[list[int]]:
@@ -43,36 +39,17 @@ def prompts(n: int, length: int, pattern: int, vocab: int, seed: int = 7) -> lis
 
 
 def run(engine, reqs: list[list[int]], output_len: int) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    """throughput.py's run (greedy, forced length) plus the drafts' counters."""
     s = engine.scheduler
-    before = (engine.stats.num_steps, s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
-    paths0 = engine.steps_by_path()
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    count: dict[str, int] = {}
-    start = time.perf_counter()
-    for i, p in enumerate(reqs):
-        engine.add_request(f"r{i}", p, params)
-    while engine.has_unfinished():
-        for d in engine.step():
-            now = time.perf_counter()
-            if d.new_token_ids:
-                first.setdefault(d.request_id, now)
-                last[d.request_id] = now
-                count[d.request_id] = count.get(d.request_id, 0) + len(d.new_token_ids)
-    elapsed = time.perf_counter() - start
-    steps = engine.stats.num_steps - before[0]
+    before = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+    w = Workload("spec", len(reqs), len(reqs[0]), output_len, "output_tok_s")
+    row = run_engine(engine, w, reqs)
     drafts, drafted, kept = (x - y for x, y in zip((s.num_drafts, s.num_draft_tokens,
-                                                    s.num_accepted_tokens), before[1:]))  # fmt: skip
-    tokens = sum(count.values())
-    tpots = sorted(1e3 * (last[r] - first[r]) / (count[r] - 1) for r in count if count[r] > 1)
+                                                    s.num_accepted_tokens), before))  # fmt: skip
     return {
-        "elapsed_s": round(elapsed, 3),
-        "output_tok_s": round(tokens / elapsed, 1),
-        "tpot_p50_ms": round(statistics.median(tpots), 3),
-        "steps": steps,
-        "ms_per_step": round(1e3 * elapsed / max(steps, 1), 3),
-        "steps_by_path": {k: n - paths0.get(k, 0) for k, n in engine.steps_by_path().items()},
+        **{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
+        "ms_per_step": round(1e3 * row["elapsed_s"] / max(row["steps"], 1), 3),
+        "draft_steps": dict(getattr(engine.runner, "draft_steps", {})),
         "drafts": drafts,
         "draft_tokens": drafted,
         "accepted_tokens": kept,

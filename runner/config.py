@@ -357,6 +357,11 @@ class EngineConfig:
             )
 
     @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens a request may verify in a step (0: no speculative decoding)."""
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
+
+    @property
     def max_blocks_per_request(self) -> int:
         # +1 token: a prompt of exactly max_model_len tokens still samples one token.
         return -(-(self.model.max_model_len + 1) // self.cache.block_size)

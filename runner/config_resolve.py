@@ -176,7 +176,10 @@ def resolve_engine_config(
     if on_cuda and runner_name == "mrv2" and not enforce_eager:
         from pdserve.runner.mrv2.cuda_graphs import capture_sizes
 
-        graphs = capture_sizes(cuda_graph_sizes, max_num_seqs, max_num_batched_tokens)
+        # with drafts, a decode step's rows are its drafted positions too (up to 1 + k a
+        # request), run as decode rows (runner/mrv2/model_runner.py)
+        rows = max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative else 0))
+        graphs = capture_sizes(cuda_graph_sizes, rows, max_num_batched_tokens)
     return EngineConfig(
         model=ModelConfig(
             path=str(path),

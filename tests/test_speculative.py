@@ -289,11 +289,14 @@ def test_requests_whose_sampling_reads_history_get_no_draft(params):
         assert can_draft(req)
 
 
-def test_drafted_rows_past_the_slot_count_run_flat(tiny_llama_dir):
-    """Three requests of up to 4 positions each are more decode rows than max_num_seqs=3
-    buffers hold: such a step samples each row's positions in place (`flat`)."""
+def test_the_step_buffers_hold_every_drafted_position(tiny_llama_dir):
+    """At max_num_seqs=3 with k=3, a decode step has up to 12 rows once its drafted
+    positions are rows: the step buffers (and graph sizes) hold 1 + k rows a request, so
+    such steps run as decode rows, never flat."""
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     plain, drafted, llm = _both(tiny_llama_dir, _prompts(3, seed=17), params, max_num_seqs=3)
     _assert_same(plain, drafted)
     _assert_drafts_accepted_and_rejected(llm)
-    assert llm.engine.runner.draft_steps["flat"] > 0
+    assert llm.engine.runner.buffers.max_num_reqs == 3 * (1 + 3)
+    assert llm.engine.runner.draft_steps["flat"] == 0
+    assert llm.engine.runner.draft_steps["decode_rows"] > 0

@@ -194,8 +194,11 @@ class MRV2ModelRunner:
             self.device,
             self.ring,
         )
+        # A step's rows: one a request, or with drafts one a drafted position too (each
+        # runs as a decode row when the batch is all decodes: execute)
+        max_rows = max_reqs * (1 + config.num_speculative_tokens)
         self.buffers = InputBuffers(
-            max_reqs,
+            max_rows,
             config.scheduler.max_num_batched_tokens,
             config.max_blocks_per_request,
             self.device,
@@ -213,7 +216,7 @@ class MRV2ModelRunner:
         self.mailbox: StepMailbox | None = None
         if self.device.type == "cuda" and sizes:
             if config.runner.cuda_graph_scope == "step":
-                self.mailbox = StepMailbox(step_buffer_size(max_reqs), max_reqs, self.device)
+                self.mailbox = StepMailbox(step_buffer_size(max_rows), max_rows, self.device)
                 self.buffers.mailbox = self.mailbox
             self.graphs = CudaGraphs(
                 self.model,
