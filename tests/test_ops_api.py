@@ -102,7 +102,7 @@ def test_pools_view_lists_the_workers_and_bounds(ops_server):
     assert w["execution_path"] == {"runner": "mrv2", "decode_attention": "auto",
                                    "norms": "kernels", "graph_scope": "none",
                                    "experts": "none", "weights": "float32", "lora": "off",
-                                   "kv_cache": "float32"}  # fmt: skip
+                                   "kv_cache": "float32", "speculative": "off"}  # fmt: skip
     assert w["startup"]["kv_tokens"] == (w["num_blocks"] - 1) * 16
     assert d["pools"]["prefill"] == {"bounds": [0, 0], "workers": [], "ready": 0,
                                      "starting": 0, "draining": 0}  # fmt: skip
