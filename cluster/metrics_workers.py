@@ -126,6 +126,11 @@ class WorkerCollector:
             "by the router ahead of the KV, or at the end of the pull",
             "first_tokens_by_source", "source",
         )  # fmt: skip
+        yield _counts_by(
+            router, roles, "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens kept, by their position in the draft (0 first)",
+            "spec_decode_accepted_by_position", "position",
+        )  # fmt: skip
         yield from _path_families(router, roles)
         yield _lora_info(router, roles)
         failures = CounterMetricFamily(

@@ -62,6 +62,9 @@ def _engine_stats(engine: Engine, compiles: CompileWatch | None) -> dict[str, An
         "spec_decode_num_drafts": s.num_drafts,
         "spec_decode_num_draft_tokens": s.num_draft_tokens,
         "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+        "spec_decode_accepted_by_position": {
+            str(i): n for i, n in enumerate(s.num_accepted_per_pos)
+        },
     }
 
 

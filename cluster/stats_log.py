@@ -31,6 +31,7 @@ _COUNTERS = (
     "spec_decode_num_accepted_tokens",
 )
 _STEPS = "steps:"  # prefix of the flattened steps_by_path counters
+_SPEC_POS = "spec_pos:"  # and of spec_decode_accepted_by_position's
 
 
 def _counters(stats: dict) -> dict[str, float]:
@@ -38,6 +39,9 @@ def _counters(stats: dict) -> dict[str, float]:
     for path, n in (stats.get("steps_by_path") or {}).items():
         if _is_number(n):
             out[_STEPS + path] = float(n)
+    for pos, n in (stats.get("spec_decode_accepted_by_position") or {}).items():
+        if _is_number(n):
+            out[_SPEC_POS + pos] = float(n)
     return out
 
 
@@ -136,6 +140,11 @@ def _pool_line(
         drafts = max(total.get("spec_decode_num_drafts", 0.0), 1.0)
         parts.append(f"Draft acceptance rate: {100 * kept / drafted:.1f}%, "
                      f"Mean acceptance length: {1 + kept / drafts:.2f}")  # fmt: skip
+        by_pos = sorted((int(k[len(_SPEC_POS) :]), n) for k, n in total.items()
+                        if k.startswith(_SPEC_POS))  # fmt: skip
+        if by_pos:
+            rates = ", ".join(f"{n / drafts:.2f}" for _, n in by_pos)
+            parts.append(f"Per-position acceptance rate: {rates}")
     if total.get("kernel_compiles"):  # runner/compile_watch.py: each one made a request wait
         parts.append(f"Kernel compiles: {int(total['kernel_compiles'])}")
     steps = {k[len(_STEPS) :]: n for k, n in total.items() if k.startswith(_STEPS) and n > 0}

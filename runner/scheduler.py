@@ -78,6 +78,9 @@ class Scheduler:
         # its last token when the drafter has one; vLLM's counters of what was kept
         self.drafter = drafter
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        # [i]: drafts whose token at position i (0 first) was kept (vLLM's per-position)
+        k = drafter.config.num_speculative_tokens if drafter is not None else 0
+        self.num_accepted_per_pos = [0] * k
 
     # ---- membership -----------------------------------------------------------------------
 
@@ -429,6 +432,8 @@ class Scheduler:
                     self.num_drafts += 1
                     self.num_draft_tokens += len(draft)
                     self.num_accepted_tokens += kept
+                    for i in range(kept):
+                        self.num_accepted_per_pos[i] += 1
                 cache_blocks(req, req.num_computed_tokens)
             if token is not None:
                 if self.async_scheduling:

@@ -17,11 +17,12 @@ NEW = 24
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
-def _series(text: str, name: str) -> float:
+def _series(text: str, name: str, label: str = "") -> float:
+    """The decode workers' sum of a series (of those carrying `label`, e.g. 'x="1"')."""
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith(f"pdserve:{name}{{") and 'role="decode"' in line
+        if line.startswith(f"pdserve:{name}{{") and 'role="decode"' in line and label in line
     )
 
 
@@ -48,6 +49,11 @@ def test_pd_server_drafts_and_answers_as_without_bundled(smollm_dir, tmp_path):
         drafted = _series(metrics, "spec_decode_num_draft_tokens_total")
         kept = _series(metrics, "spec_decode_num_accepted_tokens_total")
         assert 0 < kept <= drafted, (kept, drafted)
+        by_pos = [
+            _series(metrics, "spec_decode_num_accepted_tokens_per_pos_total", f'position="{i}"')
+            for i in range(3)
+        ]
+        assert sum(by_pos) == kept and by_pos[0] >= by_pos[1] >= by_pos[2], by_pos
         info = [ln for ln in metrics.splitlines() if ln.startswith("pdserve:engine_info{")]
         assert info and all('speculative="ngram(k=3, n=1..3)"' in ln for ln in info), info
     finally:

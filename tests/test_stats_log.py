@@ -190,11 +190,16 @@ def test_speculative_decoding_adds_its_acceptance_over_the_interval():
     per draft (the tokens a drafted step yields on average)."""
     log = StatsLog(start=0.0)
     before = {"decode-0": _worker(spec_decode_num_drafts=10, spec_decode_num_draft_tokens=30,
-                                  spec_decode_num_accepted_tokens=3)}  # fmt: skip
+                                  spec_decode_num_accepted_tokens=3,
+                                  spec_decode_accepted_by_position={"0": 2, "1": 1, "2": 0})}  # fmt: skip
     log.lines(10.0, ROLES, before)
     after = {"decode-0": _worker(spec_decode_num_drafts=30, spec_decode_num_draft_tokens=90,
-                                 spec_decode_num_accepted_tokens=33)}  # fmt: skip
+                                 spec_decode_num_accepted_tokens=33,
+                                 spec_decode_accepted_by_position={"0": 20, "1": 9, "2": 4})}  # fmt: skip
     line = log.lines(20.0, ROLES, after)[-1]
-    assert line.endswith("Draft acceptance rate: 50.0%, Mean acceptance length: 2.50")
+    assert line.endswith(
+        "Draft acceptance rate: 50.0%, Mean acceptance length: 2.50, "
+        "Per-position acceptance rate: 0.90, 0.40, 0.20"
+    )
     quiet = log.lines(30.0, ROLES, after)  # nothing drafted since: no acceptance part
     assert all("acceptance" not in x for x in quiet)
