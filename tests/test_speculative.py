@@ -114,12 +114,7 @@ def test_greedy_tokens_equal_the_plain_engine(tiny_llama_dir):
     drafted = llm.generate(prompts, params, use_tqdm=False)
     _assert_same(plain, drafted)
     _assert_drafts_accepted_and_rejected(llm)
-    ids = {o.request_id: p.outputs[0].token_ids for o, p in zip(drafted, plain, strict=True)}
-    agree = 0
-    for rid, done, draft in drafts:
-        # draft[j] stands where output[done + j] does ("#i": the engine's id of child i)
-        tokens = ids[rid.split("#")[0]][done:]
-        agree += next((j for j, (d, t) in enumerate(zip(draft, tokens)) if d != t), len(draft))
+    agree, _ = _agreeing_drafts(drafts, plain, drafted)
     assert llm.engine.scheduler.num_accepted_tokens == agree
     # every step after the prompts' is decodes only: drafted positions run as decode rows
     assert llm.engine.runner.draft_steps["decode_rows"] > 0
@@ -137,8 +132,13 @@ def test_seeded_sampling_equals_the_plain_engine(tiny_llama_dir):
     step without drafts draws (runner/speculative/verify.py says why that is exact)."""
     params = [
         SamplingParams(
-            temperature=0.3, top_k=50, top_p=0.9, seed=100 + i, max_tokens=30,
-            ignore_eos=True, logprobs=2,
+            temperature=0.3,
+            top_k=50,
+            top_p=0.9,
+            seed=100 + i,
+            max_tokens=30,
+            ignore_eos=True,
+            logprobs=2,
         )  # fmt: skip
         for i in range(8)
     ]
@@ -164,23 +164,53 @@ def test_stops_and_length_inside_a_draft(tiny_llama_dir):
     _assert_drafts_accepted_and_rejected(llm)
 
 
-def test_rows_without_drafts_share_the_batch(tiny_llama_dir):
-    """Requests whose sampling reads their history (penalties, logit_bias, min_tokens not
-    yet met) decode one token a step beside drafted rows, and a long prompt is chunked
-    beside both (a budget of 24 tokens also cuts drafts short)."""
-    prompts = _prompts(6, seed=11) + [{"prompt_token_ids": list(range(3, 90))}]
+def _agreeing_drafts(drafts, plain, drafted) -> tuple[int, set[str]]:
+    """Drafted tokens that equal the plain engine's output at their place (what a step
+    must keep), and the requests that drafted at all."""
+    ids = {o.request_id: p.outputs[0].token_ids for o, p in zip(drafted, plain, strict=True)}
+    agree, who = 0, set()
+    for rid, done, draft in drafts:
+        # draft[j] stands where output[done + j] does ("#i": the engine's id of child i)
+        base = rid.split("#")[0]
+        tokens = ids[base][done:]
+        agree += next((j for j, (d, t) in enumerate(zip(draft, tokens)) if d != t), len(draft))
+        who.add(base)
+    return agree, who
+
+
+def test_sampling_that_reads_history_drafts_exactly(tiny_llama_dir):
+    """Penalties count the drafts before a position as output, min_tokens bans EOS per
+    position until met, logit_bias and allowed_token_ids apply to every position: each
+    such request drafts and its tokens equal the plain engine's. Beside them a long prompt
+    is chunked (a budget of 24 tokens also cuts drafts short)."""
+    prompts = _prompts(7, seed=11) + [{"prompt_token_ids": list(range(3, 90))}]
+    pattern = prompts[5]["prompt_token_ids"]
     params = [
         SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.05),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, presence_penalty=0.4),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, frequency_penalty=0.3),
         SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logit_bias={5: 2.0}),
-        SamplingParams(temperature=0.0, max_tokens=30, min_tokens=20),
-        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, frequency_penalty=0.5),
-        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=30,
+            ignore_eos=True,
+            allowed_token_ids=sorted(set(pattern)) + [2, 7, 11],
+        ),  # fmt: skip
+        SamplingParams(temperature=0.0, max_tokens=30, min_tokens=25),
         SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
     ]
-    plain, drafted, llm = _both(tiny_llama_dir, prompts, params, max_num_batched_tokens=24)
+    plain = _llm(tiny_llama_dir, spec=None, max_num_batched_tokens=24).generate(
+        prompts, params, use_tqdm=False
+    )
+    llm = _llm(tiny_llama_dir, max_num_batched_tokens=24)
+    drafts = _record_drafts(llm)
+    drafted = llm.generate(prompts, params, use_tqdm=False)
     _assert_same(plain, drafted)
     _assert_drafts_accepted_and_rejected(llm)
+    agree, who = _agreeing_drafts(drafts, plain, drafted)
+    assert llm.engine.scheduler.num_accepted_tokens == agree
+    assert who >= {o.request_id for o in drafted[:7]}, who
     # both ways a step with drafts runs: beside the long prompt's chunks (each drafted row
     # sampling its positions), and as decode rows once every row decodes
     assert min(llm.engine.runner.draft_steps.values()) > 0, llm.engine.runner.draft_steps
@@ -215,8 +245,12 @@ def test_prefix_cache_and_preemption_with_drafts(tiny_qwen3_dir):
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}, "unknown keys"),
         (
-            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
-             "prompt_lookup_max": 2},
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 2,
+            },
             "prompt_lookup_min <= prompt_lookup_max",
         ),  # fmt: skip
         ('{"method": "ngram", "num_speculative_tokens": 2', "not valid JSON"),
@@ -252,8 +286,12 @@ def test_the_drafters_token_arrays_follow_each_request():
     drafter = Drafter(SpeculativeConfig(num_speculative_tokens=2), max_model_len=10_000)
     rng = random.Random(0)
     reqs = [
-        Request(f"r{i}", [rng.randrange(50) for _ in range(rng.randint(1, 90))],
-                SamplingParams(max_tokens=5000), seed=i)  # fmt: skip
+        Request(
+            f"r{i}",
+            [rng.randrange(50) for _ in range(rng.randint(1, 90))],
+            SamplingParams(max_tokens=5000),
+            seed=i,
+        )  # fmt: skip
         for i in range(4)
     ]
     for _ in range(300):
@@ -263,40 +301,70 @@ def test_the_drafters_token_arrays_follow_each_request():
         assert drafter.tokens(req).tolist() == req.all_token_ids
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(repetition_penalty=1.1),
-        SamplingParams(presence_penalty=0.5),
-        SamplingParams(frequency_penalty=0.5),
-        SamplingParams(logit_bias={3: 1.0}),
-        SamplingParams(allowed_token_ids=[3, 4]),
-        SamplingParams(min_tokens=4),
-    ],
-    ids=["repetition", "presence", "frequency", "logit_bias", "allowed", "min_tokens"],
-)
-def test_requests_whose_sampling_reads_history_get_no_draft(params):
+def test_what_drafts():
+    """Every generating request drafts but one under a grammar (its automaton would have
+    to step through the draft), a held prefill and an embedding (they sample once)."""
+    from pdserve.runner.pooling import PoolingSpec
     from pdserve.runner.request import Request
     from pdserve.runner.speculative.drafter import can_draft
 
     looping = [5, 6, 7] * 10
-    assert can_draft(Request("plain", looping, SamplingParams(), seed=0))
-    req = Request("r", looping, params, seed=0)
-    assert not can_draft(req)
-    if params.min_tokens:  # met: drafts from then on
-        for t in (5, 6, 7, 5):
-            req.append_output_token(t)
-        assert can_draft(req)
+    for params in (
+        SamplingParams(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5),
+        SamplingParams(logit_bias={3: 1.0}, allowed_token_ids=[3, 4], min_tokens=4),
+        SamplingParams(bad_words=["x"]),
+    ):
+        assert can_draft(Request("r", looping, params, seed=0))
+    grammar = Request("g", looping, SamplingParams(), seed=0)
+    grammar.grammar = object()  # any grammar
+    assert not can_draft(grammar)
+    assert not can_draft(Request("h", looping, SamplingParams(), seed=0, hold_kv=True))
+    pooled = Request("p", looping, SamplingParams(), seed=0)
+    pooled.pooling = PoolingSpec.__new__(PoolingSpec)
+    assert not can_draft(pooled)
 
 
-def test_the_step_buffers_hold_every_drafted_position(tiny_llama_dir):
-    """At max_num_seqs=3 with k=3, a decode step has up to 12 rows once its drafted
-    positions are rows: the step buffers (and graph sizes) hold 1 + k rows a request, so
-    such steps run as decode rows, never flat."""
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    plain, drafted, llm = _both(tiny_llama_dir, _prompts(3, seed=17), params, max_num_seqs=3)
+def test_a_drafted_position_counts_the_drafts_before_it(tiny_llama_dir):
+    """White-box: in a step with a draft of k tokens, sample row j's penalty table counts
+    the request's output plus the first j drafts, and min_tokens bans EOS on exactly the
+    rows whose output so far (drafts included) is short of it. (On these tiny models a
+    table short by a few tokens rarely flips a greedy token, so the tokens alone would not
+    show it.)"""
+    llm = _llm(tiny_llama_dir)
+    runner = llm.engine.runner
+    sampler, metas = runner.sampler, []
+
+    def spy(logits, meta):
+        metas.append(meta)
+        return sampler(logits, meta)
+
+    runner.sampler = spy
+    drafts = _record_drafts(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=14, frequency_penalty=0.1)
+    llm.generate(_prompts(1, seed=21), params, use_tqdm=False)
+    drafted = [m for m in metas if m.output_counts is not None and len(m.output_counts) > 1]
+    assert len(drafted) == len(drafts) > 2
+    for meta, (_, done, draft) in zip(drafted, drafts, strict=True):
+        assert len(meta.output_counts) == 1 + len(draft)
+        assert meta.output_counts.sum(-1).tolist() == [done + j for j in range(1 + len(draft))]
+        banned = set() if meta.banned_rows is None else set(meta.banned_rows.tolist())
+        assert banned == {j for j in range(1 + len(draft)) if done + j < 14}
+    assert any(done < 14 <= done + len(d) for _, done, d in drafts)  # min_tokens met mid-draft
+
+
+def test_bad_words_see_the_drafts_before_them_bundled(smollm_dir):
+    """A multi-token bad word is banned by the output's tail, drafts before a position
+    included: the bundled SmolLM2 continuing a list of days, with the list's own
+    continuation banned, writes what the plain engine writes, while drafting."""
+    prompt = "Monday, Tuesday, Wednesday, Monday, Tuesday, Wednesday, Monday, Tuesday,"
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=32, bad_words=[" Wednesday, Monday"]),
+        SamplingParams(temperature=0.0, max_tokens=32, bad_words=[" Tuesday, Wednesday"]),
+    ]
+    prompts = [prompt, prompt]
+    plain = _llm(smollm_dir, spec=None).generate(prompts, params, use_tqdm=False)
+    llm = _llm(smollm_dir)
+    drafted = llm.generate(prompts, params, use_tqdm=False)
     _assert_same(plain, drafted)
-    _assert_drafts_accepted_and_rejected(llm)
-    assert llm.engine.runner.buffers.max_num_reqs == 3 * (1 + 3)
-    assert llm.engine.runner.draft_steps["flat"] == 0
-    assert llm.engine.runner.draft_steps["decode_rows"] > 0
+    assert all(" Wednesday, Monday" not in o.outputs[0].text for o in drafted[:1])
+    assert llm.engine.scheduler.num_accepted_tokens > 0

@@ -316,8 +316,11 @@ class MRV2ModelRunner:
             ids = np.repeat(self.slot_lora[b_slots], b_sched)
             self.ring.to_device(ids, out=self.lora.token_slots)
         # Sample rows: one a batch row, or with drafts one a drafted position too
+        # A drafted position's sampling sees the drafts before it as output (the tokens a
+        # step without drafts would have had there, wherever the draft is kept): `within`.
         s_slots, s_positions, s_keep = slots, seq_lens, sample_mask
         num_outputs = num_tokens - st.num_prompt_tokens[slots]
+        within = np.zeros(len(slots), dtype=np.int64)
         if spec is not None:
             s_slots, s_positions, s_keep = spec.slots, spec.positions, spec.keep
             within = np.arange(spec.num_rows) - np.repeat(spec.offsets[:-1], spec.counts)
@@ -327,10 +330,10 @@ class MRV2ModelRunner:
             s_slots,
             s_positions,
             num_outputs,
-            [st.token_history(int(s_slots[r])) for r in penalty_rows] or None,
+            [st.token_history(int(s_slots[r]), int(within[r])) for r in penalty_rows] or None,
             to_device=self.ring.to_device,
             recent_tokens=lambda rows, width: st.recent_tokens(
-                s_slots[rows], width, self.ring.to_device
+                s_slots[rows], width, self.ring.to_device, within[rows]
             ),
             keep=s_keep,
         )

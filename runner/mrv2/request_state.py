@@ -97,18 +97,24 @@ class RequestState:
         self.block_writes.apply()
 
     def recent_tokens(
-        self, slots: np.ndarray, width: int, to_device: Callable[[np.ndarray], torch.Tensor]
+        self,
+        slots: np.ndarray,
+        width: int,
+        to_device: Callable[[np.ndarray], torch.Tensor],
+        drafted: np.ndarray | None = None,
     ) -> torch.Tensor:
         """[len(slots), width] int64: each slot's last `width` tokens, gathered on the
-        device (the newest may still be in flight there). Columns before a slot's first
+        device (the newest may still be in flight there), counting `drafted[i]` of its
+        draft tokens (staged after its tokens) for row i. Columns before a slot's first
         token read its first token; callers compare only what the slot has."""
-        ends = self.num_tokens[slots]
+        ends = self.num_tokens[slots] + (0 if drafted is None else drafted)
         cols = np.maximum(ends[:, None] - width + np.arange(width), 0)
         index = to_device(np.stack([np.repeat(slots, width), cols.ravel()]))
         return self.token_ids[index[0], index[1]].view(len(slots), width).long()
 
-    def token_history(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prompt ids, output ids) of a slot as device views of the token table; the bounds
-        are host counters, so nothing is read back from the device."""
-        n, p = int(self.num_tokens[slot]), int(self.num_prompt_tokens[slot])
+    def token_history(self, slot: int, drafted: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt ids, output ids) of a slot as device views of the token table, the output
+        with `drafted` of its draft tokens (staged after its tokens); the bounds are host
+        counters, so nothing is read back from the device."""
+        n, p = int(self.num_tokens[slot]) + drafted, int(self.num_prompt_tokens[slot])
         return self.token_ids[slot, :p], self.token_ids[slot, p:n]

@@ -2,14 +2,14 @@
 
 A step verifies a request's draft by sampling every drafted position with the request's
 own sampler and keeping the drafts up to the first one the sample disagrees with, then
-that sample (runner/speculative/verify.py). That is exact only while each position's
-sampling depends on nothing but its logits, its seed and its position. So a request
-drafts only when its sampling reads no token history and no per-request table:
-- no repetition, presence or frequency penalty (they count the tokens before each one);
-- no bad_words, logit_bias or allowed_token_ids, and no structured output;
-- min_tokens already met (until then EOS is banned per row);
-- a generating request on this engine (not a held prefill, not an embedding).
-The rest decode one token a step beside the drafting ones, in the same batch.
+that sample (runner/speculative/verify.py). That is exact while each position is sampled
+as a step without drafts would sample it there: with its seed and position, and with the
+drafts before it counted as output, which the runner does for penalties, bad_words and
+min_tokens (runner/mrv2/model_runner.py `within`); logit_bias and allowed_token_ids read
+no history. Structured output is the exception: its automaton state would have to step
+through each draft on the device. So every generating request on this engine drafts
+except those under a grammar (and held prefills and embeddings, which sample once); they
+decode one token a step beside the drafting ones, in the same batch.
 """
 
 from __future__ import annotations
@@ -24,17 +24,7 @@ from pdserve.runner.speculative.ngram import NgramProposer
 
 
 def can_draft(req: Request) -> bool:
-    p = req.params
-    return not (
-        req.hold_kv
-        or req.pooling is not None
-        or req.grammar is not None
-        or req.bad_words
-        or p.needs_penalties
-        or p.logit_bias
-        or p.allowed_token_ids
-        or p.min_tokens > req.num_output_tokens
-    )
+    return not (req.hold_kv or req.pooling is not None or req.grammar is not None)
 
 
 class Drafter:
