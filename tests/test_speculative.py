@@ -368,3 +368,38 @@ def test_bad_words_see_the_drafts_before_them_bundled(smollm_dir):
     _assert_same(plain, drafted)
     assert all(" Wednesday, Monday" not in o.outputs[0].text for o in drafted[:1])
     assert llm.engine.scheduler.num_accepted_tokens > 0
+
+
+def test_an_embedding_beside_drafted_rows(tiny_llama_dir):
+    """A one-token prompt pooled in a step where the other rows verify drafts: the step
+    runs flat (the pooling reads the batch's own rows) and the vector is the one the
+    prompt gets alone."""
+    from pdserve.runner.engine import Engine
+
+    def engine(spec):
+        return Engine.from_args(model=tiny_llama_dir, device=DEVICE, dtype="float32",
+                                speculative_config=spec, async_scheduling=False)  # fmt: skip
+
+    alone = engine(None)
+    alone.add_pooling_request("e", [17])
+    want = next(d.embedding for d in _drain(alone) if d.embedding is not None)
+    eng = engine(NGRAM)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(_prompts(4, seed=23)):
+        eng.add_request(f"g{i}", p["prompt_token_ids"], params)
+    got = []
+    for i in range(12):  # one a step, so some meet drafted rows
+        eng.add_pooling_request(f"e{i}", [17])
+        got += [d.embedding for d in eng.step() if d.embedding is not None]
+    got += [d.embedding for d in _drain(eng) if d.embedding is not None]
+    assert len(got) == 12
+    for vector in got:
+        assert max(abs(a - b) for a, b in zip(vector, want, strict=True)) < 1e-5
+    assert eng.runner.draft_steps["flat"] > 0
+
+
+def _drain(engine) -> list:
+    out = []
+    while engine.has_unfinished():
+        out += engine.step()
+    return out

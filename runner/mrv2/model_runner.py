@@ -278,7 +278,11 @@ class MRV2ModelRunner:
             spec = self._stage_drafts(
                 so.spec_token_ids, req_ids, slots, num_scheduled, seq_lens, sample_mask
             )
-            if (num_scheduled == spec.counts).all() and spec.num_rows <= self.buffers.max_num_reqs:
+            if (
+                (num_scheduled == spec.counts).all()
+                and spec.num_rows <= self.buffers.max_num_reqs
+                and not self.pooling.any(slots)  # a prompt's last token pooled beside them
+            ):
                 b_slots, b_sched = spec.slots, np.ones(spec.num_rows, dtype=np.int64)
                 b_computed, b_mask = spec.positions - 1, spec.keep
                 self.draft_steps["decode_rows"] += 1
@@ -315,9 +319,9 @@ class MRV2ModelRunner:
         if self.lora is not None:  # each token's adapter slot, for the deltas (and graphs)
             ids = np.repeat(self.slot_lora[b_slots], b_sched)
             self.ring.to_device(ids, out=self.lora.token_slots)
-        # Sample rows: one a batch row, or with drafts one a drafted position too
-        # A drafted position's sampling sees the drafts before it as output (the tokens a
-        # step without drafts would have had there, wherever the draft is kept): `within`.
+        # Sample rows: one a batch row, or with drafts one a drafted position too, whose
+        # sampling sees the drafts before it as output (`within`): the tokens a step
+        # without drafts would have had there, wherever the draft is kept.
         s_slots, s_positions, s_keep = slots, seq_lens, sample_mask
         num_outputs = num_tokens - st.num_prompt_tokens[slots]
         within = np.zeros(len(slots), dtype=np.int64)
