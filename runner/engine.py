@@ -145,7 +145,8 @@ class Engine(PDRoles):
         spec = self.config.speculative
         return {
             **execution_path(self.config.runner, self.runner),
-            # runner/speculative/: steps with drafts run eagerly (no decode graph)
+            # runner/speculative/: all-decode steps with drafts run as decode rows (graphs),
+            # beside a prompt chunk eagerly (the runner's `draft_steps` counts both)
             "speculative": spec.describe() if spec is not None else "off",
         }
 
