@@ -262,7 +262,9 @@ class PrefillService(_Service):
         bind_visible_gpus()  # before CUDA starts (a no-op outside whole-GPU actors)
         in_group = join_kv_group(dist_spec)
         clock = _PhaseClock()
-        engine = Engine.from_args(**engine_kwargs)
+        # A prefill worker samples one token a request (runner/speculative/ drafts none),
+        # so it runs without speculation and keeps async scheduling
+        engine = Engine.from_args(**{**engine_kwargs, "speculative_config": None})
         clock.done("engine")
         _warm_up_engine(engine, clock)
         tier = self.tier = TierClient(tier_actor) if tier_actor is not None else None
