@@ -34,8 +34,18 @@ from pdserve.kernels.moe_triton import MoeTiles, choose_tiles, moe_experts_trito
 SHAPES = {  # hidden, intermediate, experts, picks
     "qwen3_30b_a3b": (2048, 768, 128, 8),
     "mixtral_8x7b": (4096, 14336, 8, 2),
+    # intermediate sizes between those two, for kernels/moe_grouped.py's rule (--shapes)
+    "olmoe_1b_7b": (2048, 1024, 64, 8),
+    "deepseek_v2_lite": (2048, 1408, 64, 6),
+    "phi3_5_moe": (4096, 6400, 16, 2),
+    "llama4_scout": (5120, 8192, 16, 1),
 }
-LAYERS = {"qwen3_30b_a3b": 8, "mixtral_8x7b": 2}  # ~9.7 / 5.6 GB of experts
+DEFAULT_SHAPES = ("qwen3_30b_a3b", "mixtral_8x7b")
+# ~9.7 / 5.6 / 6.4 / 8.9 / 10.1 / 8.1 GB of experts
+LAYERS = {
+    "qwen3_30b_a3b": 8, "mixtral_8x7b": 2, "olmoe_1b_7b": 8, "deepseek_v2_lite": 8,
+    "phi3_5_moe": 2, "llama4_scout": 2,
+}  # fmt: skip
 HBM_BPS, TFLOPS = 4.28e12, 789e12
 
 
@@ -136,7 +146,9 @@ def sweep_tiles() -> list[MoeTiles]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,8,32,128,512,2048,8192")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument(
+        "--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {', '.join(SHAPES)}"
+    )
     parser.add_argument("--sweep", action="store_true", help="time other tiles at 32 and 2048")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
