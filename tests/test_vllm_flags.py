@@ -155,6 +155,10 @@ def test_a_config_file_takes_sizes_and_refuses_wrong_types(tmp_path, monkeypatch
         assert _args("--config", str(path)).override_generation_config == {"temperature": 0.5}
     path.write_text("cuda_graph_sizes: [1, 4, 16]\n")
     assert _args("--config", str(path)).cuda_graph_sizes == [1, 4, 16]
+    # the Helm chart's serve values land here: a mapping, as the flag's JSON would give
+    path.write_text("speculative_config: {method: ngram, num_speculative_tokens: 2}\n")
+    spec = _args("--config", str(path)).speculative_config
+    assert spec == {"method": "ngram", "num_speculative_tokens": 2}
     for text, message in (
         ('port: "8080"', "port must be an integer, got '8080'"),
         ("max_num_seqs: 1.5", "max_num_seqs must be an integer"),
