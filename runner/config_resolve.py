@@ -168,7 +168,7 @@ def resolve_engine_config(
         )
         classifier = classifier_spec(hf_config, tokenizer)
     on_cuda = dev.startswith("cuda")
-    speculative = _speculative(speculative_config, runner_name, hf_config)
+    speculative = _speculative(speculative_config, hf_config)
     if async_scheduling is None:
         # A draft is made from the last token, which async scheduling reads back a step late.
         async_scheduling = on_cuda and speculative is None
@@ -224,15 +224,12 @@ def resolve_engine_config(
     )
 
 
-def _speculative(
-    value: dict | str | None, runner_name: str, hf_config: Any
-) -> SpeculativeConfig | None:
-    """vLLM's `speculative_config` (a dict, or its JSON as `--speculative-config` gives it)."""
+def _speculative(value: dict | str | None, hf_config: Any) -> SpeculativeConfig | None:
+    """vLLM's `speculative_config` (a dict, or its JSON as `--speculative-config` gives it);
+    EngineConfig refuses it beside another runner or async scheduling."""
     if value is None:
         return None
     config = SpeculativeConfig.from_dict(json_object("speculative_config", value))
-    if runner_name != "mrv2":
-        raise ValueError(f"speculative decoding needs the mrv2 runner (got {runner_name!r})")
     if is_hybrid(hf_config):
         raise ValueError(
             "speculative decoding is not built for hybrid Mamba models: a rejected draft "

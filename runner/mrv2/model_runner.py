@@ -68,8 +68,9 @@ class StepHandle:
         for req_id, first, k, tensors in self.prompt:
             ids, vals, ranks = (p.fetch() for p in tensors)
             prompt_lps[req_id] = (first, rows_to_top_logprobs(ids, vals, ranks, [k] * len(ids)))
+        pooled = {req_id: p.fetch().tolist() for req_id, p in self.pooled}
         if self.spec is not None:
-            return self._verified(sampled, lp, prompt_lps)
+            return self._verified(sampled, lp, prompt_lps, pooled)
         return ModelRunnerOutput(
             req_ids=self.req_ids,
             sampled_token_ids=(
@@ -79,10 +80,10 @@ class StepHandle:
             ),
             logprobs=sampled_logprobs(lp, self.logprob_ks, self.sample_mask),
             prompt_logprobs=prompt_lps,
-            pooled={req_id: p.fetch().tolist() for req_id, p in self.pooled},
+            pooled=pooled,
         )
 
-    def _verified(self, sampled: list[int], lp, prompt_lps) -> ModelRunnerOutput:
+    def _verified(self, sampled: list[int], lp, prompt_lps, pooled) -> ModelRunnerOutput:
         """A step with drafts: each row's first sample, and what it keeps after it."""
         rows = self.spec
         lps = (
@@ -106,7 +107,7 @@ class StepHandle:
             sampled_token_ids=first,
             logprobs=first_lps if lp is not None else [],
             prompt_logprobs=prompt_lps,
-            pooled={req_id: p.fetch().tolist() for req_id, p in self.pooled},
+            pooled=pooled,
             more_token_ids=more,
             more_logprobs=more_lps if lp is not None else {},
         )
@@ -278,11 +279,8 @@ class MRV2ModelRunner:
             spec = self._stage_drafts(
                 so.spec_token_ids, req_ids, slots, num_scheduled, seq_lens, sample_mask
             )
-            if (
-                (num_scheduled == spec.counts).all()
-                and spec.num_rows <= self.buffers.max_num_reqs
-                and not self.pooling.any(slots)  # a prompt's last token pooled beside them
-            ):
+            # (the step buffers hold 1 + k rows a request: __init__'s max_rows)
+            if (num_scheduled == spec.counts).all() and not self.pooling.any(slots):
                 b_slots, b_sched = spec.slots, np.ones(spec.num_rows, dtype=np.int64)
                 b_computed, b_mask = spec.positions - 1, spec.keep
                 self.draft_steps["decode_rows"] += 1
