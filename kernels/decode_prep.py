@@ -8,7 +8,9 @@ entry of the packed step buffer the host copies each step, instead of being a la
 argument. So the launch is the same for every step of a graph size, and the host launches
 nothing for it: the graph does.
 
-Packed step buffer (int32, runner/mrv2/input_batch.py), n = max_num_reqs:
+Packed step buffer (int32, runner/mrv2/input_batch.py), n = the step's row capacity
+(max_num_reqs, or max_num_reqs x (1 + k) with k-token speculative drafts, whose drafted
+positions are rows of their own; the per-slot tables keep max_num_reqs rows):
 idx_mapping [0, n) | query_start_loc [n, 2n + 1) | num_computed [2n + 1, 3n + 1) |
 num_reqs [3n + 1] | sample_mask [3n + 2, 4n + 2) (post-update's; only copied here) |
 append_col [4n + 2, 5n + 2) | append_block [5n + 2, 6n + 2) | mailbox slot [6n + 2].
@@ -46,6 +48,16 @@ def step_buffer_size(max_num_reqs: int) -> int:
     return 6 * max_num_reqs + 3
 
 
+def step_buffer_rows(step_inputs: torch.Tensor) -> int:
+    """The row capacity n of a packed step buffer [6n + 3]. With speculative drafts it
+    exceeds the slot count: each drafted position is a row of its own."""
+    n, rest = divmod(step_inputs.numel() - 3, 6)
+    assert n >= 1 and rest == 0, (
+        f"step_inputs holds {step_inputs.numel()} entries, not 6n + 3 for a row capacity n"
+    )
+    return n
+
+
 def mailbox_slot_index(max_num_reqs: int) -> int:
     """Where the packed buffer names the mailbox slot it was written to."""
     return 6 * max_num_reqs + 2
@@ -64,8 +76,8 @@ def _from_mailbox(step_inputs, mailbox, mail_seq, n: int, size: int) -> torch.Te
 
 def prepare_decode_ref(
     step_inputs: torch.Tensor,  # [6n + 3] int32 packed (module docstring)
-    token_ids: torch.Tensor,  # [n, max_len] int32: per-slot token history
-    block_table: torch.Tensor,  # [n, max_blocks] int32: per-slot table, appends written
+    token_ids: torch.Tensor,  # [slots, max_len] int32: per-slot token history
+    block_table: torch.Tensor,  # [slots, max_blocks] int32: per-slot table, appends written
     input_ids: torch.Tensor,  # [>= size] int32 out
     positions: torch.Tensor,  # [>= size] int64 out
     seq_lens: torch.Tensor,  # [>= size] int32 out
@@ -76,7 +88,7 @@ def prepare_decode_ref(
     mailbox: torch.Tensor | None = None,  # [2, 6n + 3] int32 (pinned): the step's source
     mail_seq: torch.Tensor | None = None,  # [1] int32: the slot is mail_seq % 2
 ) -> None:
-    n = token_ids.shape[0]
+    n = step_buffer_rows(step_inputs)
     if mailbox is not None:
         step_inputs = _from_mailbox(step_inputs, mailbox, mail_seq, n, size)
     r = min(int(step_inputs[3 * n + 1]), size)
@@ -195,7 +207,10 @@ def prepare_decode_triton(
     mailbox: torch.Tensor | None = None,
     mail_seq: torch.Tensor | None = None,
 ) -> None:
-    n = token_ids.shape[0]
+    assert step_inputs.dtype == torch.int32 and step_inputs.is_contiguous(), (
+        "step_inputs is the packed int32 step buffer"
+    )
+    n = step_buffer_rows(step_inputs)
     assert (mailbox is None) == (mail_seq is None), "a mailbox comes with its sequence number"
     if mailbox is not None:
         assert mailbox.shape == (2, step_buffer_size(n)) and mailbox.dtype == torch.int32, (
@@ -205,16 +220,9 @@ def prepare_decode_triton(
         assert mailbox.is_contiguous() and mail_seq.dtype == torch.int32, (
             "a contiguous mailbox and an int32 sequence number"
         )
-    assert step_inputs.dtype == torch.int32 and step_inputs.is_contiguous(), (
-        "step_inputs is the packed int32 step buffer"
-    )
-    assert step_inputs.numel() == step_buffer_size(n), (
-        f"step_inputs holds {step_inputs.numel()} entries, {step_buffer_size(n)} expected for "
-        f"{n} slots"
-    )
     assert token_ids.dim() == 2 and token_ids.stride(1) == 1, "token_ids is [slots, max_len]"
     assert block_table.dim() == 2 and block_table.stride(1) == 1, "block_table is [slots, B]"
-    assert block_table.shape[0] == n, "one block-table row per slot"
+    assert block_table.shape[0] == token_ids.shape[0], "one block-table row per slot"
     assert block_tables.dim() == 2 and block_tables.stride(1) == 1, "block_tables is [rows, B]"
     assert block_tables.shape[1] == block_table.shape[1], "block-table widths differ"
     assert block_tables.dtype == block_table.dtype, "block tables' dtypes differ"

@@ -178,3 +178,47 @@ def test_prepare_decode_refuses_a_step_buffer_without_the_count():
     step, token_ids, table = _case(n, 40, 5, 2, 4, 16, 0)
     with pytest.raises(AssertionError, match="entries"):
         decode_prep.prepare_decode_triton(step[:-1], token_ids, table, *_outputs(n, 5, 3), 4, 16)
+
+
+@pytest.mark.parametrize("mailbox", [False, True])
+def test_a_step_buffer_of_more_rows_than_slots(mailbox):
+    """With k-token drafts each drafted position is a decode row of its own, so the packed
+    buffer holds max_num_seqs x (1 + k) rows over max_num_seqs slots (runner/mrv2/
+    model_runner.py). Guards the kernel and its spec reading the buffer's offsets from the
+    slot count (they broke on the H100 at 32 slots and 96 rows): both equal the three
+    per-step prep kernels on rows that repeat a slot at consecutive positions."""
+    slots, k, max_len, max_blocks, block_size = 5, 2, 70, 5, 16
+    n = slots * (1 + k)
+    g = torch.Generator().manual_seed(11)
+    token_ids = torch.randint(0, 150_000, (slots, max_len), generator=g, dtype=torch.int32)
+    table = torch.randint(1, 10_000, (slots, max_blocks), generator=g, dtype=torch.int32)
+    # Rows: slots 3, 0, 4 with 3 / 2 / 3 drafted positions, one crossing a block edge.
+    row_slots = torch.tensor([3, 3, 3, 0, 0, 4, 4, 4], dtype=torch.int32)
+    pos = torch.tensor([14, 15, 16, 40, 41, 60, 61, 62], dtype=torch.int32)
+    r, size = len(row_slots), n - 2
+    step = torch.zeros(decode_prep.step_buffer_size(n), dtype=torch.int32)
+    step[:r] = row_slots
+    step[n : n + size + 1] = torch.arange(size + 1, dtype=torch.int32)
+    step[2 * n + 1 : 2 * n + 1 + r] = pos
+    step[3 * n + 1] = r
+    step, token_ids, table = (t.to(DEVICE) for t in (step, token_ids, table))
+    ids, positions, seq_lens, tables, slot_mapping = _outputs(n, max_blocks, 1)
+    idx, qsl, computed = step[:r], step[n : n + r + 1], step[2 * n + 1 : 2 * n + 1 + r]
+    input_prep.prepare_inputs_ref(
+        idx, qsl, computed, token_ids, ids[:size], positions[:size], seq_lens[:size], r
+    )
+    block_table.gather_block_tables_ref(table, idx, tables[:size])
+    block_table.compute_slot_mapping_ref(
+        tables[:size], qsl, positions[:size], block_size, slot_mapping[:size], r
+    )
+    box = _mailbox(step, 1, seed=3) if mailbox else None
+    seq = torch.tensor([1], dtype=torch.int32, device=DEVICE) if mailbox else None
+    for impl in (decode_prep.prepare_decode_ref, decode_prep.prepare_decode_triton):
+        got = _outputs(n, max_blocks, 2)
+        impl(step.clone(), token_ids, table.clone(), *got, size, block_size, box, seq)
+        for name, a, b in zip(
+            ("input_ids", "positions", "seq_lens", "block_tables", "slot_mapping"),
+            got,
+            (ids, positions, seq_lens, tables, slot_mapping),
+        ):
+            assert torch.equal(a[:size], b[:size]), f"{impl.__name__}: {name}"
