@@ -14,10 +14,19 @@ Again on an H100 on 2026-12-06 (`moe_bench_h100_mixtral_small_24ef9a9.json`,
 kernels against 1,690 / 1,451 / 2,066 / 3,339; Qwen3-30B-A3B at 16,384 and 32,768 tokens
 (1,024 and 2,048 slots an expert) 5,391 / 10,693 against 6,910 / 13,481. So the run length
 alone does not decide: large experts take the grouped GEMM from short runs, small ones
-never did up to 2,048. It runs from GROUPED_MIN_RUN slots an expert for experts of at least
-GROUPED_MIN_INTERMEDIATE features (Mixtral's 14,336 measured; sizes between 768 and 14,336
-are not, and keep the Triton kernels), for plain SwiGLU experts in bfloat16 (no biases, no
-clamped or ungated activations, no quantized stacks) on Hopper or newer GPUs.
+never did up to 2,048.
+
+On an H200 at `a575044` (`moe_bench_h200_mid_shapes_a575044.json`), the sizes between:
+OLMoE's (1,024 features) and DeepSeek-V2-Lite's (1,408) experts never took it at 512 to
+8,192 tokens (up to 1,024 slots an expert); Phi-3.5-MoE's (6,400; 16 experts, 2 picks) at
+512 / 1,024 / 2,048 / 8,192 tokens (64 / 128 / 256 / 1,024 slots an expert) 1,090 / 1,167
+/ 2,012 / 7,879 for the Triton kernels against 1,029 / 1,468 / 1,915 / 5,616; Llama 4
+Scout's (8,192; 16 experts, 1 pick) 1,264 / 1,752 / 1,897 / 7,030 against 1,533 / 1,529 /
+2,155 / 4,757. So it runs from GROUPED_MIN_RUN slots an expert for experts of at least
+GROUPED_MIN_INTERMEDIATE features (6,400 is the smallest measured to win; sizes between
+1,408 and 6,400 are not measured, and keep the Triton kernels), for plain SwiGLU experts
+in bfloat16 (no biases, no clamped or ungated activations, no quantized stacks) on Hopper
+or newer GPUs.
 
 Rounding points are the reference's (kernels/moe.py `moe_experts_ref`): each projection
 rounds to the dtype, the gate's ops round, the expert's output times its float32 weight
@@ -36,7 +45,7 @@ from torch import Tensor
 from pdserve.kernels.expert_act import ExpertAct
 
 GROUPED_MIN_RUN = 160  # mean slots an expert from which the grouped GEMM runs
-GROUPED_MIN_INTERMEDIATE = 8192  # an expert's intermediate size from which it may
+GROUPED_MIN_INTERMEDIATE = 6400  # an expert's intermediate size from which it may
 
 
 def grouped_applies(
