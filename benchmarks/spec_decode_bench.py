@@ -1,7 +1,8 @@
 """Speculative decoding's cost and gain on the random-weight Qwen3-0.6B shape.
 
     python benchmarks/spec_decode_bench.py [--requests 32] [--prompt-len 256]
-        [--output-len 256] [--k 1,3,5] [--pattern 16] [--out benchmarks/results/DIR]
+        [--output-len 256] [--k 1,3,5] [--pattern 16] [--profile N]
+        [--out benchmarks/results/DIR]
 
 Greedy decoding of prompts that repeat a random `--pattern`-token phrase, once without
 drafts and once per `--k` with n-gram drafts (`num_speculative_tokens` = k,
@@ -13,13 +14,19 @@ which drafting turns off):
 
     gain = (1 + kept per drafted row-step) x (plain step time / drafted step time)
 
+With `--profile N` each k runs once more under cProfile (times inflated by it, so apart from
+the timed run) and its row gets `host_top`: the N functions with the most own time, and
+`host_ms_per_step` by where the code lives (this repository, torch, the rest).
+
 This is a benchmark, not a test: it measures and writes JSON; tests/ checks correctness.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 from pathlib import Path
 
@@ -58,6 +65,30 @@ def run(engine, reqs: list[list[int]], output_len: int) -> dict:
     }
 
 
+def profiled(engine, reqs: list[list[int]], output_len: int, top: int) -> dict:
+    """`run` under cProfile: the functions with the most own time, and the split."""
+    prof = cProfile.Profile()
+    prof.enable()
+    row = run(engine, reqs, output_len)
+    prof.disable()
+    steps = max(row["steps"], 1)
+    split = {"pdserve": 0.0, "torch": 0.0, "other": 0.0}
+    funcs = []
+    for (filename, line, name), (_, ncalls, tottime, _, _) in pstats.Stats(prof).stats.items():
+        kind = "pdserve" if "/pdserve/" in filename or "/work/" in filename else (
+            "torch" if "torch" in filename or "torch" in name else "other")  # fmt: skip
+        split[kind] += tottime
+        funcs.append((tottime, f"{filename.rsplit('/', 2)[-1]}:{line}({name})", ncalls))
+    funcs.sort(reverse=True)
+    return {
+        "host_ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in split.items()},
+        "host_top": [
+            {"function": f, "ncalls": n, "ms_per_step": round(1e3 * t / steps, 4)}
+            for t, f, n in funcs[:top]
+        ],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=32)
@@ -65,6 +96,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--pattern", type=int, default=16)
     ap.add_argument("--k", default="1,3,5")
+    ap.add_argument("--profile", type=int, default=0, help="top N host functions per k")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -81,6 +113,8 @@ def main() -> int:
         )  # fmt: skip
         run(engine, reqs[:2], 8)  # warm-up: kernels compiled, graphs captured
         row = {"k": k, **run(engine, reqs, args.output_len)}
+        if args.profile:
+            row.update(profiled(engine, reqs, args.output_len, args.profile))
         row["device"] = torch.cuda.get_device_name()
         row["commit"] = git_commit()
         row["command"] = " ".join(sys.argv)

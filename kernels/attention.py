@@ -201,14 +201,18 @@ def paged_attention(
     window: int = 0,  # > 0: sliding-window attention over the last `window` keys; < 0: chunks
     softcap: float = 0.0,  # > 0: attention logit softcapping (Gemma 2)
     sinks: torch.Tensor | None = None,  # [Hq] float32 attention sinks (gpt-oss)
+    row_slots: torch.Tensor | None = None,  # [R_pad] int32 request slot of each row
+    max_run: int = 1,  # k + 1 with k-token drafts: how the Triton path schedules drafted rows
 ) -> None:
+    """Each row's attention (the reference's function). `row_slots` and `max_run` change
+    only which program computes what (kernels/paged_decode_split.py), not the result."""
     assert q.dim() == 3 and kv_cache.dim() == 5, "q is [T, Hq, D]; a layer's cache is 5-D"
     assert q.shape[1] % kv_cache.shape[3] == 0, "query heads must be a multiple of kv heads"
     args = (q, kv_cache, block_tables, query_start_loc, seq_lens, scale, out)
     if q.is_cuda:
         paged_attention_triton(
             *args, max_query_len, max_seq_len, workspace=workspace, decode_kernel=decode_kernel,
-            window=window, softcap=softcap, sinks=sinks,
+            window=window, softcap=softcap, sinks=sinks, row_slots=row_slots, max_run=max_run,
         )  # fmt: skip
     else:
         paged_attention_ref(*args, max_query_len, max_seq_len, window, softcap, sinks)

@@ -200,6 +200,29 @@ def decode_slice(
 
 
 @triton.jit
+def row_run(
+    slots_ptr, qsl_ptr, seq_lens_ptr, row, num_rows, q_start, seq_len, ROW_RUN: tl.constexpr,
+    RUN_PAD: tl.constexpr,
+):  # fmt: skip
+    """Speculative decoding's drafted positions are decode rows of their own, in a run: the
+    same request slot, consecutive tokens and consecutive lengths (runner/mrv2/
+    model_runner.py). -> how many rows from `row` on its program serves: 0 when `row`
+    continues the row before it, else 1 + the rows after it that continue it, at most
+    ROW_RUN (the runner never drafts more). RUN_PAD >= ROW_RUN + 1: the row before too."""
+    offs = tl.arange(0, RUN_PAD) - 1
+    rows = row + offs
+    ok = (rows >= 0) & (rows < num_rows) & (offs < ROW_RUN)
+    slots = tl.load(slots_ptr + rows, mask=ok, other=-1)
+    toks = tl.load(qsl_ptr + rows, mask=ok, other=-1)
+    lens = tl.load(seq_lens_ptr + rows, mask=ok, other=-1)
+    slot = tl.load(slots_ptr + row)
+    same = ok & (slots == slot) & (toks == q_start + offs) & (lens == seq_len + offs)
+    continues = tl.sum(tl.where(same & (offs == -1), 1, 0), 0) > 0
+    run = tl.min(tl.where(same | (offs < 1), ROW_RUN, offs), 0)
+    return tl.where(continues, 0, run)
+
+
+@triton.jit
 def valid_splits(span, split_len, num_splits):
     """How many of a row's slices of its `span` keys run (and count in before the merge):
     at least one."""

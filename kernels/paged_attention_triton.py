@@ -34,7 +34,7 @@ from pdserve.kernels.fp8_kv import FORMATS as FP8_DTYPES
 from pdserve.kernels.paged_decode_flat import decode_flat, flat_programs
 from pdserve.kernels.paged_decode_packed import DEFAULT_CONFIG as PACKED_16BIT
 from pdserve.kernels.paged_decode_packed import PackedConfig, decode_packed
-from pdserve.kernels.paged_decode_split import decode_split, split_plan
+from pdserve.kernels.paged_decode_split import decode_split, decode_tiles, split_plan
 from pdserve.kernels.paged_prefill import prefill
 from pdserve.kernels.sm_count import num_sms as _num_sms  # tests set it to size a flat grid
 from pdserve.kernels.workspace import KernelWorkspace
@@ -76,6 +76,8 @@ def paged_attention_triton(
     window: int = 0,  # kernels/attention.py's: > 0 sliding, < 0 chunked
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
     sinks: torch.Tensor | None = None,  # [Hq] float32: a sink logit per query head (gpt-oss)
+    row_slots: torch.Tensor | None = None,  # [R_pad] int32 each row's request slot
+    max_run: int = 1,  # speculative decoding's k + 1: runs of drafted rows share K/V reads
 ) -> None:
     """`paged_attention_ref` on the GPU (or Triton's interpreter); see the module docstring."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -129,6 +131,16 @@ def paged_attention_triton(
         return
     assert kernel in ("per_head", "flat"), f"unknown decode kernel {kernel!r}"
     plan = split_plan(q.dtype, d_pad, num_rows, num_kv_heads, span, num_splits)
+    # Runs of drafted rows (kernels/paged_decode_split.py) where the per-head plan is unsplit
+    # (graphs of >= 32 rows at 8 kv heads), full attention and no sinks; the tile is chosen
+    # for the programs that do the work, one a request at full runs.
+    run = max_run if (
+        max_run > 1 and row_slots is not None and kernel == "per_head" and plan.num_splits == 1
+        and not window and sinks is None
+    ) else 1  # fmt: skip
+    if run > 1:
+        requests = -(-num_rows // run)
+        plan = plan._replace(tile=decode_tiles(q.dtype, d_pad, requests * num_kv_heads, 1))
     # The flat kernel serves unsplit grids of at most MAX_PAIRS pairs a program; otherwise
     # the per-head kernel runs, as asked for "per_head".
     programs = None
@@ -144,5 +156,5 @@ def paged_attention_triton(
         return
     decode_split(
         q, kv_cache, block_tables, query_start_loc, seq_lens, qk_scale, out, plan, workspace,
-        dot_precision, upcast, window, softcap, sinks,
+        dot_precision, upcast, window, softcap, sinks, row_slots, run,
     )  # fmt: skip

@@ -31,6 +31,7 @@ from pdserve.kernels.attention_parts import (
     attend_tile,
     decode_slice,
     merge_splits,
+    row_run,
     softmax_start,
     tile_for,
     valid_splits,
@@ -111,7 +112,7 @@ def split_plan(
 
 # Counts that vary from step to step (eager mixed steps) are not specialised on: each new
 # value class (== 1, % 16) would compile a variant mid-serving, ~1 s each on a cold cache.
-@triton.jit(do_not_specialize=["min_split_keys", "num_splits"])
+@triton.jit(do_not_specialize=["min_split_keys", "num_splits", "num_rows"])
 def _decode_split_kernel(
     q_ptr,  # [T, Hq, D]
     kv_ptr,  # [num_blocks, 2, block_size, Hkv, D]
@@ -123,9 +124,11 @@ def _decode_split_kernel(
     part_lse_ptr,  # [R, Hq, num_splits] fp32 workspace, log2 domain
     count_ptr,  # [R * Hkv] int32 arrival counters, zero between launches
     sinks_ptr,  # [Hq] float32 attention sinks (HAS_SINKS)
+    slots_ptr,  # [R_pad] int32 each row's request slot (ROW_RUN > 1)
     qk_scale,
     min_split_keys,  # a row's context is cut into slices of at least this many keys
     num_splits,
+    num_rows,
     num_q_heads,
     stride_qt,
     stride_qh,
@@ -137,7 +140,7 @@ def _decode_split_kernel(
     stride_ct,
     stride_ch,
     GROUP: tl.constexpr,  # Hq // Hkv
-    GROUP_PAD: tl.constexpr,  # >= 16: tl.dot's smallest M
+    GROUP_PAD: tl.constexpr,  # the q tile's rows, GROUP x ROW_RUN padded: >= 16 (tl.dot's M)
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -148,6 +151,8 @@ def _decode_split_kernel(
     HAS_SINKS: tl.constexpr,  # a sink logit per query head, counted by split 0 (gpt-oss)
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    ROW_RUN: tl.constexpr,  # > 1: a program serves a run of up to this many drafted rows
+    RUN_PAD: tl.constexpr,  # >= ROW_RUN + 1 (the row before too), a power of two
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -162,10 +167,26 @@ def _decode_split_kernel(
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_n = tl.arange(0, BLOCK_N)
-    g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_g
-    q_ptrs = q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    if ROW_RUN > 1:
+        # The q tile's rows are (query of the run, head of the group): the run's queries
+        # share the row's block table, so its K/V tiles are read once for all of them.
+        run = row_run(slots_ptr, qsl_ptr, seq_lens_ptr, row, num_rows, q_start, key_end,
+                      ROW_RUN, RUN_PAD)  # fmt: skip
+        if run == 0:
+            return  # a later row of a run: its first row's program serves it
+        query = offs_g // GROUP
+        heads = kv_head * GROUP + offs_g % GROUP
+        g_mask = query < run
+        tok = (q_start.to(tl.int64) + query)[:, None]  # one token a row
+        q_pos = key_end - 1 + query  # each query sees the keys up to its own position
+        key_end = key_end + run - 1
+    else:
+        g_mask = offs_g < GROUP
+        heads = kv_head * GROUP + offs_g
+        tok = q_start.to(tl.int64)
+        q_pos = offs_g
+    q_ptrs = q_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
     # (a vector comparison: the interpreter refuses a mask built from a scalar one)
@@ -175,9 +196,9 @@ def _decode_split_kernel(
     bt_row_ptr = bt_ptr + row.to(tl.int64) * stride_bt
     for n0 in range(key_start, key_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, offs_g, kv_ptr, bt_row_ptr, kv_head * stride_ch, n0, key_end,
+            acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr, kv_head * stride_ch, n0, key_end,
             offs_n, offs_d, d_mask, stride_cb, stride_ckv, stride_ct, qk_scale,
-            BLOCK_SIZE, True, False, 0, SOFTCAP, DOT_PRECISION, UPCAST_DOT,
+            BLOCK_SIZE, True, ROW_RUN > 1, 0, SOFTCAP, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
 
     # l_i == 0 only for an empty context (pad row, single split): write zeros.
@@ -191,12 +212,7 @@ def _decode_split_kernel(
     else:
         num_valid = valid_splits(span, split_len, num_splits)
     if num_valid == 1:
-        o_ptrs = (
-            out_ptr
-            + q_start.to(tl.int64) * stride_ot
-            + heads[:, None] * stride_oh
-            + offs_d[None, :]
-        )
+        o_ptrs = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         base = (row.to(tl.int64) * num_q_heads + heads) * num_splits  # [GROUP_PAD]
@@ -230,9 +246,18 @@ def decode_split(
     window: int = 0,  # kernels/attention.py's: > 0 sliding, < 0 chunked
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
     sinks: torch.Tensor | None = None,  # [Hq] float32 attention sinks
+    row_slots: torch.Tensor | None = None,  # [R_pad] int32 request slots, with max_run > 1
+    max_run: int = 1,  # > 1 (unsplit plans only): a program serves a run of drafted rows
 ) -> None:
     """The decode rows (and one-query pad rows) of `paged_attention_triton`'s batch by the
-    per-head kernel. The caller has checked the shapes."""
+    per-head kernel. The caller has checked the shapes.
+
+    With `max_run` > 1 (speculative decoding's k + 1), rows that continue the row before
+    them (`row_run`: its slot, its next token, its next length) are served by that row's
+    program, whose q tile holds every query of the run: each K/V tile is read once for the
+    run, not once a drafted row, and each query sees the keys up to its own position. A
+    query's result is the one it gets alone: its fully masked tiles leave its sums as they
+    were, and its q tile rows and their reductions are its own."""
     num_rows = query_start_loc.numel() - 1
     _, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -255,13 +280,19 @@ def decode_split(
             (num_rows, num_q_heads, num_splits), dtype=torch.float32, device=q.device
         )
     group = num_q_heads // num_kv_heads
+    assert max_run == 1 or (single and window == 0 and sinks is None and row_slots is not None
+                            and row_slots.dtype == torch.int32 and row_slots.numel() >= num_rows), (
+        "row runs: an unsplit plan, full attention, no sinks, int32 slots for every row"
+    )  # fmt: skip
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, query_start_loc, seq_lens, out, part_o, part_lse, counters,
-        q if sinks is None else sinks, qk_scale, plan.min_keys, num_splits, num_q_heads, q.stride(0), q.stride(1),
+        q if sinks is None else sinks, seq_lens if row_slots is None else row_slots, qk_scale,
+        plan.min_keys, num_splits, num_rows, num_q_heads, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), *kv_cache.stride()[:4],
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group * max_run)), HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_N=cfg.block_n, SINGLE_SPLIT=single, WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks is not None,
-        DOT_PRECISION=dot_precision,
-        UPCAST_DOT=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=dot_precision, UPCAST_DOT=upcast, ROW_RUN=max_run,
+        RUN_PAD=triton.next_power_of_2(max_run + 1), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip

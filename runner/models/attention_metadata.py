@@ -19,3 +19,8 @@ class AttentionMetadata:
     # kernels/paged_attention_triton.py chooses);
     # None: the kernels' own choice by batch shape.
     decode_kernel: str | None = None
+    # With k-token speculative drafts: each row's request slot and k + 1, so the decode
+    # attention serves a request's drafted rows from one program, reading its K/V once
+    # (kernels/paged_decode_split.py); None / 1 otherwise.
+    row_slots: torch.Tensor | None = None
+    max_run: int = 1

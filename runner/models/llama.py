@@ -247,6 +247,7 @@ class Attention(nn.Module):
             self.scale * self.k_scale if fp8 else self.scale, out, attn.max_query_len,
             attn.max_seq_len, workspace=self.workspace, decode_kernel=attn.decode_kernel,
             window=self.window, softcap=self.softcap, sinks=self.sinks,
+            row_slots=attn.row_slots, max_run=attn.max_run,
         )  # fmt: skip
         if fp8 and self.v_scale != 1.0:
             out.mul_(self.v_scale)

@@ -65,6 +65,7 @@ class CudaGraphs:
         sizes: list[int],
         max_seq_len: int,
         decode_kernel: str | None = None,  # AttentionMetadata.decode_kernel
+        max_run: int = 1,  # AttentionMetadata.max_run: k + 1 with k-token drafts
         prep: Callable[[int], None] | None = None,  # size -> launch the decode input prep
         tail: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
         # ^ (hidden [size, H], size) -> sampled ids [size]: the greedy tail, captured too
@@ -76,6 +77,7 @@ class CudaGraphs:
         self.sizes = sorted(sizes)
         self.max_seq_len = max_seq_len  # fixed at capture: decode grids depend on it
         self.decode_kernel = decode_kernel
+        self.max_run = max_run
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.prep = prep
@@ -107,6 +109,8 @@ class CudaGraphs:
             max_query_len=1,
             max_seq_len=self.max_seq_len,
             decode_kernel=self.decode_kernel,
+            row_slots=b.step_inputs[:size] if self.max_run > 1 else None,  # idx_mapping
+            max_run=self.max_run,
         )
         if self.prep is not None:
             self.prep(size)

@@ -38,6 +38,7 @@ class InputBatch:
     seq_lens: torch.Tensor  # [R_pad] int32
     slot_mapping: torch.Tensor  # [T_pad] int64, -1 for pads
     block_tables: torch.Tensor  # [R_pad, max_blocks] int32
+    row_slots: torch.Tensor  # [R_pad] int32: idx_mapping, pad rows' entries whatever they hold
     # Host copies the CPU already had (no device->host sync needed to read them).
     idx_mapping_np: np.ndarray  # [R] int64
     seq_lens_np: np.ndarray  # [R]
@@ -54,7 +55,8 @@ class InputBatch:
     def is_uniform_decode(self) -> bool:
         return self.max_query_len == 1
 
-    def attn(self, decode_kernel: str | None = None) -> AttentionMetadata:
+    def attn(self, decode_kernel: str | None = None, max_run: int = 1) -> AttentionMetadata:
+        """`max_run`: k + 1 on an engine with k-token drafts (AttentionMetadata's)."""
         return AttentionMetadata(
             self.query_start_loc,
             self.seq_lens,
@@ -63,6 +65,8 @@ class InputBatch:
             max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len,
             decode_kernel=decode_kernel,
+            row_slots=self.row_slots if max_run > 1 else None,
+            max_run=max_run,
         )
 
 
@@ -180,6 +184,7 @@ class InputBuffers:
             seq_lens=seq_lens,
             slot_mapping=slot_mapping,
             block_tables=block_tables,
+            row_slots=buf[:r_pad],
             idx_mapping_np=slots,
             seq_lens_np=seq_lens_np,
             query_start_loc_np=qsl,

@@ -208,6 +208,8 @@ class MRV2ModelRunner:
         self.pooling = PoolingState(max_reqs, m.config.hidden_size, self.device)
         self.sampler = Sampler()
         self.decode_kernel = config.runner.decode_kernel
+        # a request's drafted rows share its K/V reads in the decode attention
+        self.max_run = 1 + config.num_speculative_tokens
         self.graphs: CudaGraphs | None = None
         self.graph_block_appends = 0  # new blocks written by a graph's prep, not staged
         self.eager_steps = 0  # steps with tokens that ran no graph
@@ -226,6 +228,7 @@ class MRV2ModelRunner:
                 list(sizes),
                 config.model.max_model_len + 1,
                 self.decode_kernel,
+                max_run=self.max_run,
                 **(self._step_parts() if config.runner.cuda_graph_scope == "step" else {}),
                 model_state=self.model_state,
             )
@@ -359,7 +362,7 @@ class MRV2ModelRunner:
                     batch.input_ids,
                     batch.positions,
                     self.kv_caches,
-                    batch.attn(self.decode_kernel),
+                    batch.attn(self.decode_kernel, self.max_run),
                     layer_hook,
                 )
                 index = (
