@@ -108,9 +108,11 @@ def test_list_and_array_agree() -> None:
 
 def test_randomized_against_reference() -> None:
     rng = random.Random(1234)
-    for _ in range(500):
-        alphabet = rng.randint(2, 5)
-        tokens = [rng.randrange(alphabet) for _ in range(rng.randint(1, 60))]
+    for _ in range(1000):
+        # small alphabets: many earlier hits of the last token (the byte search); larger
+        # ones: a few or none (extended one by one, or no draft)
+        alphabet = rng.choice([2, 3, 5, 12, 40])
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randint(1, 120))]
         k = rng.randint(1, 8)
         lo = rng.randint(1, 4)
         hi = rng.randint(lo, 6)
@@ -132,3 +134,18 @@ def test_randomized_against_reference() -> None:
 def test_bad_settings(k: int, lo: int, hi: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         NgramProposer(k, lo, hi)
+
+
+def test_a_match_inside_two_tokens_is_no_match() -> None:
+    """The search runs over the tokens' int64 bytes: 256 then 0 hold token 1's eight bytes
+    one byte in, which is no earlier 1. Guards a byte match taken off a token boundary."""
+    assert NgramProposer(3, 1, 1).propose([256, 0, 5, 1]) == []
+    assert NgramProposer(3, 1, 2).propose([1, 256, 0, 5, 1]) == [256, 0, 5]
+    # the misaligned match is the last one: the aligned one before it is found
+    assert NgramProposer(2, 1, 1).propose([1, 7, 256, 0, 1]) == [7, 256]
+    # With many earlier hits of the last token the byte search runs: 1280 then 256 hold
+    # [5, 1]'s sixteen bytes one byte in, and 256 then 0 hold [1]'s; the 1 at index 8 is
+    # the last real one.
+    tokens = [1] * 9 + [1280, 256, 0, 7, 5, 1]
+    assert NgramProposer(2, 1, 2).propose(tokens) == [1280, 256]
+    assert reference_propose(tokens, 2, 1, 2) == [1280, 256]
