@@ -72,6 +72,21 @@ def _outputs(n: int, max_blocks: int, seed: int) -> list[torch.Tensor]:
     ]
 
 
+def _three_kernels(step, n, r, size, token_ids, table, max_blocks, block_size):
+    """What the eager path's three prep kernels' specs make of the step buffer's first r
+    rows, on garbage outputs -> input_ids, positions, seq_lens, block_tables, slot_mapping."""
+    ids, positions, seq_lens, tables, slot_mapping = _outputs(n, max_blocks, 1)
+    idx, qsl, computed = step[:r], step[n : n + r + 1], step[2 * n + 1 : 2 * n + 1 + r]
+    input_prep.prepare_inputs_ref(
+        idx, qsl, computed, token_ids, ids[:size], positions[:size], seq_lens[:size], r
+    )
+    block_table.gather_block_tables_ref(table, idx, tables[:size])
+    block_table.compute_slot_mapping_ref(
+        tables[:size], qsl, positions[:size], block_size, slot_mapping[:size], r
+    )
+    return ids, positions, seq_lens, tables, slot_mapping
+
+
 def _rows(n: int) -> list[tuple[int, int]]:
     """(real rows, graph size) pairs: none real, one, some padded, all real."""
     return sorted({(0, 1), (1, 1), (1, min(4, n)), (3, min(5, n)), (n, n), (n - 2, n)})
@@ -89,14 +104,8 @@ def test_prepare_decode_spec_is_the_three_prep_kernels_at_one_token_a_row(shape,
         fused = _outputs(n, max_blocks, 1)
         decode_prep.prepare_decode_ref(step, token_ids, table, *fused, size, block_size)
         assert torch.equal(table, eager_table), f"block appends differ at r={r}"
-        ids, positions, seq_lens, tables, slot_mapping = _outputs(n, max_blocks, 1)
-        idx, qsl, computed = step[:r], step[n : n + r + 1], step[2 * n + 1 : 2 * n + 1 + r]
-        input_prep.prepare_inputs_ref(
-            idx, qsl, computed, token_ids, ids[:size], positions[:size], seq_lens[:size], r
-        )
-        block_table.gather_block_tables_ref(eager_table, idx, tables[:size])
-        block_table.compute_slot_mapping_ref(
-            tables[:size], qsl, positions[:size], block_size, slot_mapping[:size], r
+        ids, positions, seq_lens, tables, slot_mapping = _three_kernels(
+            step, n, r, size, token_ids, eager_table, max_blocks, block_size
         )
         for name, a, b in zip(
             ("input_ids", "positions", "seq_lens", "block_tables", "slot_mapping"),
@@ -202,14 +211,8 @@ def test_a_step_buffer_of_more_rows_than_slots(mailbox):
     step[2 * n + 1 : 2 * n + 1 + r] = pos
     step[3 * n + 1] = r
     step, token_ids, table = (t.to(DEVICE) for t in (step, token_ids, table))
-    ids, positions, seq_lens, tables, slot_mapping = _outputs(n, max_blocks, 1)
-    idx, qsl, computed = step[:r], step[n : n + r + 1], step[2 * n + 1 : 2 * n + 1 + r]
-    input_prep.prepare_inputs_ref(
-        idx, qsl, computed, token_ids, ids[:size], positions[:size], seq_lens[:size], r
-    )
-    block_table.gather_block_tables_ref(table, idx, tables[:size])
-    block_table.compute_slot_mapping_ref(
-        tables[:size], qsl, positions[:size], block_size, slot_mapping[:size], r
+    ids, positions, seq_lens, tables, slot_mapping = _three_kernels(
+        step, n, r, size, token_ids, table, max_blocks, block_size
     )
     box = _mailbox(step, 1, seed=3) if mailbox else None
     seq = torch.tensor([1], dtype=torch.int32, device=DEVICE) if mailbox else None
