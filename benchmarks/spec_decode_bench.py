@@ -1,7 +1,7 @@
 """Speculative decoding's cost and gain on the random-weight Qwen3-0.6B shape.
 
     python benchmarks/spec_decode_bench.py [--requests 32] [--prompt-len 256]
-        [--output-len 256] [--k 1,3,5] [--pattern 16] [--profile N]
+        [--output-len 256] [--k 1,3,5] [--pattern 16] [--profile N] [--sync-baseline]
         [--out benchmarks/results/DIR]
 
 Greedy decoding of prompts that repeat a random `--pattern`-token phrase, once without
@@ -97,6 +97,10 @@ def main() -> int:
     ap.add_argument("--pattern", type=int, default=16)
     ap.add_argument("--k", default="1,3,5")
     ap.add_argument("--profile", type=int, default=0, help="top N host functions per k")
+    ap.add_argument(
+        "--sync-baseline", action="store_true",
+        help="also run without drafts under synchronous scheduling (as the drafting runs)",
+    )  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -104,15 +108,19 @@ def main() -> int:
         return 2
     reqs = prompts(args.requests, args.prompt_len, args.pattern, 151_936)
     rows = []
-    for k in [0, *(int(x) for x in args.k.split(","))]:
+    # (k, synchronous): without drafts the engine runs as it does by default (async
+    # scheduling on); --sync-baseline adds it as the drafting engine schedules, so a
+    # drafted step's cost splits into the scheduling's and the drafts' own
+    runs = [(0, False)] + [(0, True)] * args.sync_baseline
+    runs += [(int(x), True) for x in args.k.split(",")]
+    for k, sync in runs:
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
-        # without drafts the engine runs as it does by default (async scheduling on)
         engine = random_model_engine(
-            max_num_seqs=max(args.requests, 1), async_scheduling=False if k else None,
+            max_num_seqs=max(args.requests, 1), async_scheduling=False if sync else None,
             speculative_config=spec if k else None,
         )  # fmt: skip
         run(engine, reqs[:2], 8)  # warm-up: kernels compiled, graphs captured
-        row = {"k": k, **run(engine, reqs, args.output_len)}
+        row = {"k": k, "sync": sync, **run(engine, reqs, args.output_len)}
         if args.profile:
             row.update(profiled(engine, reqs, args.output_len, args.profile))
         row["device"] = torch.cuda.get_device_name()
