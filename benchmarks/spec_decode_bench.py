@@ -112,7 +112,7 @@ def main() -> int:
     # (k, synchronous): without drafts the engine runs as it does by default (async
     # scheduling on); --sync-baseline adds it as the drafting engine schedules, so a
     # drafted step's cost splits into the scheduling's and the drafts' own
-    runs = [(0, False)] + [(0, True)] * args.sync_baseline
+    runs = [(0, False)] + ([(0, True)] if args.sync_baseline else [])
     runs += [(int(x), True) for x in args.k.split(",")]
     for k, sync in runs:
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
