@@ -196,8 +196,10 @@ class MRV2ModelRunner:
             self.ring,
         )
         # A step's rows: one a request, or with drafts one a drafted position too (each
-        # runs as a decode row when the batch is all decodes: execute)
-        max_rows = max_reqs * (1 + config.num_speculative_tokens)
+        # runs as a decode row when the batch is all decodes: execute); a request's drafted
+        # rows share its K/V reads in the decode attention (AttentionMetadata.max_run)
+        self.max_run = 1 + config.num_speculative_tokens
+        max_rows = max_reqs * self.max_run
         self.buffers = InputBuffers(
             max_rows,
             config.scheduler.max_num_batched_tokens,
@@ -208,8 +210,6 @@ class MRV2ModelRunner:
         self.pooling = PoolingState(max_reqs, m.config.hidden_size, self.device)
         self.sampler = Sampler()
         self.decode_kernel = config.runner.decode_kernel
-        # a request's drafted rows share its K/V reads in the decode attention
-        self.max_run = 1 + config.num_speculative_tokens
         self.graphs: CudaGraphs | None = None
         self.graph_block_appends = 0  # new blocks written by a graph's prep, not staged
         self.eager_steps = 0  # steps with tokens that ran no graph
