@@ -22,6 +22,7 @@ from pdserve.runner.models.fp8_weights import fp8_format
 from pdserve.runner.models.mamba_hybrid import mamba_layers
 from pdserve.runner.models.mlp import DENSE_ACTIVATIONS, activation_of
 from pdserve.runner.models.moe import experts_per_pick
+from pdserve.runner.models.packed_int_weights import packed_int_format
 from pdserve.runner.models.rope import SUPPORTED_ROPE_TYPES, rope_layer_types, rope_parameters
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
         problems.append("bidirectional attention")
     try:
         fp8_format(hf_config)  # fp8 checkpoints are dequantized at load
+        packed_int_format(hf_config)  # so are GPTQ and AWQ ones, in the layouts it reads
     except ValueError as e:
         problems.append(str(e))
     return problems
@@ -132,8 +134,9 @@ def _lora_path(runner: Any) -> str:
 
 def _weights_path(model: Any) -> str:
     """The dtype the matmuls read weights in; "fp8->bfloat16" for an FP8 checkpoint
-    dequantized at load (runner/models/fp8_weights.py), "mxfp4->bfloat16" for gpt-oss's
-    MXFP4 experts: no FP8 or FP4 GEMM runs."""
+    dequantized at load (runner/models/fp8_weights.py), "gptq->bfloat16" / "awq->bfloat16"
+    for GPTQ / AWQ ones (runner/models/packed_int_weights.py), "mxfp4->bfloat16" for
+    gpt-oss's MXFP4 experts: no FP8, integer or FP4 GEMM runs."""
     params = getattr(model, "parameters", None)
     first = next(params(), None) if params is not None else None
     if first is None:

@@ -18,6 +18,7 @@ from pdserve.runner.models.dummy_weights import dummy_weights
 from pdserve.runner.models.fp8_weights import dequantized_weights, fp8_format, quantized_source
 from pdserve.runner.models.kv_scales import KvScales
 from pdserve.runner.models.norm_fold import fold_norms
+from pdserve.runner.models.packed_int_weights import dequantized_packed_weights, packed_int_format
 from pdserve.runner.models.text_only import language_model_weights
 
 
@@ -105,6 +106,9 @@ def load_model(
     fp8 = None if dummy else fp8_format(cfg)
     if fp8 is not None:  # dequantized as they stream in (runner/models/fp8_weights.py)
         weights = dequantized_weights(weights, fp8, model_config.dtype)
+    packed = None if dummy else packed_int_format(cfg)
+    if packed is not None:  # GPTQ / AWQ, likewise (runner/models/packed_int_weights.py)
+        weights = dequantized_packed_weights(weights, packed, model_config.dtype)
     with torch.no_grad():
         model.load_weights(weights)
     kv_scales.apply(model)

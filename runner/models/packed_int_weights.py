@@ -1,0 +1,175 @@
+"""GPTQ and AWQ checkpoints: integer weights packed into int32 words, dequantized to the
+model's dtype as they load (as runner/models/fp8_weights.py does for FP8).
+
+Both store, for each quantized linear `<prefix>` with K inputs and N outputs, `qweight`
+(the b-bit codes, 32 / b to a word, lowest bits first), `qzeros` (the groups' zero
+points, packed the same way along N) and `scales` ([K / group_size, N], float16); a
+weight is `(code - zero) * scale` of its input's group. The two differ in what is packed
+along which axis:
+- GPTQ (AutoGPTQ, GPTQModel): `qweight` is [K * b / 32, N], packed along K; `qzeros`
+  [groups, N * b / 32]; `g_idx` [K] names each input's group (act-order checkpoints
+  permute them; without act-order it is k // group_size). Checkpoints in the original
+  format ("gptq", v1) store each zero point minus one; "gptq_v2" stores it as is.
+  2, 4 and 8 bits (3-bit words straddle int32 boundaries and are not read).
+- AWQ (AutoAWQ, "gemm" version): `qweight` is [K, N * b / 32], packed along N with the
+  eight nibbles of a word holding outputs 0, 2, 4, 6, 1, 3, 5, 7 of its eight; `qzeros`
+  likewise; groups are contiguous. 4 bits only; the "gemv" layouts are not read.
+
+What this does not do: run integer GEMMs. The weights take the dtype's memory (four times
+4-bit's in bf16) and the matmuls run as for any 16-bit model; the execution path says so
+(`weights=gptq->bfloat16`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+PACKED_METHODS = ("gptq", "awq")
+# vLLM's names for the same checkpoints run by its Marlin kernels (`--quantization
+# gptq_marlin`): the same weights, so they select the same load here.
+METHOD_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
+# AWQ's nibble i of a word holds output _AWQ_ORDER[i] of the word's eight.
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
+
+
+@dataclass(frozen=True)
+class PackedIntFormat:
+    method: str  # "gptq" | "awq"
+    bits: int
+    group_size: int  # inputs a scale covers; -1: all of them (one group)
+    zero_offset: int  # added to a stored zero point: 1 for GPTQ v1 checkpoints, else 0
+    act_order: bool  # GPTQ's desc_act: g_idx is required, not k // group_size
+
+
+def _quant_dict(hf_config: Any) -> dict | None:
+    quant = getattr(hf_config, "quantization_config", None)
+    if not quant:
+        return None
+    if not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
+    return quant
+
+
+def packed_int_format(hf_config: Any) -> PackedIntFormat | None:
+    """The config's GPTQ / AWQ layout, None for any other checkpoint. Raises ValueError for
+    a GPTQ or AWQ variant that is not read (the caller lists it as unsupported)."""
+    quant = _quant_dict(hf_config)
+    method = (quant or {}).get("quant_method")
+    if method not in PACKED_METHODS:
+        return None
+    bits = int(quant.get("bits", quant.get("w_bit", 4)))
+    group = int(quant.get("group_size", quant.get("q_group_size", 128)))
+    if method == "gptq":
+        if bits not in (2, 4, 8):
+            raise ValueError(f"gptq with {bits}-bit weights (mrv2 reads 2, 4 and 8 bits)")
+        fmt = quant.get("checkpoint_format", quant.get("format", "gptq"))
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"gptq checkpoint_format {fmt!r} (mrv2 reads gptq and gptq_v2)")
+        offset = 1 if fmt == "gptq" else 0
+        return PackedIntFormat("gptq", bits, group, offset, bool(quant.get("desc_act")))
+    version = str(quant.get("version", "gemm")).lower()
+    if bits != 4 or version != "gemm":
+        raise ValueError(
+            f"awq {version} with {bits}-bit weights (mrv2 reads 4-bit awq gemm checkpoints)"
+        )
+    if not quant.get("zero_point", True):
+        raise ValueError("awq without zero points (mrv2 reads awq gemm with zero points)")
+    return PackedIntFormat("awq", 4, group, 0, False)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int64 codes of an int32 tensor packed along `dim` (0 or 1), 32 // bits to a word, the
+    lowest bits first: dim grows by 32 // bits, a word's codes in a row."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    codes = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [R, C, p]
+    rows, cols = packed.shape
+    if dim == 1:
+        return codes.reshape(rows, cols * per_word)
+    return codes.permute(0, 2, 1).reshape(rows * per_word, cols)
+
+
+def _awq_natural_columns(n: int) -> torch.Tensor:
+    """Index that puts AWQ's unpacked columns in output order: output 8j + m sits at
+    unpacked column 8j + i where _AWQ_ORDER[i] == m."""
+    where = [_AWQ_ORDER.index(m) for m in range(8)]
+    return (torch.arange(n).view(-1, 8)[:, where]).reshape(-1)
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(what)
+
+
+def dequantize_packed(
+    parts: dict[str, torch.Tensor], fmt: PackedIntFormat, name: str = "?"
+) -> torch.Tensor:
+    """float32 [N, K] weight of one quantized linear from its `qweight`, `qzeros`,
+    `scales` (and GPTQ's `g_idx`). `name` only labels errors."""
+    qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"].float()
+    per_word = 32 // fmt.bits
+    if fmt.method == "gptq":
+        codes = unpack_int32(qweight, fmt.bits, dim=0)  # [K, N]
+        zeros = unpack_int32(qzeros, fmt.bits, dim=1) + fmt.zero_offset  # [G, N]
+    else:
+        _check(qweight.shape[1] * per_word % 8 == 0, f"{name}: awq outputs not a multiple of 8")
+        natural = _awq_natural_columns(qweight.shape[1] * per_word)
+        codes = unpack_int32(qweight, fmt.bits, dim=1)[:, natural]
+        zeros = unpack_int32(qzeros, fmt.bits, dim=1)[:, natural]
+    k, n = codes.shape
+    groups = scales.shape[0]
+    _check(
+        tuple(scales.shape) == (groups, n) and tuple(zeros.shape) == (groups, n),
+        f"{name}: scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} for a "
+        f"{fmt.method} weight of {k} inputs and {n} outputs (both should be [groups, {n}])",
+    )
+    g_idx = parts.get("g_idx")
+    if g_idx is None:
+        size = k if fmt.group_size == -1 else fmt.group_size
+        _check(groups == -(-k // size), f"{name}: {groups} scale groups for {k} inputs "
+               f"in groups of {size}")  # fmt: skip
+        g_idx = torch.arange(k) // size
+    else:
+        g_idx = g_idx.to(torch.int64)
+        _check(
+            tuple(g_idx.shape) == (k,) and bool(((g_idx >= 0) & (g_idx < groups)).all()),
+            f"{name}: g_idx of shape {tuple(g_idx.shape)} naming groups outside 0..{groups - 1}"
+            f" for {k} inputs",
+        )
+    weight = (codes - zeros[g_idx]).float() * scales[g_idx]  # [K, N]
+    return weight.t().contiguous()
+
+
+def dequantized_packed_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], fmt: PackedIntFormat, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with every packed linear's parts replaced by
+    `<prefix>.weight` in `dtype`. A linear's parts may come in any order and from different
+    shards: they wait until the last arrives. A GPTQ linear without `g_idx` takes
+    k // group_size at the end of the stream, unless the checkpoint is act-order. Parts
+    left over raise ValueError naming the linear and what it lacks."""
+    wanted = _PARTS[fmt.method]
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, _, part = name.rpartition(".")
+        if part not in wanted:
+            yield name, tensor
+            continue
+        parts = waiting.setdefault(prefix, {})
+        parts[part] = tensor
+        if len(parts) == len(wanted):
+            del waiting[prefix]
+            yield f"{prefix}.weight", dequantize_packed(parts, fmt, prefix).to(dtype)
+    missing = {p: [w for w in wanted if w not in parts] for p, parts in waiting.items()}
+    for prefix in sorted(missing):
+        if missing[prefix] == ["g_idx"] and not fmt.act_order:
+            yield f"{prefix}.weight", dequantize_packed(waiting[prefix], fmt, prefix).to(dtype)
+            del missing[prefix]
+    if missing:
+        lone = [f"{p} (no {', '.join(m)})" for p, m in sorted(missing.items())[:2]]
+        raise ValueError(f"{fmt.method} checkpoint has linears missing parts, e.g. {lone}")

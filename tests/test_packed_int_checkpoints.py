@@ -1,0 +1,268 @@
+"""GPTQ and AWQ checkpoints load on mrv2, dequantized (runner/models/packed_int_weights.py).
+
+Each test checkpoint is a tiny random model whose projections were quantized here to
+b-bit codes with per-group scales and zero points, then packed into int32 words by the
+layouts the exporters write: GPTQ along the inputs (v1 zero points stored minus one, v2
+as they are; act-order with a shuffled `g_idx`), AWQ along the outputs in its 0 2 4 6 1 3
+5 7 nibble order. The packers below write each word from the codes by strided slices
+(no unpacking code of the product's). The reference is the same model saved in float32
+with each weight `(code - zero) * scale` computed from the codes before packing: the
+packed checkpoint must give transformers' tokens and logprobs on it, so a code read from
+the wrong nibble, a zero point off by one or a group misassigned changes them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE, assert_logprobs_match_hf, hf_greedy
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+
+from pdserve import LLM, SamplingParams
+from pdserve.runner.models.fp8_weights import check_quantization
+from pdserve.runner.models.packed_int_weights import (
+    PackedIntFormat,
+    dequantize_packed,
+    dequantized_packed_weights,
+    packed_int_format,
+)
+from pdserve.runner.runner_select import mrv2_unsupported_features
+
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output ORDER[i]
+
+
+def _words(columns: list[np.ndarray], bits: int) -> torch.Tensor:
+    """int32 words whose i-th b-bit field (lowest first) is columns[i]."""
+    word = np.zeros(columns[0].shape, dtype=np.uint64)
+    for i, c in enumerate(columns):
+        word |= c.astype(np.uint64) << np.uint64(bits * i)
+    return torch.from_numpy(word.astype(np.uint32).view(np.int32).copy())
+
+
+def _pack_gptq_weight(codes: np.ndarray, bits: int) -> torch.Tensor:
+    """codes [K, N] -> [K * bits / 32, N]: word r holds inputs r*p .. r*p + p - 1."""
+    p = 32 // bits
+    return _words([codes[i::p, :] for i in range(p)], bits)
+
+
+def _pack_along_outputs(codes: np.ndarray, bits: int, order: tuple[int, ...]) -> torch.Tensor:
+    """codes [R, N] -> [R, N * bits / 32]: word j's field i holds output j*p + order[i]."""
+    p = 32 // bits
+    return _words([codes[:, order[i] :: p] for i in range(p)], bits)
+
+
+def _quantize(w: torch.Tensor, bits: int, g_idx: np.ndarray, groups: int, min_zero: int):
+    """Codes [K, N], zero points [G, N] (>= min_zero) and float16 scales [G, N] of w [N, K]
+    by asymmetric min/max per (group, output)."""
+    wt = w.t().double().numpy()  # [K, N]
+    top = (1 << bits) - 1
+    scales = np.zeros((groups, wt.shape[1]))
+    zeros = np.zeros((groups, wt.shape[1]), dtype=np.int64)
+    codes = np.zeros(wt.shape, dtype=np.int64)
+    for g in range(groups):
+        rows = g_idx == g
+        lo, hi = wt[rows].min(0), wt[rows].max(0)
+        s = np.float16(np.maximum(hi - lo, 1e-4) / top).astype(np.float64)
+        z = np.clip(np.round(-lo / s), min_zero, top).astype(np.int64)
+        scales[g], zeros[g] = s, z
+        codes[rows] = np.clip(np.round(wt[rows] / s) + z, 0, top)
+    return codes, zeros, torch.from_numpy(scales).half()
+
+
+def _reference(codes: np.ndarray, zeros: np.ndarray, scales: torch.Tensor, g_idx) -> torch.Tensor:
+    """float32 [N, K]: each weight (code - zero) * scale of its input's group, one by one
+    over the groups."""
+    w = torch.zeros(codes.shape, dtype=torch.float32)
+    s = scales.float()
+    for k in range(codes.shape[0]):
+        g = int(g_idx[k])
+        w[k] = (torch.from_numpy(codes[k] - zeros[g]).float()) * s[g]
+    return w.t().contiguous()
+
+
+def _quantized_linear(w: torch.Tensor, spec: dict, rng: np.random.Generator):
+    """(the checkpoint's tensors for this linear by part name, its float32 reference)."""
+    n, k = w.shape
+    bits, size = spec["bits"], spec["group_size"]
+    size = k if size == -1 else size
+    groups = -(-k // size)
+    g_idx = np.arange(k) // size
+    if spec.get("desc_act"):
+        g_idx = rng.permutation(g_idx)
+    if spec["quant_method"] == "gptq":
+        v1 = spec["checkpoint_format"] == "gptq"
+        codes, zeros, scales = _quantize(w, bits, g_idx, groups, 1 if v1 else 0)
+        parts = {
+            "qweight": _pack_gptq_weight(codes, bits),
+            "qzeros": _pack_along_outputs(zeros - int(v1), bits, tuple(range(32 // bits))),
+            "scales": scales,
+            "g_idx": torch.from_numpy(g_idx.astype(np.int32)),
+        }
+    else:
+        codes, zeros, scales = _quantize(w, bits, g_idx, groups, 0)
+        parts = {
+            "qweight": _pack_along_outputs(codes, bits, AWQ_PACK_ORDER),
+            "qzeros": _pack_along_outputs(zeros, bits, AWQ_PACK_ORDER),
+            "scales": scales,
+        }
+    return parts, _reference(codes, zeros, scales, g_idx)
+
+
+def _packed_pair(src: str, dst_q: Path, dst_ref: Path, spec: dict) -> None:
+    """Writes the packed checkpoint and its dequantized float32 twin from model `src`."""
+    shutil.copytree(src, dst_q)
+    shutil.copytree(src, dst_ref)
+    (file,) = sorted(Path(src).glob("*.safetensors"))
+    rng = np.random.default_rng(7)
+    packed, ref = {}, {}
+    for name, w in load_file(file).items():
+        if not name.endswith("proj.weight"):  # embeddings, norms, biases, the router, the head
+            packed[name] = ref[name] = w
+            continue
+        parts, ref[name] = _quantized_linear(w, spec, rng)
+        prefix = name.removesuffix(".weight")
+        packed.update({f"{prefix}.{part}": t for part, t in parts.items()})
+    save_file(packed, dst_q / file.name, metadata={"format": "pt"})
+    save_file(ref, dst_ref / file.name, metadata={"format": "pt"})
+    config = json.loads((dst_q / "config.json").read_text())
+    config["quantization_config"] = spec
+    (dst_q / "config.json").write_text(json.dumps(config))
+
+
+GPTQ = {"quant_method": "gptq", "sym": False, "desc_act": False}
+AWQ = {"quant_method": "awq", "zero_point": True, "version": "gemm", "bits": 4}
+CASES = {
+    "qwen2-gptq-v1-4bit-g16": ("tiny_qwen2_dir", {**GPTQ, "bits": 4, "group_size": 16,
+                                                  "checkpoint_format": "gptq"}),
+    "qwen2-gptq-v2-8bit-actorder": ("tiny_qwen2_dir", {**GPTQ, "bits": 8, "group_size": 32,
+                                                       "desc_act": True,
+                                                       "checkpoint_format": "gptq_v2"}),
+    "qwen2-awq-g16": ("tiny_qwen2_dir", {**AWQ, "group_size": 16}),
+    "qwen3-moe-awq-g8": ("tiny_qwen3_moe_dir", {**AWQ, "group_size": 8}),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def packed_pair(request, tmp_path_factory) -> tuple[str, str, str]:
+    fixture, spec = CASES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    _packed_pair(request.getfixturevalue(fixture), root / "q", root / "ref", spec)
+    return str(root / "q"), str(root / "ref"), spec["quant_method"]
+
+
+def test_greedy_tokens_match_the_dequantized_model(packed_pair):
+    q_dir, ref_dir, method = packed_pair
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 980) for _ in range(n)] for n in (1, 9, 40, 70)]
+    llm = LLM(
+        model=q_dir,
+        device=DEVICE,
+        dtype="float32",
+        max_num_batched_tokens=64,
+        quantization=f"{method}_marlin",
+    )  # vLLM's name for the same checkpoint
+    assert llm.runner_name == "mrv2"
+    assert llm.engine.execution_path["weights"] == f"{method}->float32"
+    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, out, exp in zip(prompts, outs, hf_greedy(ref_dir, prompts, 16)):
+        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
+
+
+def test_logprobs_match_the_dequantized_model(packed_pair):
+    q_dir, ref_dir, _ = packed_pair
+    assert_logprobs_match_hf(q_dir, [5, 17, 101, 9, 250, 33, 7], 6, ref_dir=ref_dir)
+
+
+@pytest.mark.parametrize(
+    "method, bits, group_size",
+    [("gptq-v1", 2, 32), ("gptq-v1", 4, -1), ("gptq-v2-actorder", 4, 32),
+     ("gptq-v2-actorder", 8, 32), ("gptq-v2", 2, 16), ("awq", 4, 32)],
+)  # fmt: skip
+def test_dequantization_is_exact(method, bits, group_size):
+    """Every weight of a 48-output linear equals its code's (code - zero) * scale bit for
+    bit, with 96 inputs and with 48 (the last group of 32 cut short)."""
+    name, _, variant = method.partition("-")
+    spec = {"quant_method": name, "bits": bits, "group_size": group_size,
+            "desc_act": "actorder" in variant,
+            "checkpoint_format": "gptq" if variant == "v1" else "gptq_v2"}  # fmt: skip
+    fmt = packed_int_format(_cfg(spec))
+    for k in (96, 48):
+        w = torch.randn(48, k, generator=torch.Generator().manual_seed(k))
+        parts, expected = _quantized_linear(w, spec, np.random.default_rng(k))
+        got = dequantize_packed(parts, fmt, "x")
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def _cfg(quant: dict):
+    return type("C", (), {"quantization_config": quant, "model_type": "qwen2"})()
+
+
+def test_refused_layouts_are_named(tiny_qwen2_dir):
+    cfg = AutoConfig.from_pretrained(tiny_qwen2_dir)
+    for quant, message in [
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq with 3-bit weights"),
+        ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"},
+         "gptq checkpoint_format 'marlin'"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "awq gemv with 4-bit"),
+        ({"quant_method": "awq", "bits": 4, "zero_point": False}, "awq without zero points"),
+    ]:  # fmt: skip
+        cfg.quantization_config = quant
+        (problem,) = mrv2_unsupported_features(cfg)
+        assert problem.startswith(message), problem
+
+
+def test_parts_may_come_in_any_order_and_lone_parts_are_named():
+    spec = {"quant_method": "gptq", "bits": 4, "group_size": 16, "checkpoint_format": "gptq_v2"}
+    fmt = packed_int_format(_cfg(spec))
+    w = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    parts, expected = _quantized_linear(w, spec, np.random.default_rng(1))
+    stream = [("a.scales", parts["scales"]), ("a.bias", torch.ones(16)),
+              ("a.qweight", parts["qweight"]), ("a.g_idx", parts["g_idx"]),
+              ("norm.weight", torch.ones(3)), ("a.qzeros", parts["qzeros"])]  # fmt: skip
+    out = dict(dequantized_packed_weights(stream, fmt, torch.float32))
+    assert list(out) == ["a.bias", "norm.weight", "a.weight"]
+    torch.testing.assert_close(out["a.weight"], expected, rtol=0, atol=0)
+    # without g_idx (older exports) the groups are k // group_size, taken at the stream's end
+    no_gidx = [(f"b.{p}", t) for p, t in parts.items() if p != "g_idx"]
+    out = dict(dequantized_packed_weights(no_gidx, fmt, torch.float32))
+    torch.testing.assert_close(out["b.weight"], expected, rtol=0, atol=0)
+    # ... unless the checkpoint is act-order, where only g_idx knows them
+    act = PackedIntFormat("gptq", 4, 16, 0, act_order=True)
+    with pytest.raises(ValueError, match=r"b \(no g_idx\)"):
+        list(dequantized_packed_weights(no_gidx, act, torch.float32))
+    with pytest.raises(ValueError, match=r"c \(no qzeros, scales, g_idx\)"):
+        list(dequantized_packed_weights([("c.qweight", parts["qweight"])], fmt, torch.float32))
+
+
+def test_bad_shapes_fail_with_the_linear_named():
+    fmt = PackedIntFormat("gptq", 4, 16, 1, act_order=False)
+    parts = {"qweight": torch.zeros(4, 16, dtype=torch.int32),  # K = 32, N = 16
+             "qzeros": torch.zeros(2, 2, dtype=torch.int32),
+             "scales": torch.ones(3, 16, dtype=torch.float16)}  # fmt: skip
+    with pytest.raises(ValueError, match=r"layers\.0\.q_proj: scales \(3, 16\)"):
+        dequantize_packed(parts, fmt, "layers.0.q_proj")
+    parts["scales"] = torch.ones(2, 16, dtype=torch.float16)
+    parts["g_idx"] = torch.full((32,), 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="g_idx of shape"):
+        dequantize_packed(parts, fmt, "layers.0.q_proj")
+
+
+def test_the_quantization_argument(tiny_qwen2_dir):
+    cfg = AutoConfig.from_pretrained(tiny_qwen2_dir)
+    cfg.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 16}
+    for name in (None, "gptq", "gptq_marlin"):
+        check_quantization(name, cfg)
+    with pytest.raises(ValueError, match=r"quantization='awq': the checkpoint is gptq"):
+        check_quantization("awq", cfg)
+    cfg.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 16}
+    check_quantization("awq_marlin", cfg)
+    with pytest.raises(ValueError, match="reads FP8, GPTQ, AWQ and MXFP4"):
+        check_quantization("gptq", cfg)
