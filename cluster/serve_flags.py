@@ -76,8 +76,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights of the checkpoint's shapes, for timing without "
                    "fetching them (config.json and a tokenizer do)")  # fmt: skip
     p.add_argument("-q", "--quantization", default=None, metavar="METHOD",
-                   help="the checkpoint's own method (fp8, mxfp4, gptq, awq) or none: read from its "
-                   "config either way; any other is refused (nothing is quantized at load)")  # fmt: skip
+                   help="the checkpoint's own method (fp8, mxfp4, gptq, awq, "
+                   "compressed-tensors) or none: read from its config either way; any other "
+                   "is refused (nothing is quantized at load)")  # fmt: skip
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\': drafts from '

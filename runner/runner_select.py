@@ -22,7 +22,6 @@ from pdserve.runner.models.fp8_weights import fp8_format
 from pdserve.runner.models.mamba_hybrid import mamba_layers
 from pdserve.runner.models.mlp import DENSE_ACTIVATIONS, activation_of
 from pdserve.runner.models.moe import experts_per_pick
-from pdserve.runner.models.packed_int_weights import packed_int_format
 from pdserve.runner.models.rope import SUPPORTED_ROPE_TYPES, rope_layer_types, rope_parameters
 
 logger = logging.getLogger(__name__)
@@ -58,8 +57,7 @@ def mrv2_unsupported_features(hf_config: Any) -> list[str]:
     if getattr(hf_config, "use_bidirectional_attention", False):
         problems.append("bidirectional attention")
     try:
-        fp8_format(hf_config)  # fp8 checkpoints are dequantized at load
-        packed_int_format(hf_config)  # so are GPTQ and AWQ ones, in the layouts it reads
+        fp8_format(hf_config)  # fp8, GPTQ, AWQ ... checkpoints are dequantized at load
     except ValueError as e:
         problems.append(str(e))
     return problems

@@ -160,8 +160,8 @@ def test_other_quantizations_are_named_not_run(tiny_qwen3_dir):
     cfg = AutoConfig.from_pretrained(tiny_qwen3_dir)
     cfg.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     assert mrv2_unsupported_features(cfg) == [
-        "quantized weights (bitsandbytes; mrv2 dequantizes fp8, gptq and awq checkpoints and "
-        "gpt-oss's mxfp4)"
+        "quantized weights (bitsandbytes; mrv2 dequantizes fp8, gptq, awq and compressed-tensors "
+        "packed integer checkpoints and gpt-oss's mxfp4)"
     ]
     int4 = {"weights": {"type": "int", "num_bits": 4}}
     cfg.quantization_config = {"quant_method": "compressed-tensors",

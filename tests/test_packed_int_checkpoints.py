@@ -1,10 +1,12 @@
-"""GPTQ and AWQ checkpoints load on mrv2, dequantized (runner/models/packed_int_weights.py).
+"""GPTQ, AWQ and compressed-tensors pack-quantized checkpoints load on mrv2, dequantized
+(runner/models/packed_int_weights.py).
 
 Each test checkpoint is a tiny random model whose projections were quantized here to
 b-bit codes with per-group scales and zero points, then packed into int32 words by the
 layouts the exporters write: GPTQ along the inputs (v1 zero points stored minus one, v2
 as they are; act-order with a shuffled `g_idx`), AWQ along the outputs in its 0 2 4 6 1 3
-5 7 nibble order. The packers below write each word from the codes by strided slices
+5 7 nibble order, compressed-tensors along the inputs of [N, K] (the last word padded;
+symmetric codes centred on 2^(b-1), asymmetric zero points packed along the outputs). The packers below write each word from the codes by strided slices
 (no unpacking code of the product's). The reference is the same model saved in float32
 with each weight `(code - zero) * scale` computed from the codes before packing: the
 packed checkpoint must give transformers' tokens and logprobs on it, so a code read from
@@ -58,9 +60,11 @@ def _pack_along_outputs(codes: np.ndarray, bits: int, order: tuple[int, ...]) ->
     return _words([codes[:, order[i] :: p] for i in range(p)], bits)
 
 
-def _quantize(w: torch.Tensor, bits: int, g_idx: np.ndarray, groups: int, min_zero: int):
+def _quantize(
+    w: torch.Tensor, bits: int, g_idx: np.ndarray, groups: int, min_zero: int, sym: bool = False
+):
     """Codes [K, N], zero points [G, N] (>= min_zero) and float16 scales [G, N] of w [N, K]
-    by asymmetric min/max per (group, output)."""
+    by asymmetric min/max per (group, output); `sym`: zero points fixed at 2^(bits-1)."""
     wt = w.t().double().numpy()  # [K, N]
     top = (1 << bits) - 1
     scales = np.zeros((groups, wt.shape[1]))
@@ -69,8 +73,12 @@ def _quantize(w: torch.Tensor, bits: int, g_idx: np.ndarray, groups: int, min_ze
     for g in range(groups):
         rows = g_idx == g
         lo, hi = wt[rows].min(0), wt[rows].max(0)
+        if sym:
+            lo = -np.maximum(np.abs(lo), np.abs(hi))
         s = np.float16(np.maximum(hi - lo, 1e-4) / top).astype(np.float64)
         z = np.clip(np.round(-lo / s), min_zero, top).astype(np.int64)
+        if sym:
+            z[:] = 1 << (bits - 1)
         scales[g], zeros[g] = s, z
         codes[rows] = np.clip(np.round(wt[rows] / s) + z, 0, top)
     return codes, zeros, torch.from_numpy(scales).half()
@@ -105,14 +113,43 @@ def _quantized_linear(w: torch.Tensor, spec: dict, rng: np.random.Generator):
             "scales": scales,
             "g_idx": torch.from_numpy(g_idx.astype(np.int32)),
         }
-    else:
+    elif spec["quant_method"] == "awq":
         codes, zeros, scales = _quantize(w, bits, g_idx, groups, 0)
         parts = {
             "qweight": _pack_along_outputs(codes, bits, AWQ_PACK_ORDER),
             "qzeros": _pack_along_outputs(zeros, bits, AWQ_PACK_ORDER),
             "scales": scales,
         }
+    else:  # compressed-tensors: [N, K] packed along K, padded to whole words
+        sym = spec["symmetric"]
+        codes, zeros, scales = _quantize(w, bits, g_idx, groups, 0, sym=sym)
+        p = 32 // bits
+        padded = np.pad(codes.T, [(0, 0), (0, -k % p)])
+        parts = {
+            "weight_packed": _pack_along_outputs(padded, bits, tuple(range(p))),
+            "weight_scale": scales.t().contiguous(),
+            "weight_shape": torch.tensor([n, k]),
+        }
+        if not sym:
+            parts["weight_zero_point"] = _pack_gptq_weight(
+                np.pad(zeros.T, [(0, -n % p), (0, 0)]), bits
+            )
+        if spec.get("desc_act"):
+            parts["weight_g_idx"] = torch.from_numpy(g_idx.astype(np.int32))
     return parts, _reference(codes, zeros, scales, g_idx)
+
+
+def _config(spec: dict) -> dict:
+    """The checkpoint's quantization_config for a test spec."""
+    if spec["quant_method"] != "compressed-tensors":
+        return spec
+    strategy = "channel" if spec["group_size"] == -1 else "group"
+    weights = {"num_bits": spec["bits"], "type": "int", "symmetric": spec["symmetric"],
+               "strategy": strategy, "group_size": None if strategy == "channel" else spec["group_size"],
+               "actorder": "group" if spec.get("desc_act") else None}  # fmt: skip
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": None}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": group}, "ignore": ["lm_head"]}  # fmt: skip
 
 
 def _packed_pair(src: str, dst_q: Path, dst_ref: Path, spec: dict) -> None:
@@ -132,12 +169,13 @@ def _packed_pair(src: str, dst_q: Path, dst_ref: Path, spec: dict) -> None:
     save_file(packed, dst_q / file.name, metadata={"format": "pt"})
     save_file(ref, dst_ref / file.name, metadata={"format": "pt"})
     config = json.loads((dst_q / "config.json").read_text())
-    config["quantization_config"] = spec
+    config["quantization_config"] = _config(spec)
     (dst_q / "config.json").write_text(json.dumps(config))
 
 
 GPTQ = {"quant_method": "gptq", "sym": False, "desc_act": False}
 AWQ = {"quant_method": "awq", "zero_point": True, "version": "gemm", "bits": 4}
+CT = {"quant_method": "compressed-tensors"}
 CASES = {
     "qwen2-gptq-v1-4bit-g16": ("tiny_qwen2_dir", {**GPTQ, "bits": 4, "group_size": 16,
                                                   "checkpoint_format": "gptq"}),
@@ -146,30 +184,33 @@ CASES = {
                                                        "checkpoint_format": "gptq_v2"}),
     "qwen2-awq-g16": ("tiny_qwen2_dir", {**AWQ, "group_size": 16}),
     "qwen3-moe-awq-g8": ("tiny_qwen3_moe_dir", {**AWQ, "group_size": 8}),
+    "qwen2-ct-w4a16-sym-g16": ("tiny_qwen2_dir", {**CT, "bits": 4, "group_size": 16,
+                                                  "symmetric": True}),
+    "qwen2-ct-w8a16-asym-channel": ("tiny_qwen2_dir", {**CT, "bits": 8, "group_size": -1,
+                                                       "symmetric": False}),
 }  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def packed_pair(request, tmp_path_factory) -> tuple[str, str, str]:
+def packed_pair(request, tmp_path_factory) -> tuple[str, str, dict]:
     fixture, spec = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
     _packed_pair(request.getfixturevalue(fixture), root / "q", root / "ref", spec)
-    return str(root / "q"), str(root / "ref"), spec["quant_method"]
+    return str(root / "q"), str(root / "ref"), spec
 
 
 def test_greedy_tokens_match_the_dequantized_model(packed_pair):
-    q_dir, ref_dir, method = packed_pair
+    q_dir, ref_dir, spec = packed_pair
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 980) for _ in range(n)] for n in (1, 9, 40, 70)]
-    llm = LLM(
-        model=q_dir,
-        device=DEVICE,
-        dtype="float32",
-        max_num_batched_tokens=64,
-        quantization=f"{method}_marlin",
-    )  # vLLM's name for the same checkpoint
+    method = spec["quant_method"]
+    ct = method == "compressed-tensors"
+    named = method if ct else f"{method}_marlin"  # vLLM's names for these checkpoints
+    llm = LLM(model=q_dir, device=DEVICE, dtype="float32", max_num_batched_tokens=64,
+              quantization=named)  # fmt: skip
     assert llm.runner_name == "mrv2"
-    assert llm.engine.execution_path["weights"] == f"{method}->float32"
+    source = f"int{spec['bits']}" if ct else method
+    assert llm.engine.execution_path["weights"] == f"{source}->float32"
     params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for p, out, exp in zip(prompts, outs, hf_greedy(ref_dir, prompts, 16)):
@@ -184,18 +225,22 @@ def test_logprobs_match_the_dequantized_model(packed_pair):
 @pytest.mark.parametrize(
     "method, bits, group_size",
     [("gptq-v1", 2, 32), ("gptq-v1", 4, -1), ("gptq-v2-actorder", 4, 32),
-     ("gptq-v2-actorder", 8, 32), ("gptq-v2", 2, 16), ("awq", 4, 32)],
+     ("gptq-v2-actorder", 8, 32), ("gptq-v2", 2, 16), ("awq", 4, 32), ("ct-sym", 4, 32),
+     ("ct-asym", 4, 32), ("ct-asym-actorder", 8, 32), ("ct-sym", 2, -1)],
 )  # fmt: skip
 def test_dequantization_is_exact(method, bits, group_size):
     """Every weight of a 48-output linear equals its code's (code - zero) * scale bit for
-    bit, with 96 inputs and with 48 (the last group of 32 cut short)."""
+    bit, with 96 inputs and with 48 (the last group of 32 cut short); compressed-tensors
+    also with 44 (its last word padded) and 40 outputs (zero points padded)."""
     name, _, variant = method.partition("-")
-    spec = {"quant_method": name, "bits": bits, "group_size": group_size,
-            "desc_act": "actorder" in variant,
-            "checkpoint_format": "gptq" if variant == "v1" else "gptq_v2"}  # fmt: skip
-    fmt = packed_int_format(_cfg(spec))
-    for k in (96, 48):
-        w = torch.randn(48, k, generator=torch.Generator().manual_seed(k))
+    ct = name == "ct"
+    spec = {"quant_method": "compressed-tensors" if ct else name, "bits": bits,
+            "group_size": group_size, "desc_act": "actorder" in variant,
+            "checkpoint_format": "gptq" if variant == "v1" else "gptq_v2",
+            "symmetric": variant.startswith("sym")}  # fmt: skip
+    fmt = packed_int_format(_cfg(_config(spec)))
+    for n, k in [(48, 96), (48, 48)] + ([(40, 44)] if ct else []):
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(k))
         parts, expected = _quantized_linear(w, spec, np.random.default_rng(k))
         got = dequantize_packed(parts, fmt, "x")
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -203,6 +248,13 @@ def test_dequantization_is_exact(method, bits, group_size):
 
 def _cfg(quant: dict):
     return type("C", (), {"quantization_config": quant, "model_type": "qwen2"})()
+
+
+def _ct_config(*weights: dict) -> dict:
+    groups = {f"group_{i}": {"weights": {"type": "int", "group_size": 16, **w}}
+              for i, w in enumerate(weights)}  # fmt: skip
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": groups}  # fmt: skip
 
 
 def test_refused_layouts_are_named(tiny_qwen2_dir):
@@ -213,6 +265,12 @@ def test_refused_layouts_are_named(tiny_qwen2_dir):
          "gptq checkpoint_format 'marlin'"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "awq gemv with 4-bit"),
         ({"quant_method": "awq", "bits": 4, "zero_point": False}, "awq without zero points"),
+        (_ct_config({"num_bits": 3, "strategy": "group"}),
+         "compressed-tensors pack-quantized 3-bit by group"),
+        (_ct_config({"num_bits": 4, "strategy": "tensor"}),
+         "compressed-tensors pack-quantized 4-bit by tensor"),
+        (_ct_config({"num_bits": 4, "strategy": "group"}, {"num_bits": 8, "strategy": "group"}),
+         "compressed-tensors with differently quantized groups"),
     ]:  # fmt: skip
         cfg.quantization_config = quant
         (problem,) = mrv2_unsupported_features(cfg)
@@ -264,5 +322,9 @@ def test_the_quantization_argument(tiny_qwen2_dir):
         check_quantization("awq", cfg)
     cfg.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 16}
     check_quantization("awq_marlin", cfg)
-    with pytest.raises(ValueError, match="reads FP8, GPTQ, AWQ and MXFP4"):
+    with pytest.raises(ValueError, match="reads FP8, GPTQ, AWQ, compressed-tensors"):
+        check_quantization("gptq", cfg)
+    cfg.quantization_config = _config({**CT, "bits": 4, "group_size": 16, "symmetric": True})
+    check_quantization("compressed-tensors", cfg)
+    with pytest.raises(ValueError, match=r"the checkpoint is int4 \(read as such"):
         check_quantization("gptq", cfg)

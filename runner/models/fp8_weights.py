@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-from pdserve.runner.models.packed_int_weights import METHOD_ALIASES, PACKED_METHODS
+from pdserve.runner.models.packed_int_weights import (
+    CT,
+    METHOD_ALIASES,
+    PACKED_METHODS,
+    packed_int_format,
+    packed_source,
+)
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 # Tensors of an FP8 checkpoint that only an FP8 activation or KV path would use.
@@ -51,7 +57,8 @@ def fp8_format(hf_config: Any) -> Fp8Format | None:
     method = quant.get("quant_method", "?")
     if method == "mxfp4" and getattr(hf_config, "model_type", "") == "gpt_oss":
         return None  # gpt-oss's experts: runner/models/mxfp4_weights.py, at its load
-    if method in PACKED_METHODS:
+    if method in PACKED_METHODS or packed_source(hf_config) is not None:
+        packed_int_format(hf_config)  # raises for the packed layouts it does not read
         return None  # runner/models/packed_int_weights.py
     if method == "fp8":
         if quant.get("fmt", "e4m3") != "e4m3":
@@ -61,32 +68,34 @@ def fp8_format(hf_config: Any) -> Fp8Format | None:
     if method == "compressed-tensors" and _float8_weights_only(quant):
         return Fp8Format("compressed-tensors", "_scale", None)
     raise ValueError(
-        f"quantized weights ({method}; mrv2 dequantizes fp8, gptq and awq checkpoints and "
-        "gpt-oss's mxfp4)"
+        f"quantized weights ({method}; mrv2 dequantizes fp8, gptq, awq and compressed-tensors "
+        "packed integer checkpoints and gpt-oss's mxfp4)"
     )
 
 
 def quantized_source(hf_config: Any) -> str | None:
     """The checkpoint's quantization as the execution path names it ("fp8", "mxfp4",
-    "gptq", "awq"), None for 16/32-bit weights: whatever it was, the weights are
-    dequantized at load."""
+    "gptq", "awq", "int4" / "int8" for compressed-tensors' packed integers), None for
+    16/32-bit weights: whatever it was, the weights are dequantized at load."""
     quant = getattr(hf_config, "quantization_config", None)
     if not quant:
         return None
     method = quant.get("quant_method") if isinstance(quant, dict) else None
-    return method if method in ("mxfp4", *PACKED_METHODS) else "fp8"
+    return "mxfp4" if method == "mxfp4" else packed_source(hf_config) or "fp8"
 
 
 def check_quantization(requested: str | None, hf_config: Any) -> None:
     """vLLM's `quantization` argument against the checkpoint: None (or the checkpoint's own
-    method: "fp8", "mxfp4", "gptq" or "awq", the last two also by vLLM's Marlin names) is
-    what runs; anything else is refused by name, since weights are never quantized at load
-    here (vLLM's `--quantization fp8` on a 16-bit checkpoint) and other methods are not
-    read."""
+    method: "fp8", "mxfp4", "gptq" or "awq", the last two also by vLLM's Marlin names, or
+    "compressed-tensors" for such a checkpoint) is what runs; anything else is refused by
+    name, since weights are never quantized at load here (vLLM's `--quantization fp8` on a
+    16-bit checkpoint) and other methods are not read."""
     if requested is None:
         return
     have = quantized_source(hf_config)
-    if METHOD_ALIASES.get(requested, requested) == have:
+    quant = getattr(hf_config, "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if METHOD_ALIASES.get(requested, requested) == have or (requested == method == CT):
         return
     if have is None and requested == "fp8":
         raise ValueError(
@@ -96,7 +105,8 @@ def check_quantization(requested: str | None, hf_config: Any) -> None:
     raise ValueError(
         f"quantization={requested!r}: the checkpoint is "
         f"{have + ' (read as such without the argument)' if have else '16-bit'}, and pdserve "
-        "reads FP8, GPTQ, AWQ and MXFP4 (gpt-oss) checkpoints only"
+        "reads FP8, GPTQ, AWQ, compressed-tensors (FP8 and packed integers) and MXFP4 "
+        "(gpt-oss) checkpoints only"
     )
 
 

@@ -1,11 +1,11 @@
-"""GPTQ and AWQ checkpoints: integer weights packed into int32 words, dequantized to the
-model's dtype as they load (as runner/models/fp8_weights.py does for FP8).
+"""GPTQ, AWQ and compressed-tensors "pack-quantized" checkpoints: integer weights packed
+into int32 words, dequantized to the model's dtype as they load (as
+runner/models/fp8_weights.py does for FP8).
 
-Both store, for each quantized linear `<prefix>` with K inputs and N outputs, `qweight`
-(the b-bit codes, 32 / b to a word, lowest bits first), `qzeros` (the groups' zero
-points, packed the same way along N) and `scales` ([K / group_size, N], float16); a
-weight is `(code - zero) * scale` of its input's group. The two differ in what is packed
-along which axis:
+Each stores, for a quantized linear `<prefix>` with K inputs and N outputs, the b-bit
+codes (32 / b to a word, lowest bits first), the groups' zero points and scales; a
+weight is `(code - zero) * scale` of its input's group. They differ in names and in what
+is packed along which axis:
 - GPTQ (AutoGPTQ, GPTQModel): `qweight` is [K * b / 32, N], packed along K; `qzeros`
   [groups, N * b / 32]; `g_idx` [K] names each input's group (act-order checkpoints
   permute them; without act-order it is k // group_size). Checkpoints in the original
@@ -13,7 +13,14 @@ along which axis:
   2, 4 and 8 bits (3-bit words straddle int32 boundaries and are not read).
 - AWQ (AutoAWQ, "gemm" version): `qweight` is [K, N * b / 32], packed along N with the
   eight nibbles of a word holding outputs 0, 2, 4, 6, 1, 3, 5, 7 of its eight; `qzeros`
-  likewise; groups are contiguous. 4 bits only; the "gemv" layouts are not read.
+  likewise; `scales` [groups, N]; groups are contiguous. 4 bits only; the "gemv" layouts
+  are not read.
+- compressed-tensors pack-quantized (llm-compressor's W4A16 / W8A16 exports):
+  `weight_packed` is [N, ceil(K * b / 32)], packed along K (the last word padded);
+  `weight_scale` [N, groups]; `weight_shape` [N, K]; symmetric codes are centred on
+  2^(b-1), asymmetric ones have `weight_zero_point` [ceil(N * b / 32), groups], packed
+  along N; `weight_g_idx` [K] for act-order. Activation quantization, if the config
+  names one, is not applied: activations stay in the model's dtype (as for FP8).
 
 What this does not do: run integer GEMMs. The weights take the dtype's memory (four times
 4-bit's in bf16) and the matmuls run as for any 16-bit model; the execution path says so
@@ -28,22 +35,45 @@ from typing import Any
 
 import torch
 
-PACKED_METHODS = ("gptq", "awq")
+PACKED_METHODS = ("gptq", "awq")  # and compressed-tensors with packed integer weights
+CT = "compressed-tensors"
 # vLLM's names for the same checkpoints run by its Marlin kernels (`--quantization
 # gptq_marlin`): the same weights, so they select the same load here.
 METHOD_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 # AWQ's nibble i of a word holds output _AWQ_ORDER[i] of the word's eight.
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
+# compressed-tensors' part names -> the GPTQ names they play (zero points: asymmetric only)
+_CT_PARTS = {"weight_packed": "qweight", "weight_zero_point": "qzeros", "weight_scale": "scales",
+             "weight_g_idx": "g_idx", "weight_shape": "shape"}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class PackedIntFormat:
-    method: str  # "gptq" | "awq"
+    method: str  # "gptq" | "awq" | "compressed-tensors"
     bits: int
     group_size: int  # inputs a scale covers; -1: all of them (one group)
     zero_offset: int  # added to a stored zero point: 1 for GPTQ v1 checkpoints, else 0
     act_order: bool  # GPTQ's desc_act: g_idx is required, not k // group_size
+    symmetric: bool = False  # compressed-tensors: no zero points stored, codes centred
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The tensor name suffixes of one quantized linear (GPTQ's g_idx and
+        compressed-tensors' weight_g_idx optional unless act-order)."""
+        if self.method != CT:
+            return _PARTS[self.method]
+        skip = {"weight_zero_point"} if self.symmetric else set()
+        if not self.act_order:
+            skip.add("weight_g_idx")
+        return tuple(p for p in _CT_PARTS if p not in skip)
+
+    @property
+    def optional(self) -> str | None:
+        """The part a linear may lack (its groups then contiguous), None if none may."""
+        if self.act_order:
+            return None
+        return "weight_g_idx" if self.method == CT else "g_idx" if self.method == "gptq" else None
 
 
 def _quant_dict(hf_config: Any) -> dict | None:
@@ -55,11 +85,41 @@ def _quant_dict(hf_config: Any) -> dict | None:
     return quant
 
 
+def _ct_int_weights(quant: dict) -> list[dict] | None:
+    """A compressed-tensors config's weight specs when every group stores packed integer
+    weights, else None (FP8 and other formats are not this module's)."""
+    groups = list((quant.get("config_groups") or {}).values())
+    packed = [quant.get("format") == "pack-quantized" or g.get("format") == "pack-quantized"
+              for g in groups]  # fmt: skip
+    weights = [g.get("weights") or {} for g in groups]
+    if not groups or not all(packed) or any(w.get("type") != "int" for w in weights):
+        return None
+    return weights
+
+
+def _ct_format(weights: list[dict]) -> PackedIntFormat:
+    keys = {(w.get("num_bits"), bool(w.get("symmetric", True)), w.get("strategy"),
+             w.get("group_size"), w.get("actorder") is not None) for w in weights}  # fmt: skip
+    if len(keys) != 1:
+        raise ValueError("compressed-tensors with differently quantized groups (mrv2 reads "
+                         "one packed integer scheme a checkpoint)")  # fmt: skip
+    ((bits, symmetric, strategy, group, act_order),) = keys
+    if bits not in (2, 4, 8) or strategy not in ("group", "channel"):
+        raise ValueError(f"compressed-tensors pack-quantized {bits}-bit by {strategy} (mrv2 "
+                         "reads 2, 4 and 8 bits by group or channel)")  # fmt: skip
+    size = int(group) if strategy == "group" else -1
+    return PackedIntFormat(CT, int(bits), size, 0, act_order, symmetric)
+
+
 def packed_int_format(hf_config: Any) -> PackedIntFormat | None:
-    """The config's GPTQ / AWQ layout, None for any other checkpoint. Raises ValueError for
-    a GPTQ or AWQ variant that is not read (the caller lists it as unsupported)."""
+    """The config's GPTQ / AWQ / compressed-tensors packed integer layout, None for any
+    other checkpoint. Raises ValueError for a variant that is not read (the caller lists
+    it as unsupported)."""
     quant = _quant_dict(hf_config)
     method = (quant or {}).get("quant_method")
+    if method == CT:
+        weights = _ct_int_weights(quant)
+        return None if weights is None else _ct_format(weights)
     if method not in PACKED_METHODS:
         return None
     bits = int(quant.get("bits", quant.get("w_bit", 4)))
@@ -80,6 +140,17 @@ def packed_int_format(hf_config: Any) -> PackedIntFormat | None:
     if not quant.get("zero_point", True):
         raise ValueError("awq without zero points (mrv2 reads awq gemm with zero points)")
     return PackedIntFormat("awq", 4, group, 0, False)
+
+
+def packed_source(hf_config: Any) -> str | None:
+    """How the execution path names a packed checkpoint's weights: "gptq", "awq", or
+    "int4" / "int8" for compressed-tensors; None for any other checkpoint."""
+    quant = _quant_dict(hf_config)
+    method = (quant or {}).get("quant_method")
+    if method in PACKED_METHODS:
+        return method
+    weights = _ct_int_weights(quant) if method == CT else None
+    return f"int{weights[0].get('num_bits')}" if weights else None
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -111,6 +182,8 @@ def dequantize_packed(
 ) -> torch.Tensor:
     """float32 [N, K] weight of one quantized linear from its `qweight`, `qzeros`,
     `scales` (and GPTQ's `g_idx`). `name` only labels errors."""
+    if fmt.method == CT:
+        return _dequantize_ct(parts, fmt, name)
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"].float()
     per_word = 32 // fmt.bits
     if fmt.method == "gptq":
@@ -121,6 +194,29 @@ def dequantize_packed(
         natural = _awq_natural_columns(qweight.shape[1] * per_word)
         codes = unpack_int32(qweight, fmt.bits, dim=1)[:, natural]
         zeros = unpack_int32(qzeros, fmt.bits, dim=1)[:, natural]
+    return _grouped(codes, zeros, scales, parts.get("g_idx"), fmt, name)
+
+
+def _dequantize_ct(parts: dict[str, torch.Tensor], fmt: PackedIntFormat, name: str):
+    """compressed-tensors' parts, turned to GPTQ's orientation ([K, N] codes, [G, N]
+    zeros and scales) for the shared tail."""
+    n, k = (int(v) for v in parts["weight_shape"].tolist())
+    codes = unpack_int32(parts["weight_packed"], fmt.bits, dim=1)
+    _check(codes.shape[0] == n and codes.shape[1] >= k,
+           f"{name}: weight_packed {tuple(parts['weight_packed'].shape)} for a weight of "
+           f"shape {(n, k)}")  # fmt: skip
+    scales = parts["weight_scale"].float()
+    if fmt.symmetric:
+        zeros = torch.full_like(scales, 1 << (fmt.bits - 1), dtype=torch.int64)
+    else:
+        zeros = unpack_int32(parts["weight_zero_point"], fmt.bits, dim=0)[:n]
+    g_idx = parts.get("weight_g_idx")
+    return _grouped(codes[:, :k].t(), zeros.t(), scales.t(), g_idx, fmt, name)
+
+
+def _grouped(codes, zeros, scales, g_idx, fmt: PackedIntFormat, name: str) -> torch.Tensor:
+    """float32 [N, K] from [K, N] codes and [G, N] zeros and scales, input k in group
+    g_idx[k] (default k // group_size)."""
     k, n = codes.shape
     groups = scales.shape[0]
     _check(
@@ -128,7 +224,6 @@ def dequantize_packed(
         f"{name}: scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} for a "
         f"{fmt.method} weight of {k} inputs and {n} outputs (both should be [groups, {n}])",
     )
-    g_idx = parts.get("g_idx")
     if g_idx is None:
         size = k if fmt.group_size == -1 else fmt.group_size
         _check(groups == -(-k // size), f"{name}: {groups} scale groups for {k} inputs "
@@ -153,7 +248,7 @@ def dequantized_packed_weights(
     shards: they wait until the last arrives. A GPTQ linear without `g_idx` takes
     k // group_size at the end of the stream, unless the checkpoint is act-order. Parts
     left over raise ValueError naming the linear and what it lacks."""
-    wanted = _PARTS[fmt.method]
+    wanted = fmt.parts
     waiting: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         prefix, _, part = name.rpartition(".")
@@ -167,7 +262,7 @@ def dequantized_packed_weights(
             yield f"{prefix}.weight", dequantize_packed(parts, fmt, prefix).to(dtype)
     missing = {p: [w for w in wanted if w not in parts] for p, parts in waiting.items()}
     for prefix in sorted(missing):
-        if missing[prefix] == ["g_idx"] and not fmt.act_order:
+        if missing[prefix] == [fmt.optional]:
             yield f"{prefix}.weight", dequantize_packed(waiting[prefix], fmt, prefix).to(dtype)
             del missing[prefix]
     if missing:
