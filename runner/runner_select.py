@@ -133,14 +133,19 @@ def _lora_path(runner: Any) -> str:
 def _weights_path(model: Any) -> str:
     """The dtype the matmuls read weights in; "fp8->bfloat16" for an FP8 checkpoint
     dequantized at load (runner/models/fp8_weights.py), "gptq->bfloat16" / "awq->bfloat16"
-    for GPTQ / AWQ ones (runner/models/packed_int_weights.py), "mxfp4->bfloat16" for
-    gpt-oss's MXFP4 experts: no FP8, integer or FP4 GEMM runs."""
+    for GPTQ / AWQ ones dequantized at load (runner/models/packed_int_weights.py),
+    "gptq->int4" where the dense projections run on the packed codes
+    (runner/models/packed_linear.py; MoE experts and the rest in the model's dtype),
+    "mxfp4->bfloat16" for gpt-oss's MXFP4 experts: no FP8 or FP4 GEMM runs."""
     params = getattr(model, "parameters", None)
     first = next(params(), None) if params is not None else None
     if first is None:
         return "?"
     dtype = str(first.dtype).removeprefix("torch.")
     source = getattr(model, "weights_from", None)
+    bits = getattr(model, "packed_bits", None)
+    if bits:  # the dense projections run on packed integers (runner/models/packed_linear.py)
+        return f"{source}->int{bits}"
     return f"{source}->{dtype}" if source else dtype
 
 

@@ -29,12 +29,14 @@ from transformers import AutoConfig
 
 from pdserve import LLM, SamplingParams
 from pdserve.runner.models.fp8_weights import check_quantization
+from pdserve.runner.models.mlp import MLP
 from pdserve.runner.models.packed_int_weights import (
     PackedIntFormat,
     dequantize_packed,
     dequantized_packed_weights,
     packed_int_format,
 )
+from pdserve.runner.models.packed_linear import PackedLinear
 from pdserve.runner.runner_select import mrv2_unsupported_features
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output ORDER[i]
@@ -184,6 +186,8 @@ CASES = {
                                                        "checkpoint_format": "gptq_v2"}),
     "qwen2-awq-g16": ("tiny_qwen2_dir", {**AWQ, "group_size": 16}),
     "qwen3-moe-awq-g8": ("tiny_qwen3_moe_dir", {**AWQ, "group_size": 8}),
+    "qwen2-gptq-v1-2bit-channel": ("tiny_qwen2_dir", {**GPTQ, "bits": 2, "group_size": -1,
+                                                      "checkpoint_format": "gptq"}),
     "qwen2-ct-w4a16-sym-g16": ("tiny_qwen2_dir", {**CT, "bits": 4, "group_size": 16,
                                                   "symmetric": True}),
     "qwen2-ct-w8a16-asym-channel": ("tiny_qwen2_dir", {**CT, "bits": 8, "group_size": -1,
@@ -209,12 +213,25 @@ def test_greedy_tokens_match_the_dequantized_model(packed_pair):
     llm = LLM(model=q_dir, device=DEVICE, dtype="float32", max_num_batched_tokens=64,
               quantization=named)  # fmt: skip
     assert llm.runner_name == "mrv2"
-    source = f"int{spec['bits']}" if ct else method
-    assert llm.engine.execution_path["weights"] == f"{source}->float32"
+    source = f"w{spec['bits']}a16" if ct else method
+    # 4- and 8-bit contiguous groups run packed (runner/models/packed_linear.py); act-order
+    # and 2-bit checkpoints are dequantized at load
+    native = spec["bits"] in (4, 8) and not spec.get("desc_act")
+    assert llm.engine.execution_path["weights"] == (
+        f"{source}->int{spec['bits']}" if native else f"{source}->float32"
+    )
+    model = llm.engine.runner.model
+    packed = [n for n, m in model.named_modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == (_dense_projections(model) if native else 0)
     params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for p, out, exp in zip(prompts, outs, hf_greedy(ref_dir, prompts, 16)):
         assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
+
+
+def _dense_projections(model) -> int:
+    """qkv and o of every layer, gate/up and down of every dense MLP layer."""
+    return sum(2 + (2 if type(layer.mlp) is MLP else 0) for layer in model.layers)
 
 
 def test_logprobs_match_the_dequantized_model(packed_pair):
@@ -326,5 +343,5 @@ def test_the_quantization_argument(tiny_qwen2_dir):
         check_quantization("gptq", cfg)
     cfg.quantization_config = _config({**CT, "bits": 4, "group_size": 16, "symmetric": True})
     check_quantization("compressed-tensors", cfg)
-    with pytest.raises(ValueError, match=r"the checkpoint is int4 \(read as such"):
+    with pytest.raises(ValueError, match=r"the checkpoint is w4a16 \(read as such"):
         check_quantization("gptq", cfg)

@@ -75,7 +75,7 @@ def fp8_format(hf_config: Any) -> Fp8Format | None:
 
 def quantized_source(hf_config: Any) -> str | None:
     """The checkpoint's quantization as the execution path names it ("fp8", "mxfp4",
-    "gptq", "awq", "int4" / "int8" for compressed-tensors' packed integers), None for
+    "gptq", "awq", "w4a16" / "w8a16" for compressed-tensors' packed integers), None for
     16/32-bit weights: whatever it was, the weights are dequantized at load."""
     quant = getattr(hf_config, "quantization_config", None)
     if not quant:

@@ -30,7 +30,6 @@ from pdserve.kernels.norm import fused_add_rms_norm, rms_norm
 from pdserve.kernels.qkv_prep import prepare_qkv
 from pdserve.kernels.rope import apply_rope
 from pdserve.kernels.row_squares import ScaleRows
-from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
 from pdserve.runner.classify import ClassifierSpec, pooling_only
 from pdserve.runner.models import moe
@@ -38,6 +37,7 @@ from pdserve.runner.models.attention_metadata import AttentionMetadata
 from pdserve.runner.models.attention_window import sliding_window_of
 from pdserve.runner.models.mlp import MLP, activation_of
 from pdserve.runner.models.norm_fold import chain_applies, folded_forward
+from pdserve.runner.models.packed_linear import project
 from pdserve.runner.models.rope import (
     build_cos_sin_cache,
     rope_free_layers,
@@ -185,7 +185,7 @@ class Attention(nn.Module):
         if self.qkv_lora is not None:
             qkv = self.qkv_lora.apply(qkv, x)
         h = self.attend(self.prepare(qkv, positions, cos_sin, kv_cache, attn), kv_cache, attn)
-        out = linear(h, self.o_proj.weight, self.o_proj.bias, self.workspace)
+        out = project(self.o_proj, h, self.workspace)  # nn.Linear or PackedLinear
         return out if self.o_lora is None else self.o_lora.apply(out, h)
 
     def prepare(

@@ -7,6 +7,7 @@ so a 0.6B model never pays for a random initialisation it would overwrite.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from pdserve.runner.models.fp8_weights import dequantized_weights, fp8_format, q
 from pdserve.runner.models.kv_scales import KvScales
 from pdserve.runner.models.norm_fold import fold_norms
 from pdserve.runner.models.packed_int_weights import dequantized_packed_weights, packed_int_format
+from pdserve.runner.models.packed_linear import native_format, packed_target, swap_packed_linears
 from pdserve.runner.models.text_only import language_model_weights
 
 
@@ -84,6 +86,12 @@ def load_model(
         if model_config.classifier is not None:  # its score head (runner/classify.py)
             model.attach_classifier(model_config.classifier)
     model = model.to(dtype=model_config.dtype)
+    dummy = model_config.load_format == "dummy"
+    packed = None if dummy else packed_int_format(cfg)
+    # GPTQ / AWQ / compressed-tensors linears the model runs packed (after the dtype cast:
+    # their scales stay float32), before a byte is allocated (runner/models/packed_linear.py)
+    native = native_format(packed, lora=not fold)
+    swapped = swap_packed_linears(model, native) if native is not None else set()
     check_weights_fit(model, device, quantized_source(cfg))
     model = model.to_empty(device=device)
     # Parameters the family keeps in float32 whatever the dtype (DeepSeek's and GLM-4's
@@ -94,7 +102,6 @@ def load_model(
         if name.endswith(keep):
             param.data = param.data.float()
     model.init_rope()
-    dummy = model_config.load_format == "dummy"
     if dummy:  # random weights in the checkpoint's names (runner/models/dummy_weights.py)
         weights = dummy_weights(cfg, model_config.dtype, device)
     else:
@@ -106,13 +113,14 @@ def load_model(
     fp8 = None if dummy else fp8_format(cfg)
     if fp8 is not None:  # dequantized as they stream in (runner/models/fp8_weights.py)
         weights = dequantized_weights(weights, fp8, model_config.dtype)
-    packed = None if dummy else packed_int_format(cfg)
-    if packed is not None:  # GPTQ / AWQ, likewise (runner/models/packed_int_weights.py)
-        weights = dequantized_packed_weights(weights, packed, model_config.dtype)
+    if packed is not None:  # GPTQ / AWQ / compressed-tensors: packed or dequantized
+        keep = partial(packed_target, swapped=swapped)
+        weights = dequantized_packed_weights(weights, packed, model_config.dtype, keep)
     with torch.no_grad():
         model.load_weights(weights)
     kv_scales.apply(model)
     model.weights_from = "dummy" if dummy else quantized_source(cfg)
+    model.packed_bits = native.bits if swapped else None  # the execution path's weights
     if fold and device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
         # 16-bit decode batches on the GPU run without norm launches (norm_fold.py); fp32
         # (the parity runs against transformers) and CPU keep the weights as loaded.

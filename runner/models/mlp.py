@@ -17,6 +17,7 @@ from torch import nn
 from pdserve.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
+from pdserve.runner.models.packed_linear import project
 
 if TYPE_CHECKING:
     from pdserve.runner.lora.slots import LoraSite
@@ -57,8 +58,5 @@ class MLP(nn.Module):
             gu = self.gate_up_lora.apply(gu, x)
             h = silu_and_mul(gu) if self.act == "silu" else gelu_tanh_and_mul(gu)
             return self.down_lora.apply(linear(h, down.weight, down.bias, self.workspace), h)
-        if self.act == "silu":
-            h = linear(x, gate_up.weight, gate_up.bias, self.workspace, silu_mul_output=True)
-        else:
-            h = gelu_tanh_and_mul(linear(x, gate_up.weight, gate_up.bias, self.workspace))
-        return linear(h, down.weight, down.bias, self.workspace)
+        h = project(gate_up, x, self.workspace, act=self.act)  # nn.Linear or PackedLinear
+        return project(down, h, self.workspace)

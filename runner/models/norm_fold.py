@@ -46,11 +46,14 @@ def fold_norms(model: torch.nn.Module) -> None:
     than the squares buffer holds parts). A model with MoE layers keeps its norms (the
     chain's gate/up epilogue is a dense MLP's, and the router reads the normalised rows),
     as do MLA and partial-RoPE models (their q/k/v preparation is not the fused kernel),
-    GeGLU MLPs (the epilogue is SiLU's) and Gemma (`norms_foldable`: four norms a layer)."""
+    GeGLU MLPs (the epilogue is SiLU's), Gemma (`norms_foldable`: four norms a layer) and
+    packed integer projections (runner/models/packed_linear.py: a norm weight cannot be
+    folded into their per-group scales)."""
     if not model.norms_foldable or not all(
         isinstance(layer.mlp, MLP)
         and layer.mlp.act == "silu"
-        and hasattr(layer.self_attn, "qkv_proj")
+        and isinstance(getattr(layer.self_attn, "qkv_proj", None), torch.nn.Linear)
+        and isinstance(layer.mlp.gate_up_proj, torch.nn.Linear)  # not packed integers
         and layer.self_attn.rotary_dim == layer.self_attn.head_dim
         for layer in model.layers
     ):

@@ -29,7 +29,7 @@ What this does not do: run integer GEMMs. The weights take the dtype's memory (f
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,13 +144,13 @@ def packed_int_format(hf_config: Any) -> PackedIntFormat | None:
 
 def packed_source(hf_config: Any) -> str | None:
     """How the execution path names a packed checkpoint's weights: "gptq", "awq", or
-    "int4" / "int8" for compressed-tensors; None for any other checkpoint."""
+    llm-compressor's "w4a16" / "w8a16" for compressed-tensors; None for any other."""
     quant = _quant_dict(hf_config)
     method = (quant or {}).get("quant_method")
     if method in PACKED_METHODS:
         return method
     weights = _ct_int_weights(quant) if method == CT else None
-    return f"int{weights[0].get('num_bits')}" if weights else None
+    return f"w{weights[0].get('num_bits')}a16" if weights else None
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -180,10 +180,40 @@ def _check(cond: bool, what: str) -> None:
 def dequantize_packed(
     parts: dict[str, torch.Tensor], fmt: PackedIntFormat, name: str = "?"
 ) -> torch.Tensor:
-    """float32 [N, K] weight of one quantized linear from its `qweight`, `qzeros`,
-    `scales` (and GPTQ's `g_idx`). `name` only labels errors."""
+    """float32 [N, K] weight of one quantized linear from its checkpoint parts (GPTQ's
+    `qweight`, `qzeros`, `scales`, `g_idx`; AWQ's and compressed-tensors' own). `name` only
+    labels errors."""
+    codes, zeros, scales, g_idx = unpacked(parts, fmt, name)
+    weight = (codes - zeros[g_idx]).float() * scales[g_idx]  # [K, N]
+    return weight.t().contiguous()
+
+
+def repacked(
+    parts: dict[str, torch.Tensor], fmt: PackedIntFormat, name: str = "?"
+) -> dict[str, torch.Tensor]:
+    """One linear's parts in kernels/int_linear.py's layout: `qweight` int32 [N, words]
+    (its codes along K, lowest bits first, the last word zero-padded), `scales` float32
+    and `zeros` uint8 [N, G]. Contiguous groups only (not act-order)."""
+    codes, zeros, scales, g_idx = unpacked(parts, fmt, name)
+    k, n = codes.shape
+    size = k if fmt.group_size == -1 else fmt.group_size
+    _check(bool((g_idx == torch.arange(k) // size).all()),
+           f"{name}: g_idx is not k // {size}; act-order checkpoints are dequantized")  # fmt: skip
+    per_word = 32 // fmt.bits
+    padded = torch.nn.functional.pad(codes.t(), (0, -k % per_word))  # [N, words * p]
+    fields = padded.reshape(n, -1, per_word) << torch.arange(0, 32, fmt.bits)
+    words = fields.sum(-1)  # disjoint bit fields: the sum is their OR
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    _check(int(zeros.max()) < 256 and int(zeros.min()) >= 0, f"{name}: zero points past a byte")
+    return {"qweight": words, "scales": scales.t().contiguous(),
+            "zeros": zeros.t().contiguous().to(torch.uint8)}  # fmt: skip
+
+
+def unpacked(parts: dict[str, torch.Tensor], fmt: PackedIntFormat, name: str = "?"):
+    """(codes [K, N] int64, zeros [G, N] int64, scales [G, N] float32, g_idx [K] int64)
+    of one quantized linear, shapes checked."""
     if fmt.method == CT:
-        return _dequantize_ct(parts, fmt, name)
+        return _unpacked_ct(parts, fmt, name)
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"].float()
     per_word = 32 // fmt.bits
     if fmt.method == "gptq":
@@ -197,7 +227,7 @@ def dequantize_packed(
     return _grouped(codes, zeros, scales, parts.get("g_idx"), fmt, name)
 
 
-def _dequantize_ct(parts: dict[str, torch.Tensor], fmt: PackedIntFormat, name: str):
+def _unpacked_ct(parts: dict[str, torch.Tensor], fmt: PackedIntFormat, name: str):
     """compressed-tensors' parts, turned to GPTQ's orientation ([K, N] codes, [G, N]
     zeros and scales) for the shared tail."""
     n, k = (int(v) for v in parts["weight_shape"].tolist())
@@ -214,9 +244,9 @@ def _dequantize_ct(parts: dict[str, torch.Tensor], fmt: PackedIntFormat, name: s
     return _grouped(codes[:, :k].t(), zeros.t(), scales.t(), g_idx, fmt, name)
 
 
-def _grouped(codes, zeros, scales, g_idx, fmt: PackedIntFormat, name: str) -> torch.Tensor:
-    """float32 [N, K] from [K, N] codes and [G, N] zeros and scales, input k in group
-    g_idx[k] (default k // group_size)."""
+def _grouped(codes, zeros, scales, g_idx, fmt: PackedIntFormat, name: str):
+    """`unpacked`'s tuple from [K, N] codes and [G, N] zeros and scales, input k in group
+    g_idx[k] (default k // group_size), the shapes and groups checked."""
     k, n = codes.shape
     groups = scales.shape[0]
     _check(
@@ -236,15 +266,18 @@ def _grouped(codes, zeros, scales, g_idx, fmt: PackedIntFormat, name: str) -> to
             f"{name}: g_idx of shape {tuple(g_idx.shape)} naming groups outside 0..{groups - 1}"
             f" for {k} inputs",
         )
-    weight = (codes - zeros[g_idx]).float() * scales[g_idx]  # [K, N]
-    return weight.t().contiguous()
+    return codes, zeros, scales, g_idx
 
 
 def dequantized_packed_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], fmt: PackedIntFormat, dtype: torch.dtype
+    weights: Iterable[tuple[str, torch.Tensor]],
+    fmt: PackedIntFormat,
+    dtype: torch.dtype,
+    keep_packed: Callable[[str], bool] = lambda prefix: False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with every packed linear's parts replaced by
-    `<prefix>.weight` in `dtype`. A linear's parts may come in any order and from different
+    `<prefix>.weight` in `dtype`, or, where `keep_packed(prefix)`, by `repacked`'s
+    `<prefix>.qweight`, `.scales` and `.zeros` (runner/models/packed_linear.py). A linear's parts may come in any order and from different
     shards: they wait until the last arrives. A GPTQ linear without `g_idx` takes
     k // group_size at the end of the stream, unless the checkpoint is act-order. Parts
     left over raise ValueError naming the linear and what it lacks."""
@@ -259,12 +292,20 @@ def dequantized_packed_weights(
         parts[part] = tensor
         if len(parts) == len(wanted):
             del waiting[prefix]
-            yield f"{prefix}.weight", dequantize_packed(parts, fmt, prefix).to(dtype)
+            yield from _converted(prefix, parts, fmt, dtype, keep_packed(prefix))
     missing = {p: [w for w in wanted if w not in parts] for p, parts in waiting.items()}
     for prefix in sorted(missing):
         if missing[prefix] == [fmt.optional]:
-            yield f"{prefix}.weight", dequantize_packed(waiting[prefix], fmt, prefix).to(dtype)
+            yield from _converted(prefix, waiting[prefix], fmt, dtype, keep_packed(prefix))
             del missing[prefix]
     if missing:
         lone = [f"{p} (no {', '.join(m)})" for p, m in sorted(missing.items())[:2]]
         raise ValueError(f"{fmt.method} checkpoint has linears missing parts, e.g. {lone}")
+
+
+def _converted(prefix: str, parts, fmt: PackedIntFormat, dtype: torch.dtype, keep: bool):
+    if keep:
+        for part, tensor in repacked(parts, fmt, prefix).items():
+            yield f"{prefix}.{part}", tensor
+    else:
+        yield f"{prefix}.weight", dequantize_packed(parts, fmt, prefix).to(dtype)

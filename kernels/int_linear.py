@@ -1,0 +1,177 @@
+"""Linear layers on packed integer weights (GPTQ / AWQ / compressed-tensors int4 and int8
+checkpoints, runner/models/packed_linear.py): `y = x @ W.T + b` where each weight is
+`(code - zero) * scale` of its input's group, computed tile by tile as the weights stream
+in, so a 4-bit linear reads a quarter of its 16-bit twin's bytes.
+
+Layout (one for every checkpoint format; runner/models/packed_int_weights.py converts):
+- `qweight` int32 [N, ceil(K * bits / 32)]: output n's codes along K, 32 / bits to a
+  word, the lowest bits first (the last word zero-padded);
+- `scales` float32 [N, G] and `zeros` uint8 [N, G], G = ceil(K / group_size): input k
+  is in group k // group_size (contiguous groups; act-order checkpoints stay on the
+  dequantized path).
+
+The spec, `int_linear_ref`, dequantizes the whole weight to x's dtype (the float32
+product `(code - zero) * scale` rounded once, exactly as a checkpoint dequantized at load
+is) and calls `F.linear`. The kernel builds the same rounded tile in registers and
+multiplies it with fp32 accumulation, so the two differ only in summation order. It is
+also the CPU path.
+
+Device path: one Triton kernel, swap-AB as kernels/skinny_linear.py (a program owns
+BLOCK_N outputs of BLOCK_M rows; the dequantized weight tile is the MMA's M side). A tile
+of BLOCK_K inputs loads each word once per code it holds (the repeats come from L1) and
+shifts its code out; where the group size is a multiple of BLOCK_K a tile is one group
+and loads one scale and zero per output, else one per (output, input). Not yet tuned on
+a GPU: no split-K (an N of 1024 gives 16 programs of 64 outputs), and no Marlin-style
+weight reordering; the execution path says which weights run (`weights=gptq(int4)`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def dequantize_int(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, k: int,
+    group_size: int,
+) -> torch.Tensor:  # fmt: skip
+    """float32 [N, K]: each weight (code - zero) * scale of its input's group."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=qweight.device)
+    codes = (qweight.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    codes = codes.reshape(qweight.shape[0], -1)[:, :k]  # [N, K]
+    group = torch.arange(k, device=qweight.device) // group_size
+    assert qweight.shape[1] * per_word >= k
+    return (codes - zeros.to(torch.int64)[:, group]).float() * scales.float()[:, group]
+
+
+def int_linear_ref(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    bits: int, group_size: int, bias: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """The spec: the weight dequantized to x's dtype, then `F.linear`."""
+    w = dequantize_int(qweight, scales, zeros, bits, x.shape[-1], group_size).to(x.dtype)
+    return F.linear(x, w, bias)
+
+
+@triton.jit
+def _dot(w, xs, acc, IEEE_DOT: tl.constexpr):
+    # acc + w @ xs^T; IEEE_DOT as in kernels/skinny_linear.py (fp32 operands, and 16-bit
+    # ones under Triton's interpreter, which multiplies 16-bit tiles as raw bits).
+    if IEEE_DOT:
+        return tl.dot(w.to(tl.float32), tl.trans(xs.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(w, tl.trans(xs), acc)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _int_linear_kernel(
+    x_ptr,  # [M, K], unit stride on K
+    w_ptr,  # [N, k_words] int32
+    s_ptr,  # [N, groups] float32
+    z_ptr,  # [N, groups] uint8
+    bias_ptr,  # [N] or unused
+    out_ptr,  # [M, N]
+    num_rows,
+    n,
+    k,
+    k_words,
+    groups,
+    group_size,
+    stride_xm,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BITS: tl.constexpr,
+    TILE_GROUP: tl.constexpr,  # every tile lies in one group (group_size % BLOCK_K == 0)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    per_word: tl.constexpr = 32 // BITS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < n
+    m_mask = offs_m < num_rows
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * k_words
+    s_rows = offs_n.to(tl.int64) * groups
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < k
+        tile_mask = n_mask[:, None] & k_mask[None, :]
+        words = tl.load(w_rows + (kk // per_word)[None, :], mask=tile_mask, other=0)
+        codes = (words >> ((kk % per_word) * BITS)[None, :]) & ((1 << BITS) - 1)
+        if TILE_GROUP:
+            g = k0 // group_size
+            s = tl.load(s_ptr + s_rows + g, mask=n_mask, other=0.0)
+            z = tl.load(z_ptr + s_rows + g, mask=n_mask, other=0).to(tl.int32)
+            w = (codes - z[:, None]).to(tl.float32) * s[:, None]
+        else:
+            where = s_rows[:, None] + (kk // group_size)[None, :]
+            s = tl.load(s_ptr + where, mask=tile_mask, other=0.0)
+            z = tl.load(z_ptr + where, mask=tile_mask, other=0).to(tl.int32)
+            w = (codes - z).to(tl.float32) * s
+        xs = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+        acc = _dot(w.to(dtype), xs, acc, IEEE_DOT)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(dtype), mask=n_mask[:, None] & m_mask[None, :])
+
+
+def _block_k(group_size: int, groups: int) -> tuple[int, bool]:
+    """(BLOCK_K, whether a tile lies in one group)."""
+    if groups == 1:
+        return 128, True
+    for block in (128, 64, 32, 16):
+        if group_size % block == 0:
+            return block, True
+    return 64, False
+
+
+def int_linear_triton(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    bits: int, group_size: int, bias: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """`int_linear_ref` on the GPU (or Triton's interpreter): x [M, K] 16-bit or fp32."""
+    assert x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with unit stride on K"
+    m, k = x.shape
+    n, k_words = qweight.shape
+    assert k_words * (32 // bits) >= k and scales.shape == zeros.shape == (n, scales.shape[1])
+    groups = scales.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_k, tile_group = _block_k(group_size, groups)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64
+    ieee = x.dtype == torch.float32 or not x.is_cuda
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    _int_linear_kernel[grid](
+        x, qweight, scales, zeros, bias if bias is not None else scales, out,
+        m, n, k, k_words, groups, group_size, x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BITS=bits, TILE_GROUP=tile_group, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, IEEE_DOT=ieee, num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+def int_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    bits: int, group_size: int, bias: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """x [..., K] -> [..., N]: the Triton kernel on CUDA, the spec elsewhere."""
+    if not x.is_cuda:
+        return int_linear_ref(x, qweight, scales, zeros, bits, group_size, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(1) != 1:
+        flat = flat.contiguous()
+    y = int_linear_triton(flat, qweight, scales, zeros, bits, group_size, bias)
+    return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -1,0 +1,132 @@
+"""Dense projections that keep a GPTQ / AWQ / compressed-tensors checkpoint's integer
+weights packed (kernels/int_linear.py runs them), instead of dequantizing them at load.
+
+Which linears: a Llama-family decoder layer's qkv and o projections and a dense SiLU /
+GeGLU MLP's gate/up and down (`swap_packed_linears`): `PackedLinear` takes their place on
+the meta model before any byte is allocated, so the weights take their packed size on the
+GPU (and `check_weights_fit` counts that). Its parameters are N-major ([N, words] codes,
+[N, G] scales and zeros), so the loader's fused q/k/v and gate/up shards stack along
+dim 0 exactly as 16-bit weights do.
+
+What stays dequantized at load (runner/models/packed_int_weights.py), the model running
+as for a 16-bit checkpoint: MoE experts, every other family's projections, act-order
+checkpoints (their groups are not contiguous), 2-bit ones, LoRA-served models (the
+adapters read 16-bit weights), and models that rework projection weights after load
+(interleaved-RoPE rows, Granite's residual multiplier). The RMSNorms are not folded into
+packed weights (runner/models/norm_fold.py): they run as kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdserve.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+from pdserve.kernels.int_linear import dequantize_int, int_linear
+from pdserve.kernels.skinny_linear import linear
+from pdserve.kernels.workspace import KernelWorkspace
+from pdserve.runner.models.packed_int_weights import PackedIntFormat
+
+NATIVE_BITS = (4, 8)
+# checkpoint fragment -> the fused projection it lands in (the loader's _STACKED)
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}  # fmt: skip
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear(in_features, out_features, bias)` on packed integer weights."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: torch.Tensor | None, bits: int,
+        group_size: int,
+    ):  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self.group_size = in_features if group_size == -1 else group_size
+        groups = -(-in_features // self.group_size)
+        words = -(-in_features * bits // 32)
+        frozen = {"requires_grad": False}
+        self.qweight = nn.Parameter(torch.empty(out_features, words, dtype=torch.int32), **frozen)
+        self.scales = nn.Parameter(torch.empty(out_features, groups), **frozen)
+        self.zeros = nn.Parameter(torch.empty(out_features, groups, dtype=torch.uint8), **frozen)
+        self.bias = None if bias is None else nn.Parameter(torch.empty_like(bias), **frozen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int_linear(x, self.qweight, self.scales, self.zeros, self.bits, self.group_size,
+                          self.bias)  # fmt: skip
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 [N, K] (tests and diagnostics)."""
+        return dequantize_int(self.qweight, self.scales, self.zeros, self.bits,
+                              self.in_features, self.group_size)  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bits={self.bits}, group_size={self.group_size}")  # fmt: skip
+
+
+def project(
+    module: nn.Module, x: torch.Tensor, workspace: KernelWorkspace, act: str | None = None
+) -> torch.Tensor:
+    """`module(x)` for an nn.Linear (through kernels/skinny_linear.py's dispatch) or a
+    PackedLinear, then `act` ("silu" / "gelu_pytorch_tanh"-style GeGLU) and-mul if given."""
+    if isinstance(module, PackedLinear):
+        y = module(x)
+        if act is None:
+            return y
+        return silu_and_mul(y) if act == "silu" else gelu_tanh_and_mul(y)
+    if act == "silu":
+        return linear(x, module.weight, module.bias, workspace, silu_mul_output=True)
+    y = linear(x, module.weight, module.bias, workspace)
+    return y if act is None else gelu_tanh_and_mul(y)
+
+
+def native_format(fmt: PackedIntFormat | None, lora: bool) -> PackedIntFormat | None:
+    """`fmt` if its linears can stay packed, None where they are dequantized at load."""
+    if fmt is None or lora or fmt.act_order or fmt.bits not in NATIVE_BITS:
+        return None
+    return fmt
+
+
+def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
+    """Replaces the dense projections `model` can run packed with PackedLinears (on the
+    meta device, before allocation); returns their names (model-local, e.g.
+    "layers.0.self_attn.qkv_proj"). Models this does not cover return an empty set."""
+    from pdserve.runner.models.llama import Attention, LlamaFamilyForCausalLM, family_spec
+    from pdserve.runner.models.mlp import MLP
+
+    if not isinstance(model, LlamaFamilyForCausalLM) or type(model).__name__ != (
+        "LlamaFamilyForCausalLM"
+    ):
+        return set()  # subclasses (Gemma, gpt-oss, ...) rework their projections
+    if family_spec(model.config).rope_interleaved or model.residual_multiplier != 1.0:
+        return set()
+    swapped: set[str] = set()
+    for i, layer in enumerate(model.layers):
+        sites = []
+        if type(layer.self_attn) is Attention:
+            sites += [(layer.self_attn, "self_attn", "qkv_proj"), (layer.self_attn, "self_attn", "o_proj")]
+        if type(layer.mlp) is MLP:
+            sites += [(layer.mlp, "mlp", "gate_up_proj"), (layer.mlp, "mlp", "down_proj")]
+        for parent, where, name in sites:
+            old = getattr(parent, name)
+            with torch.device(old.weight.device):  # meta: nothing is allocated yet
+                new = PackedLinear(old.in_features, old.out_features, old.bias, fmt.bits,
+                                   fmt.group_size)  # fmt: skip
+            setattr(parent, name, new)
+            swapped.add(f"layers.{i}.{where}.{name}")
+    return swapped
+
+
+def packed_target(checkpoint_prefix: str, swapped: set[str]) -> bool:
+    """Whether a checkpoint linear (e.g. "model.layers.0.self_attn.q_proj") lands in a
+    PackedLinear."""
+    parts = checkpoint_prefix.removeprefix("model.").split(".")
+    local = ".".join(_FUSED.get(p, p) for p in parts)
+    return local in swapped
+
+
+def has_packed_linears(model: Any) -> bool:
+    return any(isinstance(m, PackedLinear) for m in model.modules())

@@ -1,0 +1,113 @@
+"""Parity of the packed-integer linear (`kernels/int_linear.py`) with its spec.
+
+On CPU the kernel runs through Triton's interpreter (TRITON_INTERPRET=1, set by conftest)
+at small sizes; on a GPU the same tests run on CUDA.
+
+The weights are random codes, zero points and scales in the kernel's layout, packed here
+by a loop over words (independent of the spec's unpacking). Reference: float64 on the
+weight dequantized by a loop over groups and rounded to x's dtype (what the kernel's tile
+holds). Tolerance as tests/test_skinny_linear.py: fp32 summation error (2^-12 sum|x w|)
+plus one rounding of the output to its dtype; Triton's interpreter converts fp32 to bf16
+by truncation, so there the tile's weights are off by up to an ulp (2^-7 sum|x w|). A
+code read from the wrong field, a misplaced group or a zero point left out errs by
+O(|ref|).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels.int_linear import dequantize_int, int_linear_ref, int_linear_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16_ROUNDING = 2.0**-8 if DEVICE == "cuda" else 2.0**-7
+ROUNDING = {torch.float32: 0.0, torch.bfloat16: BF16_ROUNDING, torch.float16: 2.0**-11}
+TILE_ERROR = {torch.bfloat16: 0.0 if DEVICE == "cuda" else 2.0**-7}
+
+
+def pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[N, K] codes -> int32 [N, ceil(K * bits / 32)], field i of word j = code j*p + i."""
+    n, k = codes.shape
+    p = 32 // bits
+    words = torch.zeros(n, -(-k // p), dtype=torch.int64)
+    for j in range(words.shape[1]):
+        for i in range(p):
+            if j * p + i < k:
+                words[:, j] |= codes[:, j * p + i].to(torch.int64) << (bits * i)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def reference_weight(codes, scales, zeros, group_size: int) -> torch.Tensor:
+    w = torch.empty(codes.shape, dtype=torch.float32)
+    for k in range(codes.shape[1]):
+        g = k // group_size
+        w[:, k] = (codes[:, k] - zeros[:, g].to(torch.int64)).float() * scales[:, g]
+    return w
+
+
+def make(m, n, k, bits, group_size, dtype, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    size = k if group_size == -1 else group_size
+    groups = -(-k // size)
+    codes = torch.randint(0, 1 << bits, (n, k), generator=gen)
+    zeros = torch.randint(0, 1 << bits, (n, groups), generator=gen).to(torch.uint8)
+    scales = torch.rand(n, groups, generator=gen) / (k**0.5 * (1 << bits)) + 1e-3
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    w = reference_weight(codes, scales, zeros, size).to(dtype)
+    dev = [
+        t.to(DEVICE) if t is not None else None
+        for t in (x, pack_words(codes, bits), scales, zeros, b)
+    ]
+    return dev, w, size
+
+
+def check(y, x, w, b, dtype):
+    xd, wd = x.double().cpu(), w.double()
+    ref = xd @ wd.T + (0.0 if b is None else b.double().cpu())
+    scale = xd.abs() @ wd.abs().T
+    err = (y.double().cpu() - ref).abs()
+    bound = ROUNDING[dtype] * ref.abs() + (2.0**-12 + TILE_ERROR.get(dtype, 0.0)) * scale + 1e-30
+    assert y.shape == ref.shape and y.dtype == dtype
+    assert (err <= bound).all(), f"max excess {float((err - bound).max()):.3g} over the bound"
+
+
+CASES = [
+    # (M, N, K, bits, group_size, bias): one row and many (past a 64-row tile), N off the
+    # 64-output tile, K off the words (K=44: the last word half full) and off the tile;
+    # groups a tile holds whole (16/32/128, one group), and 24 (tiles span groups).
+    (1, 24, 64, 4, 16, True),
+    (5, 100, 200, 4, 32, False),
+    (32, 64, 44, 4, -1, True),
+    (70, 40, 96, 8, 32, True),
+    (3, 64, 72, 4, 24, False),
+    (17, 33, 256, 8, 128, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m,n,k,bits,group_size,bias", CASES)
+def test_kernel_matches_the_dequantized_linear(m, n, k, bits, group_size, bias, dtype):
+    (x, qweight, scales, zeros, b), w, size = make(m, n, k, bits, group_size, dtype, bias)
+    y = int_linear_triton(x, qweight, scales, zeros, bits, size, b)
+    check(y, x, w, b, dtype)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_spec_dequantizes_as_the_group_loop(bits):
+    (x, qweight, scales, zeros, b), w, size = make(4, 40, 44, bits, 16, torch.float32, True)
+    got = dequantize_int(qweight.cpu(), scales.cpu(), zeros.cpu(), bits, 44, size)
+    torch.testing.assert_close(got, w, rtol=0, atol=0)
+    y = int_linear_ref(x.cpu(), qweight.cpu(), scales.cpu(), zeros.cpu(), bits, size, b.cpu())
+    check(y, x, w, b, torch.float32)
+
+
+def test_strided_rows_and_no_rows():
+    (x, qweight, scales, zeros, _), w, size = make(6, 64, 64, 4, 32, torch.float32, False)
+    wide = torch.zeros(6, 80, device=DEVICE)
+    wide[:, :64] = x
+    y = int_linear_triton(wide[:, :64], qweight, scales, zeros, 4, size, None)
+    check(y, x, w, None, torch.float32)
+    empty = int_linear_triton(x[:0], qweight, scales, zeros, 4, size, None)
+    assert empty.shape == (0, 64)
