@@ -23,6 +23,9 @@ device's disk and a call's time, and throughput per layer is what compares):
   llama4_scout      Llama-4-Scout-17B-16E's language model: GQA 40/8 x 128, interleaved RoPE
                     with q/k norms and 8,192-position chunks on three layers in four, 16
                     experts of 8192 (one a token, on its input) beside a shared one
+  llama3_8b         Llama-3-8B: GQA 32/8 x 128, SwiGLU 14336, 128k vocabulary (with
+                    `--quantize gptq4`: its projections as a 4-bit GPTQ checkpoint,
+                    benchmarks/gptq_checkpoint.py, run packed)
 The workloads, prompts (seeded random ids) and forced output lengths are throughput.py's.
 Each row records the runner and execution path (`experts`, graph scope) that ran it.
 `--peer vllm` runs vLLM 0.25 on the same directory in a child process afterwards.
@@ -150,6 +153,19 @@ SHAPES = {
         ),
         8,
     ),
+    "llama3_8b": (
+        "LlamaConfig",
+        dict(
+            vocab_size=128_256, hidden_size=4096, intermediate_size=14_336,
+            num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192},
+            max_position_embeddings=131_072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            bos_token_id=128_000, eos_token_id=128_001, architectures=["LlamaForCausalLM"],
+        ),
+        8,
+    ),
     "llama4_scout": (
         "Llama4TextConfig",
         dict(
@@ -196,6 +212,12 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--peer", choices=["vllm"], default=None)
+    ap.add_argument(
+        "--quantize",
+        choices=["gptq4"],
+        default=None,
+        help="rewrite the random checkpoint as 4-bit GPTQ (gptq_checkpoint.py)",
+    )
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
 
@@ -204,6 +226,10 @@ def main() -> int:
     layers = args.layers or SHAPES[args.shape][2]
     model_dir = Path(tempfile.mkdtemp(prefix=f"{args.shape}-random-"))
     vocab = build_model_dir(args.shape, layers, model_dir)
+    if args.quantize:
+        from gptq_checkpoint import to_gptq
+
+        to_gptq(model_dir)
     start = time.perf_counter()
     engine = Engine.from_args(
         model=str(model_dir), dtype="bfloat16", max_model_len=4096,
@@ -216,7 +242,7 @@ def main() -> int:
         w = WORKLOADS[name]
         warm = Workload(w.name, w.num_requests, w.prompt_len, 4, w.metric)
         run_engine(engine, warm, make_prompts(w, vocab, seed=99))  # compile outside the run
-        row = {"shape": args.shape, "layers": layers, "workload": name,
+        row = {"shape": args.shape, "layers": layers, "workload": name, "quantize": args.quantize,
                **run_engine(engine, w, make_prompts(w, vocab))}  # fmt: skip
         row.update(
             runner=engine.runner_name, execution_path=engine.execution_path,
@@ -233,9 +259,9 @@ def main() -> int:
         for row in rows:
             row.update(peer.get(row["workload"], {"vllm_output_tok_s": None}))
     eager = "_eager" if args.enforce_eager else ""
-    out = (
-        Path(args.out) / f"model_throughput_{args.shape}{eager}_{device_kind()}_{git_commit()}.json"
-    )
+    quant = f"_{args.quantize}" if args.quantize else ""
+    stem = f"model_throughput_{args.shape}{quant}{eager}_{device_kind()}_{git_commit()}"
+    out = Path(args.out) / f"{stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     print(f"wrote {out}", file=sys.stderr)

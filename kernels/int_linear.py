@@ -27,6 +27,8 @@ weight reordering; the execution path says which weights run (`weights=gptq(int4
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -126,19 +128,30 @@ def _int_linear_kernel(
     tl.store(out_ptrs, acc.to(dtype), mask=n_mask[:, None] & m_mask[None, :])
 
 
-def _block_k(group_size: int, groups: int) -> tuple[int, bool]:
-    """(BLOCK_K, whether a tile lies in one group)."""
-    if groups == 1:
-        return 128, True
-    for block in (128, 64, 32, 16):
-        if group_size % block == 0:
-            return block, True
-    return 64, False
+@dataclass(frozen=True)
+class IntLinearConfig:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    block_m: int = 0  # rows a program takes; 0: by the batch (16 / 32 / 64)
+
+
+def choose_config(m: int, n: int, group_size: int, groups: int) -> IntLinearConfig:
+    """Tiles: 64 outputs (32 where that leaves fewer programs than SMs on a decode batch),
+    inputs in tiles of up to 128 that a group holds whole. Not yet tuned on a GPU
+    (benchmarks/int_linear_bench.py --sweep measures the alternatives)."""
+    block_k = (
+        128 if groups == 1 else next((b for b in (128, 64, 32, 16) if group_size % b == 0), 64)
+    )
+    block_n = 32 if m <= 64 and triton.cdiv(n, 64) < 132 else 64
+    return IntLinearConfig(block_n, block_k)
 
 
 def int_linear_triton(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     bits: int, group_size: int, bias: torch.Tensor | None,
+    config: IntLinearConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`int_linear_ref` on the GPU (or Triton's interpreter): x [M, K] 16-bit or fp32."""
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with unit stride on K"
@@ -149,16 +162,17 @@ def int_linear_triton(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_k, tile_group = _block_k(group_size, groups)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64
+    cfg = config or choose_config(m, n, group_size, groups)
+    tile_group = groups == 1 or group_size % cfg.block_k == 0
+    block_m = cfg.block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
     ieee = x.dtype == torch.float32 or not x.is_cuda
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))
     _int_linear_kernel[grid](
         x, qweight, scales, zeros, bias if bias is not None else scales, out,
         m, n, k, k_words, groups, group_size, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BITS=bits, TILE_GROUP=tile_group, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, IEEE_DOT=ieee, num_warps=4, num_stages=3,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE_DOT=ieee, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
