@@ -23,7 +23,12 @@ import torch.nn.functional as F
 from run_meta import write_result
 from skinny_bench import graph_us
 
-from pdserve.kernels.int_linear import IntLinearConfig, dequantize_int, int_linear_triton
+from pdserve.kernels.int_linear import (
+    IntLinearConfig,
+    dequantize_int,
+    dequantize_int_triton,
+    int_linear_triton,
+)
 
 SHAPES = {
     "llama3_8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -71,8 +76,14 @@ def main() -> int:
                              "GBps": round(n * k * 2 / us / 1e3, 1)})  # fmt: skip
             configs = [None]
             if args.sweep:
-                configs += [IntLinearConfig(bn, bk, 4, st, bm) for bn, bk, st, bm in itertools.product(
-                    (16, 32, 64, 128), (64, 128), (2, 3, 4), (0,) if m <= 64 else (64, 128))]  # fmt: skip
+                configs += [IntLinearConfig(bn, bk, 4, st, bm, once) for bn, bk, st, bm, once in
+                            itertools.product((16, 32, 64, 128), (64, 128), (3, 4),
+                                              (0,) if m <= 64 else (64, 128), (True, False))]  # fmt: skip
+            deq = [lambda q=q, s=s, z=z, x=x, k=k: F.linear(
+                x, dequantize_int_triton(q, s, z, BITS, k, GROUP, x.dtype)) for q, s, z in packed]  # fmt: skip
+            us = graph_us(deq)
+            rows_out.append({**base, "impl": "int4_dequant_cublas", "us": round(us, 2),
+                             "GBps": round(int_bytes / us / 1e3, 1)})  # fmt: skip
             ref = F.linear(x.float(), dense[0].float())
             for cfg in configs:
                 try:
@@ -90,7 +101,8 @@ def main() -> int:
                        "GBps": round(int_bytes / us / 1e3, 1),
                        "max_err_over_bound": round(max(excess, 0.0), 5)}  # fmt: skip
                 if cfg is not None:
-                    row["cfg"] = [cfg.block_n, cfg.block_k, cfg.num_stages, cfg.block_m]
+                    row["cfg"] = [cfg.block_n, cfg.block_k, cfg.num_stages, cfg.block_m,
+                                  cfg.words_once]  # fmt: skip
                 rows_out.append(row)
                 print(row, flush=True)
         del packed, dense

@@ -18,8 +18,9 @@ also the CPU path.
 
 Device path: one Triton kernel, swap-AB as kernels/skinny_linear.py (a program owns
 BLOCK_N outputs of BLOCK_M rows; the dequantized weight tile is the MMA's M side). A tile
-of BLOCK_K inputs loads each word once per code it holds (the repeats come from L1) and
-shifts its code out; where the group size is a multiple of BLOCK_K a tile is one group
+of BLOCK_K inputs loads its words once and splits each into its codes in registers (a
+[BLOCK_N, words, codes] tensor reshaped to the tile; the alternative, each word loaded
+once per code from L1, is kept for the sweep); where the group size is a multiple of BLOCK_K a tile is one group
 and loads one scale and zero per output, else one per (output, input). Not yet tuned on
 a GPU: no split-K (an N of 1024 gives 16 programs of 64 outputs), and no Marlin-style
 weight reordering; the execution path says which weights run (`weights=gptq(int4)`).
@@ -33,6 +34,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+# Rows past which a batch (a long prefill chunk) multiplies a dequantized scratch copy of
+# the weight with cuBLAS instead of dequantizing tile by tile: above the decode graphs'
+# batch sizes, so no graph holds a scratch weight.
+DEQUANT_ROWS = 1024
 
 
 def dequantize_int(
@@ -86,6 +92,7 @@ def _int_linear_kernel(
     HAS_BIAS: tl.constexpr,
     BITS: tl.constexpr,
     TILE_GROUP: tl.constexpr,  # every tile lies in one group (group_size % BLOCK_K == 0)
+    WORDS_ONCE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -107,8 +114,16 @@ def _int_linear_kernel(
         kk = k0 + offs_k
         k_mask = kk < k
         tile_mask = n_mask[:, None] & k_mask[None, :]
-        words = tl.load(w_rows + (kk // per_word)[None, :], mask=tile_mask, other=0)
-        codes = (words >> ((kk % per_word) * BITS)[None, :]) & ((1 << BITS) - 1)
+        if WORDS_ONCE:  # each word loaded once, its codes split out in registers
+            wk = k0 // per_word + tl.arange(0, BLOCK_K // per_word)
+            words = tl.load(w_rows + wk[None, :], mask=n_mask[:, None] & (wk < k_words)[None, :],
+                            other=0)  # fmt: skip
+            fields = tl.arange(0, per_word) * BITS
+            codes = (words[:, :, None] >> fields[None, None, :]) & ((1 << BITS) - 1)
+            codes = tl.reshape(codes, [BLOCK_N, BLOCK_K])
+        else:  # each word loaded once per code it holds (the repeats from L1)
+            words = tl.load(w_rows + (kk // per_word)[None, :], mask=tile_mask, other=0)
+            codes = (words >> ((kk % per_word) * BITS)[None, :]) & ((1 << BITS) - 1)
         if TILE_GROUP:
             g = k0 // group_size
             s = tl.load(s_ptr + s_rows + g, mask=n_mask, other=0.0)
@@ -128,6 +143,39 @@ def _int_linear_kernel(
     tl.store(out_ptrs, acc.to(dtype), mask=n_mask[:, None] & m_mask[None, :])
 
 
+@triton.jit
+def _dequantize_kernel(
+    w_ptr, s_ptr, z_ptr, out_ptr, n, k, k_words, groups, group_size,
+    BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # One [BLOCK_N, BLOCK_K] tile of the dequantized weight, as the linear kernel's tile.
+    per_word: tl.constexpr = 32 // BITS
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < n)[:, None] & (kk < k)[None, :]
+    rows = offs_n[:, None].to(tl.int64)
+    words = tl.load(w_ptr + rows * k_words + (kk // per_word)[None, :], mask=mask, other=0)
+    codes = (words >> ((kk % per_word) * BITS)[None, :]) & ((1 << BITS) - 1)
+    where = rows * groups + (kk // group_size)[None, :]
+    s = tl.load(s_ptr + where, mask=mask, other=0.0)
+    z = tl.load(z_ptr + where, mask=mask, other=0).to(tl.int32)
+    w = (codes - z).to(tl.float32) * s
+    tl.store(out_ptr + rows * k + kk[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_int_triton(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, k: int,
+    group_size: int, dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """`dequantize_int(...).to(dtype)` in one kernel (the long-batch path)."""
+    n = qweight.shape[0]
+    out = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    grid = (triton.cdiv(n, 32), triton.cdiv(k, 128))
+    _dequantize_kernel[grid](qweight, scales, zeros, out, n, k, qweight.shape[1],
+                             scales.shape[1], group_size, BITS=bits, BLOCK_N=32, BLOCK_K=128)  # fmt: skip
+    return out
+
+
 @dataclass(frozen=True)
 class IntLinearConfig:
     block_n: int
@@ -135,6 +183,7 @@ class IntLinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     block_m: int = 0  # rows a program takes; 0: by the batch (16 / 32 / 64)
+    words_once: bool = True  # load a word once and split it (else once per code, from L1)
 
 
 def choose_config(m: int, n: int, group_size: int, groups: int) -> IntLinearConfig:
@@ -170,7 +219,8 @@ def int_linear_triton(
     _int_linear_kernel[grid](
         x, qweight, scales, zeros, bias if bias is not None else scales, out,
         m, n, k, k_words, groups, group_size, x.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BITS=bits, TILE_GROUP=tile_group, BLOCK_M=block_m,
+        HAS_BIAS=bias is not None, BITS=bits, TILE_GROUP=tile_group,
+        WORDS_ONCE=cfg.words_once, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE_DOT=ieee, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -181,9 +231,14 @@ def int_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     bits: int, group_size: int, bias: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
-    """x [..., K] -> [..., N]: the Triton kernel on CUDA, the spec elsewhere."""
+    """x [..., K] -> [..., N]: on CUDA the Triton kernel, or for batches of more than
+    DEQUANT_ROWS rows the weight dequantized to a scratch tensor and cuBLAS (the spec's
+    math, one kernel); the spec elsewhere."""
     if not x.is_cuda:
         return int_linear_ref(x, qweight, scales, zeros, bits, group_size, bias)
+    if x.numel() > DEQUANT_ROWS * x.shape[-1]:
+        w = dequantize_int_triton(qweight, scales, zeros, bits, x.shape[-1], group_size, x.dtype)
+        return F.linear(x, w, bias)
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(1) != 1:
         flat = flat.contiguous()

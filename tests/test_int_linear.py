@@ -15,10 +15,20 @@ O(|ref|).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from pdserve.kernels.int_linear import dequantize_int, int_linear_ref, int_linear_triton
+from pdserve.kernels.int_linear import (
+    DEQUANT_ROWS,
+    choose_config,
+    dequantize_int,
+    dequantize_int_triton,
+    int_linear,
+    int_linear_ref,
+    int_linear_triton,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_ROUNDING = 2.0**-8 if DEVICE == "cuda" else 2.0**-7
@@ -111,3 +121,29 @@ def test_strided_rows_and_no_rows():
     check(y, x, w, None, torch.float32)
     empty = int_linear_triton(x[:0], qweight, scales, zeros, 4, size, None)
     assert empty.shape == (0, 64)
+
+
+@pytest.mark.parametrize("m,n,k,bits,group_size,bias", [CASES[1], CASES[2], CASES[4]])
+def test_codes_loaded_per_field_match_too(m, n, k, bits, group_size, bias):
+    """The sweep's other unpacking (each word loaded once per code it holds)."""
+    (x, qweight, scales, zeros, b), w, size = make(m, n, k, bits, group_size, torch.float16, bias)
+    groups = scales.shape[1]
+    cfg = replace(choose_config(m, n, size, groups), words_once=False)
+    check(int_linear_triton(x, qweight, scales, zeros, bits, size, b, cfg), x, w, b, torch.float16)
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 16), (8, -1), (4, 24)])
+def test_dequantize_kernel_matches_the_spec(bits, group_size):
+    (_, qweight, scales, zeros, _), w, size = make(
+        2, 40, 200, bits, group_size, torch.float32, False
+    )
+    got = dequantize_int_triton(qweight, scales, zeros, bits, 200, size, torch.float32)
+    torch.testing.assert_close(got.cpu(), w.float(), rtol=0, atol=0)
+
+
+def test_long_batches_take_the_dequantized_weight():
+    """Past DEQUANT_ROWS rows (CUDA) the weight is dequantized by its kernel and cuBLAS
+    multiplies: the same bound (on the CPU this is the spec)."""
+    m = DEQUANT_ROWS + 76
+    (x, qweight, scales, zeros, b), w, size = make(m, 48, 64, 4, 32, torch.bfloat16, True)
+    check(int_linear(x, qweight, scales, zeros, 4, size, b), x, w, b, torch.bfloat16)
