@@ -56,6 +56,7 @@ def main() -> int:
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="llama3_8b")
     ap.add_argument("--rows", default="1,16,32,64,256,2048")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--gemms", default=None, help="a comma list of the shape's GEMMs (default all)")
     ap.add_argument("--sweep", action="store_true", help="every tile config, not just the default")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
@@ -65,6 +66,8 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     rows_out = []
     for name, (n, k) in SHAPES[args.shapes].items():
+        if args.gemms and name not in args.gemms.split(","):
+            continue
         packed = packed_weights(n, k, args.layers, gen)
         dense = [dequantize_int(q, s, z, BITS, k, GROUP).to(torch.bfloat16) for q, s, z in packed]
         int_bytes = n * k * BITS // 8 + n * (k // GROUP) * 5
@@ -77,7 +80,7 @@ def main() -> int:
             configs = [None]
             if args.sweep:
                 configs += [IntLinearConfig(bn, bk, 4, st, bm, once) for bn, bk, st, bm, once in
-                            itertools.product((16, 32, 64, 128), (64, 128), (3, 4),
+                            itertools.product((32, 64, 128), (64, 128), (3,),
                                               (0,) if m <= 64 else (64, 128), (True, False))]  # fmt: skip
             deq = [lambda q=q, s=s, z=z, x=x, k=k: F.linear(
                 x, dequantize_int_triton(q, s, z, BITS, k, GROUP, x.dtype)) for q, s, z in packed]  # fmt: skip

@@ -146,7 +146,7 @@ def _int_linear_kernel(
 @triton.jit
 def _dequantize_kernel(
     w_ptr, s_ptr, z_ptr, out_ptr, n, k, k_words, groups, group_size,
-    BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr, TILE_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # One [BLOCK_N, BLOCK_K] tile of the dequantized weight, as the linear kernel's tile.
     per_word: tl.constexpr = 32 // BITS
@@ -156,10 +156,13 @@ def _dequantize_kernel(
     rows = offs_n[:, None].to(tl.int64)
     words = tl.load(w_ptr + rows * k_words + (kk // per_word)[None, :], mask=mask, other=0)
     codes = (words >> ((kk % per_word) * BITS)[None, :]) & ((1 << BITS) - 1)
-    where = rows * groups + (kk // group_size)[None, :]
-    s = tl.load(s_ptr + where, mask=mask, other=0.0)
-    z = tl.load(z_ptr + where, mask=mask, other=0).to(tl.int32)
-    w = (codes - z).to(tl.float32) * s
+    if TILE_GROUP:  # one group a tile: a scale and a zero a row, no division per code
+        where = rows * groups + tl.program_id(1) * BLOCK_K // group_size
+    else:
+        where = rows * groups + (kk // group_size)[None, :]
+    s = tl.load(s_ptr + where, mask=mask if not TILE_GROUP else (offs_n < n)[:, None], other=0.0)
+    z = tl.load(z_ptr + where, mask=mask if not TILE_GROUP else (offs_n < n)[:, None], other=0)
+    w = (codes - z.to(tl.int32)).to(tl.float32) * s
     tl.store(out_ptr + rows * k + kk[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -170,9 +173,12 @@ def dequantize_int_triton(
     """`dequantize_int(...).to(dtype)` in one kernel (the long-batch path)."""
     n = qweight.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
-    grid = (triton.cdiv(n, 32), triton.cdiv(k, 128))
-    _dequantize_kernel[grid](qweight, scales, zeros, out, n, k, qweight.shape[1],
-                             scales.shape[1], group_size, BITS=bits, BLOCK_N=32, BLOCK_K=128)  # fmt: skip
+    groups = scales.shape[1]
+    block_k = 128 if groups == 1 or group_size % 128 == 0 else 64
+    grid = (triton.cdiv(n, 32), triton.cdiv(k, block_k))
+    _dequantize_kernel[grid](qweight, scales, zeros, out, n, k, qweight.shape[1], groups,
+                             group_size, BITS=bits, TILE_GROUP=groups == 1 or group_size % block_k == 0,
+                             BLOCK_N=32, BLOCK_K=block_k)  # fmt: skip
     return out
 
 
