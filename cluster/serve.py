@@ -126,6 +126,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         hf_overrides=cfg.hf_overrides, kv_cache_dtype=cfg.kv_cache_dtype,
         mamba_cache_dtype=cfg.mamba_cache_dtype,
         mamba_ssm_cache_dtype=cfg.mamba_ssm_cache_dtype, quantization=cfg.quantization,
+        quantized_weights=cfg.quantized_weights,
         trust_remote_code=cfg.trust_remote_code, tokenizer=cfg.tokenizer, revision=cfg.revision,
         download_dir=cfg.download_dir, load_format=cfg.load_format,
         speculative_config=cfg.speculative_config,
@@ -191,6 +192,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         mamba_ssm_cache_dtype=cfg.mamba_ssm_cache_dtype,
         trust_remote_code=cfg.trust_remote_code, tokenizer=ecfg.model.tokenizer,
         load_format=cfg.load_format, speculative_config=cfg.speculative_config,
+        quantized_weights=cfg.quantized_weights,
     )  # fmt: skip
     # The step budget's rules (e.g. no chunking needs a budget of max_model_len), refused
     # here rather than in every worker's start.

@@ -155,6 +155,9 @@ class ServeConfig:
     # vLLM's: the checkpoint's own quantization method (fp8, mxfp4) or None; any other is
     # refused at start (runner/models/fp8_weights.py check_quantization)
     quantization: str | None = None
+    # a GPTQ / AWQ / compressed-tensors checkpoint's weights: auto, packed or dequantized
+    # (runner/config.py QUANTIZED_WEIGHTS)
+    quantized_weights: str = "auto"
     # vLLM's: a hybrid Mamba model's state dtypes (runner/config.py CacheConfig)
     mamba_cache_dtype: str = "auto"
     mamba_ssm_cache_dtype: str = "float32"

@@ -21,7 +21,7 @@ from pdserve.cluster.serve_args import (
     ServeConfig,
 )
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
-from pdserve.runner.config import LOAD_FORMATS
+from pdserve.runner.config import LOAD_FORMATS, QUANTIZED_WEIGHTS
 from pdserve.sizes import size_arg
 
 
@@ -75,6 +75,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", choices=list(LOAD_FORMATS), default=None,
                    help="dummy: random weights of the checkpoint's shapes, for timing without "
                    "fetching them (config.json and a tokenizer do)")  # fmt: skip
+    p.add_argument("--quantized-weights", choices=list(QUANTIZED_WEIGHTS), default=None,
+                   help="a GPTQ / AWQ / compressed-tensors checkpoint's integer weights: "
+                   "auto (dequantized at load where 16-bit weights fit the GPU, else packed), "
+                   "packed (Triton int4/int8 kernels, not yet tuned) or dequantized")  # fmt: skip
     p.add_argument("-q", "--quantization", default=None, metavar="METHOD",
                    help="the checkpoint's own method (fp8, mxfp4, gptq, awq, "
                    "compressed-tensors) or none: read from its config either way; any other "

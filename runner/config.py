@@ -18,6 +18,11 @@ from pdserve.runner.classify import ClassifierSpec
 RUNNER_CHOICES = ("auto", "mrv2", "reference")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# How a GPTQ / AWQ / compressed-tensors checkpoint's integer weights run
+# (runner/models/packed_linear.py): "auto" dequantizes them at load where the 16-bit
+# weights fit the GPU and keeps them packed where they do not; "packed" / "dequantized"
+# choose.
+QUANTIZED_WEIGHTS = ("auto", "packed", "dequantized")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -59,12 +64,19 @@ class ModelConfig:
     # vLLM's --load-format: "auto" / "safetensors" read the checkpoint; "dummy" makes random
     # weights of its shapes (runner/models/dummy_weights.py), for timing without them
     load_format: str = "auto"
+    # a packed integer checkpoint's weights: QUANTIZED_WEIGHTS
+    quantized_weights: str = "auto"
 
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.path
 
     def __post_init__(self) -> None:
+        _require(
+            self.quantized_weights in QUANTIZED_WEIGHTS,
+            f"quantized_weights must be one of {', '.join(QUANTIZED_WEIGHTS)} "
+            f"(got {self.quantized_weights!r})",
+        )
         _require(
             self.dtype in SUPPORTED_DTYPES,
             f"dtype must be one of float32, float16, bfloat16 (got {self.dtype})",

@@ -118,6 +118,7 @@ def resolve_engine_config(
     revision: str | None = None,
     download_dir: str | None = None,
     load_format: str = "auto",
+    quantized_weights: str = "auto",
     mamba_cache_dtype: str = "auto",
     mamba_ssm_cache_dtype: str = "float32",
     speculative_config: dict | str | None = None,
@@ -192,6 +193,7 @@ def resolve_engine_config(
             trust_remote_code=trust_remote_code,
             tokenizer=tokenizer_dir,
             load_format=load_format,
+            quantized_weights=quantized_weights,
         ),
         cache=CacheConfig(
             block_size=block_size,

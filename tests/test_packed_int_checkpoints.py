@@ -203,20 +203,29 @@ def packed_pair(request, tmp_path_factory) -> tuple[str, str, dict]:
     return str(root / "q"), str(root / "ref"), spec
 
 
-def test_greedy_tokens_match_the_dequantized_model(packed_pair):
+def _packable(spec: dict) -> bool:
+    """4- and 8-bit contiguous groups can run packed (runner/models/packed_linear.py);
+    act-order and 2-bit checkpoints are dequantized at load."""
+    return spec["bits"] in (4, 8) and not spec.get("desc_act")
+
+
+@pytest.mark.parametrize("mode", ["packed", "auto"])
+def test_greedy_tokens_match_the_dequantized_model(packed_pair, mode):
+    """`quantized_weights="packed"` keeps the integers (on the CPU the kernels' spec runs
+    them), "auto" dequantizes them where the 16-bit weights fit (always on the CPU)."""
     q_dir, ref_dir, spec = packed_pair
+    native = mode == "packed" and _packable(spec)
+    if mode == "packed" and not native:
+        mode = "auto"  # refused by name: test_packed_is_refused_where_it_cannot_run
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 980) for _ in range(n)] for n in (1, 9, 40, 70)]
     method = spec["quant_method"]
     ct = method == "compressed-tensors"
     named = method if ct else f"{method}_marlin"  # vLLM's names for these checkpoints
     llm = LLM(model=q_dir, device=DEVICE, dtype="float32", max_num_batched_tokens=64,
-              quantization=named)  # fmt: skip
+              quantization=named, quantized_weights=mode)  # fmt: skip
     assert llm.runner_name == "mrv2"
     source = f"w{spec['bits']}a16" if ct else method
-    # 4- and 8-bit contiguous groups run packed (runner/models/packed_linear.py); act-order
-    # and 2-bit checkpoints are dequantized at load
-    native = spec["bits"] in (4, 8) and not spec.get("desc_act")
     assert llm.engine.execution_path["weights"] == (
         f"{source}->int{spec['bits']}" if native else f"{source}->float32"
     )
@@ -229,14 +238,29 @@ def test_greedy_tokens_match_the_dequantized_model(packed_pair):
         assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
 
 
+@pytest.mark.parametrize(
+    "case, why",
+    [("qwen2-gptq-v2-8bit-actorder", "act-order groups"), ("qwen2-gptq-v1-2bit-channel", "2-bit codes")],
+)  # fmt: skip
+def test_packed_is_refused_where_it_cannot_run(case, why, tmp_path, request):
+    fixture, spec = CASES[case]
+    _packed_pair(request.getfixturevalue(fixture), tmp_path / "q", tmp_path / "ref", spec)
+    with pytest.raises(ValueError, match=f"quantized_weights='packed': {why}"):
+        LLM(model=str(tmp_path / "q"), device=DEVICE, dtype="float32", quantized_weights="packed")
+    with pytest.raises(ValueError, match="quantized_weights must be one of auto, packed"):
+        LLM(model=str(tmp_path / "q"), device=DEVICE, dtype="float32", quantized_weights="int4")
+
+
 def _dense_projections(model) -> int:
     """qkv and o of every layer, gate/up and down of every dense MLP layer."""
     return sum(2 + (2 if type(layer.mlp) is MLP else 0) for layer in model.layers)
 
 
 def test_logprobs_match_the_dequantized_model(packed_pair):
-    q_dir, ref_dir, _ = packed_pair
-    assert_logprobs_match_hf(q_dir, [5, 17, 101, 9, 250, 33, 7], 6, ref_dir=ref_dir)
+    q_dir, ref_dir, spec = packed_pair
+    mode = "packed" if _packable(spec) else "auto"
+    assert_logprobs_match_hf(q_dir, [5, 17, 101, 9, 250, 33, 7], 6, ref_dir=ref_dir,
+                             quantized_weights=mode)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -345,3 +369,14 @@ def test_the_quantization_argument(tiny_qwen2_dir):
     check_quantization("compressed-tensors", cfg)
     with pytest.raises(ValueError, match=r"the checkpoint is w4a16 \(read as such"):
         check_quantization("gptq", cfg)
+
+
+def test_packed_is_refused_for_families_that_rework_their_weights(tiny_granite_dir, tmp_path):
+    """Granite scales its o and down weights by its residual multiplier after load: its
+    projections stay dequantized, and asking for them packed says so."""
+    spec = {**GPTQ, "bits": 4, "group_size": 16, "checkpoint_format": "gptq_v2"}
+    _packed_pair(tiny_granite_dir, tmp_path / "q", tmp_path / "ref", spec)
+    with pytest.raises(ValueError, match="GraniteForCausalLM's projections do not run packed"):
+        LLM(model=str(tmp_path / "q"), device=DEVICE, dtype="float32", quantized_weights="packed")
+    llm = LLM(model=str(tmp_path / "q"), device=DEVICE, dtype="float32")
+    assert llm.engine.execution_path["weights"] == "gptq->float32"

@@ -19,8 +19,12 @@ from pdserve.runner.models.dummy_weights import dummy_weights
 from pdserve.runner.models.fp8_weights import dequantized_weights, fp8_format, quantized_source
 from pdserve.runner.models.kv_scales import KvScales
 from pdserve.runner.models.norm_fold import fold_norms
-from pdserve.runner.models.packed_int_weights import dequantized_packed_weights, packed_int_format
-from pdserve.runner.models.packed_linear import native_format, packed_target, swap_packed_linears
+from pdserve.runner.models.packed_int_weights import (
+    PackedIntFormat,
+    dequantized_packed_weights,
+    packed_int_format,
+)
+from pdserve.runner.models.packed_linear import packed_refusal, packed_target, swap_packed_linears
 from pdserve.runner.models.text_only import language_model_weights
 
 
@@ -68,6 +72,26 @@ def check_weights_fit(
     )
 
 
+def _runs_packed(
+    model: torch.nn.Module, device: torch.device, fmt: PackedIntFormat, model_config: ModelConfig,
+    lora: bool,
+) -> bool:  # fmt: skip
+    """quantized_weights: "packed" keeps the checkpoint's integers (refused by name where
+    they cannot run so), "dequantized" never, "auto" only where the 16-bit weights would
+    not fit the GPU (the packed kernels are not yet tuned: runner/models/packed_linear.py)."""
+    mode = model_config.quantized_weights
+    why = packed_refusal(fmt, lora)
+    if mode == "packed" and why is not None:
+        raise ValueError(f"quantized_weights='packed': {why}; drop it to dequantize at load")
+    if mode == "dequantized" or why is not None:
+        return False
+    if mode == "packed":
+        return True
+    if device.type != "cuda":
+        return False
+    return weight_bytes(model) > torch.cuda.mem_get_info(device)[0]
+
+
 def load_model(
     model_config: ModelConfig, device: torch.device, fold: bool = True
 ) -> torch.nn.Module:
@@ -90,8 +114,15 @@ def load_model(
     packed = None if dummy else packed_int_format(cfg)
     # GPTQ / AWQ / compressed-tensors linears the model runs packed (after the dtype cast:
     # their scales stay float32), before a byte is allocated (runner/models/packed_linear.py)
-    native = native_format(packed, lora=not fold)
-    swapped = swap_packed_linears(model, native) if native is not None else set()
+    swapped = set()
+    if packed is not None and _runs_packed(model, device, packed, model_config, lora=not fold):
+        swapped = swap_packed_linears(model, packed)
+        if not swapped and model_config.quantized_weights == "packed":
+            raise ValueError(
+                f"quantized_weights='packed': {model_config.architecture}'s projections do not "
+                "run packed (Llama-family decoders without reworked weights do); drop it to "
+                "dequantize them at load"
+            )
     check_weights_fit(model, device, quantized_source(cfg))
     model = model.to_empty(device=device)
     # Parameters the family keeps in float32 whatever the dtype (DeepSeek's and GLM-4's
@@ -120,7 +151,7 @@ def load_model(
         model.load_weights(weights)
     kv_scales.apply(model)
     model.weights_from = "dummy" if dummy else quantized_source(cfg)
-    model.packed_bits = native.bits if swapped else None  # the execution path's weights
+    model.packed_bits = packed.bits if swapped else None  # the execution path's weights
     if fold and device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
         # 16-bit decode batches on the GPU run without norm launches (norm_fold.py); fp32
         # (the parity runs against transformers) and CPU keep the weights as loaded.

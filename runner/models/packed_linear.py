@@ -1,6 +1,11 @@
 """Dense projections that keep a GPTQ / AWQ / compressed-tensors checkpoint's integer
 weights packed (kernels/int_linear.py runs them), instead of dequantizing them at load.
 
+When: `quantized_weights="packed"` (`--quantized-weights packed`), or "auto" (the default)
+where the model's 16-bit weights would not fit the GPU's free memory. Where they fit,
+"auto" dequantizes: the packed kernels are not yet tuned and run slower than cuBLAS on
+16-bit weights (benchmarks/int_linear_bench.py), so packing buys memory, not speed.
+
 Which linears: a Llama-family decoder layer's qkv and o projections and a dense SiLU /
 GeGLU MLP's gate/up and down (`swap_packed_linears`): `PackedLinear` takes their place on
 the meta model before any byte is allocated, so the weights take their packed size on the
@@ -83,11 +88,16 @@ def project(
     return y if act is None else gelu_tanh_and_mul(y)
 
 
-def native_format(fmt: PackedIntFormat | None, lora: bool) -> PackedIntFormat | None:
-    """`fmt` if its linears can stay packed, None where they are dequantized at load."""
-    if fmt is None or lora or fmt.act_order or fmt.bits not in NATIVE_BITS:
-        return None
-    return fmt
+def packed_refusal(fmt: PackedIntFormat, lora: bool) -> str | None:
+    """Why `fmt`'s linears cannot stay packed (they are dequantized at load), None if they
+    can."""
+    if lora:
+        return "LoRA adapters read 16-bit projection weights"
+    if fmt.act_order:
+        return "act-order groups are not contiguous"
+    if fmt.bits not in NATIVE_BITS:
+        return f"{fmt.bits}-bit codes (the kernels take {' and '.join(map(str, NATIVE_BITS))})"
+    return None
 
 
 def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
@@ -107,7 +117,10 @@ def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
     for i, layer in enumerate(model.layers):
         sites = []
         if type(layer.self_attn) is Attention:
-            sites += [(layer.self_attn, "self_attn", "qkv_proj"), (layer.self_attn, "self_attn", "o_proj")]
+            sites += [
+                (layer.self_attn, "self_attn", "qkv_proj"),
+                (layer.self_attn, "self_attn", "o_proj"),
+            ]
         if type(layer.mlp) is MLP:
             sites += [(layer.mlp, "mlp", "gate_up_proj"), (layer.mlp, "mlp", "down_proj")]
         for parent, where, name in sites:
