@@ -35,6 +35,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pdserve.kernels.skinny_linear import swap_ab_dot
+
 # Rows past which a batch (a long prefill chunk) multiplies a dequantized scratch copy of
 # the weight with cuBLAS instead of dequantizing tile by tile: above the decode graphs'
 # batch sizes, so no graph holds a scratch weight.
@@ -62,15 +64,6 @@ def int_linear_ref(
     """The spec: the weight dequantized to x's dtype, then `F.linear`."""
     w = dequantize_int(qweight, scales, zeros, bits, x.shape[-1], group_size).to(x.dtype)
     return F.linear(x, w, bias)
-
-
-@triton.jit
-def _dot(w, xs, acc, IEEE_DOT: tl.constexpr):
-    # acc + w @ xs^T; IEEE_DOT as in kernels/skinny_linear.py (fp32 operands, and 16-bit
-    # ones under Triton's interpreter, which multiplies 16-bit tiles as raw bits).
-    if IEEE_DOT:
-        return tl.dot(w.to(tl.float32), tl.trans(xs.to(tl.float32)), acc, input_precision="ieee")
-    return tl.dot(w, tl.trans(xs), acc)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -136,7 +129,7 @@ def _int_linear_kernel(
             w = (codes - z).to(tl.float32) * s
         xs = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
                      mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-        acc = _dot(w.to(dtype), xs, acc, IEEE_DOT)
+        acc = swap_ab_dot(w.to(dtype), xs, acc, IEEE_DOT)  # kernels/skinny_linear.py
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]

@@ -104,7 +104,7 @@ class SkinnyConfig:
 
 
 @triton.jit
-def _dot(w, xs, acc, IEEE_DOT: tl.constexpr):
+def swap_ab_dot(w, xs, acc, IEEE_DOT: tl.constexpr):
     # acc + w @ xs^T. IEEE_DOT: fp32 inputs, and 16-bit ones under Triton's interpreter
     # (which multiplies 16-bit tiles as raw bits): fp32 operands, no tf32 rounding; 16-bit
     # products are exact in fp32, so this is what the tensor cores give.
@@ -188,10 +188,10 @@ def _skinny_linear_kernel(
             x_mask = m_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         xs = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        acc = _dot(w, xs, acc, IEEE_DOT)
+        acc = swap_ab_dot(w, xs, acc, IEEE_DOT)
         if SILU_MUL:  # the up rows sit N rows below the gate rows
             w_up = tl.load(w_ptrs + n * stride_wn, mask=w_mask, other=0.0)
-            acc_up = _dot(w_up, xs, acc_up, IEEE_DOT)
+            acc_up = swap_ab_dot(w_up, xs, acc_up, IEEE_DOT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
