@@ -79,9 +79,10 @@ def main() -> int:
                              "GBps": round(n * k * 2 / us / 1e3, 1)})  # fmt: skip
             configs = [None]
             if args.sweep:
-                configs += [IntLinearConfig(bn, bk, 4, st, bm, once) for bn, bk, st, bm, once in
-                            itertools.product((32, 64, 128), (64, 128), (3,),
-                                              (0,) if m <= 64 else (64, 128), (True, False))]  # fmt: skip
+                configs += [IntLinearConfig(bn, bk, warps, 3, bm, once)
+                            for (bn, warps), bk, bm, once in itertools.product(
+                                ((32, 4), (64, 4), (128, 4), (128, 8), (256, 8)), (64, 128),
+                                (0,) if m <= 64 else (64, 128), (True, False))]  # fmt: skip
             deq = [lambda q=q, s=s, z=z, x=x, k=k: F.linear(
                 x, dequantize_int_triton(q, s, z, BITS, k, GROUP, x.dtype)) for q, s, z in packed]  # fmt: skip
             us = graph_us(deq)
@@ -104,7 +105,7 @@ def main() -> int:
                        "GBps": round(int_bytes / us / 1e3, 1),
                        "max_err_over_bound": round(max(excess, 0.0), 5)}  # fmt: skip
                 if cfg is not None:
-                    row["cfg"] = [cfg.block_n, cfg.block_k, cfg.num_stages, cfg.block_m,
+                    row["cfg"] = [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.block_m,
                                   cfg.words_once]  # fmt: skip
                 rows_out.append(row)
                 print(row, flush=True)
