@@ -218,6 +218,9 @@ def main() -> int:
         default=None,
         help="rewrite the random checkpoint as 4-bit GPTQ (gptq_checkpoint.py)",
     )
+    ap.add_argument(
+        "--quantized-weights", default="auto", choices=["auto", "packed", "dequantized"]
+    )
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
 
@@ -235,6 +238,7 @@ def main() -> int:
         model=str(model_dir), dtype="bfloat16", max_model_len=4096,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager, gpu_memory_utilization=0.8,
+        quantized_weights=args.quantized_weights,
     )  # fmt: skip
     startup = time.perf_counter() - start
     rows = []
@@ -259,7 +263,7 @@ def main() -> int:
         for row in rows:
             row.update(peer.get(row["workload"], {"vllm_output_tok_s": None}))
     eager = "_eager" if args.enforce_eager else ""
-    quant = f"_{args.quantize}" if args.quantize else ""
+    quant = f"_{args.quantize}_{args.quantized_weights}" if args.quantize else ""
     stem = f"model_throughput_{args.shape}{quant}{eager}_{device_kind()}_{git_commit()}"
     out = Path(args.out) / f"{stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

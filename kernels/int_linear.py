@@ -37,10 +37,11 @@ import triton.language as tl
 
 from pdserve.kernels.skinny_linear import swap_ab_dot
 
-# Rows past which a batch (a long prefill chunk) multiplies a dequantized scratch copy of
-# the weight with cuBLAS instead of dequantizing tile by tile: above the decode graphs'
-# batch sizes, so no graph holds a scratch weight.
-DEQUANT_ROWS = 1024
+# Rows past which a batch multiplies a dequantized scratch copy of the weight with cuBLAS
+# instead of dequantizing tile by tile: on the H100, Llama-3-8B's gate/up took 115 us
+# tiled and 1,040 dequantized at 32 rows, 1,445 and 1,089 at 256, 2,692 and 1,165 at 2,048
+# (int_linear_bench_llama3_8b*_h100_*.json).
+DEQUANT_ROWS = 128
 
 
 def dequantize_int(
@@ -186,14 +187,17 @@ class IntLinearConfig:
 
 
 def choose_config(m: int, n: int, group_size: int, groups: int) -> IntLinearConfig:
-    """Tiles: 64 outputs (32 where that leaves fewer programs than SMs on a decode batch),
-    inputs in tiles of up to 128 that a group holds whole. Not yet tuned on a GPU
-    (benchmarks/int_linear_bench.py --sweep measures the alternatives)."""
-    block_k = (
-        128 if groups == 1 else next((b for b in (128, 64, 32, 16) if group_size % b == 0), 64)
-    )
-    block_n = 32 if m <= 64 and triton.cdiv(n, 64) < 132 else 64
-    return IntLinearConfig(block_n, block_k)
+    """The best tiles of the H100 sweep on Llama-3-8B's o and gate/up
+    (int_linear_bench_llama3_8b_sweep_h100_*.json): decode batches take 32 outputs a
+    program where N is narrow (o, 4,096) and 128 where it is wide (gate/up, 28,672), in
+    tiles of 128 inputs; longer batches take 128 x 128 tiles of 64 inputs. Inputs tile
+    within a group where the group size allows."""
+    want = 128 if m <= 64 else 64
+    fits = [b for b in (128, 64, 32, 16) if b <= want and (groups == 1 or group_size % b == 0)]
+    block_k = fits[0] if fits else 64
+    if m > 64:
+        return IntLinearConfig(128, block_k, block_m=128)
+    return IntLinearConfig(128 if n >= 16_384 else 32, block_k)
 
 
 def int_linear_triton(
