@@ -87,6 +87,9 @@ def _int_linear_kernel(
     BITS: tl.constexpr,
     TILE_GROUP: tl.constexpr,  # every tile lies in one group (group_size % BLOCK_K == 0)
     WORDS_ONCE: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,  # 4-bit 16-bit-float tiles of one group: scale after the dot
+    MAGIC: tl.constexpr,  # the dtype's bits of BIAS (SCALE_AFTER)
+    BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -118,7 +121,14 @@ def _int_linear_kernel(
         else:  # each word loaded once per code it holds (the repeats from L1)
             words = tl.load(w_rows + (kk // per_word)[None, :], mask=tile_mask, other=0)
             codes = (words >> ((kk % per_word) * BITS)[None, :]) & ((1 << BITS) - 1)
-        if TILE_GROUP:
+        if SCALE_AFTER:  # 4-bit codes as 16-bit floats by their bits: MAGIC | code is the
+            # float BIAS + code exactly (bf16 0x4300 = 128, fp16 0x6400 = 1024), so one
+            # subtraction of BIAS + zero gives code - zero, exact, with no conversion
+            g = k0 // group_size
+            s = tl.load(s_ptr + s_rows + g, mask=n_mask, other=0.0)
+            z = tl.load(z_ptr + s_rows + g, mask=n_mask, other=0).to(tl.int32)
+            w = (codes | MAGIC).to(tl.int16).to(dtype, bitcast=True) - (z + BIAS).to(dtype)[:, None]
+        elif TILE_GROUP:
             g = k0 // group_size
             s = tl.load(s_ptr + s_rows + g, mask=n_mask, other=0.0)
             z = tl.load(z_ptr + s_rows + g, mask=n_mask, other=0).to(tl.int32)
@@ -130,7 +140,10 @@ def _int_linear_kernel(
             w = (codes - z).to(tl.float32) * s
         xs = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
                      mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-        acc = swap_ab_dot(w.to(dtype), xs, acc, IEEE_DOT)  # kernels/skinny_linear.py
+        if SCALE_AFTER:  # exact (code - zero) in the dtype, the row's scale after the dot
+            acc += swap_ab_dot(w, xs, None, IEEE_DOT) * s[:, None]
+        else:
+            acc = swap_ab_dot(w.to(dtype), xs, acc, IEEE_DOT)  # kernels/skinny_linear.py
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
@@ -184,6 +197,9 @@ class IntLinearConfig:
     num_stages: int = 3
     block_m: int = 0  # rows a program takes; 0: by the batch (16 / 32 / 64)
     words_once: bool = True  # load a word once and split it (else once per code, from L1)
+    # 4-bit codes in bf16 / fp16 tiles of one group: (code - zero) as a float by its bits,
+    # the row's scale applied to the tile's dot product (else each weight dequantized)
+    scale_after: bool = True
 
 
 def choose_config(m: int, n: int, group_size: int, groups: int) -> IntLinearConfig:
@@ -216,6 +232,12 @@ def int_linear_triton(
         return out
     cfg = config or choose_config(m, n, group_size, groups)
     tile_group = groups == 1 or group_size % cfg.block_k == 0
+    # (Triton's interpreter bitcasts int16 to bf16 wrongly: the CPU runs bf16 tiles the
+    # other way; fp16 checks the bit form there, bf16 on a GPU)
+    magic = {torch.bfloat16: (0x4300, 128), torch.float16: (0x6400, 1024)}.get(x.dtype)
+    if x.dtype == torch.bfloat16 and not x.is_cuda:
+        magic = None
+    scale_after = cfg.scale_after and tile_group and bits == 4 and magic is not None
     block_m = cfg.block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
     ieee = x.dtype == torch.float32 or not x.is_cuda
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))
@@ -223,7 +245,8 @@ def int_linear_triton(
         x, qweight, scales, zeros, bias if bias is not None else scales, out,
         m, n, k, k_words, groups, group_size, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BITS=bits, TILE_GROUP=tile_group,
-        WORDS_ONCE=cfg.words_once, BLOCK_M=block_m,
+        WORDS_ONCE=cfg.words_once, SCALE_AFTER=scale_after, MAGIC=(magic or (0, 0))[0],
+        BIAS=(magic or (0, 0))[1], BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE_DOT=ieee, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
