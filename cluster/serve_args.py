@@ -22,6 +22,7 @@ UVICORN_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # runner/config.py's, without importing torch
 MAMBA_DTYPES = ("auto", "float32", "bfloat16", "float16")  # runner/config.py's, no torch
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # runner/config.py's names
+QUANTIZED_WEIGHTS = ("auto", "packed", "dequantized")  # runner/config.py's names
 # Keys that take human-readable sizes ("32k", "4G"; pdserve/sizes.py), as vLLM's flags do.
 SIZE_KEYS = (
     "max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "responses_store_bytes",
@@ -297,6 +298,11 @@ class ServeConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
+            )
+        if self.quantized_weights not in QUANTIZED_WEIGHTS:
+            raise ValueError(
+                f"--quantized-weights must be one of {', '.join(QUANTIZED_WEIGHTS)}, got "
+                f"{self.quantized_weights!r}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

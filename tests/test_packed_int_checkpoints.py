@@ -36,7 +36,7 @@ from pdserve.runner.models.packed_int_weights import (
     dequantized_packed_weights,
     packed_int_format,
 )
-from pdserve.runner.models.packed_linear import PackedLinear
+from pdserve.runner.models.packed_linear import PackedLinear, runs_packed
 from pdserve.runner.runner_select import mrv2_unsupported_features
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output ORDER[i]
@@ -380,3 +380,21 @@ def test_packed_is_refused_for_families_that_rework_their_weights(tiny_granite_d
         LLM(model=str(tmp_path / "q"), device=DEVICE, dtype="float32", quantized_weights="packed")
     llm = LLM(model=str(tmp_path / "q"), device=DEVICE, dtype="float32")
     assert llm.engine.execution_path["weights"] == "gptq->float32"
+
+
+def test_when_packed_weights_are_kept():
+    """quantized_weights: "auto" packs only where the 16-bit weights would not fit the GPU
+    (never off one); "packed" / "dequantized" choose; where packing cannot run, "auto"
+    dequantizes (the fit check then speaks) and "packed" is refused by name."""
+    fmt = PackedIntFormat("gptq", 4, 128, 1, act_order=False)
+    act = PackedIntFormat("gptq", 4, 128, 1, act_order=True)
+    gib = 2**30
+    assert runs_packed("auto", fmt, False, 9 * gib, 80 * gib) is False
+    assert runs_packed("auto", fmt, False, 90 * gib, 80 * gib) is True
+    assert runs_packed("auto", fmt, False, None, None) is False
+    assert runs_packed("auto", act, False, 90 * gib, 80 * gib) is False
+    assert runs_packed("auto", fmt, True, 90 * gib, 80 * gib) is False  # LoRA
+    assert runs_packed("packed", fmt, False, None, None) is True
+    assert runs_packed("dequantized", fmt, False, 90 * gib, 80 * gib) is False
+    with pytest.raises(ValueError, match="quantized_weights='packed': LoRA adapters"):
+        runs_packed("packed", fmt, True, None, None)

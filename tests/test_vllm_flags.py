@@ -84,6 +84,11 @@ def test_defaults_and_names_as_vllm_picks_them():
     assert serve_args.SCHEDULING_POLICIES == config.SCHEDULING_POLICIES
     assert serve_args.MAMBA_DTYPES == config.MAMBA_DTYPES
     assert tuple(config.KV_CACHE_DTYPES) == serve_args.KV_CACHE_DTYPES
+    assert config.QUANTIZED_WEIGHTS == serve_args.QUANTIZED_WEIGHTS
+    assert cfg.quantized_weights == "auto"
+    assert _args("--quantized-weights", "packed").quantized_weights == "packed"
+    with pytest.raises(ValueError, match="--quantized-weights must be one of auto, packed"):
+        ServeConfig(quantized_weights="int4")  # a config file's
     assert cfg.kv_cache_dtype == "auto"
     assert _args("--kv-cache-dtype", "fp8_e5m2").kv_cache_dtype == "fp8_e5m2"
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, fp8"):

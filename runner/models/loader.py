@@ -19,12 +19,8 @@ from pdserve.runner.models.dummy_weights import dummy_weights
 from pdserve.runner.models.fp8_weights import dequantized_weights, fp8_format, quantized_source
 from pdserve.runner.models.kv_scales import KvScales
 from pdserve.runner.models.norm_fold import fold_norms
-from pdserve.runner.models.packed_int_weights import (
-    PackedIntFormat,
-    dequantized_packed_weights,
-    packed_int_format,
-)
-from pdserve.runner.models.packed_linear import packed_refusal, packed_target, swap_packed_linears
+from pdserve.runner.models.packed_int_weights import dequantized_packed_weights, packed_int_format
+from pdserve.runner.models.packed_linear import packed_target, runs_packed, swap_packed_linears
 from pdserve.runner.models.text_only import language_model_weights
 
 
@@ -72,26 +68,6 @@ def check_weights_fit(
     )
 
 
-def _runs_packed(
-    model: torch.nn.Module, device: torch.device, fmt: PackedIntFormat, model_config: ModelConfig,
-    lora: bool,
-) -> bool:  # fmt: skip
-    """quantized_weights: "packed" keeps the checkpoint's integers (refused by name where
-    they cannot run so), "dequantized" never, "auto" only where the 16-bit weights would
-    not fit the GPU (the packed kernels are not yet tuned: runner/models/packed_linear.py)."""
-    mode = model_config.quantized_weights
-    why = packed_refusal(fmt, lora)
-    if mode == "packed" and why is not None:
-        raise ValueError(f"quantized_weights='packed': {why}; drop it to dequantize at load")
-    if mode == "dequantized" or why is not None:
-        return False
-    if mode == "packed":
-        return True
-    if device.type != "cuda":
-        return False
-    return weight_bytes(model) > torch.cuda.mem_get_info(device)[0]
-
-
 def load_model(
     model_config: ModelConfig, device: torch.device, fold: bool = True
 ) -> torch.nn.Module:
@@ -115,7 +91,12 @@ def load_model(
     # GPTQ / AWQ / compressed-tensors linears the model runs packed (after the dtype cast:
     # their scales stay float32), before a byte is allocated (runner/models/packed_linear.py)
     swapped = set()
-    if packed is not None and _runs_packed(model, device, packed, model_config, lora=not fold):
+    on_gpu = device.type == "cuda"
+    if packed is not None and runs_packed(
+        model_config.quantized_weights, packed, lora=not fold,
+        dequantized_bytes=weight_bytes(model) if on_gpu else None,
+        free_bytes=torch.cuda.mem_get_info(device)[0] if on_gpu else None,
+    ):  # fmt: skip
         swapped = swap_packed_linears(model, packed)
         if not swapped and model_config.quantized_weights == "packed":
             raise ValueError(

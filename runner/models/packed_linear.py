@@ -100,6 +100,28 @@ def packed_refusal(fmt: PackedIntFormat, lora: bool) -> str | None:
     return None
 
 
+def runs_packed(
+    mode: str, fmt: PackedIntFormat, lora: bool, dequantized_bytes: int | None,
+    free_bytes: int | None,
+) -> bool:  # fmt: skip
+    """Whether a packed checkpoint's projections stay packed. `mode` (quantized_weights):
+    "packed" keeps them (refused by name where they cannot run so), "dequantized" never,
+    "auto" only where the model's 16-bit weights (`dequantized_bytes`) would not fit the
+    GPU's free memory (None, None off a GPU: never)."""
+    why = packed_refusal(fmt, lora)
+    if mode == "packed" and why is not None:
+        raise ValueError(f"quantized_weights='packed': {why}; drop it to dequantize at load")
+    if mode == "dequantized" or why is not None:
+        return False
+    if mode == "packed":
+        return True
+    return (
+        dequantized_bytes is not None
+        and free_bytes is not None
+        and (dequantized_bytes > free_bytes)
+    )
+
+
 def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
     """Replaces the dense projections `model` can run packed with PackedLinears (on the
     meta device, before allocation); returns their names (model-local, e.g.
