@@ -12,18 +12,24 @@ Layout (one for every checkpoint format; runner/models/packed_int_weights.py con
 
 The spec, `int_linear_ref`, dequantizes the whole weight to x's dtype (the float32
 product `(code - zero) * scale` rounded once, exactly as a checkpoint dequantized at load
-is) and calls `F.linear`. The kernel builds the same rounded tile in registers and
-multiplies it with fp32 accumulation, so the two differ only in summation order. It is
-also the CPU path.
+is) and calls `F.linear`; it is also the CPU path. The kernel builds the same rounded tile
+in registers and multiplies it with fp32 accumulation (the two differ only in summation
+order), except for 4-bit codes in 16-bit tiles of one group (`scale_after`): there the
+tile holds the exact integers code - zero, made from the codes' bits (`MAGIC | code` is
+the float BIAS + code), and the row's scale multiplies the tile's dot product, so each
+weight's rounding to the dtype is skipped (a difference of at most half an ulp a weight).
 
 Device path: one Triton kernel, swap-AB as kernels/skinny_linear.py (a program owns
-BLOCK_N outputs of BLOCK_M rows; the dequantized weight tile is the MMA's M side). A tile
-of BLOCK_K inputs loads its words once and splits each into its codes in registers (a
-[BLOCK_N, words, codes] tensor reshaped to the tile; the alternative, each word loaded
-once per code from L1, is kept for the sweep); where the group size is a multiple of BLOCK_K a tile is one group
-and loads one scale and zero per output, else one per (output, input). Not yet tuned on
-a GPU: no split-K (an N of 1024 gives 16 programs of 64 outputs), and no Marlin-style
-weight reordering; the execution path says which weights run (`weights=gptq(int4)`).
+BLOCK_N outputs of BLOCK_M rows; the weight tile is the MMA's M side). A tile of BLOCK_K
+inputs loads its words once and splits each into its codes in registers (a [BLOCK_N,
+words, codes] tensor reshaped to the tile; the alternative, each word loaded once per
+code from L1, is kept for the sweep); where the group size is a multiple of BLOCK_K a
+tile is one group and loads one scale and zero per output, else one per (output, input).
+Past DEQUANT_ROWS rows a dequantize kernel writes the 16-bit weight and cuBLAS multiplies.
+The tiles come from an H100 sweep (benchmarks/int_linear_bench.py --sweep); the kernel is
+still slower than cuBLAS on the 16-bit weights (bound by the unpacking arithmetic, not by
+bytes), so packed weights run only where asked or where 16-bit ones would not fit
+(runner/models/packed_linear.py); the execution path says which (`weights=gptq->int4`).
 """
 
 from __future__ import annotations

@@ -23,13 +23,11 @@ packed weights (runner/models/norm_fold.py): they run as kernels.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from pdserve.kernels.activation import gelu_tanh_and_mul, silu_and_mul
-from pdserve.kernels.int_linear import dequantize_int, int_linear
+from pdserve.kernels.int_linear import int_linear
 from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
 from pdserve.runner.models.packed_int_weights import PackedIntFormat
@@ -61,11 +59,6 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int_linear(x, self.qweight, self.scales, self.zeros, self.bits, self.group_size,
                           self.bias)  # fmt: skip
-
-    def dequantized(self) -> torch.Tensor:
-        """float32 [N, K] (tests and diagnostics)."""
-        return dequantize_int(self.qweight, self.scales, self.zeros, self.bits,
-                              self.in_features, self.group_size)  # fmt: skip
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -126,12 +119,11 @@ def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
     """Replaces the dense projections `model` can run packed with PackedLinears (on the
     meta device, before allocation); returns their names (model-local, e.g.
     "layers.0.self_attn.qkv_proj"). Models this does not cover return an empty set."""
+    # (imported here: llama.py imports this module for `project`)
     from pdserve.runner.models.llama import Attention, LlamaFamilyForCausalLM, family_spec
     from pdserve.runner.models.mlp import MLP
 
-    if not isinstance(model, LlamaFamilyForCausalLM) or type(model).__name__ != (
-        "LlamaFamilyForCausalLM"
-    ):
+    if type(model) is not LlamaFamilyForCausalLM:
         return set()  # subclasses (Gemma, gpt-oss, ...) rework their projections
     if family_spec(model.config).rope_interleaved or model.residual_multiplier != 1.0:
         return set()
@@ -161,7 +153,3 @@ def packed_target(checkpoint_prefix: str, swapped: set[str]) -> bool:
     parts = checkpoint_prefix.removeprefix("model.").split(".")
     local = ".".join(_FUSED.get(p, p) for p in parts)
     return local in swapped
-
-
-def has_packed_linears(model: Any) -> bool:
-    return any(isinstance(m, PackedLinear) for m in model.modules())
