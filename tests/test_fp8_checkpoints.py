@@ -53,6 +53,54 @@ def _dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, bm: int, bn: int) -
     return w
 
 
+def _int8_weights(w: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes and float32 scales ([N, 1] per channel or [N, K / group])."""
+    n, k = w.shape
+    cols = w.reshape(n, -1, group) if group else w.reshape(n, 1, k)
+    scale = cols.abs().amax(-1).clamp(min=1e-8) / 127  # [N, G]
+    q = (cols / scale[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(n, k)
+    return q, scale
+
+
+def _int8_pair(src: str, dst_q: Path, dst_ref: Path, group: int | None) -> None:
+    """compressed-tensors int-quantized (W8A8-INT8) checkpoint and its float32 twin; the
+    reference multiplies each code by its scale in a loop over the groups."""
+    shutil.copytree(src, dst_q)
+    shutil.copytree(src, dst_ref)
+    (file,) = sorted(Path(src).glob("*.safetensors"))
+    q_ckpt, ref = {}, {}
+    for name, w in load_file(file).items():
+        if not name.endswith("proj.weight"):
+            q_ckpt[name] = ref[name] = w
+            continue
+        q, scale = _int8_weights(w, group)
+        q_ckpt[name], q_ckpt[name + "_scale"] = q, scale
+        size = group or w.shape[1]
+        deq = torch.empty(w.shape)
+        for g in range(scale.shape[1]):
+            deq[:, g * size : (g + 1) * size] = (
+                q[:, g * size : (g + 1) * size].float() * scale[:, g : g + 1]
+            )
+        ref[name] = deq
+    save_file(q_ckpt, dst_q / file.name, metadata={"format": "pt"})
+    save_file(ref, dst_ref / file.name, metadata={"format": "pt"})
+    config = json.loads((dst_q / "config.json").read_text())
+    weights = {
+        "type": "int",
+        "num_bits": 8,
+        "symmetric": True,
+        "strategy": "group" if group else "channel",
+        "group_size": group,
+    }
+    acts = {"type": "int", "num_bits": 8, "symmetric": True, "dynamic": True, "strategy": "token"}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized",
+        "config_groups": {"group_0": {"weights": weights, "input_activations": acts,
+                                      "targets": ["Linear"]}},
+    }  # fmt: skip
+    (dst_q / "config.json").write_text(json.dumps(config))
+
+
 def _fp8_pair(src: str, dst_fp8: Path, dst_ref: Path, per_channel: bool) -> None:
     """Writes the FP8 checkpoint and its dequantized float32 twin from model `src`."""
     shutil.copytree(src, dst_fp8)
@@ -90,28 +138,35 @@ def _fp8_pair(src: str, dst_fp8: Path, dst_ref: Path, per_channel: bool) -> None
     (dst_fp8 / "config.json").write_text(json.dumps(config))
 
 
-CASES = {
-    "qwen3-block": ("tiny_qwen3_dir", False),
-    "qwen3-channel": ("tiny_qwen3_dir", True),
-    "qwen3-moe-block": ("tiny_qwen3_moe_dir", False),
+CASES = {  # name: (fixture, layout)
+    "qwen3-block": ("tiny_qwen3_dir", "fp8-block"),
+    "qwen3-channel": ("tiny_qwen3_dir", "fp8-channel"),
+    "qwen3-moe-block": ("tiny_qwen3_moe_dir", "fp8-block"),
+    "qwen3-int8-channel": ("tiny_qwen3_dir", "int8-channel"),
+    "qwen3-moe-int8-group8": ("tiny_qwen3_moe_dir", "int8-group"),  # K = 80/96/40/112
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def fp8_pair(request, tmp_path_factory) -> tuple[str, str]:
-    fixture, per_channel = CASES[request.param]
+    fixture, layout = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    _fp8_pair(request.getfixturevalue(fixture), root / "fp8", root / "ref", per_channel)
+    src = request.getfixturevalue(fixture)
+    if layout.startswith("int8"):
+        _int8_pair(src, root / "fp8", root / "ref", 8 if layout == "int8-group" else None)
+    else:
+        _fp8_pair(src, root / "fp8", root / "ref", per_channel=layout == "fp8-channel")
     return str(root / "fp8"), str(root / "ref")
 
 
 def test_greedy_tokens_match_the_dequantized_model(fp8_pair):
     fp8_dir, ref_dir = fp8_pair
+    int8 = "int8" in Path(fp8_dir).parent.name
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 9, 40, 70)]
     llm = LLM(model=fp8_dir, device=DEVICE, dtype="float32", max_num_batched_tokens=64)
     assert llm.runner_name == "mrv2"
-    assert llm.engine.execution_path["weights"] == "fp8->float32"
+    assert llm.engine.execution_path["weights"] == ("w8a8" if int8 else "fp8") + "->float32"
     params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for p, out, exp in zip(prompts, outs, hf_greedy(ref_dir, prompts, 16)):

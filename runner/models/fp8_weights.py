@@ -9,7 +9,10 @@ them back:
   scale per `weight_block_size` block (128 x 128), the last block of a row or column
   cut short;
 - quant_method "compressed-tensors" with 8-bit float weights (Red Hat / Neural Magic
-  FP8 exports): `<name>_scale`, one per tensor or one per output channel.
+  FP8 exports): `<name>_scale`, one per tensor or one per output channel;
+- the same with symmetric 8-bit integer weights ("int-quantized", llm-compressor's
+  W8A8-INT8): int8 `<name>` and `<name>_scale` per channel or per group of inputs. Their
+  dynamic int8 activations are not applied: activations stay in the model's dtype.
 
 What this does not do: run FP8 GEMMs. The weights take the dtype's memory (twice FP8's
 in bf16) and the matmuls run as for any 16-bit model; the execution path says so
@@ -35,6 +38,9 @@ from pdserve.runner.models.packed_int_weights import (
 )
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
+# Weight dtypes a scale pairs with: FP8, and compressed-tensors' int8 (int8_weights_only).
+SCALED_DTYPES = (*FP8_DTYPES, torch.int8)
+_INT8_FORMATS = ("int-quantized", "naive-quantized")
 # Tensors of an FP8 checkpoint that only an FP8 activation or KV path would use.
 _DROPPED_SUFFIXES = ("input_scale",)
 
@@ -65,7 +71,7 @@ def fp8_format(hf_config: Any) -> Fp8Format | None:
             raise ValueError(f"fp8 format {quant.get('fmt')!r} (mrv2 reads e4m3)")
         block = quant.get("weight_block_size")
         return Fp8Format("fp8", "_scale_inv", tuple(block) if block else None)
-    if method == "compressed-tensors" and _float8_weights_only(quant):
+    if method == "compressed-tensors" and (_float8_weights_only(quant) or int8_weights_only(quant)):
         return Fp8Format("compressed-tensors", "_scale", None)
     raise ValueError(
         f"quantized weights ({method}; mrv2 dequantizes fp8, gptq, awq and compressed-tensors "
@@ -75,12 +81,14 @@ def fp8_format(hf_config: Any) -> Fp8Format | None:
 
 def quantized_source(hf_config: Any) -> str | None:
     """The checkpoint's quantization as the execution path names it ("fp8", "mxfp4",
-    "gptq", "awq", "w4a16" / "w8a16" for compressed-tensors' packed integers), None for
-    16/32-bit weights: whatever it was, the weights are dequantized at load."""
+    "gptq", "awq", "w4a16" / "w8a16" for compressed-tensors' packed integers, "w8a8" for
+    its int8 weights), None for 16/32-bit weights."""
     quant = getattr(hf_config, "quantization_config", None)
     if not quant:
         return None
     method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method == CT and int8_weights_only(quant):
+        return "w8a8"  # int8 weights, dequantized; the int8 activations are not applied
     return "mxfp4" if method == "mxfp4" else packed_source(hf_config) or "fp8"
 
 
@@ -118,6 +126,18 @@ def _float8_weights_only(quant: dict) -> bool:
     )
 
 
+def int8_weights_only(quant: dict) -> bool:
+    """compressed-tensors with symmetric int8 weights stored as int8 ("int-quantized")."""
+    groups = list((quant.get("config_groups") or {}).values())
+    stored = [quant.get("format") in _INT8_FORMATS or g.get("format") in _INT8_FORMATS
+              for g in groups]  # fmt: skip
+    weights = [g.get("weights") or {} for g in groups]
+    return bool(weights) and all(stored) and all(
+        w.get("type") == "int" and w.get("num_bits") == 8 and w.get("symmetric", True)
+        and w.get("strategy") in ("channel", "group") for w in weights
+    )  # fmt: skip
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """float32 `weight * scale`, the scale broadcast over its block, channel or tensor.
     `weight` is [..., N, K] (a leading expert dim is allowed)."""
@@ -140,6 +160,8 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> tor
         s = s[:, None]
     if tuple(s.shape[-2:]) == (n, 1):  # per output channel
         return w * s
+    if s.dim() == w.dim() and s.shape[-2] == n and k % s.shape[-1] == 0:  # per input group
+        return w * s.repeat_interleave(k // s.shape[-1], dim=-1)
     raise ValueError(f"scale of shape {tuple(s.shape)} for a {tuple(w.shape)} weight")
 
 
@@ -161,7 +183,7 @@ def dequantized_weights(
                 yield owner, dequantize(weights_waiting.pop(owner), tensor, fmt).to(dtype)
             else:
                 scales_waiting[owner] = tensor
-        elif tensor.dtype in FP8_DTYPES:
+        elif tensor.dtype in SCALED_DTYPES:
             if name in scales_waiting:
                 yield name, dequantize(tensor, scales_waiting.pop(name), fmt).to(dtype)
             else:
