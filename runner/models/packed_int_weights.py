@@ -22,9 +22,10 @@ is packed along which axis:
   along N; `weight_g_idx` [K] for act-order. Activation quantization, if the config
   names one, is not applied: activations stay in the model's dtype (as for FP8).
 
-What this does not do: run integer GEMMs. The weights take the dtype's memory (four times
-4-bit's in bf16) and the matmuls run as for any 16-bit model; the execution path says so
-(`weights=gptq->bfloat16`).
+Each linear is either dequantized (`dequantize_packed`: its weight in the model's dtype,
+four times 4-bit's memory in bf16, the matmuls as for any 16-bit model; the execution
+path says `weights=gptq->bfloat16`) or, where runner/models/packed_linear.py keeps it
+packed, converted to kernels/int_linear.py's layout (`repacked`; `weights=gptq->int4`).
 """
 
 from __future__ import annotations
@@ -43,9 +44,8 @@ METHOD_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 # AWQ's nibble i of a word holds output _AWQ_ORDER[i] of the word's eight.
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
-# compressed-tensors' part names -> the GPTQ names they play (zero points: asymmetric only)
-_CT_PARTS = {"weight_packed": "qweight", "weight_zero_point": "qzeros", "weight_scale": "scales",
-             "weight_g_idx": "g_idx", "weight_shape": "shape"}  # fmt: skip
+# compressed-tensors' parts (zero points: asymmetric only; g_idx: act-order only)
+_CT_PARTS = ("weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx", "weight_shape")
 
 
 @dataclass(frozen=True)
