@@ -44,9 +44,10 @@ import triton.language as tl
 from pdserve.kernels.skinny_linear import swap_ab_dot
 
 # Rows past which a batch multiplies a dequantized scratch copy of the weight with cuBLAS
-# instead of dequantizing tile by tile: on the H100, Llama-3-8B's gate/up took 115 us
-# tiled and 1,040 dequantized at 32 rows, 1,445 and 1,089 at 256, 2,692 and 1,165 at 2,048
-# (int_linear_bench_llama3_8b*_h100_*.json).
+# instead of dequantizing tile by tile. On the H100 with today's tiles (Llama-3-8B,
+# int_linear_bench_llama3_8b_h100_969d5c6.json), us tiled / dequantized: at 64 rows
+# gate/up 183 / 601, o 57 / 90; at 256 qkv 155 / 142, o 153 / 97, down 577 / 318 but
+# gate/up 404 / 638; at 2,048 (the sweep, ..._a1b0df2.json) gate/up 2,692 / 1,165.
 DEQUANT_ROWS = 128
 
 
@@ -55,12 +56,11 @@ def dequantize_int(
     group_size: int,
 ) -> torch.Tensor:  # fmt: skip
     """float32 [N, K]: each weight (code - zero) * scale of its input's group."""
-    per_word = 32 // bits
+    assert qweight.shape[1] * (32 // bits) >= k
     shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=qweight.device)
     codes = (qweight.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     codes = codes.reshape(qweight.shape[0], -1)[:, :k]  # [N, K]
     group = torch.arange(k, device=qweight.device) // group_size
-    assert qweight.shape[1] * per_word >= k
     return (codes - zeros.to(torch.int64)[:, group]).float() * scales.float()[:, group]
 
 
@@ -171,10 +171,12 @@ def _dequantize_kernel(
     codes = (words >> ((kk % per_word) * BITS)[None, :]) & ((1 << BITS) - 1)
     if TILE_GROUP:  # one group a tile: a scale and a zero a row, no division per code
         where = rows * groups + tl.program_id(1) * BLOCK_K // group_size
+        sz_mask = (offs_n < n)[:, None]
     else:
         where = rows * groups + (kk // group_size)[None, :]
-    s = tl.load(s_ptr + where, mask=mask if not TILE_GROUP else (offs_n < n)[:, None], other=0.0)
-    z = tl.load(z_ptr + where, mask=mask if not TILE_GROUP else (offs_n < n)[:, None], other=0)
+        sz_mask = mask
+    s = tl.load(s_ptr + where, mask=sz_mask, other=0.0)
+    z = tl.load(z_ptr + where, mask=sz_mask, other=0)
     w = (codes - z.to(tl.int32)).to(tl.float32) * s
     tl.store(out_ptr + rows * k + kk[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 

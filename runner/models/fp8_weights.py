@@ -35,6 +35,7 @@ from pdserve.runner.models.packed_int_weights import (
     PACKED_METHODS,
     packed_int_format,
     packed_source,
+    quantization_config,
 )
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -55,11 +56,9 @@ class Fp8Format:
 def fp8_format(hf_config: Any) -> Fp8Format | None:
     """The config's FP8 layout, None for an unquantized model. Raises ValueError naming
     any other quantization (the caller lists it as unsupported)."""
-    quant = getattr(hf_config, "quantization_config", None)
-    if not quant:
+    quant = quantization_config(hf_config)
+    if quant is None:
         return None
-    if not isinstance(quant, dict):
-        quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
     method = quant.get("quant_method", "?")
     if method == "mxfp4" and getattr(hf_config, "model_type", "") == "gpt_oss":
         return None  # gpt-oss's experts: runner/models/mxfp4_weights.py, at its load

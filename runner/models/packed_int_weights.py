@@ -76,7 +76,8 @@ class PackedIntFormat:
         return "weight_g_idx" if self.method == CT else "g_idx" if self.method == "gptq" else None
 
 
-def _quant_dict(hf_config: Any) -> dict | None:
+def quantization_config(hf_config: Any) -> dict | None:
+    """The config's `quantization_config` as a dict, None where it has none."""
     quant = getattr(hf_config, "quantization_config", None)
     if not quant:
         return None
@@ -115,7 +116,7 @@ def packed_int_format(hf_config: Any) -> PackedIntFormat | None:
     """The config's GPTQ / AWQ / compressed-tensors packed integer layout, None for any
     other checkpoint. Raises ValueError for a variant that is not read (the caller lists
     it as unsupported)."""
-    quant = _quant_dict(hf_config)
+    quant = quantization_config(hf_config)
     method = (quant or {}).get("quant_method")
     if method == CT:
         weights = _ct_int_weights(quant)
@@ -145,7 +146,7 @@ def packed_int_format(hf_config: Any) -> PackedIntFormat | None:
 def packed_source(hf_config: Any) -> str | None:
     """How the execution path names a packed checkpoint's weights: "gptq", "awq", or
     llm-compressor's "w4a16" / "w8a16" for compressed-tensors; None for any other."""
-    quant = _quant_dict(hf_config)
+    quant = quantization_config(hf_config)
     method = (quant or {}).get("quant_method")
     if method in PACKED_METHODS:
         return method
