@@ -29,6 +29,7 @@ from pdserve.kernels.int_linear import (
     dequantize_int_triton,
     int_linear_triton,
 )
+from pdserve.kernels.workspace import KernelWorkspace
 
 SHAPES = {
     "llama3_8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -37,6 +38,7 @@ SHAPES = {
                    "down": (1024, 3072)},
 }  # fmt: skip
 GROUP = 128
+TILES = ((32, 4), (64, 4), (128, 4), (128, 8), (256, 8))  # the sweep's (outputs, warps)
 BITS = 4
 
 
@@ -58,12 +60,16 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--gemms", default=None, help="a comma list of the shape's GEMMs (default all)")
     ap.add_argument("--sweep", action="store_true", help="every tile config, not just the default")
+    ap.add_argument("--splits", default="1", help="split-K values the sweep takes (e.g. 1,2,4,8)")
+    ap.add_argument("--words-once-only", action="store_true", help="sweep: words loaded once")
+    ap.add_argument("--tiles", type=int, default=len(TILES), help="sweep: the first N of TILES")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("int_linear_bench: needs a CUDA device", file=sys.stderr)
         return 2
     gen = torch.Generator().manual_seed(0)
+    work = KernelWorkspace()  # split-K partials and counters, as the model's
     rows_out = []
     for name, (n, k) in SHAPES[args.shapes].items():
         if args.gemms and name not in args.gemms.split(","):
@@ -79,10 +85,12 @@ def main() -> int:
                              "GBps": round(n * k * 2 / us / 1e3, 1)})  # fmt: skip
             configs = [None]
             if args.sweep:
-                configs += [IntLinearConfig(bn, bk, warps, 3, bm, once)
-                            for (bn, warps), bk, bm, once in itertools.product(
-                                ((32, 4), (64, 4), (128, 4), (128, 8), (256, 8)), (64, 128),
-                                (0,) if m <= 64 else (64, 128), (True, False))]  # fmt: skip
+                onces = (True,) if args.words_once_only else (True, False)
+                splits = [int(v) for v in args.splits.split(",")]
+                configs += [IntLinearConfig(bn, bk, warps, 3, bm, once, split_k=sk)
+                            for (bn, warps), bk, bm, once, sk in itertools.product(
+                                TILES[: args.tiles], (64, 128),
+                                (0,) if m <= 64 else (64, 128), onces, splits)]  # fmt: skip
             deq = [lambda q=q, s=s, z=z, x=x, k=k: F.linear(
                 x, dequantize_int_triton(q, s, z, BITS, k, GROUP, x.dtype)) for q, s, z in packed]  # fmt: skip
             us = graph_us(deq)
@@ -92,21 +100,21 @@ def main() -> int:
             for cfg in configs:
                 try:
                     calls = [lambda q=q, s=s, z=z, x=x, c=cfg: int_linear_triton(
-                        x, q, s, z, BITS, GROUP, None, c) for q, s, z in packed]  # fmt: skip
+                        x, q, s, z, BITS, GROUP, None, c, work) for q, s, z in packed]  # fmt: skip
                     us = graph_us(calls)
                 except Exception as e:  # a config past the SM's shared memory: reported
                     rows_out.append(
                         {**base, "impl": "int4_triton", "cfg": str(cfg), "error": str(e)[:120]}
                     )
                     continue
-                y = int_linear_triton(x, *packed[0], BITS, GROUP, None, cfg).float()
+                y = int_linear_triton(x, *packed[0], BITS, GROUP, None, cfg, work).float()
                 excess = ((y - ref).abs() - 2**-7 * ref.abs().max()).max().item()
                 row = {**base, "impl": "int4_triton", "us": round(us, 2),
                        "GBps": round(int_bytes / us / 1e3, 1),
                        "max_err_over_bound": round(max(excess, 0.0), 5)}  # fmt: skip
                 if cfg is not None:
                     row["cfg"] = [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.block_m,
-                                  cfg.words_once]  # fmt: skip
+                                  cfg.words_once, cfg.split_k]  # fmt: skip
                 rows_out.append(row)
                 print(row, flush=True)
         del packed, dense

@@ -25,11 +25,16 @@ inputs loads its words once and splits each into its codes in registers (a [BLOC
 words, codes] tensor reshaped to the tile; the alternative, each word loaded once per
 code from L1, is kept for the sweep); where the group size is a multiple of BLOCK_K a
 tile is one group and loads one scale and zero per output, else one per (output, input).
+A decode batch splits K over programs when given the model's KernelWorkspace: each slice
+writes its fp32 partial there and the last program of an output tile to arrive sums the
+slices in split order (kernels/skinny_linear.py's scheme), so the chip keeps several
+programs' weight streams in flight where one tile's 4-bit words are only a few KB.
 Past DEQUANT_ROWS rows a dequantize kernel writes the 16-bit weight and cuBLAS multiplies.
-The tiles come from an H100 sweep (benchmarks/int_linear_bench.py --sweep); the kernel is
-still slower than cuBLAS on the 16-bit weights (bound by the unpacking arithmetic, not by
-bytes), so packed weights run only where asked or where 16-bit ones would not fit
-(runner/models/packed_linear.py); the execution path says which (`weights=gptq->int4`).
+The tiles come from H100 sweeps (benchmarks/int_linear_bench.py --sweep); the kernel is
+still slower than cuBLAS on the 16-bit weights (1.2-1.4x at decode, bound by the unpacking
+arithmetic, not by bytes), so packed weights run only where asked or where 16-bit ones
+would not fit (runner/models/packed_linear.py); the execution path says which
+(`weights=gptq->int4`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.skinny_linear import swap_ab_dot
+from pdserve.kernels.workspace import KernelWorkspace
 
 # Rows past which a batch multiplies a dequantized scratch copy of the weight with cuBLAS
 # instead of dequantizing tile by tile. On the H100 with today's tiles (Llama-3-8B,
@@ -81,6 +87,8 @@ def _int_linear_kernel(
     z_ptr,  # [N, groups] uint8
     bias_ptr,  # [N] or unused
     out_ptr,  # [M, N]
+    part_ptr,  # [SPLIT_K, m_total, N] fp32 workspace (unused when SPLIT_K == 1)
+    count_ptr,  # [tiles_m * tiles_n] int32 arrival counters, zero between launches
     num_rows,
     n,
     k,
@@ -89,6 +97,8 @@ def _int_linear_kernel(
     group_size,
     stride_xm,
     stride_om,
+    k_per_split,  # a multiple of BLOCK_K
+    m_total,  # the row tiles' rows: cdiv(M, BLOCK_M) * BLOCK_M
     HAS_BIAS: tl.constexpr,
     BITS: tl.constexpr,
     TILE_GROUP: tl.constexpr,  # every tile lies in one group (group_size % BLOCK_K == 0)
@@ -96,6 +106,7 @@ def _int_linear_kernel(
     SCALE_AFTER: tl.constexpr,  # 4-bit 16-bit-float tiles of one group: scale after the dot
     MAGIC: tl.constexpr,  # the dtype's bits of BIAS (SCALE_AFTER)
     BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -103,6 +114,7 @@ def _int_linear_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     per_word: tl.constexpr = 32 // BITS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -113,7 +125,8 @@ def _int_linear_kernel(
     s_rows = offs_n.to(tl.int64) * groups
     dtype = out_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, tl.minimum(k, k_start + k_per_split), BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < k
         tile_mask = n_mask[:, None] & k_mask[None, :]
@@ -150,6 +163,18 @@ def _int_linear_kernel(
             acc += swap_ab_dot(w, xs, None, IEEE_DOT) * s[:, None]
         else:
             acc = swap_ab_dot(w.to(dtype), xs, acc, IEEE_DOT)  # kernels/skinny_linear.py
+    if SPLIT_K > 1:  # the last program of the tile to arrive sums the slices in split order
+        tile = offs_m[None, :].to(tl.int64) * n + offs_n[:, None]
+        tl.store(part_ptr + pid_k * m_total * n + tile, acc, mask=n_mask[:, None])
+        tl.debug_barrier()  # every thread's partial stored before the tile counts in
+        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") != SPLIT_K - 1:
+            return
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for sk in range(SPLIT_K):
+            acc += tl.load(part_ptr + sk * m_total * n + tile, mask=n_mask[:, None],
+                           cache_modifier=".cg")  # fmt: skip
+        tl.store(counter, 0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
@@ -208,28 +233,42 @@ class IntLinearConfig:
     # 4-bit codes in bf16 / fp16 tiles of one group: (code - zero) as a float by its bits,
     # the row's scale applied to the tile's dot product (else each weight dequantized)
     scale_after: bool = True
+    # K slices (programs) an output tile's sum is split into, merged by the last to arrive
+    # (needs a KernelWorkspace; 1 without one)
+    split_k: int = 1
 
 
-def choose_config(m: int, n: int, group_size: int, groups: int) -> IntLinearConfig:
-    """The best tiles of the H100 sweep on Llama-3-8B's o and gate/up
-    (int_linear_bench_llama3_8b_sweep_h100_*.json): decode batches take 32 outputs a
-    program where N is narrow (o, 4,096) and 128 where it is wide (gate/up, 28,672), in
-    tiles of 128 inputs; longer batches take 128 x 128 tiles of 64 inputs. Inputs tile
-    within a group where the group size allows."""
-    want = 128 if m <= 64 else 64
-    fits = [b for b in (128, 64, 32, 16) if b <= want and (groups == 1 or group_size % b == 0)]
-    block_k = fits[0] if fits else 64
+def choose_config(m: int, n: int, group_size: int, groups: int, k: int = 0) -> IntLinearConfig:
+    """The best tiles of the H100 sweeps on Llama-3-8B's four GEMMs
+    (int_linear_bench_llama3_8b_sweep_*_h100_*.json). Decode batches (<= 64 rows) split K
+    while the grid stays within ~1,024 programs of 128 outputs and each slice keeps >= 512
+    inputs: 8 slices for o, down and qkv, 4 for gate/up, in tiles of 64 inputs (at 1 and
+    32 rows 1.3-1.9x the unsplit tiles). Unsplit (`k` 0: no workspace for the partials, or
+    a short K) they take 32 outputs a program where N is narrow and 128 where it is wide
+    (gate/up, 28,672), in tiles of 128 inputs. Longer batches take 128 x 128 tiles of 64
+    inputs. Inputs tile within a group where the group size allows."""
+
+    def block_k(want: int) -> int:
+        fits = [b for b in (128, 64, 32, 16) if b <= want and (groups == 1 or group_size % b == 0)]
+        return fits[0] if fits else 64
+
     if m > 64:
-        return IntLinearConfig(128, block_k, block_m=128)
-    return IntLinearConfig(128 if n >= 16_384 else 32, block_k)
+        return IntLinearConfig(128, block_k(64), block_m=128)
+    tiles, split = triton.cdiv(n, 128), 1
+    while split < 8 and tiles * split * 2 <= 1024 and k // (split * 2) >= 512:
+        split *= 2
+    if split == 1:
+        return IntLinearConfig(128 if n >= 16_384 else 32, block_k(128))
+    return IntLinearConfig(128, block_k(64), split_k=split)
 
 
 def int_linear_triton(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     bits: int, group_size: int, bias: torch.Tensor | None,
-    config: IntLinearConfig | None = None,
+    config: IntLinearConfig | None = None, workspace: KernelWorkspace | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """`int_linear_ref` on the GPU (or Triton's interpreter): x [M, K] 16-bit or fp32."""
+    """`int_linear_ref` on the GPU (or Triton's interpreter): x [M, K] 16-bit or fp32.
+    A split-K config needs the `workspace` for its partials (without one: no split)."""
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with unit stride on K"
     m, k = x.shape
     n, k_words = qweight.shape
@@ -238,7 +277,7 @@ def int_linear_triton(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or choose_config(m, n, group_size, groups)
+    cfg = config or choose_config(m, n, group_size, groups, k if workspace is not None else 0)
     tile_group = groups == 1 or group_size % cfg.block_k == 0
     # (Triton's interpreter bitcasts int16 to bf16 wrongly: the CPU runs bf16 tiles the
     # other way; fp16 checks the bit form there, bf16 on a GPU)
@@ -248,13 +287,21 @@ def int_linear_triton(
     scale_after = cfg.scale_after and tile_group and bits == 4 and magic is not None
     block_m = cfg.block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
     ieee = x.dtype == torch.float32 or not x.is_cuda
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))
-    _int_linear_kernel[grid](
-        x, qweight, scales, zeros, bias if bias is not None else scales, out,
-        m, n, k, k_words, groups, group_size, x.stride(0), out.stride(0),
+    tiles_n, tiles_m = triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k if workspace else 1), cfg.block_k)
+    k_per_split *= cfg.block_k
+    split = triton.cdiv(k, k_per_split)  # no empty slice: each program counts itself in
+    part = counters = out  # unused unless split
+    if split > 1:
+        part = workspace.scratch("int_linear", split * tiles_m * block_m * n, x.device)
+        counters = workspace.counters("int_linear", tiles_m * tiles_n, x.device)
+    _int_linear_kernel[(tiles_n, tiles_m, split)](
+        x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counters,
+        m, n, k, k_words, groups, group_size, x.stride(0), out.stride(0), k_per_split,
+        tiles_m * block_m,
         HAS_BIAS=bias is not None, BITS=bits, TILE_GROUP=tile_group,
         WORDS_ONCE=cfg.words_once, SCALE_AFTER=scale_after, MAGIC=(magic or (0, 0))[0],
-        BIAS=(magic or (0, 0))[1], BLOCK_M=block_m,
+        BIAS=(magic or (0, 0))[1], SPLIT_K=split, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE_DOT=ieee, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -264,6 +311,7 @@ def int_linear_triton(
 def int_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     bits: int, group_size: int, bias: torch.Tensor | None,
+    workspace: KernelWorkspace | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [..., K] -> [..., N]: on CUDA the Triton kernel, or for batches of more than
     DEQUANT_ROWS rows the weight dequantized to a scratch tensor and cuBLAS (the spec's
@@ -276,5 +324,5 @@ def int_linear(
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(1) != 1:
         flat = flat.contiguous()
-    y = int_linear_triton(flat, qweight, scales, zeros, bits, group_size, bias)
+    y = int_linear_triton(flat, qweight, scales, zeros, bits, group_size, bias, None, workspace)
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -29,6 +29,7 @@ from pdserve.kernels.int_linear import (
     int_linear_ref,
     int_linear_triton,
 )
+from pdserve.kernels.workspace import KernelWorkspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_ROUNDING = 2.0**-8 if DEVICE == "cuda" else 2.0**-7
@@ -137,6 +138,35 @@ def test_the_other_tile_forms_match_too(m, n, k, bits, group_size, bias, dtype):
     for form in ({"words_once": False}, {"scale_after": False}):
         cfg = replace(choose_config(m, n, size, groups), **form)
         check(int_linear_triton(x, qweight, scales, zeros, bits, size, b, cfg), x, w, b, dtype)
+
+
+@pytest.mark.parametrize("m,n,k,bits,group_size,bias", [CASES[1], CASES[3], CASES[4], CASES[5]])
+@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_k_matches_and_repeats(m, n, k, bits, group_size, bias, dtype, split):
+    """K split over programs (3: slices of unequal length, the last one short), merged by
+    the last arriver in split order: the same bound, the same bits on a second call, and the
+    counters back at zero. Without a workspace the config's split is ignored."""
+    (x, qweight, scales, zeros, b), w, size = make(m, n, k, bits, group_size, dtype, bias)
+    cfg = replace(choose_config(m, n, size, scales.shape[1]), block_k=16, split_k=split)
+    ws = KernelWorkspace()
+    y = int_linear_triton(x, qweight, scales, zeros, bits, size, b, cfg, ws)
+    check(y, x, w, b, dtype)
+    assert torch.equal(y, int_linear_triton(x, qweight, scales, zeros, bits, size, b, cfg, ws))
+    assert not ws.counters("int_linear", 1, x.device).any()
+    alone = int_linear_triton(x, qweight, scales, zeros, bits, size, b, cfg)
+    check(alone, x, w, b, dtype)
+
+
+def test_choose_config_splits_decode_batches():
+    """The sweep's picks on Llama-3-8B (o, down, qkv: 8 slices; gate/up: 4); long batches,
+    short K and no K given stay unsplit."""
+    for n, k, split in ((4096, 4096, 8), (4096, 14336, 8), (6144, 4096, 8), (28672, 4096, 4)):
+        assert choose_config(32, n, 128, k // 128, k).split_k == split
+    assert choose_config(65, 4096, 128, 32, 4096).split_k == 1
+    short = choose_config(1, 4096, 128, 4, 512)  # slices keep >= 512 inputs
+    assert (short.split_k, short.block_n, short.block_k) == (1, 32, 128)  # unsplit tiles
+    assert choose_config(1, 4096, 128, 32).split_k == 1
 
 
 @pytest.mark.parametrize("bits,group_size", [(4, 16), (8, -1), (4, 24)])

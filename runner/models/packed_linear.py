@@ -43,9 +43,12 @@ class PackedLinear(nn.Module):
 
     def __init__(
         self, in_features: int, out_features: int, bias: torch.Tensor | None, bits: int,
-        group_size: int,
+        group_size: int, workspace: KernelWorkspace | None = None,
     ):  # fmt: skip
+        """`workspace`: the model's (kernels/workspace.py), where a decode batch's split-K
+        partials go; None: no split."""
         super().__init__()
+        self.workspace = workspace
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.group_size = in_features if group_size == -1 else group_size
         groups = -(-in_features // self.group_size)
@@ -58,7 +61,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int_linear(x, self.qweight, self.scales, self.zeros, self.bits, self.group_size,
-                          self.bias)  # fmt: skip
+                          self.bias, self.workspace)  # fmt: skip
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -141,7 +144,7 @@ def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
             old = getattr(parent, name)
             with torch.device(old.weight.device):  # meta: nothing is allocated yet
                 new = PackedLinear(old.in_features, old.out_features, old.bias, fmt.bits,
-                                   fmt.group_size)  # fmt: skip
+                                   fmt.group_size, model.workspace)  # fmt: skip
             setattr(parent, name, new)
             swapped.add(f"layers.{i}.{where}.{name}")
     return swapped
