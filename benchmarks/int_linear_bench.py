@@ -15,6 +15,7 @@ F.linear on the dequantized bf16 weight (max error over 2^-7 of the output scale
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 
@@ -25,6 +26,7 @@ from skinny_bench import graph_us
 
 from pdserve.kernels.int_linear import (
     IntLinearConfig,
+    choose_config,
     dequantize_int,
     dequantize_int_triton,
     int_linear_triton,
@@ -62,6 +64,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="every tile config, not just the default")
     ap.add_argument("--splits", default="1", help="split-K values the sweep takes (e.g. 1,2,4,8)")
     ap.add_argument("--words-once-only", action="store_true", help="sweep: words loaded once")
+    ap.add_argument("--zero-after", action="store_true", help="also zero_after=False (A/B)")
     ap.add_argument("--tiles", type=int, default=len(TILES), help="sweep: the first N of TILES")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
@@ -84,6 +87,9 @@ def main() -> int:
             rows_out.append({**base, "impl": "cublas_bf16", "us": round(us, 2),
                              "GBps": round(n * k * 2 / us / 1e3, 1)})  # fmt: skip
             configs = [None]
+            if args.zero_after:  # the default tiles with the zero point on each weight
+                default = choose_config(m, n, GROUP, k // GROUP, k)
+                configs.append(dataclasses.replace(default, zero_after=False))
             if args.sweep:
                 onces = (True,) if args.words_once_only else (True, False)
                 splits = [int(v) for v in args.splits.split(",")]

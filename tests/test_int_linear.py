@@ -132,10 +132,11 @@ def test_strided_rows_and_no_rows():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_the_other_tile_forms_match_too(m, n, k, bits, group_size, bias, dtype):
     """The sweep's other forms: each word loaded once per code it holds; each weight
-    dequantized before the dot (not the scale after it)."""
+    dequantized before the dot (not the scale after it); the zero point subtracted from
+    each weight (not from the dot product)."""
     (x, qweight, scales, zeros, b), w, size = make(m, n, k, bits, group_size, dtype, bias)
     groups = scales.shape[1]
-    for form in ({"words_once": False}, {"scale_after": False}):
+    for form in ({"words_once": False}, {"scale_after": False}, {"zero_after": False}):
         cfg = replace(choose_config(m, n, size, groups), **form)
         check(int_linear_triton(x, qweight, scales, zeros, bits, size, b, cfg), x, w, b, dtype)
 
