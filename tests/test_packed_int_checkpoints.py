@@ -25,10 +25,13 @@ import pytest
 import torch
 from conftest import DEVICE, assert_logprobs_match_hf, hf_greedy
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig
+from transformers import AutoConfig, Qwen2Config
 
 from pdserve import LLM, SamplingParams
+from pdserve.runner.config import CacheConfig
+from pdserve.runner.models import MODEL_REGISTRY
 from pdserve.runner.models.fp8_weights import check_quantization
+from pdserve.runner.models.loader import kv_cache_reserve, weights_budget
 from pdserve.runner.models.mlp import MLP
 from pdserve.runner.models.packed_int_weights import (
     PackedIntFormat,
@@ -37,6 +40,7 @@ from pdserve.runner.models.packed_int_weights import (
     packed_int_format,
 )
 from pdserve.runner.models.packed_linear import PackedLinear, runs_packed
+from pdserve.runner.mrv2.kv_cache import GPU_ACTIVATION_RESERVE_BYTES
 from pdserve.runner.runner_select import mrv2_unsupported_features
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output ORDER[i]
@@ -382,15 +386,38 @@ def test_packed_is_refused_for_families_that_rework_their_weights(tiny_granite_d
     assert llm.engine.execution_path["weights"] == "gptq->float32"
 
 
+def test_the_kv_cache_reserve_auto_keeps():
+    """What "auto" leaves the KV cache, from the model's own block shape: one request of
+    max_model_len tokens in whole blocks (half the bytes in an FP8 cache), or the cache's
+    explicit size."""
+    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, vocab_size=256)  # fmt: skip
+    with torch.device("meta"):
+        model = MODEL_REGISTRY["Qwen2ForCausalLM"](cfg, 129)
+    per_block = 3 * 2 * 16 * 2 * 16 * 4  # layers x (K, V) x block x kv heads x head dim x fp32
+    assert kv_cache_reserve(model, CacheConfig(), torch.float32, 100) == 7 * per_block
+    fp8 = CacheConfig(cache_dtype="fp8")
+    assert kv_cache_reserve(model, fp8, torch.float32, 100) == 7 * per_block // 4
+    assert kv_cache_reserve(model, CacheConfig(num_blocks=50), torch.float32, 100) == 50 * per_block
+    explicit = CacheConfig(kv_cache_memory_bytes=12345)
+    assert kv_cache_reserve(model, explicit, torch.float32, 100) == 12345
+
+
 def test_when_packed_weights_are_kept():
-    """quantized_weights: "auto" packs only where the 16-bit weights would not fit the GPU
-    (never off one); "packed" / "dequantized" choose; where packing cannot run, "auto"
-    dequantizes (the fit check then speaks) and "packed" is refused by name."""
+    """quantized_weights: "auto" packs only where the 16-bit weights exceed the weights'
+    budget (never off a GPU); "packed" / "dequantized" choose; where packing cannot run,
+    "auto" dequantizes (the fit check then speaks) and "packed" is refused by name."""
     fmt = PackedIntFormat("gptq", 4, 128, 1, act_order=False)
     act = PackedIntFormat("gptq", 4, 128, 1, act_order=True)
     gib = 2**30
     assert runs_packed("auto", fmt, False, 9 * gib, 80 * gib) is False
     assert runs_packed("auto", fmt, False, 90 * gib, 80 * gib) is True
+    # a 32B model's 64 GiB of 16-bit weights fit an 80 GB GPU's 79 GiB free, but not the
+    # budget that leaves its KV cache one full-length request: kept packed
+    budget = weights_budget(79 * gib, 80 * gib, 0.9, kv_reserve=8 * gib)
+    assert budget == 72 * gib - gib - GPU_ACTIVATION_RESERVE_BYTES - 8 * gib
+    assert runs_packed("auto", fmt, False, 64 * gib, budget) is True
+    assert runs_packed("auto", fmt, False, 50 * gib, budget) is False
     assert runs_packed("auto", fmt, False, None, None) is False
     assert runs_packed("auto", act, False, 90 * gib, 80 * gib) is False
     assert runs_packed("auto", fmt, True, 90 * gib, 80 * gib) is False  # LoRA

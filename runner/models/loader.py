@@ -6,6 +6,7 @@ so a 0.6B model never pays for a random initialisation it would overwrite.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pdserve.runner.config import ModelConfig
+from pdserve.runner.config import CacheConfig, ModelConfig
 from pdserve.runner.models import MODEL_REGISTRY
 from pdserve.runner.models.dummy_weights import dummy_weights
 from pdserve.runner.models.fp8_weights import dequantized_weights, fp8_format, quantized_source
@@ -22,6 +23,9 @@ from pdserve.runner.models.norm_fold import fold_norms
 from pdserve.runner.models.packed_int_weights import dequantized_packed_weights, packed_int_format
 from pdserve.runner.models.packed_linear import packed_target, runs_packed, swap_packed_linears
 from pdserve.runner.models.text_only import language_model_weights
+from pdserve.runner.mrv2.kv_cache import GPU_ACTIVATION_RESERVE_BYTES, block_bytes
+
+logger = logging.getLogger(__name__)
 
 
 def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -68,11 +72,38 @@ def check_weights_fit(
     )
 
 
+def kv_cache_reserve(
+    model: torch.nn.Module, cache: CacheConfig, dtype: torch.dtype, max_model_len: int
+) -> int:
+    """Bytes the KV cache of `model` (meta is enough) must at least get: the cache's explicit
+    size (blocks or bytes), else one request of max_model_len tokens (what vLLM refuses to
+    start without)."""
+    kv_layers = getattr(model, "num_kv_layers", len(model.layers))
+    per_block = block_bytes(
+        kv_layers, model.kv_block_shape(cache.block_size), cache.kv_dtype(dtype)
+    )
+    if cache.num_blocks is not None:
+        return cache.num_blocks * per_block
+    if cache.kv_cache_memory_bytes is not None:
+        return cache.kv_cache_memory_bytes
+    return -(-max_model_len // cache.block_size) * per_block
+
+
+def weights_budget(free: int, total: int, gpu_memory_utilization: float, kv_reserve: int) -> int:
+    """Bytes a model's weights may take on a GPU with `free` of `total` bytes free and still
+    leave the KV cache `kv_reserve` bytes and the activations their reserve, all within
+    `gpu_memory_utilization` of the GPU (as runner/mrv2/kv_cache.py sizes the cache)."""
+    used = total - free
+    return int(total * gpu_memory_utilization) - used - GPU_ACTIVATION_RESERVE_BYTES - kv_reserve
+
+
 def load_model(
-    model_config: ModelConfig, device: torch.device, fold: bool = True
-) -> torch.nn.Module:
+    model_config: ModelConfig, device: torch.device, fold: bool = True,
+    cache: CacheConfig | None = None,
+) -> torch.nn.Module:  # fmt: skip
     """`fold=False` keeps the RMSNorms as loaded (LoRA adapters read the normalised rows,
-    runner/lora/slots.py)."""
+    runner/lora/slots.py). `cache` sizes what a packed checkpoint's "auto" leaves the KV
+    cache (default: CacheConfig())."""
     cfg = model_config.hf_config
     cls = MODEL_REGISTRY[model_config.architecture]
     # Positions up to max_model_len inclusive: the token sampled at the last position.
@@ -92,11 +123,16 @@ def load_model(
     # their scales stay float32), before a byte is allocated (runner/models/packed_linear.py)
     swapped = set()
     on_gpu = device.type == "cuda"
+    dequantized = budget = None
+    if packed is not None and on_gpu:
+        cache = cache or CacheConfig()
+        dequantized = weight_bytes(model)
+        reserve = kv_cache_reserve(model, cache, model_config.dtype, model_config.max_model_len)
+        budget = weights_budget(*torch.cuda.mem_get_info(device), cache.gpu_memory_utilization,
+                                reserve)  # fmt: skip
     if packed is not None and runs_packed(
-        model_config.quantized_weights, packed, lora=not fold,
-        dequantized_bytes=weight_bytes(model) if on_gpu else None,
-        free_bytes=torch.cuda.mem_get_info(device)[0] if on_gpu else None,
-    ):  # fmt: skip
+        model_config.quantized_weights, packed, not fold, dequantized, budget
+    ):
         swapped = swap_packed_linears(model, packed)
         if not swapped and model_config.quantized_weights == "packed":
             raise ValueError(
@@ -104,6 +140,13 @@ def load_model(
                 "run packed (Llama-family decoders without reworked weights do); drop it to "
                 "dequantize them at load"
             )
+    if packed is not None and on_gpu and model_config.quantized_weights == "auto":
+        logger.info(
+            "quantized_weights auto: %s (16-bit weights %.1f GiB against %.1f GiB the "
+            "weights may take beside the %.1f GiB the KV cache needs at least)",
+            "packed" if swapped else "dequantized at load", dequantized / 2**30,
+            budget / 2**30, reserve / 2**30,
+        )  # fmt: skip
     check_weights_fit(model, device, quantized_source(cfg))
     model = model.to_empty(device=device)
     # Parameters the family keeps in float32 whatever the dtype (DeepSeek's and GLM-4's

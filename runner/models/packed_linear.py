@@ -2,7 +2,8 @@
 weights packed (kernels/int_linear.py runs them), instead of dequantizing them at load.
 
 When: `quantized_weights="packed"` (`--quantized-weights packed`), or "auto" (the default)
-where the model's 16-bit weights would not fit the GPU's free memory. Where they fit,
+where the model's 16-bit weights would not leave the KV cache room for one full-length
+request within `gpu_memory_utilization` (or the cache's explicit size). Where they fit,
 "auto" dequantizes: the packed kernels run 1.2-1.7x slower than cuBLAS
 on 16-bit weights (benchmarks/int_linear_bench.py), so packing buys memory, not speed.
 
@@ -98,12 +99,13 @@ def packed_refusal(fmt: PackedIntFormat, lora: bool) -> str | None:
 
 def runs_packed(
     mode: str, fmt: PackedIntFormat, lora: bool, dequantized_bytes: int | None,
-    free_bytes: int | None,
+    budget_bytes: int | None,
 ) -> bool:  # fmt: skip
     """Whether a packed checkpoint's projections stay packed. `mode` (quantized_weights):
     "packed" keeps them (refused by name where they cannot run so), "dequantized" never,
-    "auto" only where the model's 16-bit weights (`dequantized_bytes`) would not fit the
-    GPU's free memory (None, None off a GPU: never)."""
+    "auto" only where the model's 16-bit weights (`dequantized_bytes`) exceed what the
+    weights may take and still leave the KV cache its room (`budget_bytes`,
+    runner/models/loader.py's `weights_budget`; None, None off a GPU: never)."""
     why = packed_refusal(fmt, lora)
     if mode == "packed" and why is not None:
         raise ValueError(f"quantized_weights='packed': {why}; drop it to dequantize at load")
@@ -113,8 +115,8 @@ def runs_packed(
         return True
     return (
         dequantized_bytes is not None
-        and free_bytes is not None
-        and (dequantized_bytes > free_bytes)
+        and budget_bytes is not None
+        and (dequantized_bytes > budget_bytes)
     )
 
 

@@ -120,7 +120,9 @@ class MRV2ModelRunner:
         self.config = config
         self.device = config.runner.torch_device
         self.block_size = config.cache.block_size
-        self.model = load_model(config.model, self.device, fold=not config.lora.enable_lora)
+        self.model = load_model(
+            config.model, self.device, fold=not config.lora.enable_lora, cache=config.cache
+        )
         m = self.model
         # LoRA adapter slots (runner/lora/): each request slot's adapter, and the device
         # stacks whose per-token index each step writes before the forward
