@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from run_meta import git_commit
+from skinny_bench import graph_us
 
 from pdserve.kernels import skinny_linear as sl
 from pdserve.kernels.activation import silu_and_mul_ref
@@ -129,25 +130,6 @@ def fused_mlp(x, wgu, wdt, residual, ws: KernelWorkspace, s: int, block_h: int, 
 def reference(x, wgu, wdt, residual):
     h = silu_and_mul_ref(F.linear(x, wgu))
     return (F.linear(h.float(), wdt.t().float()).to(x.dtype) + residual).float()
-
-
-def graph_us(calls, reps: int = 20) -> float:
-    for fn in calls:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(calls))
 
 
 def main() -> None:
