@@ -78,7 +78,7 @@ def unpack_units_ref(
 
 
 @triton.jit
-def _pack_units_kernel(
+def _units_copy_kernel(
     table_ptr,
     unit_ids_ptr,
     buf_ptr,
@@ -88,6 +88,7 @@ def _pack_units_kernel(
     buf_unit_stride,
     num_units,
     num_elems,
+    TO_BUF: tl.constexpr,  # pack (table -> buffer), else unpack (buffer -> table)
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
@@ -99,34 +100,12 @@ def _pack_units_kernel(
     limit = tl.where((unit >= 0) & (unit < num_units), num_elems, 0)
     offs = tile * BLOCK + tl.arange(0, BLOCK)
     mask = offs < limit
-    src = table_ptr + layer * table_layer_stride + unit * table_unit_stride
-    dst = buf_ptr + layer * buf_layer_stride + i * buf_unit_stride
-    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-
-
-@triton.jit
-def _unpack_units_kernel(
-    table_ptr,
-    unit_ids_ptr,
-    buf_ptr,
-    table_layer_stride,
-    table_unit_stride,
-    buf_layer_stride,
-    buf_unit_stride,
-    num_units,
-    num_elems,
-    BLOCK: tl.constexpr,
-):
-    i = tl.program_id(0).to(tl.int64)
-    layer = tl.program_id(1).to(tl.int64)
-    tile = tl.program_id(2).to(tl.int64)
-    unit = tl.load(unit_ids_ptr + i).to(tl.int64)
-    limit = tl.where((unit >= 0) & (unit < num_units), num_elems, 0)
-    offs = tile * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < limit
-    src = buf_ptr + layer * buf_layer_stride + i * buf_unit_stride
-    dst = table_ptr + layer * table_layer_stride + unit * table_unit_stride
-    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+    in_table = table_ptr + layer * table_layer_stride + unit * table_unit_stride
+    in_buf = buf_ptr + layer * buf_layer_stride + i * buf_unit_stride
+    if TO_BUF:
+        tl.store(in_buf + offs, tl.load(in_table + offs, mask=mask), mask=mask)
+    else:
+        tl.store(in_table + offs, tl.load(in_buf + offs, mask=mask), mask=mask)
 
 
 def _check_args(table: torch.Tensor, unit_ids: torch.Tensor, buf: torch.Tensor) -> None:
@@ -146,7 +125,7 @@ def _check_args(table: torch.Tensor, unit_ids: torch.Tensor, buf: torch.Tensor) 
     )
 
 
-def _launch(kernel, table: torch.Tensor, unit_ids: torch.Tensor, buf: torch.Tensor) -> None:
+def _launch(to_buf: bool, table: torch.Tensor, unit_ids: torch.Tensor, buf: torch.Tensor) -> None:
     _check_args(table, unit_ids, buf)
     assert unit_ids.is_contiguous(), "unit_ids must be contiguous"
     num_layers, num_units, num_elems = table.shape
@@ -159,7 +138,7 @@ def _launch(kernel, table: torch.Tensor, unit_ids: torch.Tensor, buf: torch.Tens
     assert num_layers <= _MAX_GRID_YZ and num_tiles <= _MAX_GRID_YZ, (
         f"grid ({num_ids}, {num_layers}, {num_tiles}) passes CUDA's 65,535 on y/z"
     )
-    kernel[(num_ids, num_layers, num_tiles)](
+    _units_copy_kernel[(num_ids, num_layers, num_tiles)](
         table_bits,
         unit_ids,
         buf_bits,
@@ -169,6 +148,7 @@ def _launch(kernel, table: torch.Tensor, unit_ids: torch.Tensor, buf: torch.Tens
         buf.stride(1),
         num_units,
         num_elems,
+        TO_BUF=to_buf,
         BLOCK=block,
     )
 
@@ -178,7 +158,7 @@ def pack_units_triton(
     unit_ids: torch.Tensor,  # [n] int32/int64
     out: torch.Tensor,  # [L, n, E] same dtype as src, written
 ) -> None:
-    _launch(_pack_units_kernel, src, unit_ids, out)
+    _launch(True, src, unit_ids, out)
 
 
 def unpack_units_triton(
@@ -186,7 +166,7 @@ def unpack_units_triton(
     unit_ids: torch.Tensor,  # [n] int32/int64, distinct
     buf: torch.Tensor,  # [L, n, E] same dtype as dst
 ) -> None:
-    _launch(_unpack_units_kernel, dst, unit_ids, buf)
+    _launch(False, dst, unit_ids, buf)
 
 
 def pack_units(src: torch.Tensor, unit_ids: torch.Tensor, out: torch.Tensor) -> None:
