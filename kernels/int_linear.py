@@ -173,14 +173,14 @@ def _int_linear_kernel(
             acc = swap_ab_dot(w.to(dtype), xs, acc, IEEE_DOT)  # kernels/skinny_linear.py
     if SPLIT_K > 1:  # the last program of the tile to arrive sums the slices in split order
         tile = offs_m[None, :].to(tl.int64) * n + offs_n[:, None]
-        tl.store(part_ptr + pid_k * m_total * n + tile, acc, mask=n_mask[:, None])
+        tl.store(part_ptr + (pid_k * m_total).to(tl.int64) * n + tile, acc, mask=n_mask[:, None])
         tl.debug_barrier()  # every thread's partial stored before the tile counts in
         counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
         if tl.atomic_add(counter, 1, sem="acq_rel") != SPLIT_K - 1:
             return
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for sk in range(SPLIT_K):
-            acc += tl.load(part_ptr + sk * m_total * n + tile, mask=n_mask[:, None],
+            acc += tl.load(part_ptr + (sk * m_total).to(tl.int64) * n + tile, mask=n_mask[:, None],
                            cache_modifier=".cg")  # fmt: skip
         tl.store(counter, 0)
     if HAS_BIAS:
