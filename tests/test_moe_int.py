@@ -1,0 +1,111 @@
+"""Packed integer MoE experts (`kernels/moe_int.py`): the spec against an independent
+per-token loop, and the Triton grouped GEMMs against the spec (under TRITON_INTERPRET=1 on
+CPU at small awkward sizes, on CUDA where there is one).
+
+Weights are random codes, zero points and scales, packed into words by
+tests/test_int_linear.py's loop (independent of the kernels' unpacking). Tolerances are
+tests/test_moe_kernels.py's, and its dtypes (bf16 on CUDA only: Triton's interpreter
+truncates float32 to bf16): both sides dequantize each weight to the dtype the same way,
+so they differ in summation order only (1e-5 of the output's scale in float32; in 16 bits
+a few ulps on rare elements). A code from the wrong field, a zero point or scale from the
+wrong group, an expert's rows taken from another expert or the gate and up halves swapped
+err by O(scale).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_int_linear import pack_words, reference_weight
+from test_moe_kernels import DTYPES, assert_moe_close
+from test_triton_index_kernels import DEVICE
+
+from pdserve.kernels.moe import route_top_k
+from pdserve.kernels.moe_int import (
+    PackedExperts,
+    moe_experts_int,
+    moe_experts_int_ref,
+    moe_experts_int_triton,
+)
+
+
+def packed_experts(experts, n, k, bits, group_size, gen) -> tuple[PackedExperts, torch.Tensor]:
+    """Random packed experts and their float32 weights [E, N, K] (dequantized by a loop)."""
+    size = k if group_size == -1 else group_size
+    groups = -(-k // size)
+    qs, ss, zs, ws = [], [], [], []
+    for _ in range(experts):
+        codes = torch.randint(0, 1 << bits, (n, k), generator=gen)
+        zeros = torch.randint(0, 1 << bits, (n, groups), generator=gen).to(torch.uint8)
+        scales = torch.rand(n, groups, generator=gen) / (k**0.5 * (1 << bits)) + 1e-3
+        qs.append(pack_words(codes, bits))
+        ss.append(scales)
+        zs.append(zeros)
+        ws.append(reference_weight(codes, scales, zeros, size))
+    packed = PackedExperts(torch.stack(qs).to(DEVICE), torch.stack(ss).to(DEVICE),
+                           torch.stack(zs).to(DEVICE), bits, size, k)  # fmt: skip
+    return packed, torch.stack(ws)
+
+
+def make(tokens, hidden, inter, experts, top_k, bits, group_size, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    gate_up, w_gu = packed_experts(experts, 2 * inter, hidden, bits, group_size, gen)
+    down, w_d = packed_experts(experts, hidden, inter, bits, group_size, gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    logits = torch.randn(tokens, experts, generator=gen).to(DEVICE)
+    weights, ids = route_top_k(logits, top_k, renormalize=True)
+    return x, gate_up, down, ids, weights, w_gu.to(dtype), w_d.to(dtype)
+
+
+def test_spec_is_the_per_token_sum_of_dequantized_experts():
+    """moe_experts_int_ref against a loop over tokens and picks on the loop-dequantized
+    weights (float32: only summation order differs)."""
+    x, gate_up, down, ids, weights, w_gu, w_d = make(6, 40, 24, 5, 2, 4, 8, torch.float32)
+    got = moe_experts_int_ref(x.cpu(), *(_cpu(gate_up), _cpu(down)), ids.cpu(), weights.cpu())
+    want = torch.zeros_like(got, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = F.linear(x[t].cpu().double(), w_gu[e].double())
+            h = F.silu(gu[:24]) * gu[24:]
+            want[t] += float(weights[t, j]) * F.linear(h, w_d[e].double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def _cpu(p: PackedExperts) -> PackedExperts:
+    return PackedExperts(p.qweight.cpu(), p.scales.cpu(), p.zeros.cpu(), p.bits, p.group_size,
+                         p.in_features)  # fmt: skip
+
+
+SHAPES = [
+    # (tokens, hidden, inter, experts, top_k, bits, group_size): hidden off the words
+    # (44: the last 4-bit word half full) and off the tiles, groups a tile holds whole,
+    # groups that span tiles (24), one group a row (-1), 8-bit codes, experts left unused
+    (7, 44, 40, 6, 2, 4, 16),
+    (19, 64, 72, 4, 3, 4, 24),
+    (5, 96, 48, 8, 2, 8, 32),
+    (3, 48, 32, 3, 1, 4, -1),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_matches_the_spec(shape, dtype):
+    x, gate_up, down, ids, weights, _, _ = make(*shape, dtype, seed=shape[0])
+    got = moe_experts_int_triton(x, gate_up, down, ids, weights)
+    want = moe_experts_int_ref(x.cpu(), _cpu(gate_up), _cpu(down), ids.cpu(), weights.cpu())
+    assert got.shape == want.shape and got.dtype == dtype
+    assert_moe_close(got.cpu(), want, dtype)
+    assert torch.equal(moe_experts_int(x, gate_up, down, ids, weights).cpu(), got.cpu()) or (
+        not x.is_cuda  # off CUDA the dispatcher runs the spec
+    )
+
+
+def test_shapes_are_checked():
+    x, gate_up, down, ids, weights, _, _ = make(4, 44, 40, 6, 2, 4, 16, torch.float32)
+    with pytest.raises(AssertionError, match="must be \\[T, 44\\]"):
+        moe_experts_int(x[:, :40], gate_up, down, ids, weights)
+    with pytest.raises(AssertionError, match="must be \\[6, 80, 3\\]"):
+        PackedExperts(gate_up.qweight, gate_up.scales[:, :, :2], gate_up.zeros[:, :, :2], 4, 16,
+                      44)  # fmt: skip
