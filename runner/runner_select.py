@@ -21,7 +21,7 @@ from pdserve.runner.models import MODEL_REGISTRY
 from pdserve.runner.models.fp8_weights import fp8_format
 from pdserve.runner.models.mamba_hybrid import mamba_layers
 from pdserve.runner.models.mlp import DENSE_ACTIVATIONS, activation_of
-from pdserve.runner.models.moe import experts_per_pick
+from pdserve.runner.models.moe import SparseMoeBlock, experts_per_pick
 from pdserve.runner.models.rope import SUPPORTED_ROPE_TYPES, rope_layer_types, rope_parameters
 
 logger = logging.getLogger(__name__)
@@ -154,16 +154,19 @@ def _experts_path(runner_name: str, model: Any, device: str) -> str:
     with ", grouped_mm for long runs" where bf16 SwiGLU experts take torch's grouped GEMM
     once every expert gets a long run of tokens (kernels/moe_grouped.py); the "torch" loop
     over experts on the CPU, "transformers" on the reference runner; "none" for a dense
-    model."""
+    model. Experts kept packed (kernels/moe_int.py) add ", packed int4" (or int8)."""
     config = getattr(model, "config", None)
     if config is None or experts_per_pick(config) is None:
         return "none"
     if runner_name != "mrv2":
         return "transformers"
+    bits = max((m.packed_bits for m in model.modules() if isinstance(m, SparseMoeBlock)),
+               default=0)  # fmt: skip
+    packed = f", packed int{bits}" if bits else ""
     if not device.startswith("cuda"):
-        return "torch"
+        return "torch" + packed
     grouped = grouped_stacks(model) and grouped_device(device)
-    return "triton, grouped_mm for long runs" if grouped else "triton"
+    return ("triton, grouped_mm for long runs" if grouped else "triton") + packed
 
 
 def grouped_stacks(model: Any) -> bool:

@@ -33,6 +33,7 @@ from pdserve.runner.models import MODEL_REGISTRY
 from pdserve.runner.models.fp8_weights import check_quantization
 from pdserve.runner.models.loader import kv_cache_reserve, weights_budget
 from pdserve.runner.models.mlp import MLP
+from pdserve.runner.models.moe import SparseMoeBlock
 from pdserve.runner.models.packed_int_weights import (
     PackedIntFormat,
     dequantize_packed,
@@ -190,6 +191,9 @@ CASES = {
                                                        "checkpoint_format": "gptq_v2"}),
     "qwen2-awq-g16": ("tiny_qwen2_dir", {**AWQ, "group_size": 16}),
     "qwen3-moe-awq-g8": ("tiny_qwen3_moe_dir", {**AWQ, "group_size": 8}),
+    "qwen3-moe-gptq-v1-8bit-channel": ("tiny_qwen3_moe_dir", {**GPTQ, "bits": 8,
+                                                              "group_size": -1,
+                                                              "checkpoint_format": "gptq"}),
     "qwen2-gptq-v1-2bit-channel": ("tiny_qwen2_dir", {**GPTQ, "bits": 2, "group_size": -1,
                                                       "checkpoint_format": "gptq"}),
     "qwen2-ct-w4a16-sym-g16": ("tiny_qwen2_dir", {**CT, "bits": 4, "group_size": 16,
@@ -215,8 +219,9 @@ def _packable(spec: dict) -> bool:
 
 @pytest.mark.parametrize("mode", ["packed", "auto"])
 def test_greedy_tokens_match_the_dequantized_model(packed_pair, mode):
-    """`quantized_weights="packed"` keeps the integers (on the CPU the kernels' spec runs
-    them), "auto" dequantizes them where the 16-bit weights fit (always on the CPU)."""
+    """`quantized_weights="packed"` keeps the integers, an MoE layer's routed experts
+    included (on the CPU the kernels' spec runs them), "auto" dequantizes them where the
+    16-bit weights fit (always on the CPU)."""
     q_dir, ref_dir, spec = packed_pair
     native = mode == "packed" and _packable(spec)
     if mode == "packed" and not native:
@@ -236,6 +241,11 @@ def test_greedy_tokens_match_the_dequantized_model(packed_pair, mode):
     model = llm.engine.runner.model
     packed = [n for n, m in model.named_modules() if isinstance(m, PackedLinear)]
     assert len(packed) == (_dense_projections(model) if native else 0)
+    for block in (m for m in model.modules() if isinstance(m, SparseMoeBlock)):
+        assert block.packed_bits == (spec["bits"] if native else 0)  # routed experts packed
+        assert hasattr(block, "experts_gate_up") != native
+        experts = llm.engine.execution_path["experts"]
+        assert experts.endswith(f", packed int{spec['bits']}") == native, experts
     params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for p, out, exp in zip(prompts, outs, hf_greedy(ref_dir, prompts, 16)):

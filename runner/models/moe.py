@@ -7,7 +7,10 @@ renormalised are config data (`MoeSpec`); attention is the family's own. The exp
 weights are stacked per layer into gate/up `[E, 2I, H]` and down `[E, H, I]`
 (kernels/moe.py), filled from checkpoints that store them per expert (`experts.N.
 gate_proj`, Mixtral's `experts.N.w1/w3/w2`) or already stacked (`experts.gate_up_proj`,
-as ours or, when the shape says so, `[E, in, out]`).
+as ours or, when the shape says so, `[E, in, out]`). A GPTQ / AWQ / compressed-tensors
+checkpoint's experts may stay packed (`pack_experts`, runner/models/packed_linear.py):
+each stack is then `experts_<gate_up|down>_{qweight,scales,zeros}` in kernels/moe_int.py's
+layout, filled from the per-expert parts the loader repacks.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.moe import moe_experts, route_top_k
+from pdserve.kernels.moe_int import PackedExperts, moe_experts_int
 from pdserve.kernels.workspace import KernelWorkspace
 from pdserve.runner.models.mlp import MLP
 
@@ -114,11 +118,45 @@ class SparseMoeBlock(nn.Module):
         shared = spec.shared_intermediate
         self.shared_expert = MLP(hidden, shared, False, workspace) if shared else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared else None
+        self.packed_groups: dict[str, int] = {}  # projection -> group size, when packed
+        self.packed_bits = 0
+
+    def pack_experts(self, bits: int, group_size: int) -> None:
+        """Replaces the 16-bit expert stacks with packed ones (on the meta device, before
+        allocation): int32 codes, float32 scales and uint8 zeros a projection
+        (`group_size` -1: one group a row)."""
+        experts, two_inter, hidden = self.experts_gate_up.shape
+        del self.experts_gate_up, self.experts_down
+        frozen = {"requires_grad": False}
+        for which, n, k in (("gate_up", two_inter, hidden), ("down", hidden, two_inter // 2)):
+            size = k if group_size == -1 else group_size
+            groups, words = -(-k // size), -(-k * bits // 32)
+            for part, shape, dtype in (
+                ("qweight", (experts, n, words), torch.int32),
+                ("scales", (experts, n, groups), torch.float32),
+                ("zeros", (experts, n, groups), torch.uint8),
+            ):
+                param = nn.Parameter(torch.empty(shape, dtype=dtype), **frozen)
+                setattr(self, f"experts_{which}_{part}", param)
+            self.packed_groups[which] = size
+        self.packed_bits = bits
+
+    def _packed(self, which: str, in_features: int) -> PackedExperts:
+        return PackedExperts(
+            getattr(self, f"experts_{which}_qweight"), getattr(self, f"experts_{which}_scales"),
+            getattr(self, f"experts_{which}_zeros"), self.packed_bits, self.packed_groups[which],
+            in_features,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x, self.gate.weight)
         weights, ids = route_top_k(router_logits, self.spec.top_k, self.spec.renormalize)
-        out = moe_experts(x, self.experts_gate_up, self.experts_down, ids, weights)
+        if self.packed_bits:
+            gate_up = self._packed("gate_up", x.shape[-1])
+            down = self._packed("down", self.spec.intermediate)
+            out = moe_experts_int(x, gate_up, down, ids, weights)
+        else:
+            out = moe_experts(x, self.experts_gate_up, self.experts_down, ids, weights)
         if self.shared_expert is not None:
             share = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
             out = out + share * self.shared_expert(x)
@@ -131,6 +169,12 @@ _PER_EXPERT = re.compile(
     r"^(layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
 )
 _STACKED = re.compile(r"^(layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# a packed expert's repacked parts (runner/models/packed_int_weights.py's `repacked`)
+_PER_EXPERT_PACKED = re.compile(
+    r"^(layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\."
+    r"(qweight|scales|zeros)$"
+)
+PACKED_EXPERTS = re.compile(r"^(layers\.\d+\.mlp\.experts)\.\d+\.")
 _GATE_UP_HALF = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}
 
 
@@ -144,12 +188,13 @@ def load_expert_tensor(
 ) -> bool:
     """Copy an expert weight into its layer's stacked parameter; False if `local` is not
     one. `loaded` gets one key per expert (and gate/up half), as `expert_keys` lists."""
-    match = _PER_EXPERT.match(local)
+    match = _PER_EXPERT.match(local) or _PER_EXPERT_PACKED.match(local)
     if match is not None:
         layer, expert, proj = match.group(1), int(match.group(2)), match.group(3)
         half = _GATE_UP_HALF.get(proj)
         which = "down" if half is None else "gate_up"
-        name = f"{layer}.mlp.experts_{which}"
+        part = f"_{match.group(4)}" if match.re is _PER_EXPERT_PACKED else ""
+        name = f"{layer}.mlp.experts_{which}{part}"
         param = _param(params, name, local)
         if expert >= param.shape[0]:
             raise ValueError(
@@ -181,10 +226,12 @@ def load_expert_tensor(
 
 
 def expert_keys(name: str, param: nn.Parameter) -> list[str] | None:
-    """The `loaded` keys a stacked expert parameter needs; None for any other parameter."""
-    if name.endswith(".experts_gate_up"):
+    """The `loaded` keys a stacked expert parameter (16-bit or a packed part) needs; None
+    for any other parameter."""
+    stack = re.sub(r"_(qweight|scales|zeros)$", "", name)
+    if stack.endswith(".experts_gate_up"):
         return [f"{name}#{e}.{half}" for e in range(param.shape[0]) for half in (0, 1)]
-    if name.endswith(".experts_down"):
+    if stack.endswith(".experts_down"):
         return [f"{name}#{e}" for e in range(param.shape[0])]
     return None
 

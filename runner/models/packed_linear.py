@@ -12,10 +12,13 @@ GeGLU MLP's gate/up and down (`swap_packed_linears`): `PackedLinear` takes their
 the meta model before any byte is allocated, so the weights take their packed size on the
 GPU (and `check_weights_fit` counts that). Its parameters are N-major ([N, words] codes,
 [N, G] scales and zeros), so the loader's fused q/k/v and gate/up shards stack along
-dim 0 exactly as 16-bit weights do.
+dim 0 exactly as 16-bit weights do. A Llama-family MoE layer's routed experts
+(runner/models/moe.py's SparseMoeBlock: Mixtral, Qwen2-MoE, Qwen3-MoE) stay packed as
+stacks run by kernels/moe_int.py (`pack_experts`); a shared expert and the router do not.
 
 What stays dequantized at load (runner/models/packed_int_weights.py), the model running
-as for a 16-bit checkpoint: MoE experts, every other family's projections, act-order
+as for a 16-bit checkpoint: the experts of other families, every other family's
+projections, act-order
 checkpoints (their groups are not contiguous), 2-bit ones, LoRA-served models (the
 adapters read 16-bit weights), and models that rework projection weights after load
 (interleaved-RoPE rows, Granite's residual multiplier). The RMSNorms are not folded into
@@ -127,6 +130,7 @@ def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
     # (imported here: llama.py imports this module for `project`)
     from pdserve.runner.models.llama import Attention, LlamaFamilyForCausalLM, family_spec
     from pdserve.runner.models.mlp import MLP
+    from pdserve.runner.models.moe import SparseMoeBlock
 
     if type(model) is not LlamaFamilyForCausalLM:
         return set()  # subclasses (Gemma, gpt-oss, ...) rework their projections
@@ -142,6 +146,9 @@ def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
             ]
         if type(layer.mlp) is MLP:
             sites += [(layer.mlp, "mlp", "gate_up_proj"), (layer.mlp, "mlp", "down_proj")]
+        if type(layer.mlp) is SparseMoeBlock:  # its experts (kernels/moe_int.py)
+            layer.mlp.pack_experts(fmt.bits, fmt.group_size)
+            swapped.add(f"layers.{i}.mlp.experts")
         for parent, where, name in sites:
             old = getattr(parent, name)
             with torch.device(old.weight.device):  # meta: nothing is allocated yet
@@ -154,7 +161,12 @@ def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
 
 def packed_target(checkpoint_prefix: str, swapped: set[str]) -> bool:
     """Whether a checkpoint linear (e.g. "model.layers.0.self_attn.q_proj") lands in a
-    PackedLinear."""
-    parts = checkpoint_prefix.removeprefix("model.").split(".")
-    local = ".".join(_FUSED.get(p, p) for p in parts)
-    return local in swapped
+    PackedLinear, or an expert's ("model.layers.0.mlp.experts.3.gate_proj", Mixtral's
+    "block_sparse_moe.experts.3.w1") in packed expert stacks."""
+    from pdserve.runner.models.moe import PACKED_EXPERTS, checkpoint_local_name
+
+    local = checkpoint_local_name(checkpoint_prefix.removeprefix("model."))
+    experts = PACKED_EXPERTS.match(local)
+    if experts is not None:
+        return experts.group(1) in swapped
+    return ".".join(_FUSED.get(p, p) for p in local.split(".")) in swapped
