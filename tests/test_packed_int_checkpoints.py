@@ -40,7 +40,7 @@ from pdserve.runner.models.packed_int_weights import (
     dequantized_packed_weights,
     packed_int_format,
 )
-from pdserve.runner.models.packed_linear import PackedLinear, runs_packed
+from pdserve.runner.models.packed_linear import PackedLinear, packed_target, runs_packed
 from pdserve.runner.mrv2.kv_cache import GPU_ACTIVATION_RESERVE_BYTES
 from pdserve.runner.runner_select import mrv2_unsupported_features
 
@@ -394,6 +394,18 @@ def test_packed_is_refused_for_families_that_rework_their_weights(tiny_granite_d
         LLM(model=str(tmp_path / "q"), device=DEVICE, dtype="float32", quantized_weights="packed")
     llm = LLM(model=str(tmp_path / "q"), device=DEVICE, dtype="float32")
     assert llm.engine.execution_path["weights"] == "gptq->float32"
+
+
+def test_which_checkpoint_linears_stay_packed():
+    """Checkpoint names -> the swapped modules: fused q/k/v and gate/up fragments, and
+    experts by their layer's stack (Mixtral's block_sparse_moe / w1 names too)."""
+    swapped = {"layers.0.self_attn.qkv_proj", "layers.0.mlp.experts"}
+    assert packed_target("model.layers.0.self_attn.k_proj", swapped)
+    assert packed_target("model.layers.0.mlp.experts.3.gate_proj", swapped)
+    assert packed_target("model.layers.0.block_sparse_moe.experts.7.w2", swapped)
+    assert not packed_target("model.layers.1.mlp.experts.3.gate_proj", swapped)
+    assert not packed_target("model.layers.0.mlp.shared_expert.gate_proj", swapped)
+    assert not packed_target("model.layers.0.self_attn.o_proj", swapped)
 
 
 def test_the_kv_cache_reserve_auto_keeps():
