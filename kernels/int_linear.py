@@ -190,6 +190,29 @@ def _int_linear_kernel(
 
 
 @triton.jit
+def dequantized_tile(w_rows, s_rows, z_rows, n_ok, k0, k, words, group_size,
+                     BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     dtype: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_K] weights of inputs k0.. of the rows whose words start at `w_rows`
+    and whose scales and zeros start at `s_rows` / `z_rows` ([BLOCK_N] pointers, this
+    module's layout): (code - zero) * scale in float32, rounded to `dtype`, each word loaded
+    once and split in registers (kernels/moe_triton.py's packed experts)."""
+    per_word: tl.constexpr = 32 // BITS
+    wk = k0 // per_word + tl.arange(0, BLOCK_K // per_word)
+    packed = tl.load(w_rows[:, None] + wk[None, :], mask=n_ok[:, None] & (wk < words)[None, :],
+                     other=0)  # fmt: skip
+    fields = tl.arange(0, per_word) * BITS
+    codes = (packed[:, :, None] >> fields[None, None, :]) & ((1 << BITS) - 1)
+    codes = tl.reshape(codes, [BLOCK_N, BLOCK_K])
+    kk = k0 + tl.arange(0, BLOCK_K)
+    group = (kk // group_size)[None, :]
+    mask = n_ok[:, None] & (kk < k)[None, :]
+    s = tl.load(s_rows[:, None] + group, mask=mask, other=0.0)
+    z = tl.load(z_rows[:, None] + group, mask=mask, other=0).to(tl.int32)
+    return ((codes - z).to(tl.float32) * s).to(dtype)
+
+
+@triton.jit
 def _dequantize_kernel(
     w_ptr, s_ptr, z_ptr, out_ptr, n, k, k_words, groups, group_size,
     BITS: tl.constexpr, TILE_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -1,7 +1,8 @@
 """MoE experts on packed integer weights (GPTQ / AWQ / compressed-tensors int4 and int8
 experts kept packed on the GPU, runner/models/moe.py): kernels/moe_triton.py's grouped
-GEMMs over expert-sorted slot blocks, each weight tile dequantized in registers as it
-streams in, so the experts take a quarter (4-bit) or half (8-bit) of their 16-bit bytes.
+GEMMs over expert-sorted slot blocks with `PACKED` stacks, each weight tile dequantized in
+registers as it streams in (kernels/int_linear.py's `dequantized_tile`), so the experts
+take a quarter (4-bit) or half (8-bit) of their 16-bit bytes.
 
 Layout, per projection: kernels/int_linear.py's with an expert axis in front: `qweight`
 int32 [E, N, ceil(K * bits / 32)] (output n's codes along K, the lowest bits first),
@@ -21,14 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
-from pdserve.kernels.attention_parts import attention_dot
 from pdserve.kernels.int_linear import dequantize_int
 from pdserve.kernels.moe import moe_experts_ref
-from pdserve.kernels.moe_triton import _block_slots, _gate, align_slots, choose_tiles
+from pdserve.kernels.moe_triton import moe_experts_triton
 
 
 @dataclass(frozen=True)
@@ -54,6 +52,12 @@ class PackedExperts:
             f"[{e}, {n}, {groups}]"
         )
 
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """[E, N, K], as a 16-bit stack's."""
+        e, n, _ = self.qweight.shape
+        return e, n, self.in_features
+
     def dequantized(self, dtype: torch.dtype) -> Tensor:
         """[E, N, K] in `dtype`: each weight (code - zero) * scale, rounded once."""
         return torch.stack([
@@ -70,165 +74,12 @@ def moe_experts_int_ref(
     return moe_experts_ref(x, gate_up.dequantized(x.dtype), down.dequantized(x.dtype), ids, weights)
 
 
-@triton.jit
-def _dequantized_tile(w_rows, s_rows, z_rows, n_ok, k0, k, words, group_size,
-                      BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      dtype: tl.constexpr):  # fmt: skip
-    """[BLOCK_N, BLOCK_K] weights of inputs k0.. of the rows whose words start at `w_rows`
-    and whose scales and zeros start at `s_rows` / `z_rows`: (code - zero) * scale in
-    float32, rounded to `dtype`. Each word is loaded once and split in registers."""
-    per_word: tl.constexpr = 32 // BITS
-    wk = k0 // per_word + tl.arange(0, BLOCK_K // per_word)
-    packed = tl.load(w_rows[:, None] + wk[None, :], mask=n_ok[:, None] & (wk < words)[None, :],
-                     other=0)  # fmt: skip
-    fields = tl.arange(0, per_word) * BITS
-    codes = (packed[:, :, None] >> fields[None, None, :]) & ((1 << BITS) - 1)
-    codes = tl.reshape(codes, [BLOCK_N, BLOCK_K])
-    kk = k0 + tl.arange(0, BLOCK_K)
-    group = (kk // group_size)[None, :]
-    mask = n_ok[:, None] & (kk < k)[None, :]
-    s = tl.load(s_rows[:, None] + group, mask=mask, other=0.0)
-    z = tl.load(z_rows[:, None] + group, mask=mask, other=0).to(tl.int32)
-    return ((codes - z).to(tl.float32) * s).to(dtype)
-
-
-@triton.jit(do_not_specialize=["num_slots"])
-def _gate_up_int_kernel(
-    x_ptr,  # [T, H]
-    q_ptr,  # [E, 2I, words] int32
-    s_ptr,  # [E, 2I, groups] float32
-    z_ptr,  # [E, 2I, groups] uint8
-    out_ptr,  # [S, I]
-    sorted_slots_ptr,
-    block_expert_ptr,
-    num_slots,
-    top_k,
-    hidden,
-    inter,
-    words,
-    groups,
-    group_size,
-    stride_xt,
-    BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    if expert >= 0:
-        slots, valid = _block_slots(sorted_slots_ptr, block, num_slots, BLOCK_M)
-        tokens = tl.where(valid, slots // top_k, 0).to(tl.int64)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < inter
-        gate_rows = expert * 2 * inter + n.to(tl.int64)  # rows of the [E * 2I] stack
-        up_rows = gate_rows + inter
-        dtype = out_ptr.dtype.element_ty
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + tokens[:, None] * stride_xt + k[None, :],
-                        mask=valid[:, None] & (k < hidden)[None, :], other=0.0)  # fmt: skip
-            w_gate = _dequantized_tile(q_ptr + gate_rows * words, s_ptr + gate_rows * groups,
-                                       z_ptr + gate_rows * groups, n_ok, k0, hidden, words,
-                                       group_size, BITS, BLOCK_N, BLOCK_K, dtype)  # fmt: skip
-            acc_gate = attention_dot(a, tl.trans(w_gate), acc_gate, DOT_PRECISION, UPCAST_DOT)
-            w_up = _dequantized_tile(q_ptr + up_rows * words, s_ptr + up_rows * groups,
-                                     z_ptr + up_rows * groups, n_ok, k0, hidden, words,
-                                     group_size, BITS, BLOCK_N, BLOCK_K, dtype)  # fmt: skip
-            acc_up = attention_dot(a, tl.trans(w_up), acc_up, DOT_PRECISION, UPCAST_DOT)
-        gate = acc_gate.to(dtype).to(tl.float32)
-        up = acc_up.to(dtype).to(tl.float32)
-        out = out_ptr + slots.to(tl.int64)[:, None] * inter + n[None, :]
-        tl.store(out, _gate(gate, up, dtype, False, 0.0, 0.0, False),
-                 mask=valid[:, None] & n_ok[None, :])  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["num_slots"])
-def _down_int_kernel(
-    h_ptr,  # [S, I]
-    q_ptr,  # [E, H, words] int32
-    s_ptr,  # [E, H, groups] float32
-    z_ptr,  # [E, H, groups] uint8
-    weights_ptr,  # [S] float32 routing weights
-    out_ptr,  # [S, H]
-    sorted_slots_ptr,
-    block_expert_ptr,
-    num_slots,
-    hidden,
-    inter,
-    words,
-    groups,
-    group_size,
-    BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    if expert >= 0:
-        slots, valid = _block_slots(sorted_slots_ptr, block, num_slots, BLOCK_M)
-        rows = tl.where(valid, slots, 0).to(tl.int64)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < hidden
-        w_rows = expert * hidden + n.to(tl.int64)  # rows of the [E * H] stack
-        dtype = out_ptr.dtype.element_ty
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(h_ptr + rows[:, None] * inter + k[None, :],
-                        mask=valid[:, None] & (k < inter)[None, :], other=0.0)  # fmt: skip
-            w = _dequantized_tile(q_ptr + w_rows * words, s_ptr + w_rows * groups,
-                                  z_ptr + w_rows * groups, n_ok, k0, inter, words, group_size,
-                                  BITS, BLOCK_N, BLOCK_K, dtype)  # fmt: skip
-            acc = attention_dot(a, tl.trans(w), acc, DOT_PRECISION, UPCAST_DOT)
-        weight = tl.load(weights_ptr + rows, mask=valid, other=0.0)
-        y = acc.to(dtype).to(tl.float32) * weight[:, None]
-        out = out_ptr + rows[:, None] * hidden + n[None, :]
-        tl.store(out, y.to(dtype), mask=valid[:, None] & n_ok[None, :])
-
-
 def moe_experts_int_triton(
     x: Tensor, gate_up: PackedExperts, down: PackedExperts, ids: Tensor, weights: Tensor
 ) -> Tensor:
-    """`moe_experts_int_ref` on the GPU (or Triton's interpreter)."""
-    num_tokens, top_k = ids.shape
-    num_experts, two_inter, _ = gate_up.qweight.shape
-    hidden, inter = down.qweight.shape[1], two_inter // 2
-    num_slots = num_tokens * top_k
-    if num_slots == 0:
-        return x.new_zeros(num_tokens, hidden)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    t = choose_tiles(num_slots, num_experts, x.dtype)
-    sorted_slots, block_expert = align_slots(ids, num_experts, t.block_m)
-    num_blocks = block_expert.shape[0]
-    launch = {
-        "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k,
-        "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
-        "UPCAST_DOT": x.device.type == "cpu" and x.dtype == torch.bfloat16,
-        "num_warps": t.num_warps, "num_stages": t.num_stages,
-    }  # fmt: skip
-    h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
-    gu = gate_up
-    _gate_up_int_kernel[(num_blocks, triton.cdiv(inter, t.block_n))](
-        x, gu.qweight, gu.scales, gu.zeros, h, sorted_slots, block_expert, num_slots, top_k,
-        hidden, inter, gu.qweight.shape[2], gu.scales.shape[2], gu.group_size, x.stride(0),
-        BITS=gu.bits, **launch,
-    )  # fmt: skip
-    terms = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
-    flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
-    _down_int_kernel[(num_blocks, triton.cdiv(hidden, t.block_n))](
-        h, down.qweight, down.scales, down.zeros, flat_weights, terms, sorted_slots,
-        block_expert, num_slots, hidden, inter, down.qweight.shape[2], down.scales.shape[2],
-        down.group_size, BITS=down.bits, **launch,
-    )  # fmt: skip
-    return terms.view(num_tokens, top_k, hidden).sum(dim=1)
+    """`moe_experts_int_ref` on the GPU (or Triton's interpreter): moe_triton's kernels
+    with packed stacks."""
+    return moe_experts_triton(x, gate_up, down, ids, weights)
 
 
 def moe_experts_int(
