@@ -47,12 +47,12 @@ class PackedExperts:
         assert words * (32 // self.bits) >= self.in_features, (
             f"{words} words a row hold fewer than {self.in_features} {self.bits}-bit codes"
         )
-        parts = (self.qweight, self.scales, self.zeros)
-        assert all(t.is_contiguous() for t in parts), "the kernels read dense [E, N, ·] stacks"
         assert self.scales.shape == self.zeros.shape == (e, n, groups), (
             f"scales {tuple(self.scales.shape)} and zeros {tuple(self.zeros.shape)} must be "
             f"[{e}, {n}, {groups}]"
         )
+        parts = (self.qweight, self.scales, self.zeros)
+        assert all(t.is_contiguous() for t in parts), "the kernels read dense [E, N, ·] stacks"
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -109,3 +109,6 @@ def test_shapes_are_checked():
     with pytest.raises(AssertionError, match="must be \\[6, 80, 3\\]"):
         PackedExperts(gate_up.qweight, gate_up.scales[:, :, :2], gate_up.zeros[:, :, :2], 4, 16,
                       44)  # fmt: skip
+    with pytest.raises(AssertionError, match="dense"):
+        PackedExperts(gate_up.qweight[:, ::2], gate_up.scales[:, ::2], gate_up.zeros[:, ::2], 4,
+                      16, 44)  # fmt: skip
