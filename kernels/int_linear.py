@@ -33,10 +33,11 @@ slices in split order (kernels/skinny_linear.py's scheme), so the chip keeps sev
 programs' weight streams in flight where one tile's 4-bit words are only a few KB.
 Past DEQUANT_ROWS rows a dequantize kernel writes the 16-bit weight and cuBLAS multiplies.
 The tiles come from H100 sweeps (benchmarks/int_linear_bench.py --sweep); the kernel is
-still slower than cuBLAS on the 16-bit weights (1.2-1.4x at decode, bound by the unpacking
+still slower than cuBLAS on the 16-bit weights (1.2-1.5x at decode, bound by the unpacking
 arithmetic, not by bytes), so packed weights run only where asked or where 16-bit ones
-would not fit (runner/models/packed_linear.py); the execution path says which
-(`weights=gptq->int4`).
+would crowd out the KV cache (runner/models/packed_linear.py); the execution path says
+which (`weights=gptq->int4`). `dequantized_tile` is the plain tile (each weight rounded to
+the dtype) for other kernels: kernels/moe_triton.py's packed experts.
 """
 
 from __future__ import annotations

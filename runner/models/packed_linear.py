@@ -4,7 +4,7 @@ weights packed (kernels/int_linear.py runs them), instead of dequantizing them a
 When: `quantized_weights="packed"` (`--quantized-weights packed`), or "auto" (the default)
 where the model's 16-bit weights would not leave the KV cache room for one full-length
 request within `gpu_memory_utilization` (or the cache's explicit size). Where they fit,
-"auto" dequantizes: the packed kernels run 1.2-1.7x slower than cuBLAS
+"auto" dequantizes: the packed kernels run 1.2-1.5x slower than cuBLAS
 on 16-bit weights (benchmarks/int_linear_bench.py), so packing buys memory, not speed.
 
 Which linears: a Llama-family decoder layer's qkv and o projections and a dense SiLU /
