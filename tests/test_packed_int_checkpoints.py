@@ -159,6 +159,9 @@ def _config(spec: dict) -> dict:
             "config_groups": {"group_0": group}, "ignore": ["lm_head"]}  # fmt: skip
 
 
+LINEARS = ("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")  # Mixtral's experts
+
+
 def _packed_pair(src: str, dst_q: Path, dst_ref: Path, spec: dict) -> None:
     """Writes the packed checkpoint and its dequantized float32 twin from model `src`."""
     shutil.copytree(src, dst_q)
@@ -167,7 +170,7 @@ def _packed_pair(src: str, dst_q: Path, dst_ref: Path, spec: dict) -> None:
     rng = np.random.default_rng(7)
     packed, ref = {}, {}
     for name, w in load_file(file).items():
-        if not name.endswith("proj.weight"):  # embeddings, norms, biases, the router, the head
+        if not name.endswith(LINEARS):  # embeddings, norms, biases, the router, the head
             packed[name] = ref[name] = w
             continue
         parts, ref[name] = _quantized_linear(w, spec, rng)
@@ -194,6 +197,10 @@ CASES = {
     "qwen3-moe-gptq-v1-8bit-channel": ("tiny_qwen3_moe_dir", {**GPTQ, "bits": 8,
                                                               "group_size": -1,
                                                               "checkpoint_format": "gptq"}),
+    "qwen2-moe-gptq-v2-4bit-g8": ("tiny_qwen2_moe_dir", {**GPTQ, "bits": 4, "group_size": 8,
+                                                         "checkpoint_format": "gptq_v2"}),
+    "mixtral-ct-w4a16-asym-g12": ("tiny_mixtral_dir", {**CT, "bits": 4, "group_size": 12,
+                                                       "symmetric": False}),
     "qwen2-gptq-v1-2bit-channel": ("tiny_qwen2_dir", {**GPTQ, "bits": 2, "group_size": -1,
                                                       "checkpoint_format": "gptq"}),
     "qwen2-ct-w4a16-sym-g16": ("tiny_qwen2_dir", {**CT, "bits": 4, "group_size": 16,
@@ -266,8 +273,11 @@ def test_packed_is_refused_where_it_cannot_run(case, why, tmp_path, request):
 
 
 def _dense_projections(model) -> int:
-    """qkv and o of every layer, gate/up and down of every dense MLP layer."""
-    return sum(2 + (2 if type(layer.mlp) is MLP else 0) for layer in model.layers)
+    """qkv and o of every layer, gate/up and down of every dense MLP layer and of every MoE
+    layer's shared expert."""
+    mlps = [layer.mlp if type(layer.mlp) is MLP else getattr(layer.mlp, "shared_expert", None)
+            for layer in model.layers]  # fmt: skip
+    return sum(2 + (2 if mlp is not None else 0) for mlp in mlps)
 
 
 def test_logprobs_match_the_dequantized_model(packed_pair):
@@ -405,6 +415,8 @@ def test_which_checkpoint_linears_stay_packed():
     assert packed_target("model.layers.0.block_sparse_moe.experts.7.w2", swapped)
     assert not packed_target("model.layers.1.mlp.experts.3.gate_proj", swapped)
     assert not packed_target("model.layers.0.mlp.shared_expert.gate_proj", swapped)
+    shared = {"layers.0.mlp.shared_expert.gate_up_proj"}
+    assert packed_target("model.layers.0.mlp.shared_expert.up_proj", shared)
     assert not packed_target("model.layers.0.self_attn.o_proj", swapped)
 
 

@@ -14,7 +14,8 @@ GPU (and `check_weights_fit` counts that). Its parameters are N-major ([N, words
 [N, G] scales and zeros), so the loader's fused q/k/v and gate/up shards stack along
 dim 0 exactly as 16-bit weights do. A Llama-family MoE layer's routed experts
 (runner/models/moe.py's SparseMoeBlock: Mixtral, Qwen2-MoE, Qwen3-MoE) stay packed as
-stacks run by kernels/moe_int.py (`pack_experts`); a shared expert and the router do not.
+stacks run by kernels/moe_int.py (`pack_experts`), and a shared expert's projections as
+PackedLinears; the router stays 16-bit.
 
 What stays dequantized at load (runner/models/packed_int_weights.py), the model running
 as for a 16-bit checkpoint: the experts of other families, every other family's
@@ -149,6 +150,10 @@ def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
         if type(layer.mlp) is SparseMoeBlock:  # its experts (kernels/moe_int.py)
             layer.mlp.pack_experts(fmt.bits, fmt.group_size)
             swapped.add(f"layers.{i}.mlp.experts")
+            if type(layer.mlp.shared_expert) is MLP:  # Qwen2-MoE's
+                shared = layer.mlp.shared_expert
+                sites += [(shared, "mlp.shared_expert", "gate_up_proj"),
+                          (shared, "mlp.shared_expert", "down_proj")]  # fmt: skip
         for parent, where, name in sites:
             old = getattr(parent, name)
             with torch.device(old.weight.device):  # meta: nothing is allocated yet
