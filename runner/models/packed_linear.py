@@ -125,9 +125,10 @@ def runs_packed(
 
 
 def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
-    """Replaces the dense projections `model` can run packed with PackedLinears (on the
-    meta device, before allocation); returns their names (model-local, e.g.
-    "layers.0.self_attn.qkv_proj"). Models this does not cover return an empty set."""
+    """Replaces the dense projections `model` can run packed with PackedLinears and packs its
+    MoE layers' expert stacks (on the meta device, before allocation); returns their names
+    (model-local, e.g. "layers.0.self_attn.qkv_proj", "layers.1.mlp.experts"). Models this
+    does not cover return an empty set."""
     # (imported here: llama.py imports this module for `project`)
     from pdserve.runner.models.llama import Attention, LlamaFamilyForCausalLM, family_spec
     from pdserve.runner.models.mlp import MLP
