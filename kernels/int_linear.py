@@ -60,15 +60,25 @@ from pdserve.kernels.workspace import KernelWorkspace
 DEQUANT_ROWS = 128
 
 
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int64 codes of an int32 tensor packed along `dim` (0 or 1), 32 // bits to a word, the
+    lowest bits first: dim grows by 32 // bits, a word's codes in a row."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=packed.device)
+    codes = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [R, C, p]
+    rows, cols = packed.shape
+    if dim == 1:
+        return codes.reshape(rows, cols * per_word)
+    return codes.permute(0, 2, 1).reshape(rows * per_word, cols)
+
+
 def dequantize_int(
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, k: int,
     group_size: int,
 ) -> torch.Tensor:  # fmt: skip
     """float32 [N, K]: each weight (code - zero) * scale of its input's group."""
     assert qweight.shape[1] * (32 // bits) >= k
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=qweight.device)
-    codes = (qweight.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    codes = codes.reshape(qweight.shape[0], -1)[:, :k]  # [N, K]
+    codes = unpack_int32(qweight, bits, dim=1)[:, :k]  # [N, K]
     group = torch.arange(k, device=qweight.device) // group_size
     return (codes - zeros.to(torch.int64)[:, group]).float() * scales.float()[:, group]
 

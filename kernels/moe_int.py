@@ -76,14 +76,6 @@ def moe_experts_int_ref(
     return moe_experts_ref(x, gate_up.dequantized(x.dtype), down.dequantized(x.dtype), ids, weights)
 
 
-def moe_experts_int_triton(
-    x: Tensor, gate_up: PackedExperts, down: PackedExperts, ids: Tensor, weights: Tensor
-) -> Tensor:
-    """`moe_experts_int_ref` on the GPU (or Triton's interpreter): moe_triton's kernels
-    with packed stacks."""
-    return moe_experts_triton(x, gate_up, down, ids, weights)
-
-
 def moe_experts_int(
     x: Tensor, gate_up: PackedExperts, down: PackedExperts, ids: Tensor, weights: Tensor
 ) -> Tensor:
@@ -99,5 +91,5 @@ def moe_experts_int(
     )
     assert ids.dim() == 2 and ids.shape[0] == x.shape[0] and weights.shape == ids.shape
     if x.is_cuda:
-        return moe_experts_int_triton(x, gate_up, down, ids, weights)
+        return moe_experts_triton(x, gate_up, down, ids, weights)  # PACKED stacks
     return moe_experts_int_ref(x, gate_up, down, ids, weights)

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from pdserve.kernels.int_linear import unpack_int32
+
 PACKED_METHODS = ("gptq", "awq")  # and compressed-tensors with packed integer weights
 CT = "compressed-tensors"
 # vLLM's names for the same checkpoints run by its Marlin kernels (`--quantization
@@ -152,18 +154,6 @@ def packed_source(hf_config: Any) -> str | None:
         return method
     weights = _ct_int_weights(quant) if method == CT else None
     return f"w{weights[0].get('num_bits')}a16" if weights else None
-
-
-def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """int64 codes of an int32 tensor packed along `dim` (0 or 1), 32 // bits to a word, the
-    lowest bits first: dim grows by 32 // bits, a word's codes in a row."""
-    per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
-    codes = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [R, C, p]
-    rows, cols = packed.shape
-    if dim == 1:
-        return codes.reshape(rows, cols * per_word)
-    return codes.permute(0, 2, 1).reshape(rows * per_word, cols)
 
 
 def _awq_natural_columns(n: int) -> torch.Tensor:
