@@ -20,8 +20,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # How a GPTQ / AWQ / compressed-tensors checkpoint's integer weights run
 # (runner/models/packed_linear.py): "auto" dequantizes them at load where the 16-bit
-# weights fit the GPU and keeps them packed where they do not; "packed" / "dequantized"
-# choose.
+# weights leave the KV cache room for one max_model_len request and keeps them packed
+# where they do not (runner/models/loader.py); "packed" / "dequantized" choose.
 QUANTIZED_WEIGHTS = ("auto", "packed", "dequantized")
 
 
