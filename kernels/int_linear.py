@@ -36,8 +36,8 @@ The tiles come from H100 sweeps (benchmarks/int_linear_bench.py --sweep); the ke
 still slower than cuBLAS on the 16-bit weights (1.2-1.5x at decode, bound by the unpacking
 arithmetic, not by bytes), so packed weights run only where asked or where 16-bit ones
 would crowd out the KV cache (runner/models/packed_linear.py); the execution path says
-which (`weights=gptq->int4`). `dequantized_tile` is the plain tile (each weight rounded to
-the dtype) for other kernels: kernels/moe_triton.py's packed experts.
+which (`weights=gptq->int4`). `int_tile` and `int_tile_dot` (a tile's unpacking and its
+product) are shared with kernels/moe_int.py's packed experts.
 """
 
 from __future__ import annotations
@@ -92,6 +92,63 @@ def int_linear_ref(
     return F.linear(x, w, bias)
 
 
+@triton.jit
+def int_tile(w_rows, s_rows, s_ptr, z_ptr, n_mask, k0, kk, k_mask, k_words, group_size,
+             BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             TILE_GROUP: tl.constexpr, WORDS_ONCE: tl.constexpr, SCALE_AFTER: tl.constexpr,
+             MAGIC: tl.constexpr, ZERO_AFTER: tl.constexpr, BIAS: tl.constexpr,
+             dtype: tl.constexpr):  # fmt: skip
+    """The [BLOCK_N, BLOCK_K] weight tile of inputs `kk` (= k0 + arange) of the rows whose
+    words start at `w_rows` ([BLOCK_N, 1] pointers) and whose scales and zeros start at
+    offsets `s_rows` ([BLOCK_N]), with the scale and zero `int_tile_dot` needs: the tile in
+    float32 (code - zero) * scale, or with SCALE_AFTER the codes as 16-bit floats (minus
+    BIAS + zero unless ZERO_AFTER) and the row's one scale and zero."""
+    per_word: tl.constexpr = 32 // BITS
+    tile_mask = n_mask[:, None] & k_mask[None, :]
+    if WORDS_ONCE:  # each word loaded once, its codes split out in registers
+        wk = k0 // per_word + tl.arange(0, BLOCK_K // per_word)
+        words = tl.load(w_rows + wk[None, :], mask=n_mask[:, None] & (wk < k_words)[None, :],
+                        other=0)  # fmt: skip
+        fields = tl.arange(0, per_word) * BITS
+        codes = (words[:, :, None] >> fields[None, None, :]) & ((1 << BITS) - 1)
+        codes = tl.reshape(codes, [BLOCK_N, BLOCK_K])
+    else:  # each word loaded once per code it holds (the repeats from L1)
+        words = tl.load(w_rows + (kk // per_word)[None, :], mask=tile_mask, other=0)
+        codes = (words >> ((kk % per_word) * BITS)[None, :]) & ((1 << BITS) - 1)
+    if SCALE_AFTER:  # 4-bit codes as 16-bit floats by their bits: MAGIC | code is the
+        # float BIAS + code exactly (bf16 0x4300 = 128, fp16 0x6400 = 1024), so one
+        # subtraction of BIAS + zero gives code - zero, exact, with no conversion
+        g = k0 // group_size
+        s = tl.load(s_ptr + s_rows + g, mask=n_mask, other=0.0)
+        z = tl.load(z_ptr + s_rows + g, mask=n_mask, other=0).to(tl.int32)
+        w = (codes | MAGIC).to(tl.int16).to(dtype, bitcast=True)
+        if not ZERO_AFTER:
+            w = w - (z + BIAS).to(dtype)[:, None]
+    elif TILE_GROUP:
+        g = k0 // group_size
+        s = tl.load(s_ptr + s_rows + g, mask=n_mask, other=0.0)
+        z = tl.load(z_ptr + s_rows + g, mask=n_mask, other=0).to(tl.int32)
+        w = (codes - z[:, None]).to(tl.float32) * s[:, None]
+    else:
+        where = s_rows[:, None] + (kk // group_size)[None, :]
+        s = tl.load(s_ptr + where, mask=tile_mask, other=0.0)
+        z = tl.load(z_ptr + where, mask=tile_mask, other=0).to(tl.int32)
+        w = (codes - z).to(tl.float32) * s
+    return w, s, z
+
+
+@triton.jit
+def int_tile_dot(acc, w, s, z, xs, SCALE_AFTER: tl.constexpr, ZERO_AFTER: tl.constexpr,
+                 BIAS: tl.constexpr, IEEE_DOT: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_N, BLOCK_M] + an `int_tile` times xs [BLOCK_M, BLOCK_K] transposed."""
+    if SCALE_AFTER:  # exact (code - zero) in the dtype, the row's scale after the dot
+        d = swap_ab_dot(w, xs, None, IEEE_DOT)
+        if ZERO_AFTER:  # the tile held BIAS + code: (BIAS + zero) * sum(x) comes off
+            d -= (z + BIAS).to(tl.float32)[:, None] * tl.sum(xs.to(tl.float32), 1)[None, :]
+        return acc + d * s[:, None]
+    return swap_ab_dot(w.to(dtype), xs, acc, IEEE_DOT)  # kernels/skinny_linear.py
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _int_linear_kernel(
     x_ptr,  # [M, K], unit stride on K
@@ -129,7 +186,6 @@ def _int_linear_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    per_word: tl.constexpr = 32 // BITS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -143,45 +199,12 @@ def _int_linear_kernel(
     for k0 in range(k_start, tl.minimum(k, k_start + k_per_split), BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < k
-        tile_mask = n_mask[:, None] & k_mask[None, :]
-        if WORDS_ONCE:  # each word loaded once, its codes split out in registers
-            wk = k0 // per_word + tl.arange(0, BLOCK_K // per_word)
-            words = tl.load(w_rows + wk[None, :], mask=n_mask[:, None] & (wk < k_words)[None, :],
-                            other=0)  # fmt: skip
-            fields = tl.arange(0, per_word) * BITS
-            codes = (words[:, :, None] >> fields[None, None, :]) & ((1 << BITS) - 1)
-            codes = tl.reshape(codes, [BLOCK_N, BLOCK_K])
-        else:  # each word loaded once per code it holds (the repeats from L1)
-            words = tl.load(w_rows + (kk // per_word)[None, :], mask=tile_mask, other=0)
-            codes = (words >> ((kk % per_word) * BITS)[None, :]) & ((1 << BITS) - 1)
-        if SCALE_AFTER:  # 4-bit codes as 16-bit floats by their bits: MAGIC | code is the
-            # float BIAS + code exactly (bf16 0x4300 = 128, fp16 0x6400 = 1024), so one
-            # subtraction of BIAS + zero gives code - zero, exact, with no conversion
-            g = k0 // group_size
-            s = tl.load(s_ptr + s_rows + g, mask=n_mask, other=0.0)
-            z = tl.load(z_ptr + s_rows + g, mask=n_mask, other=0).to(tl.int32)
-            w = (codes | MAGIC).to(tl.int16).to(dtype, bitcast=True)
-            if not ZERO_AFTER:
-                w = w - (z + BIAS).to(dtype)[:, None]
-        elif TILE_GROUP:
-            g = k0 // group_size
-            s = tl.load(s_ptr + s_rows + g, mask=n_mask, other=0.0)
-            z = tl.load(z_ptr + s_rows + g, mask=n_mask, other=0).to(tl.int32)
-            w = (codes - z[:, None]).to(tl.float32) * s[:, None]
-        else:
-            where = s_rows[:, None] + (kk // group_size)[None, :]
-            s = tl.load(s_ptr + where, mask=tile_mask, other=0.0)
-            z = tl.load(z_ptr + where, mask=tile_mask, other=0).to(tl.int32)
-            w = (codes - z).to(tl.float32) * s
+        w, s, z = int_tile(w_rows, s_rows, s_ptr, z_ptr, n_mask, k0, kk, k_mask, k_words,
+                           group_size, BITS, BLOCK_N, BLOCK_K, TILE_GROUP, WORDS_ONCE,
+                           SCALE_AFTER, MAGIC, ZERO_AFTER, BIAS, dtype)  # fmt: skip
         xs = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
                      mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-        if SCALE_AFTER:  # exact (code - zero) in the dtype, the row's scale after the dot
-            d = swap_ab_dot(w, xs, None, IEEE_DOT)
-            if ZERO_AFTER:  # the tile held BIAS + code: (BIAS + zero) * sum(x) comes off
-                d -= (z + BIAS).to(tl.float32)[:, None] * tl.sum(xs.to(tl.float32), 1)[None, :]
-            acc += d * s[:, None]
-        else:
-            acc = swap_ab_dot(w.to(dtype), xs, acc, IEEE_DOT)  # kernels/skinny_linear.py
+        acc = int_tile_dot(acc, w, s, z, xs, SCALE_AFTER, ZERO_AFTER, BIAS, IEEE_DOT, dtype)
     if SPLIT_K > 1:  # the last program of the tile to arrive sums the slices in split order
         tile = offs_m[None, :].to(tl.int64) * n + offs_n[:, None]
         tl.store(part_ptr + (pid_k * m_total).to(tl.int64) * n + tile, acc, mask=n_mask[:, None])
@@ -198,29 +221,6 @@ def _int_linear_kernel(
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(dtype), mask=n_mask[:, None] & m_mask[None, :])
-
-
-@triton.jit
-def dequantized_tile(w_rows, s_rows, z_rows, n_ok, k0, k, words, group_size,
-                     BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     dtype: tl.constexpr):  # fmt: skip
-    """[BLOCK_N, BLOCK_K] weights of inputs k0.. of the rows whose words start at `w_rows`
-    and whose scales and zeros start at `s_rows` / `z_rows` ([BLOCK_N] pointers, this
-    module's layout): (code - zero) * scale in float32, rounded to `dtype`, each word loaded
-    once and split in registers (kernels/moe_triton.py's packed experts)."""
-    per_word: tl.constexpr = 32 // BITS
-    wk = k0 // per_word + tl.arange(0, BLOCK_K // per_word)
-    packed = tl.load(w_rows[:, None] + wk[None, :], mask=n_ok[:, None] & (wk < words)[None, :],
-                     other=0)  # fmt: skip
-    fields = tl.arange(0, per_word) * BITS
-    codes = (packed[:, :, None] >> fields[None, None, :]) & ((1 << BITS) - 1)
-    codes = tl.reshape(codes, [BLOCK_N, BLOCK_K])
-    kk = k0 + tl.arange(0, BLOCK_K)
-    group = (kk // group_size)[None, :]
-    mask = n_ok[:, None] & (kk < k)[None, :]
-    s = tl.load(s_rows[:, None] + group, mask=mask, other=0.0)
-    z = tl.load(z_rows[:, None] + group, mask=mask, other=0).to(tl.int32)
-    return ((codes - z).to(tl.float32) * s).to(dtype)
 
 
 @triton.jit

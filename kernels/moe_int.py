@@ -1,8 +1,7 @@
 """MoE experts on packed integer weights (GPTQ / AWQ / compressed-tensors int4 and int8
-experts kept packed on the GPU, runner/models/moe.py): kernels/moe_triton.py's grouped
-GEMMs over expert-sorted slot blocks with `PACKED` stacks, each weight tile dequantized in
-registers as it streams in (kernels/int_linear.py's `dequantized_tile`), so the experts
-take a quarter (4-bit) or half (8-bit) of their 16-bit bytes.
+experts kept packed on the GPU, runner/models/moe.py): grouped GEMMs over kernels/
+moe_triton.py's expert-sorted slot blocks whose weight tiles are unpacked in registers as
+they stream in, so the experts take a quarter (4-bit) or half (8-bit) of their 16-bit bytes.
 
 Layout, per projection: kernels/int_linear.py's with an expert axis in front: `qweight`
 int32 [E, N, ceil(K * bits / 32)] (output n's codes along K, the lowest bits first),
@@ -13,8 +12,14 @@ The spec, `moe_experts_int_ref`, dequantizes every expert to x's dtype (the floa
 product `(code - zero) * scale` rounded once, exactly as a checkpoint dequantized at load
 is) and runs kernels/moe.py's `moe_experts_ref`; it is also the CPU path. The kernels build
 the same rounded tile, so they differ from the spec only in summation order. SiLU-gated
-experts without biases only (the families whose experts stay packed). The tiles are
-moe_triton's first guesses, not yet measured on a GPU.
+experts without biases only (the families whose experts stay packed).
+
+The kernels are int_linear's (swap-AB: the weight tile is the MMA's M side, so a 16-slot
+block needs no transposed tile; `int_tile` unpacks a tile's words once, and a tile within
+one group loads one scale and zero an output). The first form, moe_triton's own kernels
+with each dequantized tile transposed and a scale and zero loaded per weight, ran a
+Qwen3-30B-A3B-shaped GPTQ model 10x slower than its 16-bit twin on an H100
+(model_throughput_qwen3_30b_a3b_gptq4_*_d31c0a3.json).
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
-from pdserve.kernels.int_linear import dequantize_int
+from pdserve.kernels.int_linear import dequantize_int, int_tile, int_tile_dot
 from pdserve.kernels.moe import moe_experts_ref
-from pdserve.kernels.moe_triton import moe_experts_triton
+from pdserve.kernels.moe_triton import _block_slots, _gate, align_slots, choose_tiles
 
 
 @dataclass(frozen=True)
@@ -91,5 +98,189 @@ def moe_experts_int(
     )
     assert ids.dim() == 2 and ids.shape[0] == x.shape[0] and weights.shape == ids.shape
     if x.is_cuda:
-        return moe_experts_triton(x, gate_up, down, ids, weights)  # PACKED stacks
+        return moe_experts_int_triton(x, gate_up, down, ids, weights)
     return moe_experts_int_ref(x, gate_up, down, ids, weights)
+
+
+@dataclass(frozen=True)
+class IntMoeTiles:
+    block_n: int  # outputs a program (the MMA's M side)
+    block_k: int  # inputs a tile (less where the group size does not allow it)
+    num_warps: int
+    num_stages: int
+    block_m: int  # slots a block
+
+
+def choose_int_tiles(num_slots: int, num_experts: int) -> IntMoeTiles:
+    """128 outputs in tiles of 64 inputs, 4 warps, 3 stages: the best of 24 tiles at 32 and
+    512 tokens of Qwen3-30B-A3B's experts on an H100 (moe_int_bench.py --sweep; 526 / 876 us
+    a layer against 2,965 / 5,118 for 64 outputs in tiles of 128 inputs). Blocks of
+    moe_triton's `choose_tiles` (16-64 slots by the mean run), 128 past runs of 256 slots:
+    each block unpacks its expert's weights again, so long runs take fewer, larger blocks."""
+    block_m = choose_tiles(num_slots, num_experts, torch.bfloat16).block_m
+    if num_slots / num_experts > 256:
+        block_m = 128
+    return IntMoeTiles(128, 64, 4, 3, block_m)
+
+
+def _block_k(want: int, packed: PackedExperts) -> int:
+    """The largest tile depth <= want within one group (tiles then load one scale and zero
+    an output), else `want` (a scale and zero a weight)."""
+    groups = packed.scales.shape[2]
+    fits = [
+        b for b in (128, 64, 32, 16) if b <= want and (groups == 1 or packed.group_size % b == 0)
+    ]
+    return fits[0] if fits else want
+
+
+def _tile_args(packed: PackedExperts, block_k: int) -> dict:
+    return {"BITS": packed.bits, "BLOCK_K": block_k,
+            "TILE_GROUP": packed.scales.shape[2] == 1 or packed.group_size % block_k == 0}  # fmt: skip
+
+
+@triton.jit
+def _int_rows_dot(acc, xs, w_ptr, s_ptr, z_ptr, rows, n_ok, k0, kk, k_ok, words, groups,
+                  group_size, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  TILE_GROUP: tl.constexpr, IEEE_DOT: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_N, BLOCK_M] + the packed stack's rows `rows` (int64) times xs^T, each
+    weight rounded to the dtype as the spec's."""
+    w, s, z = int_tile(w_ptr + rows[:, None] * words, rows * groups, s_ptr, z_ptr, n_ok, k0, kk,
+                       k_ok, words, group_size, BITS, BLOCK_N, BLOCK_K, TILE_GROUP, True, False,
+                       0, False, 0, dtype)  # fmt: skip
+    return int_tile_dot(acc, w, s, z, xs, False, False, 0, IEEE_DOT, dtype)
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _gate_up_int_kernel(
+    x_ptr,  # [T, H]
+    w_ptr,  # [E * 2I, words] int32: each expert's gate rows, then its up rows
+    s_ptr,  # [E * 2I, groups] float32
+    z_ptr,  # [E * 2I, groups] uint8
+    out_ptr,  # [S, I]
+    sorted_slots_ptr,  # [B * BLOCK_M] int32 (moe_triton.align_slots)
+    block_expert_ptr,  # [B] int32
+    num_slots,
+    top_k,
+    hidden,
+    inter,
+    stride_xt,
+    words,
+    groups,
+    group_size,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr,
+    TILE_GROUP: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
+    if expert >= 0:
+        slots, valid = _block_slots(sorted_slots_ptr, tl.program_id(0), num_slots, BLOCK_M)
+        tokens = tl.where(valid, slots // top_k, 0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < inter
+        gate_rows = expert * 2 * inter + n.to(tl.int64)
+        dtype = out_ptr.dtype.element_ty
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < hidden
+            xs = tl.load(x_ptr + tokens[:, None] * stride_xt + kk[None, :],
+                         mask=valid[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            acc_gate = _int_rows_dot(acc_gate, xs, w_ptr, s_ptr, z_ptr, gate_rows, n_ok, k0, kk,
+                                     k_ok, words, groups, group_size, BITS, BLOCK_N, BLOCK_K,
+                                     TILE_GROUP, IEEE_DOT, dtype)  # fmt: skip
+            acc_up = _int_rows_dot(acc_up, xs, w_ptr, s_ptr, z_ptr, gate_rows + inter, n_ok, k0,
+                                   kk, k_ok, words, groups, group_size, BITS, BLOCK_N, BLOCK_K,
+                                   TILE_GROUP, IEEE_DOT, dtype)  # fmt: skip
+        gate = acc_gate.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        out = out_ptr + slots.to(tl.int64)[None, :] * inter + n[:, None]
+        tl.store(out, _gate(gate, up, dtype, False, 1.0, 0.0, False),
+                 mask=n_ok[:, None] & valid[None, :])  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _down_int_kernel(
+    h_ptr,  # [S, I]
+    w_ptr,  # [E * H, words] int32
+    s_ptr,  # [E * H, groups] float32
+    z_ptr,  # [E * H, groups] uint8
+    weights_ptr,  # [S] float32 routing weights
+    out_ptr,  # [S, H]
+    sorted_slots_ptr,
+    block_expert_ptr,
+    num_slots,
+    hidden,
+    inter,
+    words,
+    groups,
+    group_size,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr,
+    TILE_GROUP: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
+    if expert >= 0:
+        slots, valid = _block_slots(sorted_slots_ptr, tl.program_id(0), num_slots, BLOCK_M)
+        rows = tl.where(valid, slots, 0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < hidden
+        w_rows = expert * hidden + n.to(tl.int64)
+        dtype = out_ptr.dtype.element_ty
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < inter
+            xs = tl.load(h_ptr + rows[:, None] * inter + kk[None, :],
+                         mask=valid[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            acc = _int_rows_dot(acc, xs, w_ptr, s_ptr, z_ptr, w_rows, n_ok, k0, kk, k_ok, words,
+                                groups, group_size, BITS, BLOCK_N, BLOCK_K, TILE_GROUP,
+                                IEEE_DOT, dtype)  # fmt: skip
+        weight = tl.load(weights_ptr + rows, mask=valid, other=0.0)
+        y = acc.to(dtype).to(tl.float32) * weight[None, :]
+        out = out_ptr + rows[None, :] * hidden + n[:, None]
+        tl.store(out, y.to(dtype), mask=n_ok[:, None] & valid[None, :])
+
+
+def moe_experts_int_triton(
+    x: Tensor, gate_up: PackedExperts, down: PackedExperts, ids: Tensor, weights: Tensor,
+    tiles: IntMoeTiles | None = None,
+) -> Tensor:  # fmt: skip
+    """`moe_experts_int_ref` on the GPU (or Triton's interpreter); shapes checked by the
+    caller. `tiles` overrides the defaults (benchmarks' sweeps)."""
+    num_tokens, top_k = ids.shape
+    num_experts, _, hidden = gate_up.shape
+    inter = down.in_features
+    num_slots = num_tokens * top_k
+    if num_slots == 0:
+        return x.new_zeros(num_tokens, hidden)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    t = tiles or choose_int_tiles(num_slots, num_experts)
+    block_m = t.block_m
+    sorted_slots, block_expert = align_slots(ids, num_experts, block_m)
+    num_blocks = block_expert.shape[0]
+    launch = {"BLOCK_M": block_m, "BLOCK_N": t.block_n, "num_warps": t.num_warps,
+              "num_stages": t.num_stages,
+              # fp32 operands without tf32 rounding, and the interpreter's 16-bit tiles
+              "IEEE_DOT": x.dtype == torch.float32 or not x.is_cuda}  # fmt: skip
+    gu_k, d_k = _block_k(t.block_k, gate_up), _block_k(t.block_k, down)
+    h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
+    _gate_up_int_kernel[(num_blocks, triton.cdiv(inter, t.block_n))](
+        x, gate_up.qweight, gate_up.scales, gate_up.zeros, h, sorted_slots, block_expert,
+        num_slots, top_k, hidden, inter, x.stride(0), gate_up.qweight.shape[2],
+        gate_up.scales.shape[2], gate_up.group_size, **_tile_args(gate_up, gu_k), **launch,
+    )  # fmt: skip
+    terms = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
+    flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
+    _down_int_kernel[(num_blocks, triton.cdiv(hidden, t.block_n))](
+        h, down.qweight, down.scales, down.zeros, flat_weights, terms, sorted_slots,
+        block_expert, num_slots, hidden, inter, down.qweight.shape[2], down.scales.shape[2],
+        down.group_size, **_tile_args(down, d_k), **launch,
+    )  # fmt: skip
+    return terms.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -30,7 +30,6 @@ On CPU tensors this runs only under TRITON_INTERPRET=1, which is how the tests c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import triton
@@ -39,7 +38,6 @@ from torch import Tensor
 
 from pdserve.kernels.attention_parts import attention_dot
 from pdserve.kernels.expert_act import SILU, ExpertAct
-from pdserve.kernels.int_linear import dequantized_tile
 
 BLOCK_M = 16  # the smallest block (decode sizes)
 
@@ -122,21 +120,10 @@ def _gate(gate, up, dtype: tl.constexpr, OAI_GATE: tl.constexpr, ALPHA: tl.const
     return (silu * up).to(dtype)
 
 
-@triton.jit
-def _packed_tile(w_ptr, s_ptr, z_ptr, row, n_ok, k0, k, words, groups, group_size,
-                 BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 dtype: tl.constexpr):  # fmt: skip
-    """The [BLOCK_N, BLOCK_K] tile of a packed [E * N] stack's rows `row` (int64)."""
-    return dequantized_tile(w_ptr + row * words, s_ptr + row * groups, z_ptr + row * groups,
-                            n_ok, k0, k, words, group_size, BITS, BLOCK_N, BLOCK_K, dtype)  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["num_slots"])
 def _gate_up_kernel(
     x_ptr,  # [T, H]
-    w_ptr,  # [E, 2I, H] ([E, I, H]: RELU2), unit stride on H; PACKED: [E, 2I, words] int32
-    s_ptr,  # PACKED: [E, 2I, groups] float32 scales (kernels/int_linear.py's layout)
-    z_ptr,  # PACKED: [E, 2I, groups] uint8 zero points
+    w_ptr,  # [E, 2I, H] ([E, I, H]: RELU2), unit stride on H
     bias_ptr,  # [E, 2I] ([E, I]: RELU2) (HAS_BIAS)
     out_ptr,  # [S, I]
     sorted_slots_ptr,  # [B * BLOCK_M] int32
@@ -148,14 +135,9 @@ def _gate_up_kernel(
     stride_xt,
     stride_we,
     stride_wn,
-    words,  # PACKED: words a row
-    groups,  # PACKED: groups a row
-    group_size,  # PACKED
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PACKED: tl.constexpr,  # integer codes (GPTQ / AWQ experts), dequantized tile by tile
-    BITS: tl.constexpr,  # PACKED: 4 or 8
     HAS_BIAS: tl.constexpr,
     OAI_GATE: tl.constexpr,  # gpt-oss's clamped gate, else silu
     ALPHA: tl.constexpr,
@@ -173,8 +155,6 @@ def _gate_up_kernel(
         n_ok = n < inter
         gate_rows = w_ptr + expert * stride_we + n.to(tl.int64)[None, :] * stride_wn
         up_rows = gate_rows if RELU2 else gate_rows + inter * stride_wn
-        gate_row = expert * 2 * inter + n.to(tl.int64)  # PACKED: rows of the [E * 2I] stack
-        dtype = out_ptr.dtype.element_ty
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
@@ -185,19 +165,10 @@ def _gate_up_kernel(
                 mask=valid[:, None] & k_ok[None, :], other=0.0,
             )  # fmt: skip
             w_mask = k_ok[:, None] & n_ok[None, :]
-            if PACKED:  # SiLU-gated experts: gate rows, then up rows
-                w_gate = tl.trans(_packed_tile(w_ptr, s_ptr, z_ptr, gate_row, n_ok, k0, hidden,
-                                               words, groups, group_size, BITS, BLOCK_N,
-                                               BLOCK_K, dtype))  # fmt: skip
-                w_up = tl.trans(_packed_tile(w_ptr, s_ptr, z_ptr, gate_row + inter, n_ok, k0,
-                                             hidden, words, groups, group_size, BITS, BLOCK_N,
-                                             BLOCK_K, dtype))  # fmt: skip
-            else:
-                w_up = tl.load(up_rows + k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, N]
-                if not RELU2:
-                    w_gate = tl.load(gate_rows + k[:, None], mask=w_mask, other=0.0)
             if not RELU2:
+                w_gate = tl.load(gate_rows + k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, N]
                 acc_gate = attention_dot(a, w_gate, acc_gate, DOT_PRECISION, UPCAST_DOT)
+            w_up = tl.load(up_rows + k[:, None], mask=w_mask, other=0.0)
             acc_up = attention_dot(a, w_up, acc_up, DOT_PRECISION, UPCAST_DOT)
         if HAS_BIAS:
             if RELU2:
@@ -207,6 +178,7 @@ def _gate_up_kernel(
                 bias_row = bias_ptr + expert * 2 * inter + n
                 acc_gate += tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
                 acc_up += tl.load(bias_row + inter, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        dtype = out_ptr.dtype.element_ty
         gate = acc_gate.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
         out = out_ptr + slots.to(tl.int64)[:, None] * inter + n[None, :]
@@ -220,9 +192,7 @@ def _gate_up_kernel(
 @triton.jit(do_not_specialize=["num_slots"])
 def _down_kernel(
     h_ptr,  # [S, I]
-    w_ptr,  # [E, H, I], unit stride on I; PACKED: [E, H, words] int32
-    s_ptr,  # PACKED: [E, H, groups] float32 scales
-    z_ptr,  # PACKED: [E, H, groups] uint8 zero points
+    w_ptr,  # [E, H, I], unit stride on I
     bias_ptr,  # [E, H] (HAS_BIAS)
     weights_ptr,  # [S] float32 routing weights
     out_ptr,  # [S, H]
@@ -233,14 +203,9 @@ def _down_kernel(
     inter,
     stride_we,
     stride_wn,
-    words,  # PACKED: words a row
-    groups,  # PACKED: groups a row
-    group_size,  # PACKED
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PACKED: tl.constexpr,
-    BITS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -253,8 +218,6 @@ def _down_kernel(
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
         w_rows = w_ptr + expert * stride_we + n.to(tl.int64)[None, :] * stride_wn
-        w_row = expert * hidden + n.to(tl.int64)  # PACKED: rows of the [E * H] stack
-        dtype = out_ptr.dtype.element_ty
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -263,16 +226,13 @@ def _down_kernel(
                 h_ptr + rows[:, None] * inter + k[None, :],
                 mask=valid[:, None] & k_ok[None, :], other=0.0,
             )  # fmt: skip
-            if PACKED:
-                w = tl.trans(_packed_tile(w_ptr, s_ptr, z_ptr, w_row, n_ok, k0, inter, words,
-                                          groups, group_size, BITS, BLOCK_N, BLOCK_K, dtype))  # fmt: skip
-            else:
-                w = tl.load(w_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            w = tl.load(w_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = attention_dot(a, w, acc, DOT_PRECISION, UPCAST_DOT)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + expert * hidden + n, mask=n_ok, other=0.0).to(tl.float32)[
                 None, :
             ]
+        dtype = out_ptr.dtype.element_ty
         weight = tl.load(weights_ptr + rows, mask=valid, other=0.0)
         y = acc.to(dtype).to(tl.float32) * weight[:, None]
         out = out_ptr + rows[:, None] * hidden + n[None, :]
@@ -281,8 +241,8 @@ def _down_kernel(
 
 def moe_experts_triton(
     x: Tensor,
-    w_gate_up: Tensor | PackedStack,
-    w_down: Tensor | PackedStack,
+    w_gate_up: Tensor,
+    w_down: Tensor,
     ids: Tensor,
     weights: Tensor,
     tiles: MoeTiles | None = None,
@@ -291,8 +251,7 @@ def moe_experts_triton(
     act: ExpertAct = SILU,
 ) -> Tensor:
     """`moe_experts_ref` on the GPU (or Triton's interpreter); shapes checked by the caller.
-    `tiles` overrides `choose_tiles` (benchmarks/moe_bench.py's sweep). The stacks may be
-    packed integers (kernels/moe_int.py's `PackedExperts`: SiLU-gated, no biases)."""
+    `tiles` overrides `choose_tiles` (benchmarks/moe_bench.py's sweep)."""
     num_tokens, top_k = ids.shape
     num_experts, _, hidden = w_gate_up.shape
     inter = w_down.shape[2]
@@ -300,6 +259,7 @@ def moe_experts_triton(
     if num_slots == 0:
         return x.new_zeros(num_tokens, hidden)
     x = x if x.stride(1) == 1 else x.contiguous()
+    w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
     t = tiles or choose_tiles(num_slots, num_experts, x.dtype)
     sorted_slots, block_expert = align_slots(ids, num_experts, t.block_m)
     num_blocks = block_expert.shape[0]
@@ -313,42 +273,18 @@ def moe_experts_triton(
     has_bias = b_gate_up is not None
     if has_bias:
         b_gate_up, b_down = b_gate_up.contiguous(), b_down.contiguous()
-    gu_ptrs, gu_layout, gu_packed = _stack_args(w_gate_up)
-    d_ptrs, d_layout, d_packed = _stack_args(w_down)
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, t.block_n))](
-        x, *gu_ptrs, b_gate_up if has_bias else x, h, sorted_slots, block_expert, num_slots,
-        top_k, hidden, inter, x.stride(0), *gu_layout, **gu_packed,
+        x, w_gate_up, b_gate_up if has_bias else x, h, sorted_slots, block_expert, num_slots,
+        top_k, hidden, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         HAS_BIAS=has_bias, OAI_GATE=act.kind == "swiglu_oai", ALPHA=act.alpha,
         LIMIT=act.limit, RELU2=act.kind == "relu2", **launch,
     )  # fmt: skip
     terms = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
     _down_kernel[(num_blocks, triton.cdiv(hidden, t.block_n))](
-        h, *d_ptrs, b_down if has_bias else h, flat_weights, terms, sorted_slots, block_expert,
-        num_slots, hidden, inter, *d_layout, **d_packed, HAS_BIAS=has_bias, **launch,
+        h, w_down, b_down if has_bias else h, flat_weights, terms, sorted_slots, block_expert,
+        num_slots, hidden, inter, w_down.stride(0), w_down.stride(1), HAS_BIAS=has_bias,
+        **launch,
     )  # fmt: skip
     return terms.view(num_tokens, top_k, hidden).sum(dim=1)
-
-
-class PackedStack(Protocol):
-    """kernels/moe_int.py's PackedExperts, as the kernels read it."""
-
-    qweight: Tensor  # int32 [E, N, words]
-    scales: Tensor  # float32 [E, N, groups]
-    zeros: Tensor  # uint8 [E, N, groups]
-    bits: int
-    group_size: int
-
-    @property
-    def shape(self) -> tuple[int, int, int]: ...
-
-
-def _stack_args(w: Tensor | PackedStack) -> tuple[tuple, tuple, dict]:
-    """A stack's kernel arguments: (w, scales, zeros pointers), (stride_we, stride_wn,
-    words, groups, group_size), and the PACKED / BITS constexprs."""
-    if isinstance(w, Tensor):
-        w = w.contiguous()
-        return (w, w, w), (w.stride(0), w.stride(1), 0, 0, 1), {"PACKED": False, "BITS": 4}
-    layout = (0, 0, w.qweight.shape[2], w.scales.shape[2], w.group_size)
-    return (w.qweight, w.scales, w.zeros), layout, {"PACKED": True, "BITS": w.bits}

@@ -23,11 +23,13 @@ from test_triton_index_kernels import DEVICE
 
 from pdserve.kernels.moe import route_top_k
 from pdserve.kernels.moe_int import (
+    IntMoeTiles,
     PackedExperts,
+    choose_int_tiles,
     moe_experts_int,
     moe_experts_int_ref,
+    moe_experts_int_triton,
 )
-from pdserve.kernels.moe_triton import moe_experts_triton
 
 
 def packed_experts(experts, n, k, bits, group_size, gen) -> tuple[PackedExperts, torch.Tensor]:
@@ -93,13 +95,26 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES)
 def test_triton_matches_the_spec(shape, dtype):
     x, gate_up, down, ids, weights, _, _ = make(*shape, dtype, seed=shape[0])
-    got = moe_experts_triton(x, gate_up, down, ids, weights)  # the packed stacks
+    got = moe_experts_int_triton(x, gate_up, down, ids, weights)
     want = moe_experts_int_ref(x.cpu(), _cpu(gate_up), _cpu(down), ids.cpu(), weights.cpu())
     assert got.shape == want.shape and got.dtype == dtype
     assert_moe_close(got.cpu(), want, dtype)
     # the dispatcher: the kernels on CUDA, the spec elsewhere
     dispatched = moe_experts_int(x, gate_up, down, ids, weights).cpu()
     assert torch.equal(dispatched, got.cpu() if x.is_cuda else want)
+
+
+def test_any_tile_matches_the_spec():
+    """A sweep's tile computes the same function: narrow and wide outputs, tiles deeper than
+    a group (a scale a weight) and within one, decode blocks and the long-run 128."""
+    x, gate_up, down, ids, weights, _, _ = make(21, 72, 48, 5, 2, 4, 24, torch.float32, seed=3)
+    want = moe_experts_int_ref(x.cpu(), _cpu(gate_up), _cpu(down), ids.cpu(), weights.cpu())
+    for tiles in (IntMoeTiles(16, 16, 4, 2, 16), IntMoeTiles(32, 64, 4, 3, 128),
+                  choose_int_tiles(21 * 2, 5)):  # fmt: skip
+        got = moe_experts_int_triton(x, gate_up, down, ids, weights, tiles)
+        assert_moe_close(got.cpu(), want, torch.float32)
+    assert choose_int_tiles(32 * 8, 128).block_m == 16
+    assert choose_int_tiles(16384 * 8, 128).block_m == 128
 
 
 def test_shapes_are_checked():
