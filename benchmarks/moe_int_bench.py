@@ -7,7 +7,8 @@ sizes, for moe_bench.py's shapes. As there, each case is a CUDA graph over LAYER
 layers' weights (no expert read from L2 as it would not be in the model), replayed; per
 layer: us and the packed bytes of the experts the batch touches over that time.
 `--sweep` times other tiles at 32 and 512 tokens (small_batch's and decode_heavy's steps),
-`--sweep-long` block sizes at 2,048 and 8,192 (prefill chunks).
+`--forms` int_linear's other tile forms there, `--sweep-long` block sizes at 2,048 and
+8,192 (prefill chunks).
 
     python benchmarks/moe_int_bench.py [--tokens 1,32,512,2048] [--sweep] [--out DIR]
 """
@@ -104,6 +105,14 @@ def sweep_tiles(num_slots: int, num_experts: int) -> list[IntMoeTiles]:
     ]
 
 
+def form_tiles(num_slots: int, num_experts: int) -> list[IntMoeTiles]:
+    """The chosen tile in int_linear's other forms: words loaded once per code, the scale
+    and zero after the dot, both."""
+    t = choose_int_tiles(num_slots, num_experts)
+    return [IntMoeTiles(**{**vars(t), "words_once": once, "scale_after": after})
+            for once, after in ((False, False), (True, True), (False, True))]  # fmt: skip
+
+
 def long_tiles() -> list[IntMoeTiles]:
     """Prefill-sized runs: the block size against the decode tile's."""
     return [IntMoeTiles(bn, 64, 4, stages, bm) for bn, stages, bm in
@@ -115,6 +124,9 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,32,512,2048")
     parser.add_argument("--shapes", default="qwen3_30b_a3b", help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--sweep", action="store_true", help="time other tiles at 32 and 512")
+    parser.add_argument(
+        "--forms", action="store_true", help="time int_linear's other forms at 32 and 512"
+    )
     parser.add_argument(
         "--sweep-long", action="store_true", help="time block sizes at 2,048 and 8,192"
     )
@@ -128,6 +140,9 @@ def main() -> None:
         if args.sweep:
             for tokens in (32, 512):
                 results += case(shape, tokens, sweep_tiles(tokens * picks, experts))
+        if args.forms:
+            for tokens in (32, 512):
+                results += case(shape, tokens, form_tiles(tokens * picks, experts))
         if args.sweep_long:
             for tokens in (2048, 8192):
                 results += case(shape, tokens, long_tiles())

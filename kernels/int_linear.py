@@ -308,6 +308,16 @@ def choose_config(m: int, n: int, group_size: int, groups: int, k: int = 0) -> I
     return IntLinearConfig(128, block_k(64), split_k=split)
 
 
+def float_magic(x: torch.Tensor) -> tuple[int, int] | None:
+    """(MAGIC, BIAS) of `scale_after` tiles in x's dtype: the bits of the 16-bit float BIAS,
+    whose low mantissa bits a 4-bit code fills; None where the form does not apply.
+    (Triton's interpreter bitcasts int16 to bf16 wrongly: the CPU runs bf16 tiles the other
+    way; fp16 checks the bit form there, bf16 on a GPU.)"""
+    if x.dtype == torch.bfloat16 and not x.is_cuda:
+        return None
+    return {torch.bfloat16: (0x4300, 128), torch.float16: (0x6400, 1024)}.get(x.dtype)
+
+
 def int_linear_triton(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     bits: int, group_size: int, bias: torch.Tensor | None,
@@ -325,11 +335,7 @@ def int_linear_triton(
         return out
     cfg = config or choose_config(m, n, group_size, groups, k if workspace is not None else 0)
     tile_group = groups == 1 or group_size % cfg.block_k == 0
-    # (Triton's interpreter bitcasts int16 to bf16 wrongly: the CPU runs bf16 tiles the
-    # other way; fp16 checks the bit form there, bf16 on a GPU)
-    magic = {torch.bfloat16: (0x4300, 128), torch.float16: (0x6400, 1024)}.get(x.dtype)
-    if x.dtype == torch.bfloat16 and not x.is_cuda:
-        magic = None
+    magic = float_magic(x)
     scale_after = cfg.scale_after and tile_group and bits == 4 and magic is not None
     block_m = cfg.block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
     ieee = x.dtype == torch.float32 or not x.is_cuda

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pdserve.kernels.int_linear import dequantize_int, int_tile, int_tile_dot
+from pdserve.kernels.int_linear import dequantize_int, float_magic, int_tile, int_tile_dot
 from pdserve.kernels.moe import moe_experts_ref
 from pdserve.kernels.moe_triton import _block_slots, _gate, align_slots, choose_tiles
 
@@ -109,6 +109,10 @@ class IntMoeTiles:
     num_warps: int
     num_stages: int
     block_m: int  # slots a block
+    words_once: bool = True  # int_linear's forms (IntLinearConfig)
+    # int_linear's scale_after + zero_after (4-bit codes, 16-bit tiles of one group): each
+    # weight's rounding to the dtype skipped, so not the spec's function to the ulp
+    scale_after: bool = False
 
 
 def choose_int_tiles(num_slots: int, num_experts: int) -> IntMoeTiles:
@@ -133,21 +137,27 @@ def _block_k(want: int, packed: PackedExperts) -> int:
     return fits[0] if fits else want
 
 
-def _tile_args(packed: PackedExperts, block_k: int) -> dict:
-    return {"BITS": packed.bits, "BLOCK_K": block_k,
-            "TILE_GROUP": packed.scales.shape[2] == 1 or packed.group_size % block_k == 0}  # fmt: skip
+def _tile_args(packed: PackedExperts, block_k: int, t: IntMoeTiles, x: Tensor) -> dict:
+    """int_tile's constexprs for one stack."""
+    tile_group = packed.scales.shape[2] == 1 or packed.group_size % block_k == 0
+    magic = float_magic(x)
+    scale_after = t.scale_after and tile_group and packed.bits == 4 and magic is not None
+    return {"BITS": packed.bits, "BLOCK_K": block_k, "TILE_GROUP": tile_group,
+            "WORDS_ONCE": t.words_once, "SCALE_AFTER": scale_after,
+            "MAGIC": (magic or (0, 0))[0], "BIAS": (magic or (0, 0))[1]}  # fmt: skip
 
 
 @triton.jit
 def _int_rows_dot(acc, xs, w_ptr, s_ptr, z_ptr, rows, n_ok, k0, kk, k_ok, words, groups,
                   group_size, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  TILE_GROUP: tl.constexpr, IEEE_DOT: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
-    """acc [BLOCK_N, BLOCK_M] + the packed stack's rows `rows` (int64) times xs^T, each
-    weight rounded to the dtype as the spec's."""
+                  TILE_GROUP: tl.constexpr, WORDS_ONCE: tl.constexpr,
+                  SCALE_AFTER: tl.constexpr, MAGIC: tl.constexpr, BIAS: tl.constexpr,
+                  IEEE_DOT: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_N, BLOCK_M] + the packed stack's rows `rows` (int64) times xs^T."""
     w, s, z = int_tile(w_ptr + rows[:, None] * words, rows * groups, s_ptr, z_ptr, n_ok, k0, kk,
-                       k_ok, words, group_size, BITS, BLOCK_N, BLOCK_K, TILE_GROUP, True, False,
-                       0, False, 0, dtype)  # fmt: skip
-    return int_tile_dot(acc, w, s, z, xs, False, False, 0, IEEE_DOT, dtype)
+                       k_ok, words, group_size, BITS, BLOCK_N, BLOCK_K, TILE_GROUP, WORDS_ONCE,
+                       SCALE_AFTER, MAGIC, SCALE_AFTER, BIAS, dtype)  # fmt: skip
+    return int_tile_dot(acc, w, s, z, xs, SCALE_AFTER, SCALE_AFTER, BIAS, IEEE_DOT, dtype)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -172,6 +182,10 @@ def _gate_up_int_kernel(
     BLOCK_K: tl.constexpr,
     BITS: tl.constexpr,
     TILE_GROUP: tl.constexpr,
+    WORDS_ONCE: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
+    MAGIC: tl.constexpr,
+    BIAS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
@@ -191,10 +205,12 @@ def _gate_up_int_kernel(
                          mask=valid[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
             acc_gate = _int_rows_dot(acc_gate, xs, w_ptr, s_ptr, z_ptr, gate_rows, n_ok, k0, kk,
                                      k_ok, words, groups, group_size, BITS, BLOCK_N, BLOCK_K,
-                                     TILE_GROUP, IEEE_DOT, dtype)  # fmt: skip
+                                     TILE_GROUP, WORDS_ONCE, SCALE_AFTER, MAGIC, BIAS,
+                                     IEEE_DOT, dtype)  # fmt: skip
             acc_up = _int_rows_dot(acc_up, xs, w_ptr, s_ptr, z_ptr, gate_rows + inter, n_ok, k0,
                                    kk, k_ok, words, groups, group_size, BITS, BLOCK_N, BLOCK_K,
-                                   TILE_GROUP, IEEE_DOT, dtype)  # fmt: skip
+                                   TILE_GROUP, WORDS_ONCE, SCALE_AFTER, MAGIC, BIAS, IEEE_DOT,
+                                   dtype)  # fmt: skip
         gate = acc_gate.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
         out = out_ptr + slots.to(tl.int64)[None, :] * inter + n[:, None]
@@ -223,6 +239,10 @@ def _down_int_kernel(
     BLOCK_K: tl.constexpr,
     BITS: tl.constexpr,
     TILE_GROUP: tl.constexpr,
+    WORDS_ONCE: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
+    MAGIC: tl.constexpr,
+    BIAS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
@@ -241,7 +261,7 @@ def _down_int_kernel(
                          mask=valid[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
             acc = _int_rows_dot(acc, xs, w_ptr, s_ptr, z_ptr, w_rows, n_ok, k0, kk, k_ok, words,
                                 groups, group_size, BITS, BLOCK_N, BLOCK_K, TILE_GROUP,
-                                IEEE_DOT, dtype)  # fmt: skip
+                                WORDS_ONCE, SCALE_AFTER, MAGIC, BIAS, IEEE_DOT, dtype)  # fmt: skip
         weight = tl.load(weights_ptr + rows, mask=valid, other=0.0)
         y = acc.to(dtype).to(tl.float32) * weight[None, :]
         out = out_ptr + rows[None, :] * hidden + n[:, None]
@@ -274,13 +294,14 @@ def moe_experts_int_triton(
     _gate_up_int_kernel[(num_blocks, triton.cdiv(inter, t.block_n))](
         x, gate_up.qweight, gate_up.scales, gate_up.zeros, h, sorted_slots, block_expert,
         num_slots, top_k, hidden, inter, x.stride(0), gate_up.qweight.shape[2],
-        gate_up.scales.shape[2], gate_up.group_size, **_tile_args(gate_up, gu_k), **launch,
+        gate_up.scales.shape[2], gate_up.group_size, **_tile_args(gate_up, gu_k, t, x),
+        **launch,
     )  # fmt: skip
     terms = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
     _down_int_kernel[(num_blocks, triton.cdiv(hidden, t.block_n))](
         h, down.qweight, down.scales, down.zeros, flat_weights, terms, sorted_slots,
         block_expert, num_slots, hidden, inter, down.qweight.shape[2], down.scales.shape[2],
-        down.group_size, **_tile_args(down, d_k), **launch,
+        down.group_size, **_tile_args(down, d_k, t, x), **launch,
     )  # fmt: skip
     return terms.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -117,6 +117,29 @@ def test_any_tile_matches_the_spec():
     assert choose_int_tiles(16384 * 8, 128).block_m == 128
 
 
+def test_int_linear_forms_compute_the_experts():
+    """int_linear's other tile forms: each word loaded once per code (the spec's function,
+    as close as the default), and 4-bit codes as fp16 floats with the scale and zero after
+    the dot (checked in fp16, the bit form the interpreter runs right): each weight's
+    rounding to fp16 is skipped, so outputs move by up to half an ulp of a weight a term,
+    within the 16-bit tolerance's 4 ulps of the output's scale but on more elements, and
+    the form must differ from the rounded tiles (or it did not run)."""
+    x, gate_up, down, ids, weights, _, _ = make(21, 64, 48, 5, 2, 4, 16, torch.float32, seed=4)
+    want = moe_experts_int_ref(x.cpu(), _cpu(gate_up), _cpu(down), ids.cpu(), weights.cpu())
+    tiles = choose_int_tiles(21 * 2, 5)
+    once = IntMoeTiles(**{**vars(tiles), "words_once": False})
+    assert_moe_close(moe_experts_int_triton(x, gate_up, down, ids, weights, once).cpu(), want,
+                     torch.float32)  # fmt: skip
+    half = x.half()
+    want = moe_experts_int_ref(half.cpu(), _cpu(gate_up), _cpu(down), ids.cpu(), weights.cpu())
+    rounded = moe_experts_int_triton(half, gate_up, down, ids, weights, tiles).cpu()
+    after = IntMoeTiles(**{**vars(tiles), "block_k": 16, "scale_after": True})
+    got = moe_experts_int_triton(half, gate_up, down, ids, weights, after).cpu()
+    scale = float(want.float().abs().max())
+    assert float((got.float() - want.float()).abs().max()) <= 4 * scale * 2**-10
+    assert not torch.equal(got, rounded)
+
+
 def test_shapes_are_checked():
     x, gate_up, down, ids, weights, _, _ = make(4, 44, 40, 6, 2, 4, 16, torch.float32)
     with pytest.raises(AssertionError, match="must be \\[T, 44\\]"):
