@@ -35,7 +35,7 @@ DTYPES = {
 
 
 class Launch:
-    def __init__(self, fn: JITFunction, args: tuple, kwargs: dict):
+    def __init__(self, fn: JITFunction, args: tuple, kwargs: dict, cuda: dict):
         self.fn = fn
         self.options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
         bound = dict(zip(fn.arg_names, args, strict=False)) | kwargs
@@ -43,8 +43,9 @@ class Launch:
         for i, name in enumerate(fn.arg_names):
             value = bound.get(name, fn.params[i].default)
             if fn.params[i].is_constexpr or value is None:
-                # a CUDA launch never upcasts its dots (the CPU interpreter's bf16 path does)
-                self.constexprs[name] = False if name == "UPCAST_DOT" else value
+                # a CUDA launch never upcasts its dots (the CPU interpreter's bf16 path does);
+                # `cuda`: the scenario's other constexprs as a CUDA launch would set them
+                self.constexprs[name] = False if name == "UPCAST_DOT" else cuda.get(name, value)
                 self.signature[name] = "constexpr"
             elif isinstance(value, torch.Tensor):
                 self.signature[name] = "*" + DTYPES[value.dtype]
@@ -78,12 +79,14 @@ class Launch:
 def capture(run: Callable[[], object]) -> tuple[list[Launch], str | None]:
     """The launches `run` makes, none of them run, and what stopped it early, if anything
     (a launcher reading a result that never came, or a CUDA-only call: the launches
-    before it still count)."""
+    before it still count). A scenario's `cuda_constexprs` attribute overrides the
+    constexprs its launchers set by device (e.g. IEEE_DOT, on for every CPU tensor)."""
     launches: list[Launch] = []
     original = JITFunction.run
+    cuda = getattr(run, "cuda_constexprs", {})
 
     def caught(self, *args, grid, warmup, **kwargs):
-        launches.append(Launch(self, args, kwargs))
+        launches.append(Launch(self, args, kwargs, cuda))
 
     JITFunction.run = caught
     try:
@@ -210,6 +213,47 @@ def moe(quant: str) -> Callable[[], None]:
     return run
 
 
+def packed_int() -> Callable[[], None]:
+    """int_linear (split and unsplit) and the packed experts at Qwen3-30B-A3B's sizes, in
+    each tile form; fp16 for the scale-after form (the CPU launcher refuses it in bf16)."""
+
+    def run() -> None:
+        from pdserve.kernels.int_linear import IntLinearConfig, int_linear_triton
+        from pdserve.kernels.moe_int import (
+            IntMoeTiles,
+            PackedExperts,
+            choose_int_tiles,
+            moe_experts_int_triton,
+        )
+        from pdserve.kernels.workspace import KernelWorkspace
+
+        h, inter, e, k, g = 2048, 768, 128, 8, 128
+
+        def stack(n: int, kk: int) -> PackedExperts:
+            return PackedExperts(torch.zeros(e, n, kk // 8, dtype=torch.int32),
+                                 torch.zeros(e, n, kk // g), torch.zeros(e, n, kk // g,
+                                 dtype=torch.uint8), 4, g, kk)  # fmt: skip
+
+        gu, dn = stack(2 * inter, h), stack(h, inter)
+        for t in (32, 512):
+            ids = torch.randint(0, e, (t, k))
+            w = torch.full((t, k), 0.125)
+            tiles = choose_int_tiles(t * k, e)
+            for dtype, form in ((torch.bfloat16, {}), (torch.bfloat16, {"words_once": False}),
+                                (torch.float16, {"scale_after": True})):  # fmt: skip
+                x = torch.zeros(t, h, dtype=dtype)
+                moe_experts_int_triton(x, gu, dn, ids, w, IntMoeTiles(**{**vars(tiles), **form}))
+        q = torch.zeros(1024, h // 8, dtype=torch.int32)
+        scales, zeros = torch.zeros(1024, h // g), torch.zeros(1024, h // g, dtype=torch.uint8)
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.zeros(32, h, dtype=dtype)
+            int_linear_triton(x, q, scales, zeros, 4, g, None, None, KernelWorkspace())
+            int_linear_triton(x, q, scales, zeros, 4, g, None, IntLinearConfig(32, 128))
+
+    run.cuda_constexprs = {"IEEE_DOT": False}
+    return run
+
+
 def scenarios() -> dict[str, Callable[[], None]]:
     out = {
         "selective_scan": selective_scan,
@@ -219,6 +263,7 @@ def scenarios() -> dict[str, Callable[[], None]]:
         "attention_sliding": attention(4096),
         "attention_chunked": attention(-8192),
         "moe_bf16": moe("bf16"),
+        "packed_int": packed_int(),
     }
     try:  # the quantized experts' stacks (branch exp/mxfp4-experts)
         import pdserve.kernels.fp8_experts  # noqa: F401
