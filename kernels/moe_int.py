@@ -119,13 +119,9 @@ def choose_int_tiles(num_slots: int, num_experts: int) -> IntMoeTiles:
     """128 outputs in tiles of 64 inputs, 4 warps, 3 stages: the best of 24 tiles at 32 and
     512 tokens of Qwen3-30B-A3B's experts on an H100 (moe_int_bench.py --sweep; 526 / 876 us
     a layer against 2,965 / 5,118 for 64 outputs in tiles of 128 inputs). Blocks of
-    moe_triton's `choose_tiles` (16-64 slots by the mean run), 128 past runs of 256 slots:
-    each block unpacks its expert's weights again, so long runs take fewer, larger blocks
-    (int_linear's long batches take 128-row tiles; not yet timed for the experts:
-    moe_int_bench.py --sweep-long)."""
+    moe_triton's `choose_tiles` (16-64 slots by the mean run). Prefill-sized runs are not
+    yet timed with this tile (moe_int_bench.py --sweep-long times 32-128-slot blocks)."""
     block_m = choose_tiles(num_slots, num_experts, torch.bfloat16).block_m
-    if num_slots / num_experts > 256:
-        block_m = 128
     return IntMoeTiles(128, 64, 4, 3, block_m)
 
 
