@@ -29,6 +29,7 @@ from pdserve.kernels.int_linear import (
     choose_config,
     dequantize_int,
     dequantize_int_triton,
+    fields_apply,
     int_linear_triton,
 )
 from pdserve.kernels.workspace import KernelWorkspace
@@ -65,6 +66,9 @@ def main() -> int:
     ap.add_argument("--splits", default="1", help="split-K values the sweep takes (e.g. 1,2,4,8)")
     ap.add_argument("--words-once-only", action="store_true", help="sweep: words loaded once")
     ap.add_argument("--zero-after", action="store_true", help="also zero_after=False (A/B)")
+    ap.add_argument(
+        "--fields", action="store_true", help="also the fields form (with --sweep: every tile)"
+    )
     ap.add_argument("--tiles", type=int, default=len(TILES), help="sweep: the first N of TILES")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
@@ -90,13 +94,19 @@ def main() -> int:
             if args.zero_after:  # the default tiles with the zero point on each weight
                 default = choose_config(m, n, GROUP, k // GROUP, k)
                 configs.append(dataclasses.replace(default, zero_after=False))
+            if args.fields:  # the default tiles 128 inputs deep, tile and fields forms
+                default = choose_config(m, n, GROUP, k // GROUP, k)
+                configs += [dataclasses.replace(default, block_k=128, fields=f)
+                            for f in (False, True)]  # fmt: skip
             if args.sweep:
                 onces = (True,) if args.words_once_only else (True, False)
                 splits = [int(v) for v in args.splits.split(",")]
-                configs += [IntLinearConfig(bn, bk, warps, 3, bm, once, split_k=sk)
-                            for (bn, warps), bk, bm, once, sk in itertools.product(
+                fields = (False, True) if args.fields else (False,)
+                configs += [IntLinearConfig(bn, bk, warps, 3, bm, once, split_k=sk, fields=f)
+                            for (bn, warps), bk, bm, once, sk, f in itertools.product(
                                 TILES[: args.tiles], (64, 128),
-                                (0,) if m <= 64 else (64, 128), onces, splits)]  # fmt: skip
+                                (0,) if m <= 64 else (64, 128), onces, splits, fields)
+                            if not f or (once and fields_apply(bk, BITS))]  # fmt: skip
             deq = [lambda q=q, s=s, z=z, x=x, k=k: F.linear(
                 x, dequantize_int_triton(q, s, z, BITS, k, GROUP, x.dtype)) for q, s, z in packed]  # fmt: skip
             us = graph_us(deq)
@@ -120,7 +130,7 @@ def main() -> int:
                        "max_err_over_bound": round(max(excess, 0.0), 5)}  # fmt: skip
                 if cfg is not None:
                     row["cfg"] = [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.block_m,
-                                  cfg.words_once, cfg.split_k]  # fmt: skip
+                                  cfg.words_once, cfg.split_k, cfg.fields]  # fmt: skip
                 rows_out.append(row)
                 print(row, flush=True)
         del packed, dense

@@ -107,10 +107,13 @@ def sweep_tiles(num_slots: int, num_experts: int) -> list[IntMoeTiles]:
 
 def form_tiles(num_slots: int, num_experts: int) -> list[IntMoeTiles]:
     """The chosen tile in int_linear's other forms: words loaded once per code, the scale
-    and zero after the dot, both."""
+    and zero after the dot, both; a dot a field of the words (fields: tiles of 128
+    inputs), with the scale after and without; the tile form at that depth."""
     t = choose_int_tiles(num_slots, num_experts)
-    return [IntMoeTiles(**{**vars(t), "words_once": once, "scale_after": after})
-            for once, after in ((False, False), (True, True), (False, True))]  # fmt: skip
+    forms = [{"words_once": False}, {"scale_after": True},
+             {"words_once": False, "scale_after": True}, {"fields": True, "block_k": 128},
+             {"fields": True, "block_k": 128, "scale_after": True}, {"block_k": 128}]  # fmt: skip
+    return [IntMoeTiles(**{**vars(t), **form}) for form in forms]
 
 
 def long_tiles() -> list[IntMoeTiles]:

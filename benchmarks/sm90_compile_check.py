@@ -17,6 +17,7 @@ integers as i32 (i64 past 2^31), 1 specialised away, pointers and multiples of 1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -218,7 +219,7 @@ def packed_int() -> Callable[[], None]:
     each tile form; fp16 for the scale-after form (the CPU launcher refuses it in bf16)."""
 
     def run() -> None:
-        from pdserve.kernels.int_linear import IntLinearConfig, int_linear_triton
+        from pdserve.kernels.int_linear import IntLinearConfig, choose_config, int_linear_triton
         from pdserve.kernels.moe_int import (
             IntMoeTiles,
             PackedExperts,
@@ -240,15 +241,25 @@ def packed_int() -> Callable[[], None]:
             w = torch.full((t, k), 0.125)
             tiles = choose_int_tiles(t * k, e)
             for dtype, form in ((torch.bfloat16, {}), (torch.bfloat16, {"words_once": False}),
-                                (torch.float16, {"scale_after": True})):  # fmt: skip
+                                (torch.float16, {"scale_after": True}),
+                                (torch.bfloat16, {"fields": True, "block_k": 128}),
+                                (torch.float16, {"fields": True, "block_k": 128,
+                                                 "scale_after": True})):  # fmt: skip
                 x = torch.zeros(t, h, dtype=dtype)
                 moe_experts_int_triton(x, gu, dn, ids, w, IntMoeTiles(**{**vars(tiles), **form}))
         q = torch.zeros(1024, h // 8, dtype=torch.int32)
         scales, zeros = torch.zeros(1024, h // g), torch.zeros(1024, h // g, dtype=torch.uint8)
         for dtype in (torch.bfloat16, torch.float16):
             x = torch.zeros(32, h, dtype=dtype)
-            int_linear_triton(x, q, scales, zeros, 4, g, None, None, KernelWorkspace())
-            int_linear_triton(x, q, scales, zeros, 4, g, None, IntLinearConfig(32, 128))
+            for fields in (False, True):
+                split = dataclasses.replace(
+                    choose_config(32, 1024, g, h // g, h),
+                    fields=fields,
+                    block_k=128 if fields else 64,
+                )
+                int_linear_triton(x, q, scales, zeros, 4, g, None, split, KernelWorkspace())
+                unsplit = IntLinearConfig(32, 128, fields=fields)
+                int_linear_triton(x, q, scales, zeros, 4, g, None, unsplit)
 
     run.cuda_constexprs = {"IEEE_DOT": False}
     return run

@@ -25,7 +25,9 @@ Device path: one Triton kernel, swap-AB as kernels/skinny_linear.py (a program o
 BLOCK_N outputs of BLOCK_M rows; the weight tile is the MMA's M side). A tile of BLOCK_K
 inputs loads its words once and splits each into its codes in registers (a [BLOCK_N,
 words, codes] tensor reshaped to the tile; the alternative, each word loaded once per
-code from L1, is kept for the sweep); where the group size is a multiple of BLOCK_K a
+code from L1, is kept for the sweep, and so is `fields`: a dot a field of the words
+against x's inputs strided by the codes a word, with no reshaped tile; not yet timed);
+where the group size is a multiple of BLOCK_K a
 tile is one group and loads one scale and zero per output, else one per (output, input).
 A decode batch splits K over programs when given the model's KernelWorkspace: each slice
 writes its fp32 partial there and the last program of an output tile to arrive sums the
@@ -149,6 +151,58 @@ def int_tile_dot(acc, w, s, z, xs, SCALE_AFTER: tl.constexpr, ZERO_AFTER: tl.con
     return swap_ab_dot(w.to(dtype), xs, acc, IEEE_DOT)  # kernels/skinny_linear.py
 
 
+@triton.jit
+def int_fields_dot(acc, x_rows, m_mask, w_rows, s_rows, s_ptr, z_ptr, n_mask, k0, k, k_words,
+                   group_size, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, TILE_GROUP: tl.constexpr, SCALE_AFTER: tl.constexpr,
+                   MAGIC: tl.constexpr, BIAS: tl.constexpr, IEEE_DOT: tl.constexpr,
+                   dtype: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_N, BLOCK_M] + the weight tile of inputs k0.. times x's rows, one field of
+    the words at a time (the `fields` form): field f of word j is input k0 + j * per_word + f,
+    so a field's codes are a [BLOCK_N, words] tile made in place from the words (no
+    reshape of a [BLOCK_N, words, codes] tensor into the tile) and multiply x's inputs
+    k0 + f, k0 + per_word + f, ... (`x_rows` [BLOCK_M, 1] pointers: a strided load, the
+    same bytes for every field, from L1). With SCALE_AFTER the tile holds BIAS + code and
+    the zero comes off after the dot (int_tile_dot's zero_after)."""
+    per_word: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // per_word
+    wk = k0 // per_word + tl.arange(0, WORDS)
+    words = tl.load(w_rows + wk[None, :], mask=n_mask[:, None] & (wk < k_words)[None, :],
+                    other=0)  # fmt: skip
+    if TILE_GROUP:  # (SCALE_AFTER tiles are) the tile's one group: a scale and zero a row
+        g = k0 // group_size
+        s = tl.load(s_ptr + s_rows + g, mask=n_mask, other=0.0)
+        z = tl.load(z_ptr + s_rows + g, mask=n_mask, other=0).to(tl.int32)
+    else:
+        s = tl.zeros([BLOCK_N], dtype=tl.float32)
+        z = tl.zeros([BLOCK_N], dtype=tl.int32)
+    d = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for f in tl.static_range(per_word):
+        kk = k0 + tl.arange(0, WORDS) * per_word + f
+        k_mask = kk < k
+        xs = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        codes = (words >> (f * BITS)) & ((1 << BITS) - 1)
+        if SCALE_AFTER:
+            w = (codes | MAGIC).to(tl.int16).to(dtype, bitcast=True)
+            d = swap_ab_dot(w, xs, d, IEEE_DOT)
+            x_sum += tl.sum(xs.to(tl.float32), 1)
+        elif TILE_GROUP:
+            w = (codes - z[:, None]).to(tl.float32) * s[:, None]
+            acc = swap_ab_dot(w.to(dtype), xs, acc, IEEE_DOT)
+        else:
+            where = s_rows[:, None] + (kk // group_size)[None, :]
+            tile_mask = n_mask[:, None] & k_mask[None, :]
+            sf = tl.load(s_ptr + where, mask=tile_mask, other=0.0)
+            zf = tl.load(z_ptr + where, mask=tile_mask, other=0).to(tl.int32)
+            w = (codes - zf).to(tl.float32) * sf
+            acc = swap_ab_dot(w.to(dtype), xs, acc, IEEE_DOT)
+    if SCALE_AFTER:
+        d -= (z + BIAS).to(tl.float32)[:, None] * x_sum[None, :]
+        acc += d * s[:, None]
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _int_linear_kernel(
     x_ptr,  # [M, K], unit stride on K
@@ -182,6 +236,7 @@ def _int_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    FIELDS: tl.constexpr,  # int_fields_dot's form (scale_after implies zero_after there)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -197,14 +252,20 @@ def _int_linear_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_start = pid_k * k_per_split
     for k0 in range(k_start, tl.minimum(k, k_start + k_per_split), BLOCK_K):
-        kk = k0 + offs_k
-        k_mask = kk < k
-        w, s, z = int_tile(w_rows, s_rows, s_ptr, z_ptr, n_mask, k0, kk, k_mask, k_words,
-                           group_size, BITS, BLOCK_N, BLOCK_K, TILE_GROUP, WORDS_ONCE,
-                           SCALE_AFTER, MAGIC, ZERO_AFTER, BIAS, dtype)  # fmt: skip
-        xs = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-        acc = int_tile_dot(acc, w, s, z, xs, SCALE_AFTER, ZERO_AFTER, BIAS, IEEE_DOT, dtype)
+        if FIELDS:
+            x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+            acc = int_fields_dot(acc, x_rows, m_mask, w_rows, s_rows, s_ptr, z_ptr, n_mask, k0,
+                                 k, k_words, group_size, BITS, BLOCK_M, BLOCK_N, BLOCK_K,
+                                 TILE_GROUP, SCALE_AFTER, MAGIC, BIAS, IEEE_DOT, dtype)  # fmt: skip
+        else:
+            kk = k0 + offs_k
+            k_mask = kk < k
+            w, s, z = int_tile(w_rows, s_rows, s_ptr, z_ptr, n_mask, k0, kk, k_mask, k_words,
+                               group_size, BITS, BLOCK_N, BLOCK_K, TILE_GROUP, WORDS_ONCE,
+                               SCALE_AFTER, MAGIC, ZERO_AFTER, BIAS, dtype)  # fmt: skip
+            xs = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+            acc = int_tile_dot(acc, w, s, z, xs, SCALE_AFTER, ZERO_AFTER, BIAS, IEEE_DOT, dtype)
     if SPLIT_K > 1:  # the last program of the tile to arrive sums the slices in split order
         tile = offs_m[None, :].to(tl.int64) * n + offs_n[:, None]
         tl.store(part_ptr + (pid_k * m_total).to(tl.int64) * n + tile, acc, mask=n_mask[:, None])
@@ -282,6 +343,10 @@ class IntLinearConfig:
     # K slices (programs) an output tile's sum is split into, merged by the last to arrive
     # (needs a KernelWorkspace; 1 without one)
     split_k: int = 1
+    # `int_fields_dot`: a dot a field of the words over x's strided inputs, no reshaped tile
+    # (with scale_after the zero always comes off after the dot; `fields_apply`: tiles of
+    # 16 words or more); not yet timed
+    fields: bool = False
 
 
 def choose_config(m: int, n: int, group_size: int, groups: int, k: int = 0) -> IntLinearConfig:
@@ -306,6 +371,13 @@ def choose_config(m: int, n: int, group_size: int, groups: int, k: int = 0) -> I
     if split == 1:
         return IntLinearConfig(128 if n >= 16_384 else 32, block_k(128))
     return IntLinearConfig(128, block_k(64), split_k=split)
+
+
+def fields_apply(block_k: int, bits: int) -> bool:
+    """Whether a tile of `block_k` inputs can take the fields form: each field's dot needs
+    K >= 16 (tl.dot's least), i.e. 16 words a tile: 128 inputs of 4-bit codes, 64 of 8-bit.
+    Shallower tiles run the tile form."""
+    return block_k * bits >= 16 * 32
 
 
 def float_magic(x: torch.Tensor) -> tuple[int, int] | None:
@@ -355,7 +427,9 @@ def int_linear_triton(
         WORDS_ONCE=cfg.words_once, SCALE_AFTER=scale_after, MAGIC=(magic or (0, 0))[0],
         ZERO_AFTER=scale_after and cfg.zero_after,
         BIAS=(magic or (0, 0))[1], SPLIT_K=split, BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE_DOT=ieee, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE_DOT=ieee,
+        FIELDS=cfg.fields and fields_apply(cfg.block_k, bits),
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -31,7 +31,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pdserve.kernels.int_linear import dequantize_int, float_magic, int_tile, int_tile_dot
+from pdserve.kernels.int_linear import (
+    dequantize_int,
+    fields_apply,
+    float_magic,
+    int_fields_dot,
+    int_tile,
+    int_tile_dot,
+)
 from pdserve.kernels.moe import moe_experts_ref
 from pdserve.kernels.moe_triton import _block_slots, _gate, align_slots, choose_tiles
 
@@ -113,6 +120,7 @@ class IntMoeTiles:
     # int_linear's scale_after + zero_after (4-bit codes, 16-bit tiles of one group): each
     # weight's rounding to the dtype skipped, so not the spec's function to the ulp
     scale_after: bool = False
+    fields: bool = False  # int_linear's `int_fields_dot` form (`fields_apply`); not yet timed
 
 
 def choose_int_tiles(num_slots: int, num_experts: int) -> IntMoeTiles:
@@ -142,6 +150,7 @@ def _tile_args(packed: PackedExperts, block_k: int, t: IntMoeTiles, x: Tensor) -
     scale_after = t.scale_after and tile_group and packed.bits == 4 and magic is not None
     return {"BITS": packed.bits, "BLOCK_K": block_k, "TILE_GROUP": tile_group,
             "WORDS_ONCE": t.words_once, "SCALE_AFTER": scale_after,
+            "FIELDS": t.fields and fields_apply(block_k, packed.bits),
             "MAGIC": (magic or (0, 0))[0], "BIAS": (magic or (0, 0))[1]}  # fmt: skip
 
 
@@ -156,6 +165,19 @@ def _int_rows_dot(acc, xs, w_ptr, s_ptr, z_ptr, rows, n_ok, k0, kk, k_ok, words,
                        k_ok, words, group_size, BITS, BLOCK_N, BLOCK_K, TILE_GROUP, WORDS_ONCE,
                        SCALE_AFTER, MAGIC, SCALE_AFTER, BIAS, dtype)  # fmt: skip
     return int_tile_dot(acc, w, s, z, xs, SCALE_AFTER, SCALE_AFTER, BIAS, IEEE_DOT, dtype)
+
+
+@triton.jit
+def _int_rows_fields(acc, x_rows, x_ok, w_ptr, s_ptr, z_ptr, rows, n_ok, k0, k, words, groups,
+                     group_size, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUP: tl.constexpr,
+                     SCALE_AFTER: tl.constexpr, MAGIC: tl.constexpr, BIAS: tl.constexpr,
+                     IEEE_DOT: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+    """`_int_rows_dot` in the fields form: x's rows `x_rows` ([BLOCK_M, 1] pointers) read
+    field by field."""
+    return int_fields_dot(acc, x_rows, x_ok, w_ptr + rows[:, None] * words, rows * groups, s_ptr,
+                          z_ptr, n_ok, k0, k, words, group_size, BITS, BLOCK_M, BLOCK_N, BLOCK_K,
+                          TILE_GROUP, SCALE_AFTER, MAGIC, BIAS, IEEE_DOT, dtype)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -185,6 +207,7 @@ def _gate_up_int_kernel(
     MAGIC: tl.constexpr,
     BIAS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    FIELDS: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if expert >= 0:
@@ -196,19 +219,32 @@ def _gate_up_int_kernel(
         dtype = out_ptr.dtype.element_ty
         acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        x_rows = x_ptr + tokens[:, None] * stride_xt
         for k0 in range(0, hidden, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < hidden
-            xs = tl.load(x_ptr + tokens[:, None] * stride_xt + kk[None, :],
-                         mask=valid[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-            acc_gate = _int_rows_dot(acc_gate, xs, w_ptr, s_ptr, z_ptr, gate_rows, n_ok, k0, kk,
-                                     k_ok, words, groups, group_size, BITS, BLOCK_N, BLOCK_K,
-                                     TILE_GROUP, WORDS_ONCE, SCALE_AFTER, MAGIC, BIAS,
-                                     IEEE_DOT, dtype)  # fmt: skip
-            acc_up = _int_rows_dot(acc_up, xs, w_ptr, s_ptr, z_ptr, gate_rows + inter, n_ok, k0,
-                                   kk, k_ok, words, groups, group_size, BITS, BLOCK_N, BLOCK_K,
-                                   TILE_GROUP, WORDS_ONCE, SCALE_AFTER, MAGIC, BIAS, IEEE_DOT,
-                                   dtype)  # fmt: skip
+            if FIELDS:
+                acc_gate = _int_rows_fields(acc_gate, x_rows, valid, w_ptr, s_ptr, z_ptr,
+                                            gate_rows, n_ok, k0, hidden, words, groups,
+                                            group_size, BITS, BLOCK_M, BLOCK_N, BLOCK_K,
+                                            TILE_GROUP, SCALE_AFTER, MAGIC, BIAS, IEEE_DOT,
+                                            dtype)  # fmt: skip
+                acc_up = _int_rows_fields(acc_up, x_rows, valid, w_ptr, s_ptr, z_ptr,
+                                          gate_rows + inter, n_ok, k0, hidden, words, groups,
+                                          group_size, BITS, BLOCK_M, BLOCK_N, BLOCK_K,
+                                          TILE_GROUP, SCALE_AFTER, MAGIC, BIAS, IEEE_DOT,
+                                          dtype)  # fmt: skip
+            else:
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < hidden
+                xs = tl.load(x_rows + kk[None, :], mask=valid[:, None] & k_ok[None, :],
+                             other=0.0)  # fmt: skip
+                acc_gate = _int_rows_dot(acc_gate, xs, w_ptr, s_ptr, z_ptr, gate_rows, n_ok, k0,
+                                         kk, k_ok, words, groups, group_size, BITS, BLOCK_N,
+                                         BLOCK_K, TILE_GROUP, WORDS_ONCE, SCALE_AFTER, MAGIC,
+                                         BIAS, IEEE_DOT, dtype)  # fmt: skip
+                acc_up = _int_rows_dot(acc_up, xs, w_ptr, s_ptr, z_ptr, gate_rows + inter, n_ok,
+                                       k0, kk, k_ok, words, groups, group_size, BITS, BLOCK_N,
+                                       BLOCK_K, TILE_GROUP, WORDS_ONCE, SCALE_AFTER, MAGIC, BIAS,
+                                       IEEE_DOT, dtype)  # fmt: skip
         gate = acc_gate.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
         out = out_ptr + slots.to(tl.int64)[None, :] * inter + n[:, None]
@@ -242,6 +278,7 @@ def _down_int_kernel(
     MAGIC: tl.constexpr,
     BIAS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    FIELDS: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if expert >= 0:
@@ -252,14 +289,22 @@ def _down_int_kernel(
         w_rows = expert * hidden + n.to(tl.int64)
         dtype = out_ptr.dtype.element_ty
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        h_rows = h_ptr + rows[:, None] * inter
         for k0 in range(0, inter, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < inter
-            xs = tl.load(h_ptr + rows[:, None] * inter + kk[None, :],
-                         mask=valid[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-            acc = _int_rows_dot(acc, xs, w_ptr, s_ptr, z_ptr, w_rows, n_ok, k0, kk, k_ok, words,
-                                groups, group_size, BITS, BLOCK_N, BLOCK_K, TILE_GROUP,
-                                WORDS_ONCE, SCALE_AFTER, MAGIC, BIAS, IEEE_DOT, dtype)  # fmt: skip
+            if FIELDS:
+                acc = _int_rows_fields(acc, h_rows, valid, w_ptr, s_ptr, z_ptr, w_rows, n_ok, k0,
+                                       inter, words, groups, group_size, BITS, BLOCK_M, BLOCK_N,
+                                       BLOCK_K, TILE_GROUP, SCALE_AFTER, MAGIC, BIAS, IEEE_DOT,
+                                       dtype)  # fmt: skip
+            else:
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < inter
+                xs = tl.load(h_rows + kk[None, :], mask=valid[:, None] & k_ok[None, :],
+                             other=0.0)  # fmt: skip
+                acc = _int_rows_dot(acc, xs, w_ptr, s_ptr, z_ptr, w_rows, n_ok, k0, kk, k_ok,
+                                    words, groups, group_size, BITS, BLOCK_N, BLOCK_K, TILE_GROUP,
+                                    WORDS_ONCE, SCALE_AFTER, MAGIC, BIAS, IEEE_DOT,
+                                    dtype)  # fmt: skip
         weight = tl.load(weights_ptr + rows, mask=valid, other=0.0)
         y = acc.to(dtype).to(tl.float32) * weight[None, :]
         out = out_ptr + rows[None, :] * hidden + n[:, None]

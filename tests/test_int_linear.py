@@ -25,6 +25,7 @@ from pdserve.kernels.int_linear import (
     choose_config,
     dequantize_int,
     dequantize_int_triton,
+    fields_apply,
     int_linear,
     int_linear_ref,
     int_linear_triton,
@@ -128,15 +129,22 @@ def test_strided_rows_and_no_rows():
     assert empty.shape == (0, 64)
 
 
-@pytest.mark.parametrize("m,n,k,bits,group_size,bias", [CASES[1], CASES[2], CASES[4]])
+@pytest.mark.parametrize("m,n,k,bits,group_size,bias", [CASES[1], CASES[2], CASES[4], CASES[5]])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_the_other_tile_forms_match_too(m, n, k, bits, group_size, bias, dtype):
     """The sweep's other forms: each word loaded once per code it holds; each weight
     dequantized before the dot (not the scale after it); the zero point subtracted from
-    each weight (not from the dot product)."""
+    each weight (not from the dot product); a dot a field of the words (`fields`), with
+    the scale after the dot and without."""
     (x, qweight, scales, zeros, b), w, size = make(m, n, k, bits, group_size, dtype, bias)
     groups = scales.shape[1]
-    for form in ({"words_once": False}, {"scale_after": False}, {"zero_after": False}):
+    # fields: tiles of 128 inputs (16 words of 4-bit codes, 32 of 8-bit), within one group
+    # (-1, 128) or across groups (32, 24: a scale a weight)
+    fields = {"fields": True, "block_k": 128}
+    assert fields_apply(128, bits)
+    forms = ({"words_once": False}, {"scale_after": False}, {"zero_after": False}, fields,
+             {**fields, "scale_after": False})  # fmt: skip
+    for form in forms:
         cfg = replace(choose_config(m, n, size, groups), **form)
         check(int_linear_triton(x, qweight, scales, zeros, bits, size, b, cfg), x, w, b, dtype)
 

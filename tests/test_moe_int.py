@@ -21,6 +21,7 @@ from test_int_linear import pack_words, reference_weight
 from test_moe_kernels import DTYPES, assert_moe_close
 from test_triton_index_kernels import DEVICE
 
+from pdserve.kernels.int_linear import fields_apply
 from pdserve.kernels.moe import route_top_k
 from pdserve.kernels.moe_int import (
     IntMoeTiles,
@@ -117,27 +118,42 @@ def test_any_tile_matches_the_spec():
     assert choose_int_tiles(16384 * 8, 128).block_m == 64
 
 
+def _spec(args) -> torch.Tensor:
+    return moe_experts_int_ref(*(_cpu(a) if isinstance(a, PackedExperts) else a.cpu()
+                                 for a in args))  # fmt: skip
+
+
+def _with(tiles: IntMoeTiles, **form) -> IntMoeTiles:
+    return IntMoeTiles(**{**vars(tiles), **form})
+
+
 def test_int_linear_forms_compute_the_experts():
-    """int_linear's other tile forms: each word loaded once per code (the spec's function,
-    as close as the default), and 4-bit codes as fp16 floats with the scale and zero after
-    the dot (checked in fp16, the bit form the interpreter runs right): each weight's
-    rounding to fp16 is skipped, so outputs move by up to half an ulp of a weight a term,
-    within the 16-bit tolerance's 4 ulps of the output's scale but on more elements, and
-    the form must differ from the rounded tiles (or it did not run)."""
-    x, gate_up, down, ids, weights, _, _ = make(21, 64, 48, 5, 2, 4, 16, torch.float32, seed=4)
-    want = moe_experts_int_ref(x.cpu(), _cpu(gate_up), _cpu(down), ids.cpu(), weights.cpu())
-    tiles = choose_int_tiles(21 * 2, 5)
-    once = IntMoeTiles(**{**vars(tiles), "words_once": False})
-    assert_moe_close(moe_experts_int_triton(x, gate_up, down, ids, weights, once).cpu(), want,
-                     torch.float32)  # fmt: skip
-    half = x.half()
-    want = moe_experts_int_ref(half.cpu(), _cpu(gate_up), _cpu(down), ids.cpu(), weights.cpu())
-    rounded = moe_experts_int_triton(half, gate_up, down, ids, weights, tiles).cpu()
-    after = IntMoeTiles(**{**vars(tiles), "block_k": 16, "scale_after": True})
-    got = moe_experts_int_triton(half, gate_up, down, ids, weights, after).cpu()
-    scale = float(want.float().abs().max())
-    assert float((got.float() - want.float()).abs().max()) <= 4 * scale * 2**-10
-    assert not torch.equal(got, rounded)
+    """int_linear's other tile forms. Each word loaded once per code, and a dot a field of
+    the words (`fields`, tiles of 128 inputs: within one group, and across groups of 24 with
+    a scale a weight): the spec's function, as close as the default. 4-bit codes as fp16
+    floats with the scale and zero after the dot (checked in fp16, the bit form the
+    interpreter runs right), in the tile form and the fields form: each weight's rounding
+    to fp16 is skipped, so outputs move by up to half an ulp of a weight a term, within the
+    16-bit tolerance's 4 ulps of the output's scale but on more elements, and the form must
+    differ from the rounded tiles (or it did not run)."""
+    assert fields_apply(128, 4)
+    for group, seed in ((16, 4), (-1, 6), (24, 5)):
+        args = make(21, 136, 48, 5, 2, 4, group, torch.float32, seed=seed)[:5]
+        tiles = choose_int_tiles(21 * 2, 5)
+        forms = [{"words_once": False}, {"fields": True, "block_k": 128}]
+        for form in forms if group == 16 else forms[1:]:
+            assert_moe_close(moe_experts_int_triton(*args, _with(tiles, **form)).cpu(),
+                             _spec(args), torch.float32)  # fmt: skip
+    for group, form in ((16, {"block_k": 16}), (-1, {"block_k": 128, "fields": True})):
+        x, *rest = make(21, 136, 48, 5, 2, 4, group, torch.float32, seed=7)[:5]
+        args = (x.half(), *rest)
+        want = _spec(args)
+        tiles = choose_int_tiles(21 * 2, 5)
+        rounded = moe_experts_int_triton(*args, tiles).cpu()
+        got = moe_experts_int_triton(*args, _with(tiles, scale_after=True, **form)).cpu()
+        scale = float(want.float().abs().max())
+        assert float((got.float() - want.float()).abs().max()) <= 4 * scale * 2**-10
+        assert not torch.equal(got, rounded)
 
 
 def test_shapes_are_checked():
