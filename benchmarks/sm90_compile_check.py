@@ -71,10 +71,11 @@ class Launch:
         shown = {k: v for k, v in self.constexprs.items() if k.isupper()}
         return f"{self.fn.__name__}{shown}"
 
-    def compile(self) -> None:
+    def compile(self):
+        """The kernel compiled for sm_90 (its `asm["ptx"]`: sm90_same_code.py)."""
         src = ASTSource(fn=self.fn, signature=self.signature, constexprs=self.constexprs,
                         attrs=self.attrs)  # fmt: skip
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=self.options)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=self.options)
 
 
 def capture(run: Callable[[], object]) -> tuple[list[Launch], str | None]:
@@ -265,6 +266,38 @@ def packed_int() -> Callable[[], None]:
     return run
 
 
+def decode_small_batch() -> None:
+    """The layer kernels of throughput.py's small_batch decode step (32 rows, Qwen3-0.6B's
+    shapes, bf16, norms folded): prepare_qkv on scaled rows, the per-head decode attention,
+    the o and down projections adding the residual, gate/up with SiLU on scaled rows."""
+    from pdserve.kernels.paged_attention_triton import paged_attention_triton
+    from pdserve.kernels.qkv_prep import prepare_qkv_triton
+    from pdserve.kernels.row_squares import ScaleRows
+    from pdserve.kernels.skinny_linear import skinny_linear_add_residual, skinny_linear_triton
+    from pdserve.kernels.workspace import KernelWorkspace
+
+    r, hidden, inter, hq, hkv, d, bf = 32, 1024, 3072, 16, 8, 128, torch.bfloat16
+    ws = KernelWorkspace()
+    res = torch.zeros(r, hidden, dtype=bf)
+    h, squares = skinny_linear_add_residual(torch.zeros(r, hq * d, dtype=bf),
+                                            torch.zeros(hidden, hq * d, dtype=bf), None, res, ws)  # fmt: skip
+    scale = ScaleRows(squares, 1e-6)
+    gate = skinny_linear_triton(h, torch.zeros(2 * inter, hidden, dtype=bf), None, ws, True,
+                                scale_rows=scale)  # fmt: skip
+    skinny_linear_add_residual(gate, torch.zeros(hidden, inter, dtype=bf), None, h, ws)
+    cache = torch.zeros(512, 2, 16, hkv, d, dtype=bf)
+    q = prepare_qkv_triton(
+        torch.zeros(r, (hq + 2 * hkv) * d, dtype=bf), hq, hkv, torch.ones(d, dtype=bf),
+        torch.ones(d, dtype=bf), 1e-6, torch.arange(r), torch.zeros(4096, d), cache,
+        torch.arange(r), scale_rows=scale,
+    )  # fmt: skip
+    seq = torch.full((r,), 384, dtype=torch.int32)
+    qsl = torch.arange(r + 1, dtype=torch.int32)
+    tables = torch.arange(r * 32, dtype=torch.int32).view(r, 32) % 512
+    paged_attention_triton(q, cache, tables, qsl, seq, d**-0.5, torch.empty_like(q), 1, 4096,
+                           workspace=ws)  # fmt: skip
+
+
 def scenarios() -> dict[str, Callable[[], None]]:
     out = {
         "selective_scan": selective_scan,
@@ -275,6 +308,7 @@ def scenarios() -> dict[str, Callable[[], None]]:
         "attention_chunked": attention(-8192),
         "moe_bf16": moe("bf16"),
         "packed_int": packed_int(),
+        "decode_small_batch": decode_small_batch,
     }
     try:  # the quantized experts' stacks (branch exp/mxfp4-experts)
         import pdserve.kernels.fp8_experts  # noqa: F401
