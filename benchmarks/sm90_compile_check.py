@@ -237,7 +237,7 @@ def packed_int() -> Callable[[], None]:
                                  dtype=torch.uint8), 4, g, kk)  # fmt: skip
 
         gu, dn = stack(2 * inter, h), stack(h, inter)
-        for t in (32, 512):
+        for t in (32, 512, 2048):  # blocks of 16, 32 and 64 slots
             ids = torch.randint(0, e, (t, k))
             w = torch.full((t, k), 0.125)
             tiles = choose_int_tiles(t * k, e)
@@ -323,6 +323,8 @@ def scenarios() -> dict[str, Callable[[], None]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=None, help="one scenario by name")
+    ap.add_argument("--resources", action="store_true",
+                    help="also each launch's registers, spills, shared memory (sm90_resources)")  # fmt: skip
     args = ap.parse_args()
     failed, seen = 0, set()
     for name, run in scenarios().items():
@@ -341,8 +343,12 @@ def main() -> int:
             seen.add(key)
             row = {"scenario": name, "kernel": launch.name, **launch.options}
             try:
-                launch.compile()
+                kernel = launch.compile()
                 row["compiled"] = True
+                if args.resources:
+                    from sm90_resources import resources
+
+                    row |= resources(kernel)
             except Exception as exc:  # noqa: BLE001 - reported, and counted
                 row["compiled"], row["error"] = False, f"{type(exc).__name__}: {exc}"[:2000]
                 failed += 1

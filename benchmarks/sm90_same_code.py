@@ -4,7 +4,7 @@ launch caught is compiled for sm_90 with the Triton here, and the PTX of the two
 compared launch by launch (the n-th launch of a kernel in a scenario against its n-th in
 the other tree), with comments, line markers, inlining labels and debug sections left out.
 
-    python benchmarks/sm90_same_code.py --base <commit> [--only SCENARIO]
+    [PYTHONPATH=<triton 3.6 dir>] python benchmarks/sm90_same_code.py --base <commit> [--only S]
 
 Why: device time is scarce, and a refactor of a kernel that was timed on the H200 (a helper
 factored out, a new constexpr branch that is off by default) needs no A/B run when it
@@ -73,7 +73,9 @@ def compiled(root: Path, work: Path, only: str | None, tag: str) -> dict:
     pkg, out = work / f"pkg_{tag}", work / f"{tag}.json"
     tree_package(root, pkg)
     # (Triton 3.9 warns that its default FP fusion, on as in the GPU's 3.6, will change)
-    env = {**os.environ, "PYTHONPATH": str(pkg), "TRITON_DEFAULT_FP_FUSION": "1"}
+    # (a PYTHONPATH given stays after the tree's package: e.g. the GPU image's Triton 3.6)
+    path = os.pathsep.join(p for p in (str(pkg), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "TRITON_DEFAULT_FP_FUSION": "1"}
     cmd = [sys.executable, "-P", str(Path(__file__).resolve()), "--dump", str(out)]
     if only:
         cmd += ["--only", only]
