@@ -117,9 +117,12 @@ def form_tiles(num_slots: int, num_experts: int) -> list[IntMoeTiles]:
 
 
 def long_tiles() -> list[IntMoeTiles]:
-    """Prefill-sized runs: the block size against the decode tile's."""
-    return [IntMoeTiles(bn, 64, 4, stages, bm) for bn, stages, bm in
-            itertools.product((64, 128), (2, 3), (32, 64, 128))]  # fmt: skip
+    """Prefill-sized runs: block sizes, in the tile form and the fields form, at 4 and 8
+    warps (Triton 3.6 spills the 64-slot gate/up tile of 128 outputs at 4 warps:
+    sm90_resources_packed_int_triton36_*.jsonl)."""
+    return [IntMoeTiles(bn, 128 if fields else 64, warps, 3, bm, fields=fields)
+            for bn, bm, fields, warps in itertools.product((64, 128), (32, 64, 128),
+                                                           (False, True), (4, 8))]  # fmt: skip
 
 
 def main() -> None:
