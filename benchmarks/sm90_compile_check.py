@@ -298,6 +298,9 @@ def decode_small_batch() -> None:
                            workspace=ws)  # fmt: skip
 
 
+decode_small_batch.cuda_constexprs = {"IEEE_DOT": False}  # bf16 on a GPU: tensor-core dots
+
+
 def scenarios() -> dict[str, Callable[[], None]]:
     out = {
         "selective_scan": selective_scan,
