@@ -65,6 +65,12 @@ class Launch:
                 self.signature[name] = "fp32"
             else:
                 raise TypeError(f"{fn.__name__}: argument {name} = {value!r}")
+        # IEEE_DOT is on for every CPU launch (the interpreter multiplies 16-bit tiles as raw
+        # bits); on a GPU it is on only for float32 operands: off where any tensor is 16-bit
+        if "IEEE_DOT" in self.constexprs and "IEEE_DOT" not in cuda:
+            halves = {torch.bfloat16, torch.float16}
+            if any(isinstance(v, torch.Tensor) and v.dtype in halves for v in bound.values()):
+                self.constexprs["IEEE_DOT"] = False
 
     @property
     def name(self) -> str:
@@ -82,7 +88,7 @@ def capture(run: Callable[[], object]) -> tuple[list[Launch], str | None]:
     """The launches `run` makes, none of them run, and what stopped it early, if anything
     (a launcher reading a result that never came, or a CUDA-only call: the launches
     before it still count). A scenario's `cuda_constexprs` attribute overrides the
-    constexprs its launchers set by device (e.g. IEEE_DOT, on for every CPU tensor)."""
+    constexprs its launchers set by device (IEEE_DOT has a rule of its own: Launch)."""
     launches: list[Launch] = []
     original = JITFunction.run
     cuda = getattr(run, "cuda_constexprs", {})
@@ -262,7 +268,6 @@ def packed_int() -> Callable[[], None]:
                 unsplit = IntLinearConfig(32, 128, fields=fields)
                 int_linear_triton(x, q, scales, zeros, 4, g, None, unsplit)
 
-    run.cuda_constexprs = {"IEEE_DOT": False}
     return run
 
 
@@ -296,9 +301,6 @@ def decode_small_batch() -> None:
     tables = torch.arange(r * 32, dtype=torch.int32).view(r, 32) % 512
     paged_attention_triton(q, cache, tables, qsl, seq, d**-0.5, torch.empty_like(q), 1, 4096,
                            workspace=ws)  # fmt: skip
-
-
-decode_small_batch.cuda_constexprs = {"IEEE_DOT": False}  # bf16 on a GPU: tensor-core dots
 
 
 def scenarios() -> dict[str, Callable[[], None]]:
