@@ -40,7 +40,7 @@ from pdserve.kernels.int_linear import (
     int_tile_dot,
 )
 from pdserve.kernels.moe import moe_experts_ref
-from pdserve.kernels.moe_triton import _block_slots, _gate, align_slots, choose_tiles
+from pdserve.kernels.moe_triton import align_slots, block_slots, choose_tiles, gate_act
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ def _gate_up_int_kernel(
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if expert >= 0:
-        slots, valid = _block_slots(sorted_slots_ptr, tl.program_id(0), num_slots, BLOCK_M)
+        slots, valid = block_slots(sorted_slots_ptr, tl.program_id(0), num_slots, BLOCK_M)
         tokens = tl.where(valid, slots // top_k, 0).to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
@@ -248,7 +248,7 @@ def _gate_up_int_kernel(
         gate = acc_gate.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
         out = out_ptr + slots.to(tl.int64)[None, :] * inter + n[:, None]
-        tl.store(out, _gate(gate, up, dtype, False, 1.0, 0.0, False),
+        tl.store(out, gate_act(gate, up, dtype, False, 1.0, 0.0, False),
                  mask=n_ok[:, None] & valid[None, :])  # fmt: skip
 
 
@@ -282,7 +282,7 @@ def _down_int_kernel(
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if expert >= 0:
-        slots, valid = _block_slots(sorted_slots_ptr, tl.program_id(0), num_slots, BLOCK_M)
+        slots, valid = block_slots(sorted_slots_ptr, tl.program_id(0), num_slots, BLOCK_M)
         rows = tl.where(valid, slots, 0).to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
@@ -325,10 +325,9 @@ def moe_experts_int_triton(
         return x.new_zeros(num_tokens, hidden)
     x = x if x.stride(1) == 1 else x.contiguous()
     t = tiles or choose_int_tiles(num_slots, num_experts)
-    block_m = t.block_m
-    sorted_slots, block_expert = align_slots(ids, num_experts, block_m)
+    sorted_slots, block_expert = align_slots(ids, num_experts, t.block_m)
     num_blocks = block_expert.shape[0]
-    launch = {"BLOCK_M": block_m, "BLOCK_N": t.block_n, "num_warps": t.num_warps,
+    launch = {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "num_warps": t.num_warps,
               "num_stages": t.num_stages,
               # fp32 operands without tf32 rounding, and the interpreter's 16-bit tiles
               "IEEE_DOT": x.dtype == torch.float32 or not x.is_cuda}  # fmt: skip

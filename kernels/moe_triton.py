@@ -95,14 +95,14 @@ def align_slots(ids: Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[
 
 
 @triton.jit
-def _block_slots(sorted_slots_ptr, block, num_slots, BLOCK_M: tl.constexpr):
+def block_slots(sorted_slots_ptr, block, num_slots, BLOCK_M: tl.constexpr):
     """A block's slots, and which are real (padding holds `num_slots`)."""
     slots = tl.load(sorted_slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     return slots, slots < num_slots
 
 
 @triton.jit
-def _gate(gate, up, dtype: tl.constexpr, OAI_GATE: tl.constexpr, ALPHA: tl.constexpr,
+def gate_act(gate, up, dtype: tl.constexpr, OAI_GATE: tl.constexpr, ALPHA: tl.constexpr,
           LIMIT: tl.constexpr, RELU2: tl.constexpr):  # fmt: skip
     """float32 gate and up (already rounded to `dtype`) -> the gated value in `dtype`,
     rounding after each op as `gate_act_ref` does (RELU2: `up` alone, relu(up)^2)."""
@@ -149,7 +149,7 @@ def _gate_up_kernel(
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= 0:
-        slots, valid = _block_slots(sorted_slots_ptr, block, num_slots, BLOCK_M)
+        slots, valid = block_slots(sorted_slots_ptr, block, num_slots, BLOCK_M)
         tokens = tl.where(valid, slots // top_k, 0).to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
@@ -184,7 +184,7 @@ def _gate_up_kernel(
         out = out_ptr + slots.to(tl.int64)[:, None] * inter + n[None, :]
         tl.store(
             out,
-            _gate(gate, up, dtype, OAI_GATE, ALPHA, LIMIT, RELU2),
+            gate_act(gate, up, dtype, OAI_GATE, ALPHA, LIMIT, RELU2),
             mask=valid[:, None] & n_ok[None, :],
         )
 
@@ -213,7 +213,7 @@ def _down_kernel(
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= 0:
-        slots, valid = _block_slots(sorted_slots_ptr, block, num_slots, BLOCK_M)
+        slots, valid = block_slots(sorted_slots_ptr, block, num_slots, BLOCK_M)
         rows = tl.where(valid, slots, 0).to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
