@@ -29,7 +29,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SKIP = re.compile(r"(\.loc|\.file|\$L__tmp|\.b8|\.b16|\.b32|\.b64|\.section|\{|\}|.*debug)")
+# what a line must not run to be dropped: source line markers, inlining labels (their only
+# references are in the debug sections), a debug section's data and brackets alone
+SKIP = re.compile(r"(\.loc\s|\.file\s|\$L__tmp\d+:$|\.b(8|16|32|64)\s|\.section\s|[{}]$)")
 
 
 def instructions(ptx: str) -> list[str]:
