@@ -226,16 +226,31 @@ def packed_int() -> Callable[[], None]:
     each tile form; fp16 for the scale-after form (the CPU launcher refuses it in bf16)."""
 
     def run() -> None:
+        # (int_linear's tile forms first, the fields form last: a base tree without the newer
+        # launchers still makes the launches before them, for sm90_same_code.py)
         from pdserve.kernels.int_linear import IntLinearConfig, choose_config, int_linear_triton
+        from pdserve.kernels.workspace import KernelWorkspace
+
+        h, inter, e, k, g = 2048, 768, 128, 8, 128
+        q = torch.zeros(1024, h // 8, dtype=torch.int32)
+        scales, zeros = torch.zeros(1024, h // g), torch.zeros(1024, h // g, dtype=torch.uint8)
+        for fields in (False, True):
+            for dtype in (torch.bfloat16, torch.float16):
+                x = torch.zeros(32, h, dtype=dtype)
+                split = choose_config(32, 1024, g, h // g, h)
+                unsplit = IntLinearConfig(32, 128)
+                if fields:
+                    split = dataclasses.replace(split, fields=True, block_k=128)
+                    unsplit = dataclasses.replace(unsplit, fields=True)
+                int_linear_triton(x, q, scales, zeros, 4, g, None, split, KernelWorkspace())
+                int_linear_triton(x, q, scales, zeros, 4, g, None, unsplit)
+
         from pdserve.kernels.moe_int import (
             IntMoeTiles,
             PackedExperts,
             choose_int_tiles,
             moe_experts_int_triton,
         )
-        from pdserve.kernels.workspace import KernelWorkspace
-
-        h, inter, e, k, g = 2048, 768, 128, 8, 128
 
         def stack(n: int, kk: int) -> PackedExperts:
             return PackedExperts(torch.zeros(e, n, kk // 8, dtype=torch.int32),
@@ -254,19 +269,6 @@ def packed_int() -> Callable[[], None]:
                                                  "scale_after": True})):  # fmt: skip
                 x = torch.zeros(t, h, dtype=dtype)
                 moe_experts_int_triton(x, gu, dn, ids, w, IntMoeTiles(**{**vars(tiles), **form}))
-        q = torch.zeros(1024, h // 8, dtype=torch.int32)
-        scales, zeros = torch.zeros(1024, h // g), torch.zeros(1024, h // g, dtype=torch.uint8)
-        for dtype in (torch.bfloat16, torch.float16):
-            x = torch.zeros(32, h, dtype=dtype)
-            for fields in (False, True):
-                split = dataclasses.replace(
-                    choose_config(32, 1024, g, h // g, h),
-                    fields=fields,
-                    block_k=128 if fields else 64,
-                )
-                int_linear_triton(x, q, scales, zeros, 4, g, None, split, KernelWorkspace())
-                unsplit = IntLinearConfig(32, 128, fields=fields)
-                int_linear_triton(x, q, scales, zeros, 4, g, None, unsplit)
 
     return run
 
