@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.skinny_linear import swap_ab_dot
-from pdserve.kernels.workspace import KernelWorkspace
+from pdserve.kernels.workspace import KernelWorkspace, arrives_last
 
 # Rows past which a batch multiplies a dequantized scratch copy of the weight with cuBLAS
 # instead of dequantizing tile by tile. On the H100 with today's tiles (Llama-3-8B,
@@ -269,9 +269,8 @@ def _int_linear_kernel(
     if SPLIT_K > 1:  # the last program of the tile to arrive sums the slices in split order
         tile = offs_m[None, :].to(tl.int64) * n + offs_n[:, None]
         tl.store(part_ptr + (pid_k * m_total).to(tl.int64) * n + tile, acc, mask=n_mask[:, None])
-        tl.debug_barrier()  # every thread's partial stored before the tile counts in
-        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel") != SPLIT_K - 1:
+        last, counter = arrives_last(count_ptr, pid_m * tl.num_programs(0) + pid_n, SPLIT_K)
+        if not last:
             return
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for sk in range(SPLIT_K):

@@ -47,7 +47,7 @@ from pdserve.kernels.attention_parts import (
     softmax_start,
     valid_splits,
 )
-from pdserve.kernels.workspace import KernelWorkspace
+from pdserve.kernels.workspace import KernelWorkspace, arrives_last
 
 
 class PackedConfig(NamedTuple):
@@ -203,12 +203,9 @@ def _decode_packed_kernel(
         base = (row.to(tl.int64) * num_splits + split) * NUM_Q_HEADS + q_head0
         tl.store(part_o_ptr + (base + offs_h)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
         tl.store(part_lse_ptr + base + offs_h, m_i + tl.log2(l_i), mask=h_mask)
-        # Every thread's partial is stored before one thread counts the program in; the
-        # acq_rel atomic publishes them to the last arriver, which reads them from L2.
-        tl.debug_barrier()
         num_valid = valid_splits(span, split_len, num_splits)
-        counter = count_ptr + row * (NUM_KV_HEADS // HEADS) + hg
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_valid - 1:
+        last, counter = arrives_last(count_ptr, row * (NUM_KV_HEADS // HEADS) + hg, num_valid)
+        if last:  # kernels/workspace.py
             _merge(
                 part_o_ptr, part_lse_ptr, row.to(tl.int64) * num_splits, num_valid, out_ptr,
                 q_start, q_head0, stride_ot, stride_oh, NUM_Q_HEADS, QH, HQ_PAD, HEAD_DIM,

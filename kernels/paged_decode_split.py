@@ -36,7 +36,7 @@ from pdserve.kernels.attention_parts import (
     tile_for,
     valid_splits,
 )
-from pdserve.kernels.workspace import KernelWorkspace
+from pdserve.kernels.workspace import KernelWorkspace, arrives_last
 
 # Decode: one program per (row, kv head, split) streams 64 keys x 128 dims x 2 B = 16 KiB of
 # K and as much V per loop step through cp.async. Measured on the H200 over 28 distinct
@@ -218,12 +218,10 @@ def _decode_split_kernel(
         base = (row.to(tl.int64) * num_q_heads + heads) * num_splits  # [GROUP_PAD]
         tl.store(part_o_ptr + (base + split)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
         tl.store(part_lse_ptr + base + split, m_i + tl.log2(l_i), mask=g_mask)
-        # Last arriver merges (kernels/workspace.py): every thread's partial is stored
-        # before one thread counts the program in; acq_rel publishes them, and the merge
-        # reads them from L2 (.cg), in split order whoever came last.
-        tl.debug_barrier()
-        counter = count_ptr + row * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_valid - 1:
+        # The last to arrive merges (kernels/workspace.py), reading the partials from L2
+        # (.cg) in split order whoever came last.
+        last, counter = arrives_last(count_ptr, row * tl.num_programs(1) + kv_head, num_valid)
+        if last:
             merge_splits(
                 part_o_ptr, part_lse_ptr, base, num_valid, out_ptr, q_start, heads, offs_d,
                 mask, g_mask, stride_ot, stride_oh, HEAD_DIM, GROUP_PAD, D_PAD,

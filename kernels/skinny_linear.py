@@ -55,7 +55,7 @@ from pdserve.kernels.row_squares import (
     row_scale_ref,
     squares_buffer,
 )
-from pdserve.kernels.workspace import KernelWorkspace
+from pdserve.kernels.workspace import KernelWorkspace, arrives_last
 
 MAX_ROWS = SQ_ROWS  # the largest M this path takes (64); larger batches go to cuBLAS
 NARROW_N = 2048  # outputs this narrow need split-K, where cuBLAS adds a reduce launch
@@ -202,11 +202,8 @@ def _skinny_linear_kernel(
         tl.store(part_ptr + pid_k * M_PAD * n + tile, acc, mask=n_mask[:, None])
         if SILU_MUL:
             tl.store(part_ptr + (SPLIT_K + pid_k) * M_PAD * n + tile, acc_up, mask=n_mask[:, None])
-        # Every thread's partial is stored before one thread counts the program in; the
-        # acq_rel atomic publishes them to the last arriver, which reads them from L2.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if arrived != SPLIT_K - 1:
+        last, counter = arrives_last(count_ptr, pid_n, SPLIT_K)
+        if not last:
             return
         acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
@@ -219,7 +216,7 @@ def _skinny_linear_kernel(
                     part_ptr + (SPLIT_K + s) * M_PAD * n + tile, mask=n_mask[:, None],
                     cache_modifier=".cg",
                 )  # fmt: skip
-        tl.store(count_ptr + pid_n, 0)
+        tl.store(counter, 0)
     dtype = out_ptr.dtype.element_ty
     if SCALE_ROWS:
         acc = acc * inv[None, :]

@@ -1,8 +1,8 @@
 """Persistent scratch for kernels that finish in one launch by "last arriver merges".
 
 A split kernel (split-K linear, split decode attention) writes its partials to scratch,
-counts itself in on an arrival counter, and the program that arrives last merges the
-partials and resets the counter to zero. That saves the second (reduce) launch, ~3 us
+counts itself in on an arrival counter (`arrives_last`, shared by all of them), and the
+program that arrives last merges the partials and resets the counter to zero. That saves the second (reduce) launch, ~3 us
 a layer on an H200, but the counters must be zero before every launch and keep their
 address under CUDA graphs. So they live here, owned by the model and handed to the
 kernels explicitly: one workspace per model, shared by its layers, which run one after
@@ -18,6 +18,8 @@ capture is refused: the warm-up forward that precedes each capture sizes them.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 class KernelWorkspace:
@@ -49,6 +51,17 @@ class KernelWorkspace:
     def scratch(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
         """[>= numel] float32 scratch for partial results."""
         return self._get(name, numel, torch.float32, device)
+
+
+@triton.jit
+def arrives_last(counters, index, arrivals):
+    """Counts a program in on `counters + index` once every thread of it has stored its
+    partials (the barrier), the acq_rel atomic publishing them to the last to arrive, which
+    reads them from L2. -> (whether this program is the last of `arrivals`, the counter):
+    the last merges, then zeroes the counter."""
+    tl.debug_barrier()
+    counter = counters + index
+    return tl.atomic_add(counter, 1, sem="acq_rel") == arrivals - 1, counter
 
 
 def _with_index(device: torch.device) -> torch.device:
