@@ -137,11 +137,13 @@ def test_int_linear_forms_compute_the_experts():
     16-bit tolerance's 4 ulps of the output's scale but on more elements, and the form must
     differ from the rounded tiles (or it did not run)."""
     assert fields_apply(128, 4)
+    # groups of 16: words once per code (16-input tiles); one group a row and groups of 24
+    # (no tile depth within one): the fields form's 128-input tiles
     for group, seed in ((16, 4), (-1, 6), (24, 5)):
         args = make(21, 136, 48, 5, 2, 4, group, torch.float32, seed=seed)[:5]
         tiles = choose_int_tiles(21 * 2, 5)
-        forms = [{"words_once": False}, {"fields": True, "block_k": 128}]
-        for form in forms if group == 16 else forms[1:]:
+        forms = [{"words_once": False}] if group == 16 else [{"fields": True, "block_k": 128}]
+        for form in forms:
             assert_moe_close(moe_experts_int_triton(*args, _with(tiles, **form)).cpu(),
                              _spec(args), torch.float32)  # fmt: skip
     for group, form in ((16, {"block_k": 16}), (-1, {"block_k": 128, "fields": True})):
