@@ -90,8 +90,8 @@ def case(shape: str, tokens: int, tiles_list: list[IntMoeTiles | None]) -> list[
               tiles=None if tiles is None else list(vars(tiles).values()))  # fmt: skip
     if tiles_list == [None]:
         del packed
-        twins = [(gu.dequantized(torch.bfloat16), d.dequantized(torch.bfloat16))
-                 for gu, d, _ in layers]  # fmt: skip
+        twins = [dense] + [(gu.dequantized(torch.bfloat16), d.dequantized(torch.bfloat16))
+                           for gu, d, _ in layers[1:]]  # fmt: skip
         timed("bf16_twin", moe_experts_triton, twins)
     return out
 

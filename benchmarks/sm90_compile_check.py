@@ -36,7 +36,7 @@ DTYPES = {
 
 
 class Launch:
-    def __init__(self, fn: JITFunction, args: tuple, kwargs: dict, cuda: dict):
+    def __init__(self, fn: JITFunction, args: tuple, kwargs: dict):
         self.fn = fn
         self.options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
         bound = dict(zip(fn.arg_names, args, strict=False)) | kwargs
@@ -44,9 +44,8 @@ class Launch:
         for i, name in enumerate(fn.arg_names):
             value = bound.get(name, fn.params[i].default)
             if fn.params[i].is_constexpr or value is None:
-                # a CUDA launch never upcasts its dots (the CPU interpreter's bf16 path does);
-                # `cuda`: the scenario's other constexprs as a CUDA launch would set them
-                self.constexprs[name] = False if name == "UPCAST_DOT" else cuda.get(name, value)
+                # a CUDA launch never upcasts its dots (the CPU interpreter's bf16 path does)
+                self.constexprs[name] = False if name == "UPCAST_DOT" else value
                 self.signature[name] = "constexpr"
             elif isinstance(value, torch.Tensor):
                 self.signature[name] = "*" + DTYPES[value.dtype]
@@ -67,7 +66,7 @@ class Launch:
                 raise TypeError(f"{fn.__name__}: argument {name} = {value!r}")
         # IEEE_DOT is on for every CPU launch (the interpreter multiplies 16-bit tiles as raw
         # bits); on a GPU it is on only for float32 operands: off where any tensor is 16-bit
-        if "IEEE_DOT" in self.constexprs and "IEEE_DOT" not in cuda:
+        if "IEEE_DOT" in self.constexprs:
             halves = {torch.bfloat16, torch.float16}
             if any(isinstance(v, torch.Tensor) and v.dtype in halves for v in bound.values()):
                 self.constexprs["IEEE_DOT"] = False
@@ -87,14 +86,13 @@ class Launch:
 def capture(run: Callable[[], object]) -> tuple[list[Launch], str | None]:
     """The launches `run` makes, none of them run, and what stopped it early, if anything
     (a launcher reading a result that never came, or a CUDA-only call: the launches
-    before it still count). A scenario's `cuda_constexprs` attribute overrides the
-    constexprs its launchers set by device (IEEE_DOT has a rule of its own: Launch)."""
+    before it still count). Constexprs the launchers set by device are set as a CUDA
+    launch sets them (Launch: UPCAST_DOT, IEEE_DOT)."""
     launches: list[Launch] = []
     original = JITFunction.run
-    cuda = getattr(run, "cuda_constexprs", {})
 
     def caught(self, *args, grid, warmup, **kwargs):
-        launches.append(Launch(self, args, kwargs, cuda))
+        launches.append(Launch(self, args, kwargs))
 
     JITFunction.run = caught
     try:
