@@ -106,11 +106,12 @@ def sweep_tiles(num_slots: int, num_experts: int) -> list[IntMoeTiles]:
 
 
 def form_tiles(num_slots: int, num_experts: int) -> list[IntMoeTiles]:
-    """The chosen tile in int_linear's other forms: words loaded once per code, the scale
-    and zero after the dot, both; a dot a field of the words (fields: tiles of 128
-    inputs), with the scale after and without; the tile form at that depth."""
-    t = choose_int_tiles(num_slots, num_experts)
-    forms = [{"words_once": False}, {"scale_after": True},
+    """The tile form of 128 outputs by 64 inputs and int_linear's other forms of it: words
+    loaded once per code, the scale and zero after the dot, both; a dot a field of the words
+    (fields: tiles of 128 inputs), with the scale after and without; the tile form at that
+    depth."""
+    t = IntMoeTiles(128, 64, 4, 3, choose_int_tiles(num_slots, num_experts).block_m)
+    forms = [{}, {"words_once": False}, {"scale_after": True},
              {"words_once": False, "scale_after": True}, {"fields": True, "block_k": 128},
              {"fields": True, "block_k": 128, "scale_after": True}, {"block_k": 128}]  # fmt: skip
     return [IntMoeTiles(**{**vars(t), **form}) for form in forms]

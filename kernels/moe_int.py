@@ -120,16 +120,24 @@ class IntMoeTiles:
     # int_linear's scale_after + zero_after (4-bit codes, 16-bit tiles of one group): each
     # weight's rounding to the dtype skipped, so not the spec's function to the ulp
     scale_after: bool = False
-    fields: bool = False  # int_linear's `int_fields_dot` form (`fields_apply`); not yet timed
+    fields: bool = False  # int_linear's `int_fields_dot` form (`fields_apply`)
 
 
-def choose_int_tiles(num_slots: int, num_experts: int) -> IntMoeTiles:
+def choose_int_tiles(
+    num_slots: int, num_experts: int, dtype: torch.dtype = torch.bfloat16, bits: int = 4
+) -> IntMoeTiles:
     """128 outputs in tiles of 64 inputs, 4 warps, 3 stages: the best of 24 tiles at 32 and
     512 tokens of Qwen3-30B-A3B's experts on an H100 (moe_int_bench.py --sweep; 526 / 876 us
-    a layer against 2,965 / 5,118 for 64 outputs in tiles of 128 inputs). Blocks of
-    moe_triton's `choose_tiles` (16-64 slots by the mean run). Prefill-sized runs are not
-    yet timed with this tile (moe_int_bench.py --sweep-long times 32-128-slot blocks)."""
+    a layer against 2,965 / 5,118 for 64 outputs in tiles of 128 inputs), and of 24 block
+    sizes and forms at 2,048 and 8,192 tokens (--sweep-long: 1,783 / 5,464 us at 64-slot
+    blocks). Blocks of moe_triton's `choose_tiles` (16-64 slots by the mean run). Blocks of
+    16 slots of 4-bit codes and 16-bit activations take the fields form in tiles of 128
+    inputs: 326 us a layer at 32 tokens against 515 (--forms; the bf16 experts take 444),
+    where at 512 tokens it only ties. (fp32 activations' fields tiles overflow the shared
+    memory at 3 stages.)"""
     block_m = choose_tiles(num_slots, num_experts, torch.bfloat16).block_m
+    if block_m == 16 and bits == 4 and dtype in (torch.bfloat16, torch.float16):
+        return IntMoeTiles(128, 128, 4, 3, block_m, fields=True)
     return IntMoeTiles(128, 64, 4, 3, block_m)
 
 
@@ -324,7 +332,7 @@ def moe_experts_int_triton(
     if num_slots == 0:
         return x.new_zeros(num_tokens, hidden)
     x = x if x.stride(1) == 1 else x.contiguous()
-    t = tiles or choose_int_tiles(num_slots, num_experts)
+    t = tiles or choose_int_tiles(num_slots, num_experts, x.dtype, gate_up.bits)
     sorted_slots, block_expert = align_slots(ids, num_experts, t.block_m)
     num_blocks = block_expert.shape[0]
     launch = {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "num_warps": t.num_warps,
