@@ -72,7 +72,7 @@ def paged_attention_triton(
     *,
     num_splits: int | None = None,  # decode splits per (row, kv head); None = heuristic
     workspace: KernelWorkspace | None = None,  # the model's; None: counters for this call
-    decode_kernel: str | None = None,  # per_head | packed | flat; None: choose_decode_kernel
+    decode_kernel: str | None = None,  # per_head | packed | flat (| per_head_prep); None: choose
     window: int = 0,  # kernels/attention.py's: > 0 sliding, < 0 chunked
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score * scale / softcap)
     sinks: torch.Tensor | None = None,  # [Hq] float32: a sink logit per query head (gpt-oss)
@@ -122,6 +122,8 @@ def paged_attention_triton(
     # `window` keys (or a chunk's), which bounds the splits as the context does.
     span = min(max_seq_len, abs(window)) if window else max_seq_len
     kernel = decode_kernel or choose_decode_kernel(num_rows, num_kv_heads)
+    # the preparation fused in is the caller's (kernels/qkv_attend.py); alone it is per_head
+    kernel = "per_head" if kernel == "per_head_prep" else kernel
     if kernel == "packed":
         packed_cfg = tile_for(q.dtype, d_pad, PACKED_16BIT, PACKED_WIDE)
         decode_packed(

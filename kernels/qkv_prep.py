@@ -122,57 +122,24 @@ def _load_part(row_ptr, offs, mask, bias_ptr, scale, SCALE_ROWS: tl.constexpr,
     return x.to(tl.float32)
 
 
-# num_slots follows the step's token count: not specialised on (no variant per value class).
-@triton.jit(do_not_specialize=["num_slots"])
-def _prepare_qkv_kernel(
-    qkv_ptr,
-    q_out_ptr,
-    q_norm_ptr,
-    k_norm_ptr,
-    positions_ptr,
-    cos_sin_ptr,
-    kv_cache_ptr,
-    slot_mapping_ptr,
-    sq_ptr,  # [num_sq_parts, SQ_STRIDE] fp32 row sums of squares (SCALE_ROWS)
-    bias_ptr,  # [(Hq + 2 Hkv) * D] the projection's bias, not yet added (SCALE_ROWS only)
-    num_slots,
-    num_sq_parts,
-    sq_dim,
-    sq_eps,
-    qkv_token_stride,
-    cos_sin_stride,
-    cache_block_stride,
-    cache_kv_stride,
-    cache_offset_stride,
-    cache_head_stride,
-    block_size,
-    eps,
-    k_inv_scale,
-    v_inv_scale,
-    NUM_Q_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    ROUND_NORMED: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SQ_PARTS_PAD: tl.constexpr,
-    SQ_STRIDE: tl.constexpr,
-    SPLIT_HEADS: tl.constexpr,  # grid (T, Hq + Hkv): one q head, or one k and v head, each
+@triton.jit
+def prepare_heads(
+    qkv_ptr, q_out_ptr, q_norm_ptr, k_norm_ptr, positions_ptr, cos_sin_ptr, kv_cache_ptr,
+    slot_mapping_ptr, sq_ptr, bias_ptr,
+    t,  # the token (int64)
+    q_first, q_count,  # its q heads q_first .. q_first + q_count - 1 (<= BLOCK_HQ)
+    kv_first, kv_count,  # its k / v heads (<= BLOCK_HK)
+    num_slots, num_sq_parts, sq_dim, sq_eps, qkv_token_stride, cos_sin_stride,
+    cache_block_stride, cache_kv_stride, cache_offset_stride, cache_head_stride, block_size,
+    eps, k_inv_scale, v_inv_scale,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr, ROUND_NORMED: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SQ_PARTS_PAD: tl.constexpr, SQ_STRIDE: tl.constexpr,
     FP8_MANTISSA: tl.constexpr,  # 0: the cache's own dtype; else kv_cache_ptr is its bytes
-):
-    t = tl.program_id(0).to(tl.int64)
-    if SPLIT_HEADS:
-        j = tl.program_id(1)
-        is_q = j < NUM_Q_HEADS
-        q_first, q_count = j, tl.where(is_q, 1, 0)
-        kv_first, kv_count = j - NUM_Q_HEADS, tl.where(is_q, 0, 1)
-    else:
-        q_first, q_count = 0, NUM_Q_HEADS
-        kv_first, kv_count = 0, NUM_KV_HEADS
+):  # fmt: skip
+    """One token's q heads -> q_out, its k / v heads -> the cache slot: the kernel's body,
+    shared with the decode attention that prepares its own heads (kernels/qkv_attend.py)."""
     half: tl.constexpr = HEAD_DIM // 2
     dtype = q_out_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_HALF)
@@ -229,14 +196,52 @@ def _prepare_qkv_kernel(
     tl.store(dst + cache_kv_stride + half, v2, mask=w_mask)
 
 
+# num_slots follows the step's token count: not specialised on (no variant per value class).
+@triton.jit(do_not_specialize=["num_slots"])
+def _prepare_qkv_kernel(
+    qkv_ptr, q_out_ptr, q_norm_ptr, k_norm_ptr, positions_ptr, cos_sin_ptr, kv_cache_ptr,
+    slot_mapping_ptr,
+    sq_ptr,  # [num_sq_parts, SQ_STRIDE] fp32 row sums of squares (SCALE_ROWS)
+    bias_ptr,  # [(Hq + 2 Hkv) * D] the projection's bias, not yet added (SCALE_ROWS only)
+    num_slots, num_sq_parts, sq_dim, sq_eps, qkv_token_stride, cos_sin_stride,
+    cache_block_stride, cache_kv_stride, cache_offset_stride, cache_head_stride, block_size,
+    eps, k_inv_scale, v_inv_scale,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr, ROUND_NORMED: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SQ_PARTS_PAD: tl.constexpr, SQ_STRIDE: tl.constexpr,
+    SPLIT_HEADS: tl.constexpr,  # grid (T, Hq + Hkv): one q head, or one k and v head, each
+    FP8_MANTISSA: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    if SPLIT_HEADS:
+        j = tl.program_id(1)
+        is_q = j < NUM_Q_HEADS
+        q_first, q_count = j, tl.where(is_q, 1, 0)
+        kv_first, kv_count = j - NUM_Q_HEADS, tl.where(is_q, 0, 1)
+    else:
+        q_first, q_count = 0, NUM_Q_HEADS
+        kv_first, kv_count = 0, NUM_KV_HEADS
+    prepare_heads(
+        qkv_ptr, q_out_ptr, q_norm_ptr, k_norm_ptr, positions_ptr, cos_sin_ptr, kv_cache_ptr,
+        slot_mapping_ptr, sq_ptr, bias_ptr, t, q_first, q_count, kv_first, kv_count,
+        num_slots, num_sq_parts, sq_dim, sq_eps, qkv_token_stride, cos_sin_stride,
+        cache_block_stride, cache_kv_stride, cache_offset_stride, cache_head_stride,
+        block_size, eps, k_inv_scale, v_inv_scale, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM,
+        BLOCK_HQ, BLOCK_HK, BLOCK_HALF, HAS_NORM, ROUND_NORMED, SCALE_ROWS, HAS_BIAS,
+        SQ_PARTS_PAD, SQ_STRIDE, FP8_MANTISSA,
+    )  # fmt: skip
+
+
 SPLIT_HEADS_MAX_TOKENS = 64  # up to this many tokens a program takes one head, not a token
 
 
-def prepare_qkv_triton(
-    qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, positions,
-    cos_sin_cache, kv_cache, slot_mapping, scale_rows: ScaleRows | None = None,
-    bias: torch.Tensor | None = None, scales: tuple[float, float] = (1.0, 1.0),
-) -> torch.Tensor:  # fmt: skip
+def prep_launch(
+    qkv, q, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, positions,
+    cos_sin_cache, kv_cache, slot_mapping, scale_rows: ScaleRows | None,
+    bias: torch.Tensor | None, scales: tuple[float, float], block_hq: int, block_hk: int,
+) -> tuple[tuple, dict]:  # fmt: skip
+    """`prepare_heads`' arguments for q [T, Hq, D] (checked): (runtime values, constexprs)."""
     _check(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, positions,
            cos_sin_cache, kv_cache, slot_mapping)  # fmt: skip
     assert scale_rows is None or qkv.shape[0] <= SQ_ROWS, (
@@ -245,21 +250,9 @@ def prepare_qkv_triton(
     assert bias is None or (scale_rows is not None and bias.shape == qkv.shape[1:]
                             and bias.is_contiguous()), "a bias comes with scale_rows, one per column"  # fmt: skip
     sq = None if scale_rows is None else scale_rows.squares
-    num_tokens = qkv.shape[0]
-    head_dim = kv_cache.shape[-1]
-    q = torch.empty((num_tokens, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    if num_tokens == 0:
-        return q
     has_norm = q_norm_weight is not None
-    half = triton.next_power_of_2(head_dim // 2)
-    # A decode batch has too few tokens to fill the GPU with one program each (32 programs
-    # ran ~3 us a layer at 32 rows, its loads in a chain): one program per head there.
-    split = num_tokens <= SPLIT_HEADS_MAX_TOKENS
-    block_hq = 1 if split else triton.next_power_of_2(num_q_heads)
-    block_hk = 1 if split else triton.next_power_of_2(num_kv_heads)
-    grid = (num_tokens, num_q_heads + num_kv_heads if split else 1)
     target, fp8_mantissa = store_target(kv_cache)
-    _prepare_qkv_kernel[grid](
+    args = (
         qkv, q, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
         positions, cos_sin_cache, target, slot_mapping, qkv if sq is None else sq.buf,
         qkv if bias is None else bias,
@@ -267,12 +260,43 @@ def prepare_qkv_triton(
         0.0 if sq is None else scale_rows.eps, qkv.stride(0),
         cos_sin_cache.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), kv_cache.shape[2], eps, inverse_scale(scales[0]),
-        inverse_scale(scales[1]), NUM_Q_HEADS=num_q_heads,
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HQ=block_hq,
-        BLOCK_HK=block_hk, BLOCK_HALF=half, HAS_NORM=has_norm,
+        inverse_scale(scales[1]),
+    )  # fmt: skip
+    consts = dict(
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=kv_cache.shape[-1],
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+        BLOCK_HALF=triton.next_power_of_2(kv_cache.shape[-1] // 2), HAS_NORM=has_norm,
         ROUND_NORMED=not (has_norm and gemma_style(qkv, q_norm_weight)),
-        SCALE_ROWS=sq is not None, HAS_BIAS=bias is not None, SQ_PARTS_PAD=1 if sq is None else sq.parts_pad,
-        SQ_STRIDE=SQ_ROWS, SPLIT_HEADS=split, FP8_MANTISSA=fp8_mantissa,
+        SCALE_ROWS=sq is not None, HAS_BIAS=bias is not None,
+        SQ_PARTS_PAD=1 if sq is None else sq.parts_pad, SQ_STRIDE=SQ_ROWS,
+        FP8_MANTISSA=fp8_mantissa,
+    )  # fmt: skip
+    return args, consts
+
+
+def prepare_qkv_triton(
+    qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, positions,
+    cos_sin_cache, kv_cache, slot_mapping, scale_rows: ScaleRows | None = None,
+    bias: torch.Tensor | None = None, scales: tuple[float, float] = (1.0, 1.0),
+) -> torch.Tensor:  # fmt: skip
+    num_tokens = qkv.shape[0]
+    head_dim = kv_cache.shape[-1]
+    q = torch.empty((num_tokens, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    # A decode batch has too few tokens to fill the GPU with one program each (32 programs
+    # ran ~3 us a layer at 32 rows, its loads in a chain): one program per head there.
+    split = num_tokens <= SPLIT_HEADS_MAX_TOKENS
+    block_hq = 1 if split else triton.next_power_of_2(num_q_heads)
+    block_hk = 1 if split else triton.next_power_of_2(num_kv_heads)
+    args, consts = prep_launch(
+        qkv, q, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, positions,
+        cos_sin_cache, kv_cache, slot_mapping, scale_rows, bias, scales, block_hq, block_hk,
+    )  # fmt: skip
+    if num_tokens == 0:
+        return q
+    grid = (num_tokens, num_q_heads + num_kv_heads if split else 1)
+    half = consts["BLOCK_HALF"]
+    _prepare_qkv_kernel[grid](
+        *args, **consts, SPLIT_HEADS=split,
         # 16 q heads x 64 = 1024 values per half: 4 warps, 8 per thread; one head: 1 warp.
         num_warps=1 if split else 4 if block_hq * half <= 2048 else 8,
         # See rope.py: fusion would contract a rope product into an fma and skip its

@@ -49,7 +49,13 @@ def _engine(model_dir: str, decode_attention: str = "auto", **kwargs) -> Engine:
 
 @pytest.mark.parametrize(
     "decode_attention,scope",
-    [("per_head", "layers"), ("packed", "layers"), ("flat", "layers"), ("per_head", "step")],
+    [
+        ("per_head", "layers"),
+        ("packed", "layers"),
+        ("flat", "layers"),
+        ("per_head", "step"),
+        ("per_head_prep", "step"),
+    ],  # fmt: skip
 )
 def test_step_loop_never_syncs_and_graphs_keep_their_buffers(
     qwen3_with_words, decode_attention, scope

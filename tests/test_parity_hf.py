@@ -24,7 +24,7 @@ PROMPTS = [
 NEW_TOKENS = 32
 # On a GPU every Triton decode attention kernel must match transformers; the CPU path has
 # one (the torch reference), whatever the setting.
-DECODE_ATTENTION = ["per_head", "packed", "flat"] if DEVICE == "cuda" else ["auto"]
+DECODE_ATTENTION = ["per_head", "packed", "flat", "per_head_prep"] if DEVICE == "cuda" else ["auto"]
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -98,12 +98,13 @@ def test_tiny_random_models_match_transformers(fixture, request, decode_attentio
 @pytest.mark.parametrize(
     "decode_attention,scope",
     [(k, "layers") for k in DECODE_ATTENTION]
-    + ([("per_head", "step")] if DEVICE == "cuda" else []),
+    + ([("per_head", "step"), ("per_head_prep", "step")] if DEVICE == "cuda" else []),
 )
 def test_qwen3_shaped_model_matches_transformers(qwen3_shaped_dir, decode_attention, scope):
     """The benchmark model's real shapes (head_dim 128, GQA 16/8, 151,936-entry vocab,
     tied head) in float32: guards tile/mask edges that tiny shapes never reach. On a GPU
-    also with step-scope graphs, whose input prep runs inside the graph."""
+    also with step-scope graphs, whose input prep runs inside the graph, and with the q/k/v
+    preparation inside the decode attention (kernels/qkv_attend.py)."""
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 151_000) for _ in range(n)] for n in (7, 60, 150)]
     llm = LLM(

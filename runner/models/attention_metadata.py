@@ -15,8 +15,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T_pad] int64: KV slot of each token, -1 for pads
     max_query_len: int  # host-known bounds, so kernels size grids without a device read
     max_seq_len: int
-    # The decode attention kernel ("per_head" | "packed" | "flat",
-    # kernels/paged_attention_triton.py chooses);
+    # The decode attention kernel ("per_head" | "packed" | "flat" | "per_head_prep",
+    # kernels/paged_attention_triton.py chooses; models/llama.py's `prepare_attend` fuses
+    # the preparation for "per_head_prep");
     # None: the kernels' own choice by batch shape.
     decode_kernel: str | None = None
     # With k-token speculative drafts: each row's request slot and k + 1, so the decode

@@ -27,6 +27,8 @@ from torch import nn
 from pdserve.kernels.attention import paged_attention, write_kv
 from pdserve.kernels.fp8_kv import is_fp8
 from pdserve.kernels.norm import fused_add_rms_norm, rms_norm
+from pdserve.kernels.qkv_attend import applies as qkv_attend_applies
+from pdserve.kernels.qkv_attend import qkv_attend_triton
 from pdserve.kernels.qkv_prep import prepare_qkv
 from pdserve.kernels.rope import apply_rope
 from pdserve.kernels.row_squares import ScaleRows
@@ -184,7 +186,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.qkv_lora is not None:
             qkv = self.qkv_lora.apply(qkv, x)
-        h = self.attend(self.prepare(qkv, positions, cos_sin, kv_cache, attn), kv_cache, attn)
+        h = self.prepare_attend(qkv, positions, cos_sin, kv_cache, attn)
         out = project(self.o_proj, h, self.workspace)  # nn.Linear or PackedLinear
         return out if self.o_lora is None else self.o_lora.apply(out, h)
 
@@ -217,6 +219,47 @@ class Attention(nn.Module):
             scale = 1 + beta * torch.log(1 + torch.floor(pos / length))
             q = q * scale[:, None, None].to(q.dtype)
         return q
+
+    def prepare_attend(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        scale_rows: ScaleRows | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`attend(prepare(...))` -> [T, Hq * D]; in one launch (kernels/qkv_attend.py)
+        where `attn` asks for "per_head_prep" and the batch is one the fused kernel takes:
+        a decode batch on the GPU whose per-head plan is unsplit, for a model whose
+        preparation is the fused kernel's."""
+        if not self._fuses_prepare(qkv, attn):
+            q = self.prepare(qkv, positions, cos_sin, kv_cache, attn, scale_rows, bias)
+            return self.attend(q, kv_cache, attn)
+        qn, kn = self.q_norm, self.k_norm
+        fp8 = is_fp8(kv_cache.dtype)
+        out = qkv_attend_triton(
+            qkv, self.num_heads, self.num_kv_heads, None if qn is None else qn.weight,
+            None if kn is None else kn.weight, 0.0 if qn is None else qn.eps, positions,
+            cos_sin, kv_cache, attn.slot_mapping, attn.block_tables, attn.query_start_loc,
+            attn.seq_lens, self.scale * self.k_scale if fp8 else self.scale, attn.max_seq_len,
+            scale_rows, bias, (self.k_scale, self.v_scale), self.window, self.softcap,
+            self.sinks,
+        )  # fmt: skip
+        if fp8 and self.v_scale != 1.0:
+            out.mul_(self.v_scale)
+        return out.reshape(qkv.shape[0], self.q_size)
+
+    def _fuses_prepare(self, qkv: torch.Tensor, attn: AttentionMetadata) -> bool:
+        unfused = self.rotary_dim < self.head_dim or self.qk_norm_whole or self.qk_norm_heads
+        return (
+            attn.decode_kernel == "per_head_prep" and qkv.is_cuda and attn.max_query_len == 1
+            and attn.max_run == 1 and not unfused and self.q_position_scale is None
+            and attn.query_start_loc.numel() == qkv.shape[0] + 1
+            and qkv_attend_applies(qkv.dtype, self.head_dim, qkv.shape[0], self.num_kv_heads,
+                                   attn.max_seq_len, self.window)
+        )  # fmt: skip
 
     def _prepare_unfused(self, qkv, positions, cos_sin, kv_cache, attn) -> torch.Tensor:
         """`prepare` for RoPE over the first `rotary_dim` dims of each head, or q/k norms

@@ -103,8 +103,7 @@ def folded_forward(
         qkv = F.linear(r, a.qkv_proj.weight)  # the bias goes in after the row scale
         scale = ScaleRows(squares, layer.input_layernorm.eps)
         cos_sin = model.layer_cos_sin(i)  # NoPE layers: the identity table
-        q = a.prepare(qkv, positions, cos_sin, kv_cache, attn, scale, a.qkv_proj.bias)
-        out = a.attend(q, kv_cache, attn)
+        out = a.prepare_attend(qkv, positions, cos_sin, kv_cache, attn, scale, a.qkv_proj.bias)
         o = a.o_proj
         r, squares = skinny_linear_add_residual(out, o.weight, o.bias, r, ws)
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
