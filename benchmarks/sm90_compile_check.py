@@ -274,8 +274,10 @@ def packed_int() -> Callable[[], None]:
 def decode_small_batch() -> None:
     """The layer kernels of throughput.py's small_batch decode step (32 rows, Qwen3-0.6B's
     shapes, bf16, norms folded): prepare_qkv on scaled rows, the per-head decode attention,
-    the o and down projections adding the residual, gate/up with SiLU on scaled rows."""
+    the o and down projections adding the residual, gate/up with SiLU on scaled rows; and
+    the preparation inside the attention (per_head_prep)."""
     from pdserve.kernels.paged_attention_triton import paged_attention_triton
+    from pdserve.kernels.qkv_attend import qkv_attend_triton
     from pdserve.kernels.qkv_prep import prepare_qkv_triton
     from pdserve.kernels.row_squares import ScaleRows
     from pdserve.kernels.skinny_linear import skinny_linear_add_residual, skinny_linear_triton
@@ -301,6 +303,12 @@ def decode_small_batch() -> None:
     tables = torch.arange(r * 32, dtype=torch.int32).view(r, 32) % 512
     paged_attention_triton(q, cache, tables, qsl, seq, d**-0.5, torch.empty_like(q), 1, 4096,
                            workspace=ws)  # fmt: skip
+    # --decode-attention per_head_prep: the two in one launch (kernels/qkv_attend.py)
+    qkv_attend_triton(
+        torch.zeros(r, (hq + 2 * hkv) * d, dtype=bf), hq, hkv, torch.ones(d, dtype=bf),
+        torch.ones(d, dtype=bf), 1e-6, torch.arange(r), torch.zeros(4096, d), cache,
+        torch.arange(r), tables, qsl, seq, d**-0.5, 4096, scale_rows=scale,
+    )  # fmt: skip
 
 
 def scenarios() -> dict[str, Callable[[], None]]:
