@@ -172,3 +172,44 @@ def test_split_plans_are_refused():
     b = _batch(4, 2, 128, torch.float32, seed=1, lens=[1000, 3])
     with pytest.raises(AssertionError, match="unsplit"):
         qkv_attend_triton(**b)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_dir", "tiny_qwen2_dir"])
+def test_attention_layer_passes_its_own_parameters(fixture, request, monkeypatch):
+    """`Attention.prepare_attend`'s fused branch hands the kernel the layer's own q/k norms
+    (Qwen3) or none, its softmax scale and its cache's scales, on the interpreter, and
+    equals the layer's two-step path (`attend(prepare(...))`, the specs on the CPU) for a
+    decode batch with a pad row. The CPU never takes the branch by itself: the test opens
+    the device check, nothing else."""
+    from test_norm_fold import _load
+
+    from pdserve.runner.models.attention_metadata import AttentionMetadata
+
+    model = _load(request.getfixturevalue(fixture), torch.float32)
+    a = model.layers[0].self_attn
+    g = _gen(14)
+    for norm in (a.q_norm, a.k_norm):  # transformers' are ones: make them tell q from k
+        if norm is not None:
+            norm.weight.data = 1 + 0.3 * torch.randn(norm.weight.shape, generator=g)
+    lens = [5, 0, 23, 40]
+    b = _batch(a.num_heads, a.num_kv_heads, a.head_dim, torch.float32, seed=12, lens=lens)
+    attn = AttentionMetadata(
+        query_start_loc=b["query_start_loc"], seq_lens=b["seq_lens"],
+        block_tables=b["block_tables"], slot_mapping=b["slot_mapping"], max_query_len=1,
+        max_seq_len=max(lens), decode_kernel="per_head_prep",
+    )  # fmt: skip
+    qkv, positions = b["qkv"], b["positions"]
+    cos_sin = model.layer_cos_sin(0)
+    assert not a._fuses_prepare(qkv, attn), "the CPU runs the two steps"
+    cache = b["kv_cache"].clone()
+    with torch.inference_mode():
+        want = a.attend(a.prepare(qkv, positions, cos_sin, cache, attn), cache, attn)
+    monkeypatch.setattr(a, "_fuses_prepare", lambda qkv, attn: True)
+    fused_cache = b["kv_cache"].clone()
+    with torch.inference_mode():
+        got = a.prepare_attend(qkv, positions, cos_sin, fused_cache, attn)
+    live = torch.tensor(lens) > 0
+    assert got.shape == want.shape == (len(lens), a.q_size)
+    torch.testing.assert_close(got[live], want[live], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_cache, cache, rtol=1e-5, atol=1e-5)
+    assert torch.all(got[~live] == 0)
