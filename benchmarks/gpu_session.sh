@@ -44,6 +44,7 @@ fi
 # subpackages). SmolLM2 tests need the 98 MB wheel, which does not fit the carry limit.
 FIRST=(tests/test_gpu_step_loop.py tests/test_gpu_attention.py tests/test_gpu_kernels.py
     tests/test_gpu_cuda_ipc.py tests/test_gpu_copy_stream.py tests/test_pd_engine.py tests/test_qkv_prep.py
+    tests/test_qkv_attend.py
     tests/test_kv_copy_kernel.py tests/test_copy_graph.py tests/test_kv_pack.py tests/test_decode_prep.py
     tests/test_triton_index_kernels.py tests/test_tier_actor.py tests/test_gpu_tier_write_behind.py
     tests/test_compile_watch.py tests/test_gpu_compile_watch.py)
