@@ -54,6 +54,12 @@ PACKED_WIDE = PackedConfig(
 PACKED_BELOW_PAIRS = 0
 
 
+def decode_span(max_seq_len: int, window: int) -> int:
+    """The most keys a decode row reads: at most `window` (or a chunk's), which bounds the
+    splits as the context does."""
+    return min(max_seq_len, abs(window)) if window else max_seq_len
+
+
 def choose_decode_kernel(num_rows: int, num_kv_heads: int) -> str:
     """The packed kernel for batches of fewer (row, kv head) pairs than PACKED_BELOW_PAIRS."""
     return "packed" if num_rows * num_kv_heads < PACKED_BELOW_PAIRS else "per_head"
@@ -118,9 +124,8 @@ def paged_attention_triton(
             upcast, window, softcap, sinks,
         )  # fmt: skip
 
-    # Decode rows (and one-query pad rows), also inside a mixed step. A row reads at most
-    # `window` keys (or a chunk's), which bounds the splits as the context does.
-    span = min(max_seq_len, abs(window)) if window else max_seq_len
+    # Decode rows (and one-query pad rows), also inside a mixed step.
+    span = decode_span(max_seq_len, window)
     kernel = decode_kernel or choose_decode_kernel(num_rows, num_kv_heads)
     # the preparation fused in is the caller's (kernels/qkv_attend.py); alone it is per_head
     kernel = "per_head" if kernel == "per_head_prep" else kernel

@@ -30,18 +30,24 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.attention_parts import attend_tile, decode_slice, softmax_start
-from pdserve.kernels.paged_attention_triton import LOG2E
-from pdserve.kernels.paged_decode_split import split_plan
+from pdserve.kernels.paged_attention_triton import LOG2E, decode_span
+from pdserve.kernels.paged_decode_split import SplitPlan, split_plan
 from pdserve.kernels.qkv_prep import prep_launch, prepare_heads
 from pdserve.kernels.row_squares import ScaleRows
+
+
+def _plan(dtype: torch.dtype, head_dim: int, num_rows: int, num_kv_heads: int,
+          max_seq_len: int, window: int) -> SplitPlan:  # fmt: skip
+    """The per-head decode plan of this batch (paged_attention_triton's)."""
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    span = decode_span(max_seq_len, window)
+    return split_plan(dtype, d_pad, num_rows, num_kv_heads, span, None)
 
 
 def applies(dtype: torch.dtype, head_dim: int, num_rows: int, num_kv_heads: int,
             max_seq_len: int, window: int) -> bool:  # fmt: skip
     """Whether the per-head decode plan of this batch is unsplit (the fused form's)."""
-    d_pad = max(16, triton.next_power_of_2(head_dim))
-    span = min(max_seq_len, abs(window)) if window else max_seq_len
-    return split_plan(dtype, d_pad, num_rows, num_kv_heads, span, None).num_splits == 1
+    return _plan(dtype, head_dim, num_rows, num_kv_heads, max_seq_len, window).num_splits == 1
 
 
 # num_slots follows the step's token count: not specialised on.
@@ -137,9 +143,8 @@ def qkv_attend_triton(
     as given (an FP8 cache's caller folds k_scale into it, as for `paged_attention`)."""
     num_rows, head_dim = qkv.shape[0], kv_cache.shape[-1]
     assert query_start_loc.numel() == num_rows + 1, "one query a row: R + 1 query starts"
-    assert applies(qkv.dtype, head_dim, num_rows, num_kv_heads, max_seq_len, window), (
-        "the fused form takes unsplit per-head plans only"
-    )
+    plan = _plan(qkv.dtype, head_dim, num_rows, num_kv_heads, max_seq_len, window)
+    assert plan.num_splits == 1, "the fused form takes unsplit per-head plans only"
     assert num_q_heads % num_kv_heads == 0 and scale > 0 and softcap >= 0
     assert sinks is None or (sinks.shape == (num_q_heads,) and sinks.dtype == torch.float32
                              and sinks.is_contiguous())  # fmt: skip
@@ -157,8 +162,7 @@ def qkv_attend_triton(
     if num_rows == 0:
         return out
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    span = min(max_seq_len, abs(window)) if window else max_seq_len
-    tile = split_plan(qkv.dtype, d_pad, num_rows, num_kv_heads, span, None).tile
+    tile = plan.tile
     _qkv_attend_kernel[(num_rows, num_kv_heads)](
         *args, kv_cache, block_tables, query_start_loc, seq_lens, out,
         q if sinks is None else sinks, scale * LOG2E, q.stride(0), q.stride(1),

@@ -95,10 +95,10 @@ def _check(b: dict) -> None:
     if not ON_CUDA:
         assert torch.equal(cache, want_cache) and torch.equal(out, want)
     else:
-        _close_after_norm(cache.float(), want_cache.float())
+        _close_after_norm(cache, want_cache)  # in the cache's dtype: its ulps
         _close_after_norm(out, want)
     spec, spec_cache = _two_launches(b, prepare_qkv_ref)
-    _close_after_norm(cache.float().cpu(), spec_cache.float().cpu())
+    _close_after_norm(cache.cpu(), spec_cache.cpu())
     pads = b["seq_lens"].cpu() == 0  # the spec leaves pad rows as they were
     _close_to_spec(out.cpu()[~pads], spec.cpu()[~pads], spec_cache.float().cpu())
     assert torch.all(out.cpu()[pads] == 0), "pad rows get zeros"
@@ -157,7 +157,12 @@ def test_fp8_cache():
     b["scales"] = (0.5, 2.0)
     out, cache = _fused(b)
     want, want_cache = _two_launches(b, prepare_qkv_triton)
-    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
+    if ON_CUDA:  # the norm's sum over other warps may round a value to the next FP8 code
+        got_f, want_f = cache.float(), want_cache.float()
+        assert float((got_f != want_f).float().mean()) <= 0.01
+        torch.testing.assert_close(got_f, want_f, rtol=2**-3, atol=2**-9)  # e4m3: 3 bits
+    else:
+        assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
     if ON_CUDA:
         _close_after_norm(out, want)
     else:
