@@ -184,8 +184,8 @@ def test_attention_layer_passes_its_own_parameters(fixture, request, monkeypatch
     """`Attention.prepare_attend`'s fused branch hands the kernel the layer's own q/k norms
     (Qwen3) or none, its softmax scale and its cache's scales, on the interpreter, and
     equals the layer's two-step path (`attend(prepare(...))`, the specs on the CPU) for a
-    decode batch with a pad row. The CPU never takes the branch by itself: the test opens
-    the device check, nothing else."""
+    decode batch with a pad row. The CPU never takes the branch by itself (the test opens
+    the device check, nothing else); a GPU does."""
     from test_norm_fold import _load
 
     from pdserve.runner.models.attention_metadata import AttentionMetadata
@@ -205,7 +205,7 @@ def test_attention_layer_passes_its_own_parameters(fixture, request, monkeypatch
     )  # fmt: skip
     qkv, positions = b["qkv"], b["positions"]
     cos_sin = model.layer_cos_sin(0)
-    assert not a._fuses_prepare(qkv, attn), "the CPU runs the two steps"
+    assert a._fuses_prepare(qkv, attn) == qkv.is_cuda, "only a GPU takes the branch itself"
     cache = b["kv_cache"].clone()
     with torch.inference_mode():
         want = a.attend(a.prepare(qkv, positions, cos_sin, cache, attn), cache, attn)
