@@ -11,16 +11,19 @@ stores are then visible to all of its threads) and runs the unsplit per-head att
 which reads them back. No program depends on another's preparation: a kv head's program
 writes exactly the cache slot it reads as the newest key.
 
-Only for unsplit plans of pure decode batches (one query a row; `applies`): a split
-row's slices would each need the whole preparation first. Under Triton's interpreter the
-result is bitwise the two launches'. On a GPU the preparation's norm sums over the
-attention's warps, not one, and the kernel runs with FP fusion off (the preparation's
-rounding points need it), so the score scaling is a multiply and a subtract rather than
-one FMA: outputs a rounding apart.
+Only for unsplit plans of pure decode batches (one query a row) of up to
+FEW_DECODE_PAIRS (row, kv head) pairs (`applies`): a split row's slices would each need
+the whole preparation first, and bigger grids measured slower fused. Under Triton's
+interpreter the result is bitwise the two launches'. On a GPU the preparation's norm sums
+over the attention's warps, not one, and the kernel runs with FP fusion off (the
+preparation's rounding points need it), so the score scaling is a multiply and a
+subtract rather than one FMA: outputs a rounding apart.
 
-On an H100 small_batch's decode step took 1.551 ms against 1.580 with the two launches
-(-1.8%, as an earlier form of this design; results/qkv_attend_ab_h100_20ae6d6.jsonl);
-`auto` keeps the two launches until the H200 measures it.
+H100 (three calls): small_batch's decode step graph 1.528-1.551 ms against 1.551-1.580
+with the two launches (-1.4% to -1.8%), its TPOT p50 1.547 against 1.568 ms
+(results/qkv_attend_ab_h100_20ae6d6.jsonl, per_head_prep_ab_h100_63f2ec0.jsonl);
+decode_heavy (4,096 pairs, before the pairs bound) 43,183 against 48,469 tok/s. `auto`
+keeps the two launches until the H200 measures it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import triton.language as tl
 
 from pdserve.kernels.attention_parts import attend_tile, decode_slice, softmax_start
 from pdserve.kernels.paged_attention_triton import LOG2E, decode_span
-from pdserve.kernels.paged_decode_split import SplitPlan, split_plan
+from pdserve.kernels.paged_decode_split import FEW_DECODE_PAIRS, SplitPlan, split_plan
 from pdserve.kernels.qkv_prep import prep_launch, prepare_heads
 from pdserve.kernels.row_squares import ScaleRows
 
@@ -46,7 +49,12 @@ def _plan(dtype: torch.dtype, head_dim: int, num_rows: int, num_kv_heads: int,
 
 def applies(dtype: torch.dtype, head_dim: int, num_rows: int, num_kv_heads: int,
             max_seq_len: int, window: int) -> bool:  # fmt: skip
-    """Whether the per-head decode plan of this batch is unsplit (the fused form's)."""
+    """Whether the fused form serves this batch: its per-head decode plan is unsplit, and
+    its grid has at most FEW_DECODE_PAIRS (row, kv head) pairs, the small batches where it
+    measured faster (H100: small_batch's 256 pairs -1.3% TPOT; decode_heavy's 4,096 pairs
+    lost 11% of its throughput, `per_head_prep_ab_h100_63f2ec0.jsonl`)."""
+    if num_rows * num_kv_heads > FEW_DECODE_PAIRS:
+        return False
     return _plan(dtype, head_dim, num_rows, num_kv_heads, max_seq_len, window).num_splits == 1
 
 

@@ -170,8 +170,11 @@ def test_fp8_cache():
 
 
 def test_split_plans_are_refused():
-    """Few rows of long contexts split their keys: the fused form does not apply there."""
+    """Few rows of long contexts split their keys: the fused form does not apply there, nor
+    to grids of more than FEW_DECODE_PAIRS pairs (where it measured slower)."""
     assert applies(torch.bfloat16, 128, 32, 8, 512, 0)
+    assert not applies(torch.bfloat16, 128, 33, 8, 512, 0)  # 264 pairs
+    assert applies(torch.bfloat16, 128, 256, 1, 512, 0)
     assert not applies(torch.bfloat16, 128, 2, 8, 4096, 0)
     assert applies(torch.bfloat16, 128, 2, 8, 4096, 128)  # a 128-key window: one slice
     b = _batch(4, 2, 128, torch.float32, seed=1, lens=[1000, 3])
@@ -195,7 +198,8 @@ def test_attention_layer_passes_its_own_parameters(fixture, request, monkeypatch
     g = _gen(14)
     for norm in (a.q_norm, a.k_norm):  # transformers' are ones: make them tell q from k
         if norm is not None:
-            norm.weight.data = 1 + 0.3 * torch.randn(norm.weight.shape, generator=g)
+            w = 1 + 0.3 * torch.randn(norm.weight.shape, generator=g)
+            norm.weight.data = w.to(norm.weight.device)
     lens = [5, 0, 23, 40]
     b = _batch(a.num_heads, a.num_kv_heads, a.head_dim, torch.float32, seed=12, lens=lens)
     attn = AttentionMetadata(
