@@ -11,7 +11,9 @@
 #   (the whole set takes more test time than a call can give it after the set-up and a
 #   benchmark: the groups fit a call each, each with its own summary line); TEST_FILES="a b"
 #   runs just those files; PYTEST_ARGS adds pytest options ("-v --tb=line": each test's
-#   outcome as it ends, so a run cut by its timeout still names what failed)
+#   outcome as it ends, so a run cut by its timeout still names what failed); KEYWORDS
+#   narrows the selection (a pytest -k expression, joined to the script's own: a -k in
+#   PYTEST_ARGS would be replaced by it, as pytest keeps the last -k)
 set -o pipefail
 OUT=${OUT:-/tmp/pdserve-out}
 mkdir -p "$OUT"
@@ -85,6 +87,8 @@ esac
 # From /tmp: Ray's workers (the tier actor tests) put the driver's working directory on
 # their path, and the repo root's pdserve/ would shadow /tmp/pdpkg's there too.
 ROOT=$PWD
+SELECT="not smollm2 and not bundled and not stop_strings"
+[ -n "${KEYWORDS:-}" ] && SELECT="($KEYWORDS) and $SELECT"
 cd /tmp && PDSERVE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-360}" python3 -P -m pytest -q \
     -p no:cacheprovider ${PYTEST_ARGS:-} --rootdir "$ROOT" -c "$ROOT/pyproject.toml" "${FILES[@]/#/$ROOT/}" \
-    -k "not smollm2 and not bundled and not stop_strings" 2>&1 | tee "$OUT/gpu_tests.log"
+    -k "$SELECT" 2>&1 | tee "$OUT/gpu_tests.log"
