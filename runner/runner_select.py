@@ -101,8 +101,7 @@ def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
     folded = getattr(model, "norms_folded", False)
     return {
         "runner": runner.name,
-        # MLA models attend with kernels/mla_attention*.py whatever --decode-attention says
-        "decode_attention": "mla" if getattr(model, "mla", False) else cfg.decode_attention,
+        "decode_attention": _decode_attention_path(cfg.decode_attention, runner.name, model),
         # runner/models/norm_fold.py: folded on CUDA in 16 bits, where batches of <= 64
         # tokens then run without RMSNorm launches
         "norms": "folded" if folded else "kernels",
@@ -115,6 +114,20 @@ def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
         # fp8, kernels/fp8_kv.py); "transformers" where the reference runner keeps its own
         "kv_cache": _kv_cache_path(runner),
     }
+
+
+def _decode_attention_path(requested: str, runner_name: str, model: Any) -> str:
+    """The decode attention as requested, except where the model cannot run it: MLA models
+    attend with kernels/mla_attention*.py whatever --decode-attention says, and
+    `per_head_prep` runs as `per_head` where no attention layer prepares q/k/v with the
+    fused kernel (partial RoPE, whole-width q/k norms, position-scaled queries)."""
+    if getattr(model, "mla", False):
+        return "mla"
+    if requested != "per_head_prep" or runner_name != "mrv2":
+        return requested
+    if any(getattr(m, "prepare_fusable", False) for m in model.modules()):
+        return requested
+    return "per_head (per_head_prep does not apply)"
 
 
 def _kv_cache_path(runner: Any) -> str:

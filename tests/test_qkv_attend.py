@@ -222,3 +222,27 @@ def test_attention_layer_passes_its_own_parameters(fixture, request, monkeypatch
     torch.testing.assert_close(got[live], want[live], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused_cache, cache, rtol=1e-5, atol=1e-5)
     assert torch.all(got[~live] == 0)
+
+
+@pytest.mark.parametrize(
+    "fixture,path",
+    [
+        ("tiny_qwen3_dir", "per_head_prep"),
+        # RoPE over a quarter of each head: the preparation is not the fused kernel's
+        ("tiny_qwen3_next_dir", "per_head (per_head_prep does not apply)"),
+        ("tiny_deepseek_v2_dir", "mla"),
+    ],
+)
+def test_the_execution_path_says_where_the_fused_preparation_cannot_run(fixture, path, request):
+    """`--decode-attention per_head_prep` on a model none of whose attention layers prepares
+    q/k/v with the fused kernel runs the per-head kernel, and the execution path (start-up
+    log, stats, /metrics) says so instead of echoing the flag; each layer's
+    `prepare_fusable` is what decides."""
+    from pdserve import LLM
+
+    llm = LLM(model=request.getfixturevalue(fixture), device=DEVICE, dtype="float32",
+              decode_attention="per_head_prep")  # fmt: skip
+    assert llm.engine.execution_path["decode_attention"] == path
+    layers = [m for m in llm.engine.runner.model.modules() if hasattr(m, "prepare_fusable")]
+    assert all(m.prepare_fusable == (path == "per_head_prep") for m in layers)
+    assert layers or path == "mla"

@@ -251,11 +251,18 @@ class Attention(nn.Module):
             out.mul_(self.v_scale)
         return out.reshape(qkv.shape[0], self.q_size)
 
-    def _fuses_prepare(self, qkv: torch.Tensor, attn: AttentionMetadata) -> bool:
+    @property
+    def prepare_fusable(self) -> bool:
+        """Whether this layer's q/k/v preparation is the fused kernel's (kernels/qkv_attend.py):
+        RoPE over whole heads, per-head q/k norms or none, no position-scaled queries. Where
+        no layer's is, `per_head_prep` runs as `per_head` (runner_select.execution_path)."""
         unfused = self.rotary_dim < self.head_dim or self.qk_norm_whole or self.qk_norm_heads
+        return not unfused and self.q_position_scale is None
+
+    def _fuses_prepare(self, qkv: torch.Tensor, attn: AttentionMetadata) -> bool:
         return (
             attn.decode_kernel == "per_head_prep" and qkv.is_cuda and attn.max_query_len == 1
-            and attn.max_run == 1 and not unfused and self.q_position_scale is None
+            and attn.max_run == 1 and self.prepare_fusable
             and attn.query_start_loc.numel() == qkv.shape[0] + 1
             and qkv_attend_applies(qkv.dtype, self.head_dim, qkv.shape[0], self.num_kv_heads,
                                    attn.max_seq_len, self.window)

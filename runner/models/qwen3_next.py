@@ -50,7 +50,7 @@ class GatedAttention(Attention):
         query_gate = query_gate.view(t, self.num_heads, 2 * self.head_dim)
         q, gate = query_gate.split([self.head_dim, self.head_dim], dim=-1)
         qkv = torch.cat([q.reshape(t, self.q_size), kv], dim=-1)
-        h = self.attend(self.prepare(qkv, positions, cos_sin, kv_cache, attn), kv_cache, attn)
+        h = self.prepare_attend(qkv, positions, cos_sin, kv_cache, attn)
         h = h * torch.sigmoid(gate.reshape(t, self.q_size))
         out = linear(h, self.o_proj.weight, self.o_proj.bias, self.workspace)
         return out if self.o_lora is None else self.o_lora.apply(out, h)
