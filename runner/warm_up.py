@@ -16,6 +16,7 @@ import logging
 import time
 
 from pdserve.kernels.paged_decode_split import FEW_DECODE_PAIRS, MIN_SPLIT_KEYS
+from pdserve.kernels.row_squares import SQ_ROWS
 from pdserve.runner.engine import Engine
 from pdserve.runner.models.moe import experts_per_pick
 from pdserve.runner.sampling_params import SamplingParams
@@ -38,8 +39,10 @@ def decode_variant_batches(engine: Engine) -> list[tuple[int, ...]]:
     (kernels/paged_decode_split.py), which short prompts of a row or two never reach:
     one row whose context passes MIN_SPLIT_KEYS (a split grid), and more rows than fit
     FEW_DECODE_PAIRS (row, kv head) pairs (the wide tile), each where the engine's limits
-    (model length, slots, free blocks) allow it. Graph capture compiles both; eager steps
-    met them in requests."""
+    (model length, slots, free blocks) allow it; with `per_head_prep`, also SQ_ROWS + 1
+    rows where they fit FEW_DECODE_PAIRS pairs (kernels/qkv_attend.py without the folded
+    chain's row scale, which 1-2 decode rows of a folded model never meet). Graph capture
+    compiles them all; eager steps met them in requests."""
     out: list[tuple[int, ...]] = []
     blocks = engine.kv.num_free_blocks  # each batch must run at once, in one wave
     long = MIN_SPLIT_KEYS + 16
@@ -47,10 +50,13 @@ def decode_variant_batches(engine: Engine) -> list[tuple[int, ...]]:
         out.append((long,))
     hf = engine.config.model.hf_config
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    rows = FEW_DECODE_PAIRS // kv_heads + 1
     per_row = -(-5 // engine.kv.block_size)  # 3 prompt tokens, 2 outputs
-    if rows <= engine.config.scheduler.max_num_seqs and rows * per_row <= blocks:
-        out.append((3,) * rows)
+    wide = FEW_DECODE_PAIRS // kv_heads + 1
+    fused = SQ_ROWS + 1  # past the folded chain's rows: the fused kernel's unscaled variant
+    prep = engine.config.runner.decode_attention == "per_head_prep" and fused < wide
+    for rows in [fused, wide] if prep else [wide]:
+        if rows <= engine.config.scheduler.max_num_seqs and rows * per_row <= blocks:
+            out.append((3,) * rows)
     return out
 
 

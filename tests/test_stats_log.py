@@ -167,8 +167,11 @@ def test_the_warm_up_reaches_every_decode_attention_variant(tiny_qwen3_dir):
     in a request (seen on the H200: 402 ms): where the engine's limits allow those shapes,
     the warm-up runs a split context (past MIN_SPLIT_KEYS) and more rows than fit
     FEW_DECODE_PAIRS pairs (this model has one kv head), and still leaves nothing behind;
-    where they do not (a short model length, few slots or blocks) it skips them."""
+    where they do not (a short model length, few slots or blocks) it skips them. With
+    per_head_prep it also runs the fused kernel's unscaled variant (past the folded chain's
+    rows)."""
     from pdserve.kernels.paged_decode_split import FEW_DECODE_PAIRS, MIN_SPLIT_KEYS
+    from pdserve.kernels.row_squares import SQ_ROWS
     from pdserve.runner.warm_up import decode_variant_batches, warm_up
 
     def engine(**kw) -> Engine:
@@ -183,6 +186,11 @@ def test_the_warm_up_reaches_every_decode_attention_variant(tiny_qwen3_dir):
     few_blocks = engine(max_model_len=512, max_num_seqs=FEW_DECODE_PAIRS + 8, num_gpu_blocks=40)
     assert decode_variant_batches(few_blocks) == [(MIN_SPLIT_KEYS + 16,)]
     assert warm_up(few_blocks) > 0
+    # per_head_prep: also the fused kernel past the folded chain's rows (65 rows, 65 pairs)
+    prep = engine(max_model_len=128, max_num_seqs=FEW_DECODE_PAIRS + 8,
+                  decode_attention="per_head_prep")  # fmt: skip
+    assert decode_variant_batches(prep) == [(3,) * (SQ_ROWS + 1), (3,) * (FEW_DECODE_PAIRS + 1)]
+    assert warm_up(prep) > 0
 
 
 def test_speculative_decoding_adds_its_acceptance_over_the_interval():
