@@ -21,7 +21,8 @@ subtract rather than one FMA: outputs a rounding apart.
 
 H100 (three calls): small_batch's decode step graph 1.528-1.551 ms against 1.551-1.580
 with the two launches (-1.4% to -1.8%), its TPOT p50 1.547 against 1.568 ms
-(results/qkv_attend_ab_h100_20ae6d6.jsonl, per_head_prep_ab_h100_63f2ec0.jsonl);
+(results/qkv_attend_ab_h100_20ae6d6.jsonl, l2_prefetch_ab_h100_1f727ac.jsonl,
+per_head_prep_ab_h100_63f2ec0.jsonl);
 decode_heavy (4,096 pairs, before the pairs bound) 43,183 against 48,469 tok/s. `auto`
 keeps the two launches until the H200 measures it.
 """
