@@ -202,7 +202,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Split, q/k norm, rope and the KV write in one kernel (kernels/qkv_prep.py) ->
         q [T, Hq, D]. `scale_rows` / `bias`: the folded-norm chain's projection."""
-        if self.rotary_dim < self.head_dim or self.qk_norm_whole or self.qk_norm_heads:
+        if not self._kernel_prepares:
             assert scale_rows is None, "these models keep their norms (norm_fold.py)"
             q = self._prepare_unfused(qkv, positions, cos_sin, kv_cache, attn)
         else:
@@ -232,8 +232,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """`attend(prepare(...))` -> [T, Hq * D]; in one launch (kernels/qkv_attend.py)
         where `attn` asks for "per_head_prep" and the batch is one the fused kernel takes:
-        a decode batch on the GPU whose per-head plan is unsplit, for a model whose
-        preparation is the fused kernel's."""
+        a decode batch on the GPU that `qkv_attend.applies` admits, for a layer whose
+        preparation is the fused kernel's (`prepare_fusable`)."""
         if not self._fuses_prepare(qkv, attn):
             q = self.prepare(qkv, positions, cos_sin, kv_cache, attn, scale_rows, bias)
             return self.attend(q, kv_cache, attn)
@@ -252,12 +252,17 @@ class Attention(nn.Module):
         return out.reshape(qkv.shape[0], self.q_size)
 
     @property
+    def _kernel_prepares(self) -> bool:
+        """`prepare` runs kernels/qkv_prep.py's kernel: RoPE over whole heads, per-head q/k
+        norms or none (else `_prepare_unfused`)."""
+        return not (self.rotary_dim < self.head_dim or self.qk_norm_whole or self.qk_norm_heads)
+
+    @property
     def prepare_fusable(self) -> bool:
         """Whether this layer's q/k/v preparation is the fused kernel's (kernels/qkv_attend.py):
-        RoPE over whole heads, per-head q/k norms or none, no position-scaled queries. Where
-        no layer's is, `per_head_prep` runs as `per_head` (runner_select.execution_path)."""
-        unfused = self.rotary_dim < self.head_dim or self.qk_norm_whole or self.qk_norm_heads
-        return not unfused and self.q_position_scale is None
+        the preparation kernel's, with no position-scaled queries. Where no layer's is,
+        `per_head_prep` runs as `per_head` (runner_select.execution_path)."""
+        return self._kernel_prepares and self.q_position_scale is None
 
     def _fuses_prepare(self, qkv: torch.Tensor, attn: AttentionMetadata) -> bool:
         return (
