@@ -53,7 +53,7 @@ def decode_variant_batches(engine: Engine) -> list[tuple[int, ...]]:
     per_row = -(-5 // engine.kv.block_size)  # 3 prompt tokens, 2 outputs
     wide = FEW_DECODE_PAIRS // kv_heads + 1
     fused = SQ_ROWS + 1  # past the folded chain's rows: the fused kernel's unscaled variant
-    prep = engine.config.runner.decode_attention == "per_head_prep" and fused < wide
+    prep = engine.config.runner.decode_attention in ("auto", "per_head_prep") and fused < wide
     for rows in [fused, wide] if prep else [wide]:
         if rows <= engine.config.scheduler.max_num_seqs and rows * per_row <= blocks:
             out.append((3,) * rows)

@@ -167,9 +167,9 @@ def test_the_warm_up_reaches_every_decode_attention_variant(tiny_qwen3_dir):
     in a request (seen on the H200: 402 ms): where the engine's limits allow those shapes,
     the warm-up runs a split context (past MIN_SPLIT_KEYS) and more rows than fit
     FEW_DECODE_PAIRS pairs (this model has one kv head), and still leaves nothing behind;
-    where they do not (a short model length, few slots or blocks) it skips them. With
-    per_head_prep it also runs the fused kernel's unscaled variant (past the folded chain's
-    rows)."""
+    where they do not (a short model length, few slots or blocks) it skips them. Where the
+    fused preparation may run (auto, per_head_prep) it also runs the fused kernel's unscaled
+    variant (past the folded chain's rows)."""
     from pdserve.kernels.paged_decode_split import FEW_DECODE_PAIRS, MIN_SPLIT_KEYS
     from pdserve.kernels.row_squares import SQ_ROWS
     from pdserve.runner.warm_up import decode_variant_batches, warm_up
@@ -177,7 +177,7 @@ def test_the_warm_up_reaches_every_decode_attention_variant(tiny_qwen3_dir):
     def engine(**kw) -> Engine:
         return Engine.from_args(model=tiny_qwen3_dir, device=DEVICE, dtype="float32", **kw)
 
-    big = engine(max_model_len=512, max_num_seqs=FEW_DECODE_PAIRS + 8)
+    big = engine(max_model_len=512, max_num_seqs=FEW_DECODE_PAIRS + 8, decode_attention="per_head")
     assert decode_variant_batches(big) == [(MIN_SPLIT_KEYS + 16,), (3,) * (FEW_DECODE_PAIRS + 1)]
     assert warm_up(big) > 0
     assert not big.scheduler.requests and big.kv.num_free_blocks == big.kv.num_blocks - 1
@@ -186,10 +186,12 @@ def test_the_warm_up_reaches_every_decode_attention_variant(tiny_qwen3_dir):
     few_blocks = engine(max_model_len=512, max_num_seqs=FEW_DECODE_PAIRS + 8, num_gpu_blocks=40)
     assert decode_variant_batches(few_blocks) == [(MIN_SPLIT_KEYS + 16,)]
     assert warm_up(few_blocks) > 0
-    # per_head_prep: also the fused kernel past the folded chain's rows (65 rows, 65 pairs)
-    prep = engine(max_model_len=128, max_num_seqs=FEW_DECODE_PAIRS + 8,
-                  decode_attention="per_head_prep")  # fmt: skip
-    assert decode_variant_batches(prep) == [(3,) * (SQ_ROWS + 1), (3,) * (FEW_DECODE_PAIRS + 1)]
+    # auto and per_head_prep: also the fused kernel past the folded chain's rows (65 rows,
+    # 65 pairs)
+    for kernel in ("auto", "per_head_prep"):
+        prep = engine(max_model_len=128, max_num_seqs=FEW_DECODE_PAIRS + 8, decode_attention=kernel)
+        fused_then_wide = [(3,) * (SQ_ROWS + 1), (3,) * (FEW_DECODE_PAIRS + 1)]
+        assert decode_variant_batches(prep) == fused_then_wide, kernel
     assert warm_up(prep) > 0
 
 

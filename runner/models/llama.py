@@ -266,7 +266,7 @@ class Attention(nn.Module):
 
     def _fuses_prepare(self, qkv: torch.Tensor, attn: AttentionMetadata) -> bool:
         return (
-            attn.decode_kernel == "per_head_prep" and qkv.is_cuda and attn.max_query_len == 1
+            attn.decode_kernel in (None, "per_head_prep") and qkv.is_cuda and attn.max_query_len == 1
             and attn.max_run == 1 and self.prepare_fusable
             and attn.query_start_loc.numel() == qkv.shape[0] + 1
             and qkv_attend_applies(qkv.dtype, self.head_dim, qkv.shape[0], self.num_kv_heads,
