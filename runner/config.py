@@ -228,10 +228,10 @@ class RunnerConfig:
     async_scheduling: bool = False
     # Uniform-decode batch sizes captured as FULL CUDA graphs; () = always eager.
     cuda_graph_sizes: tuple[int, ...] = ()
-    # The Triton decode attention kernel: "auto" (by batch shape), "per_head", "packed",
-    # "flat" (kernels/paged_decode_split.py, paged_decode_packed.py, paged_decode_flat.py)
-    # or "per_head_prep" (per_head with the q/k/v preparation in the same launch where the
-    # plan is unsplit: kernels/qkv_attend.py).
+    # The Triton decode attention kernel: "per_head", "packed", "flat"
+    # (kernels/paged_decode_split.py, paged_decode_packed.py, paged_decode_flat.py),
+    # "per_head_prep" (per_head with the q/k/v preparation in the same launch where
+    # kernels/qkv_attend.applies) or "auto" (by batch shape: today per_head_prep's choice).
     decode_attention: str = "auto"
     # What a decode graph holds (runner/mrv2/cuda_graphs.py): "layers" (embedding ->
     # layers) or "step" (also the input prep before them and, for steps where every row

@@ -39,10 +39,11 @@ def decode_variant_batches(engine: Engine) -> list[tuple[int, ...]]:
     (kernels/paged_decode_split.py), which short prompts of a row or two never reach:
     one row whose context passes MIN_SPLIT_KEYS (a split grid), and more rows than fit
     FEW_DECODE_PAIRS (row, kv head) pairs (the wide tile), each where the engine's limits
-    (model length, slots, free blocks) allow it; with `per_head_prep`, also SQ_ROWS + 1
-    rows where they fit FEW_DECODE_PAIRS pairs (kernels/qkv_attend.py without the folded
-    chain's row scale, which 1-2 decode rows of a folded model never meet). Graph capture
-    compiles them all; eager steps met them in requests."""
+    (model length, slots, free blocks) allow it; where the fused preparation may run
+    (`auto`, `per_head_prep`), also SQ_ROWS + 1 rows where they fit FEW_DECODE_PAIRS pairs
+    (kernels/qkv_attend.py without the folded chain's row scale, which 1-2 decode rows of
+    a folded model never meet). Graph capture compiles them all; eager steps met them in
+    requests."""
     out: list[tuple[int, ...]] = []
     blocks = engine.kv.num_free_blocks  # each batch must run at once, in one wave
     long = MIN_SPLIT_KEYS + 16

@@ -17,7 +17,7 @@ class AttentionMetadata:
     max_seq_len: int
     # The decode attention kernel ("per_head" | "packed" | "flat" | "per_head_prep",
     # kernels/paged_attention_triton.py chooses; models/llama.py's `prepare_attend` fuses
-    # the preparation for "per_head_prep");
+    # the preparation for "per_head_prep" and None where kernels/qkv_attend.applies);
     # None: the kernels' own choice by batch shape.
     decode_kernel: str | None = None
     # With k-token speculative drafts: each row's request slot and k + 1, so the decode

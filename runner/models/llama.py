@@ -231,7 +231,8 @@ class Attention(nn.Module):
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`attend(prepare(...))` -> [T, Hq * D]; in one launch (kernels/qkv_attend.py)
-        where `attn` asks for "per_head_prep" and the batch is one the fused kernel takes:
+        where `attn` asks for "per_head_prep" or leaves the choice to the kernels (`auto`),
+        and the batch is one the fused kernel takes:
         a decode batch on the GPU that `qkv_attend.applies` admits, for a layer whose
         preparation is the fused kernel's (`prepare_fusable`)."""
         if not self._fuses_prepare(qkv, attn):
