@@ -1,5 +1,5 @@
-"""The q/k/v preparation and the decode attention in one launch (opt-in: the
-`per_head_prep` decode kernel).
+"""The q/k/v preparation and the decode attention in one launch (the `per_head_prep`
+decode kernel, and `auto`'s choice where `applies`).
 
 A decode layer runs `prepare_qkv` (split, q/k RMSNorm, RoPE, the new token's K/V into the
 cache) and then the per-head decode attention (kernels/paged_decode_split.py): two
@@ -19,12 +19,12 @@ over the attention's warps, not one, and the kernel runs with FP fusion off (the
 preparation's rounding points need it), so the score scaling is a multiply and a
 subtract rather than one FMA: outputs a rounding apart.
 
-H100 (three calls): small_batch's decode step graph 1.528-1.551 ms against 1.551-1.580
-with the two launches (-1.4% to -1.8%), its TPOT p50 1.547 against 1.568 ms
+H100 (four calls): small_batch's decode step graph 1.528-1.551 ms against 1.551-1.580
+with the two launches (-1.4% to -1.8%), its TPOT p50 1.547-1.572 against 1.568-1.587 ms
 (results/qkv_attend_ab_h100_20ae6d6.jsonl, l2_prefetch_ab_h100_1f727ac.jsonl,
-per_head_prep_ab_h100_63f2ec0.jsonl);
-decode_heavy (4,096 pairs, before the pairs bound) 43,183 against 48,469 tok/s. `auto`
-keeps the two launches until the H200 measures it.
+per_head_prep_ab_h100_63f2ec0.jsonl, auto_prep_ab_h100_de81bee.jsonl);
+decode_heavy (4,096 pairs, before the pairs bound) 43,183 against 48,469 tok/s. Not yet
+timed on an H200 (none was lent in the sessions since).
 """
 
 from __future__ import annotations
