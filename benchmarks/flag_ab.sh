@@ -15,7 +15,10 @@ WORKLOADS=${WORKLOADS:-small_batch}
 source benchmarks/pdserve_tree.sh
 [ -d /tmp/site/zmq ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
 pdserve_tree "$PWD" /tmp/pk_flag_ab
-IFS=';' read -r -a variants <<< "${VARIANTS:-;--cuda-graph-scope step}"
+# Split on ';' keeping empty variants wherever they stand (`read -a` drops a trailing one:
+# "--decode-attention per_head;" once ran one variant, not two).
+variants=()
+while IFS= read -r -d ';' v; do variants+=("$v"); done <<< "${VARIANTS:-;--cuda-graph-scope step};"
 for round in $(seq "${ROUNDS:-2}"); do
   for i in "${!variants[@]}"; do
     read -r -a flags <<< "${variants[$i]}"
