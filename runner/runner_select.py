@@ -101,7 +101,9 @@ def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
     folded = getattr(model, "norms_folded", False)
     return {
         "runner": runner.name,
-        "decode_attention": _decode_attention_path(cfg.decode_attention, runner.name, model),
+        "decode_attention": _decode_attention_path(
+            cfg.decode_attention, runner.name, model, cfg.device
+        ),
         # runner/models/norm_fold.py: folded on CUDA in 16 bits, where batches of <= 64
         # tokens then run without RMSNorm launches
         "norms": "folded" if folded else "kernels",
@@ -116,18 +118,29 @@ def execution_path(runner_config: Any, runner: Any) -> dict[str, str]:
     }
 
 
-def _decode_attention_path(requested: str, runner_name: str, model: Any) -> str:
-    """The decode attention as requested, except where the model cannot run it: MLA models
-    attend with kernels/mla_attention*.py whatever --decode-attention says, and
+def _decode_attention_path(requested: str, runner_name: str, model: Any, device: str) -> str:
+    """What decode attention runs: the reference runner attends with transformers', MLA
+    models with kernels/mla_attention*.py whatever --decode-attention says; off CUDA every
+    choice runs the torch reference (kernels/attention.py's `paged_attention_ref`);
     `per_head_prep` runs as `per_head` where no attention layer prepares q/k/v with the
-    fused kernel (partial RoPE, whole-width q/k norms, position-scaled queries)."""
+    fused kernel (partial RoPE, whole-width q/k norms, position-scaled queries); and `auto`
+    says what it chooses: the fused kernel where it applies (kernels/qkv_attend.applies:
+    pure decode, an unsplit plan, at most FEW_DECODE_PAIRS (row, kv head) pairs) and a
+    layer can fuse, `per_head` else."""
+    if runner_name != "mrv2":
+        return "transformers"
     if getattr(model, "mla", False):
         return "mla"
-    if requested != "per_head_prep" or runner_name != "mrv2":
+    if not device.startswith("cuda"):
+        return "torch"
+    if requested not in ("per_head_prep", "auto"):
         return requested
-    if any(getattr(m, "prepare_fusable", False) for m in model.modules()):
-        return requested
-    return "per_head (per_head_prep does not apply)"
+    fusable = any(getattr(m, "prepare_fusable", False) for m in model.modules())
+    if requested == "auto":
+        return (
+            "auto (per_head_prep where it applies, else per_head)" if fusable else "auto (per_head)"
+        )
+    return requested if fusable else "per_head (per_head_prep does not apply)"
 
 
 def _kv_cache_path(runner: Any) -> str:

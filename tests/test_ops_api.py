@@ -99,7 +99,7 @@ def test_pools_view_lists_the_workers_and_bounds(ops_server):
     assert w["num_blocks"] > 0 and 0 <= w["kv_cache_usage_perc"] <= 1
     assert w["kernel_compiles"] == 0  # a CPU worker compiles nothing (no Triton launches)
     # What the engine really runs, for the dashboard's worker tooltip.
-    assert w["execution_path"] == {"runner": "mrv2", "decode_attention": "auto",
+    assert w["execution_path"] == {"runner": "mrv2", "decode_attention": "torch",
                                    "norms": "kernels", "graph_scope": "none",
                                    "experts": "none", "weights": "float32", "lora": "off",
                                    "kv_cache": "float32", "speculative": "off"}  # fmt: skip

@@ -225,24 +225,42 @@ def test_attention_layer_passes_its_own_parameters(fixture, request, monkeypatch
 
 
 @pytest.mark.parametrize(
-    "fixture,path",
+    "fixture,fused",
     [
-        ("tiny_qwen3_dir", "per_head_prep"),
+        ("tiny_qwen3_dir", True),
         # RoPE over a quarter of each head: the preparation is not the fused kernel's
-        ("tiny_qwen3_next_dir", "per_head (per_head_prep does not apply)"),
-        ("tiny_deepseek_v2_dir", "mla"),
+        ("tiny_qwen3_next_dir", False),
+        ("tiny_deepseek_v2_dir", None),  # MLA
     ],
 )
-def test_the_execution_path_says_where_the_fused_preparation_cannot_run(fixture, path, request):
-    """`--decode-attention per_head_prep` on a model none of whose attention layers prepares
-    q/k/v with the fused kernel runs the per-head kernel, and the execution path (start-up
-    log, stats, /metrics) says so instead of echoing the flag; each layer's
-    `prepare_fusable` is what decides."""
+def test_the_execution_path_says_which_decode_attention_runs(fixture, fused, request):
+    """The execution path (start-up log, stats, /metrics) names the decode attention that
+    runs, not the flag: `per_head_prep` on a model none of whose attention layers prepares
+    q/k/v with the fused kernel runs the per-head kernel, `auto` says which it takes, MLA
+    models run their own, the CPU the torch reference and the reference runner
+    transformers'. Each layer's `prepare_fusable` decides; the CUDA answers are asked of
+    the same model (the path reads the layers, not the device)."""
     from pdserve import LLM
+    from pdserve.runner.runner_select import _decode_attention_path
 
     llm = LLM(model=request.getfixturevalue(fixture), device=DEVICE, dtype="float32",
               decode_attention="per_head_prep")  # fmt: skip
-    assert llm.engine.execution_path["decode_attention"] == path
-    layers = [m for m in llm.engine.runner.model.modules() if hasattr(m, "prepare_fusable")]
-    assert all(m.prepare_fusable == (path == "per_head_prep") for m in layers)
-    assert layers or path == "mla"
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if hasattr(m, "prepare_fusable")]
+    assert all(m.prepare_fusable == bool(fused) for m in layers)
+    assert layers or fused is None
+    want = {  # (requested, device) -> path
+        ("per_head_prep", "cuda"): "per_head_prep" if fused else "per_head (per_head_prep does not apply)",
+        ("auto", "cuda"): "auto (per_head_prep where it applies, else per_head)" if fused else "auto (per_head)",
+        ("per_head", "cuda"): "per_head",
+        ("flat", "cuda:1"): "flat",
+        ("auto", "cpu"): "torch",
+        ("per_head_prep", "cpu"): "torch",
+    }  # fmt: skip
+    for (requested, device), path in want.items():
+        got = _decode_attention_path(requested, "mrv2", model, device)
+        assert got == ("mla" if fused is None else path), (requested, device)
+        assert _decode_attention_path(requested, "reference", model, device) == "transformers"
+    assert llm.engine.execution_path["decode_attention"] == _decode_attention_path(
+        "per_head_prep", "mrv2", model, DEVICE
+    )
