@@ -76,22 +76,26 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 def dequantize_int(
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, k: int,
-    group_size: int,
+    group_size: int, fp8: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """float32 [N, K]: each weight (code - zero) * scale of its input's group."""
+    """float32 [N, K]: each weight (code - zero) * scale of its input's group; with `fp8`
+    the 8-bit codes are float8_e4m3fn bytes, each weight value * scale (no zero)."""
     assert qweight.shape[1] * (32 // bits) >= k
     codes = unpack_int32(qweight, bits, dim=1)[:, :k]  # [N, K]
     group = torch.arange(k, device=qweight.device) // group_size
+    if fp8:
+        assert bits == 8, "float8 codes are bytes"
+        return codes.to(torch.uint8).view(torch.float8_e4m3fn).float() * scales.float()[:, group]
     return (codes - zeros.to(torch.int64)[:, group]).float() * scales.float()[:, group]
 
 
 def int_linear_ref(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-    bits: int, group_size: int, bias: torch.Tensor | None,
+    bits: int, group_size: int, bias: torch.Tensor | None, fp8: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The spec: the weight dequantized to x's dtype, then `F.linear`."""
-    w = dequantize_int(qweight, scales, zeros, bits, x.shape[-1], group_size).to(x.dtype)
-    return F.linear(x, w, bias)
+    w = dequantize_int(qweight, scales, zeros, bits, x.shape[-1], group_size, fp8)
+    return F.linear(x, w.to(x.dtype), bias)
 
 
 @triton.jit
@@ -99,12 +103,13 @@ def int_tile(w_rows, s_rows, s_ptr, z_ptr, n_mask, k0, kk, k_mask, k_words, grou
              BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              TILE_GROUP: tl.constexpr, WORDS_ONCE: tl.constexpr, SCALE_AFTER: tl.constexpr,
              MAGIC: tl.constexpr, ZERO_AFTER: tl.constexpr, BIAS: tl.constexpr,
-             dtype: tl.constexpr):  # fmt: skip
+             dtype: tl.constexpr, FP8: tl.constexpr = False):  # fmt: skip
     """The [BLOCK_N, BLOCK_K] weight tile of inputs `kk` (= k0 + arange) of the rows whose
     words start at `w_rows` ([BLOCK_N, 1] pointers) and whose scales and zeros start at
     offsets `s_rows` ([BLOCK_N]), with the scale and zero `int_tile_dot` needs: the tile in
     float32 (code - zero) * scale, or with SCALE_AFTER the codes as 16-bit floats (minus
-    BIAS + zero unless ZERO_AFTER) and the row's one scale and zero."""
+    BIAS + zero unless ZERO_AFTER) and the row's one scale and zero. With FP8 the 8-bit
+    codes are float8_e4m3fn bytes: the tile is value * scale, and no zero is read."""
     per_word: tl.constexpr = 32 // BITS
     tile_mask = n_mask[:, None] & k_mask[None, :]
     if WORDS_ONCE:  # each word loaded once, its codes split out in registers
@@ -117,7 +122,17 @@ def int_tile(w_rows, s_rows, s_ptr, z_ptr, n_mask, k0, kk, k_mask, k_words, grou
     else:  # each word loaded once per code it holds (the repeats from L1)
         words = tl.load(w_rows + (kk // per_word)[None, :], mask=tile_mask, other=0)
         codes = (words >> ((kk % per_word) * BITS)[None, :]) & ((1 << BITS) - 1)
-    if SCALE_AFTER:  # 4-bit codes as 16-bit floats by their bits: MAGIC | code is the
+    if FP8:  # the byte's float8 value, exact in float32
+        values = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        z = tl.zeros([BLOCK_N], dtype=tl.int32)
+        if TILE_GROUP:
+            s = tl.load(s_ptr + s_rows + k0 // group_size, mask=n_mask, other=0.0)
+            w = values * s[:, None]
+        else:
+            s = tl.load(s_ptr + s_rows[:, None] + (kk // group_size)[None, :], mask=tile_mask,
+                        other=0.0)  # fmt: skip
+            w = values * s
+    elif SCALE_AFTER:  # 4-bit codes as 16-bit floats by their bits: MAGIC | code is the
         # float BIAS + code exactly (bf16 0x4300 = 128, fp16 0x6400 = 1024), so one
         # subtraction of BIAS + zero gives code - zero, exact, with no conversion
         g = k0 // group_size
@@ -237,6 +252,7 @@ def _int_linear_kernel(
     BLOCK_K: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     FIELDS: tl.constexpr,  # int_fields_dot's form (scale_after implies zero_after there)
+    FP8: tl.constexpr,  # 8-bit codes that are float8_e4m3fn bytes (int_tile)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -262,7 +278,7 @@ def _int_linear_kernel(
             k_mask = kk < k
             w, s, z = int_tile(w_rows, s_rows, s_ptr, z_ptr, n_mask, k0, kk, k_mask, k_words,
                                group_size, BITS, BLOCK_N, BLOCK_K, TILE_GROUP, WORDS_ONCE,
-                               SCALE_AFTER, MAGIC, ZERO_AFTER, BIAS, dtype)  # fmt: skip
+                               SCALE_AFTER, MAGIC, ZERO_AFTER, BIAS, dtype, FP8)  # fmt: skip
             xs = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
                          mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
             acc = int_tile_dot(acc, w, s, z, xs, SCALE_AFTER, ZERO_AFTER, BIAS, IEEE_DOT, dtype)
@@ -287,6 +303,7 @@ def _int_linear_kernel(
 def _dequantize_kernel(
     w_ptr, s_ptr, z_ptr, out_ptr, n, k, k_words, groups, group_size,
     BITS: tl.constexpr, TILE_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     # One [BLOCK_N, BLOCK_K] tile of the dequantized weight, as the linear kernel's tile.
     per_word: tl.constexpr = 32 // BITS
@@ -303,14 +320,17 @@ def _dequantize_kernel(
         where = rows * groups + (kk // group_size)[None, :]
         sz_mask = mask
     s = tl.load(s_ptr + where, mask=sz_mask, other=0.0)
-    z = tl.load(z_ptr + where, mask=sz_mask, other=0)
-    w = (codes - z.to(tl.int32)).to(tl.float32) * s
+    if FP8:  # float8_e4m3fn bytes (int_tile's FP8)
+        w = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+    else:
+        z = tl.load(z_ptr + where, mask=sz_mask, other=0)
+        w = (codes - z.to(tl.int32)).to(tl.float32) * s
     tl.store(out_ptr + rows * k + kk[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def dequantize_int_triton(
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, k: int,
-    group_size: int, dtype: torch.dtype,
+    group_size: int, dtype: torch.dtype, fp8: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """`dequantize_int(...).to(dtype)` in one kernel (the long-batch path)."""
     n = qweight.shape[0]
@@ -320,7 +340,7 @@ def dequantize_int_triton(
     grid = (triton.cdiv(n, 32), triton.cdiv(k, block_k))
     _dequantize_kernel[grid](qweight, scales, zeros, out, n, k, qweight.shape[1], groups,
                              group_size, BITS=bits, TILE_GROUP=groups == 1 or group_size % block_k == 0,
-                             BLOCK_N=32, BLOCK_K=block_k)  # fmt: skip
+                             BLOCK_N=32, BLOCK_K=block_k, FP8=fp8)  # fmt: skip
     return out
 
 
@@ -393,9 +413,11 @@ def int_linear_triton(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     bits: int, group_size: int, bias: torch.Tensor | None,
     config: IntLinearConfig | None = None, workspace: KernelWorkspace | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """`int_linear_ref` on the GPU (or Triton's interpreter): x [M, K] 16-bit or fp32.
     A split-K config needs the `workspace` for its partials (without one: no split)."""
+    assert not fp8 or bits == 8, "float8 codes are bytes"
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with unit stride on K"
     m, k = x.shape
     n, k_words = qweight.shape
@@ -407,7 +429,7 @@ def int_linear_triton(
     cfg = config or choose_config(m, n, group_size, groups, k if workspace is not None else 0)
     tile_group = groups == 1 or group_size % cfg.block_k == 0
     magic = float_magic(x)
-    scale_after = cfg.scale_after and tile_group and bits == 4 and magic is not None
+    scale_after = cfg.scale_after and tile_group and bits == 4 and magic is not None and not fp8
     block_m = cfg.block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
     ieee = x.dtype == torch.float32 or not x.is_cuda
     tiles_n, tiles_m = triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m)
@@ -427,7 +449,7 @@ def int_linear_triton(
         ZERO_AFTER=scale_after and cfg.zero_after,
         BIAS=(magic or (0, 0))[1], SPLIT_K=split, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE_DOT=ieee,
-        FIELDS=cfg.fields and fields_apply(cfg.block_k, bits),
+        FIELDS=cfg.fields and fields_apply(cfg.block_k, bits) and not fp8, FP8=fp8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -437,18 +459,21 @@ def int_linear_triton(
 def int_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     bits: int, group_size: int, bias: torch.Tensor | None,
-    workspace: KernelWorkspace | None = None,
+    workspace: KernelWorkspace | None = None, fp8: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """x [..., K] -> [..., N]: on CUDA the Triton kernel, or for batches of more than
     DEQUANT_ROWS rows the weight dequantized to a scratch tensor and cuBLAS (the spec's
-    math, one kernel); the spec elsewhere."""
+    math, one kernel); the spec elsewhere. `fp8`: the 8-bit codes are float8_e4m3fn bytes
+    (an FP8 checkpoint's weights kept as they are, runner/models/fp8_weights.py)."""
     if not x.is_cuda:
-        return int_linear_ref(x, qweight, scales, zeros, bits, group_size, bias)
+        return int_linear_ref(x, qweight, scales, zeros, bits, group_size, bias, fp8)
     if x.numel() > DEQUANT_ROWS * x.shape[-1]:
-        w = dequantize_int_triton(qweight, scales, zeros, bits, x.shape[-1], group_size, x.dtype)
+        w = dequantize_int_triton(qweight, scales, zeros, bits, x.shape[-1], group_size,
+                                  x.dtype, fp8)  # fmt: skip
         return F.linear(x, w, bias)
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(1) != 1:
         flat = flat.contiguous()
-    y = int_linear_triton(flat, qweight, scales, zeros, bits, group_size, bias, None, workspace)
+    y = int_linear_triton(flat, qweight, scales, zeros, bits, group_size, bias, None, workspace,
+                          fp8)  # fmt: skip
     return y.reshape(*x.shape[:-1], y.shape[-1])
