@@ -271,6 +271,29 @@ def packed_int() -> Callable[[], None]:
     return run
 
 
+def fp8_kept() -> None:
+    """int_linear on an FP8 checkpoint's kept bytes (Qwen3-8B-FP8's o projection: blocks of
+    128 inputs; and one scale a row), split and unsplit, plus the long-batch dequantize."""
+    from pdserve.kernels.int_linear import (
+        IntLinearConfig,
+        choose_config,
+        dequantize_int_triton,
+        int_linear_triton,
+    )
+    from pdserve.kernels.workspace import KernelWorkspace
+
+    n, k = 4096, 4096
+    q = torch.zeros(n, k // 4, dtype=torch.int32)
+    for g in (128, k):
+        scales, zeros = torch.zeros(n, k // g), torch.zeros(n, k // g, dtype=torch.uint8)
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.zeros(32, k, dtype=dtype)
+            split = choose_config(32, n, g, k // g, k)
+            int_linear_triton(x, q, scales, zeros, 8, g, None, split, KernelWorkspace(), fp8=True)
+            int_linear_triton(x, q, scales, zeros, 8, g, None, IntLinearConfig(32, 128), fp8=True)
+        dequantize_int_triton(q, scales, zeros, 8, k, g, torch.bfloat16, fp8=True)
+
+
 def decode_small_batch() -> None:
     """The layer kernels of throughput.py's small_batch decode step (32 rows, Qwen3-0.6B's
     shapes, bf16, norms folded): prepare_qkv on scaled rows, the per-head decode attention,
@@ -321,6 +344,7 @@ def scenarios() -> dict[str, Callable[[], None]]:
         "attention_chunked": attention(-8192),
         "moe_bf16": moe("bf16"),
         "packed_int": packed_int(),
+        "fp8_kept": fp8_kept,
         "decode_small_batch": decode_small_batch,
     }
     try:  # the quantized experts' stacks (branch exp/mxfp4-experts)
