@@ -76,10 +76,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights of the checkpoint's shapes, for timing without "
                    "fetching them (config.json and a tokenizer do)")  # fmt: skip
     p.add_argument("--quantized-weights", choices=list(QUANTIZED_WEIGHTS), default=None,
-                   help="a GPTQ / AWQ / compressed-tensors checkpoint's integer weights: "
-                   "auto (dequantized at load where 16-bit weights leave the KV cache one "
-                   "max_model_len request, else packed), packed (Triton int4/int8 kernels, "
-                   "1.2-1.5x slower than 16-bit) or dequantized")  # fmt: skip
+                   help="a GPTQ / AWQ / compressed-tensors checkpoint's integer weights or an "
+                   "FP8 one's float8 bytes: auto (dequantized at load where 16-bit weights "
+                   "leave the KV cache one max_model_len request, else packed), packed "
+                   "(Triton int4/int8/fp8-weight kernels, 1.2-1.5x slower than 16-bit for "
+                   "integers; fp8 not yet timed) or dequantized")  # fmt: skip
     p.add_argument("-q", "--quantization", default=None, metavar="METHOD",
                    help="the checkpoint's own method (fp8, mxfp4, gptq, awq, "
                    "compressed-tensors) or none: read from its config either way; any other "

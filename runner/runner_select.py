@@ -162,6 +162,7 @@ def _weights_path(model: Any) -> str:
     for GPTQ / AWQ ones dequantized at load (runner/models/packed_int_weights.py),
     "gptq->int4" where the dense projections run on the packed codes
     (runner/models/packed_linear.py; MoE experts and the rest in the model's dtype),
+    "fp8->float8_e4m3fn" where they run on an FP8 checkpoint's kept bytes (fp8_kept.py),
     "mxfp4->bfloat16" for gpt-oss's MXFP4 experts: no FP8 or FP4 GEMM runs."""
     params = getattr(model, "parameters", None)
     first = next(params(), None) if params is not None else None
@@ -171,7 +172,8 @@ def _weights_path(model: Any) -> str:
     source = getattr(model, "weights_from", None)
     bits = getattr(model, "packed_bits", None)
     if bits:  # the dense projections run on packed integers (runner/models/packed_linear.py)
-        return f"{source}->int{bits}"
+        codes = "float8_e4m3fn" if getattr(model, "packed_fp8", False) else f"int{bits}"
+        return f"{source}->{codes}"
     return f"{source}->{dtype}" if source else dtype
 
 

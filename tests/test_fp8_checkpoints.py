@@ -1,4 +1,6 @@
-"""FP8 checkpoints load on mrv2, dequantized (runner/models/fp8_weights.py).
+"""FP8 checkpoints load on mrv2, dequantized (runner/models/fp8_weights.py) or, with
+`quantized_weights="packed"`, with their dense projections' bytes kept
+(runner/models/fp8_kept.py).
 
 Each test checkpoint is a tiny random model whose projection weights were quantized
 here to float8_e4m3fn: by 16 x 8 blocks with `_scale_inv` (the "fp8" method of
@@ -222,3 +224,67 @@ def test_other_quantizations_are_named_not_run(tiny_qwen3_dir):
     cfg.quantization_config = {"quant_method": "compressed-tensors",
                                "config_groups": {"group_0": int4}}  # fmt: skip
     assert "compressed-tensors" in mrv2_unsupported_features(cfg)[0]
+
+
+def test_packed_keeps_the_fp8_bytes_and_matches_the_dequantized_model(fp8_pair):
+    """`quantized_weights="packed"` on an FP8 checkpoint keeps each dense projection's
+    float8 bytes (runner/models/fp8_kept.py: PackedLinear with fp8 codes, kernels/
+    int_linear.py; an MoE layer's experts are dequantized) and gives the dequantized
+    twin's greedy tokens; compressed-tensors' int8 weights cannot stay packed and say so."""
+    from pdserve.runner.models.packed_linear import PackedLinear
+
+    fp8_dir, ref_dir = fp8_pair
+    if "int8" in Path(fp8_dir).parent.name:
+        with pytest.raises(ValueError, match="quantized_weights='packed'"):
+            LLM(model=fp8_dir, device=DEVICE, dtype="float32", quantized_weights="packed")
+        return
+    llm = LLM(model=fp8_dir, device=DEVICE, dtype="float32", max_num_batched_tokens=64,
+              quantized_weights="packed")  # fmt: skip
+    assert llm.engine.execution_path["weights"] == "fp8->float8_e4m3fn"
+    model = llm.engine.runner.model
+    kept = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    layers = len(model.layers)
+    assert (
+        len(kept)
+        == 2 * layers + sum(type(layer.mlp).__name__ == "MLP" for layer in model.layers) * 2
+    )
+    assert all(m.fp8 and m.qweight.dtype == torch.int32 for m in kept)
+    # the o projection's bytes are the checkpoint's, viewed as words
+    (file,) = sorted(Path(fp8_dir).glob("*.safetensors"))
+    o = load_file(file)["model.layers.0.self_attn.o_proj.weight"]
+    k = o.shape[1]
+    got = model.layers[0].self_attn.o_proj.qweight.cpu().view(torch.uint8)[:, :k]
+    assert torch.equal(got, o.view(torch.uint8))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 9, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, out, exp in zip(prompts, outs, hf_greedy(ref_dir, prompts, 12)):
+        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
+
+
+def test_kept_fp8_scales_are_checked_and_the_bytes_padded():
+    """A kept FP8 linear (runner/models/fp8_kept.py): K off the words pads the last word
+    with zero bytes; block scales repeat over their block's rows; a scale per input group
+    or of a block shape that does not fit is refused with the tensor named."""
+    from pdserve.runner.models.fp8_kept import kept_fp8_format, kept_parts
+
+    w = (torch.randn(20, 10) * 4).to(torch.float8_e4m3fn)
+    block = Fp8Format("fp8", "_scale_inv", (16, 8))
+    parts = kept_parts(w, torch.tensor([[1.0, 2.0], [3.0, 4.0]]), block, "q.weight")
+    assert parts["qweight"].shape == (20, 3)  # ceil(10 / 4) words
+    assert torch.equal(parts["qweight"].view(torch.uint8)[:, :10], w.view(torch.uint8))
+    assert not parts["qweight"].view(torch.uint8)[:, 10:].any()
+    assert torch.equal(parts["scales"], torch.tensor([[1.0, 2.0]] * 16 + [[3.0, 4.0]] * 4))
+    channel = Fp8Format("compressed-tensors", "_scale", None)
+    assert kept_parts(w, torch.full((20, 1), 0.5), channel)["scales"].shape == (20, 1)
+    assert torch.equal(
+        kept_parts(w, torch.tensor(0.25), channel)["scales"], torch.full((20, 1), 0.25)
+    )
+    with pytest.raises(ValueError, match="q.weight: block scale"):
+        kept_parts(w, torch.ones(1, 2), block, "q.weight")
+    with pytest.raises(ValueError, match="o.weight: scale .* block, channel or tensor"):
+        kept_parts(w, torch.ones(20, 2), channel, "o.weight")
+    assert kept_fp8_format(block, int8=False).group_size == 8
+    assert kept_fp8_format(channel, int8=False).group_size == -1
+    assert kept_fp8_format(channel, int8=True) is None and kept_fp8_format(None, False) is None

@@ -16,19 +16,22 @@ them back:
 
 What this does not do: run FP8 GEMMs. The weights take the dtype's memory (twice FP8's
 in bf16) and the matmuls run as for any 16-bit model; the execution path says so
-(`weights=fp8->bfloat16`). Activation scales (`input_scale`) are dropped: activations
+(`weights=fp8->bfloat16`). Where the loader keeps a projection's bytes instead
+(`--quantized-weights packed`, runner/models/fp8_kept.py), `dequantized_weights` hands
+them on in PackedLinear's layout (`weights=fp8->float8_e4m3fn`). Activation scales (`input_scale`) are dropped: activations
 stay in the model's dtype. KV-cache scales never reach this module: runner/models/
 kv_scales.py takes them first, for `--kv-cache-dtype fp8`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pdserve.runner.models.fp8_kept import kept_parts
 from pdserve.runner.models.packed_int_weights import (
     CT,
     METHOD_ALIASES,
@@ -165,26 +168,40 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> tor
 
 
 def dequantized_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Format, dtype: torch.dtype
+    weights: Iterable[tuple[str, torch.Tensor]],
+    fmt: Fp8Format,
+    dtype: torch.dtype,
+    keep: Callable[[str], bool] = lambda prefix: False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with every FP8 weight dequantized to `dtype` and its scale
-    consumed. A weight and its scale may come in either order (and from different
-    shards): the first one waits for the other. Unpaired leftovers raise ValueError."""
+    consumed, or, where `keep(prefix)` for a weight `<prefix>.weight`, converted to
+    PackedLinear's `<prefix>.qweight`, `.scales` and `.zeros` (runner/models/fp8_kept.py).
+    A weight and its scale may come in either order (and from different shards): the
+    first one waits for the other. Unpaired leftovers raise ValueError."""
     weights_waiting: dict[str, torch.Tensor] = {}
     scales_waiting: dict[str, torch.Tensor] = {}
     suffix = fmt.scale_suffix
+
+    def paired(owner: str, weight: torch.Tensor, scale: torch.Tensor):
+        prefix = owner.removesuffix(".weight")
+        if owner.endswith(".weight") and keep(prefix):
+            for part, tensor in kept_parts(weight, scale, fmt, owner).items():
+                yield f"{prefix}.{part}", tensor
+        else:
+            yield owner, dequantize(weight, scale, fmt).to(dtype)
+
     for name, tensor in weights:
         if name.endswith(_DROPPED_SUFFIXES):
             continue
         if name.endswith(suffix):
             owner = name[: -len(suffix)]
             if owner in weights_waiting:
-                yield owner, dequantize(weights_waiting.pop(owner), tensor, fmt).to(dtype)
+                yield from paired(owner, weights_waiting.pop(owner), tensor)
             else:
                 scales_waiting[owner] = tensor
         elif tensor.dtype in SCALED_DTYPES:
             if name in scales_waiting:
-                yield name, dequantize(tensor, scales_waiting.pop(name), fmt).to(dtype)
+                yield from paired(name, tensor, scales_waiting.pop(name))
             else:
                 weights_waiting[name] = tensor
         else:

@@ -17,10 +17,20 @@ from safetensors import safe_open
 from pdserve.runner.config import CacheConfig, ModelConfig
 from pdserve.runner.models import MODEL_REGISTRY
 from pdserve.runner.models.dummy_weights import dummy_weights
-from pdserve.runner.models.fp8_weights import dequantized_weights, fp8_format, quantized_source
+from pdserve.runner.models.fp8_kept import FP8_KEPT, kept_fp8_format
+from pdserve.runner.models.fp8_weights import (
+    dequantized_weights,
+    fp8_format,
+    int8_weights_only,
+    quantized_source,
+)
 from pdserve.runner.models.kv_scales import KvScales
 from pdserve.runner.models.norm_fold import fold_norms
-from pdserve.runner.models.packed_int_weights import dequantized_packed_weights, packed_int_format
+from pdserve.runner.models.packed_int_weights import (
+    dequantized_packed_weights,
+    packed_int_format,
+    quantization_config,
+)
 from pdserve.runner.models.packed_linear import packed_target, runs_packed, swap_packed_linears
 from pdserve.runner.models.text_only import language_model_weights
 from pdserve.runner.mrv2.kv_cache import GPU_ACTIVATION_RESERVE_BYTES, block_bytes
@@ -119,28 +129,38 @@ def load_model(
     model = model.to(dtype=model_config.dtype)
     dummy = model_config.load_format == "dummy"
     packed = None if dummy else packed_int_format(cfg)
-    # GPTQ / AWQ / compressed-tensors linears the model runs packed (after the dtype cast:
-    # their scales stay float32), before a byte is allocated (runner/models/packed_linear.py)
+    fp8 = None if dummy else fp8_format(cfg)
+    int8 = fp8 is not None and int8_weights_only(quantization_config(cfg) or {})
+    keepable = packed or kept_fp8_format(fp8, int8)  # what may stay packed, FP8 included
+    # GPTQ / AWQ / compressed-tensors linears the model runs packed, and FP8 ones kept as
+    # bytes (after the dtype cast: their scales stay float32), before a byte is allocated
+    # (runner/models/packed_linear.py, fp8_kept.py)
     swapped = set()
     on_gpu = device.type == "cuda"
     dequantized = budget = None
-    if packed is not None and on_gpu:
+    if keepable is not None and on_gpu:
         cache = cache or CacheConfig()
         dequantized = weight_bytes(model)
         reserve = kv_cache_reserve(model, cache, model_config.dtype, model_config.max_model_len)
         budget = weights_budget(*torch.cuda.mem_get_info(device), cache.gpu_memory_utilization,
                                 reserve)  # fmt: skip
-    if packed is not None and runs_packed(
-        model_config.quantized_weights, packed, not fold, dequantized, budget
+    if keepable is None and model_config.quantized_weights == "packed" and not dummy:
+        raise ValueError(
+            "quantized_weights='packed': the checkpoint's weights are "
+            f"{quantized_source(cfg) or '16-bit'}; GPTQ, AWQ, compressed-tensors packed "
+            "integers and FP8 stay packed, nothing else does (drop it)"
+        )
+    if keepable is not None and runs_packed(
+        model_config.quantized_weights, keepable, not fold, dequantized, budget
     ):
-        swapped = swap_packed_linears(model, packed)
+        swapped = swap_packed_linears(model, keepable)
         if not swapped and model_config.quantized_weights == "packed":
             raise ValueError(
                 f"quantized_weights='packed': {model_config.architecture}'s projections do not "
                 "run packed (Llama-family decoders without reworked weights do); drop it to "
                 "dequantize them at load"
             )
-    if packed is not None and on_gpu and model_config.quantized_weights == "auto":
+    if keepable is not None and on_gpu and model_config.quantized_weights == "auto":
         logger.info(
             "quantized_weights auto: %s (16-bit weights %.1f GiB against %.1f GiB the "
             "weights may take beside the %.1f GiB the KV cache needs at least)",
@@ -165,9 +185,9 @@ def load_model(
         weights = language_model_weights(weights)
     kv_scales = KvScales()  # an FP8 KV cache's scales, where the checkpoint has them
     weights = kv_scales.take(weights)
-    fp8 = None if dummy else fp8_format(cfg)
-    if fp8 is not None:  # dequantized as they stream in (runner/models/fp8_weights.py)
-        weights = dequantized_weights(weights, fp8, model_config.dtype)
+    if fp8 is not None:  # dequantized as they stream in, or kept (runner/models/fp8_kept.py)
+        keep = partial(packed_target, swapped=swapped)
+        weights = dequantized_weights(weights, fp8, model_config.dtype, keep)
     if packed is not None:  # GPTQ / AWQ / compressed-tensors: packed or dequantized
         keep = partial(packed_target, swapped=swapped)
         weights = dequantized_packed_weights(weights, packed, model_config.dtype, keep)
@@ -175,7 +195,9 @@ def load_model(
         model.load_weights(weights)
     kv_scales.apply(model)
     model.weights_from = "dummy" if dummy else quantized_source(cfg)
-    model.packed_bits = packed.bits if swapped else None  # the execution path's weights
+    # the execution path's weights
+    model.packed_bits = keepable.bits if swapped else None
+    model.packed_fp8 = bool(swapped) and keepable.method == FP8_KEPT
     if fold and device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
         # 16-bit decode batches on the GPU run without norm launches (norm_fold.py); fp32
         # (the parity runs against transformers) and CPU keep the weights as loaded.

@@ -35,6 +35,7 @@ from pdserve.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from pdserve.kernels.int_linear import int_linear
 from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
+from pdserve.runner.models.fp8_kept import FP8_KEPT
 from pdserve.runner.models.packed_int_weights import PackedIntFormat
 
 NATIVE_BITS = (4, 8)
@@ -44,16 +45,17 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear(in_features, out_features, bias)` on packed integer weights."""
+    """`nn.Linear(in_features, out_features, bias)` on packed integer weights, or on an FP8
+    checkpoint's float8_e4m3fn bytes (`fp8`, 8 bits: runner/models/fp8_kept.py)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: torch.Tensor | None, bits: int,
-        group_size: int, workspace: KernelWorkspace | None = None,
+        group_size: int, workspace: KernelWorkspace | None = None, fp8: bool = False,
     ):  # fmt: skip
         """`workspace`: the model's (kernels/workspace.py), where a decode batch's split-K
         partials go; None: no split."""
         super().__init__()
-        self.workspace = workspace
+        self.workspace, self.fp8 = workspace, fp8
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.group_size = in_features if group_size == -1 else group_size
         groups = -(-in_features // self.group_size)
@@ -66,11 +68,12 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int_linear(x, self.qweight, self.scales, self.zeros, self.bits, self.group_size,
-                          self.bias, self.workspace)  # fmt: skip
+                          self.bias, self.workspace, self.fp8)  # fmt: skip
 
     def extra_repr(self) -> str:
+        codes = "float8_e4m3fn" if self.fp8 else f"bits={self.bits}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bits={self.bits}, group_size={self.group_size}")  # fmt: skip
+                f"{codes}, group_size={self.group_size}")  # fmt: skip
 
 
 def project(
@@ -128,7 +131,8 @@ def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
     """Replaces the dense projections `model` can run packed with PackedLinears and packs its
     MoE layers' expert stacks (on the meta device, before allocation); returns their names
     (model-local, e.g. "layers.0.self_attn.qkv_proj", "layers.1.mlp.experts"). Models this
-    does not cover return an empty set."""
+    does not cover return an empty set. A kept FP8 checkpoint (`fmt.method` FP8_KEPT)
+    swaps the dense projections only: its experts are dequantized at load."""
     # (imported here: llama.py imports this module for `project`)
     from pdserve.runner.models.llama import Attention, LlamaFamilyForCausalLM, family_spec
     from pdserve.runner.models.mlp import MLP
@@ -136,6 +140,7 @@ def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
 
     if type(model) is not LlamaFamilyForCausalLM:
         return set()  # subclasses (Gemma, gpt-oss, ...) rework their projections
+    fp8 = fmt.method == FP8_KEPT
     if family_spec(model.config).rope_interleaved or model.residual_multiplier != 1.0:
         return set()
     swapped: set[str] = set()
@@ -148,7 +153,7 @@ def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
             ]
         if type(layer.mlp) is MLP:
             sites += [(layer.mlp, "mlp", "gate_up_proj"), (layer.mlp, "mlp", "down_proj")]
-        if type(layer.mlp) is SparseMoeBlock:  # its experts (kernels/moe_int.py)
+        if type(layer.mlp) is SparseMoeBlock and not fp8:  # its experts (kernels/moe_int.py)
             layer.mlp.pack_experts(fmt.bits, fmt.group_size)
             swapped.add(f"layers.{i}.mlp.experts")
             if type(layer.mlp.shared_expert) is MLP:  # Qwen2-MoE's
@@ -159,7 +164,7 @@ def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
             old = getattr(parent, name)
             with torch.device(old.weight.device):  # meta: nothing is allocated yet
                 new = PackedLinear(old.in_features, old.out_features, old.bias, fmt.bits,
-                                   fmt.group_size, model.workspace)  # fmt: skip
+                                   fmt.group_size, model.workspace, fp8)  # fmt: skip
             setattr(parent, name, new)
             swapped.add(f"layers.{i}.{where}.{name}")
     return swapped
