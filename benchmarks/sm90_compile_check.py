@@ -273,7 +273,8 @@ def packed_int() -> Callable[[], None]:
 
 def fp8_kept() -> None:
     """int_linear on an FP8 checkpoint's kept bytes (Qwen3-8B-FP8's o projection: blocks of
-    128 inputs; and one scale a row), split and unsplit, plus the long-batch dequantize."""
+    128 inputs; and one scale a row), split and unsplit, plus the long-batch dequantize;
+    and kept FP8 experts."""
     from pdserve.kernels.int_linear import (
         IntLinearConfig,
         choose_config,
@@ -292,6 +293,20 @@ def fp8_kept() -> None:
             int_linear_triton(x, q, scales, zeros, 8, g, None, split, KernelWorkspace(), fp8=True)
             int_linear_triton(x, q, scales, zeros, 8, g, None, IntLinearConfig(32, 128), fp8=True)
         dequantize_int_triton(q, scales, zeros, 8, k, g, torch.bfloat16, fp8=True)
+    # Qwen3-30B-A3B-FP8's experts (blocks of 128 inputs), at decode and prefill blocks
+    from pdserve.kernels.moe_int import PackedExperts, moe_experts_int_triton
+
+    h, inter, e, top = 2048, 768, 128, 8
+
+    def stack(rows: int, kk: int) -> PackedExperts:
+        return PackedExperts(torch.zeros(e, rows, kk // 4, dtype=torch.int32),
+                             torch.zeros(e, rows, kk // 128), torch.zeros(e, rows, kk // 128,
+                             dtype=torch.uint8), 8, 128, kk, fp8=True)  # fmt: skip
+
+    for t in (32, 2048):
+        x = torch.zeros(t, h, dtype=torch.bfloat16)
+        ids, w = torch.randint(0, e, (t, top)), torch.full((t, top), 0.125)
+        moe_experts_int_triton(x, stack(2 * inter, h), stack(h, inter), ids, w)
 
 
 def decode_small_batch() -> None:

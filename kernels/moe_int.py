@@ -53,11 +53,13 @@ class PackedExperts:
     bits: int
     group_size: int
     in_features: int  # K
+    fp8: bool = False  # 8-bit codes that are float8_e4m3fn bytes (runner/models/fp8_kept.py)
 
     def __post_init__(self) -> None:
         e, n, words = self.qweight.shape
         groups = -(-self.in_features // self.group_size)
         assert self.bits in (4, 8), f"packed experts take 4- or 8-bit codes, got {self.bits}"
+        assert not self.fp8 or self.bits == 8, "float8 codes are bytes"
         assert words * (32 // self.bits) >= self.in_features, (
             f"{words} words a row hold fewer than {self.in_features} {self.bits}-bit codes"
         )
@@ -75,9 +77,11 @@ class PackedExperts:
         return e, n, self.in_features
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
-        """[E, N, K] in `dtype`: each weight (code - zero) * scale, rounded once."""
+        """[E, N, K] in `dtype`: each weight (code - zero) * scale (with fp8: its float8
+        value * scale), rounded once."""
+        k, size, fp8 = self.in_features, self.group_size, self.fp8
         return torch.stack([
-            dequantize_int(q, s, z, self.bits, self.in_features, self.group_size).to(dtype)
+            dequantize_int(q, s, z, self.bits, k, size, fp8).to(dtype)
             for q, s, z in zip(self.qweight, self.scales, self.zeros, strict=True)
         ])  # fmt: skip
 
@@ -157,9 +161,10 @@ def _tile_args(packed: PackedExperts, block_k: int, t: IntMoeTiles, x: Tensor) -
     magic = float_magic(x)
     scale_after = t.scale_after and tile_group and packed.bits == 4 and magic is not None
     return {"BITS": packed.bits, "BLOCK_K": block_k, "TILE_GROUP": tile_group,
-            "WORDS_ONCE": t.words_once, "SCALE_AFTER": scale_after,
-            "FIELDS": t.fields and fields_apply(block_k, packed.bits),
-            "MAGIC": (magic or (0, 0))[0], "BIAS": (magic or (0, 0))[1]}  # fmt: skip
+            "WORDS_ONCE": t.words_once, "SCALE_AFTER": scale_after and not packed.fp8,
+            "FIELDS": t.fields and fields_apply(block_k, packed.bits) and not packed.fp8,
+            "MAGIC": (magic or (0, 0))[0], "BIAS": (magic or (0, 0))[1],
+            "FP8": packed.fp8}  # fmt: skip
 
 
 @triton.jit
@@ -167,11 +172,11 @@ def _int_rows_dot(acc, xs, w_ptr, s_ptr, z_ptr, rows, n_ok, k0, kk, k_ok, words,
                   group_size, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   TILE_GROUP: tl.constexpr, WORDS_ONCE: tl.constexpr,
                   SCALE_AFTER: tl.constexpr, MAGIC: tl.constexpr, BIAS: tl.constexpr,
-                  IEEE_DOT: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+                  IEEE_DOT: tl.constexpr, dtype: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
     """acc [BLOCK_N, BLOCK_M] + the packed stack's rows `rows` (int64) times xs^T."""
     w, s, z = int_tile(w_ptr + rows[:, None] * words, rows * groups, s_ptr, z_ptr, n_ok, k0, kk,
                        k_ok, words, group_size, BITS, BLOCK_N, BLOCK_K, TILE_GROUP, WORDS_ONCE,
-                       SCALE_AFTER, MAGIC, SCALE_AFTER, BIAS, dtype)  # fmt: skip
+                       SCALE_AFTER, MAGIC, SCALE_AFTER, BIAS, dtype, FP8)  # fmt: skip
     return int_tile_dot(acc, w, s, z, xs, SCALE_AFTER, SCALE_AFTER, BIAS, IEEE_DOT, dtype)
 
 
@@ -216,6 +221,7 @@ def _gate_up_int_kernel(
     BIAS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     FIELDS: tl.constexpr,
+    FP8: tl.constexpr,  # float8_e4m3fn bytes (PackedExperts.fp8)
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if expert >= 0:
@@ -248,11 +254,11 @@ def _gate_up_int_kernel(
                 acc_gate = _int_rows_dot(acc_gate, xs, w_ptr, s_ptr, z_ptr, gate_rows, n_ok, k0,
                                          kk, k_ok, words, groups, group_size, BITS, BLOCK_N,
                                          BLOCK_K, TILE_GROUP, WORDS_ONCE, SCALE_AFTER, MAGIC,
-                                         BIAS, IEEE_DOT, dtype)  # fmt: skip
+                                         BIAS, IEEE_DOT, dtype, FP8)  # fmt: skip
                 acc_up = _int_rows_dot(acc_up, xs, w_ptr, s_ptr, z_ptr, gate_rows + inter, n_ok,
                                        k0, kk, k_ok, words, groups, group_size, BITS, BLOCK_N,
                                        BLOCK_K, TILE_GROUP, WORDS_ONCE, SCALE_AFTER, MAGIC, BIAS,
-                                       IEEE_DOT, dtype)  # fmt: skip
+                                       IEEE_DOT, dtype, FP8)  # fmt: skip
         gate = acc_gate.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
         out = out_ptr + slots.to(tl.int64)[None, :] * inter + n[:, None]
@@ -287,6 +293,7 @@ def _down_int_kernel(
     BIAS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     FIELDS: tl.constexpr,
+    FP8: tl.constexpr,  # float8_e4m3fn bytes (PackedExperts.fp8)
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if expert >= 0:
@@ -312,7 +319,7 @@ def _down_int_kernel(
                 acc = _int_rows_dot(acc, xs, w_ptr, s_ptr, z_ptr, w_rows, n_ok, k0, kk, k_ok,
                                     words, groups, group_size, BITS, BLOCK_N, BLOCK_K, TILE_GROUP,
                                     WORDS_ONCE, SCALE_AFTER, MAGIC, BIAS, IEEE_DOT,
-                                    dtype)  # fmt: skip
+                                    dtype, FP8)  # fmt: skip
         weight = tl.load(weights_ptr + rows, mask=valid, other=0.0)
         y = acc.to(dtype).to(tl.float32) * weight[None, :]
         out = out_ptr + rows[None, :] * hidden + n[:, None]

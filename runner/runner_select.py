@@ -182,15 +182,20 @@ def _experts_path(runner_name: str, model: Any, device: str) -> str:
     with ", grouped_mm for long runs" where bf16 SwiGLU experts take torch's grouped GEMM
     once every expert gets a long run of tokens (kernels/moe_grouped.py); the "torch" loop
     over experts on the CPU, "transformers" on the reference runner; "none" for a dense
-    model. Experts kept packed (kernels/moe_int.py) add ", packed int4" (or int8)."""
+    model. Experts kept packed (kernels/moe_int.py) add ", packed int4" (or int8, or
+    float8_e4m3fn for an FP8 checkpoint's kept bytes)."""
     config = getattr(model, "config", None)
     if config is None or experts_per_pick(config) is None:
         return "none"
     if runner_name != "mrv2":
         return "transformers"
-    bits = max((m.packed_bits for m in model.modules() if isinstance(m, SparseMoeBlock)),
-               default=0)  # fmt: skip
-    packed = f", packed int{bits}" if bits else ""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.packed_bits]
+    packed = ""
+    if blocks:
+        fp8 = any(m.packed_fp8 for m in blocks)
+        packed = ", packed " + (
+            "float8_e4m3fn" if fp8 else f"int{max(m.packed_bits for m in blocks)}"
+        )
     if not device.startswith("cuda"):
         return "torch" + packed
     grouped = grouped_stacks(model) and grouped_device(device)

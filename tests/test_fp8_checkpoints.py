@@ -227,10 +227,12 @@ def test_other_quantizations_are_named_not_run(tiny_qwen3_dir):
 
 
 def test_packed_keeps_the_fp8_bytes_and_matches_the_dequantized_model(fp8_pair):
-    """`quantized_weights="packed"` on an FP8 checkpoint keeps each dense projection's
-    float8 bytes (runner/models/fp8_kept.py: PackedLinear with fp8 codes, kernels/
-    int_linear.py; an MoE layer's experts are dequantized) and gives the dequantized
-    twin's greedy tokens; compressed-tensors' int8 weights cannot stay packed and say so."""
+    """`quantized_weights="packed"` on an FP8 checkpoint keeps each dense projection's and
+    each MoE layer's experts' float8 bytes (runner/models/fp8_kept.py: PackedLinear and
+    packed expert stacks with fp8 codes, kernels/int_linear.py and moe_int.py) and gives
+    the dequantized twin's greedy tokens; compressed-tensors' int8 weights cannot stay
+    packed and say so."""
+    from pdserve.runner.models.moe import SparseMoeBlock
     from pdserve.runner.models.packed_linear import PackedLinear
 
     fp8_dir, ref_dir = fp8_pair
@@ -240,15 +242,16 @@ def test_packed_keeps_the_fp8_bytes_and_matches_the_dequantized_model(fp8_pair):
         return
     llm = LLM(model=fp8_dir, device=DEVICE, dtype="float32", max_num_batched_tokens=64,
               quantized_weights="packed")  # fmt: skip
-    assert llm.engine.execution_path["weights"] == "fp8->float8_e4m3fn"
+    path = llm.engine.execution_path
+    assert path["weights"] == "fp8->float8_e4m3fn"
     model = llm.engine.runner.model
     kept = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    layers = len(model.layers)
-    assert (
-        len(kept)
-        == 2 * layers + sum(type(layer.mlp).__name__ == "MLP" for layer in model.layers) * 2
-    )
+    moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert len(kept) == 4 * len(model.layers) - 2 * len(moe)  # qkv, o (+ gate/up, down)
     assert all(m.fp8 and m.qweight.dtype == torch.int32 for m in kept)
+    assert all(b.packed_fp8 and b.packed_bits == 8 for b in moe)
+    assert path["experts"] == ("none" if not moe else "torch, packed float8_e4m3fn"
+                               if DEVICE == "cpu" else "triton, packed float8_e4m3fn")  # fmt: skip
     # the o projection's bytes are the checkpoint's, viewed as words
     (file,) = sorted(Path(fp8_dir).glob("*.safetensors"))
     o = load_file(file)["model.layers.0.self_attn.o_proj.weight"]

@@ -78,7 +78,7 @@ def test_spec_is_the_per_token_sum_of_dequantized_experts():
 
 def _cpu(p: PackedExperts) -> PackedExperts:
     return PackedExperts(p.qweight.cpu(), p.scales.cpu(), p.zeros.cpu(), p.bits, p.group_size,
-                         p.in_features)  # fmt: skip
+                         p.in_features, p.fp8)  # fmt: skip
 
 
 SHAPES = [
@@ -182,3 +182,51 @@ def test_shapes_are_checked():
     with pytest.raises(AssertionError, match="dense"):
         PackedExperts(gate_up.qweight[:, ::2], gate_up.scales[:, ::2], gate_up.zeros[:, ::2], 4,
                       16, 44)  # fmt: skip
+
+
+def fp8_experts(experts, n, k, group_size, gen) -> tuple[PackedExperts, torch.Tensor]:
+    """Random FP8-kept experts (float8_e4m3fn bytes as words, a scale per group) and their
+    float32 weights [E, N, K], decoded by torch's float8 conversion."""
+    from test_fp8_linear import fp8_bytes, words_of
+
+    size = k if group_size == -1 else group_size
+    groups = -(-k // size)
+    qs, ss, ws = [], [], []
+    for _ in range(experts):
+        b = fp8_bytes(n, k, gen)
+        scales = torch.rand(n, groups, generator=gen) / (k**0.5 * 64) + 1e-4
+        qs.append(words_of(b))
+        ss.append(scales)
+        ws.append(b.view(torch.float8_e4m3fn).float() * scales[:, torch.arange(k) // size])
+    zeros = torch.zeros(experts, n, groups, dtype=torch.uint8)
+    packed = PackedExperts(torch.stack(qs).to(DEVICE), torch.stack(ss).to(DEVICE),
+                           zeros.to(DEVICE), 8, size, k, fp8=True)  # fmt: skip
+    return packed, torch.stack(ws)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group_size", [16, -1, 24])
+def test_fp8_experts_match_the_per_token_loop(group_size, dtype):
+    """An FP8 checkpoint's kept experts (PackedExperts.fp8): the spec against a loop over
+    tokens and picks on torch-decoded weights, and the kernels against the spec (groups a
+    tile holds whole, one group a row, groups that span tiles). Codes read as integers, a
+    scale from the wrong group or an expert's rows from another err by O(scale)."""
+    gen = torch.Generator().manual_seed(11)
+    tokens, hidden, inter, experts, top_k = 9, 48, 40, 5, 2
+    gate_up, w_gu = fp8_experts(experts, 2 * inter, hidden, group_size, gen)
+    down, w_d = fp8_experts(experts, hidden, inter, group_size, gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    weights, ids = route_top_k(torch.randn(tokens, experts, generator=gen).to(DEVICE), top_k, True)
+    spec = moe_experts_int_ref(x.cpu(), _cpu(gate_up), _cpu(down), ids.cpu(), weights.cpu())
+    if dtype == torch.float32:
+        want = torch.zeros(tokens, hidden, dtype=torch.float64)
+        for t in range(tokens):
+            for j in range(top_k):
+                e = int(ids[t, j])
+                gu = F.linear(x[t].cpu().double(), w_gu[e].double())
+                h = F.silu(gu[:inter]) * gu[inter:]
+                want[t] += float(weights[t, j]) * F.linear(h, w_d[e].double())
+        torch.testing.assert_close(spec.double(), want, rtol=1e-5,
+                                   atol=1e-5 * float(want.abs().max()))  # fmt: skip
+    got = moe_experts_int_triton(x, gate_up, down, ids, weights)
+    assert_moe_close(got.cpu(), spec, dtype)

@@ -7,8 +7,9 @@ Marlin path on GPUs without FP8 tensor cores).
 
 When: as for packed integer checkpoints (runner/models/packed_linear.py's `runs_packed`):
 `--quantized-weights packed`, or "auto" where the 16-bit weights would not leave the KV
-cache room. Which projections: the same Llama-family sites (`swap_packed_linears`); MoE
-experts and everything else are dequantized at load.
+cache room. Which projections: the same Llama-family sites (`swap_packed_linears`), the
+routed experts of its MoE layers included (kernels/moe_int.py with `fp8` codes); the
+rest of the model (other families, routers, embeddings) is dequantized at load.
 
 Layout: a kept linear becomes PackedLinear's `qweight` (the bytes along K viewed as int32
 words, lowest byte first, the last word zero-padded), `scales` float32 [N, G] and

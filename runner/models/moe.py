@@ -120,11 +120,13 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared else None
         self.packed_groups: dict[str, int] = {}  # projection -> group size, when packed
         self.packed_bits = 0
+        self.packed_fp8 = False
 
-    def pack_experts(self, bits: int, group_size: int) -> None:
+    def pack_experts(self, bits: int, group_size: int, fp8: bool = False) -> None:
         """Replaces the 16-bit expert stacks with packed ones (on the meta device, before
         allocation): int32 codes, float32 scales and uint8 zeros a projection
-        (`group_size` -1: one group a row)."""
+        (`group_size` -1: one group a row); `fp8`: the codes are an FP8 checkpoint's
+        float8_e4m3fn bytes (runner/models/fp8_kept.py)."""
         experts, two_inter, hidden = self.experts_gate_up.shape
         del self.experts_gate_up, self.experts_down
         frozen = {"requires_grad": False}
@@ -139,13 +141,13 @@ class SparseMoeBlock(nn.Module):
                 param = nn.Parameter(torch.empty(shape, dtype=dtype), **frozen)
                 setattr(self, f"experts_{which}_{part}", param)
             self.packed_groups[which] = size
-        self.packed_bits = bits
+        self.packed_bits, self.packed_fp8 = bits, fp8
 
     def _packed(self, which: str, in_features: int) -> PackedExperts:
         return PackedExperts(
             getattr(self, f"experts_{which}_qweight"), getattr(self, f"experts_{which}_scales"),
             getattr(self, f"experts_{which}_zeros"), self.packed_bits, self.packed_groups[which],
-            in_features,
+            in_features, self.packed_fp8,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -132,7 +132,7 @@ def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
     MoE layers' expert stacks (on the meta device, before allocation); returns their names
     (model-local, e.g. "layers.0.self_attn.qkv_proj", "layers.1.mlp.experts"). Models this
     does not cover return an empty set. A kept FP8 checkpoint (`fmt.method` FP8_KEPT)
-    swaps the dense projections only: its experts are dequantized at load."""
+    keeps float8 bytes in both."""
     # (imported here: llama.py imports this module for `project`)
     from pdserve.runner.models.llama import Attention, LlamaFamilyForCausalLM, family_spec
     from pdserve.runner.models.mlp import MLP
@@ -153,8 +153,8 @@ def swap_packed_linears(model: nn.Module, fmt: PackedIntFormat) -> set[str]:
             ]
         if type(layer.mlp) is MLP:
             sites += [(layer.mlp, "mlp", "gate_up_proj"), (layer.mlp, "mlp", "down_proj")]
-        if type(layer.mlp) is SparseMoeBlock and not fp8:  # its experts (kernels/moe_int.py)
-            layer.mlp.pack_experts(fmt.bits, fmt.group_size)
+        if type(layer.mlp) is SparseMoeBlock:  # its experts (kernels/moe_int.py)
+            layer.mlp.pack_experts(fmt.bits, fmt.group_size, fp8)
             swapped.add(f"layers.{i}.mlp.experts")
             if type(layer.mlp.shared_expert) is MLP:  # Qwen2-MoE's
                 shared = layer.mlp.shared_expert
