@@ -8,7 +8,10 @@ Layout (one for every checkpoint format; runner/models/packed_int_weights.py con
   word, the lowest bits first (the last word zero-padded);
 - `scales` float32 [N, G] and `zeros` uint8 [N, G], G = ceil(K / group_size): input k
   is in group k // group_size (contiguous groups; act-order checkpoints stay on the
-  dequantized path).
+  dequantized path);
+- an FP8 checkpoint's kept weights (runner/models/fp8_kept.py) take the same layout with
+  8-bit codes that are float8_e4m3fn bytes (`fp8`): each weight is value * scale, the
+  zeros unread.
 
 The spec, `int_linear_ref`, dequantizes the whole weight to x's dtype (the float32
 product `(code - zero) * scale` rounded once, exactly as a checkpoint dequantized at load
@@ -464,7 +467,7 @@ def int_linear(
     """x [..., K] -> [..., N]: on CUDA the Triton kernel, or for batches of more than
     DEQUANT_ROWS rows the weight dequantized to a scratch tensor and cuBLAS (the spec's
     math, one kernel); the spec elsewhere. `fp8`: the 8-bit codes are float8_e4m3fn bytes
-    (an FP8 checkpoint's weights kept as they are, runner/models/fp8_weights.py)."""
+    (an FP8 checkpoint's weights kept as they are, runner/models/fp8_kept.py)."""
     if not x.is_cuda:
         return int_linear_ref(x, qweight, scales, zeros, bits, group_size, bias, fp8)
     if x.numel() > DEQUANT_ROWS * x.shape[-1]:

@@ -18,8 +18,8 @@ What this does not do: run FP8 GEMMs. The weights take the dtype's memory (twice
 in bf16) and the matmuls run as for any 16-bit model; the execution path says so
 (`weights=fp8->bfloat16`). Where the loader keeps a projection's bytes instead
 (`--quantized-weights packed`, runner/models/fp8_kept.py), `dequantized_weights` hands
-them on in PackedLinear's layout (`weights=fp8->float8_e4m3fn`). Activation scales (`input_scale`) are dropped: activations
-stay in the model's dtype. KV-cache scales never reach this module: runner/models/
+them on in PackedLinear's layout (`weights=fp8->float8_e4m3fn`). Activation scales
+(`input_scale`) are dropped: activations stay in the model's dtype. KV-cache scales never reach this module: runner/models/
 kv_scales.py takes them first, for `--kv-cache-dtype fp8`.
 """
 
