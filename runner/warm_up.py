@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 import time
 
+from pdserve.kernels.int_linear import DEQUANT_ROWS
 from pdserve.kernels.paged_decode_split import FEW_DECODE_PAIRS, MIN_SPLIT_KEYS
 from pdserve.kernels.row_squares import SQ_ROWS
 from pdserve.runner.engine import Engine
 from pdserve.runner.models.moe import experts_per_pick
+from pdserve.runner.models.packed_linear import PackedLinear
 from pdserve.runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -69,13 +71,31 @@ def moe_variant_batches(engine: Engine) -> list[tuple[int, ...]]:
     ratio = experts_per_pick(engine.config.model.hf_config)
     if ratio is None:
         return []
-    fits = min(
+    fits = _one_step_prompt(engine)
+    sizes = (int(mean_run * ratio) + 1 for mean_run in (32, 80))  # blocks of 32, then 64
+    return [(n,) for n in sizes if n <= fits]
+
+
+def packed_variant_batches(engine: Engine) -> list[tuple[int, ...]]:
+    """One prompt of DEQUANT_ROWS + 1 tokens where the model keeps packed integer or FP8
+    projections (runner/models/packed_linear.py): a batch that long dequantizes each weight
+    with its own kernel and multiplies with cuBLAS (kernels/int_linear.py), which the
+    short warm-up prompts never reach. Where the engine's limits take it in one step;
+    nothing for other models."""
+    model = getattr(engine.runner, "model", None)
+    if model is None or not any(isinstance(m, PackedLinear) for m in model.modules()):
+        return []
+    n = DEQUANT_ROWS + 1
+    return [(n,)] if _one_step_prompt(engine) >= n else []
+
+
+def _one_step_prompt(engine: Engine) -> int:
+    """The longest prompt the engine prefills in one step with its blocks all free."""
+    return min(
         engine.config.model.max_model_len - 2,
         engine.config.scheduler.max_num_batched_tokens,
         engine.kv.num_free_blocks * engine.kv.block_size - 2,
     )
-    sizes = (int(mean_run * ratio) + 1 for mean_run in (32, 80))  # blocks of 32, then 64
-    return [(n,) for n in sizes if n <= fits]
 
 
 def warm_up(engine: Engine) -> float:
@@ -86,7 +106,8 @@ def warm_up(engine: Engine) -> float:
     vocab = engine.config.model.vocab_size
     limit = engine.config.model.max_model_len - 2
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, seed=0)
-    variants = decode_variant_batches(engine) + moe_variant_batches(engine)
+    variants = (decode_variant_batches(engine) + moe_variant_batches(engine)
+                + packed_variant_batches(engine))  # fmt: skip
     for b, lengths in enumerate(_BATCHES + tuple(variants)):
         for i, n in enumerate(lengths):
             prompt = [(7 * b + 3 * i + j) % vocab for j in range(min(n, limit))]

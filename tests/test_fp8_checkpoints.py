@@ -291,3 +291,31 @@ def test_kept_fp8_scales_are_checked_and_the_bytes_padded():
     assert kept_fp8_format(block, int8=False).group_size == 8
     assert kept_fp8_format(channel, int8=False).group_size == -1
     assert kept_fp8_format(channel, int8=True) is None and kept_fp8_format(None, False) is None
+
+
+def test_the_warm_up_reaches_the_long_batch_dequantize(tiny_qwen3_dir, tmp_path):
+    """A worker must not compile the packed linears' long-batch kernel (DEQUANT_ROWS + 1
+    rows and more dequantize the weight for cuBLAS) in a request: with packed or kept
+    projections the warm-up adds a prompt that long, where one step takes it, and leaves
+    nothing behind; a dequantized load adds none."""
+    from pdserve.kernels.int_linear import DEQUANT_ROWS
+    from pdserve.runner.engine import Engine
+    from pdserve.runner.warm_up import packed_variant_batches, warm_up
+
+    _fp8_pair(tiny_qwen3_dir, tmp_path / "fp8", tmp_path / "ref", per_channel=False)
+    kw = {"model": str(tmp_path / "fp8"), "device": DEVICE, "dtype": "float32",
+          "max_model_len": 512, "max_num_seqs": 8}  # fmt: skip
+    packed = Engine.from_args(quantized_weights="packed", max_num_batched_tokens=256, **kw)
+    assert packed_variant_batches(packed) == [(DEQUANT_ROWS + 1,)]
+    lengths = []  # the warm-up's prompts, as the engine takes them
+    add = packed.add_request
+    packed.add_request = lambda rid, prompt, params: (
+        lengths.append(len(prompt)),
+        add(rid, prompt, params),
+    )[1]
+    assert warm_up(packed) > 0
+    assert DEQUANT_ROWS + 1 in lengths
+    assert not packed.scheduler.requests and packed.kv.num_free_blocks == packed.kv.num_blocks - 1
+    short = Engine.from_args(quantized_weights="packed", max_num_batched_tokens=128, **kw)
+    assert packed_variant_batches(short) == []
+    assert packed_variant_batches(Engine.from_args(max_num_batched_tokens=256, **kw)) == []
