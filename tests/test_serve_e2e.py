@@ -999,7 +999,7 @@ def test_the_log_says_where_each_request_ran_and_what_the_pools_did(pd_busy):
 
 
 # What the router saw of a request's path: shown when a path assertion fails (a pull that
-# fell back to recompute still answers right).
+# fell back to recompute still answers right), one series a line (a list's repr is cut).
 PATH_SERIES = (
     "pdserve:worker_stats_failures",
     "pdserve:kv_transfer",
@@ -1040,7 +1040,10 @@ def test_pd_over_the_nccl_transport_path(pd_busy, pd):
     )
     assert r.choices[0].message.content == "The capital of France is Paris."
     text = pd_busy.metrics()
-    path = [line for line in text.splitlines() if line.startswith(PATH_SERIES)]
+    path = "\n".join(line for line in text.splitlines() if line.startswith(PATH_SERIES))
+    why = ("could not", "release", "recompute", "transfer group", "lease")  # a fallback's log
+    path += "\n" + "\n".join(ln for ln in pd_busy.log.read_text().splitlines() if any(
+        w in ln for w in why))  # fmt: skip
     assert _metric(text, "pdserve:kv_transfer_pulls_total", transport="nccl") >= 1, path
     assert _metric(text, "pdserve:kv_transfer_pulls_total", transport="tcp") == 0
     # The same counter on the tcp server moves under tcp. Its own request, with a prompt
@@ -1091,7 +1094,7 @@ def test_pd_with_layer_wise_early_tickets(layer_wise_pd, pd):
     assert g.tokens == w.tokens
     assert all(abs(a - b) < 1e-4 for a, b in zip(g.token_logprobs, w.token_logprobs)), (g, w)
     text = layer_wise_pd.metrics()
-    path = [line for line in text.splitlines() if line.startswith(PATH_SERIES)]
+    path = "\n".join(line for line in text.splitlines() if line.startswith(PATH_SERIES))
     assert _metric(text, "pdserve:kv_transfer_pulls_total", transport="tcp") >= 2, path
     assert _metric(text, "pdserve:kv_recompute_fallbacks_total") == 0, path
     # Early tickets went out (the default server sends none): the path really ran.
