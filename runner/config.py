@@ -20,9 +20,9 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # How a GPTQ / AWQ / compressed-tensors checkpoint's integer weights, or an FP8 one's
 # float8 bytes, run (runner/models/packed_linear.py, fp8_kept.py): "auto" dequantizes
-# them at load where the 16-bit
-# weights leave the KV cache room for one max_model_len request and keeps them packed
-# where they do not (runner/models/loader.py); "packed" / "dequantized" choose.
+# them at load where the 16-bit weights leave the KV cache room for one max_model_len
+# request and keeps them packed where they do not (runner/models/loader.py); "packed" /
+# "dequantized" choose.
 QUANTIZED_WEIGHTS = ("auto", "packed", "dequantized")
 
 
