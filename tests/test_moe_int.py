@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_fp8_linear import fp8_bytes, words_of
 from test_int_linear import pack_words, reference_weight
 from test_moe_kernels import DTYPES, assert_moe_close
 from test_triton_index_kernels import DEVICE
@@ -187,8 +188,6 @@ def test_shapes_are_checked():
 def fp8_experts(experts, n, k, group_size, gen) -> tuple[PackedExperts, torch.Tensor]:
     """Random FP8-kept experts (float8_e4m3fn bytes as words, a scale per group) and their
     float32 weights [E, N, K], decoded by torch's float8 conversion."""
-    from test_fp8_linear import fp8_bytes, words_of
-
     size = k if group_size == -1 else group_size
     groups = -(-k // size)
     qs, ss, ws = [], [], []

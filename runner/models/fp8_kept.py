@@ -38,7 +38,7 @@ FP8_KEPT = "fp8"  # PackedIntFormat.method of a kept FP8 checkpoint
 def kept_fp8_format(fmt: Fp8Format | None, int8: bool) -> PackedIntFormat | None:
     """The packed description (8-bit float8 codes, the scales' group) of an FP8 checkpoint
     whose projections may stay FP8, None for any other checkpoint (`int8`: the checkpoint's
-    scaled weights are compressed-tensors' int8, fp8_weights.int8_weights_only)."""
+    scaled weights are compressed-tensors' int8, quantized_source "w8a8")."""
     if fmt is None or int8:
         return None
     group = -1 if fmt.block is None else fmt.block[1]

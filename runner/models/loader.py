@@ -18,19 +18,10 @@ from pdserve.runner.config import CacheConfig, ModelConfig
 from pdserve.runner.models import MODEL_REGISTRY
 from pdserve.runner.models.dummy_weights import dummy_weights
 from pdserve.runner.models.fp8_kept import FP8_KEPT, kept_fp8_format
-from pdserve.runner.models.fp8_weights import (
-    dequantized_weights,
-    fp8_format,
-    int8_weights_only,
-    quantized_source,
-)
+from pdserve.runner.models.fp8_weights import dequantized_weights, fp8_format, quantized_source
 from pdserve.runner.models.kv_scales import KvScales
 from pdserve.runner.models.norm_fold import fold_norms
-from pdserve.runner.models.packed_int_weights import (
-    dequantized_packed_weights,
-    packed_int_format,
-    quantization_config,
-)
+from pdserve.runner.models.packed_int_weights import dequantized_packed_weights, packed_int_format
 from pdserve.runner.models.packed_linear import packed_target, runs_packed, swap_packed_linears
 from pdserve.runner.models.text_only import language_model_weights
 from pdserve.runner.mrv2.kv_cache import GPU_ACTIVATION_RESERVE_BYTES, block_bytes
@@ -130,8 +121,8 @@ def load_model(
     dummy = model_config.load_format == "dummy"
     packed = None if dummy else packed_int_format(cfg)
     fp8 = None if dummy else fp8_format(cfg)
-    int8 = fp8 is not None and int8_weights_only(quantization_config(cfg) or {})
-    keepable = packed or kept_fp8_format(fp8, int8)  # what may stay packed, FP8 included
+    # what may stay packed, FP8 included (not compressed-tensors' int8 weights, "w8a8")
+    keepable = packed or kept_fp8_format(fp8, quantized_source(cfg) == "w8a8")
     # GPTQ / AWQ / compressed-tensors linears the model runs packed, and FP8 ones kept as
     # bytes (after the dtype cast: their scales stay float32), before a byte is allocated
     # (runner/models/packed_linear.py, fp8_kept.py)
