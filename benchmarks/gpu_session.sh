@@ -70,12 +70,12 @@ THIRD=(tests/test_sliding_window_attention.py tests/test_sliding_window_models.p
     tests/test_qwen3_next.py tests/test_hybrid_prefix_caching.py)
 # The 2026-12-05 thirty-fifth session's kernels and families (no device was lent then):
 # the Mamba1 scan and the new models (chunked attention's kernel cases are in THIRD's
-# test_sliding_window_attention.py).
+# test_sliding_window_attention.py); the packed integer and kept FP8 linears.
 FOURTH=(tests/test_selective_scan.py
     tests/test_llama4.py tests/test_qwen_vl_text.py tests/test_minimax_m2.py
     tests/test_cohere.py tests/test_weights_fit.py tests/test_glm4.py
     tests/test_ernie4_5_moe.py tests/test_olmoe.py tests/test_granite_moe.py tests/test_arcee.py
-    tests/test_int_linear.py tests/test_packed_int_checkpoints.py tests/test_moe_int.py)
+    tests/test_int_linear.py tests/test_packed_int_checkpoints.py tests/test_moe_int.py tests/test_fp8_linear.py)
 case "${TESTS:-all}" in
   1) FILES=("${FIRST[@]}") ;;
   2) FILES=("${SECOND[@]}") ;;
