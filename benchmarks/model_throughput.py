@@ -25,7 +25,8 @@ device's disk and a call's time, and throughput per layer is what compares):
                     experts of 8192 (one a token, on its input) beside a shared one
   llama3_8b         Llama-3-8B: GQA 32/8 x 128, SwiGLU 14336, 128k vocabulary (with
                     `--quantize gptq4`: its projections as a 4-bit GPTQ checkpoint,
-                    benchmarks/gptq_checkpoint.py, run packed)
+                    benchmarks/gptq_checkpoint.py, run packed; `--quantize fp8`: served
+                    with --quantization fp8)
 The workloads, prompts (seeded random ids) and forced output lengths are throughput.py's.
 Each row records the runner and execution path (`experts`, graph scope) that ran it.
 `--peer vllm` runs vLLM 0.25 on the same directory in a child process afterwards.
@@ -214,9 +215,10 @@ def main() -> int:
     ap.add_argument("--peer", choices=["vllm"], default=None)
     ap.add_argument(
         "--quantize",
-        choices=["gptq4"],
+        choices=["gptq4", "fp8"],
         default=None,
-        help="rewrite the random checkpoint as 4-bit GPTQ (gptq_checkpoint.py)",
+        help="gptq4: rewrite the random checkpoint as 4-bit GPTQ (gptq_checkpoint.py); fp8: "
+        "serve it with --quantization fp8 (its projections quantized at load)",
     )
     ap.add_argument(
         "--quantized-weights", default="auto", choices=["auto", "packed", "dequantized"]
@@ -229,7 +231,7 @@ def main() -> int:
     layers = args.layers or SHAPES[args.shape][2]
     model_dir = Path(tempfile.mkdtemp(prefix=f"{args.shape}-random-"))
     vocab = build_model_dir(args.shape, layers, model_dir)
-    if args.quantize:
+    if args.quantize == "gptq4":
         from gptq_checkpoint import to_gptq
 
         to_gptq(model_dir)
@@ -239,6 +241,7 @@ def main() -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager, gpu_memory_utilization=0.8,
         quantized_weights=args.quantized_weights,
+        quantization="fp8" if args.quantize == "fp8" else None,
     )  # fmt: skip
     startup = time.perf_counter() - start
     rows = []

@@ -67,6 +67,9 @@ class ModelConfig:
     load_format: str = "auto"
     # a packed integer checkpoint's weights: QUANTIZED_WEIGHTS
     quantized_weights: str = "auto"
+    # vLLM's --quantization fp8 on a 16-bit checkpoint: "fp8" quantizes the projections as
+    # they load (runner/models/fp8_online.py); None reads the checkpoint as it is
+    quantize_at_load: str | None = None
 
     @property
     def tokenizer_path(self) -> str:
@@ -81,6 +84,10 @@ class ModelConfig:
         _require(
             self.dtype in SUPPORTED_DTYPES,
             f"dtype must be one of float32, float16, bfloat16 (got {self.dtype})",
+        )
+        _require(
+            self.quantize_at_load in (None, "fp8"),
+            f"quantize_at_load must be None or 'fp8' (got {self.quantize_at_load!r})",
         )
         _require(self.max_model_len >= 1, f"max_model_len must be >= 1 (got {self.max_model_len})")
         _require(

@@ -28,7 +28,7 @@ from pdserve.runner.config import (
 from pdserve.runner.hf_overrides import apply_hf_overrides, parse_hf_overrides
 from pdserve.runner.hybrid import is_hybrid
 from pdserve.runner.model_source import resolve_model_dir, resolve_tokenizer_dir
-from pdserve.runner.models.fp8_weights import check_quantization
+from pdserve.runner.models.fp8_weights import check_quantization, quantized_source
 from pdserve.runner.models.text_only import text_view
 from pdserve.runner.runner_select import select_runner
 from pdserve.runner.tokenizer import load_tokenizer
@@ -155,6 +155,13 @@ def resolve_engine_config(
         )
     check_quantization(quantization, hf_config)  # vLLM's argument: the checkpoint's or none
     runner_name = select_runner(runner, hf_config)
+    # vLLM's online FP8: a 16-bit checkpoint's projections quantized as they load
+    quantize_at_load = "fp8" if quantization == "fp8" and not quantized_source(hf_config) else None
+    if quantize_at_load and runner_name != "mrv2":
+        raise ValueError(
+            f"quantization='fp8' on a 16-bit checkpoint quantizes its weights at load in the "
+            f"mrv2 runner only (this model runs on the {runner_name} runner)"
+        )
     if kv_cache_dtype != "auto" and runner_name != "mrv2":
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype!r} needs the mrv2 runner (the {runner_name} "
@@ -194,6 +201,7 @@ def resolve_engine_config(
             tokenizer=tokenizer_dir,
             load_format=load_format,
             quantized_weights=quantized_weights,
+            quantize_at_load=quantize_at_load,
         ),
         cache=CacheConfig(
             block_size=block_size,

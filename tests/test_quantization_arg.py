@@ -1,7 +1,7 @@
 """vLLM's `quantization` argument (`LLM(quantization=...)`, `pdserve serve -q`): the
 checkpoint's own method, or none, runs; anything else is refused by name as the engine's
-config resolves, before a weight loads (runner/models/fp8_weights.py check_quantization):
-nothing is quantized at load, and only FP8 and MXFP4 checkpoints are read."""
+config resolves, before a weight loads (runner/models/fp8_weights.py check_quantization).
+"fp8" on a 16-bit checkpoint is vLLM's online quantization (tests/test_fp8_online.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pdserve.runner.models.fp8_weights import check_quantization
 def test_none_or_the_checkpoints_own_method_is_accepted(tiny_llama_dir):
     bf16 = AutoConfig.from_pretrained(tiny_llama_dir)
     check_quantization(None, bf16)
+    check_quantization("fp8", bf16)  # quantized at load (runner/models/fp8_online.py)
     fp8 = AutoConfig.from_pretrained(tiny_llama_dir)
     fp8.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     check_quantization("fp8", fp8)
@@ -27,7 +28,7 @@ def test_none_or_the_checkpoints_own_method_is_accepted(tiny_llama_dir):
 @pytest.mark.parametrize(
     "requested, quant, message",
     [
-        ("fp8", None, "would quantize its weights at load"),
+        ("gptq", None, "the checkpoint is 16-bit"),
         ("awq", None, "the checkpoint is 16-bit"),
         ("mxfp4", {"quant_method": "fp8"}, r"the checkpoint is fp8 \(read as such"),
     ],
@@ -41,5 +42,5 @@ def test_other_methods_are_refused(tiny_llama_dir, requested, quant, message):
 
 
 def test_the_engine_refuses_it(tiny_llama_dir):
-    with pytest.raises(ValueError, match="would quantize its weights at load"):
-        LLM(model=tiny_llama_dir, device=DEVICE, dtype="float32", quantization="fp8")
+    with pytest.raises(ValueError, match="the checkpoint is 16-bit"):
+        LLM(model=tiny_llama_dir, device=DEVICE, dtype="float32", quantization="awq")

@@ -98,8 +98,8 @@ def check_quantization(requested: str | None, hf_config: Any) -> None:
     """vLLM's `quantization` argument against the checkpoint: None (or the checkpoint's own
     method: "fp8", "mxfp4", "gptq" or "awq", the last two also by vLLM's Marlin names, or
     "compressed-tensors" for such a checkpoint) is what runs; anything else is refused by
-    name, since weights are never quantized at load here (vLLM's `--quantization fp8` on a
-    16-bit checkpoint) and other methods are not read."""
+    name, since other methods are not read. "fp8" on a 16-bit checkpoint is vLLM's online
+    quantization (runner/models/fp8_online.py), also accepted."""
     if requested is None:
         return
     have = quantized_source(hf_config)
@@ -108,15 +108,12 @@ def check_quantization(requested: str | None, hf_config: Any) -> None:
     if METHOD_ALIASES.get(requested, requested) == have or (requested == method == CT):
         return
     if have is None and requested == "fp8":
-        raise ValueError(
-            "quantization='fp8' on a 16-bit checkpoint would quantize its weights at load, "
-            "which pdserve does not do; serve an FP8 checkpoint (read as it is) instead"
-        )
+        return  # quantized at load (runner/models/fp8_online.py)
     raise ValueError(
         f"quantization={requested!r}: the checkpoint is "
         f"{have + ' (read as such without the argument)' if have else '16-bit'}, and pdserve "
         "reads FP8, GPTQ, AWQ, compressed-tensors (FP8 and packed integers) and MXFP4 "
-        "(gpt-oss) checkpoints only"
+        "(gpt-oss) checkpoints, and quantizes 16-bit ones to FP8 at load ('fp8'), only"
     )
 
 

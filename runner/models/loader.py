@@ -18,11 +18,23 @@ from pdserve.runner.config import CacheConfig, ModelConfig
 from pdserve.runner.models import MODEL_REGISTRY
 from pdserve.runner.models.dummy_weights import dummy_weights
 from pdserve.runner.models.fp8_kept import FP8_KEPT, kept_fp8_format
+from pdserve.runner.models.fp8_online import (
+    ONLINE_FORMAT,
+    ONLINE_FP8_FORMAT,
+    online_swap,
+    quantized_at_load,
+    source_dtype,
+)
 from pdserve.runner.models.fp8_weights import dequantized_weights, fp8_format, quantized_source
 from pdserve.runner.models.kv_scales import KvScales
 from pdserve.runner.models.norm_fold import fold_norms
 from pdserve.runner.models.packed_int_weights import dequantized_packed_weights, packed_int_format
-from pdserve.runner.models.packed_linear import packed_target, runs_packed, swap_packed_linears
+from pdserve.runner.models.packed_linear import (
+    PackedLinear,
+    packed_target,
+    runs_packed,
+    swap_packed_linears,
+)
 from pdserve.runner.models.text_only import language_model_weights
 from pdserve.runner.mrv2.kv_cache import GPU_ACTIVATION_RESERVE_BYTES, block_bytes
 
@@ -121,8 +133,12 @@ def load_model(
     dummy = model_config.load_format == "dummy"
     packed = None if dummy else packed_int_format(cfg)
     fp8 = None if dummy else fp8_format(cfg)
+    online = model_config.quantize_at_load is not None  # --quantization fp8 on 16-bit
+    if online:
+        fp8 = ONLINE_FP8_FORMAT  # the quantized stream reads as an FP8 checkpoint's
     # what may stay packed, FP8 included (not compressed-tensors' int8 weights, "w8a8")
-    keepable = packed or kept_fp8_format(fp8, quantized_source(cfg) == "w8a8")
+    keepable = ONLINE_FORMAT if online else (
+        packed or kept_fp8_format(fp8, quantized_source(cfg) == "w8a8"))  # fmt: skip
     # GPTQ / AWQ / compressed-tensors linears the model runs packed, and FP8 ones kept as
     # bytes (after the dtype cast: their scales stay float32), before a byte is allocated
     # (runner/models/packed_linear.py, fp8_kept.py)
@@ -141,7 +157,9 @@ def load_model(
             f"{quantized_source(cfg) or '16-bit'}; GPTQ, AWQ, compressed-tensors packed "
             "integers and FP8 stay packed, nothing else does (drop it)"
         )
-    if keepable is not None and runs_packed(
+    if online:  # asked for: kept whatever the memory
+        swapped = online_swap(model, model_config, fold)
+    elif keepable is not None and runs_packed(
         model_config.quantized_weights, keepable, not fold, dequantized, budget
     ):
         swapped = swap_packed_linears(model, keepable)
@@ -151,7 +169,7 @@ def load_model(
                 "run packed (Llama-family decoders without reworked weights do); drop it to "
                 "dequantize them at load"
             )
-    if keepable is not None and on_gpu and model_config.quantized_weights == "auto":
+    if keepable is not None and on_gpu and model_config.quantized_weights == "auto" and not online:
         logger.info(
             "quantized_weights auto: %s (16-bit weights %.1f GiB against %.1f GiB the "
             "weights may take beside the %.1f GiB the KV cache needs at least)",
@@ -176,6 +194,8 @@ def load_model(
         weights = language_model_weights(weights)
     kv_scales = KvScales()  # an FP8 KV cache's scales, where the checkpoint has them
     weights = kv_scales.take(weights)
+    if online:  # the kept projections' 16-bit weights quantized as they stream in
+        weights = quantized_at_load(weights, partial(packed_target, swapped=swapped), device)
     if fp8 is not None:  # dequantized as they stream in, or kept (runner/models/fp8_kept.py)
         keep = partial(packed_target, swapped=swapped)
         weights = dequantized_weights(weights, fp8, model_config.dtype, keep)
@@ -186,9 +206,15 @@ def load_model(
         model.load_weights(weights)
     kv_scales.apply(model)
     model.weights_from = "dummy" if dummy else quantized_source(cfg)
+    if online:  # the checkpoint's own dtype, then what it became
+        model.weights_from = source_dtype(cfg)
     # the execution path's weights
     model.packed_bits = keepable.bits if swapped else None
     model.packed_fp8 = bool(swapped) and keepable.method == FP8_KEPT
+    # kept FP8 projections whose batches past DEQUANT_ROWS rows run W8A8 FP8 GEMMs
+    recipes = {m.prepare_w8a8(model_config.dtype) for m in model.modules()
+               if isinstance(m, PackedLinear)} if model.packed_fp8 else set()  # fmt: skip
+    model.w8a8 = "+".join(sorted(r for r in recipes if r)) or None
     if fold and device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
         # 16-bit decode batches on the GPU run without norm launches (norm_fold.py); fp32
         # (the parity runs against transformers) and CPU keep the weights as loaded.

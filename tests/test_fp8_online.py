@@ -1,0 +1,118 @@
+"""vLLM's `--quantization fp8` on a 16-bit checkpoint (runner/models/fp8_online.py): the
+Llama-family projections are quantized to float8_e4m3fn as they load, one scale an
+output channel, and run as an FP8 checkpoint's kept bytes do.
+
+- The model's tokens and logprobs equal its "quantized twin": a 16-bit checkpoint whose
+  projections are the FP8 codes times their scales, written here by the spec quantizer
+  (kernels/fp8_quant.py's `quantize_fp8_ref`), run by transformers. Float32 weights:
+  the kept path multiplies the same dequantized values, so only summation order differs.
+- In bf16 the projections whose scales allow it run batches past 128 rows as W8A8 FP8
+  GEMMs (kernels/fp8_gemm.py), and the execution path says so; a loaded projection's
+  long batch equals the W8A8 spec on the checkpoint's own weights quantized by the spec.
+- What cannot run so is refused by name, never left 16-bit silently.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEVICE, assert_logprobs_match_hf, hf_greedy
+from safetensors.torch import load_file, save_file
+
+from pdserve import LLM, SamplingParams
+from pdserve.kernels.fp8_gemm import ROW, fp8_linear_ref
+from pdserve.kernels.fp8_quant import quantize_fp8_ref
+from pdserve.kernels.int_linear import DEQUANT_ROWS
+from pdserve.runner.models.packed_linear import PackedLinear
+
+
+def quantized_twin(src: str, dst: Path) -> str:
+    """`src` with every decoder projection replaced by its FP8 codes times their scales."""
+    shutil.copytree(src, dst)
+    (file,) = sorted(Path(src).glob("*.safetensors"))
+    out = {}
+    for name, w in load_file(file).items():
+        if name.endswith("proj.weight") and ".layers." in name:
+            codes, scale = quantize_fp8_ref(w, 0)
+            w = (codes.float() * scale).to(w.dtype)
+        out[name] = w
+    save_file(out, dst / file.name, metadata={"format": "pt"})
+    return str(dst)
+
+
+@pytest.fixture(scope="module", params=["tiny_qwen3_dir", "tiny_qwen3_moe_dir"])
+def online_pair(request, tmp_path_factory) -> tuple[str, str]:
+    src = request.getfixturevalue(request.param)
+    return src, quantized_twin(src, tmp_path_factory.mktemp(request.param) / "twin")
+
+
+def test_online_fp8_equals_the_quantized_twin(online_pair):
+    from pdserve.runner.models.moe import SparseMoeBlock
+
+    src, twin = online_pair
+    llm = LLM(model=src, device=DEVICE, dtype="float32", quantization="fp8",
+              max_num_batched_tokens=64)  # fmt: skip
+    path = llm.engine.execution_path
+    assert path["weights"].endswith("->float8_e4m3fn"), path["weights"]
+    assert "w8a8" not in path["weights"]  # float32 activations: no FP8 GEMM
+    model = llm.engine.runner.model
+    kept = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert kept and len(kept) == 4 * len(model.layers) - 2 * len(moe)
+    assert all(m.fp8 and m.scales.shape[1] == 1 for m in kept)  # a scale a channel
+    assert all(b.packed_fp8 for b in moe)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 9, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, out, exp in zip(prompts, outs, hf_greedy(twin, prompts, 12)):
+        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
+    del llm
+    assert_logprobs_match_hf(src, [5, 17, 101, 9, 250, 33, 7], 6, ref_dir=twin,
+                             quantization="fp8")  # fmt: skip
+
+
+def test_bf16_long_batches_run_w8a8(tiny_qwen3_dir):
+    llm = LLM(model=tiny_qwen3_dir, device=DEVICE, dtype="bfloat16", quantization="fp8",
+              max_num_batched_tokens=256)  # fmt: skip
+    assert llm.engine.execution_path["weights"].endswith(
+        f"->float8_e4m3fn, w8a8 {ROW} past {DEQUANT_ROWS} rows"
+    )
+    attn = llm.engine.runner.model.layers[0].self_attn
+    # qkv's 216 outputs are not 16-aligned: it dequantizes past 128 rows; o (96 x 144) runs
+    # W8A8 with the checkpoint's weight quantized by the spec
+    assert attn.qkv_proj.w8a8 is None and attn.o_proj.w8a8 == ROW
+    (file,) = sorted(Path(tiny_qwen3_dir).glob("*.safetensors"))
+    w = load_file(file)["model.layers.0.self_attn.o_proj.weight"]
+    codes, scale = quantize_fp8_ref(w, 0)
+    x = torch.randn(DEQUANT_ROWS + 2, w.shape[1], generator=torch.Generator().manual_seed(0))
+    x = x.bfloat16().to(DEVICE)
+    got = attn.o_proj(x).cpu()
+    want = fp8_linear_ref(x.cpu(), codes, scale.reshape(1, -1), None, ROW)
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:  # the FP8 GEMM sums in another order: a bf16 rounding of |y| apart
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-3).all()
+    # a long prompt runs through it (and through qkv's dequantized path)
+    out = llm.generate([{"prompt_token_ids": list(range(3, 3 + 150))}],
+                       SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4),
+                       use_tqdm=False)  # fmt: skip
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_what_cannot_run_fp8_is_refused_by_name(tiny_qwen3_dir, tiny_granite_dir):
+    with pytest.raises(ValueError, match="quantized_weights='dequantized'"):
+        LLM(model=tiny_qwen3_dir, device=DEVICE, dtype="float32", quantization="fp8",
+            quantized_weights="dequantized")  # fmt: skip
+    with pytest.raises(ValueError, match="LoRA adapters read 16-bit"):
+        LLM(model=tiny_qwen3_dir, device=DEVICE, dtype="float32", quantization="fp8",
+            enable_lora=True)  # fmt: skip
+    with pytest.raises(ValueError, match="projections do not run on FP8 weights"):
+        LLM(model=tiny_granite_dir, device=DEVICE, dtype="float32", quantization="fp8")
+    with pytest.raises(ValueError, match="mrv2 runner only"):
+        LLM(model=tiny_qwen3_dir, device=DEVICE, dtype="float32", quantization="fp8",
+            runner="reference")  # fmt: skip
