@@ -309,6 +309,18 @@ def fp8_kept() -> None:
         moe_experts_int_triton(x, stack(2 * inter, h), stack(h, inter), ids, w)
 
 
+def fp8_quant() -> None:
+    """The W8A8 activation quantizer (kernels/fp8_quant.py): a scale a row in one pass and in
+    two (Llama-3-8B's K of 4096 and 14336, and past one pass), and a scale per 128 inputs."""
+    from pdserve.kernels.fp8_quant import quantize_fp8_triton
+
+    for k in (4096, 14336, 28672):
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.zeros(160, k, dtype=dtype)
+            quantize_fp8_triton(x, 0)
+            quantize_fp8_triton(x, 128)
+
+
 def decode_small_batch() -> None:
     """The layer kernels of throughput.py's small_batch decode step (32 rows, Qwen3-0.6B's
     shapes, bf16, norms folded): prepare_qkv on scaled rows, the per-head decode attention,
@@ -360,6 +372,7 @@ def scenarios() -> dict[str, Callable[[], None]]:
         "moe_bf16": moe("bf16"),
         "packed_int": packed_int(),
         "fp8_kept": fp8_kept,
+        "fp8_quant": fp8_quant,
         "decode_small_batch": decode_small_batch,
     }
     try:  # the quantized experts' stacks (branch exp/mxfp4-experts)

@@ -128,6 +128,6 @@ def quantize_fp8_triton(x: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, 
     if m:
         _quantize_fp8_kernel[(m,)](
             x, codes, scales, k, x.stride(0), scales.stride(0), scales.stride(1),
-            GROUP=group_c, BLOCK=block, ONE_PASS=one_pass, num_warps=4 if block <= 4096 else 8,
+            GROUP=group_c, BLOCK=block, ONE_PASS=one_pass, num_warps=min(16, max(4, block // 2048)),
         )  # fmt: skip
     return codes, scales
