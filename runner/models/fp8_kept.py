@@ -2,8 +2,11 @@
 (half of bf16's memory), run by kernels/int_linear.py with `fp8` codes: each tile decodes
 the bytes to float32 and multiplies them by their scale, so the matmul's inputs are the
 same values as a load that dequantizes (runner/models/fp8_weights.py), rounded to the
-model's dtype. Activations stay 16-bit: no FP8 GEMM runs (weight-only, as vLLM's FP8
-Marlin path on GPUs without FP8 tensor cores).
+model's dtype. Decode-size batches keep 16-bit activations (weight-only, as vLLM's FP8
+Marlin path on GPUs without FP8 tensor cores); in bf16 models, batches past DEQUANT_ROWS
+rows of a projection whose scales allow it (one a row, or 128 x 128 blocks) run W8A8 FP8
+GEMMs instead (kernels/fp8_gemm.py: activations quantized per token or per 128 inputs,
+the checkpoint's "dynamic" activation scheme), PackedLinear.prepare_w8a8.
 
 When: as for packed integer checkpoints (runner/models/packed_linear.py's `runs_packed`):
 `--quantized-weights packed`, or "auto" where the 16-bit weights would not leave the KV

@@ -14,11 +14,11 @@ them back:
   W8A8-INT8): int8 `<name>` and `<name>_scale` per channel or per group of inputs. Their
   dynamic int8 activations are not applied: activations stay in the model's dtype.
 
-What this does not do: run FP8 GEMMs. The weights take the dtype's memory (twice FP8's
-in bf16) and the matmuls run as for any 16-bit model; the execution path says so
-(`weights=fp8->bfloat16`). Where the loader keeps a projection's bytes instead
-(`--quantized-weights packed`, runner/models/fp8_kept.py), `dequantized_weights` hands
-them on in PackedLinear's layout (`weights=fp8->float8_e4m3fn`). Activation scales
+Dequantized, the weights take the dtype's memory (twice FP8's in bf16) and the matmuls
+run as for any 16-bit model; the execution path says so (`weights=fp8->bfloat16`). Where
+the loader keeps a projection's bytes instead (`--quantized-weights packed`,
+runner/models/fp8_kept.py, which also runs long batches as W8A8 FP8 GEMMs),
+`dequantized_weights` hands them on in PackedLinear's layout (`weights=fp8->float8_e4m3fn`). Activation scales
 (`input_scale`) are dropped: activations stay in the model's dtype. KV-cache scales never reach this module: runner/models/
 kv_scales.py takes them first, for `--kv-cache-dtype fp8`.
 """
