@@ -153,7 +153,8 @@ class ServeConfig:
     # vLLM's: speculative decoding (runner/config.py SpeculativeConfig), e.g.
     # {"method": "ngram", "num_speculative_tokens": 3}; None: off
     speculative_config: dict | None = None
-    # vLLM's: the checkpoint's own quantization method (fp8, mxfp4) or None; any other is
+    # vLLM's: the checkpoint's own quantization method (fp8, mxfp4) or None, or fp8 on a
+    # 16-bit checkpoint (quantized at load, runner/models/fp8_online.py); any other is
     # refused at start (runner/models/fp8_weights.py check_quantization)
     quantization: str | None = None
     # a GPTQ / AWQ / compressed-tensors checkpoint's weights: auto, packed or dequantized

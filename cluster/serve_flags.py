@@ -83,8 +83,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "integers; fp8 not yet timed) or dequantized")  # fmt: skip
     p.add_argument("-q", "--quantization", default=None, metavar="METHOD",
                    help="the checkpoint's own method (fp8, mxfp4, gptq, awq, "
-                   "compressed-tensors) or none: read from its config either way; any other "
-                   "is refused (nothing is quantized at load)")  # fmt: skip
+                   "compressed-tensors) or none: read from its config either way; fp8 on a "
+                   "16-bit checkpoint quantizes its Llama-family projections to FP8 at "
+                   "load (a scale a channel); any other is refused")  # fmt: skip
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\': drafts from '
