@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE, assert_logprobs_match_hf, hf_greedy
+from conftest import DEVICE, assert_greedy_matches_hf, assert_logprobs_match_hf, hf_greedy
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
@@ -240,8 +240,8 @@ def test_packed_keeps_the_fp8_bytes_and_matches_the_dequantized_model(fp8_pair):
         with pytest.raises(ValueError, match="quantized_weights='packed'"):
             LLM(model=fp8_dir, device=DEVICE, dtype="float32", quantized_weights="packed")
         return
-    llm = LLM(model=fp8_dir, device=DEVICE, dtype="float32", max_num_batched_tokens=64,
-              quantized_weights="packed")  # fmt: skip
+    llm = assert_greedy_matches_hf(fp8_dir, (1, 9, 40), 12, seed=5, ref_dir=ref_dir,
+                                   quantized_weights="packed")  # fmt: skip
     path = llm.engine.execution_path
     assert path["weights"] == "fp8->float8_e4m3fn"
     model = llm.engine.runner.model
@@ -258,12 +258,6 @@ def test_packed_keeps_the_fp8_bytes_and_matches_the_dequantized_model(fp8_pair):
     k = o.shape[1]
     got = model.layers[0].self_attn.o_proj.qweight.cpu().view(torch.uint8)[:, :k]
     assert torch.equal(got, o.view(torch.uint8))
-    rng = random.Random(5)
-    prompts = [[rng.randrange(3, 990) for _ in range(n)] for n in (1, 9, 40)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for p, out, exp in zip(prompts, outs, hf_greedy(ref_dir, prompts, 12)):
-        assert out.outputs[0].token_ids == exp, f"mismatch for prompt of {len(p)} tokens"
 
 
 def test_kept_fp8_scales_are_checked_and_the_bytes_padded():
