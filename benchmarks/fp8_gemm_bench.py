@@ -6,7 +6,8 @@ Not a test. Llama-3-8B's four decoder GEMMs, or `--shapes qwen3_0_6b`, at decode
 prefill row counts. Each case is a CUDA graph of `--layers` calls on as many distinct
 weights (none read from L2), replayed; reported per call in us. Impls:
 - cublas_bf16: F.linear on bf16 weights.
-- fp8_dequant_cublas: kernels/int_linear.py's long-batch path on kept FP8 bytes.
+- fp8_dequant_cublas: kernels/int_linear.py's long-batch path on kept FP8 bytes;
+  fp8_int_linear (up to 128 rows): its decode path (the weight-only Triton tiles).
 - w8a8_rowwise / w8a8_block: the activation quantization (torch ops) and _scaled_mm with
   a scale per output channel / per 128 x 128 weight block; `_gemm` rows time the
   _scaled_mm alone on pre-quantized activations.
@@ -28,7 +29,8 @@ from run_meta import write_result
 from skinny_bench import graph_us
 
 from pdserve.kernels.fp8_quant import quantize_fp8, quantize_fp8_ref
-from pdserve.kernels.int_linear import dequantize_int_triton
+from pdserve.kernels.int_linear import DEQUANT_ROWS, dequantize_int_triton, int_linear_triton
+from pdserve.kernels.workspace import KernelWorkspace
 
 FP8_MAX = 448.0
 BLOCK = 128
@@ -72,6 +74,11 @@ def bench_rows(base: dict, x: torch.Tensor, weights: tuple) -> list[dict]:
     add("cublas_bf16", [lambda w=w: F.linear(x, w) for w in dense])
     add("fp8_dequant_cublas", [lambda q=q, s=s: F.linear(x, dequantize_int_triton(
         q, s, zeros, 8, k, k, x.dtype, True)) for q, s in zip(qweights, row_scale)])  # fmt: skip
+    if m <= DEQUANT_ROWS:  # the kept-FP8 decode path (16-bit activations)
+        work = KernelWorkspace()
+        add("fp8_int_linear", [lambda q=q, s=s: int_linear_triton(
+            x, q, s, zeros, 8, k, None, None, work, True)
+            for q, s in zip(qweights, row_scale)])  # fmt: skip
 
     def rowwise(w, s):
         q, xs = quant_rows(x)
@@ -130,7 +137,7 @@ def bench_rows(base: dict, x: torch.Tensor, weights: tuple) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="llama3_8b")
-    ap.add_argument("--rows", default="1,32,256,2048,8192")
+    ap.add_argument("--rows", default="1,32,128,256,2048,8192")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
