@@ -93,16 +93,15 @@ def bench_rows(base: dict, x: torch.Tensor, weights: tuple) -> list[dict]:
         q, w.t(), scale_a=xs, scale_b=s.t(), out_dtype=torch.bfloat16)
         for w, s in zip(w8, row_scale)])  # fmt: skip
 
-    add("quant_rows_triton", [lambda: quantize_fp8(x, 0) for _ in dense])
-    add("quant_groups_triton", [lambda: quantize_fp8(x, BLOCK) for _ in dense])
-    tq, ts = quantize_fp8(x, 0)
-    tq_ref, ts_ref = quantize_fp8_ref(x.cpu(), 0)
+    add("quant_rows_triton", [lambda: quantize_fp8(x) for _ in dense])
+    tq, ts = quantize_fp8(x)
+    tq_ref, ts_ref = quantize_fp8_ref(x.cpu())
     rows_out.append({**base, "impl": "quant_rows_triton_equals_spec",
                      "equal": torch.equal(tq.cpu().view(torch.uint8), tq_ref.view(torch.uint8))
                      and torch.equal(ts.cpu(), ts_ref)})  # fmt: skip
 
     def rowwise_tq(w, s):
-        q, xs = quantize_fp8(x, 0)
+        q, xs = quantize_fp8(x)
         return _scaled(q, w.t(), xs, s.t())
 
     add("w8a8_rowwise_triton_quant", [lambda w=w, s=s: rowwise_tq(w, s)

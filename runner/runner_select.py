@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from pdserve.kernels.int_linear import DEQUANT_ROWS
 from pdserve.kernels.moe_grouped import grouped_device
 from pdserve.runner.config import RUNNER_CHOICES, architecture_of
 from pdserve.runner.models import MODEL_REGISTRY
@@ -165,9 +164,8 @@ def _weights_path(model: Any) -> str:
     (runner/models/packed_linear.py; MoE experts and the rest in the model's dtype),
     "fp8->float8_e4m3fn" where they run on an FP8 checkpoint's kept bytes (fp8_kept.py),
     "bfloat16->float8_e4m3fn" where `--quantization fp8` quantized a 16-bit checkpoint's
-    at load (fp8_online.py), either with ", w8a8 row past 128 rows" (or "block", or
-    "block+row") where batches past DEQUANT_ROWS rows run W8A8 FP8 GEMMs
-    (kernels/fp8_gemm.py; shorter ones keep 16-bit activations), "mxfp4->bfloat16" for
+    at load (fp8_online.py), either with ", w8a8" where (some of) those projections run
+    W8A8 FP8 GEMMs (kernels/fp8_gemm.py: a scale a channel, bf16), "mxfp4->bfloat16" for
     gpt-oss's MXFP4 experts (no FP4 GEMM runs)."""
     params = getattr(model, "parameters", None)
     first = next(params(), None) if params is not None else None
@@ -178,8 +176,8 @@ def _weights_path(model: Any) -> str:
     bits = getattr(model, "packed_bits", None)
     if bits:  # the dense projections run on packed integers (runner/models/packed_linear.py)
         codes = "float8_e4m3fn" if getattr(model, "packed_fp8", False) else f"int{bits}"
-        w8a8 = getattr(model, "w8a8", None)  # kernels/fp8_gemm.py's recipes, if any
-        return f"{source}->{codes}" + (f", w8a8 {w8a8} past {DEQUANT_ROWS} rows" if w8a8 else "")
+        w8a8 = getattr(model, "w8a8", 0)  # projections run as W8A8 (kernels/fp8_gemm.py)
+        return f"{source}->{codes}" + (", w8a8" if w8a8 else "")
     return f"{source}->{dtype}" if source else dtype
 
 

@@ -6,9 +6,9 @@ output channel, and run as an FP8 checkpoint's kept bytes do.
   projections are the FP8 codes times their scales, written here by the spec quantizer
   (kernels/fp8_quant.py's `quantize_fp8_ref`), run by transformers. Float32 weights:
   the kept path multiplies the same dequantized values, so only summation order differs.
-- In bf16 the projections whose scales allow it run batches past 128 rows as W8A8 FP8
-  GEMMs (kernels/fp8_gemm.py), and the execution path says so; a loaded projection's
-  long batch equals the W8A8 spec on the checkpoint's own weights quantized by the spec.
+- In bf16 the projections run as W8A8 FP8 GEMMs (kernels/fp8_gemm.py) at every batch
+  size where their shapes allow, and the execution path says so; a loaded projection
+  equals the W8A8 spec on the checkpoint's own weights quantized by the spec.
 - What cannot run so is refused by name, never left 16-bit silently.
 """
 
@@ -23,9 +23,8 @@ from conftest import DEVICE, assert_greedy_matches_hf, assert_logprobs_match_hf
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels.fp8_gemm import ROW, fp8_linear_ref
+from pdserve.kernels.fp8_gemm import fp8_linear_ref
 from pdserve.kernels.fp8_quant import quantize_fp8_ref
-from pdserve.kernels.int_linear import DEQUANT_ROWS
 from pdserve.runner.models.packed_linear import PackedLinear
 
 
@@ -36,7 +35,7 @@ def quantized_twin(src: str, dst: Path) -> str:
     out = {}
     for name, w in load_file(file).items():
         if name.endswith("proj.weight") and ".layers." in name:
-            codes, scale = quantize_fp8_ref(w, 0)
+            codes, scale = quantize_fp8_ref(w)
             w = (codes.float() * scale).to(w.dtype)
         out[name] = w
     save_file(out, dst / file.name, metadata={"format": "pt"})
@@ -68,32 +67,30 @@ def test_online_fp8_equals_the_quantized_twin(online_pair):
                              quantization="fp8")  # fmt: skip
 
 
-def test_bf16_long_batches_run_w8a8(tiny_qwen3_dir):
+def test_bf16_runs_w8a8(tiny_qwen3_dir):
     llm = LLM(model=tiny_qwen3_dir, device=DEVICE, dtype="bfloat16", quantization="fp8",
               max_num_batched_tokens=256)  # fmt: skip
-    assert llm.engine.execution_path["weights"].endswith(
-        f"->float8_e4m3fn, w8a8 {ROW} past {DEQUANT_ROWS} rows"
-    )
+    assert llm.engine.execution_path["weights"].endswith("->float8_e4m3fn, w8a8")
     attn = llm.engine.runner.model.layers[0].self_attn
-    # qkv's 216 outputs are not 16-aligned: it dequantizes past 128 rows; o (96 x 144) runs
-    # W8A8 with the checkpoint's weight quantized by the spec
-    assert attn.qkv_proj.w8a8 is None and attn.o_proj.w8a8 == ROW
+    # qkv's 216 outputs are not 16-aligned: its weight-only FP8 tiles run; o (96 x 144) is
+    # W8A8 with the checkpoint's weight quantized by the spec, at 1 row and at 130
+    assert not attn.qkv_proj.w8a8 and attn.o_proj.w8a8
     (file,) = sorted(Path(tiny_qwen3_dir).glob("*.safetensors"))
     w = load_file(file)["model.layers.0.self_attn.o_proj.weight"]
-    codes, scale = quantize_fp8_ref(w, 0)
-    x = torch.randn(DEQUANT_ROWS + 2, w.shape[1], generator=torch.Generator().manual_seed(0))
-    x = x.bfloat16().to(DEVICE)
-    got = attn.o_proj(x).cpu()
-    want = fp8_linear_ref(x.cpu(), codes, scale.reshape(1, -1), None, ROW)
-    if DEVICE == "cpu":
-        assert torch.equal(got, want)
-    else:  # the FP8 GEMM sums in another order: a bf16 rounding of |y| apart
-        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-3).all()
-    # a long prompt runs through it (and through qkv's dequantized path)
-    out = llm.generate([{"prompt_token_ids": list(range(3, 3 + 150))}],
-                       SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4),
-                       use_tqdm=False)  # fmt: skip
-    assert len(out[0].outputs[0].token_ids) == 4
+    codes, scale = quantize_fp8_ref(w)
+    for rows in (1, 130):
+        x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+        got = attn.o_proj(x.bfloat16().to(DEVICE)).cpu()
+        want = fp8_linear_ref(x.bfloat16(), codes, scale.reshape(1, -1), None)
+        if DEVICE == "cpu":
+            assert torch.equal(got, want)
+        else:  # the FP8 GEMM sums in another order: a bf16 rounding of |y| apart
+            assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-3).all()
+    # prompts through it, short and past 128 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4)
+    out = llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 150)],
+                       params, use_tqdm=False)  # fmt: skip
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
 
 
 def test_what_cannot_run_fp8_is_refused_by_name(tiny_qwen3_dir, tiny_granite_dir):

@@ -2,11 +2,11 @@
 (half of bf16's memory), run by kernels/int_linear.py with `fp8` codes: each tile decodes
 the bytes to float32 and multiplies them by their scale, so the matmul's inputs are the
 same values as a load that dequantizes (runner/models/fp8_weights.py), rounded to the
-model's dtype. Decode-size batches keep 16-bit activations (weight-only, as vLLM's FP8
-Marlin path on GPUs without FP8 tensor cores); in bf16 models, batches past DEQUANT_ROWS
-rows of a projection whose scales allow it (one a row, or 128 x 128 blocks) run W8A8 FP8
-GEMMs instead (kernels/fp8_gemm.py: activations quantized per token or per 128 inputs,
-the checkpoint's "dynamic" activation scheme), PackedLinear.prepare_w8a8.
+model's dtype, with 16-bit activations (weight-only, as vLLM's FP8 Marlin path on GPUs
+without FP8 tensor cores); except that in bf16 models a projection with a scale a channel
+(or one for the tensor) runs W8A8 FP8 GEMMs at every batch size instead
+(kernels/fp8_gemm.py: activations quantized per token, the checkpoint's "dynamic"
+scheme; PackedLinear.prepare_w8a8). Block-scaled weights keep the weight-only tiles.
 
 When: as for packed integer checkpoints (runner/models/packed_linear.py's `runs_packed`):
 `--quantized-weights packed`, or "auto" where the 16-bit weights would not leave the KV

@@ -1,9 +1,9 @@
 """vLLM's `--quantization fp8` on a 16-bit checkpoint: the Llama-family projections (and
 the routed experts of its MoE layers) are quantized to float8_e4m3fn as they load, one
 scale an output channel (`amax / 448`, kernels/fp8_quant.py's rounding), and then run
-exactly as an FP8 checkpoint's kept bytes do (runner/models/fp8_kept.py): decode-size
-batches through kernels/int_linear.py's FP8 tiles (16-bit activations), longer ones as
-W8A8 FP8 GEMMs (kernels/fp8_gemm.py, bf16 models). Half the weight memory of bf16.
+exactly as an FP8 checkpoint's kept bytes do (runner/models/fp8_kept.py): as W8A8 FP8
+GEMMs in bf16 models (kernels/fp8_gemm.py, activations quantized per token), through
+kernels/int_linear.py's weight-only FP8 tiles in others. Half the weight memory of bf16.
 
 What is not quantized, as in vLLM: embeddings, the LM head, norms, routers, and every
 family whose projections do not run packed (runner/models/packed_linear.py
@@ -33,7 +33,7 @@ ONLINE_FP8_FORMAT = Fp8Format("compressed-tensors", "_scale", None)
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A 16-bit [N, K] weight as float8_e4m3fn codes [N, K] and float32 scales [N, 1]."""
-    return quantize_fp8(weight.contiguous(), 0)
+    return quantize_fp8(weight.contiguous())
 
 
 def quantized_at_load(

@@ -211,10 +211,9 @@ def load_model(
     # the execution path's weights
     model.packed_bits = keepable.bits if swapped else None
     model.packed_fp8 = bool(swapped) and keepable.method == FP8_KEPT
-    # kept FP8 projections whose batches past DEQUANT_ROWS rows run W8A8 FP8 GEMMs
-    recipes = {m.prepare_w8a8(model_config.dtype) for m in model.modules()
-               if isinstance(m, PackedLinear)} if model.packed_fp8 else set()  # fmt: skip
-    model.w8a8 = "+".join(sorted(r for r in recipes if r)) or None
+    # kept FP8 projections that run W8A8 FP8 GEMMs (kernels/fp8_gemm.py)
+    kept = [m for m in model.modules() if isinstance(m, PackedLinear)] if model.packed_fp8 else []
+    model.w8a8 = sum(m.prepare_w8a8(model_config.dtype) for m in kept)  # how many
     if fold and device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
         # 16-bit decode batches on the GPU run without norm launches (norm_fold.py); fp32
         # (the parity runs against transformers) and CPU keep the weights as loaded.

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from pdserve.kernels.activation import gelu_tanh_and_mul, silu_and_mul
-from pdserve.kernels.fp8_gemm import block_scales, fp8_linear, w8a8_recipe
-from pdserve.kernels.int_linear import DEQUANT_ROWS, int_linear
+from pdserve.kernels.fp8_gemm import fp8_linear, w8a8_applies
+from pdserve.kernels.int_linear import int_linear
 from pdserve.kernels.skinny_linear import linear
 from pdserve.kernels.workspace import KernelWorkspace
 from pdserve.runner.models.fp8_kept import FP8_KEPT
@@ -67,33 +67,31 @@ class PackedLinear(nn.Module):
         self.zeros = nn.Parameter(torch.empty(out_features, groups, dtype=torch.uint8), **frozen)
         self.bias = None if bias is None else nn.Parameter(torch.empty_like(bias), **frozen)
 
-        # kept FP8 only: the W8A8 recipe of batches past DEQUANT_ROWS rows
+        # kept FP8 with a scale a channel, bf16: every batch runs as W8A8
         # (kernels/fp8_gemm.py), set by `prepare_w8a8` once the weights are loaded
-        self.w8a8: str | None = None
-        self.w8a8_scales: torch.Tensor | None = None
+        self.w8a8 = False
+        self.w8a8_scales: torch.Tensor | None = None  # [1, N] float32
 
     @torch.no_grad()
-    def prepare_w8a8(self, dtype: torch.dtype) -> str | None:
-        """Takes kernels/fp8_gemm.py's recipe for kept FP8 weights whose scales allow one
-        (None: batches past DEQUANT_ROWS rows dequantize the weight, as integer codes do)."""
-        if not self.fp8:
-            return None
-        n, k = self.out_features, self.in_features
-        self.w8a8 = w8a8_recipe(self.scales, n, k, self.group_size, dtype)
-        if self.w8a8 is not None:
-            self.w8a8_scales = block_scales(self.scales, self.w8a8)
+    def prepare_w8a8(self, dtype: torch.dtype) -> bool:
+        """Takes kernels/fp8_gemm.py's W8A8 GEMM for kept FP8 weights it applies to (else
+        the weight-only tiles of kernels/int_linear.py run, as for integer codes)."""
+        self.w8a8 = self.fp8 and w8a8_applies(self.scales, self.out_features,
+                                              self.in_features, dtype)  # fmt: skip
+        if self.w8a8:
+            self.w8a8_scales = self.scales.reshape(1, -1).float().contiguous()
         return self.w8a8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w8a8 is not None and x.numel() > DEQUANT_ROWS * self.in_features:
+        if self.w8a8:
             weight = self.qweight.view(torch.uint8).view(torch.float8_e4m3fn)  # [N, K]
-            return fp8_linear(x, weight, self.w8a8_scales, self.bias, self.w8a8)
+            return fp8_linear(x, weight, self.w8a8_scales, self.bias)
         return int_linear(x, self.qweight, self.scales, self.zeros, self.bits, self.group_size,
                           self.bias, self.workspace, self.fp8)  # fmt: skip
 
     def extra_repr(self) -> str:
         codes = "float8_e4m3fn" if self.fp8 else f"bits={self.bits}"
-        w8a8 = f", w8a8={self.w8a8}" if self.w8a8 else ""
+        w8a8 = ", w8a8" if self.w8a8 else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{codes}, group_size={self.group_size}{w8a8}")  # fmt: skip
 
