@@ -80,7 +80,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "FP8 one's float8 bytes: auto (dequantized at load where 16-bit weights "
                    "leave the KV cache one max_model_len request, else packed), packed "
                    "(Triton int4/int8/fp8-weight kernels, 1.2-1.5x slower than 16-bit for "
-                   "integers; fp8 not yet timed) or dequantized")  # fmt: skip
+                   "integers; fp8 with a scale a channel in bf16: W8A8 FP8 GEMMs, faster "
+                   "than 16-bit) or dequantized")  # fmt: skip
     p.add_argument("-q", "--quantization", default=None, metavar="METHOD",
                    help="the checkpoint's own method (fp8, mxfp4, gptq, awq, "
                    "compressed-tensors) or none: read from its config either way; fp8 on a "

@@ -23,7 +23,6 @@ from pdserve.runner.models.fp8_kept import FP8_KEPT
 from pdserve.runner.models.fp8_weights import Fp8Format
 from pdserve.runner.models.packed_int_weights import PackedIntFormat
 
-ONLINE_FP8 = "fp8"  # ModelConfig.quantize_at_load
 # the kept-FP8 description of the quantized projections: 8-bit float codes, a scale a row
 ONLINE_FORMAT = PackedIntFormat(FP8_KEPT, 8, -1, 0, act_order=False, symmetric=True)
 # how the quantized stream names its scales (dequantized_weights reads it as a
