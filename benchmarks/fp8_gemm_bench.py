@@ -8,7 +8,8 @@ weights (none read from L2), replayed; reported per call in us. Impls:
 - cublas_bf16: F.linear on bf16 weights.
 - fp8_dequant_cublas: kernels/int_linear.py's long-batch path on kept FP8 bytes;
   fp8_int_linear (up to 128 rows): its decode path (the weight-only Triton tiles).
-- w8a8_rowwise / w8a8_block: the activation quantization (torch ops) and _scaled_mm with
+- w8a8_rowwise / w8a8_block: the activation quantization (torch ops: kernels/fp8_quant.py's
+  spec for rows) and _scaled_mm with
   a scale per output channel / per 128 x 128 weight block; `_gemm` rows time the
   _scaled_mm alone on pre-quantized activations.
 Each W8A8 result is compared with F.linear in fp32 on the dequantized operands
@@ -34,12 +35,6 @@ from pdserve.kernels.workspace import KernelWorkspace
 
 FP8_MAX = 448.0
 BLOCK = 128
-
-
-def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token FP8: (codes [M, K], scale [M, 1] float32)."""
-    s = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
 
 
 def quant_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,10 +76,10 @@ def bench_rows(base: dict, x: torch.Tensor, weights: tuple) -> list[dict]:
             for q, s in zip(qweights, row_scale)])  # fmt: skip
 
     def rowwise(w, s):
-        q, xs = quant_rows(x)
+        q, xs = quantize_fp8_ref(x)
         return torch._scaled_mm(q, w.t(), scale_a=xs, scale_b=s.t(), out_dtype=torch.bfloat16)
 
-    q, xs = quant_rows(x)
+    q, xs = quantize_fp8_ref(x)
     ref = F.linear(q.float() * xs, w8[0].float() * row_scale[0])
     got = rowwise(w8[0], row_scale[0]).float()
     add("w8a8_rowwise", [lambda w=w, s=s: rowwise(w, s) for w, s in zip(w8, row_scale)],

@@ -15,6 +15,7 @@ quantization runs as a Triton kernel there.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,16 +24,14 @@ from pdserve.runner.models.fp8_kept import FP8_KEPT
 from pdserve.runner.models.fp8_weights import Fp8Format
 from pdserve.runner.models.packed_int_weights import PackedIntFormat
 
+if TYPE_CHECKING:
+    from pdserve.runner.config import ModelConfig
+
 # the kept-FP8 description of the quantized projections: 8-bit float codes, a scale a row
 ONLINE_FORMAT = PackedIntFormat(FP8_KEPT, 8, -1, 0, act_order=False, symmetric=True)
 # how the quantized stream names its scales (dequantized_weights reads it as a
 # compressed-tensors FP8 checkpoint with a scale per channel)
 ONLINE_FP8_FORMAT = Fp8Format("compressed-tensors", "_scale", None)
-
-
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A 16-bit [N, K] weight as float8_e4m3fn codes [N, K] and float32 scales [N, 1]."""
-    return quantize_fp8(weight.contiguous())
 
 
 def quantized_at_load(
@@ -46,14 +45,14 @@ def quantized_at_load(
     for name, tensor in weights:
         prefix = name.removesuffix(".weight")
         if name.endswith(".weight") and tensor.dim() == 2 and keep(prefix):
-            codes, scale = quantize_weight(tensor.to(device))
+            codes, scale = quantize_fp8(tensor.to(device).contiguous())  # [N, K], [N, 1]
             yield name, codes
             yield f"{name}{ONLINE_FP8_FORMAT.scale_suffix}", scale
         else:
             yield name, tensor
 
 
-def online_swap(model: torch.nn.Module, model_config, fold: bool) -> set[str]:
+def online_swap(model: torch.nn.Module, model_config: ModelConfig, fold: bool) -> set[str]:
     """Swaps in the kept-FP8 PackedLinears (and experts) that the quantized weights load
     into; refuses by name what cannot run so (`fold=False`: LoRA adapters, which read
     16-bit weights) rather than leave the model silently 16-bit."""
