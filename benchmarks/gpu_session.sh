@@ -75,7 +75,8 @@ FOURTH=(tests/test_selective_scan.py
     tests/test_llama4.py tests/test_qwen_vl_text.py tests/test_minimax_m2.py
     tests/test_cohere.py tests/test_weights_fit.py tests/test_glm4.py
     tests/test_ernie4_5_moe.py tests/test_olmoe.py tests/test_granite_moe.py tests/test_arcee.py
-    tests/test_int_linear.py tests/test_packed_int_checkpoints.py tests/test_moe_int.py tests/test_fp8_linear.py)
+    tests/test_int_linear.py tests/test_packed_int_checkpoints.py tests/test_moe_int.py tests/test_fp8_linear.py
+    tests/test_fp8_quant.py tests/test_fp8_gemm.py tests/test_fp8_online.py)
 case "${TESTS:-all}" in
   1) FILES=("${FIRST[@]}") ;;
   2) FILES=("${SECOND[@]}") ;;
