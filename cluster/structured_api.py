@@ -3,15 +3,17 @@
 - `response_format`: `{"type": "text"}` (nothing), `{"type": "json_object"}` (JSON mode:
   any JSON object), `{"type": "json_schema", "json_schema": {"schema": {...}}}`.
 - vLLM's `structured_outputs`: `{"json": schema}`, `{"regex": "..."}`,
-  `{"choice": [...]}` or `{"json_object": true}`; and its older `guided_json`,
-  `guided_regex`, `guided_choice`.
+  `{"choice": [...]}`, `{"grammar": "root ::= ..."}` (GBNF: runner/structured/ebnf_parse.py)
+  or `{"json_object": true}`; and its older `guided_json`, `guided_regex`, `guided_choice`,
+  `guided_grammar`.
 
 At most one may be given. The pattern is parsed as the request is read, so a bad regex
 or an unsupported schema keyword is a 400 naming it; then `compile_checked` builds its byte
 DFA (cached per process) on a thread, so a new schema's 0.01-0.5 s of compiling does not
 hold the router's event loop and every stream on it, and a pattern that cannot become an
 automaton (too many states, or no string matches) is a 400 too, before any worker sees the
-request. Grammars (`guided_grammar`, `structured_outputs.grammar`) are refused by name.
+request. A grammar's recursion is unrolled to at most 8 levels (fewer when its automaton
+would pass the state limit): runner/structured/ebnf_unroll.py.
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ from pdserve.runner.structured.spec import StructuredOutputs
 
 COMPILE_TIMEOUT_S = 60.0  # a DFA is bounded at 20,000 states: ~1 s at worst
 
-_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 def parse_structured(body: dict) -> StructuredOutputs | None:
@@ -99,13 +106,6 @@ def _response_format(value: Any) -> StructuredOutputs | None:
 def _structured_outputs(value: Any) -> StructuredOutputs:
     if not isinstance(value, dict):
         raise ApiError("'structured_outputs' must be an object", param="structured_outputs")
-    if value.get("grammar") is not None:
-        raise ApiError(
-            "'structured_outputs': grammars are not supported by this server; use json, "
-            "regex, choice or json_object",
-            param="structured_outputs",
-            code="unsupported",
-        )
     given = {k: v for k, v in value.items() if v is not None and v is not False}
     return _spec("structured_outputs", given)
 

@@ -15,9 +15,8 @@ from pdserve.cluster.openai_api import ApiError
 
 # field -> (is it in use?, why it is refused)
 _RULES: dict[str, tuple[Any, str]] = {
-    # Structured output (response_format, structured_outputs, guided_json/regex/choice)
-    # is carried out (cluster/structured_api.py); grammars are not.
-    "guided_grammar": (lambda v: v is not None, "grammar-guided decoding is not supported"),
+    # Structured output (response_format, structured_outputs, guided_json/regex/choice/
+    # grammar) is carried out: cluster/structured_api.py.
     # tools and tool_choice are carried out (cluster/tool_calls.py: auto needs the
     # server's tool-call parser); the deprecated functions field is not.
     "functions": (bool, "function calling is not supported; use tools"),

@@ -544,13 +544,21 @@ def test_structured_output_over_http_in_pd_equals_colocated(pd, colocated):
         extra_body={"structured_outputs": {"choice": [" spring", " summer", " autumn"]}},
     )  # fmt: skip
     assert {ch.text for ch in r.choices} <= {" spring", " summer", " autumn"}
+    # A GBNF grammar, under both of vLLM's names: the same greedy answer, in its language.
+    grammar = 'root ::= "The answer is " num "."\nnum ::= [0-9] | [1-9] [0-9]+'
+    texts = [c.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=LONG + "How many days are in a week?",
+        max_tokens=12, temperature=0, extra_body=extra,
+    ).choices[0].text for extra in ({"structured_outputs": {"grammar": grammar}},
+                                   {"guided_grammar": grammar})]  # fmt: skip
+    assert texts[0] == texts[1] and re.fullmatch(r"The answer is (\d|[1-9]\d+)\.", texts[0])
     for extra, param in (
         ({"guided_regex": "a{2,1}"}, "guided_regex"),
         # Parses, but its automaton would need more than 20,000 states (compiled on a thread).
         ({"guided_regex": "(a|b)*a(a|b){16}"}, "guided_regex"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
             "type": "string", "format": "ipv9"}}}}, "response_format"),
-        ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+        ({"guided_grammar": "root ::= 'a' rest"}, "guided_grammar"),  # rest is not defined
     ):  # fmt: skip
         with pytest.raises(openai.BadRequestError) as e:
             c.completions.create(

@@ -51,6 +51,13 @@ def vocab(smol, tok) -> list[bytes | None]:
     return token_byte_strings(tok, smol.engine.config.model.vocab_size)
 
 
+@pytest.fixture(scope="module")
+def hf(smollm_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+
+
 def _chat(tok, text: str) -> list[int]:
     msgs = [{"role": "user", "content": text}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -104,15 +111,10 @@ def test_token_table_is_the_walk_of_every_token_from_every_state(smol, vocab):
     assert grammar.state_after([vocab.index(b"no"), vocab.index(b"yes")]) == grammar.finish
 
 
-def test_greedy_under_a_schema_equals_transformers_constrained_by_brute_force(
-    smol, tok, vocab, smollm_dir
-):
+def test_greedy_under_a_schema_equals_transformers_constrained_by_brute_force(smol, tok, vocab, hf):
     """Guards the whole path (engine cache, device state, mask, advance) against the spec
     above on transformers' float32 logits: token for token, EOS included. A second,
     unconstrained request in the same batch must come out as it does alone."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
     prompt = _chat(tok, "Describe a person as JSON with a name, an age and a city.")
     spec = StructuredOutputs(json=PERSON)
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec)
@@ -170,6 +172,47 @@ def test_sampled_numbers_keep_their_schema_bounds(smol, tok):
     assert len(done) >= 4, "most replies end within 48 tokens"
     for comp in done:
         jsonschema.validate(json.loads(comp.text), schema)
+
+
+SQL_GRAMMAR = r"""
+root ::= "SELECT " column (", " column)* " FROM " table (" WHERE " column " = " value)? ";"
+column ::= [a-z] [a-z_]{0,11}
+table ::= [a-z]+
+value ::= [0-9]+ | "'" [a-zA-Z ]{0,20} "'"
+"""
+EXPR_GRAMMAR = r"""
+root   ::= expr
+expr   ::= term ((" + " | " - ") term)*
+term   ::= factor (" * " factor)*
+factor ::= [0-9]{1,3} | "(" expr ")"
+"""
+
+
+def test_grammars_hold_greedy_and_sampled(smol, tok, vocab, hf):
+    """Guards GBNF grammars (`structured_outputs.grammar`) through the engine: greedy under
+    a grammar equals transformers constrained by brute force on the grammar's DFA, token
+    for token, EOS included; samples under a recursive grammar never leave its language
+    (and those that end, end in it)."""
+    prompt = _chat(tok, "Write one SQL query that finds users by their name.")
+    spec = StructuredOutputs(grammar=SQL_GRAMMAR)
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec)
+    out = smol.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    eos = frozenset(smol.engine.eos_token_ids)
+    assert list(out.token_ids) == constrained_greedy(hf, prompt, compile_spec(spec), vocab, eos, 40)
+    assert out.finish_reason == "stop" and compile_spec(spec).matches(out.text.encode())
+    assert out.text.startswith("SELECT ") and out.text.endswith(";"), out.text
+    spec = StructuredOutputs(grammar=EXPR_GRAMMAR)
+    dfa = compile_spec(spec)
+    prompt = {"prompt_token_ids": _chat(tok, "Write a long arithmetic expression.")}
+    sampled = SamplingParams(temperature=1.0, seed=3, n=6, max_tokens=24, structured_outputs=spec)
+    ended = 0
+    for comp in smol.generate(prompt, sampled, use_tqdm=False)[0].outputs:
+        if comp.finish_reason == "stop":
+            ended += 1
+            assert dfa.matches(comp.text.encode()), comp.text
+        else:
+            assert comp.finish_reason == "length" and dfa.walk(comp.text.encode()) >= 0
+    assert ended >= 1
 
 
 def test_json_mode_and_choice(smol, tok):

@@ -444,7 +444,6 @@ def test_special_tokens_follow_vllm(bos_tokenizer):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("guided_grammar", "root ::= 'a'"),
         ("functions", [{"name": "f", "parameters": {}}]),
         ("use_beam_search", True),
         ("suffix", "end"),
@@ -651,8 +650,8 @@ def test_chat_echo_and_the_reply_role_follow_vllm():
 def test_structured_output_fields_parse_as_openai_and_vllm_send_them():
     """Guards the request shapes of structured output: OpenAI's response_format (text,
     json_object, json_schema), vLLM's structured_outputs and guided_* fields; each becomes
-    one StructuredOutputs, and a bad pattern, an unsupported schema keyword, a grammar or
-    two constraints at once are a 400 naming the field before any worker sees them."""
+    one StructuredOutputs, and a bad pattern, an unsupported schema keyword, a bad grammar
+    or two constraints at once are a 400 naming the field before any worker sees them."""
     from pdserve.runner.structured.spec import StructuredOutputs
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -670,6 +669,9 @@ def test_structured_output_fields_parse_as_openai_and_vllm_send_them():
         ({"guided_json": json.dumps(schema)}, StructuredOutputs(json=schema)),
         ({"guided_regex": r"\d+"}, StructuredOutputs(regex=r"\d+")),
         ({"guided_choice": ["x"]}, StructuredOutputs(choice=("x",))),
+        ({"structured_outputs": {"grammar": "root ::= 'a'"}},
+         StructuredOutputs(grammar="root ::= 'a'")),
+        ({"guided_grammar": "root ::= [ab]+"}, StructuredOutputs(grammar="root ::= [ab]+")),
     ]  # fmt: skip
     for body, want in cases:
         for kind in ("chat", "completion"):
@@ -681,7 +683,9 @@ def test_structured_output_fields_parse_as_openai_and_vllm_send_them():
          "'schema'"),
         ({"guided_regex": "(a"}, "guided_regex", "("),
         ({"guided_json": {"type": "number", "multipleOf": 2}}, "guided_json", "multipleOf"),
-        ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "grammar"),
+        ({"structured_outputs": {"grammar": "root ::= 'a"}}, "structured_outputs",
+         "unterminated string literal at line 1, column 10"),
+        ({"guided_grammar": "start: 'a'"}, "guided_grammar", "Lark grammars"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
          "exactly one"),
         ({"guided_choice": [], }, "guided_choice", "choice"),

@@ -6,18 +6,28 @@ import functools
 import json
 
 from pdserve.runner.structured.byte_dfa import ByteDFA, compile_dfa
+from pdserve.runner.structured.ebnf_parse import parse_grammar
+from pdserve.runner.structured.ebnf_unroll import grammar_node, recursive_rules
 from pdserve.runner.structured.json_grammar import json_object_node
 from pdserve.runner.structured.json_schema import schema_node
-from pdserve.runner.structured.regex_ast import Node, alt, literal
+from pdserve.runner.structured.regex_ast import Node, alt, is_empty, literal
 from pdserve.runner.structured.regex_parse import parse_regex
 from pdserve.runner.structured.spec import StructuredOutputs
 
 # JSON mode's bound on nesting (objects and arrays inside the top-level object): the
 # automaton grows with it (see json_grammar.py). Deeper output is cut off by the mask.
 JSON_OBJECT_MAX_DEPTH = 4
+# A grammar's recursion bound (ebnf_unroll.py): the largest depth up to this whose
+# automaton fits `compile_dfa`'s 20,000 states. 8 nested parentheses (or brackets, or
+# clauses) is past what a short structured answer uses.
+GRAMMAR_MAX_DEPTH = 8
 
 
 def pattern_node(spec: StructuredOutputs) -> Node:
+    """The spec's pattern tree (a grammar's with its recursion one level deep: this is the
+    check that it parses; `compile_spec` picks its depth)."""
+    if spec.grammar is not None:
+        return grammar_node(parse_grammar(spec.grammar), 1)
     if spec.regex is not None:
         return parse_regex(spec.regex)
     if spec.choice is not None:
@@ -31,9 +41,37 @@ def pattern_node(spec: StructuredOutputs) -> Node:
     return json_object_node(JSON_OBJECT_MAX_DEPTH)
 
 
+def grammar_dfa(text: str) -> tuple[ByteDFA, int]:
+    """A grammar's DFA and the recursion depth it has (1 for a grammar without recursion):
+    depths 1, 2, ... are compiled until one is too large or GRAMMAR_MAX_DEPTH is reached.
+
+    Depth 1 is empty only when the whole language is: a shortest derivation never opens a
+    rule inside itself (it could be cut shorter there), so it is within depth 1."""
+    rules = parse_grammar(text)
+    if is_empty(grammar_node(rules, 1)):
+        raise ValueError(
+            "the grammar matches no text: every way through root refers again to a rule "
+            "it is inside of, without end"
+        )
+    top = GRAMMAR_MAX_DEPTH if recursive_rules(rules) else 1
+    best: tuple[ByteDFA, int] | None = None
+    for depth in range(1, top + 1):
+        try:
+            best = compile_dfa(grammar_node(rules, depth)), depth
+        except ValueError as e:
+            if best is None:
+                raise ValueError(f"grammar, with its recursion 1 level deep: {e}") from e
+            break
+    assert best is not None
+    return best
+
+
 @functools.lru_cache(maxsize=64)
 def _dfa(key: str) -> ByteDFA:
-    return compile_dfa(pattern_node(StructuredOutputs.from_wire(json.loads(key))))
+    spec = StructuredOutputs.from_wire(json.loads(key))
+    if spec.grammar is not None:
+        return grammar_dfa(spec.grammar)[0]
+    return compile_dfa(pattern_node(spec))
 
 
 def compile_spec(spec: StructuredOutputs) -> ByteDFA:

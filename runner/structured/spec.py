@@ -2,7 +2,8 @@
 
 One of: `json` (a JSON schema, as JSON text so it travels and hashes as one string; its
 property order is kept, since the output follows it), `regex`, `choice` (one of these
-strings, exactly) or `json_object` (any JSON object: OpenAI's JSON mode). The router
+strings, exactly), `grammar` (GBNF text: `ebnf_parse.py`) or `json_object` (any JSON
+object: OpenAI's JSON mode). The router
 compiles the byte DFA (`patterns.py`) to refuse a bad pattern with a 400 before anything
 runs; each worker compiles it again (cached by `key`) and lifts it to its tokenizer
 (`token_table.py`).
@@ -16,6 +17,7 @@ from typing import Any
 
 MAX_CHOICES = 1024
 MAX_PATTERN_CHARS = 64 << 10
+FIELDS = ("json", "regex", "choice", "grammar", "json_object")  # json_object last: a flag
 
 
 @dataclass(frozen=True)
@@ -24,13 +26,14 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     json_object: bool = False
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
-        given = [n for n in ("json", "regex", "choice") if getattr(self, n) is not None]
+        given = [n for n in FIELDS[:-1] if getattr(self, n) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise ValueError(
-                "structured_outputs must set exactly one of json, regex, choice, json_object "
+                f"structured_outputs must set exactly one of {', '.join(FIELDS)} "
                 f"(got {given or 'none'})"
             )
         if self.json is not None and not isinstance(self.json, str):
@@ -47,8 +50,10 @@ class StructuredOutputs:
                     f"(got {choice!r})"
                 )
             object.__setattr__(self, "choice", tuple(choice))
-        if self.regex is not None and not isinstance(self.regex, str):
-            raise ValueError(f"structured_outputs regex must be a string (got {self.regex!r})")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured_outputs {name} must be a string (got {value!r})")
         if len(self.key) > MAX_PATTERN_CHARS:
             raise ValueError(f"structured_outputs is longer than {MAX_PATTERN_CHARS} characters")
 
@@ -64,19 +69,19 @@ class StructuredOutputs:
             return {"regex": self.regex}
         if self.choice is not None:
             return {"choice": list(self.choice)}
+        if self.grammar is not None:
+            return {"grammar": self.grammar}
         return {"json_object": True}
 
     @classmethod
     def from_wire(cls, body: Any) -> StructuredOutputs:
         if not isinstance(body, dict):
-            raise ValueError(
-                "structured_outputs must be a map with one of json, regex, choice, json_object"
-            )
-        unknown = sorted(set(body) - {"json", "regex", "choice", "json_object"})
+            raise ValueError(f"structured_outputs must be a map with one of {', '.join(FIELDS)}")
+        unknown = sorted(set(body) - set(FIELDS))
         if unknown:
             raise ValueError(
                 f"structured_outputs field(s) {unknown} are not supported here (supported: "
-                "json, regex, choice, json_object)"
+                f"{', '.join(FIELDS)})"
             )
         choice = body.get("choice")
         return cls(
@@ -84,6 +89,7 @@ class StructuredOutputs:
             regex=body.get("regex"),
             choice=tuple(choice) if isinstance(choice, list) else choice,
             json_object=body.get("json_object") is True,
+            grammar=body.get("grammar"),
         )
 
     def describe(self) -> str:

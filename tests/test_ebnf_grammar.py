@@ -1,0 +1,313 @@
+"""GBNF grammars (`structured_outputs.grammar`): the parser, the unrolled automaton against
+an independent matcher, and the depth the compiler picks.
+
+The oracle (`accepts`) interprets the parsed rules directly by backtracking over the text,
+with the same bound on recursion (a rule that can reach itself open at most `depth` times
+at once); the automaton under test comes from unrolling the rules into one pattern tree and
+compiling it. Regular grammars are also checked for exact language equality against the
+DFA of a hand-written regex.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+
+from pdserve.cluster.openai_api import ApiError
+from pdserve.cluster.structured_api import compile_checked, parse_structured
+from pdserve.runner.structured.byte_dfa import ByteDFA, compile_dfa
+from pdserve.runner.structured.ebnf_parse import (
+    CharClass,
+    GAlt,
+    GRepeat,
+    GSeq,
+    Ref,
+    Text,
+    parse_grammar,
+)
+from pdserve.runner.structured.ebnf_unroll import grammar_node, recursive_rules
+from pdserve.runner.structured.nfa import nfa_size
+from pdserve.runner.structured.patterns import GRAMMAR_MAX_DEPTH, compile_spec, grammar_dfa
+from pdserve.runner.structured.regex_parse import parse_regex
+from pdserve.runner.structured.spec import StructuredOutputs
+
+EXPR = r"""
+# arithmetic, the usual three levels
+root   ::= expr
+expr   ::= term (("+" | "-") term)*
+term   ::= factor ("*" factor)*
+factor ::= [0-9] | "(" expr ")"
+"""
+LISTS = r"""
+root ::= v
+v    ::= "[" (v ("," v)*)? "]" | item
+item ::= "1" | "22"
+"""
+# The README's example (vLLM's docs use the same shape).
+SQL = r"""
+root ::= select_statement
+select_statement ::= "SELECT " column " from " table " where " condition
+column ::= "col_1 " | "col_2 "
+table ::= "table_1 " | "table_2 "
+condition ::= column "= " number
+number ::= "1 " | "2 "
+"""
+
+
+def _reachable_self(rules: dict, name: str) -> bool:
+    seen, todo = set(), [name]
+    while todo:
+        body = rules[todo.pop()]
+        for ref in _refs(body):
+            if ref == name:
+                return True
+            if ref not in seen:
+                seen.add(ref)
+                todo.append(ref)
+    return False
+
+
+def _refs(e) -> list[str]:
+    if isinstance(e, Ref):
+        return [e.name]
+    if isinstance(e, (GSeq, GAlt)):
+        return [r for p in (e.items if isinstance(e, GSeq) else e.options) for r in _refs(p)]
+    if isinstance(e, GRepeat):
+        return _refs(e.item)
+    return []
+
+
+def accepts(rules: dict, text: str, depth: int) -> bool:
+    """Whether `text` is in root's language with recursion bounded by `depth`: every way
+    through the rules, by backtracking on code points."""
+    recursive = {n for n in rules if _reachable_self(rules, n)}
+
+    def ends(e, i: int, open_: tuple) -> set[int]:
+        if isinstance(e, Text):
+            return {i + len(e.text)} if text.startswith(e.text, i) else set()
+        if isinstance(e, CharClass):
+            if i >= len(text):
+                return set()
+            cp = ord(text[i])
+            inside = any(lo <= cp <= hi for lo, hi in e.ranges)
+            return {i + 1} if inside != e.negate and not 0xD800 <= cp <= 0xDFFF else set()
+        if isinstance(e, Ref):
+            if e.name in recursive and open_.count(e.name) >= depth:
+                return set()
+            return ends(rules[e.name], i, (*open_, e.name))
+        if isinstance(e, GAlt):
+            return set().union(*(ends(o, i, open_) for o in e.options))
+        if isinstance(e, GSeq):
+            here = {i}
+            for item in e.items:
+                here = set().union(*(ends(item, j, open_) for j in here)) if here else set()
+            return here
+        assert isinstance(e, GRepeat)
+        out, here, seen = set(), {i}, set()
+        for count in itertools.count():
+            if count >= e.min:
+                out |= here
+            if (e.max is not None and count >= e.max) or not here:
+                break
+            here = set().union(*(ends(e.item, j, open_) for j in here))
+            if count >= e.min:
+                here -= seen
+                seen |= here
+        return out
+
+    return len(text) in ends(rules["root"], 0, ())
+
+
+def equivalent(a: ByteDFA, b: ByteDFA) -> bool:
+    """Whether two byte DFAs accept the same language (a walk over pairs of states; -1 is
+    the dead state of either)."""
+    seen, todo = {(a.start, b.start)}, [(a.start, b.start)]
+    while todo:
+        x, y = todo.pop()
+        if (x >= 0 and bool(a.accept[x])) != (y >= 0 and bool(b.accept[y])):
+            return False
+        for byte in range(256):
+            pair = (
+                int(a.trans[x, byte]) if x >= 0 else -1,
+                int(b.trans[y, byte]) if y >= 0 else -1,
+            )
+            if pair != (-1, -1) and pair not in seen:
+                seen.add(pair)
+                todo.append(pair)
+    return True
+
+
+def test_the_parser_reads_gbnf_and_xgrammar_syntax():
+    """Guards the syntax: both quotes, escapes (\\x, \\u, \\U, \\n, \\"), classes with ranges,
+    negation and escaped brackets, `.`, every quantifier, groups across lines, comments, and
+    a rule boundary found by `name ::=` whatever the line breaks."""
+    rules = parse_grammar(
+        'root ::= "a\\"\\x41\\u00e9\\U0001F600" \'b\' # comment\n'
+        '  ( x | [^\\]a-c\\n] )+ .? x{2} x{1,} x{0,3}\n'
+        "x ::=\n  [0-9]\n  | \"\"   # an empty option\n"
+    )  # fmt: skip
+    assert list(rules) == ["root", "x"]
+    items = rules["root"].items
+    assert items[0] == Text('a"A\u00e9\U0001f600') and items[1] == Text("b")
+    assert items[2] == GRepeat(
+        GAlt((Ref("x"), CharClass(((0x5D, 0x5D), (0x61, 0x63), (0x0A, 0x0A)), True))), 1, None
+    )
+    assert items[3] == GRepeat(CharClass(((0, 0x10FFFF),), False), 0, 1)
+    assert [(i.min, i.max) for i in items[4:]] == [(2, 2), (1, None), (0, 3)]
+    assert rules["x"] == GAlt((CharClass(((0x30, 0x39),), False), Text("")))
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "empty"),
+        ('x ::= "a"', "no `root` rule"),
+        ("root ::= y", "refers to 'y', which is not defined"),
+        ('root ::= "a"\nroot ::= "b"', "defined twice"),
+        ('start: "a"', "Lark grammars"),
+        ('root ::= (= "a") "a"', "lookahead"),
+        ('root ::= "abc', "unterminated string literal at line 1, column 10"),
+        ('root ::= "a\nb"', "newline inside a string"),
+        ("root ::= [a-", "unclosed character class"),
+        ("root ::= [z-a]", "reversed"),
+        ('root ::= "\\q"', "unknown escape \\q"),
+        ('root ::= "\\x4"', "needs 2 hex digits"),
+        ('root ::= "\\uD800"', "not a character"),
+        ('root ::= "a"{3,1}', "maximum below its minimum"),
+        ('root ::= "a"{x}', "bad repeat"),
+        ('root ::= "a"{2000}', "over 1024"),
+        ("root ::= * 'a'", "nothing to repeat"),
+        ("root ::= 'a')", "unbalanced"),
+        ("root ::= ('a'", "unclosed parenthesis"),
+        ("root ::= 'a' @", "unexpected '@' at line 1, column 14"),
+        ("root ::= '\ud800'", "lone surrogate"),
+    ],
+)
+def test_bad_grammars_are_refused_with_where(text, message):
+    """Guards the error messages a client sees in its 400: what is wrong and where."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_grammar(text)
+
+
+@pytest.mark.parametrize(
+    "grammar, regex",
+    [
+        (SQL, r"SELECT (col_1 |col_2 ) from (table_1 |table_2 ) where (col_1 |col_2 )= (1 |2 )"),
+        (
+            r'root ::= "-"? d+ ("." d{1,3})? ; d ::= [0-9]'.replace(";", "\n"),
+            r"-?[0-9]+(\.[0-9]{1,3})?",
+        ),  # fmt: skip
+        (
+            "root ::= [^\"\\\\\\n]* 'é' [\\u4e00-\\u4e05]{2,} .",
+            '[^"\\\\\\n]*é[\u4e00-\u4e05]{2,}(.|\\n)',
+        ),  # fmt: skip
+        ('root ::= w (", " w)* | ""\nw ::= [a-c]+', r"([a-c]+(, [a-c]+)*)?"),
+    ],
+)
+def test_a_regular_grammar_is_exactly_its_regex(grammar, regex):
+    """Guards that a grammar without recursion loses nothing to the bound: its automaton
+    accepts exactly the language of the equivalent regex (whole-language equality of the
+    two DFAs, plus the oracle on samples)."""
+    rules = parse_grammar(grammar)
+    assert not recursive_rules(rules)
+    dfa, depth = grammar_dfa(grammar)
+    assert depth == 1 and equivalent(dfa, compile_dfa(parse_regex(regex)))
+    for text in ("SELECT col_2  from table_1  where col_1 = 2 ", "-12.5", "a, bc", "", "ab,"):
+        assert dfa.matches(text.encode()) == accepts(rules, text, 1), text
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize(
+    "grammar, alphabet, max_len",
+    [(EXPR, "(1+*)", 7), (LISTS, "[],12", 7)],
+)
+def test_recursion_to_a_depth_agrees_with_the_oracle_on_every_short_string(
+    grammar, alphabet, max_len, depth
+):
+    """Guards the unrolling (the memo keyed by the open rules of a cycle, the `X (S X)*`
+    rewrite, dropping branches past the bound) against the oracle: every string over the
+    alphabet up to `max_len` characters, accepted exactly when the oracle accepts it."""
+    rules = parse_grammar(grammar)
+    dfa = compile_dfa(grammar_node(rules, depth))
+    agreed = accepted = 0
+    for n in range(max_len + 1):
+        for chars in itertools.product(alphabet, repeat=n):
+            text = "".join(chars)
+            want = accepts(rules, text, depth)
+            assert dfa.matches(text.encode()) == want, (text, depth)
+            agreed, accepted = agreed + 1, accepted + want
+    assert accepted >= 3 and agreed > accepted  # both outcomes were exercised
+
+
+def test_the_bound_is_where_nesting_stops():
+    """Guards the depth semantics the docs state: with depth d, d - 1 parentheses nest
+    inside the top expression, and one more is outside the language."""
+    rules = parse_grammar(EXPR)
+    for depth in (2, 5, 8):
+        dfa = compile_dfa(grammar_node(rules, depth))
+        inside = "(" * (depth - 1) + "1+2" + ")" * (depth - 1)
+        assert dfa.matches(inside.encode()) and accepts(rules, inside, depth)
+        deeper = "(" + inside + ")"
+        assert not dfa.matches(deeper.encode()) and not accepts(rules, deeper, depth)
+
+
+def test_lists_of_nested_values_stay_linear_in_depth():
+    """Guards the `X (S X)*` rewrite: without it each level of EXPR doubles the automaton
+    (term and factor appear twice a level) and depth 8 would not fit."""
+    rules = parse_grammar(EXPR)
+    sizes = [nfa_size(grammar_node(rules, d)) for d in range(1, 9)]
+    steps = {b - a for a, b in itertools.pairwise(sizes)}
+    assert len(steps) == 1, sizes  # the same number of states for every level
+
+
+def test_the_compiler_takes_the_deepest_bound_that_fits():
+    """Guards the depth search: four kinds of brackets make a DFA that must remember the
+    stack (~4^d states), so depth 8 does not fit 20,000 states and the compiler keeps the
+    deepest that does; the result accepts nesting to that depth and no deeper."""
+    grammar = 'root ::= x\nx ::= "(" x* ")" | "[" x* "]" | "{" x* "}" | "<" x* ">" | "a"'
+    dfa, depth = grammar_dfa(grammar)
+    assert 2 <= depth < GRAMMAR_MAX_DEPTH
+    with pytest.raises(ValueError, match="more than 20000 automaton states"):
+        compile_dfa(grammar_node(parse_grammar(grammar), depth + 1))
+    nest = "".join("([{<"[i % 4] for i in range(depth - 1))
+    close = "".join(")]}>"[i % 4] for i in reversed(range(depth - 1)))
+    assert dfa.matches((nest + "a" + close).encode())
+    assert not dfa.matches((nest + "(a)" + close).encode())
+    assert grammar_dfa(EXPR)[1] == GRAMMAR_MAX_DEPTH
+
+
+def test_a_grammar_that_never_ends_is_refused():
+    """Guards the empty language: a grammar whose every derivation recurses is refused with
+    a message that says so (not as a "too large" automaton, and not at some depth)."""
+    for grammar in ('root ::= "(" root ")"', 'root ::= a\na ::= "(" b ")"\nb ::= a "x" | a'):
+        with pytest.raises(ValueError, match="matches no text: every way through root"):
+            grammar_dfa(grammar)
+    assert grammar_dfa('root ::= a\na ::= "(" b ")"\nb ::= a | "x"')[0].matches(b"(((x)))")
+
+
+def test_the_api_takes_grammars_under_both_names_and_refuses_bad_ones_by_field():
+    """Guards the request side: `structured_outputs.grammar` and `guided_grammar` both give
+    the grammar spec (which travels in the wire form and compiles), and a bad grammar is a
+    400 naming the field it came in."""
+    import asyncio
+
+    for body in ({"structured_outputs": {"grammar": SQL}}, {"guided_grammar": SQL}):
+        spec = parse_structured(body)
+        assert spec == StructuredOutputs(grammar=SQL)
+        assert StructuredOutputs.from_wire(spec.to_wire()) == spec
+        asyncio.run(compile_checked(spec, "guided_grammar"))
+        assert compile_spec(spec).matches(b"SELECT col_1  from table_1  where col_2 = 1 ")
+    for body, param in (
+        ({"guided_grammar": "root ::= nope"}, "guided_grammar"),
+        ({"structured_outputs": {"grammar": 'start: "a"'}}, "structured_outputs"),
+        ({"guided_grammar": SQL, "guided_regex": "a"}, "guided_grammar"),  # the second
+    ):
+        with pytest.raises(ApiError) as e:
+            parse_structured(body)
+        assert (e.value.status, e.value.param) == (400, param), e.value.message
+    spec = parse_structured({"guided_grammar": 'root ::= "(" root ")"'})
+    with pytest.raises(ApiError, match="matches no text") as e:  # found as it compiles
+        asyncio.run(compile_checked(spec, "guided_grammar"))
+    assert e.value.param == "guided_grammar"
