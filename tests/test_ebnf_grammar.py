@@ -1,7 +1,7 @@
 """GBNF grammars (`structured_outputs.grammar`): the parser, the unrolled automaton against
 an independent matcher, and the depth the compiler picks.
 
-The oracle (`accepts`) interprets the parsed rules directly by backtracking over the text,
+The oracle (`grammar_oracle.accepts`) interprets the parsed rules directly by backtracking over the text,
 with the same bound on recursion (a rule that can reach itself open at most `depth` times
 at once); the automaton under test comes from unrolling the rules into one pattern tree and
 compiling it. Regular grammars are also checked for exact language equality against the
@@ -14,22 +14,29 @@ import itertools
 import re
 
 import pytest
+from grammar_oracle import accepts, equivalent
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pdserve.cluster.openai_api import ApiError
 from pdserve.cluster.structured_api import compile_checked, parse_structured
-from pdserve.runner.structured.byte_dfa import ByteDFA, compile_dfa
+from pdserve.runner.structured.byte_dfa import compile_dfa
 from pdserve.runner.structured.ebnf_parse import (
     CharClass,
     GAlt,
     GRepeat,
-    GSeq,
     Ref,
     Text,
     parse_grammar,
 )
 from pdserve.runner.structured.ebnf_unroll import grammar_node, recursive_rules
 from pdserve.runner.structured.nfa import nfa_size
-from pdserve.runner.structured.patterns import GRAMMAR_MAX_DEPTH, compile_spec, grammar_dfa
+from pdserve.runner.structured.patterns import (
+    GRAMMAR_MAX_DEPTH,
+    compile_spec,
+    grammar_dfa,
+    read_grammar,
+)
 from pdserve.runner.structured.regex_parse import parse_regex
 from pdserve.runner.structured.spec import StructuredOutputs
 
@@ -54,89 +61,6 @@ table ::= "table_1 " | "table_2 "
 condition ::= column "= " number
 number ::= "1 " | "2 "
 """
-
-
-def _reachable_self(rules: dict, name: str) -> bool:
-    seen, todo = set(), [name]
-    while todo:
-        body = rules[todo.pop()]
-        for ref in _refs(body):
-            if ref == name:
-                return True
-            if ref not in seen:
-                seen.add(ref)
-                todo.append(ref)
-    return False
-
-
-def _refs(e) -> list[str]:
-    if isinstance(e, Ref):
-        return [e.name]
-    if isinstance(e, (GSeq, GAlt)):
-        return [r for p in (e.items if isinstance(e, GSeq) else e.options) for r in _refs(p)]
-    if isinstance(e, GRepeat):
-        return _refs(e.item)
-    return []
-
-
-def accepts(rules: dict, text: str, depth: int) -> bool:
-    """Whether `text` is in root's language with recursion bounded by `depth`: every way
-    through the rules, by backtracking on code points."""
-    recursive = {n for n in rules if _reachable_self(rules, n)}
-
-    def ends(e, i: int, open_: tuple) -> set[int]:
-        if isinstance(e, Text):
-            return {i + len(e.text)} if text.startswith(e.text, i) else set()
-        if isinstance(e, CharClass):
-            if i >= len(text):
-                return set()
-            cp = ord(text[i])
-            inside = any(lo <= cp <= hi for lo, hi in e.ranges)
-            return {i + 1} if inside != e.negate and not 0xD800 <= cp <= 0xDFFF else set()
-        if isinstance(e, Ref):
-            if e.name in recursive and open_.count(e.name) >= depth:
-                return set()
-            return ends(rules[e.name], i, (*open_, e.name))
-        if isinstance(e, GAlt):
-            return set().union(*(ends(o, i, open_) for o in e.options))
-        if isinstance(e, GSeq):
-            here = {i}
-            for item in e.items:
-                here = set().union(*(ends(item, j, open_) for j in here)) if here else set()
-            return here
-        assert isinstance(e, GRepeat)
-        out, here, seen = set(), {i}, set()
-        for count in itertools.count():
-            if count >= e.min:
-                out |= here
-            if (e.max is not None and count >= e.max) or not here:
-                break
-            here = set().union(*(ends(e.item, j, open_) for j in here))
-            if count >= e.min:
-                here -= seen
-                seen |= here
-        return out
-
-    return len(text) in ends(rules["root"], 0, ())
-
-
-def equivalent(a: ByteDFA, b: ByteDFA) -> bool:
-    """Whether two byte DFAs accept the same language (a walk over pairs of states; -1 is
-    the dead state of either)."""
-    seen, todo = {(a.start, b.start)}, [(a.start, b.start)]
-    while todo:
-        x, y = todo.pop()
-        if (x >= 0 and bool(a.accept[x])) != (y >= 0 and bool(b.accept[y])):
-            return False
-        for byte in range(256):
-            pair = (
-                int(a.trans[x, byte]) if x >= 0 else -1,
-                int(b.trans[y, byte]) if y >= 0 else -1,
-            )
-            if pair != (-1, -1) and pair not in seen:
-                seen.add(pair)
-                todo.append(pair)
-    return True
 
 
 def test_the_parser_reads_gbnf_and_xgrammar_syntax():
@@ -166,7 +90,7 @@ def test_the_parser_reads_gbnf_and_xgrammar_syntax():
         ('x ::= "a"', "no `root` rule"),
         ("root ::= y", "refers to 'y', which is not defined"),
         ('root ::= "a"\nroot ::= "b"', "defined twice"),
-        ('start: "a"', "Lark grammars"),
+        ('root ::= x\nx: "a"', "is Lark syntax, and this grammar is GBNF"),
         ('root ::= (= "a") "a"', "lookahead"),
         ('root ::= "abc', "unterminated string literal at line 1, column 10"),
         ('root ::= "a\nb"', "newline inside a string"),
@@ -175,7 +99,7 @@ def test_the_parser_reads_gbnf_and_xgrammar_syntax():
         ('root ::= "\\q"', "unknown escape \\q"),
         ('root ::= "\\x4"', "needs 2 hex digits"),
         ('root ::= "\\uD800"', "not a character"),
-        ('root ::= "a"{3,1}', "maximum below its minimum"),
+        ('root ::= "a"{3,1}', "repeat 3..1 has its maximum below its minimum"),
         ('root ::= "a"{x}', "bad repeat"),
         ('root ::= "a"{2000}', "over 1024"),
         ("root ::= * 'a'", "nothing to repeat"),
@@ -230,7 +154,7 @@ def test_recursion_to_a_depth_agrees_with_the_oracle_on_every_short_string(
     rewrite, dropping branches past the bound) against the oracle: every string over the
     alphabet up to `max_len` characters, accepted exactly when the oracle accepts it."""
     rules = parse_grammar(grammar)
-    dfa = compile_dfa(grammar_node(rules, depth))
+    dfa = compile_dfa(grammar_node(rules, "root", depth))
     agreed = accepted = 0
     for n in range(max_len + 1):
         for chars in itertools.product(alphabet, repeat=n):
@@ -246,7 +170,7 @@ def test_the_bound_is_where_nesting_stops():
     inside the top expression, and one more is outside the language."""
     rules = parse_grammar(EXPR)
     for depth in (2, 5, 8):
-        dfa = compile_dfa(grammar_node(rules, depth))
+        dfa = compile_dfa(grammar_node(rules, "root", depth))
         inside = "(" * (depth - 1) + "1+2" + ")" * (depth - 1)
         assert dfa.matches(inside.encode()) and accepts(rules, inside, depth)
         deeper = "(" + inside + ")"
@@ -257,7 +181,7 @@ def test_lists_of_nested_values_stay_linear_in_depth():
     """Guards the `X (S X)*` rewrite: without it each level of EXPR doubles the automaton
     (term and factor appear twice a level) and depth 8 would not fit."""
     rules = parse_grammar(EXPR)
-    sizes = [nfa_size(grammar_node(rules, d)) for d in range(1, 9)]
+    sizes = [nfa_size(grammar_node(rules, "root", d)) for d in range(1, 9)]
     steps = {b - a for a, b in itertools.pairwise(sizes)}
     assert len(steps) == 1, sizes  # the same number of states for every level
 
@@ -270,7 +194,7 @@ def test_the_compiler_takes_the_deepest_bound_that_fits():
     dfa, depth = grammar_dfa(grammar)
     assert 2 <= depth < GRAMMAR_MAX_DEPTH
     with pytest.raises(ValueError, match="more than 20000 automaton states"):
-        compile_dfa(grammar_node(parse_grammar(grammar), depth + 1))
+        compile_dfa(grammar_node(parse_grammar(grammar), "root", depth + 1))
     nest = "".join("([{<"[i % 4] for i in range(depth - 1))
     close = "".join(")]}>"[i % 4] for i in reversed(range(depth - 1)))
     assert dfa.matches((nest + "a" + close).encode())
@@ -301,7 +225,7 @@ def test_the_api_takes_grammars_under_both_names_and_refuses_bad_ones_by_field()
         assert compile_spec(spec).matches(b"SELECT col_1  from table_1  where col_2 = 1 ")
     for body, param in (
         ({"guided_grammar": "root ::= nope"}, "guided_grammar"),
-        ({"structured_outputs": {"grammar": 'start: "a"'}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "start: a"}}, "structured_outputs"),
         ({"guided_grammar": SQL, "guided_regex": "a"}, "guided_grammar"),  # the second
     ):
         with pytest.raises(ApiError) as e:
@@ -311,3 +235,24 @@ def test_the_api_takes_grammars_under_both_names_and_refuses_bad_ones_by_field()
     with pytest.raises(ApiError, match="matches no text") as e:  # found as it compiles
         asyncio.run(compile_checked(spec, "guided_grammar"))
     assert e.value.param == "guided_grammar"
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.text(alphabet="ab:=|()[]{}\"'/\\*+?~.,%-_ \n\tAZ019#i", max_size=60))
+def test_any_text_is_read_or_refused_with_a_value_error(text):
+    """Guards the readers against text a client may send: every string either reads as a
+    grammar or raises ValueError (a hang, a RecursionError or an IndexError would reach the
+    router as a crash)."""
+    try:
+        rules, start = read_grammar(text)
+    except ValueError as e:
+        assert str(e).startswith(("grammar", "the grammar", "rule", "terminal", "%ignore")), e
+        return
+    assert start in rules
+
+
+def test_deep_groups_are_refused_not_a_recursion_error():
+    """Guards Python's stack: 60,000 nested groups are a ValueError naming the bound."""
+    for text in ("root ::= " + "(" * 60_000, "start: " + "[" * 60_000):
+        with pytest.raises(ValueError, match="nest more than 100 deep"):
+            read_grammar(text)

@@ -13,8 +13,8 @@ Escapes, in literals and classes: `\\n \\r \\t \\\\ \\" \\' \\[ \\] \\-`, `\\xHH
 `\\UHHHHHHHH`. Whitespace and newlines separate items anywhere; a new rule starts where
 a name is followed by `::=`. `#` starts a comment outside literals and classes.
 
-Not supported (each refused by name): Lark grammars (`start: ...`), lookahead
-assertions `(= ...)`, and anything else the syntax above does not name.
+Not supported (each refused by name): lookahead assertions `(= ...)` and anything else
+the syntax above does not name. A grammar without `::=` is read as Lark (`lark_parse.py`).
 
 This module only reads the text; `ebnf_unroll.py` turns the rules into an automaton.
 """
@@ -31,7 +31,11 @@ _ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "0": 0x00, "\\": 0x5C, '"': 0x22, "
             "[": 0x5B, "]": 0x5D, "-": 0x2D, "/": 0x2F, "^": 0x5E}  # fmt: skip
 _HEX_WIDTH = {"x": 2, "u": 4, "U": 8}
 _HEX = frozenset("0123456789abcdefABCDEF")
-MAX_REPEAT = 1024  # `{m,n}` bounds: each copy is a copy of its item in the automaton
+_LARK_IN_GBNF = (
+    "`name: ...` is Lark syntax, and this grammar is GBNF (it has `::=`): write `name ::= ...`"
+)
+MAX_REPEAT = 1024
+MAX_NESTING = 100  # `{m,n}` bounds: each copy is a copy of its item in the automaton
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,13 @@ class CharClass:
 
     ranges: tuple[tuple[int, int], ...]
     negate: bool
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """Text the regex `regex` fully matches (regex_parse.py's syntax): Lark's `/.../`."""
+
+    regex: str
 
 
 @dataclass(frozen=True)
@@ -75,7 +86,7 @@ class GRepeat:
     max: int | None
 
 
-Expr = Text | CharClass | Ref | GSeq | GAlt | GRepeat
+Expr = Text | CharClass | Pattern | Ref | GSeq | GAlt | GRepeat
 
 
 def parse_grammar(text: str) -> dict[str, Expr]:
@@ -83,7 +94,7 @@ def parse_grammar(text: str) -> dict[str, Expr]:
     where (line and column). Every rule referenced is defined and `root` is among them."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError("the grammar is empty: give rules as `name ::= ...`, starting at root")
-    rules = _Parser(text).rules()
+    rules = GrammarReader(text).rules()
     if ROOT not in rules:
         raise ValueError(f"the grammar has no `{ROOT}` rule (generation starts at {ROOT})")
     for name, body in rules.items():
@@ -105,12 +116,15 @@ def refs_of(expr: Expr) -> set[str]:
     return set()
 
 
-class _Parser:
-    """Recursive descent over the text: rules -> alternatives -> sequence -> item."""
+class GrammarReader:
+    """Recursive descent over GBNF text: rules -> alternatives -> sequence -> item. The
+    lexing pieces (literals, escapes, `{m,n}`, errors with line and column) are shared with
+    the Lark reader (`lark_parse.py`), which overrides the structure."""
 
     def __init__(self, text: str) -> None:
         self.s = text
         self.i = 0
+        self.depth = 0  # groups open (Python's stack bounds the recursive descent)
 
     def error(self, what: str, pos: int | None = None) -> ValueError:
         at = self.i if pos is None else pos
@@ -157,10 +171,7 @@ class _Parser:
             if not self.rule_starts():
                 end = self.name_at(self.i)
                 if end > self.i and self.s[end : end + 1] == ":":
-                    raise self.error(
-                        "Lark grammars (`name: ...`) are not supported; write rules as "
-                        "`name ::= ...` (GBNF), starting at root"
-                    )
+                    raise self.error(_LARK_IN_GBNF)
                 raise self.error("expected a rule `name ::= ...`")
             name = self.s[self.i : self.name_at(self.i)]
             if name in out:
@@ -171,10 +182,14 @@ class _Parser:
         return out
 
     def alternatives(self, nested: bool) -> Expr:
+        self.depth += 1
+        if self.depth > MAX_NESTING:
+            raise self.error(f"groups nest more than {MAX_NESTING} deep")
         options = [self.sequence(nested)]
         while self.peek() == "|":
             self.i += 1
             options.append(self.sequence(nested))
+        self.depth -= 1
         return options[0] if len(options) == 1 else GAlt(tuple(options))
 
     def sequence(self, nested: bool) -> Expr:
@@ -217,6 +232,8 @@ class _Parser:
             return Ref(self.s[start:end])
         if c in "*+?{":
             raise self.error(f"quantifier {c!r} with nothing to repeat")
+        if c == ":":
+            raise self.error(_LARK_IN_GBNF)
         raise self.error(f"unexpected {c!r}")
 
     def quantified(self, item: Expr) -> Expr:
@@ -244,11 +261,15 @@ class _Parser:
             raise self.error(f"bad repeat {{{body}}} (write {{m}}, {{m,}} or {{m,n}})", start)
         lo = int(lo_text)
         hi = None if comma and not hi_text else int(hi_text or lo_text)
-        if hi is not None and hi < lo:
-            raise self.error(f"repeat {{{body}}} has its maximum below its minimum", start)
-        if max(lo, hi or 0) > MAX_REPEAT:
-            raise self.error(f"repeat {{{body}}} is over {MAX_REPEAT}", start)
         self.i = close + 1
+        return self.bounded(item, lo, hi, start)
+
+    def bounded(self, item: Expr, lo: int, hi: int | None, start: int) -> Expr:
+        """`item` lo..hi times, the bounds checked."""
+        if hi is not None and hi < lo:
+            raise self.error(f"repeat {lo}..{hi} has its maximum below its minimum", start)
+        if max(lo, hi or 0) > MAX_REPEAT:
+            raise self.error(f"repeat {lo}..{hi} is over {MAX_REPEAT}", start)
         return GRepeat(item, lo, hi)
 
     def literal(self, quote: str) -> str:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from pdserve.runner.structured.charsets import char_class
 from pdserve.runner.structured.ebnf_parse import (
-    ROOT,
     CharClass,
     Expr,
     GAlt,
     GRepeat,
     GSeq,
+    Pattern,
     Ref,
     Text,
     refs_of,
@@ -40,6 +40,7 @@ from pdserve.runner.structured.regex_ast import (
     literal,
     seq,
 )
+from pdserve.runner.structured.regex_parse import parse_regex
 
 MAX_NESTING = 200  # rule references open at once while building (Python's stack)
 
@@ -49,10 +50,10 @@ def recursive_rules(rules: dict[str, Expr]) -> set[str]:
     return {name for name, comp in _components(rules).items() if name in _reach(rules, comp)}
 
 
-def grammar_node(rules: dict[str, Expr], depth: int) -> Node:
-    """`root`'s language with each recursive rule open at most `depth` times at once."""
+def grammar_node(rules: dict[str, Expr], start: str, depth: int) -> Node:
+    """`start`'s language with each recursive rule open at most `depth` times at once."""
     assert depth >= 1, f"depth must be >= 1, got {depth}"
-    return _Unroller(rules, depth).rule(ROOT)
+    return _Unroller(rules, depth).rule(start)
 
 
 def _components(rules: dict[str, Expr]) -> dict[str, frozenset[str]]:
@@ -138,6 +139,8 @@ class _Unroller:
             return literal(e.text) if e.text else EMPTY
         if isinstance(e, CharClass):
             return char_class(list(e.ranges), e.negate)
+        if isinstance(e, Pattern):
+            return parse_regex(e.regex)
         if isinstance(e, Ref):
             return self.rule(e.name)
         if isinstance(e, GAlt):

@@ -6,10 +6,11 @@ import functools
 import json
 
 from pdserve.runner.structured.byte_dfa import ByteDFA, compile_dfa
-from pdserve.runner.structured.ebnf_parse import parse_grammar
+from pdserve.runner.structured.ebnf_parse import ROOT, Expr, parse_grammar
 from pdserve.runner.structured.ebnf_unroll import grammar_node, recursive_rules
 from pdserve.runner.structured.json_grammar import json_object_node
 from pdserve.runner.structured.json_schema import schema_node
+from pdserve.runner.structured.lark_parse import LARK_ROOT, looks_like_gbnf, parse_lark
 from pdserve.runner.structured.regex_ast import Node, alt, is_empty, literal
 from pdserve.runner.structured.regex_parse import parse_regex
 from pdserve.runner.structured.spec import StructuredOutputs
@@ -27,7 +28,7 @@ def pattern_node(spec: StructuredOutputs) -> Node:
     """The spec's pattern tree (a grammar's with its recursion one level deep: this is the
     check that it parses; `compile_spec` picks its depth)."""
     if spec.grammar is not None:
-        return grammar_node(parse_grammar(spec.grammar), 1)
+        return grammar_node(*read_grammar(spec.grammar), depth=1)
     if spec.regex is not None:
         return parse_regex(spec.regex)
     if spec.choice is not None:
@@ -41,14 +42,26 @@ def pattern_node(spec: StructuredOutputs) -> Node:
     return json_object_node(JSON_OBJECT_MAX_DEPTH)
 
 
+def read_grammar(text: str) -> tuple[dict[str, Expr], str]:
+    """A grammar's rules and the one generation starts at: GBNF (`root ::= ...`) or Lark
+    (`start: ...`), told apart by `::=` as vLLM does."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(
+            "the grammar is empty: give GBNF rules (root ::= ...) or Lark (start: ...)"
+        )
+    if looks_like_gbnf(text):
+        return parse_grammar(text), ROOT
+    return parse_lark(text), LARK_ROOT
+
+
 def grammar_dfa(text: str) -> tuple[ByteDFA, int]:
     """A grammar's DFA and the recursion depth it has (1 for a grammar without recursion):
     depths 1, 2, ... are compiled until one is too large or GRAMMAR_MAX_DEPTH is reached.
 
     Depth 1 is empty only when the whole language is: a shortest derivation never opens a
     rule inside itself (it could be cut shorter there), so it is within depth 1."""
-    rules = parse_grammar(text)
-    if is_empty(grammar_node(rules, 1)):
+    rules, start = read_grammar(text)
+    if is_empty(grammar_node(rules, start, depth=1)):
         raise ValueError(
             "the grammar matches no text: every way through root refers again to a rule "
             "it is inside of, without end"
@@ -57,7 +70,7 @@ def grammar_dfa(text: str) -> tuple[ByteDFA, int]:
     best: tuple[ByteDFA, int] | None = None
     for depth in range(1, top + 1):
         try:
-            best = compile_dfa(grammar_node(rules, depth)), depth
+            best = compile_dfa(grammar_node(rules, start, depth)), depth
         except ValueError as e:
             if best is None:
                 raise ValueError(f"grammar, with its recursion 1 level deep: {e}") from e
