@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pdserve.cluster.serve_process import free_port
@@ -46,30 +47,42 @@ def test_generate_takes_vllms_sizes(smollm_dir):
 
 
 def test_cli_errors_are_clear_and_nonzero():
-    res = _run("generate", "--model", "/no/such/model")
-    assert res.returncode == 2 and "unknown model '/no/such/model'" in res.stderr
-    res = _run("generate", "--temperature", "-1")
-    assert res.returncode == 2 and "temperature must be >= 0" in res.stderr
     # `serve` binds its port first: a free one, so the flag errors below are what fails.
     port = str(free_port())
-    res = _run("serve", "--port", port, "--kv-transport", "cuda_ipc", "--device", "cpu")
-    assert (
-        res.returncode == 2 and "--kv-transport cuda_ipc needs the workers on a GPU" in res.stderr
-    )
-    res = _run("serve", "--port", port, "--mode", "pd", "--runner", "reference")
-    assert res.returncode == 2 and "--mode pd moves paged KV blocks" in res.stderr
-    res = _run("serve", "--port", port, "--no-enable-chunked-prefill", "--max-num-batched-tokens",
-               "1k", "--max-model-len", "2k")  # fmt: skip
-    assert res.returncode == 2 and "max_num_batched_tokens must be >= max_model_len" in res.stderr
-    assert "Ray" not in res.stderr  # refused before Ray starts
-    res = _run("serve", "--port", port, "--max-num-batched-tokens", "32")  # 64 slots
-    assert res.returncode == 2 and "(32) must be >= --max-num-seqs (64)" in res.stderr
-    res = _run("serve", "--port", port, "--device", "cpu", "--kv-cache-memory-bytes", "1000G")
-    assert res.returncode == 2, res.stderr
-    assert "2 CPU worker(s) need 2000.0 GiB of KV cache" in res.stderr, res.stderr
-    assert "Ray" not in res.stderr and "starting" not in res.stderr  # refused before Ray
-    res = _run("--help")
-    assert res.returncode == 0 and "generate" in res.stdout
+    runs = [
+        ("generate", "--model", "/no/such/model"),
+        ("generate", "--temperature", "-1"),
+        ("serve", "--port", port, "--kv-transport", "cuda_ipc", "--device", "cpu"),
+        ("serve", "--port", port, "--mode", "pd", "--runner", "reference"),
+        ("serve", "--port", port, "--no-enable-chunked-prefill", "--max-num-batched-tokens",
+         "1k", "--max-model-len", "2k"),
+        ("serve", "--port", port, "--max-num-batched-tokens", "32"),  # 64 slots
+        ("serve", "--port", port, "--device", "cpu", "--kv-cache-memory-bytes", "1000G"),
+        ("--help",),
+    ]  # fmt: skip
+    # Each start imports torch and reads the model's config (~2-7 s): run them at once.
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda args: _run(*args), runs))
+    res = iter(results)
+    r = next(res)
+    assert r.returncode == 2 and "unknown model '/no/such/model'" in r.stderr
+    r = next(res)
+    assert r.returncode == 2 and "temperature must be >= 0" in r.stderr
+    r = next(res)
+    assert r.returncode == 2 and "--kv-transport cuda_ipc needs the workers on a GPU" in r.stderr
+    r = next(res)
+    assert r.returncode == 2 and "--mode pd moves paged KV blocks" in r.stderr
+    r = next(res)
+    assert r.returncode == 2 and "max_num_batched_tokens must be >= max_model_len" in r.stderr
+    assert "Ray" not in r.stderr  # refused before Ray starts
+    r = next(res)
+    assert r.returncode == 2 and "(32) must be >= --max-num-seqs (64)" in r.stderr
+    r = next(res)
+    assert r.returncode == 2, r.stderr
+    assert "2 CPU worker(s) need 2000.0 GiB of KV cache" in r.stderr, r.stderr
+    assert "Ray" not in r.stderr and "starting" not in r.stderr  # refused before Ray
+    r = next(res)
+    assert r.returncode == 0 and "generate" in r.stdout
 
 
 def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
