@@ -34,6 +34,7 @@ from pdserve.runner.structured.nfa import nfa_size
 from pdserve.runner.structured.patterns import (
     GRAMMAR_MAX_DEPTH,
     compile_spec,
+    grammar_depth,
     grammar_dfa,
     read_grammar,
 )
@@ -200,6 +201,9 @@ def test_the_compiler_takes_the_deepest_bound_that_fits():
     assert dfa.matches((nest + "a" + close).encode())
     assert not dfa.matches((nest + "(a)" + close).encode())
     assert grammar_dfa(EXPR)[1] == GRAMMAR_MAX_DEPTH
+    # What the worker's log reports beside the states.
+    assert grammar_depth(StructuredOutputs(grammar=grammar)) == depth
+    assert grammar_depth(StructuredOutputs(regex="a")) is None
 
 
 def test_a_grammar_that_never_ends_is_refused():

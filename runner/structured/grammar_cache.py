@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pdserve.runner.structured.patterns import compile_spec, pattern_node
+from pdserve.runner.structured.patterns import compile_spec, grammar_depth, pattern_node
 from pdserve.runner.structured.spec import StructuredOutputs
 from pdserve.runner.structured.token_bytes import token_byte_strings
 from pdserve.runner.structured.token_table import TokenGrammar, build_token_grammar
@@ -101,11 +101,12 @@ class GrammarCache:
                 self._token_bytes = token_byte_strings(self._tokenizer, self._vocab_size)
             grammar = build_token_grammar(dfa, self._token_bytes, self._eos_ids, self._device)
             seconds = time.perf_counter() - start
+            depth = grammar_depth(spec)
             logger.info(
                 "structured output (%s): %d states, %d token classes, %.1f MB, compiled in "
                 "%.2f s beside the steps",
-                spec.describe(), dfa.num_states, grammar.table.shape[1],
-                grammar.nbytes() / 1e6, seconds,
+                spec.describe() if depth is None else f"grammar, recursion {depth} deep",
+                dfa.num_states, grammar.table.shape[1], grammar.nbytes() / 1e6, seconds,
             )  # fmt: skip
             with self._lock:
                 self.compiles += 1

@@ -80,10 +80,21 @@ def grammar_dfa(text: str) -> tuple[ByteDFA, int]:
 
 
 @functools.lru_cache(maxsize=64)
+def _grammar(text: str) -> tuple[ByteDFA, int]:
+    return grammar_dfa(text)
+
+
+def grammar_depth(spec: StructuredOutputs) -> int | None:
+    """How deep a grammar spec's recursion is unrolled (None: not a grammar); compiles it
+    if needed (cached)."""
+    return None if spec.grammar is None else _grammar(spec.grammar)[1]
+
+
+@functools.lru_cache(maxsize=64)
 def _dfa(key: str) -> ByteDFA:
     spec = StructuredOutputs.from_wire(json.loads(key))
     if spec.grammar is not None:
-        return grammar_dfa(spec.grammar)[0]
+        return _grammar(spec.grammar)[0]
     return compile_dfa(pattern_node(spec))
 
 
