@@ -14,6 +14,7 @@ from pdserve.version import __version__
 keep_root_off_path()  # before anything imports transformers (pdserve/source_tree.py)
 
 if TYPE_CHECKING:
+    from pdserve.runner.beam_search import BeamSearchParams
     from pdserve.runner.llm import LLM
     from pdserve.runner.lora.request import LoRARequest
     from pdserve.runner.outputs import (
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "LoRARequest",
     "PoolingParams",
     "SamplingParams",
@@ -41,6 +43,7 @@ __all__ = [
 
 _LAZY = {
     "LLM": "pdserve.runner.llm",
+    "BeamSearchParams": "pdserve.runner.beam_search",
     "LoRARequest": "pdserve.runner.lora.request",
     "SamplingParams": "pdserve.runner.sampling_params",
     "RequestOutput": "pdserve.runner.outputs",

@@ -18,6 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pdserve.runner.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    run_searches,
+)
 from pdserve.runner.config_resolve import resolve_engine_config
 from pdserve.runner.engine import Engine
 from pdserve.runner.generation_defaults import sampling_defaults
@@ -178,6 +184,36 @@ class LLM:
         self._run(outputs, child_to_parent, use_tqdm)
         return [outputs[parent] for parent, *_ in jobs]
 
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's: the `params.beam_width` best beams of each prompt, one engine step of
+        one-token asks a generated token (runner/beam_search.py)."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        eos, max_len = frozenset(self.engine.eos_token_ids), self.config.model.max_model_len
+        searches = [BeamSearch(self._to_token_ids(p)[1], params, eos, max_len) for p in prompts]
+        step = params.step_params()
+
+        def ask(token_lists: list[list[int]]) -> list[list[tuple[int, float, int]]]:
+            outs = self.generate([{"prompt_token_ids": t} for t in token_lists], step,
+                                 use_tqdm=False, lora_request=lora_request)  # fmt: skip
+            return [[(t, lp.logprob, lp.rank) for t, lp in o.outputs[0].logprobs[0].items()]
+                    for o in outs]  # fmt: skip
+
+        bar = _progress(use_tqdm, params.max_tokens, "Beam search", "token")
+        try:
+            run_searches(searches, ask, bar.update if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
+        tok = self.get_tokenizer()
+        skip = not params.include_stop_str_in_output
+        return [s.answer(lambda ids: tok.decode(ids, skip_special_tokens=skip)) for s in searches]
+
     def _run(
         self,
         outputs: dict[str, RequestOutput],
@@ -185,11 +221,7 @@ class LLM:
         use_tqdm: bool,
     ) -> None:
         remaining = len(child_to_parent)
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=remaining, desc="Generating", unit="req", dynamic_ncols=True)
+        bar = _progress(use_tqdm, remaining, "Generating", "req")
         try:
             while remaining:
                 deltas = self.engine.step()
@@ -380,3 +412,12 @@ def _per_prompt(value: Any, single: type, n: int, what: str) -> list:
 
 def _dot(a: list[float], b: list[float]) -> float:
     return float(sum(x * y for x, y in zip(a, b, strict=True)))
+
+
+def _progress(on: bool, total: int, desc: str, unit: str) -> Any:
+    """A tqdm bar over `total` units, or None when `on` is False."""
+    if not on:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True)
