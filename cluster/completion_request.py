@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from pdserve.cluster.beam_routes import beam_params
 from pdserve.cluster.chat_messages import chat_echo, chat_role
 from pdserve.cluster.http_app import AppState, check_model, json_object, read_body
 from pdserve.cluster.openai_api import (
@@ -90,6 +91,7 @@ async def parse_body(
             requested, len(ids), state.max_model_len, defaults.get("max_tokens")
         )
         params, k = parse_sampling(body, kind, seed, max_tokens, defaults, constraint)
+        beam = beam_params(body, params, stream)
         check_token_ids(params, state.vocab_size)
         check_priority(params, state.scheduling_policy)
         reasoning = request_parser(state.reasoning_parser, kind, params, _tail(state, ids))
@@ -115,6 +117,7 @@ async def parse_body(
                 typed(body, "return_token_ids", (bool,), False),
                 request_id,
                 lora_name,
+                beam,
             )
         )
     spec = out[0].params.structured_outputs if out else None

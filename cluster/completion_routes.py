@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from pdserve.cluster.batch_stream import merged
+from pdserve.cluster.beam_routes import beam_reply
 from pdserve.cluster.completion_choices import chat_reply, choice
 from pdserve.cluster.completion_request import parse_body, parse_request
 from pdserve.cluster.completion_stream import sse_stream
@@ -41,6 +42,8 @@ def add_completion_routes(app: FastAPI, state: AppState) -> None:
         cid = f"{prefix}-{req.request_id}" if req.request_id else new_id(prefix)
         if state.request_log is not None:
             state.request_log.received(cid, reqs)
+        if req.beam is not None:
+            return await beam_reply(state, reqs, cid, start)
         if req.stream:
             return StreamingResponse(
                 sse_stream(state, reqs, cid, start, decode_tok), media_type="text/event-stream",

@@ -62,6 +62,7 @@ class AppState:
         lora_modules: dict[str, str] | None = None,
         pooling: ModelPooling | None = None,
         runtime_lora_rank: int | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -95,6 +96,7 @@ class AppState:
         # vLLM's runtime LoRA routes (cluster/lora_routes.py) with this largest rank; None:
         # not served
         self.runtime_lora_rank = runtime_lora_rank
+        self.eos_token_ids = eos_token_ids  # the model's (beam search ends beams on them)
 
     @property
     def model_name(self) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pdserve.runner.beam_search import BeamSearchParams
 from pdserve.runner.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # it imports this module
@@ -90,6 +91,8 @@ class ParsedRequest:
     request_id: str | None = None
     # the served LoRA adapter its `model` named (`--lora-modules`); None: the base model
     lora_name: str | None = None
+    # `use_beam_search`: the search's settings (cluster/beam_routes.py); None: sampling
+    beam: BeamSearchParams | None = None
 
 
 def typed(body: dict, name: str, types: tuple, default: Any = None) -> Any:

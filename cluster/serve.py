@@ -117,7 +117,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.runner.hybrid import WHY as HYBRID_WHY
     from pdserve.runner.hybrid import is_hybrid
     from pdserve.runner.pooling import model_pooling
-    from pdserve.runner.tokenizer import load_tokenizer
+    from pdserve.runner.tokenizer import eos_token_ids, load_tokenizer
 
     # Resolve (and convert, once) the model here, so the workers only load it.
     ecfg = resolve_engine_config(
@@ -305,7 +305,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             cfg.scheduling_policy, auto_tool_parser(cfg), cfg.reasoning_parser, cfg.cors,
             ResponseStore(cfg.responses_store_bytes), lora_modules,
             model_pooling(ecfg.model.path, ecfg.model.hf_config, ecfg.model.classifier),
-            runtime_lora_rank,
+            runtime_lora_rank, eos_token_ids(ecfg.model.path, ecfg.model.hf_config, tokenizer),
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)

@@ -20,7 +20,6 @@ _RULES: dict[str, tuple[Any, str]] = {
     # tools and tool_choice are carried out (cluster/tool_calls.py: auto needs the
     # server's tool-call parser); the deprecated functions field is not.
     "functions": (bool, "function calling is not supported; use tools"),
-    "use_beam_search": (bool, "beam search is not supported"),
     "prompt_embeds": (lambda v: v is not None, "prompt embeddings are not supported"),
     "suffix": (bool, "suffix (insertion) is not supported"),
     # Templates are the operator's (--chat-template), never the client's: vLLM too refuses

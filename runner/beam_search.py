@@ -166,17 +166,32 @@ def top_candidates(rows: Sequence[tuple[int, float, int]], k: int) -> list[tuple
     return [(int(t), float(lp)) for t, lp, rank in sorted(rows, key=lambda r: r[2]) if rank <= k]
 
 
+def pending(searches: list[BeamSearch]) -> tuple[list[BeamSearch], list[list[int]]]:
+    """The searches not done, and the token lists of their live beams, in order: one
+    step's asks."""
+    live = [s for s in searches if not s.done]
+    return live, [b.tokens for s in live for b in s.live]
+
+
+def advance_all(live: list[BeamSearch], rows: Sequence[Sequence[tuple[int, float, int]]]) -> None:
+    """Feed each live beam its next position's rows (token, logprob, rank), in the order
+    `pending` gave the asks."""
+    it = iter(rows)
+    for s in live:
+        k = 2 * s.params.beam_width
+        s.advance([top_candidates(next(it), k) for _ in s.live])
+
+
 def run_searches(
     searches: list[BeamSearch],
     ask: Callable[[list[list[int]]], list[list[tuple[int, float, int]]]],
     progress: Callable[[], None] | None = None,
 ) -> None:
-    """Step every search until all are done: `ask` takes the live beams' token lists and
-    returns each one's next-position rows (token, logprob, rank)."""
-    while live := [s for s in searches if not s.done]:
-        rows = iter(ask([b.tokens for s in live for b in s.live]))
-        for s in live:
-            k = 2 * s.params.beam_width
-            s.advance([top_candidates(next(rows), k) for _ in s.live])
+    """Step every search until all are done; `ask` answers one step's asks."""
+    while True:
+        live, asks = pending(searches)
+        if not live:
+            return
+        advance_all(live, ask(asks))
         if progress is not None:
             progress()

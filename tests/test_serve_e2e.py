@@ -567,6 +567,46 @@ def test_structured_output_over_http_in_pd_equals_colocated(pd, colocated):
         assert e.value.body.get("param") == param, e.value.body
 
 
+def test_beam_search_over_http_equals_the_offline_search(pd, colocated, smollm_dir):
+    """Guards `use_beam_search` through the router (every beam's one-token asks routed as
+    requests, PD included): the choices are the offline search's beams (itself checked
+    against transformers, tests/test_beam_search.py), best first, on both servers; chat
+    takes it too; what the search would not carry out is a 400 naming the field."""
+    from pdserve import LLM, BeamSearchParams
+
+    llm = LLM(model=smollm_dir, device="cpu", dtype="float32", max_model_len=256,
+              kv_cache_memory_bytes=16 << 20)  # fmt: skip
+    ids = llm.get_tokenizer()("The capital of France is").input_ids
+    (want,) = llm.beam_search([{"prompt_token_ids": ids}],
+                              BeamSearchParams(3, 6, length_penalty=0.5))  # fmt: skip
+    want_choices = [(i, s.text, s.finish_reason) for i, s in enumerate(want.sequences)]
+    kw = dict(model="SmolLM2-135M-Instruct", prompt=ids, max_tokens=6, n=3, temperature=0,
+              extra_body={"use_beam_search": True, "length_penalty": 0.5})  # fmt: skip
+    for server in (pd, colocated):
+        r = server.client().completions.create(**kw)
+        assert [(c.index, c.text, c.finish_reason) for c in r.choices] == want_choices
+        assert r.usage.completion_tokens == sum(len(s.output_token_ids) for s in want.sequences)
+    r = pd.client().chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=10, n=2,
+        extra_body={"use_beam_search": True},
+    )  # fmt: skip
+    texts = [c.message.content for c in r.choices]
+    assert len(texts) == 2 and len(set(texts)) == 2 and all(texts), texts
+    c = pd.client()
+    for extra, param in (
+        ({"use_beam_search": True, "stream": True}, "stream"),
+        ({"use_beam_search": True, "logprobs": 2}, "logprobs"),
+        ({"use_beam_search": True, "stop": ["."]}, "stop"),
+        ({"use_beam_search": True, "n": 11}, "n"),
+        ({"use_beam_search": True, "guided_regex": "a+"}, "guided_regex"),
+        ({"length_penalty": 2.0}, "length_penalty"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2,
+                                 extra_body=extra)  # fmt: skip
+        assert e.value.body.get("param") == param, e.value.body
+
+
 def test_tool_calls_named_and_required_over_http(pd):
     """Guards tool calling through the router and both PD workers: a named function comes
     back as one tool call whose arguments validate against its parameters (streamed, the
