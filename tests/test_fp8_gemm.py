@@ -68,7 +68,10 @@ def test_device_path_equals_the_spec(m, n, k, bias):
     got = fp8_linear_scaled_mm(*dev).cpu()
     assert got.shape == (2, m, n) and got.dtype == torch.bfloat16
     y32 = want.float() - (b.float() if bias else 0)
-    extra = want.float().abs() * 2**-8 if bias else 0  # the bias's add rounds once more
+    # The bias's add rounds once more on each side: two roundings of nearly equal sums may
+    # land a whole bf16 step apart, up to 2^-7 of the larger (the H100 run at 20955e7 hit
+    # this with a bound of half that).
+    extra = torch.maximum(want.float().abs(), got.float().abs()) * 2**-7 if bias else 0
     assert ((got.float() - want.float()).abs() <= bound(y32, k) * 2 + extra).all()
     if DEVICE == "cuda":  # the dispatch takes the device path there
         assert torch.equal(fp8_linear(*dev).cpu(), got)
