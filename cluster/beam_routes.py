@@ -15,6 +15,7 @@ reasoning not split off (`--reasoning-parser` reads sampled replies only).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -80,21 +81,18 @@ async def beam_reply(state: AppState, reqs: list[ParsedRequest], cid: str, start
     eos = frozenset(state.eos_token_ids)
     searches = [BeamSearch(r.prompt_token_ids, r.beam, eos, state.max_model_len) for r in reqs]
     step = dataclasses.replace(req.beam.step_params(), seed=req.params.seed)
-    asks = 0
 
     async def ask(token_lists: list[list[int]]) -> list[list[tuple[int, float, int]]]:
-        nonlocal asks
-        subs = [
-            _one_token(req, ids, step, f"{cid}-{asks + i}") for i, ids in enumerate(token_lists)
-        ]
-        asks += len(subs)
+        subs = [_one_token(req, ids, step) for ids in token_lists]
         rows: list[Any] = [None] * len(subs)
-        async for c, d, _ in merged(state.router, subs):
-            if d.logprobs:
-                rows[c] = [tuple(r) for r in d.logprobs[0]]
-            if d.finish_reason == "error":
-                raise ApiError(f"the request failed in a worker: {d.stop_reason}", 500,
-                               "server_error")  # fmt: skip
+        # aclosing: an error here cancels and awaits the step's other asks at once
+        async with contextlib.aclosing(merged(state.router, subs)) as answers:
+            async for c, d, _ in answers:
+                if d.logprobs:
+                    rows[c] = [tuple(r) for r in d.logprobs[0]]
+                if d.finish_reason == "error":
+                    raise ApiError(f"the request failed in a worker: {d.stop_reason}", 500,
+                                   "server_error")  # fmt: skip
         missing = [i for i, r in enumerate(rows) if r is None]
         if missing:
             raise ApiError(f"a beam's next token came back without logprobs ({len(missing)} "
@@ -113,11 +111,10 @@ async def beam_reply(state: AppState, reqs: list[ParsedRequest], cid: str, start
             toks = seq.output_token_ids
             completion_tokens += len(toks)
             finish.append(seq.finish_reason)
-            choices.append(
-                choice(
-                    req, p * width + i, seq.text, toks, None, seq.finish_reason, None, False, str
-                )
-            )  # fmt: skip: no logprobs to name
+            # (`str` names logprobs' tokens: there are none)
+            body = choice(req, p * width + i, seq.text, toks, None, seq.finish_reason, None,
+                          False, str)  # fmt: skip
+            choices.append(body)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
     timing = RequestTiming(start, len(choices))
     state.metrics.finish(req, timing, completion_tokens, prompt_tokens, finish)
@@ -133,7 +130,7 @@ async def beam_reply(state: AppState, reqs: list[ParsedRequest], cid: str, start
     }
 
 
-def _one_token(req: ParsedRequest, ids: list[int], step: SamplingParams, rid: str) -> ParsedRequest:
+def _one_token(req: ParsedRequest, ids: list[int], step: SamplingParams) -> ParsedRequest:
     """An ask: the beam's tokens as the prompt, one token with its position's logprobs."""
     return dataclasses.replace(
         req, prompt_token_ids=ids, params=step, stream=False, include_usage=False,

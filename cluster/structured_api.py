@@ -3,9 +3,9 @@
 - `response_format`: `{"type": "text"}` (nothing), `{"type": "json_object"}` (JSON mode:
   any JSON object), `{"type": "json_schema", "json_schema": {"schema": {...}}}`.
 - vLLM's `structured_outputs`: `{"json": schema}`, `{"regex": "..."}`,
-  `{"choice": [...]}`, `{"grammar": ...}` (GBNF, runner/structured/ebnf_parse.py, or Lark,
-  lark_parse.py) or `{"json_object": true}`; and its older `guided_json`, `guided_regex`, `guided_choice`,
-  `guided_grammar`.
+  `{"choice": [...]}`, `{"grammar": ...}` (GBNF, runner/structured/ebnf_parse.py, or
+  Lark, lark_parse.py) or `{"json_object": true}`; and its older `guided_json`,
+  `guided_regex`, `guided_choice`, `guided_grammar`.
 
 At most one may be given. The pattern is parsed as the request is read, so a bad regex
 or an unsupported schema keyword is a 400 naming it; then `compile_checked` builds its byte
