@@ -260,3 +260,15 @@ def test_deep_groups_are_refused_not_a_recursion_error():
     for text in ("root ::= " + "(" * 60_000, "start: " + "[" * 60_000):
         with pytest.raises(ValueError, match="nest more than 100 deep"):
             read_grammar(text)
+
+
+def test_rules_nested_past_the_stack_are_a_value_error_or_a_shallower_depth():
+    """Guards RecursionError (the unrolled tree's depth is rules x levels): a 51-rule cycle
+    compiles at the depth whose tree still fits Python's stack, a 200-rule one, too deep
+    even at depth 1, is refused with a ValueError saying why."""
+    ring = [f'r{i} ::= "(" r{i + 1} ")" | "x"' for i in range(50)]
+    dfa, depth = grammar_dfa("\n".join(["root ::= r0", *ring, 'r50 ::= root | "y"']))
+    assert 1 <= depth < GRAMMAR_MAX_DEPTH and dfa.matches(b"(" * 50 + b"y" + b")" * 50)
+    ring = [f'r{i} ::= "(" r{i + 1} ")" | "x"' for i in range(199)]
+    with pytest.raises(ValueError, match="nests too deeply|nest more than 200 deep"):
+        grammar_dfa("\n".join(["root ::= r0", *ring, 'r199 ::= root | "y"']))

@@ -28,7 +28,7 @@ def pattern_node(spec: StructuredOutputs) -> Node:
     """The spec's pattern tree (a grammar's with its recursion one level deep: this is the
     check that it parses; `compile_spec` picks its depth)."""
     if spec.grammar is not None:
-        return grammar_node(*read_grammar(spec.grammar), depth=1)
+        return _grammar_tree(*read_grammar(spec.grammar), depth=1)
     if spec.regex is not None:
         return parse_regex(spec.regex)
     if spec.choice is not None:
@@ -54,6 +54,27 @@ def read_grammar(text: str) -> tuple[dict[str, Expr], str]:
     return parse_lark(text), LARK_ROOT
 
 
+def _grammar_tree(rules: dict[str, Expr], start: str, depth: int) -> Node:
+    try:
+        return grammar_node(rules, start, depth)
+    except RecursionError:  # the builder and the tree's walks recurse on its depth
+        raise ValueError(_TOO_DEEP.format(depth=depth)) from None
+
+
+def _compiled(rules: dict[str, Expr], start: str, depth: int) -> ByteDFA:
+    tree = _grammar_tree(rules, start, depth)
+    try:
+        return compile_dfa(tree)
+    except RecursionError:
+        raise ValueError(_TOO_DEEP.format(depth=depth)) from None
+
+
+_TOO_DEEP = (
+    "the grammar nests too deeply to compile with its recursion {depth} level(s) deep "
+    "(rules inside rules inside rules...)"
+)
+
+
 def grammar_dfa(text: str) -> tuple[ByteDFA, int]:
     """A grammar's DFA and the recursion depth it has (1 for a grammar without recursion):
     depths 1, 2, ... are compiled until one is too large or GRAMMAR_MAX_DEPTH is reached.
@@ -61,7 +82,7 @@ def grammar_dfa(text: str) -> tuple[ByteDFA, int]:
     Depth 1 is empty only when the whole language is: a shortest derivation never opens a
     rule inside itself (it could be cut shorter there), so it is within depth 1."""
     rules, start = read_grammar(text)
-    if is_empty(grammar_node(rules, start, depth=1)):
+    if is_empty(_grammar_tree(rules, start, depth=1)):
         raise ValueError(
             "the grammar matches no text: every way through root refers again to a rule "
             "it is inside of, without end"
@@ -70,7 +91,7 @@ def grammar_dfa(text: str) -> tuple[ByteDFA, int]:
     best: tuple[ByteDFA, int] | None = None
     for depth in range(1, top + 1):
         try:
-            best = compile_dfa(grammar_node(rules, start, depth)), depth
+            best = _compiled(rules, start, depth), depth
         except ValueError as e:
             if best is None:
                 raise ValueError(f"grammar, with its recursion 1 level deep: {e}") from e
