@@ -9,8 +9,9 @@ comes whole, the `n` best beams of each prompt as its choices, best first.
 
 Fields beam search would not carry out are refused by name rather than ignored: a
 stream, logprobs, echo, structured output or tools, stop strings and tokens, penalties,
-biases and the other per-token filters. A chat reply comes back as the beam's text, its
-reasoning not split off (`--reasoning-parser` reads sampled replies only).
+biases and the other per-token filters, and tools that constrain the reply (required,
+named). A chat beam is read as a sampled reply is: its reasoning split off
+(`--reasoning-parser`), tool calls read under `tool_choice: auto`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import dataclasses
 from typing import Any
 
 from pdserve.cluster.batch_stream import merged
-from pdserve.cluster.completion_choices import choice
+from pdserve.cluster.completion_choices import chat_reply, choice
 from pdserve.cluster.http_app import AppState
 from pdserve.cluster.openai_api import ApiError, ParsedRequest, typed
 from pdserve.cluster.request_log import watched
@@ -114,6 +115,8 @@ async def beam_reply(state: AppState, reqs: list[ParsedRequest], cid: str, start
             # (`str` names logprobs' tokens: there are none)
             body = choice(req, p * width + i, seq.text, toks, None, seq.finish_reason, None,
                           False, str)  # fmt: skip
+            if req.kind == "chat" and (req.tool_choice is not None or req.reasoning is not None):
+                body = chat_reply(req, body, "", seq.text)  # as a sampled reply's
             choices.append(body)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
     timing = RequestTiming(start, len(choices))

@@ -592,6 +592,15 @@ def test_beam_search_over_http_equals_the_offline_search(pd, colocated, smollm_d
     )  # fmt: skip
     texts = [c.message.content for c in r.choices]
     assert len(texts) == 2 and len(set(texts)) == 2 and all(texts), texts
+    # The colocated server reads chat replies (qwen3 reasoning, hermes calls under auto):
+    # a beam goes through the same reading (SmolLM2 writes neither, so the text stays).
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    r = colocated.client().chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=10, n=2, tools=tools,
+        extra_body={"use_beam_search": True},
+    )  # fmt: skip
+    assert [c.message.content for c in r.choices] == texts
+    assert all(c.message.tool_calls is None for c in r.choices)
     c = pd.client()
     for extra, param in (
         ({"use_beam_search": True, "stream": True}, "stream"),
