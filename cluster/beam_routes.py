@@ -81,7 +81,10 @@ async def beam_reply(state: AppState, reqs: list[ParsedRequest], cid: str, start
                        "does not know", 500, "server_error")  # fmt: skip
     eos = frozenset(state.eos_token_ids)
     searches = [BeamSearch(r.prompt_token_ids, r.beam, eos, state.max_model_len) for r in reqs]
-    step = dataclasses.replace(req.beam.step_params(), seed=req.params.seed)
+    # The asks keep what routes and isolates the request: its seed, priority and cache salt.
+    sp = req.params
+    step = dataclasses.replace(req.beam.step_params(), seed=sp.seed, priority=sp.priority,
+                               cache_salt=sp.cache_salt)  # fmt: skip
 
     async def ask(token_lists: list[list[int]]) -> list[list[tuple[int, float, int]]]:
         subs = [_one_token(req, ids, step) for ids in token_lists]
