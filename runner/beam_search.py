@@ -89,8 +89,10 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]  # best first
 
 
-def beam_score(seq: BeamSearchSequence, eos_ids: frozenset[int], length_penalty: float) -> float:
-    length = len(seq.tokens) - (seq.tokens[-1] in eos_ids and seq.finish_reason == "stop")
+def beam_score(seq: BeamSearchSequence, length_penalty: float) -> float:
+    """cum / length ** length_penalty; a beam that completed ("stop") ends in its EOS,
+    which the length does not count."""
+    length = len(seq.tokens) - (seq.finish_reason == "stop")
     return seq.cum_logprob / (length**length_penalty)
 
 
@@ -149,11 +151,10 @@ class BeamSearch:
             seq.finish_reason = "length"
         ranked = sorted(
             self.complete + self.live,
-            key=lambda s: beam_score(s, self.eos_ids, self.params.length_penalty),
+            key=lambda s: beam_score(s, self.params.length_penalty),
             reverse=True,
         )[: self.params.beam_width]
-        for seq in ranked:
-            seq.finish_reason = seq.finish_reason or "length"
+        for seq in ranked:  # every beam has its finish_reason now
             out = seq.output_token_ids
             if seq.finish_reason == "stop" and not self.params.include_stop_str_in_output:
                 out = out[:-1]

@@ -21,6 +21,7 @@ This module only reads the text; `ebnf_unroll.py` turns the rules into an automa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.runner.structured.charsets import MAX_CODE_POINT, Ranges
@@ -97,11 +98,17 @@ def parse_grammar(text: str) -> dict[str, Expr]:
     rules = GrammarReader(text).rules()
     if ROOT not in rules:
         raise ValueError(f"the grammar has no `{ROOT}` rule (generation starts at {ROOT})")
+    check_defined(rules)
+    return rules
+
+
+def check_defined(rules: dict[str, Expr], kind: Callable[[str], str] = lambda _: "rule") -> None:
+    """ValueError naming the first reference to a name `rules` does not define (`kind`
+    names what the referring definition is: a rule, or a Lark terminal)."""
     for name, body in rules.items():
         for ref in sorted(refs_of(body)):
             if ref not in rules:
-                raise ValueError(f"rule {name!r} refers to {ref!r}, which is not defined")
-    return rules
+                raise ValueError(f"{kind(name)} {name!r} refers to {ref!r}, which is not defined")
 
 
 def refs_of(expr: Expr) -> set[str]:

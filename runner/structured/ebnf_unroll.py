@@ -45,9 +45,13 @@ from pdserve.runner.structured.regex_parse import parse_regex
 MAX_NESTING = 200  # rule references open at once while building (Python's stack)
 
 
-def recursive_rules(rules: dict[str, Expr]) -> set[str]:
-    """The rules that can reach themselves through references."""
-    return {name for name, comp in _components(rules).items() if name in _reach(rules, comp)}
+def recursive_rules(
+    rules: dict[str, Expr], comp: dict[str, frozenset[str]] | None = None
+) -> set[str]:
+    """The rules that can reach themselves through references (`comp`: the components,
+    when already known)."""
+    comp = _components(rules) if comp is None else comp
+    return {name for name, c in comp.items() if name in _reach(rules, c)}
 
 
 def grammar_node(rules: dict[str, Expr], start: str, depth: int) -> Node:
@@ -110,7 +114,7 @@ class _Unroller:
         self.rules = rules
         self.depth = depth
         self.comp = _components(rules)
-        self.recursive = recursive_rules(rules)
+        self.recursive = recursive_rules(rules, self.comp)
         self.open: dict[str, int] = dict.fromkeys(rules, 0)  # references open now
         self.nesting = 0
         self.memo: dict[tuple, Node] = {}

@@ -37,6 +37,7 @@ from pdserve.runner.structured.ebnf_parse import (
     Pattern,
     Ref,
     Text,
+    check_defined,
     refs_of,
 )
 
@@ -87,10 +88,9 @@ def parse_lark(text: str) -> dict[str, Expr]:
     defs, ignored = reader.definitions()
     if LARK_START not in defs:
         raise ValueError(f"the grammar has no `{LARK_START}` rule (generation starts there)")
+    check_defined(defs, _kind)
     for name, body in defs.items():
         for ref in sorted(refs_of(body)):
-            if ref not in defs:
-                raise ValueError(f"{_kind(name)} {name!r} refers to {ref!r}, which is not defined")
             if _is_terminal(name) and not _is_terminal(ref):
                 raise ValueError(
                     f"terminal {name!r} refers to rule {ref!r} (terminals are regular)"
