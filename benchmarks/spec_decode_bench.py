@@ -2,15 +2,18 @@
 
     python benchmarks/spec_decode_bench.py [--requests 32] [--prompt-len 256]
         [--output-len 256] [--k 1,3,5] [--pattern 16] [--profile N] [--sync-baseline]
-        [--out benchmarks/results/DIR]
+        [--sync-drafts] [--out benchmarks/results/DIR]
 
 Greedy decoding of prompts that repeat a random `--pattern`-token phrase, once without
 drafts and once per `--k` with n-gram drafts (`num_speculative_tokens` = k,
 `prompt_lookup_max` 4). Per run: output tok/s, TPOT p50, steps by path, the drafts and how
 many were kept, and the mean step time. A random model's text is not a real model's, so the
 acceptance here is whatever its greedy loops give; what carries over is the step time of a
-drafted batch against a plain one, i.e. the acceptance a workload needs before drafts pay (the plain run keeps async scheduling,
-which drafting turns off):
+drafted batch against a plain one, i.e. the acceptance a workload needs before drafts pay
+(every run keeps async scheduling, which waits for a step with drafts where it launches it
+and overlaps the others; `--sync-baseline` and `--sync-drafts` add the runs without drafts
+and with them under synchronous scheduling). `--pattern` equal to `--prompt-len` gives
+prompts that do not repeat:
 
     gain = (1 + kept per drafted row-step) x (plain step time / drafted step time)
 
@@ -50,6 +53,8 @@ def run(engine, reqs: list[list[int]], output_len: int) -> dict:
     """throughput.py's run (greedy, forced length) plus the drafts' counters."""
     s = engine.scheduler
     before = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+    stats = engine.stats
+    waits = (stats.spec_sync_steps, stats.spec_drains)
     w = Workload("spec", len(reqs), len(reqs[0]), output_len, "output_tok_s")
     row = run_engine(engine, w, reqs)
     drafts, drafted, kept = (x - y for x, y in zip((s.num_drafts, s.num_draft_tokens,
@@ -58,6 +63,9 @@ def run(engine, reqs: list[list[int]], output_len: int) -> dict:
         **{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
         "ms_per_step": round(1e3 * row["elapsed_s"] / max(row["steps"], 1), 3),
         "draft_steps": dict(getattr(engine.runner, "draft_steps", {})),
+        # async scheduling with drafts: steps waited where launched, in-flight steps read early
+        "spec_sync_steps": stats.spec_sync_steps - waits[0],
+        "spec_drains": stats.spec_drains - waits[1],
         "drafts": drafts,
         "draft_tokens": drafted,
         "accepted_tokens": kept,
@@ -102,6 +110,11 @@ def main() -> int:
         "--sync-baseline", action="store_true",
         help="also run without drafts under synchronous scheduling (as the drafting runs)",
     )  # fmt: skip
+    ap.add_argument(
+        "--sync-drafts", action="store_true",
+        help="also run each k under synchronous scheduling (as the engine did before "
+        "drafts ran beside async scheduling)",
+    )  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -110,11 +123,12 @@ def main() -> int:
     reqs = prompts(args.requests, args.prompt_len, args.pattern, 151_936)
     warm = prompts(args.requests, args.prompt_len, args.pattern, 151_936, seed=99)
     rows = []
-    # (k, synchronous): without drafts the engine runs as it does by default (async
-    # scheduling on); --sync-baseline adds it as the drafting engine schedules, so a
-    # drafted step's cost splits into the scheduling's and the drafts' own
+    # (k, synchronous): the engine's default is async scheduling, with or without drafts;
+    # --sync-baseline and --sync-drafts add the synchronous loop, so a drafted step's cost
+    # splits into the scheduling's and the drafts' own
+    ks = [int(x) for x in args.k.split(",")]
     runs = [(0, False)] + ([(0, True)] if args.sync_baseline else [])
-    runs += [(int(x), True) for x in args.k.split(",")]
+    runs += [(k, False) for k in ks] + ([(k, True) for k in ks] if args.sync_drafts else [])
     for k, sync in runs:
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
         engine = random_model_engine(

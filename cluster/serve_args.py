@@ -263,11 +263,6 @@ class ServeConfig:
             spec = json_object("--speculative-config", self.speculative_config)
             SpeculativeConfig.from_dict(spec)  # refused at parse time, by name
             object.__setattr__(self, "speculative_config", spec)
-            if self.async_scheduling:
-                raise ValueError(
-                    "--speculative-config runs with synchronous scheduling (a draft needs "
-                    "the request's last token on the host); drop --async-scheduling"
-                )
         if self.hf_overrides is not None:
             from pdserve.runner.hf_overrides import parse_hf_overrides
 

@@ -91,7 +91,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\': drafts from '
                    "the request's own text, verified in one step; its tokens are the same "
-                   "as without (runs with synchronous scheduling)")  # fmt: skip
+                   "as without; a step with drafts is waited for where it launches")  # fmt: skip
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
                    help="the paged KV cache's: auto (the model's dtype) or FP8, half the "
                    "bytes a token (fp8 = fp8_e4m3; scales from the checkpoint, else 1.0)")  # fmt: skip

@@ -371,12 +371,6 @@ class EngineConfig:
                 self.runner.runner == "mrv2",
                 f"speculative decoding needs the mrv2 runner (got {self.runner.runner!r})",
             )
-            _require(
-                not self.runner.async_scheduling,
-                "speculative decoding runs with synchronous scheduling: a draft is made "
-                "from the request's last token, which async scheduling has not read back "
-                "yet when it plans the next step; pass async_scheduling=False",
-            )
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -178,8 +178,8 @@ def resolve_engine_config(
     on_cuda = dev.startswith("cuda")
     speculative = _speculative(speculative_config, hf_config)
     if async_scheduling is None:
-        # A draft is made from the last token, which async scheduling reads back a step late.
-        async_scheduling = on_cuda and speculative is None
+        # with drafts too: a step with drafts is waited for where it launches (engine.py)
+        async_scheduling = on_cuda
     graphs: tuple[int, ...] = ()
     if on_cuda and runner_name == "mrv2" and not enforce_eager:
         from pdserve.runner.mrv2.cuda_graphs import capture_sizes

@@ -369,7 +369,15 @@ class Engine(PDRoles):
     def step(self) -> list[RequestDelta]:
         """One engine step. Synchronous: schedule, run, emit. Async: schedule and launch step
         N+1, then wait for step N's tokens and emit them, so the device is never idle while
-        the host plans (outputs arrive one step later)."""
+        the host plans (outputs arrive one step later).
+
+        Async with a drafter: a draft is made from a request's last token, which is on
+        the device while its step runs. A step is launched async while no request would
+        draft; when one would (its tokens known so far already draft), step N's tokens are
+        read first (`spec_drains`), and a step with drafts is waited for where it is
+        launched (`spec_sync_steps`), as the synchronous loop waits for every step. Text
+        that drafts nothing keeps async scheduling's overlap; text that drafts runs as
+        the synchronous loop runs it."""
         start = time.perf_counter()
         if self._awaiting_grammar:
             self._admit_compiled()
@@ -377,6 +385,12 @@ class Engine(PDRoles):
             for result in self.kv_loader.poll():
                 self._finish_load(result)
         deltas, self._pending = self._pending, []
+        wait = 0.0
+        drained = self._inflight is not None and self.scheduler.drafts_due()
+        if drained:
+            wait += self._wait_for(self._inflight, deltas)
+            self._inflight = None
+            self.stats.spec_drains += 1
         so = self.scheduler.schedule()
         for spec in so.kv_loads:
             self.kv_loader.start_load(spec)
@@ -384,21 +398,32 @@ class Engine(PDRoles):
         if so.num_reqs or so.finished_req_ids or so.state_copies:
             hook = self._publish(so) if self.kv_publisher is not None else None
             handle = self.runner.execute(so) if hook is None else self.runner.execute(so, hook)
-        if not self.config.runner.async_scheduling:
-            ready = (so, handle) if handle is not None else None
+        # steps to wait for now, oldest first
+        ready = [self._inflight] if self._inflight is not None else []
+        sync = not self.config.runner.async_scheduling
+        if sync or so.spec_token_ids:
+            self.stats.spec_sync_steps += not sync
+            ready += [(so, handle)] if handle is not None else []
+            self._inflight = None
         else:
-            ready, self._inflight = self._inflight, (so, handle) if so.num_reqs else None
-        wait = 0.0
-        if ready is not None:
-            t = time.perf_counter()
-            out = ready[1].get()
-            wait = time.perf_counter() - t
-            deltas += self._process(ready[0], out)
-        self.stalled = handle is None and ready is None and not deltas and self._inflight is None
+            self._inflight = (so, handle) if so.num_reqs else None
+        for r in ready:
+            wait += self._wait_for(r, deltas)
+        self.stalled = (
+            handle is None and not ready and not drained and not deltas and self._inflight is None
+        )
         self.stats.num_steps += 1
         self.stats.wait_s += wait
         self.stats.cpu_s += time.perf_counter() - start - wait
         return deltas
+
+    def _wait_for(self, step: tuple[SchedulerOutput, Any], deltas: list[RequestDelta]) -> float:
+        """Waits for `step`'s output, appends its deltas; returns the seconds waited."""
+        t = time.perf_counter()
+        out = step[1].get()
+        waited = time.perf_counter() - t
+        deltas += self._process(step[0], out)
+        return waited
 
     def _process(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestDelta]:
         deltas = []

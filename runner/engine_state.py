@@ -13,12 +13,17 @@ from pdserve.runner.outputs import LogprobDict
 class StepStats:
     """Where the host's time goes: `cpu_s` is time in `step()` not spent waiting for the
     device; `wait_s` is time blocked on a step's outputs. `generation_tokens`: tokens
-    sampled (a prefill worker's first tokens included)."""
+    sampled (a prefill worker's first tokens included). Async scheduling with drafts
+    (runner/engine.py `step`): `spec_drains`, steps whose in-flight predecessor was read
+    early because a request would draft; `spec_sync_steps`, steps with drafts, waited
+    for where they were launched."""
 
     num_steps: int = 0
     cpu_s: float = 0.0
     wait_s: float = 0.0
     generation_tokens: int = 0
+    spec_drains: int = 0
+    spec_sync_steps: int = 0
 
     @property
     def cpu_ms_per_step(self) -> float:

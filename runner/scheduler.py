@@ -186,7 +186,9 @@ class Scheduler:
                 continue  # async: its last token is in flight; another would be thrown away
             num_new = self._chunk(req, req.num_computed_tokens, min(behind, budget))
             assert num_new > 0, f"running request {req.request_id} has nothing to compute"
-            draft = self.drafter.drafts(req, budget) if self.drafter and behind == 1 else ()
+            # a draft follows the last token, which must be known: none for a token in flight
+            draftable = self.drafter and behind == 1 and not req.num_output_placeholders
+            draft = self.drafter.drafts(req, budget) if draftable else ()
             new_blocks = self.kv.allocate_slots(req, num_new + len(draft))
             if new_blocks is None and draft:  # a draft never costs a preemption
                 draft = ()
@@ -297,6 +299,15 @@ class Scheduler:
         self._free_in_runner = set()
         out.state_copies = self.kv.take_state_copies()
         return out
+
+    def drafts_due(self) -> bool:
+        """Async scheduling with a drafter: whether a running request whose last token is
+        in flight would draft once it is known, judged by the tokens known so far (one
+        short): text that repeats drafts from either. The engine then reads the step in
+        flight before planning the next (runner/engine.py `step`)."""
+        if self.drafter is None:
+            return False
+        return any(r.num_output_placeholders and self.drafter.drafts(r, 2) for r in self.running)
 
     def _chunk(self, req: Request, done: int, num_new: int) -> int:
         """`num_new` tokens from `done`, or, for a hybrid with prefix caching and chunked

@@ -5,8 +5,9 @@ request's block table and its own length (runner/mrv2/model_runner.py). Given `r
 and `max_run` = k + 1, the kernel serves a run of such rows (same slot, consecutive tokens,
 consecutive lengths) from its first row's program, reading each K/V tile once for the whole
 run. The checks:
-- the result is the per-row kernel's, bit for bit, and the spec's within the attention
-  tests' tolerance (tests/test_paged_attention_triton.py);
+- the result is the per-row kernel's, bit for bit on a GPU where both use one tile size
+  (within 4 ulps otherwise), and the spec's within the attention tests' tolerance
+  (tests/test_paged_attention_triton.py);
 - the run really is served by its first row: the later rows' block tables are replaced by
   the null block, which holds NaN, so a program that read them would give NaN;
 - rows that only look alike do not join a run (they keep their own tables, so a program
@@ -102,8 +103,14 @@ def test_runs_of_drafted_rows_equal_the_per_row_kernel(hq, hkv, d, max_run, dtyp
     runs = _attend(q, cache, run_tables, qsl, seq_lens, slots, max_run)
     assert not runs.isnan().any(), "a later row of a run read its own table"
     same_tile = max(16, 1 << (hq // hkv * max_run - 1).bit_length()) == 16
-    if DEVICE == "cpu" or same_tile:
+    if DEVICE == "cuda" and same_tile:
         assert torch.equal(runs, per_row)
+    else:
+        # Triton's interpreter multiplies tiles with numpy's BLAS, whose kernels for the
+        # edge rows of a tile can sum in another order than for the rest: a row's result
+        # may move by an ulp with what shares its tile (seen on an AVX2-only CPU)
+        eps = torch.finfo(dtype).eps
+        assert torch.allclose(runs, per_row, rtol=4 * eps, atol=4 * eps)
     ref = torch.zeros(q.shape, dtype=torch.float64)  # pad rows: zeros, as the kernel writes
     paged_attention_ref(
         q.double().cpu(), cache.double().cpu(), tables.cpu(), qsl.cpu(), seq_lens.cpu(),

@@ -237,6 +237,60 @@ def test_prefix_cache_and_preemption_with_drafts(tiny_qwen3_dir):
     _assert_drafts_accepted_and_rejected(tight)
 
 
+def test_async_scheduling_drafts_where_text_repeats(tiny_llama_dir):
+    """Async scheduling with drafts (runner/engine.py `step`): requests that repeat their
+    prompts draft, each drafted step waited for where it is launched; once they are done,
+    requests sampling random text draft next to nothing and their steps overlap the next
+    one's planning again. Guards the draft's position: one made while the request's last
+    token is still in flight would be staged over that token. Tokens, texts and logprobs
+    equal the synchronous engine's without drafts."""
+    repeat = _prompts(4, seed=17)
+    rng = random.Random(23)
+    noise = [{"prompt_token_ids": [rng.randrange(3, 990) for _ in range(30)]} for _ in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 4 + [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True, logprobs=1)
+        for i in range(4)
+    ]
+    prompts = repeat + noise
+    plain = _llm(tiny_llama_dir, spec=None, async_scheduling=False)
+    plain = plain.generate(prompts, params, use_tqdm=False)
+    llm = _llm(tiny_llama_dir, async_scheduling=True)
+    sched, engine = llm.engine.scheduler, llm.engine
+    schedule, step = sched.schedule, engine.step
+    in_flight_at_draft, overlapped = [], []
+
+    def recorded():
+        so = schedule()
+        # after planning, a drafted request holds the placeholder of this step's sample only
+        in_flight_at_draft.extend(sched.requests[r].num_output_placeholders - 1
+                                  for r in so.spec_token_ids)  # fmt: skip
+        return so
+
+    def counted():
+        deltas = step()
+        overlapped.append(engine._inflight is not None)
+        return deltas
+
+    sched.schedule, engine.step = recorded, counted
+    drafted = llm.generate(prompts, params, use_tqdm=False)
+    _assert_same(plain, drafted, logprobs=False)
+    for a, b in zip(plain[4:], drafted[4:], strict=True):
+        for p, q, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
+            assert abs(p[t].logprob - q[t].logprob) < 1e-5
+    _assert_drafts_accepted_and_rejected(llm)
+    assert in_flight_at_draft and not any(in_flight_at_draft)
+    stats = engine.stats
+    assert stats.spec_sync_steps > 0 and stats.spec_drains > 0, stats
+    # the random text's steps overlap: at least the 28 steps after the repeats end
+    assert sum(overlapped) >= 20, (sum(overlapped), len(overlapped), stats)
+    # Without the early reads every planned request has its last token in flight: none
+    # drafts (a draft then would be made one token short and staged over that token)
+    llm = _llm(tiny_llama_dir, async_scheduling=True)
+    llm.engine.scheduler.drafts_due = lambda: False
+    _assert_same(plain, llm.generate(prompts, params, use_tqdm=False))
+    assert llm.engine.scheduler.num_draft_tokens == 0
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
@@ -263,10 +317,8 @@ def test_bad_speculative_configs_are_refused_by_name(tiny_llama_dir, config, mes
 
 
 def test_what_speculation_does_not_run_with(tiny_llama_dir, tiny_bamba_dir):
-    """Async scheduling (a draft needs the last token on the host), the reference runner
-    and hybrid Mamba models (a rejected draft would stay in the recurrent state)."""
-    with pytest.raises(ValueError, match="synchronous scheduling"):
-        LLM(model=tiny_llama_dir, device=DEVICE, speculative_config=NGRAM, async_scheduling=True)
+    """The reference runner and hybrid Mamba models (a rejected draft would stay in the
+    recurrent state)."""
     with pytest.raises(ValueError, match="needs the mrv2 runner"):
         _llm(tiny_llama_dir, runner="reference")
     with pytest.raises(ValueError, match="hybrid Mamba"):

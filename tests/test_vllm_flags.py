@@ -120,14 +120,6 @@ def test_defaults_and_names_as_vllm_picks_them():
             ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'],
             "method must be one of ngram",
         ),
-        (
-            [
-                "--speculative-config",
-                '{"method": "ngram", "num_speculative_tokens": 2}',
-                "--async-scheduling",
-            ],
-            "drop --async-scheduling",
-        ),
     ],
 )
 def test_bad_flags_are_refused(argv, message):
