@@ -69,6 +69,16 @@ _WORKER_SERIES = {
         "counter",
         "Draft tokens kept",
     ),
+    "spec_sync_steps": (
+        "worker_spec_sync_steps",
+        "counter",
+        "Steps with drafts under async scheduling, waited for where they launched",
+    ),
+    "spec_drains": (
+        "worker_spec_drains",
+        "counter",
+        "Steps in flight read before the next was planned, as a request would draft",
+    ),
     "transfer_bytes": ("kv_transfer_bytes", "counter", "KV bytes pulled"),
     "transfer_seconds": ("kv_transfer_seconds", "counter", "Seconds spent pulling KV"),
     "recompute_fallbacks": ("kv_recompute_fallbacks", "counter", "Failed pulls recomputed"),

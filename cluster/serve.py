@@ -340,6 +340,9 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
                 await subscriber.close()
 
         app.router.lifespan_context = lifespan
+        async_steps = (
+            ecfg.runner.async_scheduling if cfg.async_scheduling is None else cfg.async_scheduling
+        )
         print(
             f"pdserve: serving {model_names[0]!r} at http://{cfg.host}:{cfg.port}/v1 — mode "
             f"{cfg.mode}, {len(router.prefill_workers)} prefill + {len(router.decode_workers)} "
@@ -348,7 +351,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             + f"{'1 KV tier actor, ' if tier is not None else ''}"
             f"runner {ecfg.runner.runner}, "
             + (
-                f"speculative {ecfg.speculative.describe()} (synchronous scheduling), "
+                f"speculative {ecfg.speculative.describe()} "
+                f"({'async' if async_steps else 'synchronous'} scheduling), "
                 if ecfg.speculative is not None
                 else ""
             )

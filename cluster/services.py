@@ -65,6 +65,9 @@ def _engine_stats(engine: Engine, compiles: CompileWatch | None) -> dict[str, An
         "spec_decode_accepted_by_position": {
             str(i): n for i, n in enumerate(s.num_accepted_per_pos)
         },
+        # beside async scheduling: the steps drafts made wait (runner/engine.py `step`)
+        "spec_sync_steps": engine.stats.spec_sync_steps,
+        "spec_drains": engine.stats.spec_drains,
     }
 
 

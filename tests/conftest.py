@@ -74,15 +74,16 @@ torch.set_num_threads(max(1, min(4, os.cpu_count() or 1) // _WORKERS))
 
 
 def pytest_collection_modifyitems(config, items):
-    """Keeps `xdist_schedule.SHARED_SERVER_FILES` true: a file using the session's `pd` or
-    `colocated` server that is not listed would start its own copy under `-n 2`."""
+    """Keeps `xdist_schedule.SHARED_SERVER_FILES` true: a file using one of the session's
+    servers that is not listed would start its own copy under `-n 2`."""
     from xdist_schedule import SHARED_SERVER_FILES
 
-    users = {item.path.name for item in items if {"pd", "colocated"} & set(item.fixturenames)}
+    shared = {"pd", "colocated", "pd_layer_wise"}
+    users = {item.path.name for item in items if shared & set(item.fixturenames)}
     if users - SHARED_SERVER_FILES:
         raise pytest.UsageError(
             f"add {sorted(users - SHARED_SERVER_FILES)} to tests/xdist_schedule.py's "
-            "SHARED_SERVER_FILES: they use the session's pd or colocated server"
+            "SHARED_SERVER_FILES: they use one of the session's servers"
         )
 
 
@@ -121,6 +122,28 @@ def colocated(tmp_path_factory):
     server = Server(
         tmp_path_factory.mktemp("co"), "--mode", "colocated", "--max-model-len", "1024",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+    )  # fmt: skip
+    yield server
+    server.stop()
+
+
+# test_serve_speculative's drafts: its prompt is a list the model keeps going
+SERVE_DRAFTS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="session")
+def pd_layer_wise(tmp_path_factory):
+    """PD with `--kv-layer-wise` (early tickets, each layer streamed as it is written) and
+    n-gram drafts on the decode worker, shared by test_serve_e2e's layer-wise test and
+    test_serve_speculative (a start costs CI 30-50 s); the two features meet on its decode
+    worker, and each test's answers are checked against a server or engine without them."""
+    import json
+
+    from serve_server import Server
+
+    server = Server(
+        tmp_path_factory.mktemp("layer_wise"), "--kv-layer-wise", "--max-model-len", "1024",
+        "--speculative-config", json.dumps(SERVE_DRAFTS),
     )  # fmt: skip
     yield server
     server.stop()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import subprocess
@@ -46,43 +48,47 @@ def test_generate_takes_vllms_sizes(smollm_dir):
     assert res.returncode == 2 and "a binary suffix (K) takes a whole number" in res.stderr
 
 
+def _main(*args: str) -> tuple[int, str]:
+    """`pdserve.cli.main` in this process: (its exit status, what it wrote to stderr). A
+    process costs each refusal ~6 s of imports, which the two runs through `python -m`
+    below already check."""
+    from pdserve.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, err.getvalue()
+
+
 def test_cli_errors_are_clear_and_nonzero():
-    # `serve` binds its port first: a free one, so the flag errors below are what fails.
+    # Through the real entry point, as a shell runs it: its exit status and streams.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        bad, help_ = pool.map(lambda args: _run(*args), [("generate", "--temperature", "-1"),
+                                                         ("--help",)])  # fmt: skip
+    assert bad.returncode == 2 and "temperature must be >= 0" in bad.stderr
+    assert help_.returncode == 0 and "generate" in help_.stdout
+    # The rest in this process. `serve` binds its port first: a free one, so the flag
+    # errors below are what fails.
     port = str(free_port())
-    runs = [
-        ("generate", "--model", "/no/such/model"),
-        ("generate", "--temperature", "-1"),
-        ("serve", "--port", port, "--kv-transport", "cuda_ipc", "--device", "cpu"),
-        ("serve", "--port", port, "--mode", "pd", "--runner", "reference"),
-        ("serve", "--port", port, "--no-enable-chunked-prefill", "--max-num-batched-tokens",
-         "1k", "--max-model-len", "2k"),
-        ("serve", "--port", port, "--max-num-batched-tokens", "32"),  # 64 slots
-        ("serve", "--port", port, "--device", "cpu", "--kv-cache-memory-bytes", "1000G"),
-        ("--help",),
-    ]  # fmt: skip
-    # Each start imports torch and reads the model's config (~2-7 s): run them at once.
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        results = list(pool.map(lambda args: _run(*args), runs))
-    res = iter(results)
-    r = next(res)
-    assert r.returncode == 2 and "unknown model '/no/such/model'" in r.stderr
-    r = next(res)
-    assert r.returncode == 2 and "temperature must be >= 0" in r.stderr
-    r = next(res)
-    assert r.returncode == 2 and "--kv-transport cuda_ipc needs the workers on a GPU" in r.stderr
-    r = next(res)
-    assert r.returncode == 2 and "--mode pd moves paged KV blocks" in r.stderr
-    r = next(res)
-    assert r.returncode == 2 and "max_num_batched_tokens must be >= max_model_len" in r.stderr
-    assert "Ray" not in r.stderr  # refused before Ray starts
-    r = next(res)
-    assert r.returncode == 2 and "(32) must be >= --max-num-seqs (64)" in r.stderr
-    r = next(res)
-    assert r.returncode == 2, r.stderr
-    assert "2 CPU worker(s) need 2000.0 GiB of KV cache" in r.stderr, r.stderr
-    assert "Ray" not in r.stderr and "starting" not in r.stderr  # refused before Ray
-    r = next(res)
-    assert r.returncode == 0 and "generate" in r.stdout
+    code, err = _main("generate", "--model", "/no/such/model")
+    assert code == 2 and "unknown model '/no/such/model'" in err
+    code, err = _main("serve", "--port", port, "--kv-transport", "cuda_ipc", "--device", "cpu")
+    assert code == 2 and "--kv-transport cuda_ipc needs the workers on a GPU" in err
+    code, err = _main("serve", "--port", port, "--mode", "pd", "--runner", "reference")
+    assert code == 2 and "--mode pd moves paged KV blocks" in err
+    code, err = _main("serve", "--port", port, "--no-enable-chunked-prefill",
+                      "--max-num-batched-tokens", "1k", "--max-model-len", "2k")  # fmt: skip
+    assert code == 2 and "max_num_batched_tokens must be >= max_model_len" in err
+    assert "Ray" not in err  # refused before Ray starts
+    code, err = _main("serve", "--port", port, "--max-num-batched-tokens", "32")  # 64 slots
+    assert code == 2 and "(32) must be >= --max-num-seqs (64)" in err
+    code, err = _main("serve", "--port", port, "--device", "cpu", "--kv-cache-memory-bytes",
+                      "1000G")  # fmt: skip
+    assert code == 2, err
+    assert "2 CPU worker(s) need 2000.0 GiB of KV cache" in err, err
+    assert "Ray" not in err and "starting" not in err  # refused before Ray
+    ray = sys.modules.get("ray")
+    assert ray is None or not ray.is_initialized(), "a refused start left Ray running"
 
 
 def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():

@@ -1123,34 +1123,25 @@ def test_pd_over_the_nccl_transport_path(pd_busy, pd):
     )
 
 
-@pytest.fixture(scope="module")
-def layer_wise_pd(tmp_path_factory):
-    server = Server(
-        tmp_path_factory.mktemp("layer_wise"), "--kv-layer-wise", "--max-model-len", "1024"
-    )
-    yield server
-    server.stop()
-
-
-def test_pd_with_layer_wise_early_tickets(layer_wise_pd, pd):
+def test_pd_with_layer_wise_early_tickets(pd_layer_wise, pd):
     """Guards `--kv-layer-wise` through the real services: the prefill service answers the
     router with the early ticket from inside its step (before the forward), the decode
     side streams the layers and takes the first token (and its logprobs) either relayed
     by the router as soon as the prefill sampled it or from the stream's end, exactly once.
     Answers, logprobs included, equal the default PD server's, every pull is counted under
-    tcp and none fell back to recompute."""
-    r = layer_wise_pd.client().chat.completions.create(
+    tcp and none fell back to recompute. (The server's decode worker drafts too: conftest.py.)"""
+    r = pd_layer_wise.client().chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=20, temperature=0
     )
     assert r.choices[0].message.content == "The capital of France is Paris."
     kwargs = dict(model="SmolLM2-135M-Instruct", prompt=LONG, max_tokens=6, temperature=0)
-    got = layer_wise_pd.client().completions.create(**kwargs, logprobs=2)
+    got = pd_layer_wise.client().completions.create(**kwargs, logprobs=2)
     want = pd.client().completions.create(**kwargs, logprobs=2)
     assert got.choices[0].text == want.choices[0].text
     g, w = got.choices[0].logprobs, want.choices[0].logprobs
     assert g.tokens == w.tokens
     assert all(abs(a - b) < 1e-4 for a, b in zip(g.token_logprobs, w.token_logprobs)), (g, w)
-    text = layer_wise_pd.metrics()
+    text = pd_layer_wise.metrics()
     path = "\n".join(line for line in text.splitlines() if line.startswith(PATH_SERIES))
     assert _metric(text, "pdserve:kv_transfer_pulls_total", transport="tcp") >= 2, path
     assert _metric(text, "pdserve:kv_recompute_fallbacks_total") == 0, path
@@ -1170,6 +1161,6 @@ def test_pd_with_layer_wise_early_tickets(layer_wise_pd, pd):
             model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=20, temperature=0,
             response_format=fmt,
         ).choices[0].message.content
-        for server in (layer_wise_pd, pd)
+        for server in (pd_layer_wise, pd)
     ]  # fmt: skip
     assert answers[0] == answers[1] and "capital" in json.loads(answers[0]), answers

@@ -20,10 +20,12 @@ from test_paged_attention_triton import (
     DECODE,
     DECODE_AT_1,
     FRESH_PROMPT,
+    KH,
     LONG_DECODE,
     LONG_PROMPT,
     MIXED,
     PAD,
+    QH,
     TWO_QUERIES,
     X,
     check,
@@ -97,5 +99,5 @@ def test_block_sizes_and_two_query_rows(bs, window):
 def test_mixed_batch_16bit(dtype, window):
     """Guards the 16-bit tile config (64-query tiles, 64-key tiles) with a window that
     starts inside a key tile."""
-    batch = make_batch([*MIXED, LONG_PROMPT], 16, 8, 128, 16, dtype=dtype, window=window)
+    batch = make_batch([*MIXED, LONG_PROMPT], QH, KH, 128, 16, dtype=dtype, window=window)
     check(batch, batch.run_triton())

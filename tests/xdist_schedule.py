@@ -9,7 +9,7 @@ and group schedulers override (pyproject.toml keeps xdist below 4 for it)."""
 
 from __future__ import annotations
 
-# conftest.py refuses a run in which a file outside this set uses either server.
+# conftest.py refuses a run in which a file outside this set uses one of those servers.
 SHARED_SERVER_FILES = frozenset(
     {
         "test_bench_contract.py",
@@ -19,6 +19,7 @@ SHARED_SERVER_FILES = frozenset(
         "test_serve_embeddings.py",
         "test_serve_fuzz.py",
         "test_serve_responses.py",
+        "test_serve_speculative.py",
         "test_serve_token_ids.py",
         "test_serve_vllm_compat.py",
     }
