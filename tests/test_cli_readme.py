@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from cli_in_process import cli_main
 
 from pdserve.cluster.serve_process import free_port
 
@@ -48,18 +48,6 @@ def test_generate_takes_vllms_sizes(smollm_dir):
     assert res.returncode == 2 and "a binary suffix (K) takes a whole number" in res.stderr
 
 
-def _main(*args: str) -> tuple[int, str]:
-    """`pdserve.cli.main` in this process: (its exit status, what it wrote to stderr). A
-    process costs each refusal ~6 s of imports, which the two runs through `python -m`
-    below already check."""
-    from pdserve.cli import main
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return code, err.getvalue()
-
-
 def test_cli_errors_are_clear_and_nonzero():
     # Through the real entry point, as a shell runs it: its exit status and streams.
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -70,19 +58,19 @@ def test_cli_errors_are_clear_and_nonzero():
     # The rest in this process. `serve` binds its port first: a free one, so the flag
     # errors below are what fails.
     port = str(free_port())
-    code, err = _main("generate", "--model", "/no/such/model")
+    code, err = cli_main("generate", "--model", "/no/such/model")
     assert code == 2 and "unknown model '/no/such/model'" in err
-    code, err = _main("serve", "--port", port, "--kv-transport", "cuda_ipc", "--device", "cpu")
+    code, err = cli_main("serve", "--port", port, "--kv-transport", "cuda_ipc", "--device", "cpu")
     assert code == 2 and "--kv-transport cuda_ipc needs the workers on a GPU" in err
-    code, err = _main("serve", "--port", port, "--mode", "pd", "--runner", "reference")
+    code, err = cli_main("serve", "--port", port, "--mode", "pd", "--runner", "reference")
     assert code == 2 and "--mode pd moves paged KV blocks" in err
-    code, err = _main("serve", "--port", port, "--no-enable-chunked-prefill",
+    code, err = cli_main("serve", "--port", port, "--no-enable-chunked-prefill",
                       "--max-num-batched-tokens", "1k", "--max-model-len", "2k")  # fmt: skip
     assert code == 2 and "max_num_batched_tokens must be >= max_model_len" in err
     assert "Ray" not in err  # refused before Ray starts
-    code, err = _main("serve", "--port", port, "--max-num-batched-tokens", "32")  # 64 slots
+    code, err = cli_main("serve", "--port", port, "--max-num-batched-tokens", "32")  # 64 slots
     assert code == 2 and "(32) must be >= --max-num-seqs (64)" in err
-    code, err = _main("serve", "--port", port, "--device", "cpu", "--kv-cache-memory-bytes",
+    code, err = cli_main("serve", "--port", port, "--device", "cpu", "--kv-cache-memory-bytes",
                       "1000G")  # fmt: skip
     assert code == 2, err
     assert "2 CPU worker(s) need 2000.0 GiB of KV cache" in err, err

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_in_process import cli_main
 
 from pdserve.cluster.chat_messages import chat_messages
 from pdserve.cluster.openai_api import (
@@ -266,12 +267,9 @@ def test_reasoning_parser_takes_vllms_names(tmp_path, monkeypatch):
         (["--config", str(path)],
          r"--reasoning-parser must be one of qwen3, deepseek_r1, openai_gptoss, seed_oss, got 'bogus'"),
     ):  # fmt: skip
-        res = subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", "serve", *argv],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert res.returncode == 2, res.stderr
-        assert re.search(named, res.stderr), res.stderr
+        code, err = cli_main("serve", *argv)
+        assert code == 2, err
+        assert re.search(named, err), err
 
 
 # ---- generation config -------------------------------------------------------------------
