@@ -241,9 +241,10 @@ def test_async_scheduling_drafts_where_text_repeats(tiny_llama_dir):
     """Async scheduling with drafts (runner/engine.py `step`): requests that repeat their
     prompts draft, each drafted step waited for where it is launched; once they are done,
     requests sampling random text draft next to nothing and their steps overlap the next
-    one's planning again. Guards the draft's position: one made while the request's last
-    token is still in flight would be staged over that token. Tokens, texts and logprobs
-    equal the synchronous engine's without drafts."""
+    one's planning again. Guards where drafts come from: one made while the request's last
+    token is still in flight would guess from a sequence one token short (verification
+    rejects what it gets wrong, so the tokens would not show it; the count does). Tokens,
+    texts and logprobs equal the synchronous engine's without drafts."""
     repeat = _prompts(4, seed=17)
     rng = random.Random(23)
     noise = [{"prompt_token_ids": [rng.randrange(3, 990) for _ in range(30)]} for _ in range(4)]
@@ -284,7 +285,7 @@ def test_async_scheduling_drafts_where_text_repeats(tiny_llama_dir):
     # the random text's steps overlap: at least the 28 steps after the repeats end
     assert sum(overlapped) >= 20, (sum(overlapped), len(overlapped), stats)
     # Without the early reads every planned request has its last token in flight: none
-    # drafts (a draft then would be made one token short and staged over that token)
+    # drafts (without the scheduler's guard 44 draft tokens were made one token short)
     llm = _llm(tiny_llama_dir, async_scheduling=True)
     llm.engine.scheduler.drafts_due = lambda: False
     _assert_same(plain, llm.generate(prompts, params, use_tqdm=False))
