@@ -129,7 +129,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         quantized_weights=cfg.quantized_weights,
         trust_remote_code=cfg.trust_remote_code, tokenizer=cfg.tokenizer, revision=cfg.revision,
         download_dir=cfg.download_dir, load_format=cfg.load_format,
-        speculative_config=cfg.speculative_config,
+        speculative_config=cfg.speculative_config, async_scheduling=cfg.async_scheduling,
     )  # fmt: skip
     if cfg.load_format == "dummy":
         print(f"pdserve: --load-format dummy: {ecfg.model.architecture} runs on random weights "
@@ -340,9 +340,6 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
                 await subscriber.close()
 
         app.router.lifespan_context = lifespan
-        async_steps = (
-            ecfg.runner.async_scheduling if cfg.async_scheduling is None else cfg.async_scheduling
-        )
         print(
             f"pdserve: serving {model_names[0]!r} at http://{cfg.host}:{cfg.port}/v1 — mode "
             f"{cfg.mode}, {len(router.prefill_workers)} prefill + {len(router.decode_workers)} "
@@ -352,7 +349,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             f"runner {ecfg.runner.runner}, "
             + (
                 f"speculative {ecfg.speculative.describe()} "
-                f"({'async' if async_steps else 'synchronous'} scheduling), "
+                f"({'async' if ecfg.runner.async_scheduling else 'synchronous'} scheduling), "
                 if ecfg.speculative is not None
                 else ""
             )
