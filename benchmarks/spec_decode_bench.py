@@ -2,7 +2,7 @@
 
     python benchmarks/spec_decode_bench.py [--requests 32] [--prompt-len 256]
         [--output-len 256] [--k 1,3,5] [--pattern 16] [--profile N] [--sync-baseline]
-        [--sync-drafts] [--out benchmarks/results/DIR]
+        [--sync-drafts] [--temperature T] [--out benchmarks/results/DIR]
 
 Greedy decoding of prompts that repeat a random `--pattern`-token phrase, once without
 drafts and once per `--k` with n-gram drafts (`num_speculative_tokens` = k,
@@ -16,6 +16,10 @@ and with them under synchronous scheduling). `--pattern` equal to `--prompt-len`
 prompts that do not repeat:
 
     gain = (1 + kept per drafted row-step) x (plain step time / drafted step time)
+
+The random model's greedy replies loop, so they draft even then; `--temperature` above 0
+samples every run instead, and with prompts that do not repeat no step drafts: what is
+left is what drafting costs a workload it cannot help.
 
 With `--profile N` each k runs once more under cProfile (times inflated by it, so apart from
 the timed run) and its row gets `host_top`: the N functions with the most own time, and
@@ -49,14 +53,14 @@ def prompts(n: int, length: int, pattern: int, vocab: int, seed: int = 7) -> lis
     return out
 
 
-def run(engine, reqs: list[list[int]], output_len: int) -> dict:
-    """throughput.py's run (greedy, forced length) plus the drafts' counters."""
+def run(engine, reqs: list[list[int]], output_len: int, temperature: float = 0.0) -> dict:
+    """throughput.py's run (forced length) plus the drafts' counters."""
     s = engine.scheduler
     before = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
     stats = engine.stats
     waits = (stats.spec_sync_steps, stats.spec_drains)
     w = Workload("spec", len(reqs), len(reqs[0]), output_len, "output_tok_s")
-    row = run_engine(engine, w, reqs)
+    row = run_engine(engine, w, reqs, temperature)
     drafts, drafted, kept = (x - y for x, y in zip((s.num_drafts, s.num_draft_tokens,
                                                     s.num_accepted_tokens), before))  # fmt: skip
     return {
@@ -74,11 +78,11 @@ def run(engine, reqs: list[list[int]], output_len: int) -> dict:
     }
 
 
-def profiled(engine, reqs: list[list[int]], output_len: int, top: int) -> dict:
+def profiled(engine, reqs: list[list[int]], output_len: int, top: int, temperature: float) -> dict:
     """`run` under cProfile: the functions with the most own time, and the split."""
     prof = cProfile.Profile()
     prof.enable()
-    row = run(engine, reqs, output_len)
+    row = run(engine, reqs, output_len, temperature)
     prof.disable()
     steps = max(row["steps"], 1)
     split = {"pdserve": 0.0, "torch": 0.0, "other": 0.0}
@@ -106,6 +110,11 @@ def main() -> int:
     ap.add_argument("--pattern", type=int, default=16)
     ap.add_argument("--k", default="1,3,5")
     ap.add_argument("--profile", type=int, default=0, help="top N host functions per k")
+    ap.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="sample every run at this temperature (0: greedy); with --pattern equal to "
+        "--prompt-len the sampled text repeats nowhere, so no step drafts",
+    )  # fmt: skip
     ap.add_argument(
         "--sync-baseline", action="store_true",
         help="also run without drafts under synchronous scheduling (as the drafting runs)",
@@ -137,10 +146,11 @@ def main() -> int:
         )  # fmt: skip
         # warm-up at the timed shapes, on other prompts (no prefix-cache hits later): every
         # kernel variant (each k its own drafted-row runs) compiles here, not when timed
-        run(engine, warm, 8)
-        row = {"k": k, "sync": sync, **run(engine, reqs, args.output_len)}
+        run(engine, warm, 8, args.temperature)
+        row = {"k": k, "sync": sync, "temperature": args.temperature,
+               **run(engine, reqs, args.output_len, args.temperature)}  # fmt: skip
         if args.profile:
-            row.update(profiled(engine, reqs, args.output_len, args.profile))
+            row.update(profiled(engine, reqs, args.output_len, args.profile, args.temperature))
         row["device"] = torch.cuda.get_device_name()
         row["commit"] = git_commit()
         row["command"] = " ".join(sys.argv)

@@ -137,10 +137,10 @@ def make_prompts(w: Workload, vocab: int, seed: int = 1234) -> list[list[int]]:
     return rng.integers(0, vocab, size=(w.num_requests, w.prompt_len)).tolist()
 
 
-def run_engine(engine, w: Workload, prompts: list[list[int]]) -> dict:
+def run_engine(engine, w: Workload, prompts: list[list[int]], temperature: float = 0.0) -> dict:
     from pdserve.runner.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=w.output_len, ignore_eos=True)
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     count: dict[str, int] = {}
