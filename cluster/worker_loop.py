@@ -7,7 +7,10 @@ otherwise sleeps on its inbox (bounded wait). A worker whose last step had nothi
 (`stalled()`: a decode worker's requests wait on KV loads, a prefill worker's prompts on
 blocks that held prompts keep) sleeps too, until the next call, the bounded wait, or the
 `wake()` it was handed with `set_waker` (a load ended, a lease freed blocks): stepping it
-again would only spin, and take the GIL from the threads it waits on. The loop records
+again would only spin, and take the GIL from the threads it waits on. Work arrives through
+calls and wakes, so the bounded wait is only a backstop for timers (lease expiry, lease
+renewal of queued requests), which run on seconds: at 0.1 s an idle worker takes ~0.2% of
+a core (at 0.01 s, ~1.5%). The loop records
 forward progress (steps done, time of the last step that had work), which is what
 "healthy" means for the controller: a loop that is alive but stuck stops advancing
 `last_progress`.
@@ -37,7 +40,7 @@ class WorkerLoop:
         worker: SteppedWorker,
         on_outputs: Callable[[list], None],
         name: str = "worker-loop",
-        idle_wait_s: float = 0.01,
+        idle_wait_s: float = 0.1,
     ) -> None:
         self.worker = worker
         self.on_outputs = on_outputs

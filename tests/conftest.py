@@ -73,18 +73,42 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1) // _WORKERS))
 
 
+SHARED_SERVERS = pytest.StashKey["SharedServers"]()
+
+
+def pytest_configure(config):
+    from shared_servers import SharedServers
+
+    config.stash[SHARED_SERVERS] = SharedServers(
+        {"pd": _start_pd, "colocated": _start_colocated, "pd_layer_wise": _start_pd_layer_wise}
+    )
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m have chosen the run's tests
 def pytest_collection_modifyitems(config, items):
-    """Keeps `xdist_schedule.SHARED_SERVER_FILES` true: a file using one of the session's
-    servers that is not listed would start its own copy under `-n 2`."""
+    """Keeps `xdist_schedule.SHARED_SERVER_FILES` true (a file using one of the session's
+    servers that is not listed would start its own copy under `-n 2`), runs those files in
+    one stretch and notes each server's last user (tests/shared_servers.py)."""
+    from shared_servers import contiguous
     from xdist_schedule import SHARED_SERVER_FILES
 
-    shared = {"pd", "colocated", "pd_layer_wise"}
-    users = {item.path.name for item in items if shared & set(item.fixturenames)}
+    servers = config.stash[SHARED_SERVERS]
+    users = {item.path.name for item in items if servers.starts.keys() & set(item.fixturenames)}
     if users - SHARED_SERVER_FILES:
         raise pytest.UsageError(
             f"add {sorted(users - SHARED_SERVER_FILES)} to tests/xdist_schedule.py's "
             "SHARED_SERVER_FILES: they use one of the session's servers"
         )
+    contiguous(items, lambda item: item.path.name in SHARED_SERVER_FILES)
+    servers.plan(items)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    item.config.stash[SHARED_SERVERS].after(item)
+
+
+def pytest_sessionfinish(session):
+    session.config.stash[SHARED_SERVERS].stop_all()
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which the GPU run goes without
@@ -94,59 +118,65 @@ def pytest_xdist_make_scheduler(config, log):
     return make_scheduler(config, log)
 
 
-# The two default servers live for the whole session: test_bench_contract and
-# test_serve_e2e both use them, and a start costs CI ~20-30 s. No test changes their
-# state beyond counters (which tests read as deltas or lower bounds); tests that kill
-# workers or need other flags start their own servers.
+# The session's servers: test_bench_contract and test_serve_e2e both use them, and a start
+# costs CI ~20-60 s. Each runs from the first test that asks for it to the last
+# (tests/shared_servers.py). No test changes their state beyond counters (which tests read
+# as deltas or lower bounds); tests that kill workers or need other flags start their own.
 
 
-@pytest.fixture(scope="session")
-def pd(tmp_path_factory):
+@pytest.fixture
+def pd(request, tmp_path_factory):
     """`pdserve serve` as the README runs it (PD mode, 1 prefill + 1 decode worker, a tier
     actor, the bundled SmolLM2) on a free port, shared by every test that asks for it."""
+    return request.config.stash[SHARED_SERVERS].get("pd", tmp_path_factory)
+
+
+def _start_pd(log_dir: Path):
     from serve_server import Server
 
-    server = Server(tmp_path_factory.mktemp("pd"))
-    yield server
-    server.stop()
+    return Server(log_dir)
 
 
-@pytest.fixture(scope="session")
-def colocated(tmp_path_factory):
+@pytest.fixture
+def colocated(request, tmp_path_factory):
     """Colocated mode, and it answers tool_choice auto (hermes calls; `pd` refuses it) and
     splits chat replies' reasoning with the qwen3 parser. That parser leaves a reply that
     does not open with `<think>` as it is, so SmolLM2's replies, which never do, come back
     as without it (deepseek_r1 would read every such reply as reasoning)."""
+    return request.config.stash[SHARED_SERVERS].get("colocated", tmp_path_factory)
+
+
+def _start_colocated(log_dir: Path):
     from serve_server import Server
 
-    server = Server(
-        tmp_path_factory.mktemp("co"), "--mode", "colocated", "--max-model-len", "1024",
+    return Server(
+        log_dir, "--mode", "colocated", "--max-model-len", "1024",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
     )  # fmt: skip
-    yield server
-    server.stop()
 
 
 # test_serve_speculative's drafts: its prompt is a list the model keeps going
 SERVE_DRAFTS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
-@pytest.fixture(scope="session")
-def pd_layer_wise(tmp_path_factory):
+@pytest.fixture
+def pd_layer_wise(request, tmp_path_factory):
     """PD with `--kv-layer-wise` (early tickets, each layer streamed as it is written) and
     n-gram drafts on the decode worker, shared by test_serve_e2e's layer-wise test and
-    test_serve_speculative (a start costs CI 30-50 s); the two features meet on its decode
-    worker, and each test's answers are checked against a server or engine without them."""
+    test_serve_speculative; the two features meet on its decode worker, and each test's
+    answers are checked against a server or engine without them."""
+    return request.config.stash[SHARED_SERVERS].get("pd_layer_wise", tmp_path_factory)
+
+
+def _start_pd_layer_wise(log_dir: Path):
     import json
 
     from serve_server import Server
 
-    server = Server(
-        tmp_path_factory.mktemp("layer_wise"), "--kv-layer-wise", "--max-model-len", "1024",
+    return Server(
+        log_dir, "--kv-layer-wise", "--max-model-len", "1024",
         "--speculative-config", json.dumps(SERVE_DRAFTS),
     )  # fmt: skip
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -23,24 +23,33 @@ def _blocks(n: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def ray_local():
+    """One real Ray instance for the module's actors (a start and stop cost CI ~6 s)."""
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
 @contextmanager
 def _tier_on_ray(service: type = TierService, **client_kwargs):
-    """A real Ray instance with one tier actor running `service`, and a `TierClient` on
-    it; yields (actor, client), then closes the client and shuts Ray down."""
+    """A tier actor running `service` on the module's Ray, and a `TierClient` on it;
+    yields (actor, client), then closes the client and ends the actor."""
     import ray
 
     from pdserve.cluster.tier_actor import TierClient
 
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    actor = ray.remote(service).options(num_cpus=0).remote(1 << 20)
     try:
-        actor = ray.remote(service).options(num_cpus=0).remote(1 << 20)
         client = TierClient(actor, **client_kwargs)
         try:
             yield actor, client
         finally:
             client.close()
     finally:
-        ray.shutdown()
+        ray.kill(actor, no_restart=True)
 
 
 def test_blocks_round_trip_bitwise_through_the_wire():
@@ -80,7 +89,7 @@ def test_tier_service_put_lookup_get():
     assert torch.equal(bitwise_view(got[1][0]), bitwise_view(blocks[1][0]))
 
 
-def test_client_drops_write_behinds_past_its_byte_cap():
+def test_client_drops_write_behinds_past_its_byte_cap(ray_local):
     """Guards the prefill worker's step loop: `put` returns at once (a writer thread
     serializes and submits), a put that would take the bytes queued or in flight past the
     cap is refused before anything is packed (and counted), and the cap frees again once
@@ -128,7 +137,7 @@ def test_client_drops_write_behinds_past_its_byte_cap():
         assert client.dropped_puts == 4
 
 
-def test_writer_submits_only_once_the_blocks_are_ready():
+def test_writer_submits_only_once_the_blocks_are_ready(ray_local):
     """Guards the prefill worker's asynchronous host copies: the writer thread must not
     serialize blocks whose device-to-host copies are still queued. On a GPU `ready` is a
     CUDA event; CI has none, so a flag with the same `query()` stands in for it."""
@@ -155,7 +164,7 @@ def test_writer_submits_only_once_the_blocks_are_ready():
         assert submitted == [[7, 8]] and client.lookup("layout-a", [7, 8]) == 2
 
 
-def test_a_failed_put_is_counted_and_frees_its_bytes():
+def test_a_failed_put_is_counted_and_frees_its_bytes(ray_local):
     """Guards the write-behind's books: a put the tier actor fails (here it raises) is
     counted once, frees its share of the cap, and leaves the worker unharmed."""
 
@@ -175,7 +184,7 @@ def test_a_failed_put_is_counted_and_frees_its_bytes():
         assert client.lookup("layout-a", [1, 2]) == 0
 
 
-def test_a_dead_tier_is_a_miss_not_a_failure():
+def test_a_dead_tier_is_a_miss_not_a_failure(ray_local):
     """Guards the decode loader against a tier actor that died: a lookup is a miss (0)
     and a get a KeyError (the loader then pulls from the ticket), both within the call
     timeout, not a hang or a crash."""
