@@ -1,6 +1,7 @@
 """Ray actors for the pools, and async handles the router drives them through.
 
-An actor is a thin wrapper: `ray.remote(DecodeService)` / `ray.remote(PrefillService)`.
+An actor is a thin wrapper: `ray.remote(DecodeActor)` / `ray.remote(PrefillActor)`
+(cluster/pool_actors.py), which build their service in the worker's process.
 Payloads are msgpack bytes (cluster/wire.py). A worker-side ValueError (bad input that
 slipped past the router) comes back as a 400; a dead actor as a 503.
 Membership, health and restarts live in the controller actor (cluster/controller.py).
@@ -15,8 +16,8 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.cluster.openai_api import ApiError
+from pdserve.cluster.pool_actors import DecodeActor, PrefillActor
 from pdserve.cluster.serve_placement import actor_resources
-from pdserve.cluster.services import DecodeService, PrefillService
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def start_worker(spec: PoolSpec, role: str, worker_id: str):
     dist_spec = spec.dist_spec(role, worker_id)
     if role == "decode":
         actor = (
-            ray.remote(DecodeService)
+            ray.remote(DecodeActor)
             .options(**opts)
             .remote(
                 spec.engine_kwargs,
@@ -98,7 +99,7 @@ def start_worker(spec: PoolSpec, role: str, worker_id: str):
         )
     else:
         actor = (
-            ray.remote(PrefillService)
+            ray.remote(PrefillActor)
             .options(**opts)
             .remote(
                 spec.engine_kwargs,

@@ -95,6 +95,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.cluster.membership import membership_loop, sync_members
     from pdserve.cluster.metrics import Metrics
     from pdserve.cluster.ops_api import OpsState, add_ops_routes
+    from pdserve.cluster.pool_actors import TierActor
     from pdserve.cluster.pool_control import PoolControl
     from pdserve.cluster.ray_pool import PoolSpec
     from pdserve.cluster.request_log import RequestLog
@@ -109,7 +110,6 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         start_ray,
     )
     from pdserve.cluster.stats_log import stats_log_loop
-    from pdserve.cluster.tier_actor import TierService
     from pdserve.cluster.token_stream import TokenSubscriber
     from pdserve.runner.config import SchedulerConfig
     from pdserve.runner.config_resolve import resolve_engine_config
@@ -240,7 +240,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         tier = None
         if tier_bytes > 0 and cfg.mode == "pd":  # prefill workers are its writers
             tier = (
-                ray.remote(TierService)
+                ray.remote(TierActor)
                 .options(
                     num_cpus=0, name="pdserve-tier",
                     resources=actor_resources(cfg.pool_resources, "tier"),

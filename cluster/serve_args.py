@@ -12,7 +12,6 @@ from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.cluster.response_store import DEFAULT_STORE_BYTES
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from pdserve.json_arg import json_object
-from pdserve.runner.config import LOAD_FORMATS
 from pdserve.sizes import parse_size
 
 # Keys that may come from the environment when neither a flag nor the config file gives
@@ -23,6 +22,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")  # runner/config.py's, without import
 MAMBA_DTYPES = ("auto", "float32", "bfloat16", "float16")  # runner/config.py's, no torch
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # runner/config.py's names
 QUANTIZED_WEIGHTS = ("auto", "packed", "dequantized")  # runner/config.py's names
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # runner/config.py's names
 # Keys that take human-readable sizes ("32k", "4G"; pdserve/sizes.py), as vLLM's flags do.
 SIZE_KEYS = (
     "max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "responses_store_bytes",

@@ -14,14 +14,15 @@ from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.cluster.serve_args import (
     ENV_KEYS,
     KV_CACHE_DTYPES,
+    LOAD_FORMATS,
     MAMBA_DTYPES,
+    QUANTIZED_WEIGHTS,
     SCHEDULING_POLICIES,
     SIZE_KEYS,
     UVICORN_LEVELS,
     ServeConfig,
 )
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
-from pdserve.runner.config import LOAD_FORMATS, QUANTIZED_WEIGHTS
 from pdserve.sizes import size_arg
 
 

@@ -1,6 +1,6 @@
 """Prefill and decode services: a worker + its loop + its outputs, behind plain methods.
 
-A service is what a Ray actor wraps (cluster/actors.py) and what tests can run
+A service is what a Ray actor wraps (cluster/pool_actors.py) and what tests can run
 in-process. Methods take and return msgpack bytes or plain values. The decode service
 publishes token deltas over ZMQ to the router; the prefill service answers `prefill`
 with the ticket once the prompt has run.

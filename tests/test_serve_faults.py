@@ -129,7 +129,7 @@ def test_kill_prefill_worker_mid_request_recomputes(server):
         return r.choices[0].text
 
     prompt = "Question B. " + LONG * 4 + "Which city is the capital of Italy?"
-    (old,) = _actor_pids(server, "PrefillService")
+    (old,) = _actor_pids(server, "PrefillActor")
     result: dict = {}
     before = server.metrics()
     t = threading.Thread(target=lambda: result.setdefault("text", ask(prompt)))
@@ -148,7 +148,7 @@ def test_kill_prefill_worker_mid_request_recomputes(server):
     failures = delta("pdserve:pd_prefill_failures_total")
     fallbacks = delta("pdserve:kv_recompute_fallbacks_total")
     assert failures + fallbacks == 1, (failures, fallbacks)
-    _wait(lambda: _actor_pids(server, "PrefillService") not in ([], [old]), 60, "prefill restart")
+    _wait(lambda: _actor_pids(server, "PrefillActor") not in ([], [old]), 60, "prefill restart")
     _wait(lambda: _routed(server, "prefill"), 60, "the restarted prefill worker routed")
     _wait(lambda: _restarted_at(server, "prefill") is not None, 60, "the restart event")
     (w,) = httpx.get(server.url + "/ops/pools", timeout=30).json()["pools"]["prefill"]["workers"]
@@ -167,7 +167,7 @@ def test_kill_decode_worker_errors_its_requests_then_recovers(server):
     wait), the controller restarts it, new requests succeed, and the prefill side gets
     its leased blocks back."""
     c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    (old,) = _actor_pids(server, "DecodeService")
+    (old,) = _actor_pids(server, "DecodeActor")
     stream = c.completions.create(
         model=MODEL, prompt=LONG * 2, max_tokens=800, temperature=0, stream=True,
         extra_body={"ignore_eos": True},
@@ -178,7 +178,7 @@ def test_kill_decode_worker_errors_its_requests_then_recovers(server):
             if i == 3:
                 os.kill(old, signal.SIGKILL)
     assert time.monotonic() - start < 30
-    _wait(lambda: _actor_pids(server, "DecodeService") not in ([], [old]), 60, "decode restart")
+    _wait(lambda: _actor_pids(server, "DecodeActor") not in ([], [old]), 60, "decode restart")
     _wait(lambda: _usage(server, "prefill") == 0, 15, "prefill blocks back")
     r = c.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],

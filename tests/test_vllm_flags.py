@@ -86,6 +86,7 @@ def test_defaults_and_names_as_vllm_picks_them():
     assert serve_args.MAMBA_DTYPES == config.MAMBA_DTYPES
     assert tuple(config.KV_CACHE_DTYPES) == serve_args.KV_CACHE_DTYPES
     assert config.QUANTIZED_WEIGHTS == serve_args.QUANTIZED_WEIGHTS
+    assert config.LOAD_FORMATS == serve_args.LOAD_FORMATS
     assert cfg.quantized_weights == "auto"
     assert _args("--quantized-weights", "packed").quantized_weights == "packed"
     with pytest.raises(ValueError, match="--quantized-weights must be one of auto, packed"):

@@ -366,7 +366,11 @@ class LlamaFamilyForCausalLM(nn.Module):
     def __init__(self, cfg: Any, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Made without its random init (the loader fills it): on the meta device that init
+        # runs torch's Python reference of normal_, whose first call imports torch._dynamo,
+        # ~0.75 s of each worker's start.
+        size = (cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(*size, _weight=torch.empty(size))
         # Split-kernel scratch and arrival counters, shared by the layers (they run in turn
         # on one stream); sized by the first forward at each size, before graph capture.
         self.workspace = KernelWorkspace()
