@@ -303,11 +303,11 @@ class Scheduler:
     def drafts_due(self) -> bool:
         """Async scheduling with a drafter: whether a running request whose last token is
         in flight would draft once it is known, judged by the tokens known so far (one
-        short): text that repeats drafts from either. The engine then reads the step in
-        flight before planning the next (runner/engine.py `step`)."""
+        short; `Drafter.likely`): text that repeats drafts from either. The engine then
+        reads the step in flight before planning the next (runner/engine.py `step`)."""
         if self.drafter is None:
             return False
-        return any(r.num_output_placeholders and self.drafter.drafts(r, 2) for r in self.running)
+        return any(r.num_output_placeholders and self.drafter.likely(r) for r in self.running)
 
     def _chunk(self, req: Request, done: int, num_new: int) -> int:
         """`num_new` tokens from `done`, or, for a hybrid with prefix caching and chunked

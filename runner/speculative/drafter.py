@@ -34,6 +34,13 @@ class Drafter:
         self.proposer = NgramProposer(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
+        # `likely`'s lookup: an earlier occurrence of the last two tokens at least (one
+        # where the lookup allows two). A lone earlier occurrence of the last token is how
+        # sampled text that never repeats matches by chance (~0.3% of steps a request at a
+        # 150k vocabulary and a few hundred tokens), and each such guess cost async
+        # scheduling an overlapped step for a draft the next token then rarely made.
+        shortest = max(config.prompt_lookup_min, min(2, config.prompt_lookup_max))
+        self._judge = NgramProposer(1, shortest, config.prompt_lookup_max)
         # Each request's tokens as an array that grows by its new tokens only: rebuilding
         # prompt + output each step costs ~60-170 us at 4-8k tokens, the lookup itself 5-26.
         # Weak keys: a request's array goes with it.
@@ -52,6 +59,18 @@ class Drafter:
         if room <= 0 or not can_draft(req):
             return []
         return self.proposer.propose(self.tokens(req), room)
+
+    def likely(self, req: Request) -> bool:
+        """Whether `req` will likely draft once its newest token is known, judged by the
+        tokens known so far (the scheduler's `drafts_due`, one token short): text that
+        repeats matches from either."""
+        room = min(  # `drafts`' room once the token in flight is known
+            req.max_new_tokens - req.num_output_tokens - 2,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        if room <= 0 or not can_draft(req):
+            return False
+        return bool(self._judge.propose(self.tokens(req), 1))
 
     def tokens(self, req: Request) -> np.ndarray:
         """`req`'s prompt + output as an int64 array (a view of a buffer kept per request)."""
