@@ -13,17 +13,29 @@ from __future__ import annotations
 from typing import Any
 
 
-class DecodeActor:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from pdserve.cluster.services import DecodeService
+class _WorkerActor:
+    """What both pools' actors answer alike."""
 
-        self._service = DecodeService(*args, **kwargs)
+    _service: Any
 
     def info(self) -> dict[str, Any]:
         return self._service.info()
 
     def health(self) -> dict[str, Any]:
         return self._service.health()
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._service.abort(request_id)
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._service.stats()
+
+
+class DecodeActor(_WorkerActor):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from pdserve.cluster.services import DecodeService
+
+        self._service = DecodeService(*args, **kwargs)
 
     async def submit(self, payload: bytes) -> None:
         await self._service.submit(payload)
@@ -31,36 +43,18 @@ class DecodeActor:
     async def first_token(self, payload: bytes) -> bool:
         return await self._service.first_token(payload)
 
-    async def abort(self, request_id: str) -> bool:
-        return await self._service.abort(request_id)
 
-    async def stats(self) -> dict[str, Any]:
-        return await self._service.stats()
-
-
-class PrefillActor:
+class PrefillActor(_WorkerActor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         from pdserve.cluster.services import PrefillService
 
         self._service = PrefillService(*args, **kwargs)
-
-    def info(self) -> dict[str, Any]:
-        return self._service.info()
-
-    def health(self) -> dict[str, Any]:
-        return self._service.health()
 
     async def prefill(self, payload: bytes) -> bytes:
         return await self._service.prefill(payload)
 
     async def first_token(self, request_id: str) -> bytes:
         return await self._service.first_token(request_id)
-
-    async def abort(self, request_id: str) -> bool:
-        return await self._service.abort(request_id)
-
-    async def stats(self) -> dict[str, Any]:
-        return await self._service.stats()
 
 
 class TierActor:
