@@ -145,6 +145,17 @@ def choose_int_tiles(
     return IntMoeTiles(128, 64, 4, 3, block_m)
 
 
+def _depth(t: IntMoeTiles, packed: PackedExperts, x: Tensor) -> int:
+    """The tile depth to ask for: the fields form's (128 inputs) only where it runs as timed,
+    with 16-bit activations and tiles of whole groups; elsewhere the tile form's 64 of
+    `choose_int_tiles`. (Those tiles 128 deep needed 303-319 KB of shared memory at 3
+    stages, past sm_90's 227 KB: OutOfResources in three GPU tests on an H100.)"""
+    whole = packed.scales.shape[2] == 1 or packed.group_size % t.block_k == 0
+    if t.fields and not (whole and x.dtype in (torch.float16, torch.bfloat16)):
+        return min(t.block_k, 64)
+    return t.block_k
+
+
 def _block_k(want: int, packed: PackedExperts) -> int:
     """The largest tile depth <= want within one group (tiles then load one scale and zero
     an output), else `want` (a scale and zero a weight)."""
@@ -160,10 +171,7 @@ def _tile_args(packed: PackedExperts, block_k: int, t: IntMoeTiles, x: Tensor) -
     tile_group = packed.scales.shape[2] == 1 or packed.group_size % block_k == 0
     magic = float_magic(x)
     scale_after = t.scale_after and tile_group and packed.bits == 4 and magic is not None
-    # The fields form as timed: 16-bit activations, tiles of whole groups. At 3 stages its
-    # 128 x 128 tiles took 303 KB of shared memory with a group spanning tiles (fp16) and
-    # 319 KB with fp32 activations, past sm_90's 227 KB (OutOfResources on an H100).
-    fields = t.fields and tile_group and x.dtype in (torch.float16, torch.bfloat16)
+    fields = t.fields and tile_group and x.dtype in (torch.float16, torch.bfloat16)  # `_depth`
     return {"BITS": packed.bits, "BLOCK_K": block_k, "TILE_GROUP": tile_group,
             "WORDS_ONCE": t.words_once, "SCALE_AFTER": scale_after and not packed.fp8,
             "FIELDS": fields and fields_apply(block_k, packed.bits) and not packed.fp8,
@@ -350,7 +358,7 @@ def moe_experts_int_triton(
               "num_stages": t.num_stages,
               # fp32 operands without tf32 rounding, and the interpreter's 16-bit tiles
               "IEEE_DOT": x.dtype == torch.float32 or not x.is_cuda}  # fmt: skip
-    gu_k, d_k = _block_k(t.block_k, gate_up), _block_k(t.block_k, down)
+    gu_k, d_k = _block_k(_depth(t, gate_up, x), gate_up), _block_k(_depth(t, down, x), down)
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     _gate_up_int_kernel[(num_blocks, triton.cdiv(inter, t.block_n))](
         x, gate_up.qweight, gate_up.scales, gate_up.zeros, h, sorted_slots, block_expert,

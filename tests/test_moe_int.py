@@ -229,3 +229,21 @@ def test_fp8_experts_match_the_per_token_loop(group_size, dtype):
                                    atol=1e-5 * float(want.abs().max()))  # fmt: skip
     got = moe_experts_int_triton(x, gate_up, down, ids, weights)
     assert_moe_close(got.cpu(), spec, dtype)
+
+
+def test_the_fields_depth_only_where_the_form_runs():
+    """Guards the tile depth (kernels/moe_int.py `_depth`): 128 inputs for the fields form
+    with 16-bit activations and tiles of whole groups; the tile form's 64 for fp32
+    activations or groups that span tiles, whose 128-deep tiles overflowed sm_90's shared
+    memory (three OutOfResources failures on an H100)."""
+    from pdserve.kernels.moe_int import _depth
+
+    fields = choose_int_tiles(32 * 8, 128, torch.bfloat16, 4)
+    assert fields.fields and fields.block_k == 128
+    for group_size, dtype, want in ((128, torch.bfloat16, 128), (-1, torch.float16, 128),
+                                    (24, torch.float16, 64), (128, torch.float32, 64)):  # fmt: skip
+        gate_up = make(4, 256, 128, 4, 2, 4, group_size, dtype)[1]
+        x = torch.zeros(1, 256, dtype=dtype)
+        assert _depth(fields, gate_up, x) == want, (group_size, dtype)
+    plain = choose_int_tiles(512 * 8, 128, torch.bfloat16, 4)
+    assert _depth(plain, gate_up, x) == plain.block_k == 64
