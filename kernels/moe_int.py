@@ -145,13 +145,18 @@ def choose_int_tiles(
     return IntMoeTiles(128, 64, 4, 3, block_m)
 
 
+def _fields_run(packed: PackedExperts, block_k: int, x: Tensor) -> bool:
+    """Where the fields form runs as it was timed: 16-bit activations, tiles of whole groups."""
+    whole = packed.scales.shape[2] == 1 or packed.group_size % block_k == 0
+    return whole and x.dtype in (torch.float16, torch.bfloat16)
+
+
 def _depth(t: IntMoeTiles, packed: PackedExperts, x: Tensor) -> int:
-    """The tile depth to ask for: the fields form's (128 inputs) only where it runs as timed,
-    with 16-bit activations and tiles of whole groups; elsewhere the tile form's 64 of
-    `choose_int_tiles`. (Those tiles 128 deep needed 303-319 KB of shared memory at 3
-    stages, past sm_90's 227 KB: OutOfResources in three GPU tests on an H100.)"""
-    whole = packed.scales.shape[2] == 1 or packed.group_size % t.block_k == 0
-    if t.fields and not (whole and x.dtype in (torch.float16, torch.bfloat16)):
+    """The tile depth to ask for: the fields form's (128 inputs) only where it runs
+    (`_fields_run`); elsewhere the tile form's 64 of `choose_int_tiles`. (Those tiles 128
+    deep needed 303-319 KB of shared memory at 3 stages, past sm_90's 227 KB: OutOfResources
+    in three GPU tests on an H100.)"""
+    if t.fields and not _fields_run(packed, t.block_k, x):
         return min(t.block_k, 64)
     return t.block_k
 
@@ -171,7 +176,7 @@ def _tile_args(packed: PackedExperts, block_k: int, t: IntMoeTiles, x: Tensor) -
     tile_group = packed.scales.shape[2] == 1 or packed.group_size % block_k == 0
     magic = float_magic(x)
     scale_after = t.scale_after and tile_group and packed.bits == 4 and magic is not None
-    fields = t.fields and tile_group and x.dtype in (torch.float16, torch.bfloat16)  # `_depth`
+    fields = t.fields and _fields_run(packed, block_k, x)
     return {"BITS": packed.bits, "BLOCK_K": block_k, "TILE_GROUP": tile_group,
             "WORDS_ONCE": t.words_once, "SCALE_AFTER": scale_after and not packed.fp8,
             "FIELDS": fields and fields_apply(block_k, packed.bits) and not packed.fp8,

@@ -29,7 +29,6 @@ class SharedServers:
         self.starts = starts
         self.running: dict[str, Any] = {}
         self.last_user: dict[str, str] = {}  # server name -> nodeid of its last test
-        self.num_starts = 0
 
     def plan(self, items: Iterable[pytest.Item]) -> None:
         """Notes each server's last user among the tests this run will run, in order."""
@@ -43,7 +42,6 @@ class SharedServers:
         if server is None:
             server = self.starts[name](tmp_path_factory.mktemp(name))
             self.running[name] = server
-            self.num_starts += 1
         return server
 
     def after(self, item: pytest.Item) -> None:
