@@ -1,11 +1,13 @@
 """Structured output as clients ask for it: OpenAI's `response_format` and vLLM's fields.
 
 - `response_format`: `{"type": "text"}` (nothing), `{"type": "json_object"}` (JSON mode:
-  any JSON object), `{"type": "json_schema", "json_schema": {"schema": {...}}}`.
+  any JSON object), `{"type": "json_schema", "json_schema": {"schema": {...}}}`, and
+  vLLM's `{"type": "structural_tag", "structures": [...], "triggers": [...]}`
+  (runner/structured/structural_tag.py).
 - vLLM's `structured_outputs`: `{"json": schema}`, `{"regex": "..."}`,
   `{"choice": [...]}`, `{"grammar": ...}` (GBNF, runner/structured/ebnf_parse.py, or
-  Lark, lark_parse.py) or `{"json_object": true}`; and its older `guided_json`,
-  `guided_regex`, `guided_choice`, `guided_grammar`.
+  Lark, lark_parse.py), `{"structural_tag": "<its JSON text>"}` or `{"json_object":
+  true}`; and its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 
 At most one may be given. The pattern is parsed as the request is read, so a bad regex
 or an unsupported schema keyword is a 400 naming it; then `compile_checked` builds its byte
@@ -97,8 +99,11 @@ def _response_format(value: Any) -> StructuredOutputs | None:
                 param="response_format",
             )
         return _spec("response_format", {"json": schema})
+    if kind == "structural_tag":
+        return _spec("response_format", {"structural_tag": value})
     raise ApiError(
-        f"'response_format' must have 'type' text, json_object or json_schema (got {kind!r})",
+        "'response_format' must have 'type' text, json_object, json_schema or structural_tag "
+        f"(got {kind!r})",
         param="response_format",
     )
 

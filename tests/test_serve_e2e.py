@@ -552,6 +552,18 @@ def test_structured_output_over_http_in_pd_equals_colocated(pd, colocated):
     ).choices[0].text for extra in ({"structured_outputs": {"grammar": grammar}},
                                    {"guided_grammar": grammar})]  # fmt: skip
     assert texts[0] == texts[1] and re.fullmatch(r"The answer is (\d|[1-9]\d+)\.", texts[0])
+    # vLLM's structural tag: the free answer until its trigger, then the structure.
+    country = {"type": "object", "properties": {"country": {"type": "string", "maxLength": 12}},
+               "required": ["country"], "additionalProperties": False}  # fmt: skip
+    tag = {"type": "structural_tag", "triggers": ["Paris"],
+           "structures": [{"begin": "Paris", "schema": country, "end": "."}]}  # fmt: skip
+    r = c.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=30, temperature=0,
+        response_format=tag,
+    )  # fmt: skip
+    head, paris, rest = r.choices[0].message.content.partition("Paris")
+    assert head == "The capital of France is " and paris and rest.endswith("."), rest
+    jsonschema.validate(json.loads(rest[:-1]), country)
     for extra, param in (
         ({"guided_regex": "a{2,1}"}, "guided_regex"),
         # Parses, but its automaton would need more than 20,000 states (compiled on a thread).

@@ -133,6 +133,33 @@ def test_greedy_under_a_schema_equals_transformers_constrained_by_brute_force(sm
     assert free_out.outputs[0].token_ids == alone.outputs[0].token_ids
 
 
+def test_greedy_under_a_structural_tag_equals_transformers_constrained_by_brute_force(
+    smol, tok, vocab, hf
+):
+    """Guards a structural tag through the engine: free text until the model writes the
+    trigger (its unconstrained answer names Paris), then the structure (JSON of the
+    schema, its end), then free again; token for token the spec's, EOS included."""
+    country = {"type": "object", "properties": {"country": {"type": "string", "maxLength": 12}},
+               "required": ["country"], "additionalProperties": False}  # fmt: skip
+    tag = {"type": "structural_tag", "triggers": ["Paris"],
+           "structures": [{"begin": "Paris", "schema": country, "end": "."}]}  # fmt: skip
+    spec = StructuredOutputs(structural_tag=json.dumps(tag))
+    prompt = _chat(tok, "What is the capital of France?")
+    free = SamplingParams(temperature=0, max_tokens=30)
+    assert (
+        "Paris"
+        in smol.generate({"prompt_token_ids": prompt}, free, use_tqdm=False)[0].outputs[0].text
+    )
+    params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=spec)
+    out = smol.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    eos = frozenset(smol.engine.eos_token_ids)
+    assert list(out.token_ids) == constrained_greedy(hf, prompt, compile_spec(spec), vocab, eos, 30)
+    head, _, rest = out.text.partition("Paris")
+    body, dot, tail = rest.rpartition(".")
+    assert "Paris" not in head and dot and tail == ""  # one structure, nothing after it
+    jsonschema.validate(json.loads(body), country)
+
+
 def test_sampled_outputs_all_follow_the_pattern(smollm_dir):
     """Guards the constraint under random sampling (every token of every sample, n=6) and
     under async scheduling, where the host queues step N+1's mask before step N's token

@@ -6,7 +6,9 @@ tree tells apart) rather than single bytes: JSON mode's tree has 42 classes and
 transitions than with 256 byte columns.
 
 `SepRepeat` builds its item once, which keeps nested JSON containers linear in depth;
-`nfa_size` is the diagnostic that shows it.
+`nfa_size` is the diagnostic that shows it. `Avoid` is built from its own automaton
+(avoid.py), one NFA state per automaton state; each byte of its strings is a class of its
+own there, the bytes outside them one more.
 
 `epsilon_closures` lives here too: the subset construction keys a DFA state only by the NFA
 states that have byte edges (plus the final state), and asks for closures over exactly
@@ -15,7 +17,23 @@ those.
 
 from __future__ import annotations
 
-from pdserve.runner.structured.regex_ast import Alt, ByteSet, Node, Repeat, SepRepeat, Seq
+from pdserve.runner.structured.avoid import avoid_automaton
+from pdserve.runner.structured.regex_ast import (
+    Alt,
+    Avoid,
+    ByteSet,
+    Node,
+    Repeat,
+    SepRepeat,
+    Seq,
+)
+
+
+def _avoid_sets(node: Avoid) -> list[frozenset[int]]:
+    """The byte sets `Avoid` tells apart: each byte of its strings, and all the others."""
+    used = {b for s in node.strings for b in s}
+    rest = frozenset(range(256)) - used
+    return [frozenset((b,)) for b in used] + ([rest] if rest else [])
 
 
 def _byte_sets(node: Node) -> set[frozenset[int]]:
@@ -38,6 +56,8 @@ def _byte_sets(node: Node) -> set[frozenset[int]]:
             stack.append(n.item)
         elif isinstance(n, SepRepeat):
             stack.extend((n.item, n.sep))
+        elif isinstance(n, Avoid):
+            found.update(_avoid_sets(n))
         else:
             raise TypeError(f"not a pattern node: {n!r}")
     return found
@@ -97,7 +117,26 @@ class NFA:
             exit_ = self.build(node.item, entry)
             self.eps[self.build(node.sep, exit_)].append(entry)
             return exit_
+        if isinstance(node, Avoid):
+            return self._avoid(node, start)
         raise TypeError(f"not a pattern node: {node!r}")
+
+    def _avoid(self, node: Avoid, start: int) -> int:
+        table = avoid_automaton(node.strings)
+        states = [self.new() for _ in table]
+        end = self.new()
+        self.eps[start].append(states[0])
+        others = frozenset(range(256)) - {b for s in node.strings for b in s}
+        for state, row in zip(states, table, strict=True):
+            self.eps[state].append(end)  # every state accepts
+            targets: dict[int, list[int]] = {}
+            for b, nxt in row.items():
+                targets.setdefault(nxt, []).extend(self.classes_of[frozenset((b,))])
+            if others:  # a byte in none of the strings: back to the start
+                targets.setdefault(0, []).extend(self.classes_of[others])
+            for nxt, classes in targets.items():
+                self.edges[state].append((tuple(sorted(classes)), states[nxt]))
+        return end
 
     def _repeat(self, node: Repeat, start: int) -> int:
         cur = start

@@ -14,6 +14,7 @@ from pdserve.runner.structured.lark_parse import LARK_ROOT, looks_like_gbnf, par
 from pdserve.runner.structured.regex_ast import Node, alt, is_empty, literal
 from pdserve.runner.structured.regex_parse import parse_regex
 from pdserve.runner.structured.spec import StructuredOutputs
+from pdserve.runner.structured.structural_tag import structural_tag_node
 
 # JSON mode's bound on nesting (objects and arrays inside the top-level object): the
 # automaton grows with it (see json_grammar.py). Deeper output is cut off by the mask.
@@ -33,6 +34,8 @@ def pattern_node(spec: StructuredOutputs) -> Node:
         return parse_regex(spec.regex)
     if spec.choice is not None:
         return alt(*(literal(c) for c in spec.choice))
+    if spec.structural_tag is not None:
+        return structural_tag_node(spec.structural_tag)
     if spec.json is not None:
         try:
             schema = json.loads(spec.json)

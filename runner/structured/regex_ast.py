@@ -8,6 +8,10 @@ because tokens are byte strings: a token may hold half of a character.
 `SepRepeat` is not expressible in regex text: `item (sep item)*` with `item` once in the
 automaton. JSON's comma-separated members and elements use it, so an object nested d
 levels deep costs d copies of the value automaton, not 2**d.
+
+`Avoid` is not expressible in regex text either (it is a complement): any bytes in which
+none of some strings occurs, the free text between a structural tag's structures
+(structural_tag.py).
 """
 
 from __future__ import annotations
@@ -62,7 +66,17 @@ class SepRepeat:
     sep: Node
 
 
-Node = ByteSet | Seq | Alt | Repeat | SepRepeat
+@dataclass(frozen=True)
+class Avoid:
+    """Any byte string (the empty one too) in which none of `strings` occurs."""
+
+    strings: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        assert self.strings and all(self.strings), "Avoid needs non-empty strings"
+
+
+Node = ByteSet | Seq | Alt | Repeat | SepRepeat | Avoid
 
 
 def literal(text: str | bytes) -> Node:
@@ -89,7 +103,7 @@ EMPTY: Node = Seq(())  # matches only the empty text
 
 def is_empty(node: Node) -> bool:
     """Whether `node` matches no text at all (an impossible branch, to be dropped)."""
-    if isinstance(node, ByteSet):
+    if isinstance(node, (ByteSet, Avoid)):
         return False
     if isinstance(node, Seq):
         return any(is_empty(i) for i in node.items)

@@ -2,8 +2,9 @@
 
 One of: `json` (a JSON schema, as JSON text so it travels and hashes as one string; its
 property order is kept, since the output follows it), `regex`, `choice` (one of these
-strings, exactly), `grammar` (GBNF text: `ebnf_parse.py`) or `json_object` (any JSON
-object: OpenAI's JSON mode). The router
+strings, exactly), `grammar` (GBNF text: `ebnf_parse.py`), `structural_tag` (JSON text:
+free text with structures after triggers, `structural_tag.py`) or `json_object` (any
+JSON object: OpenAI's JSON mode). The router
 compiles the byte DFA (`patterns.py`) to refuse a bad pattern with a 400 before anything
 runs; each worker compiles it again (cached by `key`) and lifts it to its tokenizer
 (`token_table.py`).
@@ -17,7 +18,7 @@ from typing import Any
 
 MAX_CHOICES = 1024
 MAX_PATTERN_CHARS = 64 << 10
-FIELDS = ("json", "regex", "choice", "grammar", "json_object")  # json_object last: a flag
+FIELDS = ("json", "regex", "choice", "grammar", "structural_tag", "json_object")  # a flag last
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class StructuredOutputs:
     choice: tuple[str, ...] | None = None
     json_object: bool = False
     grammar: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         given = [n for n in FIELDS[:-1] if getattr(self, n) is not None]
@@ -36,8 +38,10 @@ class StructuredOutputs:
                 f"structured_outputs must set exactly one of {', '.join(FIELDS)} "
                 f"(got {given or 'none'})"
             )
-        if self.json is not None and not isinstance(self.json, str):
-            object.__setattr__(self, "json", json.dumps(self.json))
+        for name in ("json", "structural_tag"):  # objects travel as their JSON text
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                object.__setattr__(self, name, json.dumps(value))
         if self.choice is not None:
             choice = self.choice
             if not (
@@ -71,6 +75,8 @@ class StructuredOutputs:
             return {"choice": list(self.choice)}
         if self.grammar is not None:
             return {"grammar": self.grammar}
+        if self.structural_tag is not None:
+            return {"structural_tag": self.structural_tag}
         return {"json_object": True}
 
     @classmethod
@@ -90,6 +96,7 @@ class StructuredOutputs:
             choice=tuple(choice) if isinstance(choice, list) else choice,
             json_object=body.get("json_object") is True,
             grammar=body.get("grammar"),
+            structural_tag=body.get("structural_tag"),
         )
 
     def describe(self) -> str:
