@@ -25,7 +25,11 @@ from pdserve.cluster.openai_api import (
 )
 from pdserve.cluster.prompts import completion_prompts, off_loop, prompt_token_ids
 from pdserve.cluster.reasoning.base import ReasoningParser
-from pdserve.cluster.reasoning_api import PROMPT_TAIL_TOKENS, request_parser
+from pdserve.cluster.reasoning_api import (
+    PROMPT_TAIL_TOKENS,
+    reasoned_constraint,
+    request_parser,
+)
 from pdserve.cluster.response_shapes import client_request_id
 from pdserve.cluster.sampling_api import check_priority, check_token_ids, parse_sampling
 from pdserve.cluster.structured_api import compile_checked, structured_param
@@ -94,7 +98,10 @@ async def parse_body(
         beam = beam_params(body, params, stream)
         check_token_ids(params, state.vocab_size)
         check_priority(params, state.scheduling_policy)
-        reasoning = request_parser(state.reasoning_parser, kind, params, _tail(state, ids))
+        reasoning = request_parser(
+            state.reasoning_parser, kind, params, _tail(state, ids), state.grammar_in_reasoning
+        )
+        params.structured_outputs = reasoned_constraint(reasoning, params.structured_outputs)
         if _reads_special_tokens(reasoning, tools):
             params.skip_special_tokens = False  # the parsers read the markers, then drop them
         out.append(

@@ -63,6 +63,7 @@ class AppState:
         pooling: ModelPooling | None = None,
         runtime_lora_rank: int | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        grammar_in_reasoning: bool = False,
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -82,6 +83,10 @@ class AppState:
         self.auto_tool_parser = auto_tool_parser
         # `--reasoning-parser`: chat replies' thinking split from their answer; None: not.
         self.reasoning_parser = reasoning_parser
+        # `--structured-outputs-config '{"enable_in_reasoning": true}'`: with a reasoning
+        # parser, a grammar holds the reply from its first token; else the answer after the
+        # thinking (cluster/reasoning_api.py)
+        self.grammar_in_reasoning = grammar_in_reasoning
         self.cors = cors or CorsConfig()  # vLLM's CORS flags (cluster/cors.py)
         # Stored Responses API responses (`--responses-store-bytes`)
         self.responses = ResponseStore(DEFAULT_STORE_BYTES) if responses is None else responses

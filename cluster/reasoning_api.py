@@ -7,9 +7,10 @@ Parsed: what the model generated for a chat choice. Not parsed: completions (raw
 in vLLM) and the words a client began the turn with (`continue_final_message`, shown
 with `echo`), which stay content, verbatim, before the answer, as the tool parsers
 treat them. A reply held to a grammar (structured output, tool_choice named or required)
-opens in the answer for every parser: pdserve's grammar holds it from the first token,
-where vLLM's starts after the reasoning, so such a reply has reasoning only where the
-grammar itself spells a `<think>` block.
+reasons first and the grammar holds its answer, as on vLLM: `reasoned_constraint` wraps
+the request's constraint so (runner/structured/patterns.py `after_reasoning`). gpt-oss's
+harmony parser is the exception: its grammar holds the reply from the first token, which
+is then all answer.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pdserve.cluster.reasoning.base import (
     ReasoningStream,
 )
 from pdserve.runner.sampling_params import SamplingParams
+from pdserve.runner.structured.spec import StructuredOutputs
 
 # How many of a chat prompt's last tokens are read for a `<think>` left open: the tag and
 # the whitespace after it are a few tokens in every tokenizer these templates come with.
@@ -29,15 +31,34 @@ PROMPT_TAIL_TOKENS = 8
 
 
 def request_parser(
-    name: str | None, kind: str, params: SamplingParams, prompt_tail: str = ""
+    name: str | None,
+    kind: str,
+    params: SamplingParams,
+    prompt_tail: str = "",
+    grammar_in_reasoning: bool = False,
 ) -> ReasoningParser | None:
     """A request's reasoning parser: the server's (`name`, None without the flag), for chat
-    only. `prompt_tail`: the text of the prompt's last few tokens."""
+    only. `prompt_tail`: the text of the prompt's last few tokens. `grammar_in_reasoning`
+    (`--structured-outputs-config '{"enable_in_reasoning": true}'`): a constraint holds
+    the reply from its first token, thinking included."""
     if name is None or kind != "chat":
         return None
-    constrained = params.structured_outputs is not None
-    opens = prompt_opens_block(prompt_tail, PARSERS[name].open_tag)
-    return make_parser(name, constrained, opens)
+    cls = PARSERS[name]
+    constrained = params.structured_outputs is not None and (
+        grammar_in_reasoning or not cls.grammar_after_reasoning
+    )
+    return make_parser(name, constrained, prompt_opens_block(prompt_tail, cls.open_tag))
+
+
+def reasoned_constraint(
+    parser: ReasoningParser | None, spec: StructuredOutputs | None
+) -> StructuredOutputs | None:
+    """A request's constraint as its reasoning parser reads the reply: on what follows
+    the reasoning block, unless the parser reads the reply as held from its first token
+    (`constrained`); unchanged without a parser."""
+    if parser is None or spec is None or parser.constrained:
+        return spec
+    return spec.after_reasoning(parser.open_tag, parser.close_tag, parser.opens_in_reasoning)
 
 
 def prompt_opens_block(prompt_tail: str, open_tag: str = OPEN) -> bool:

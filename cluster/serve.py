@@ -22,6 +22,7 @@ from pdserve.cluster.serve_args import (
     ServeConfig,
     auto_tool_parser,
     decode_capacity,
+    grammar_in_reasoning,
     served_names,
 )
 from pdserve.cluster.serve_placement import join_auth_env
@@ -166,8 +167,9 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         print(f"pdserve: tool_choice auto: calls read by the {cfg.tool_call_parser} parser",
               flush=True)  # fmt: skip
     if cfg.reasoning_parser is not None:
+        held = "whole replies" if grammar_in_reasoning(cfg) else "the answer after it"
         print(f"pdserve: chat replies' reasoning split off by the {cfg.reasoning_parser} "
-              "parser", flush=True)  # fmt: skip
+              f"parser; structured output holds {held}", flush=True)  # fmt: skip
     lora_modules = check_lora_modules(cfg, ecfg, model_names)
     runtime_lora_rank = None
     if runtime_updates_allowed() and not cfg.enable_lora:
@@ -306,6 +308,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             ResponseStore(cfg.responses_store_bytes), lora_modules,
             model_pooling(ecfg.model.path, ecfg.model.hf_config, ecfg.model.classifier),
             runtime_lora_rank, eos_token_ids(ecfg.model.path, ecfg.model.hf_config, tokenizer),
+            grammar_in_reasoning(cfg),
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)

@@ -172,6 +172,10 @@ class ServeConfig:
     # vLLM's: chat replies' thinking (`<think>` ... `</think>`) comes back as `reasoning`,
     # apart from the answer (cluster/reasoning/); None: replies are left as they are.
     reasoning_parser: str | None = None
+    # vLLM's: {"enable_in_reasoning": true} holds a reply to its grammar from the first
+    # token, thinking included; by default the grammar holds what follows the thinking
+    # (cluster/reasoning_api.py). vLLM's backend choices have no meaning here: refused.
+    structured_outputs_config: dict | None = None
     # The log: a line per pool every `log_stats_interval_s` (cluster/stats_log.py) unless
     # disabled; with enable_log_requests, lines for each request's arrival, route and end
     # (token counts, never text; cluster/request_log.py); uvicorn's own level and its
@@ -263,6 +267,19 @@ class ServeConfig:
             spec = json_object("--speculative-config", self.speculative_config)
             SpeculativeConfig.from_dict(spec)  # refused at parse time, by name
             object.__setattr__(self, "speculative_config", spec)
+        if self.structured_outputs_config is not None:
+            from pdserve.json_arg import json_object
+
+            so = json_object("--structured-outputs-config", self.structured_outputs_config)
+            unknown = sorted(set(so) - {"enable_in_reasoning"})
+            if unknown:
+                raise ValueError(
+                    f"--structured-outputs-config: {unknown} not supported; pdserve takes "
+                    "enable_in_reasoning (its structured output has one backend, its own)"
+                )
+            if not isinstance(so.get("enable_in_reasoning", False), bool):
+                raise ValueError("--structured-outputs-config: enable_in_reasoning is a boolean")
+            object.__setattr__(self, "structured_outputs_config", so)
         if self.hf_overrides is not None:
             from pdserve.runner.hf_overrides import parse_hf_overrides
 
@@ -470,3 +487,9 @@ def _media_limits(value: dict | str) -> dict:
             "media are refused, no vision tower loads); give 0 for each kind"
         )
     return value
+
+
+def grammar_in_reasoning(cfg: ServeConfig) -> bool:
+    """Whether a grammar holds a reasoning reply from its first token (vLLM's
+    `enable_in_reasoning`) rather than the answer after its thinking."""
+    return bool((cfg.structured_outputs_config or {}).get("enable_in_reasoning", False))

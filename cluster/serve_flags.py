@@ -117,6 +117,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "apart from the answer: qwen3 (Qwen3; a reply not opening with <think> is "
                    "all answer) or deepseek_r1 (DeepSeek-R1, Qwen3 Thinking-2507: the reply "
                    "opens in the thinking), openai_gptoss (gpt-oss) or seed_oss")  # fmt: skip
+    p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help='\'{"enable_in_reasoning": true}\': with --reasoning-parser, hold a '
+                   "reply to its grammar from the first token, thinking included (default: "
+                   "the grammar holds the answer after the thinking, as vLLM's)")  # fmt: skip
     p.add_argument("--enable-lora", action="store_true", default=None,
                    help="serve LoRA adapters (--lora-modules) beside the model")  # fmt: skip
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",

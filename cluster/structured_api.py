@@ -112,6 +112,11 @@ def _structured_outputs(value: Any) -> StructuredOutputs:
     if not isinstance(value, dict):
         raise ApiError("'structured_outputs' must be an object", param="structured_outputs")
     given = {k: v for k, v in value.items() if v is not None and v is not False}
+    if "reasoning" in given:  # the server's --reasoning-parser sets it, never the client
+        raise ApiError(
+            "'structured_outputs' field 'reasoning' is not supported here",
+            param="structured_outputs",
+        )
     return _spec("structured_outputs", given)
 
 

@@ -142,7 +142,9 @@ def colocated(request, tmp_path_factory):
     """Colocated mode, and it answers tool_choice auto (hermes calls; `pd` refuses it) and
     splits chat replies' reasoning with the qwen3 parser. That parser leaves a reply that
     does not open with `<think>` as it is, so SmolLM2's replies, which never do, come back
-    as without it (deepseek_r1 would read every such reply as reasoning)."""
+    as without it (deepseek_r1 would read every such reply as reasoning). Its grammars hold
+    whole replies (`enable_in_reasoning`), so a test's regex can spell a think block that
+    SmolLM2 would never write (by default a grammar holds the answer after the block)."""
     return request.config.stash[SHARED_SERVERS].get("colocated", tmp_path_factory)
 
 
@@ -152,6 +154,7 @@ def _start_colocated(log_dir: Path):
     return Server(
         log_dir, "--mode", "colocated", "--max-model-len", "1024",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+        "--structured-outputs-config", '{"enable_in_reasoning": true}',
     )  # fmt: skip
 
 

@@ -15,12 +15,14 @@ from pdserve.cluster.reasoning import PARSERS, make_parser
 from pdserve.cluster.reasoning.base import Reasoned, ReasoningParser, ReasoningStep
 from pdserve.cluster.reasoning_api import (
     ReasoningSplits,
+    reasoned_constraint,
     request_parser,
     split_message,
     with_reasoning,
 )
 from pdserve.cluster.tool_calls import ToolStream, parse_tool_choice
 from pdserve.runner.sampling_params import SamplingParams
+from pdserve.runner.structured.patterns import compile_spec
 from pdserve.runner.structured.spec import StructuredOutputs
 
 UNICODE = "<think>Zürich oder 東京? 晴れ ☀ \U0001f5fc</think>\n答え: 東京 🗼"
@@ -220,16 +222,33 @@ def test_a_stream_holds_only_what_may_be_a_tag():
     assert stream.finish() == ReasoningStep()
 
 
-def test_only_chat_is_parsed_and_a_grammar_opens_in_the_answer():
-    """Guards which requests are split: chat with the flag, never completions (raw text,
-    as in vLLM); a request under structured output (the client's or a tool choice's) gets
-    a parser that opens in the answer, so deepseek_r1 does not call its JSON reasoning."""
+def test_only_chat_is_parsed_and_a_grammar_holds_the_answer_after_the_reasoning():
+    """Guards which requests are split (chat with the flag, never completions: raw text,
+    as in vLLM) and where a constraint (the client's or a tool choice's) holds the reply:
+    after the reasoning block, as on vLLM. deepseek_r1's reply opens in its reasoning and
+    must close it before the JSON; qwen3's may reason or answer at once; the split is the
+    parser's own reading. gpt-oss's harmony parser keeps the grammar on the whole reply."""
     plain = SamplingParams()
     json_mode = SamplingParams(structured_outputs=StructuredOutputs(json_object=True))
     assert request_parser(None, "chat", plain) is None
     assert request_parser("deepseek_r1", "completion", plain) is None
     assert request_parser("deepseek_r1", "chat", plain).parse("{}") == Reasoned("{}", None)
-    assert request_parser("deepseek_r1", "chat", json_mode).parse("{}") == Reasoned(None, "{}")
+    assert reasoned_constraint(None, json_mode.structured_outputs) is json_mode.structured_outputs
+    for name, replies in {
+        "deepseek_r1": {b"{}": None, b"Hmm.</think>\n\n{}": ("Hmm.", "{}"),
+                        b"<think>Hmm.</think>{}": ("Hmm.", "{}"),
+                        b"Hmm.</think>{} ok": None, b"Hmm.</think>{}</think>": None},
+        "qwen3": {b"{}": (None, "{}"), b"<think>Hmm.</think>\n{}": ("Hmm.", "{}"),
+                  b"Hmm.</think>{}": None, b"<think>Hmm.": None},
+        "seed_oss": {b"<seed:think>a</think></seed:think>{}": ("a</think>", "{}")},
+        "openai_gptoss": {b"{}": (None, "{}"), b"<think>a</think>{}": None},
+    }.items():  # fmt: skip
+        parser = request_parser(name, "chat", json_mode)
+        dfa = compile_spec(reasoned_constraint(parser, json_mode.structured_outputs))
+        for reply, want in replies.items():
+            assert dfa.matches(reply) == (want is not None), (name, reply)
+            if want is not None:
+                assert parser.parse(reply.decode()) == Reasoned(*want), (name, reply)
 
 
 # ---- with tool calls, as the completion routes compose them -------------------------
@@ -364,3 +383,43 @@ def test_seed_oss_reads_only_its_own_tags():
     assert opened.parse("x</seed:think>y") == Reasoned("x", "y")
     other = request_parser("seed_oss", "chat", params, "assistant\n<think>")
     assert other.parse("x</seed:think>y") == Reasoned(None, "x</seed:think>y")
+
+
+@pytest.mark.parametrize("in_reasoning", [False, True])
+def test_a_chat_request_carries_its_grammar_after_the_thinking_unless_told(in_reasoning):
+    """Through the request parser itself (cluster/completion_request.py) with the bundled
+    model's tokenizer: under deepseek_r1 a chat request's JSON mode goes to the workers
+    wrapped to hold the answer after the thinking (the reply opens in it) and its parser
+    reads the thinking, as on vLLM; with `enable_in_reasoning` the grammar holds the whole
+    reply, which the parser reads as answer. Completions are never wrapped."""
+    import asyncio
+
+    from pdserve.cluster.completion_request import parse_body
+    from pdserve.cluster.http_app import AppState
+    from pdserve.cluster.metrics import Metrics
+    from pdserve.cluster.openai_api import ApiError
+    from pdserve.runner.model_source import resolve_model_dir
+    from pdserve.runner.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(resolve_model_dir(None)[0]))
+    state = AppState(None, tokenizer, "m", 512, Metrics("m"), reasoning_parser="deepseek_r1",
+                     grammar_in_reasoning=in_reasoning)  # fmt: skip
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "response_format": {"type": "json_object"}}  # fmt: skip
+    (chat,) = asyncio.run(parse_body(state, body, "chat"))
+    spec = chat.params.structured_outputs
+    reply = "Hmm.</think>\n{}"
+    if in_reasoning:
+        assert spec == StructuredOutputs(json_object=True)
+        assert chat.reasoning.parse("{}") == Reasoned(None, "{}")
+    else:
+        assert spec == StructuredOutputs(json_object=True, reasoning=("<think>", "</think>", True))
+        assert compile_spec(spec).matches(reply.encode())
+        assert chat.reasoning.parse(reply) == Reasoned("Hmm.", "{}")
+    del body["messages"], body["response_format"]
+    body["prompt"], body["structured_outputs"] = "Hi", {"json_object": True}
+    (completion,) = asyncio.run(parse_body(state, body, "completion"))
+    assert completion.params.structured_outputs == StructuredOutputs(json_object=True)
+    with pytest.raises(ApiError, match="'reasoning' is not supported"):
+        body["structured_outputs"] = {"json_object": True, "reasoning": ["<a>", "</a>", True]}
+        asyncio.run(parse_body(state, body, "completion"))

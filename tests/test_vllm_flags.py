@@ -24,7 +24,12 @@ from pdserve.cluster.prompts import prompt_token_ids
 from pdserve.cluster.route_policy import RouterConfig
 from pdserve.cluster.router import Router
 from pdserve.cluster.sampling_api import parse_sampling
-from pdserve.cluster.serve_args import ServeConfig, auto_tool_parser, served_names
+from pdserve.cluster.serve_args import (
+    ServeConfig,
+    auto_tool_parser,
+    grammar_in_reasoning,
+    served_names,
+)
 from pdserve.cluster.serve_flags import add_serve_args, config_from_args
 from pdserve.runner.generation_defaults import from_file, parse_override, sampling_defaults
 
@@ -56,6 +61,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
         "--tokenizer", "org/tok", "--load-format", "dummy",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}',
         "--cuda-graph-sizes", "1", "8", "32", "--limit-mm-per-prompt", '{"image": 0, "video": 0}',
+        "--structured-outputs-config", '{"enable_in_reasoning": true}',
     )  # fmt: skip
     assert cfg.model == "Qwen/Qwen3-0.6B"
     assert served_names(cfg) == ("qwen", "qwen3")
@@ -71,6 +77,7 @@ def test_a_vllm_command_line_parses(monkeypatch):
     assert cfg.speculative_config == {"method": "ngram", "num_speculative_tokens": 4}
     assert cfg.cuda_graph_sizes == [1, 8, 32]
     assert cfg.limit_mm_per_prompt == {"image": 0, "video": 0}
+    assert grammar_in_reasoning(cfg) and not grammar_in_reasoning(_args())
 
 
 def test_defaults_and_names_as_vllm_picks_them():
@@ -118,6 +125,8 @@ def test_defaults_and_names_as_vllm_picks_them():
         (["--override-generation-config", "{temperature: 1}"], "not valid JSON"),
         (["--override-generation-config", "[1]"], "must be a JSON object"),
         (["--speculative-config", "ngram"], "--speculative-config is not valid JSON"),
+        (["--structured-outputs-config", '{"backend": "xgrammar"}'], "'backend'.*not supported"),
+        (["--structured-outputs-config", '{"enable_in_reasoning": 1}'], "is a boolean"),
         (
             ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'],
             "method must be one of ngram",

@@ -8,10 +8,12 @@ The reading, for a model that thinks in a `<think>` ... `</think>` block:
 - Without it, the text opens in the answer, except where the prompt leaves a block open
   (it ends with `<think>`, as Qwen3 Thinking-2507's and Qwen3.5's templates write it:
   `prompt_opens_block`) or the parser's models' templates always do so
-  (`starts_in_reasoning`, DeepSeek-R1's), where it opens in the reasoning; under a
-  constraint (structured output, tool_choice named or required) it opens in the answer
-  for every parser, since the grammar holds the reply from its first token and the model
-  cannot go on with a block the prompt opened.
+  (`starts_in_reasoning`, DeepSeek-R1's), where it opens in the reasoning. A constraint
+  (structured output, tool_choice named or required) holds the answer after the block,
+  as on vLLM (`grammar_after_reasoning`: the request's grammar is wrapped so, runner/
+  structured/patterns.py `after_reasoning`), so the reading is the same; a parser
+  without that (gpt-oss's) reads a constrained reply as all answer, since the grammar
+  holds it from its first token.
 - Reasoning runs to the first `</think>` (dropped), verbatim; the answer is what follows,
   less its leading newline characters (`\\n` only: not spaces, not `\\r`). Reasoning with
   no `</think>` (cut by max_tokens) leaves no answer.
@@ -58,11 +60,16 @@ class ReasoningParser:
     # Whether the parser reads special tokens (gpt-oss's harmony markers): its requests
     # are then detokenized with them, and it drops them from what it lets out.
     needs_special_tokens = False
+    # Whether a request's grammar holds only what follows the block (its tags, above),
+    # as on vLLM, rather than the reply from its first token.
+    grammar_after_reasoning = True
 
     def __init__(self, constrained: bool = False, prompt_opens_block: bool = False) -> None:
-        """`constrained`: the reply is held to a grammar from its first token;
+        """`constrained`: the reply is held to a grammar from its first token (not where
+        the grammar comes after the reasoning: `grammar_after_reasoning`);
         `prompt_opens_block`: the prompt ends inside a `<think>` block it opened."""
         thinks = self.starts_in_reasoning or prompt_opens_block
+        self.constrained = constrained
         self.opens_in_reasoning = thinks and not constrained
 
     def parse(self, text: str) -> Reasoned:

@@ -40,6 +40,7 @@ TOOL_OPEN = "<|channel|>commentary to="  # a tool call's canonical header, up to
 
 class GptOssReasoningParser(ReasoningParser):
     needs_special_tokens = True
+    grammar_after_reasoning = False  # channels, not tags: a grammar holds the whole reply
 
     def parse(self, text: str) -> Reasoned:
         stream = self.stream()

@@ -1,4 +1,15 @@
-"""A `StructuredOutputs` as a pattern tree and as a byte DFA, cached per process."""
+"""A `StructuredOutputs` as a pattern tree and as a byte DFA, cached per process.
+
+A spec with `reasoning` (set by the server for a `<think>`-tag reasoning parser) holds
+what follows the reasoning block, as vLLM does (`after_reasoning`):
+
+    opens inside the block:  think
+    otherwise:               open think | constraint alone (a reply that does not reason)
+    think = Avoid(close) close "\n"* constraint
+
+The reasoning runs to the first close tag, as the parsers read it (cluster/reasoning/
+base.py), and the newlines they drop after it are free.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +22,7 @@ from pdserve.runner.structured.ebnf_unroll import grammar_node, recursive_rules
 from pdserve.runner.structured.json_grammar import json_object_node
 from pdserve.runner.structured.json_schema import schema_node
 from pdserve.runner.structured.lark_parse import LARK_ROOT, looks_like_gbnf, parse_lark
-from pdserve.runner.structured.regex_ast import Node, alt, is_empty, literal
+from pdserve.runner.structured.regex_ast import Avoid, Node, Repeat, alt, is_empty, literal, seq
 from pdserve.runner.structured.regex_parse import parse_regex
 from pdserve.runner.structured.spec import StructuredOutputs
 from pdserve.runner.structured.structural_tag import structural_tag_node
@@ -23,13 +34,30 @@ JSON_OBJECT_MAX_DEPTH = 4
 # automaton fits `compile_dfa`'s 20,000 states. 8 nested parentheses (or brackets, or
 # clauses) is past what a short structured answer uses.
 GRAMMAR_MAX_DEPTH = 8
+# A spec's `reasoning`: (open tag, close tag, whether the reply opens inside the block).
+Reasoning = tuple[str, str, bool] | None
 
 
 def pattern_node(spec: StructuredOutputs) -> Node:
     """The spec's pattern tree (a grammar's with its recursion one level deep: this is the
     check that it parses; `compile_spec` picks its depth)."""
     if spec.grammar is not None:
-        return _grammar_tree(*read_grammar(spec.grammar), depth=1)
+        return _grammar_tree(*read_grammar(spec.grammar), depth=1, reasoning=spec.reasoning)
+    return after_reasoning(_constraint_node(spec), spec.reasoning)
+
+
+def after_reasoning(node: Node, reasoning: Reasoning) -> Node:
+    """`node` after a reasoning block (module docstring); `node` itself without one."""
+    if reasoning is None:
+        return node
+    open_tag, close_tag, opens = reasoning
+    think = seq(
+        Avoid((close_tag.encode(),)), literal(close_tag), Repeat(literal("\n"), 0, None), node
+    )
+    return think if opens else alt(seq(literal(open_tag), think), node)
+
+
+def _constraint_node(spec: StructuredOutputs) -> Node:
     if spec.regex is not None:
         return parse_regex(spec.regex)
     if spec.choice is not None:
@@ -57,15 +85,17 @@ def read_grammar(text: str) -> tuple[dict[str, Expr], str]:
     return parse_lark(text), LARK_ROOT
 
 
-def _grammar_tree(rules: dict[str, Expr], start: str, depth: int) -> Node:
+def _grammar_tree(
+    rules: dict[str, Expr], start: str, depth: int, reasoning: Reasoning = None
+) -> Node:
     try:
-        return grammar_node(rules, start, depth)
+        return after_reasoning(grammar_node(rules, start, depth), reasoning)
     except RecursionError:  # the builder and the tree's walks recurse on its depth
         raise ValueError(_TOO_DEEP.format(depth=depth)) from None
 
 
-def _compiled(rules: dict[str, Expr], start: str, depth: int) -> ByteDFA:
-    tree = _grammar_tree(rules, start, depth)
+def _compiled(rules: dict[str, Expr], start: str, depth: int, reasoning: Reasoning) -> ByteDFA:
+    tree = _grammar_tree(rules, start, depth, reasoning)
     try:
         return compile_dfa(tree)
     except RecursionError:
@@ -78,7 +108,7 @@ _TOO_DEEP = (
 )
 
 
-def grammar_dfa(text: str) -> tuple[ByteDFA, int]:
+def grammar_dfa(text: str, reasoning: Reasoning = None) -> tuple[ByteDFA, int]:
     """A grammar's DFA and the recursion depth it has (1 for a grammar without recursion):
     depths 1, 2, ... are compiled until one is too large or GRAMMAR_MAX_DEPTH is reached.
 
@@ -94,7 +124,7 @@ def grammar_dfa(text: str) -> tuple[ByteDFA, int]:
     best: tuple[ByteDFA, int] | None = None
     for depth in range(1, top + 1):
         try:
-            best = _compiled(rules, start, depth), depth
+            best = _compiled(rules, start, depth, reasoning), depth
         except ValueError as e:
             if best is None:
                 raise ValueError(f"grammar, with its recursion 1 level deep: {e}") from e
@@ -104,21 +134,21 @@ def grammar_dfa(text: str) -> tuple[ByteDFA, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _grammar(text: str) -> tuple[ByteDFA, int]:
-    return grammar_dfa(text)
+def _grammar(text: str, reasoning: Reasoning) -> tuple[ByteDFA, int]:
+    return grammar_dfa(text, reasoning)
 
 
 def grammar_depth(spec: StructuredOutputs) -> int | None:
     """How deep a grammar spec's recursion is unrolled (None: not a grammar); compiles it
     if needed (cached)."""
-    return None if spec.grammar is None else _grammar(spec.grammar)[1]
+    return None if spec.grammar is None else _grammar(spec.grammar, spec.reasoning)[1]
 
 
 @functools.lru_cache(maxsize=64)
 def _dfa(key: str) -> ByteDFA:
     spec = StructuredOutputs.from_wire(json.loads(key))
     if spec.grammar is not None:
-        return _grammar(spec.grammar)[0]
+        return _grammar(spec.grammar, spec.reasoning)[0]
     return compile_dfa(pattern_node(spec))
 
 
