@@ -1,5 +1,6 @@
 """Structural tags (runner/structured/structural_tag.py, avoid.py) on strings: the byte DFA
-against the language's definition read directly, and the API's refusals."""
+against the language's definition read directly, each format of the `format` form on texts
+it must take and refuse, and the API's refusals."""
 
 from __future__ import annotations
 
@@ -116,12 +117,20 @@ def test_the_api_takes_the_tag_as_vllm_clients_send_it():
     one = TAG["structures"][0]
     for bad, says in [
         ({**TAG, "triggers": []}, "'triggers'"),
-        ({**TAG, "structures": [{**one, "begin": "<g=a>"}]}, "starts with none of the triggers"),
+        ({**TAG, "structures": [{**one, "begin": "<g=a>"}]}, "starts with 0 of the triggers"),
+        ({**TAG, "triggers": ["<f=", "<f"]}, "starts with 2 of the triggers"),
         ({**TAG, "structures": [{**one, "schema": {"type": "string", "format": "ipv9"}}]},
-         "structures[0]'s schema"),
+         "format 'ipv9' is not supported"),
         ({**TAG, "structures": [{"begin": "<f=a>", "end": "</f>"}]}, "needs a 'schema'"),
-        ({"type": "structural_tag", "format": {"type": "triggered_tags"}}, "'format' form"),
         ({**TAG, "trigger": ["<f="]}, "unknown field"),
+        ({"type": "structural_tag", "format": {"type": "grammar", "grammar": "root ::= 'a'"}},
+         "format type 'grammar' is not supported"),
+        ({"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>"}},
+         "needs a 'content' format"),
+        ({"type": "structural_tag", "format": {"type": "or", "elements": [{"type": "x"}]}},
+         "structural_tag.format.elements[0]: format type 'x'"),
+        ({"type": "structural_tag", "format": {"type": "any_text"}, "triggers": ["a"]},
+         "not both"),
     ]:  # fmt: skip
         with pytest.raises(ApiError, match=re.escape(says)) as e:
             parse_structured({"response_format": bad})
@@ -129,3 +138,91 @@ def test_the_api_takes_the_tag_as_vllm_clients_send_it():
     with pytest.raises(ApiError, match="not valid JSON") as e:
         parse_structured({"structured_outputs": {"structural_tag": "{"}})
     assert e.value.param == "structured_outputs"
+
+
+def _tag(begin: str, content: dict, end="</f>") -> dict:
+    return {"type": "tag", "begin": begin, "content": content, "end": end}
+
+
+NUM = {"type": "json_schema", "json_schema": {"type": "integer"}}
+ANY = {"type": "any_text"}
+FORMS = {
+    "the first form, as the format it means": (
+        {"type": "triggered_tags", "triggers": ["<f=", "!!"],
+         "tags": [_tag(s["begin"], {"type": "json_schema", "json_schema": s["schema"]}, s["end"])
+                  for s in TAG["structures"]]},
+        None,  # checked against TAG's own DFA below
+    ),
+    "const_string, regex, sequence, or": (
+        {"type": "sequence", "elements": [
+            {"type": "const_string", "value": "Answer: "},
+            {"type": "or", "elements": [{"type": "regex", "pattern": "[0-9]{1,3}"},
+                                        {"type": "const_string", "value": "none"}]},
+            {"type": "const_string", "value": "."}]},
+        {"Answer: 42.": True, "Answer: none.": True, "Answer: 4242.": False, "Answer: 4": False,
+         "answer: 4.": False},
+    ),
+    "any_text in a tag stops at its first end; ends may be a list": (
+        _tag("<t>", ANY, ["</t>", "<eot>"]),
+        {"<t>any </x> text</t>": True, "<t></t>": True, "<t>a<eot>": True,
+         "<t>a</t>b</t>": False, "<t>a</t><eot>": False, "<t>a": False},
+    ),
+    "any_text at the top and as a sequence's head": (
+        {"type": "sequence", "elements": [ANY, {"type": "const_string", "value": "END"}]},
+        {"END": True, "xEND": True, "xENDyEND": True, "x": False},
+    ),
+    "triggered_tags: free text, tags at the triggers": (
+        {"type": "triggered_tags", "triggers": ["<f="],
+         "tags": [_tag("<f=a>", NUM), _tag("<f=b>", ANY)]},
+        {"": True, "hi": True, "hi <f=a>12</f> and <f=b>x y</f>!": True, "<f=a>x</f>": False,
+         "<f=c>1</f>": False, "<f=b>x": False},
+    ),
+    "... at_least_one: the text opens with a tag": (
+        {"type": "triggered_tags", "triggers": ["<f="], "tags": [_tag("<f=a>", NUM)],
+         "at_least_one": True},
+        {"<f=a>1</f>": True, "<f=a>1</f> then <f=a>2</f> end": True, "": False,
+         "hi <f=a>1</f>": False},
+    ),
+    "... stop_after_first: nothing after the first tag": (
+        {"type": "triggered_tags", "triggers": ["<f="], "tags": [_tag("<f=a>", NUM)],
+         "stop_after_first": True},
+        {"": True, "hi": True, "hi <f=a>1</f>": True, "<f=a>1</f> more": False,
+         "<f=a>1</f><f=a>2</f>": False},
+    ),
+    "... both: exactly one tag": (
+        {"type": "triggered_tags", "triggers": ["<f="], "tags": [_tag("<f=a>", NUM)],
+         "at_least_one": True, "stop_after_first": True},
+        {"<f=a>1</f>": True, "": False, "x<f=a>1</f>": False, "<f=a>1</f>x": False},
+    ),
+    "triggered_tags inside a tag: its free text stops at the tag's end": (
+        _tag("<calls>", {"type": "triggered_tags", "triggers": ["<f="],
+                         "tags": [_tag("<f=a>", NUM)]}, "</calls>"),
+        {"<calls>say <f=a>1</f> ok</calls>": True, "<calls></calls>": True,
+         "<calls>a</calls>b</calls>": False},
+    ),
+    "tags_with_separator: tags and separators only": (
+        {"type": "tags_with_separator", "separator": ",", "tags": [_tag("<f=a>", NUM)]},
+        {"": True, "<f=a>1</f>": True, "<f=a>1</f>,<f=a>2</f>": True, "<f=a>1</f>,": False,
+         "<f=a>1</f> <f=a>2</f>": False},
+    ),
+    "... at_least_one, stop_after_first": (
+        {"type": "tags_with_separator", "separator": ",", "tags": [_tag("<f=a>", NUM)],
+         "at_least_one": True, "stop_after_first": True},
+        {"<f=a>1</f>": True, "": False, "<f=a>1</f>,<f=a>2</f>": False},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", FORMS)
+def test_each_format_takes_its_texts_and_refuses_the_others(name):
+    """Guards the `format` form, format by format (xgrammar's meanings: the module
+    docstring); the first form must mean its `triggered_tags` format exactly."""
+    fmt, cases = FORMS[name]
+    dfa = compile_spec(StructuredOutputs(structural_tag={"type": "structural_tag", "format": fmt}))
+    if cases is None:
+        legacy = compile_spec(StructuredOutputs(structural_tag=json.dumps(TAG)))
+        cases = {t: legacy.matches(t.encode()) for n in range(4)
+                 for t in map("".join, itertools.product(PIECES, repeat=n))}  # fmt: skip
+        assert any(cases.values()) and not all(cases.values())
+    for text, want in cases.items():
+        assert dfa.matches(text.encode()) == want, text
