@@ -458,6 +458,36 @@ def _drain(engine) -> list:
     return out
 
 
+@pytest.mark.parametrize("lookup", [(1, 1), (1, 4), (2, 3), (3, 5)])
+def test_the_early_read_judge_keeps_up_with_a_growing_request(lookup):
+    """Guards `Drafter.likely`'s runs, added a step's tokens at a time: after every new
+    token (one or several at once, as a drafted step appends) its answer is the n-gram
+    search's over the whole text, from its shortest pattern up, on seeded token streams
+    over small alphabets (so that runs repeat) and a large one (so that they rarely do)."""
+    from pdserve.runner.config import SpeculativeConfig
+    from pdserve.runner.request import Request
+    from pdserve.runner.speculative.drafter import Drafter
+    from pdserve.runner.speculative.ngram import NgramProposer
+
+    lo, hi = lookup
+    config = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=lo,
+                               prompt_lookup_max=hi)  # fmt: skip
+    drafter = Drafter(config, max_model_len=10_000)
+    search = NgramProposer(1, drafter.shortest, hi)
+    rng = random.Random(lo * 10 + hi)
+    said = []
+    for alphabet in (3, 8, 50_000):
+        req = Request(f"r{alphabet}", [rng.randrange(alphabet) for _ in range(5)],
+                      SamplingParams(max_tokens=500), seed=0)  # fmt: skip
+        while req.num_output_tokens < 200:
+            for _ in range(rng.choice((1, 1, 1, 4))):
+                req.append_output_token(rng.randrange(alphabet))
+            want = bool(search.propose(req.all_token_ids, 1))
+            assert drafter.likely(req) == want, (alphabet, req.all_token_ids)
+            said.append(want)
+    assert any(said) and not all(said)
+
+
 def test_a_lone_earlier_token_is_no_reason_to_wait():
     """Guards `Drafter.likely` (async scheduling reads the step in flight early when it
     says yes): text whose last two known tokens occurred together before will draft;

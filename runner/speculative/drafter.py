@@ -39,8 +39,16 @@ class Drafter:
         # sampled text that never repeats matches by chance (~0.3% of steps a request at a
         # 150k vocabulary and a few hundred tokens), and each such guess cost async
         # scheduling an overlapped step for a draft the next token then rarely made.
-        shortest = max(config.prompt_lookup_min, min(2, config.prompt_lookup_max))
-        self._judge = NgramProposer(1, shortest, config.prompt_lookup_max)
+        self.shortest = max(config.prompt_lookup_min, min(2, config.prompt_lookup_max))
+        # Each request's `shortest`-token runs that end before its last token, and how many
+        # there are: `likely` adds the runs of its new tokens only. A longer pattern that
+        # matches ends in a run of `shortest` that matches, so a lookup from `shortest` up
+        # finds something exactly when the last run was seen before. Asking the proposer
+        # instead searched every request's whole text each async step: ~9 us a request,
+        # 3% of sampled text's throughput at 32 requests on an H100.
+        self._runs: weakref.WeakKeyDictionary[Request, tuple[set[tuple[int, ...]], int]] = (
+            weakref.WeakKeyDictionary()
+        )
         # Each request's tokens as an array that grows by its new tokens only: rebuilding
         # prompt + output each step costs ~60-170 us at 4-8k tokens, the lookup itself 5-26.
         # Weak keys: a request's array goes with it.
@@ -70,7 +78,19 @@ class Drafter:
         )
         if room <= 0 or not can_draft(req):
             return False
-        return bool(self._judge.propose(self.tokens(req), 1))
+        size = self.shortest
+        starts = req.num_tokens - size  # runs starting before this end before the last token
+        if starts <= 0:
+            return False
+        seen, done = self._runs.get(req) or (set(), 0)
+        fresh = starts - done  # runs not yet seen: a step's new tokens make a few
+        out = req.output_token_ids
+        # The text from the first fresh run on: the output's tail, else the whole text.
+        tail = out[-(fresh + size) :] if len(out) >= fresh + size else self.tokens(req).tolist()
+        tail = tail[len(tail) - fresh - size :]
+        seen.update(zip(*(tail[j : j + fresh] for j in range(size))))
+        self._runs[req] = (seen, starts)
+        return tuple(tail[fresh:]) in seen
 
     def tokens(self, req: Request) -> np.ndarray:
         """`req`'s prompt + output as an int64 array (a view of a buffer kept per request)."""
