@@ -120,7 +120,7 @@ def test_the_api_takes_the_tag_as_vllm_clients_send_it():
         ({**TAG, "structures": [{**one, "begin": "<g=a>"}]}, "starts with 0 of the triggers"),
         ({**TAG, "triggers": ["<f=", "<f"]}, "starts with 2 of the triggers"),
         ({**TAG, "structures": [{**one, "schema": {"type": "string", "format": "ipv9"}}]},
-         "format 'ipv9' is not supported"),
+         "structures[0].content's schema: JSON schema string format 'ipv9'"),
         ({**TAG, "structures": [{"begin": "<f=a>", "end": "</f>"}]}, "needs a 'schema'"),
         ({**TAG, "trigger": ["<f="]}, "unknown field"),
         ({"type": "structural_tag", "format": {"type": "grammar", "grammar": "root ::= 'a'"}},

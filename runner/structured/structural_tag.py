@@ -95,7 +95,7 @@ def structural_tag_node(text: str) -> Node:
             raise ValueError("structural_tag takes 'format' or 'structures' and 'triggers', "
                              "not both")  # fmt: skip
         return _Formats().node(tag["format"], "structural_tag.format", (), 0)
-    return _Formats().node(_legacy(tag), "structural_tag", (), 0)
+    return _Formats("structures").node(_legacy(tag), "structural_tag", (), 0)
 
 
 def _legacy(tag: dict) -> dict:
@@ -121,7 +121,11 @@ def _legacy(tag: dict) -> dict:
 
 class _Formats:
     """One structural tag's formats to pattern trees. `until`: the ends of the tag a
-    format is the tail of, which its free text stops at."""
+    format is the tail of, which its free text stops at. `tags_field`: what errors call
+    a tag list (the first form's is `structures`)."""
+
+    def __init__(self, tags_field: str = "tags") -> None:
+        self.tags_field = tags_field
 
     def node(self, fmt: Any, where: str, until: tuple[bytes, ...], depth: int) -> Node:
         if depth > MAX_FORMAT_DEPTH:
@@ -195,7 +199,7 @@ class _Formats:
         return seq(literal(begin), content, alt(*(literal(e) for e in ends))), begin
 
     def _tags(self, fmt: dict, where: str, depth: int) -> list[tuple[Node, str]]:
-        return [self._tag_parts(t, f"{where}.tags[{i}]", depth)
+        return [self._tag_parts(t, f"{where}.{self.tags_field}[{i}]", depth)
                 for i, t in enumerate(_list(fmt, "tags", where))]  # fmt: skip
 
     def _triggered_tags(self, fmt: dict, where: str, until, depth) -> Node:
@@ -207,7 +211,7 @@ class _Formats:
             starts = [t for t in triggers if begin.startswith(t)]
             if len(starts) != 1:
                 raise ValueError(
-                    f"{where}.tags[{i}]'s begin {begin!r} starts with {len(starts)} of the "
+                    f"{where}.{self.tags_field}[{i}]'s begin {begin!r} starts with {len(starts)} of the "
                     f"triggers {triggers!r}; each tag's begin must start with exactly one"
                 )
         free = Avoid(tuple(t.encode() for t in triggers) + until)
