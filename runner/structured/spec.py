@@ -4,15 +4,14 @@ One of: `json` (a JSON schema, as JSON text so it travels and hashes as one stri
 property order is kept, since the output follows it), `regex`, `choice` (one of these
 strings, exactly), `grammar` (GBNF text: `ebnf_parse.py`), `structural_tag` (JSON text:
 free text with structures after triggers, `structural_tag.py`) or `json_object` (any
-JSON object: OpenAI's JSON mode).
+JSON object: OpenAI's JSON mode). The router compiles the byte DFA (`patterns.py`) to
+refuse a bad pattern with a 400 before anything runs; each worker compiles it again
+(cached by `key`) and lifts it to its tokenizer (`token_table.py`).
 
 `reasoning` is set by the server, never the client: with a `<think>`-tag reasoning
 parser (`--reasoning-parser`), the reply may reason first and the constraint holds what
 follows the block, as on vLLM (`patterns.after_reasoning`). It is (open tag, close tag,
-whether the reply opens inside the block). The router
-compiles the byte DFA (`patterns.py`) to refuse a bad pattern with a 400 before anything
-runs; each worker compiles it again (cached by `key`) and lifts it to its tokenizer
-(`token_table.py`).
+whether the reply opens inside the block).
 """
 
 from __future__ import annotations
