@@ -2,8 +2,8 @@
 
 - `response_format`: `{"type": "text"}` (nothing), `{"type": "json_object"}` (JSON mode:
   any JSON object), `{"type": "json_schema", "json_schema": {"schema": {...}}}`, and
-  vLLM's `{"type": "structural_tag", "structures": [...], "triggers": [...]}`
-  (runner/structured/structural_tag.py).
+  vLLM's `{"type": "structural_tag", "structures": [...], "triggers": [...]}` or
+  `{"type": "structural_tag", "format": {...}}` (runner/structured/structural_tag.py).
 - vLLM's `structured_outputs`: `{"json": schema}`, `{"regex": "..."}`,
   `{"choice": [...]}`, `{"grammar": ...}` (GBNF, runner/structured/ebnf_parse.py, or
   Lark, lark_parse.py), `{"structural_tag": "<its JSON text>"}` or `{"json_object":

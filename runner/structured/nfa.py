@@ -29,11 +29,16 @@ from pdserve.runner.structured.regex_ast import (
 )
 
 
+def _outside(node: Avoid) -> frozenset[int]:
+    """The bytes that occur in none of `node`'s strings."""
+    return frozenset(range(256)) - {b for s in node.strings for b in s}
+
+
 def _avoid_sets(node: Avoid) -> list[frozenset[int]]:
     """The byte sets `Avoid` tells apart: each byte of its strings, and all the others."""
-    used = {b for s in node.strings for b in s}
-    rest = frozenset(range(256)) - used
-    return [frozenset((b,)) for b in used] + ([rest] if rest else [])
+    rest = _outside(node)
+    inside = frozenset(range(256)) - rest
+    return [frozenset((b,)) for b in inside] + ([rest] if rest else [])
 
 
 def _byte_sets(node: Node) -> set[frozenset[int]]:
@@ -126,7 +131,7 @@ class NFA:
         states = [self.new() for _ in table]
         end = self.new()
         self.eps[start].append(states[0])
-        others = frozenset(range(256)) - {b for s in node.strings for b in s}
+        others = _outside(node)
         for state, row in zip(states, table, strict=True):
             self.eps[state].append(end)  # every state accepts
             targets: dict[int, list[int]] = {}
