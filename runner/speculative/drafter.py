@@ -84,11 +84,14 @@ class Drafter:
         state = self._runs.get(req)
         if state is None:
             state = self._runs[req] = [set(), 0]
-        seen, fresh = state[0], starts - state[1]  # runs not yet seen: a step's tokens make a few
+        seen, done = state
+        fresh = starts - done  # runs not yet seen: a step's new tokens make a few
         out = req.output_token_ids
-        # The text from the first fresh run on: the output's tail, else the whole text.
-        tail = out[-(fresh + size) :] if len(out) >= fresh + size else self.tokens(req).tolist()
-        tail = tail[len(tail) - fresh - size :]
+        # The text from the first fresh run on: the output's tail where it holds it.
+        if len(out) >= fresh + size:
+            tail = out[len(out) - fresh - size :]
+        else:
+            tail = self.tokens(req)[done:].tolist()
         seen.update(zip(*(tail[j : j + fresh] for j in range(size))))
         state[1] = starts
         return tuple(tail[fresh:]) in seen
