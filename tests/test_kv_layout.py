@@ -246,3 +246,26 @@ def test_group_storage_checks_tensors():
     window = GroupStorage(GQA, (good[:, 1:3],))
     assert window.num_units == 2
     assert window.flat()[0].stride(0) == good.stride(0)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_host_cache_is_zeros_that_take_memory_only_where_written():
+    """The host cache reads as zeros everywhere (what the kernels' padding and the null
+    block rely on), its per-layer views write into it, and a 256 MiB cache does not take
+    256 MiB at start: `torch.zeros` wrote every page up front, seconds of page faults in
+    each worker's start on the CI machine."""
+    block_shape = (2, 16, 8, 64)  # [2, bs, H, D] in bfloat16: 32 KiB a block
+    before = _resident_bytes()
+    cache, layers = allocate_blocks(8, 1024, block_shape, torch.bfloat16, torch.device("cpu"))
+    assert cache.shape == (8, 1024, *block_shape) and cache.nbytes == 256 << 20
+    assert _resident_bytes() - before < 32 << 20
+    assert cache.dtype == torch.bfloat16 and cache.is_contiguous()
+    layers[3][17].fill_(1.5)
+    assert cache[3, 17].eq(1.5).all() and cache[3, 16].eq(0).all() and cache[2, 17].eq(0).all()
+    assert int(cache.count_nonzero()) == 2 * 16 * 8 * 64
+    fp8, _ = allocate_blocks(1, 3, (4,), torch.float8_e4m3fn, torch.device("cpu"))
+    assert fp8.dtype == torch.float8_e4m3fn and fp8.float().eq(0).all()

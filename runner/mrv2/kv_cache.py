@@ -9,12 +9,13 @@ chunks (few transfer descriptors, DESIGN §4). Each layer's view is `[num_blocks
 from __future__ import annotations
 
 import math
+import mmap
 
 import torch
 
 # Host default when no budget is given: SmolLM2-135M takes 46 KB/token, so 512 MiB holds
-# ~11k tokens (one full 8k context plus room). Zero-filling costs ~3.5 s/GiB of page
-# faults on the 2-core CI machine, so a bigger default would slow every test start.
+# ~11k tokens (one full 8k context plus room). A host cache's pages are the OS's zero
+# pages until first written (`host_zeros`), so the size costs no start-up time.
 DEFAULT_CPU_KV_BYTES = 512 << 20
 # Activation/workspace headroom kept free on a GPU beyond the model and the cache.
 GPU_ACTIVATION_RESERVE_BYTES = 4 << 30
@@ -60,5 +61,22 @@ def allocate_blocks(
     device: torch.device,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """`[num_layers, num_blocks, *block_shape]` zeros and its per-layer views."""
-    cache = torch.zeros(num_layers, num_blocks, *block_shape, dtype=dtype, device=device)
+    shape = (num_layers, num_blocks, *block_shape)
+    if device.type == "cpu":
+        cache = host_zeros(shape, dtype)
+    else:
+        cache = torch.zeros(shape, dtype=dtype, device=device)
     return cache, list(cache.unbind(0))
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Host zeros in an anonymous mapping: the kernel hands out a zeroed page where one is
+    first written, so only the blocks a worker uses ever take memory. `torch.zeros` wrote
+    every page up front: 0.5 GiB took 0.3-10 s of page faults per worker start on the
+    2-core CI machine (the second of two workers starting at once the slowest)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # The tensor holds the mapping (its buffer export) until the tensor itself is freed.
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
