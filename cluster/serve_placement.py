@@ -19,6 +19,11 @@ from pdserve.cluster.serve_args import ServeConfig
 
 POOL_RESOURCES = {"prefill": "pdserve_prefill", "decode": "pdserve_decode", "tier": "pdserve_tier"}
 _ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# A Ray of our own starts no idle Python workers: by default its raylet starts one a CPU
+# when the first driver connects (two on a 2-core machine, sixteen on a 16-core GPU host),
+# each ~80 MB and a Ray import of CPU, and none of them ever runs an actor here (every
+# actor asks for a process of its own, with the job's environment).
+LOCAL_RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ def start_ray(cfg: ServeConfig, local: Placement | None) -> Placement:
         ray.init(
             include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
             num_gpus=local.num_gpus, runtime_env={"env_vars": dict(_ENV)},
+            _system_config=LOCAL_RAY_SYSTEM_CONFIG,
         )  # fmt: skip
         return local
     if cfg.gpus_per_worker is not None and 0 < cfg.gpus_per_worker < 1:

@@ -11,6 +11,7 @@ import zmq
 
 from pdserve.cluster.controller import Controller
 from pdserve.cluster.ray_pool import PoolSpec
+from pdserve.cluster.serve_placement import LOCAL_RAY_SYSTEM_CONFIG
 
 
 def tiny_spec(model_dir: str, endpoint: str, num_prefill: int = 1, num_decode: int = 1,
@@ -32,7 +33,10 @@ def controller_on_ray(
     decode workers; stopped and Ray down at the end, even after a failed stop (so the next
     module's ray.init finds no Ray). The decode workers stream tokens to `stream`, where
     the caller binds a router's subscriber; without one, to a sink of our own."""
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(
+        num_cpus=2, include_dashboard=False, logging_level="ERROR",
+        _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+    )  # fmt: skip
     sink = zmq.Context.instance().socket(zmq.PULL)
     try:
         if stream is None:

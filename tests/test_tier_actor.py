@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.cluster.serve_placement import LOCAL_RAY_SYSTEM_CONFIG
 from pdserve.cluster.tier_actor import TierService, blocks_from_wire, blocks_to_wire
 from pdserve.kernels.kv_pack import bitwise_view
 
@@ -28,7 +29,10 @@ def ray_local():
     """One real Ray instance for the module's actors (a start and stop cost CI ~6 s)."""
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    ray.init(
+        num_cpus=1, include_dashboard=False, logging_level="ERROR",
+        _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+    )  # fmt: skip
     yield
     ray.shutdown()
 
