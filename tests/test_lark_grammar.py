@@ -13,8 +13,15 @@ from grammar_oracle import accepts, equivalent
 from pdserve.runner.structured.byte_dfa import compile_dfa
 from pdserve.runner.structured.ebnf_parse import CharClass, GRepeat, GSeq, Pattern, Ref
 from pdserve.runner.structured.ebnf_unroll import grammar_node
+from pdserve.runner.structured.json_schema import schema_node
 from pdserve.runner.structured.lark_parse import COMMON, LARK_ROOT, parse_lark
-from pdserve.runner.structured.patterns import grammar_dfa, read_grammar
+from pdserve.runner.structured.patterns import (
+    StructuredOutputs,
+    compile_spec,
+    grammar_dfa,
+    read_grammar,
+)
+from pdserve.runner.structured.regex_ast import literal, seq
 from pdserve.runner.structured.regex_parse import parse_regex
 
 # Lark's JSON tutorial grammar, as its users write it (aliases, ?rules, common imports).
@@ -86,6 +93,9 @@ def test_the_reader_takes_lark_syntax():
         ('start: "a"\n%ignore B', "%ignore B: not a terminal"),
         ('start ::= "a"\nx: "b"', "Lark syntax, and this grammar is GBNF"),
         ("start", "expected ':' after 'start'"),
+        ("start: %json [1]", "%json needs a JSON schema (an object, or true / false) at line 1"),
+        ('start: "a"\n  | %json {"type": }', "%json needs a JSON schema after it: Expecting"),
+        ("start: %declare X", "%declare inside a definition (only %json is an item)"),
     ],
 )
 def test_bad_lark_is_refused_with_where(text, message):
@@ -186,3 +196,50 @@ def test_a_regular_lark_grammar_is_exactly_its_regex():
     dfa, depth = grammar_dfa('start: "SELECT " COL ("," COL)* " FROM " /[a-z]+/\nCOL: "a".."c"+')
     want = compile_dfa(parse_regex("SELECT [a-c]+(,[a-c]+)* FROM [a-z]+"))
     assert depth == 1 and equivalent(dfa, want)
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_a_json_item_is_its_schemas_language():
+    """Guards llguidance's `%json {schema}`: the schema written across lines in the middle
+    of a rule is, whole-language, the json_schema compiler's value for it between the
+    rule's other items (its property order kept: the compiler writes them in the schema's
+    order), and `%json true` any JSON value."""
+    text = (
+        'start: "Answer: " %json {\n'
+        '    "type": "object",\n'
+        '    "properties": {"name": {"type": "string", "maxLength": 8},\n'
+        '                   "age": {"type": "integer"}},\n'
+        '    "required": ["name", "age"], "additionalProperties": false\n'
+        '} "."\n'
+    )  # fmt: skip
+    dfa, depth = grammar_dfa(text)
+    want = compile_dfa(seq(literal("Answer: "), schema_node(PERSON), literal(".")))
+    assert depth == 1 and equivalent(dfa, want)
+    assert equivalent(compile_spec(StructuredOutputs(grammar=text)), want)  # a request's
+    assert dfa.matches(b'Answer: {"name":"Ann","age":7}.')
+    for bad in ('{"age":7,"name":"Ann"}', '{"name":"Ann"}', '{"name":"Annabelle!","age":7}'):
+        assert not dfa.matches(f"Answer: {bad}.".encode()), bad
+    anything, _ = grammar_dfa("start: %json true")
+    assert equivalent(anything, compile_dfa(schema_node(True)))
+
+
+def test_a_json_item_is_one_lexeme_under_ignore():
+    """Ignored whitespace comes around the JSON value as around any terminal, not inside
+    it (where only the schema's own whitespace is allowed); a schema the compiler cannot
+    carry out is refused when the grammar is compiled, naming the keyword."""
+    dfa, _ = grammar_dfa(
+        'start: "sum" %json {"type": "integer"} ";"\n%import common.WS\n%ignore WS'
+    )
+    for good in (b"sum 12 ;", b"sum12;", b" sum\n12 ;\n"):
+        assert dfa.matches(good), good
+    for bad in (b"sum 1 2;", b"sum 1.5;", b"sum ;"):
+        assert not dfa.matches(bad), bad
+    with pytest.raises(ValueError, match="multipleOf"):
+        grammar_dfa('start: %json {"type": "integer", "multipleOf": 3}')

@@ -62,6 +62,15 @@ class Pattern:
 
 
 @dataclass(frozen=True)
+class JsonSchema:
+    """A JSON value the schema allows (json_schema.py's reading): llguidance's `%json {...}`
+    in a Lark grammar. `schema` is the schema's compact JSON text, keys in their order (the
+    properties' order is the output's), so the node stays hashable."""
+
+    schema: str
+
+
+@dataclass(frozen=True)
 class Ref:
     """The rule named `name`."""
 
@@ -87,7 +96,7 @@ class GRepeat:
     max: int | None
 
 
-Expr = Text | CharClass | Pattern | Ref | GSeq | GAlt | GRepeat
+Expr = Text | CharClass | Pattern | JsonSchema | Ref | GSeq | GAlt | GRepeat
 
 
 def parse_grammar(text: str) -> dict[str, Expr]:

@@ -17,6 +17,8 @@ remember. `patterns.grammar_dfa` picks the largest depth whose automaton fits.
 
 from __future__ import annotations
 
+import json
+
 from pdserve.runner.structured.charsets import char_class
 from pdserve.runner.structured.ebnf_parse import (
     CharClass,
@@ -24,11 +26,13 @@ from pdserve.runner.structured.ebnf_parse import (
     GAlt,
     GRepeat,
     GSeq,
+    JsonSchema,
     Pattern,
     Ref,
     Text,
     refs_of,
 )
+from pdserve.runner.structured.json_schema import schema_node
 from pdserve.runner.structured.regex_ast import (
     EMPTY,
     NOTHING,
@@ -145,6 +149,8 @@ class _Unroller:
             return char_class(list(e.ranges), e.negate)
         if isinstance(e, Pattern):
             return parse_regex(e.regex)
+        if isinstance(e, JsonSchema):
+            return schema_node(json.loads(e.schema))
         if isinstance(e, Ref):
             return self.rule(e.name)
         if isinstance(e, GAlt):

@@ -10,7 +10,10 @@ Rules are lowercase (`name: ...`, modifiers `?` `!` and priorities `.n` read and
 terminals uppercase (`NAME: ...`, regular: they refer only to terminals); generation
 starts at `start`. Items: `"text"` (with `i`: either case), `/regex/` (regex_parse.py's
 syntax, no flags), `"a".."z"`, names, `( )`, `[ ]` (optional), and the quantifiers `?` `*`
-`+` `~n` `~n..m` (and llguidance's `{m,n}`); `-> alias` is dropped. A definition ends at
+`+` `~n` `~n..m` (and llguidance's `{m,n}`); `-> alias` is dropped. llguidance's
+`%json {schema}` is an item too: one JSON value the schema allows, as a `json_schema`
+response format reads it (json_schema.py; its whitespace rules inside the value), taken
+as one lexeme (ignored terminals may come before and after it, not inside). A definition ends at
 the end of its line unless the next line starts with `|`; inside brackets, newlines are
 spaces. `//` starts a comment. Directives: `%import common.NAME` (`-> ALIAS`, or
 `common (A, B)`: the terminals of Lark's common.lark, below) and `%ignore` (a terminal,
@@ -27,6 +30,8 @@ reached from a rule no Lark name can spell.
 
 from __future__ import annotations
 
+import json
+
 from pdserve.runner.structured.ebnf_parse import (
     CharClass,
     Expr,
@@ -34,6 +39,7 @@ from pdserve.runner.structured.ebnf_parse import (
     GrammarReader,
     GRepeat,
     GSeq,
+    JsonSchema,
     Pattern,
     Ref,
     Text,
@@ -123,7 +129,7 @@ def _lexemes_then_ignored(e: Expr, ignored: list[Expr]) -> Expr:
         return e
     if isinstance(e, Ref) and not _is_terminal(e.name):
         return e
-    if isinstance(e, (Text, CharClass, Pattern, Ref)):
+    if isinstance(e, (Text, CharClass, Pattern, JsonSchema, Ref)):
         return GSeq((e, GRepeat(Ref(IGNORED), 0, None)))
     if isinstance(e, GSeq):
         return GSeq(tuple(_lexemes_then_ignored(i, ignored) for i in e.items))
@@ -274,6 +280,8 @@ class _LarkReader(GrammarReader):
             return Text(text)
         if c == "/":
             return self.regex()
+        if c == "%" and self.name_at(self.i + 1) > self.i + 1:
+            return self.embedded_schema()
         if c in "([":
             self.i += 1
             body = self.alternatives(nested=True)
@@ -290,6 +298,22 @@ class _LarkReader(GrammarReader):
         if c in "*+?~{":
             raise self.error(f"quantifier {c!r} with nothing to repeat")
         raise self.error(f"unexpected {c!r}")
+
+    def embedded_schema(self) -> Expr:
+        """`%json` then a JSON schema (an object, or true / false), across lines."""
+        start, end = self.i, self.name_at(self.i + 1)
+        word = self.s[self.i + 1 : end]
+        if word != "json":
+            raise self.error(f"%{word} inside a definition (only %json is an item)", start)
+        self.i = end
+        self.skip_space()
+        try:
+            schema, self.i = json.JSONDecoder().raw_decode(self.s, self.i)
+        except json.JSONDecodeError as e:
+            raise self.error(f"%json needs a JSON schema after it: {e.msg}", start) from None
+        if not isinstance(schema, (dict, bool)):
+            raise self.error("%json needs a JSON schema (an object, or true / false)", start)
+        return JsonSchema(json.dumps(schema, separators=(",", ":")))  # in its key order
 
     def regex(self) -> Expr:
         start = self.i
