@@ -373,6 +373,18 @@ def test_ray_auth_on_every_container(helm: str, sets: tuple, mode: str, secret: 
     assert made == ([RAY_TOKEN_SECRET] if secret == RAY_TOKEN_SECRET else [])
 
 
+def test_the_head_starts_no_idle_ray_workers_for_the_router(helm: str) -> None:
+    """The router's driver connects to the head's raylet, which by default starts one idle
+    Python worker a CPU for a first driver (never used: each pdserve actor takes a process
+    of its own); the Ray container of the head turns that off, and only it (worker pods
+    have no driver)."""
+    pods = pod_templates(render(helm))
+    off = {"name": "RAY_prestart_worker_first_driver", "value": "0"}
+    assert off in container(pods["head"], "ray-head")["env"]
+    others = [c for p in pods.values() for c in p["spec"]["containers"] if c["name"] != "ray-head"]
+    assert others and not [c["name"] for c in others if off in c.get("env", [])]
+
+
 def notes(helm: str, *sets: str) -> str:
     """The NOTES `helm install` prints (a client-side dry run needs no cluster)."""
     cmd = [helm, "install", RELEASE, str(CHART), "-n", NAMESPACE, "--dry-run=client"]
