@@ -96,6 +96,7 @@ def test_the_reader_takes_lark_syntax():
         ("start: %json [1]", "%json needs a JSON schema (an object, or true / false) at line 1"),
         ('start: "a"\n  | %json {"type": }', "%json needs a JSON schema after it: Expecting"),
         ("start: %declare X", "%declare inside a definition (only %json is an item)"),
+        ('start: "a"\n%json {}', "%json is an item inside a definition (name: %json {...})"),
     ],
 )
 def test_bad_lark_is_refused_with_where(text, message):

@@ -13,9 +13,9 @@ syntax, no flags), `"a".."z"`, names, `( )`, `[ ]` (optional), and the quantifie
 `+` `~n` `~n..m` (and llguidance's `{m,n}`); `-> alias` is dropped. llguidance's
 `%json {schema}` is an item too: one JSON value the schema allows, as a `json_schema`
 response format reads it (json_schema.py; its whitespace rules inside the value), taken
-as one lexeme (ignored terminals may come before and after it, not inside). A definition ends at
-the end of its line unless the next line starts with `|`; inside brackets, newlines are
-spaces. `//` starts a comment. Directives: `%import common.NAME` (`-> ALIAS`, or
+as one lexeme (ignored terminals may come before and after it, not inside). A
+definition ends at the end of its line unless the next line starts with `|`; inside
+brackets, newlines are spaces. `//` starts a comment. Directives: `%import common.NAME` (`-> ALIAS`, or
 `common (A, B)`: the terminals of Lark's common.lark, below) and `%ignore` (a terminal,
 string or regex). Anything else (`%declare`, `%override`, other modules, templates) is
 refused by name.
@@ -213,6 +213,8 @@ class _LarkReader(GrammarReader):
         if word == "ignore":
             ignored.append(self.alternatives(nested=False))
             return
+        if word == "json":
+            raise self.error("%json is an item inside a definition (name: %json {...})", start)
         if word != "import":
             raise self.error(f"%{word} is not supported (only %import common and %ignore)", start)
         module_end = self.name_at(self.i)
