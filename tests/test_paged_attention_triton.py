@@ -358,7 +358,9 @@ def test_packed_head_groups(monkeypatch, hq, hk, heads, dtype):
         monkeypatch.setattr(pat, name, getattr(pat, name)._replace(heads=heads))
     ws = KernelWorkspace()
     rows = [LONG_DECODE, DECODE, (3, 1), PAD, DECODE_AT_1, (64 * X, 1)]
-    for seed, num_splits in ((1, None), (2, 1), (3, 3), (4, 5)):
+    # Unsplit (each group writes its rows directly) and split (partials, counters, merge):
+    # the two paths a group's programs take; `packed` is not a kernel `auto` runs.
+    for seed, num_splits in ((2, 1), (3, 3)):
         batch = make_batch(rows, hq, hk, 24 if dtype == torch.float32 else 128, 16, dtype, seed)
         out = batch.run_triton(num_splits=num_splits, workspace=ws, decode_kernel="packed")
         check(batch, out)
