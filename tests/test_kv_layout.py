@@ -257,7 +257,7 @@ def test_a_host_cache_is_zeros_that_take_memory_only_where_written():
     """The host cache reads as zeros everywhere (what the kernels' padding and the null
     block rely on), its per-layer views write into it, and a 256 MiB cache does not take
     256 MiB at start: `torch.zeros` wrote every page up front, seconds of page faults in
-    each worker's start on the CI machine."""
+    each worker's start on the 2-core dev machine."""
     block_shape = (2, 16, 8, 64)  # [2, bs, H, D] in bfloat16: 32 KiB a block
     before = _resident_bytes()
     cache, layers = allocate_blocks(8, 1024, block_shape, torch.bfloat16, torch.device("cpu"))

@@ -73,7 +73,7 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Host zeros in an anonymous mapping: the kernel hands out a zeroed page where one is
     first written, so only the blocks a worker uses ever take memory. `torch.zeros` wrote
     every page up front: 0.5 GiB took 0.3-10 s of page faults per worker start on the
-    2-core CI machine (the second of two workers starting at once the slowest)."""
+    2-core dev machine (the second of two workers starting at once the slowest)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
