@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import httpx
 import openai
 
@@ -18,6 +21,17 @@ class Server(ServeProcess):
     def client(self, key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
+    def ray_processes(self) -> dict[int, str]:
+        """This server's Ray worker processes (its own Ray's; other servers may run on the
+        machine), by pid, with their titles: `ray::DecodeActor`, `ray::IDLE`, ..."""
+        out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+        found = (line.split(None, 1) for line in out.splitlines()[1:])
+        return {
+            int(pid): title
+            for pid, title in found
+            if title.startswith("ray::") and _descends_from(int(pid), self.proc.pid)
+        }
+
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=30).text
 
@@ -25,3 +39,15 @@ class Server(ServeProcess):
         code = super().stop()  # Ctrl-C, then wait
         assert code == 0, self.log.read_text()
         assert "pdserve: stopped" in self.log.read_text()
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # field 4: the parent's pid
+    return False

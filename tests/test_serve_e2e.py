@@ -12,7 +12,6 @@ import gzip
 import json
 import re
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -81,34 +80,11 @@ def test_chat_answers_and_counts_usage(pd):
     assert all('model_name="SmolLM2-135M-Instruct"' in x for x in samples)
 
 
-def _descendants(pid: int) -> dict[int, str]:
-    """Every process under `pid`, by pid, with its command line (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue  # not a process, or gone since the listing
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = {}, list(children.get(pid, []))
-    while todo:
-        p = todo.pop()
-        try:
-            found[p] = (Path("/proc") / str(p) / "cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        todo += children.get(p, [])
-    return {p: cmd.decode(errors="replace") for p, cmd in found.items()}
-
-
 def test_a_local_ray_runs_no_idle_workers(pd):
     """Guards `LOCAL_RAY_SYSTEM_CONFIG`: the server's own Ray runs its workers, tier and
     controller, and no idle Python workers beside them (by default Ray starts one a CPU
     for the first driver, and none of them is ever used here)."""
-    procs = _descendants(pd.proc.pid)
-    titles = sorted(cmd.split()[0] for cmd in procs.values() if cmd.startswith("ray::"))
+    titles = sorted(title.split()[0] for title in pd.ray_processes().values())
     # A worker's title is its actor class, with the method it runs and a name prefix
     # while it runs one: `ray::pdserve-tier:TierActor.__init__`.
     classes = {t.removeprefix("ray::").split(":")[-1].split(".")[0] for t in titles}

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -31,23 +29,9 @@ def server(tmp_path_factory):
     s.stop()
 
 
-def _descends_from(pid: int, ancestor: int) -> bool:
-    while pid > 1:
-        if pid == ancestor:
-            return True
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return False
-        pid = int(stat.rsplit(")", 1)[1].split()[1])  # field 4: the parent's pid
-    return False
-
-
 def _actor_pids(server, cls: str) -> list[int]:
-    """This server's actor processes of `cls` (other servers may run on the machine)."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    pids = [int(line.split()[0]) for line in out.splitlines() if f"ray::{cls}" in line]
-    return [pid for pid in pids if _descends_from(pid, server.proc.pid)]
+    """This server's actor processes of `cls`."""
+    return [pid for pid, title in server.ray_processes().items() if f"ray::{cls}" in title]
 
 
 def _wait(cond, timeout_s: float, what: str) -> None:

@@ -15,9 +15,9 @@ syntax, no flags), `"a".."z"`, names, `( )`, `[ ]` (optional), and the quantifie
 response format reads it (json_schema.py; its whitespace rules inside the value), taken
 as one lexeme (ignored terminals may come before and after it, not inside). A
 definition ends at the end of its line unless the next line starts with `|`; inside
-brackets, newlines are spaces. `//` starts a comment. Directives: `%import common.NAME` (`-> ALIAS`, or
-`common (A, B)`: the terminals of Lark's common.lark, below) and `%ignore` (a terminal,
-string or regex). Anything else (`%declare`, `%override`, other modules, templates) is
+brackets, newlines are spaces. `//` starts a comment. Directives: `%import common.NAME`
+(`-> ALIAS`, or `common (A, B)`: the terminals of Lark's common.lark, below) and
+`%ignore` (a terminal, string or regex). Anything else (`%declare`, `%override`, other modules, templates) is
 refused by name.
 
 Which strings match: Lark's Earley parser with its dynamic lexer: any split of the text
