@@ -2,7 +2,7 @@
 
     python benchmarks/decode_attention_bench.py [--layers 28] [--sweep] [--sweep-per-head]
         [--sweep-long] [--sweep-deep] [--sweep-groups] [--no-cases] [--kernels per_head,packed,flat] \
-        [--out DIR]
+        [--layouts nhd,hnd,h2nd [--block-sizes 16,64]] [--out DIR]
 
 Not a test. attention_bench.py replays one call over one cache, so a cache under the L2's
 50 MB (32 rows x 256 tokens is 34 MB) is read from L2 and looks fast. Here each of
@@ -16,7 +16,9 @@ default list) at batch sizes 32 to 512; `--sweep` also times the packed kernel's
 context for 32 and 64 rows, `--sweep-long` a few of them at long contexts and big batches
 with up to 16 slices, `--sweep-groups` the packed kernel with a program per group of 1, 2
 or 4 kv heads at 32 rows (`--no-cases`: the sweeps alone; `--kernels per_head`: one kernel in
-the cases). Prints
+the cases). `--layouts` times the per-head kernel at 32 rows over caches whose blocks store
+the same values in another order (LAYOUTS: heads outside tokens, or each head's K and V
+together; the kernel reads any strides), at each of `--block-sizes`. Prints
 one JSON object per line, and writes them to `<out>/decode_attention_<commit>.jsonl`.
 """
 
@@ -45,13 +47,29 @@ HQ, HKV, D, BS, LIMIT = 16, 8, 128, 16, 4096
 KV_BYTES_PER_TOKEN = 2 * HKV * D * 2  # one layer's K and V
 
 
-def layer_inputs(batch: int, ctx: int, layers: int, seed: int = 0) -> list[dict]:
+# --layouts: the order a block's bytes lie in. The kernels take the cache's strides, so a
+# layout is a view with the engine's [block, 2, token, kv head, D] shape over another order.
+LAYOUTS = {  # a block's storage order (dims of [2, tokens, kv heads, D]), its view's order
+    "nhd": ((0, 1, 2, 3), (0, 1, 2, 3, 4)),  # the engine's: tokens outer, heads inner
+    "hnd": ((0, 2, 1, 3), (0, 1, 3, 2, 4)),  # K/V outer, a head's tokens contiguous
+    "h2nd": ((2, 0, 1, 3), (0, 2, 3, 1, 4)),  # a head's K then V contiguous
+}
+
+
+def layer_inputs(
+    batch: int, ctx: int, layers: int, seed: int = 0, layout: str = "nhd", bs: int = BS
+) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(seed)
-    nb = math.ceil(ctx / BS)
+    nb = math.ceil(ctx / bs)
     out = []
+    dims, order = LAYOUTS[layout]
     for _ in range(layers):
-        cache = torch.randn(1 + batch * nb, 2, BS, HKV, D, device="cuda", generator=g)
+        cache = torch.randn(1 + batch * nb, 2, bs, HKV, D, device="cuda", generator=g)
         cache = cache.to(torch.bfloat16)
+        if layout != "nhd":  # the same values, stored in the other order
+            shape = [(2, bs, HKV, D)[i] for i in dims]
+            stored = torch.empty(1 + batch * nb, *shape, dtype=cache.dtype, device="cuda")
+            cache = stored.permute(*order).copy_(cache)
         perm = (torch.randperm(batch * nb, device="cuda", generator=g) + 1).int()
         q = torch.randn(batch, HQ, D, device="cuda", generator=g).to(torch.bfloat16)
         out.append(
@@ -76,6 +94,26 @@ def time_per_layer_us(inputs: list[dict], replays: int = 30, **kw) -> float:
     def step() -> None:
         for inp in inputs:
             pat.paged_attention_triton(**inp, workspace=ws, **kw)
+
+    return graph_time_us(step, len(inputs), replays)
+
+
+def time_split_per_layer_us(
+    inputs: list[dict], replays: int = 30, tile: TileConfig | None = None
+) -> float:
+    """The per-head kernel through `decode_split` (which takes any cache strides), as
+    `paged_attention_triton` plans it for a full-attention decode batch."""
+    ws = KernelWorkspace()
+
+    def step() -> None:
+        for inp in inputs:
+            q = inp["q"]
+            plan = pds.split_plan(q.dtype, D, q.shape[0], HKV, LIMIT, None)
+            plan = plan if tile is None else plan._replace(tile=tile)
+            pds.decode_split(
+                q, inp["kv_cache"], inp["block_tables"], inp["query_start_loc"],
+                inp["seq_lens"], inp["scale"] * pat.LOG2E, inp["out"], plan, ws, "tf32", False,
+            )  # fmt: skip
 
     return graph_time_us(step, len(inputs), replays)
 
@@ -188,6 +226,12 @@ def main() -> int:
         help="the packed kernel with a program per group of 1/2/4 kv heads at 32 rows",
     )
     ap.add_argument("--kernels", default="per_head,packed")
+    ap.add_argument(
+        "--layouts",
+        default="",
+        help="e.g. nhd,hnd,h2nd: the per-head kernel over each cache layout (LAYOUTS), 32 rows",
+    )
+    ap.add_argument("--block-sizes", default="16", help="with --layouts: e.g. 16,64")
     ap.add_argument("--no-cases", action="store_true", help="only the sweeps")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
@@ -205,6 +249,20 @@ def main() -> int:
         for kernel in args.kernels.split(","):
             emit(row(batch, ctx, kernel, time_per_layer_us(inputs, decode_kernel=kernel)))
         del inputs
+    sizes = [int(b) for b in args.block_sizes.split(",")]
+    variants = list(itertools.product(args.layouts.split(","), sizes)) if args.layouts else []
+    for ctx in (256, 384, 512) if variants else ():
+        for i, (layout, bs) in enumerate(variants * 2):  # twice, interleaved
+            inputs = layer_inputs(32, ctx, args.layers, layout=layout, bs=bs)
+            us = time_split_per_layer_us(inputs)
+            emit(row(32, ctx, "per_head", us, layout=layout, block_size=bs))
+            if ctx == 384 and i < len(variants):  # a few unsplit tiles (keys, warps, stages)
+                for block_n, warps, stages in itertools.product((16, 32, 64), (2, 4), (3, 5)):
+                    tile = TileConfig(0, block_n, warps, stages)
+                    us = time_split_per_layer_us(inputs, 20, tile)
+                    cfg = [block_n, warps, stages]
+                    emit(row(32, ctx, "per_head", us, layout=layout, block_size=bs, cfg=cfg))
+            del inputs
     if args.sweep:
         base = pat.PACKED_16BIT  # what paged_attention_triton reads for 16-bit inputs
         for ctx in (256, 384, 512):
