@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 from pdserve.cluster.openai_api import ApiError, ParsedRequest
@@ -34,7 +35,8 @@ async def merged(
 ) -> AsyncIterator[tuple[int, StreamDelta, Echo | None]]:
     """(choice index, delta, echo) for every generation of `reqs`, in arrival order; the
     echo only with a choice's first delta, and only when its request asked for one.
-    `on_route` hears each generation's route, with its choice index."""
+    `on_route` hears each generation's route, with its choice index. An `echo_only`
+    request's deltas carry no output (its echo is the whole choice)."""
     n = reqs[0].params.n
     started: set[int] = set()
     async for c, d in _all(router, reqs, n, on_route):
@@ -42,6 +44,8 @@ async def merged(
         if c not in started:
             started.add(c)
             echo = echo_of(reqs[c // n], d)
+        if reqs[c // n].echo_only:  # the prompt alone: the one generated token left out
+            d = replace(d, token_ids=[], text="", logprobs=None if d.logprobs is None else [])
         yield c, d, echo
 
 

@@ -60,6 +60,9 @@ async def parse_body(
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ApiError("'seed' must be an integer", param="seed")
     requested = requested_max_tokens(body, kind)
+    echo_only = requested == 0  # the prompt alone: one token generated, then left out
+    if echo_only:
+        requested = 1
     if kind == "chat":
         ids = await off_loop(prompt_token_ids, body, kind, state.tokenizer, state.chat_template)
         prompts = [(ids, None)]
@@ -92,8 +95,9 @@ async def parse_body(
     defaults, out = state.sampling_defaults, []
     for ids, text in prompts:
         max_tokens = resolve_max_tokens(
-            requested, len(ids), state.max_model_len, defaults.get("max_tokens")
-        )
+            requested, len(ids), state.max_model_len, defaults.get("max_tokens"),
+            "messages" if kind == "chat" else "prompt",
+        )  # fmt: skip
         params, k = parse_sampling(body, kind, seed, max_tokens, defaults, constraint)
         beam = beam_params(body, params, stream)
         check_token_ids(params, state.vocab_size)
@@ -125,6 +129,7 @@ async def parse_body(
                 request_id,
                 lora_name,
                 beam,
+                echo_only,
             )
         )
     spec = out[0].params.structured_outputs if out else None

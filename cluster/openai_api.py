@@ -93,6 +93,10 @@ class ParsedRequest:
     lora_name: str | None = None
     # `use_beam_search`: the search's settings (cluster/beam_routes.py); None: sampling
     beam: BeamSearchParams | None = None
+    # A completion's `echo` with `max_tokens` 0: each choice is the prompt (with its
+    # logprobs) alone, finish_reason "length", no completion tokens. The worker generates
+    # one token, which the response leaves out (`batch_stream.merged`).
+    echo_only: bool = False
 
 
 def typed(body: dict, name: str, types: tuple, default: Any = None) -> Any:
@@ -116,30 +120,39 @@ def _names(types: tuple) -> str:
 def requested_max_tokens(body: dict, kind: str) -> int | None:
     """The output length the client asked for; None: up to the end of the context. As in
     vLLM: chat's `max_completion_tokens` (or `max_tokens`) may be left out, completions'
-    `max_tokens` is 16 when left out and the rest of the context when null."""
+    `max_tokens` is 16 when left out and the rest of the context when null; 0 only for a
+    completion with `echo` (OpenAI's legacy API and vLLM: the prompt, no output)."""
     if kind == "chat":
         value = typed(body, "max_completion_tokens", (int,))
         if value is None:
             value = typed(body, "max_tokens", (int,))
     else:
         value = typed(body, "max_tokens", (int,), 16 if "max_tokens" not in body else None)
+    if value == 0 and kind == "completion" and wants_echo(body):
+        return 0  # the prompt echoed alone (`ParsedRequest.echo_only`)
     if value is not None and value <= 0:
         raise ApiError(f"'max_tokens' must be at least 1, got {value}", param="max_tokens")
     return value
 
 
 def resolve_max_tokens(
-    requested: int | None, prompt_len: int, max_model_len: int, cap: int | None = None
+    requested: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    cap: int | None = None,
+    prompt_field: str = "messages",
 ) -> int:
     """The request's output budget: what it asked for, or the rest of the context, and no
-    more than the server's cap (a generation config's max_new_tokens)."""
+    more than the server's cap (a generation config's max_new_tokens). A prompt that
+    fills the context is refused naming `prompt_field` (chat's `messages`, a completion's
+    `prompt`)."""
     room = max_model_len - prompt_len
     if room < 1 or (requested is not None and requested > room):
         asked = "" if requested is None else f" and max_tokens is {requested}"
         raise ApiError(
             f"this model's maximum context length is {max_model_len} tokens; the prompt has "
             f"{prompt_len}{asked}",
-            param="max_tokens" if room >= 1 else "messages",
+            param="max_tokens" if room >= 1 else prompt_field,
             code="context_length_exceeded",
         )
     out = room if requested is None else requested

@@ -68,6 +68,52 @@ def test_loglikelihood_requests_match_transformers(pd, hf_model, smollm_dir):
     assert _decisions(pd, "prompt_logprobs") == before + 2
 
 
+def test_echo_with_max_tokens_0_is_the_prompt_alone(pd, hf_model, smollm_dir):
+    """OpenAI's legacy API and vLLM score a prompt with `echo` and `max_tokens` 0: each
+    choice is the prompt and its logprobs, nothing generated, finish_reason length and no
+    completion tokens; streamed, the same text in one chunk. The logprobs are checked
+    against transformers; without echo, or in chat, 0 stays refused."""
+    from pdserve.runner.tokenizer import load_tokenizer
+
+    ids = [load_tokenizer(smollm_dir)(p).input_ids for p in PROMPTS]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 0, "logprobs": 2, "echo": True}
+    out = _post(pd, dict(body, n=2))
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert out["usage"] == {"prompt_tokens": sum(map(len, ids)), "completion_tokens": 0,
+                            "total_tokens": sum(map(len, ids))}  # fmt: skip
+    for c in out["choices"]:
+        prompt_ids, text = ids[c["index"] // 2], PROMPTS[c["index"] // 2]
+        assert (c["text"], c["finish_reason"]) == (text, "length")
+        lp = c["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(prompt_ids)
+        assert lp["token_logprobs"][0] is None
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf_model(torch.tensor([prompt_ids])).logits[0].float(), -1)
+        for pos in range(1, len(prompt_ids)):
+            want = ref[pos - 1, prompt_ids[pos]].item()
+            assert lp["token_logprobs"][pos] == pytest.approx(want, abs=1e-4), pos
+            assert len(lp["top_logprobs"][pos]) >= 2
+    chunks = []
+    with httpx.stream(
+        "POST", pd.url + "/v1/completions", timeout=120,
+        json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 0, "echo": True,
+              "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:  # fmt: skip
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+    assert "".join(c["text"] for ch in chunks for c in ch["choices"]) == PROMPTS[0]
+    assert [c["finish_reason"] for ch in chunks for c in ch["choices"]][-1] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    for extra, path in (({}, "/v1/completions"), ({"echo": False}, "/v1/completions"),
+                        ({"echo": True}, "/v1/chat/completions")):  # fmt: skip
+        req = {"model": MODEL, "max_tokens": 0, **extra}
+        req.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
+                   else {"prompt": "hi"})  # fmt: skip
+        r = httpx.post(pd.url + path, json=req, timeout=30)
+        assert r.status_code == 400 and "at least 1" in r.text, (extra, path, r.text)
+
+
 def test_a_batch_of_prompts_is_choices_in_prompt_order(pd):
     body = {"model": MODEL, "prompt": PROMPTS, "max_tokens": 6, "temperature": 0, "n": 2}
     out = _post(pd, body)

@@ -356,6 +356,24 @@ def test_output_length_follows_vllm():
         assert e.value.code == "context_length_exceeded"
     with pytest.raises(ApiError, match="at least 1"):
         requested_max_tokens({"max_tokens": 0}, "chat")
+    # 0 is the echoed prompt alone: a completion's, with echo, only
+    assert requested_max_tokens({"max_tokens": 0, "echo": True}, "completion") == 0
+    for body, kind in (({"max_tokens": 0}, "completion"),
+                       ({"max_tokens": 0, "echo": False}, "completion"),
+                       ({"max_tokens": -1, "echo": True}, "completion"),
+                       ({"max_tokens": 0, "echo": True}, "chat")):  # fmt: skip
+        with pytest.raises(ApiError, match="at least 1"):
+            requested_max_tokens(body, kind)
+    # a prompt that fills the context names the field it came in
+    with pytest.raises(ApiError) as e:
+        resolve_max_tokens(None, 256, 256, prompt_field="prompt")
+    assert e.value.param == "prompt"
+    with pytest.raises(ApiError) as e:
+        resolve_max_tokens(None, 256, 256)
+    assert e.value.param == "messages"
+    with pytest.raises(ApiError) as e:
+        resolve_max_tokens(2, 255, 256, prompt_field="prompt")
+    assert e.value.param == "max_tokens"
 
 
 def test_left_out_fields_take_the_server_defaults():
