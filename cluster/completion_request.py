@@ -85,6 +85,9 @@ async def parse_body(
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError("'stream' must be a boolean", param="stream")
+    if opts and not stream:  # as OpenAI's API and vLLM refuse it
+        raise ApiError("'stream_options' can only be given when 'stream' is true",
+                       param="stream_options")  # fmt: skip
     if stream and body.get("prompt_logprobs") is not None:
         raise ApiError(
             "'prompt_logprobs' are not available when 'stream' is true (as in vLLM)",

@@ -153,6 +153,19 @@ def test_continuous_usage_stats(server):
     )
     assert [ch.usage is not None for ch in plain] == [False] * (len(plain) - 1) + [True]
     assert plain[-1].usage == final
+    # Not streamed, stream_options is refused (OpenAI's API and vLLM refuse it too).
+    for path, body in (("chat/completions", {"messages": q}), ("completions", {"prompt": "x"})):
+        r = httpx.post(
+            f"{server.url}/v1/{path}",
+            timeout=30,
+            json={
+                "model": "smol",
+                "max_tokens": 2,
+                "stream_options": {"include_usage": True},
+                **body,
+            },
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
 
 
 def test_tokenize_and_detokenize(server):
