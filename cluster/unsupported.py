@@ -19,25 +19,31 @@ _RULES: dict[str, tuple[Any, str]] = {
     # grammar) is carried out: cluster/structured_api.py.
     # tools and tool_choice are carried out (cluster/tool_calls.py: auto needs the
     # server's tool-call parser); the deprecated functions field is not.
-    "functions": (bool, "function calling is not supported; use tools"),
-    "prompt_embeds": (lambda v: v is not None, "prompt embeddings are not supported"),
-    "suffix": (bool, "suffix (insertion) is not supported"),
+    "functions": (
+        bool,
+        "the deprecated function calling is not carried out here; send tools instead",
+    ),
+    "prompt_embeds": (lambda v: v is not None, "prompt embeddings are not carried out here"),
+    "suffix": (bool, "suffix (insertion) is not carried out here"),
     # Templates are the operator's (--chat-template), never the client's: vLLM too refuses
     # one sent with a request unless its server trusts request templates.
     "chat_template": (
         lambda v: v is not None,
-        "a chat template sent with the request is not used; the server's (--chat-template) is",
+        "a chat template sent with the request is not used here; the server's (--chat-template) is",
     ),
     "guided_whitespace_pattern": (
         lambda v: v is not None,
-        "a whitespace pattern for JSON output is not supported",
+        "a whitespace pattern for JSON output is not carried out here",
     ),
     # vLLM's extension points: code the server would load, and its arguments.
-    "logits_processors": (bool, "custom logits processors are not supported"),
-    "vllm_xargs": (bool, "extension arguments (for custom logits processors) are not supported"),
+    "logits_processors": (bool, "custom logits processors are not carried out here"),
+    "vllm_xargs": (
+        bool,
+        "extension arguments (for custom logits processors) are not carried out here",
+    ),
     "repetition_detection": (
         lambda v: v is not None,
-        "stopping on detected repetition is not supported",
+        "stopping on detected repetition is not carried out here",
     ),
 }
 
@@ -46,9 +52,7 @@ def refuse_unsupported(body: dict) -> None:
     """Raise a 400 naming the first field `body` uses that pdserve does not carry out."""
     for name, (in_use, why) in _RULES.items():
         if name in body and in_use(body[name]):
-            raise ApiError(
-                f"'{name}': {why} by this server; leave it out", param=name, code="unsupported"
-            )
+            raise ApiError(f"'{name}': {why}; leave it out", param=name, code="unsupported")
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
         raise ApiError(

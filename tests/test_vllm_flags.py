@@ -479,6 +479,9 @@ def test_fields_that_would_be_silently_ignored_are_refused(field, value):
     with pytest.raises(ApiError, match=f"'{field}'") as e:
         refuse_unsupported({field: value})
     assert e.value.status == 400 and e.value.code == "unsupported"
+    if field == "functions":  # one reason, then what to do
+        assert e.value.message == ("'functions': the deprecated function calling is not "
+                                   "carried out here; send tools instead; leave it out")  # fmt: skip
     neutral = {"logits_processors": [], "vllm_xargs": {}, "repetition_detection": None}
     if field in neutral:  # what a client sending every default sends: accepted
         refuse_unsupported({field: neutral[field]})
