@@ -149,6 +149,22 @@ def json_object(raw: bytes) -> dict:
     return body
 
 
+def model_cards(state: AppState) -> list[dict]:
+    """/v1/models' entries: the served names, then the loaded LoRA adapters."""
+    common = {
+        "object": "model", "created": now(), "owned_by": "pdserve",
+        "max_model_len": state.max_model_len, "runner": state.runner,
+        "mode": state.router.config.mode,
+    }  # fmt: skip
+    bases = [{"id": name, **common} for name in state.model_names]
+    # vLLM's: an adapter names its checkpoint (root) and its base model (parent)
+    adapters = [
+        {"id": a.name, **common, "root": a.path, "parent": state.model_name}
+        for a in state.loras.adapters()
+    ]
+    return bases + adapters
+
+
 def check_model(state: AppState, body: dict) -> str | None:
     """A request that names a model must name one this server serves (404 otherwise):
     returns the LoRA adapter it named (`--lora-modules`), None for the base model."""
@@ -252,35 +268,13 @@ def build_app(state: AppState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": now(),
-                    "owned_by": "pdserve",
-                    "max_model_len": state.max_model_len,
-                    "runner": state.runner,
-                    "mode": state.router.config.mode,
-                }
-                for name in state.model_names
-            ]
-            + [
-                {
-                    "id": adapter.name,
-                    "object": "model",
-                    "created": now(),
-                    "owned_by": "pdserve",
-                    "root": adapter.path,
-                    "parent": state.model_name,  # vLLM's: an adapter names its base model
-                    "max_model_len": state.max_model_len,
-                    "runner": state.runner,
-                    "mode": state.router.config.mode,
-                }
-                for adapter in state.loras.adapters()
-            ],
-        }
+        return {"object": "list", "data": model_cards(state)}
+
+    # OpenAI's "retrieve model": one card of the list; served names may hold a "/".
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        check_model(state, {"model": model})  # the list's 404 for a name not served
+        return next(card for card in model_cards(state) if card["id"] == model)
 
     add_completion_routes(app, state)
     add_responses_routes(app, state)

@@ -67,6 +67,7 @@ def test_pd_server_serves_the_adapter(smollm_dir, adapter, other_adapter, tmp_pa
         client = server.client()
         models = {m.id: m for m in client.models.list().data}
         assert models["tuned"].model_extra["parent"] == "SmolLM2-135M-Instruct"
+        assert client.models.retrieve("tuned").model_extra["root"] == str(adapter)
         # Adapter, base, adapter again: the second adapter request meets the base model's
         # cached prompt on the same workers and must not take it.
         for name in ("tuned", "SmolLM2-135M-Instruct", "tuned"):

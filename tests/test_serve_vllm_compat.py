@@ -37,7 +37,7 @@ def server(tmp_path_factory, smollm_dir):
     )
     srv = Server(
         tmp_path_factory.mktemp("vllm-compat"), smollm_dir, "--served-model-name", "smol",
-        "SmolLM2", "--chat-template", str(template), "--mode", "colocated", "--max-model-len",
+        "SmolLM2", "org/smol-2", "--chat-template", str(template), "--mode", "colocated", "--max-model-len",
         str(MAX_MODEL_LEN),
         "--generation-config", str(gen), "--seed", "3", "--no-enable-prefix-caching",
         "--enforce-eager", "-tp", "1", "--kv-cache-dtype", "auto", "--kv-cache-memory-bytes",
@@ -53,11 +53,18 @@ def _client(server) -> openai.OpenAI:
 
 def test_served_names(server):
     ids = [m.id for m in _client(server).models.list().data]
-    assert ids == ["smol", "SmolLM2"]
+    assert ids == ["smol", "SmolLM2", "org/smol-2"]
     r = _client(server).completions.create(model="SmolLM2", prompt="Paris is", max_tokens=2)
     assert r.model == "smol"  # responses carry the first name
-    with pytest.raises(openai.NotFoundError, match="serves 'smol' or 'SmolLM2'"):
+    with pytest.raises(openai.NotFoundError, match="serves 'smol' or 'SmolLM2' or 'org/smol-2'"):
         _client(server).completions.create(model="SmolLM2-135M-Instruct", prompt="x")
+    # OpenAI's "retrieve model", a name with a "/" included; a name not served is a 404
+    for name in ids:
+        card = _client(server).models.retrieve(name)
+        assert (card.id, card.owned_by, card.model_extra["max_model_len"]) == (
+            name, "pdserve", MAX_MODEL_LEN)  # fmt: skip
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        _client(server).models.retrieve("SmolLM2-135M-Instruct")
     assert "default sampling parameters (generation config)" in server.log.read_text()
 
 
