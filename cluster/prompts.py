@@ -23,12 +23,13 @@ T = TypeVar("T")
 
 
 def prompt_token_ids(
-    body: dict, kind: str, tok: Any, chat_template: str | None = None
+    body: dict, kind: str, tok: Any, chat_template: str | None = None, count_only: bool = False
 ) -> list[int]:
     """A request's prompt as token ids. Chat: the chat template's text, encoded without
     special tokens unless `add_special_tokens` (the template places them); completions:
     a string encoded with them (a BOS where the tokenizer adds one), as vLLM and the
-    offline `LLM` do, or token ids as given."""
+    offline `LLM` do, or token ids as given. A prompt of no tokens is refused, except
+    an empty string with `count_only` (/tokenize: 0 tokens)."""
     special = typed(body, "add_special_tokens", (bool,), kind != "chat")
     if kind == "chat":
         # The same text-then-encode path as the offline LLM.chat, so both agree.
@@ -41,7 +42,7 @@ def prompt_token_ids(
         ids = prompt
     else:
         raise ApiError("'prompt' must be a string or an array of token ids", param="prompt")
-    if not ids:
+    if not ids and not (count_only and prompt == ""):
         raise ApiError("'prompt' is empty", param="prompt")
     return list(ids)
 

@@ -27,7 +27,9 @@ def add_tokenize_routes(app: FastAPI, state: AppState) -> None:
     async def tokenize(request: Request) -> dict:
         body = await body_of(request)
         kind = "chat" if "messages" in body else "completion"
-        ids = await off_loop(prompt_token_ids, body, kind, state.tokenizer, state.chat_template)
+        ids = await off_loop(
+            prompt_token_ids, body, kind, state.tokenizer, state.chat_template, True
+        )
         want_strs = body.get("return_token_strs", False)
         if not isinstance(want_strs, bool):
             raise ApiError("'return_token_strs' must be a boolean", param="return_token_strs")

@@ -189,11 +189,17 @@ def test_tokenize_and_detokenize(server):
     assert one["token_strs"] == ["Paris", "Ġis"] and one["count"] == 2
     back = httpx.post(server.url + "/detokenize", json={"tokens": one["tokens"]}, timeout=30)
     assert back.json() == {"prompt": "Paris is"}
+    # An empty string counts 0 tokens (SmolLM2's tokenizer adds no BOS); a completion of
+    # it is still refused, having nothing to continue.
+    empty = httpx.post(server.url + "/tokenize", json={"prompt": ""}, timeout=30)
+    assert (empty.status_code, empty.json()["count"], empty.json()["tokens"]) == (200, 0, [])
     for path, body, status in (
         ("/detokenize", {"tokens": [10**9]}, 400),
         ("/detokenize", {"tokens": "1 2"}, 400),
         ("/tokenize", {"prompt": "x", "model": "gpt-17"}, 404),
         ("/tokenize", {"prompt": 5}, 400),
+        ("/tokenize", {"prompt": []}, 400),
+        ("/v1/completions", {"prompt": "", "max_tokens": 2}, 400),
     ):
         bad = httpx.post(server.url + path, json=body, timeout=30)
         assert bad.status_code == status and "error" in bad.json(), (path, bad.text)
