@@ -168,6 +168,9 @@ def parse_tool_choice(body: dict, auto_parser: str | None = None) -> ToolChoice 
     if not tools:
         if choice in (None, "none", "auto"):
             return None
+        if choice == "required":
+            raise ApiError("'tool_choice' \"required\" needs 'tools', and the request has "
+                           "none", param="tool_choice")  # fmt: skip
         raise ApiError("'tool_choice' names a tool, but the request has no 'tools'",
                        param="tool_choice")  # fmt: skip
     checked = tuple(_check_tool(t) for t in _list(tools))

@@ -89,7 +89,9 @@ def test_tool_choice_rules_are_400s_naming_the_field():
         auto = parse_tool_choice(body, "hermes")
         assert (auto.kind, auto.parser, auto.constraint()) == ("auto", "hermes", None)
     for body, param, fragment in (
-        ({"tool_choice": "required"}, "tool_choice", "no 'tools'"),
+        ({"tool_choice": "required"}, "tool_choice", "\"required\" needs 'tools'"),
+        ({"tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice",
+         "names a tool, but the request has no 'tools'"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
          "tool_choice", "get_weather"),
         ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools", "twice"),
