@@ -86,6 +86,9 @@ class Router:
         # The LoRA adapters served, by name (cluster/lora_registry.py): requests carry
         # their adapter's key and folder to the workers
         self.loras = LoraRegistry()
+        # Each running `generate`'s queue of choices; `stop_requests` ends them all.
+        self._running: set[asyncio.Queue] = set()
+        self._stopped: str | None = None  # why generations end: the server is stopping
 
     def worker_roles(self) -> dict[str, str]:
         """Worker id -> "decode" | "prefill" for the workers requests are routed to."""
@@ -96,6 +99,15 @@ class Router:
     async def close(self) -> None:
         if self._background:
             await asyncio.wait(self._background, timeout=15.0)
+
+    def stop_requests(self, reason: str) -> int:
+        """The server is stopping (cluster/shutdown.py): every generation still running,
+        and any asked for later, ends with a 503 saying `reason`; its workers abort it,
+        as for a client gone. Returns how many requests it ended."""
+        self._stopped = reason
+        for queue in self._running:
+            queue.put_nowait((-1, ApiError(reason, 503, "server_error")))
+        return len(self._running)
 
     # ---- token stream -------------------------------------------------------------------
 
@@ -189,6 +201,8 @@ class Router:
     ) -> AsyncIterator[tuple[int, StreamDelta]]:
         """(choice index, delta) of each of the request's `n` generations. `on_route` hears
         where each one went, once it is on its decode worker (`--enable-log-requests`)."""
+        if self._stopped is not None:
+            raise ApiError(self._stopped, 503, "server_error")
         base_seed = req.params.seed
         if base_seed is None:
             base_seed = (self._seeds or secrets.SystemRandom()).getrandbits(63)
@@ -205,6 +219,7 @@ class Router:
             for i, (cid, p) in enumerate(zip(ids, children))
         ]
         done = 0
+        self._running.add(merged)
         try:
             while done < len(tasks):
                 index, item = await merged.get()
@@ -214,6 +229,7 @@ class Router:
                     done += 1
                 yield index, item
         finally:
+            self._running.discard(merged)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

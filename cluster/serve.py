@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -110,6 +111,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         pool_bounds,
         start_ray,
     )
+    from pdserve.cluster.shutdown import GracefulServer
     from pdserve.cluster.stats_log import stats_log_loop
     from pdserve.cluster.token_stream import TokenSubscriber
     from pdserve.runner.config import SchedulerConfig
@@ -365,16 +367,24 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             + (f", autoscaling within {bounds}" if autoscaler is not None else ""),
             flush=True,
         )
-        server = uvicorn.Server(
+        server = GracefulServer(
             uvicorn.Config(
                 app, host=cfg.host, port=cfg.port, log_level=cfg.uvicorn_log_level,
-                access_log=not cfg.disable_uvicorn_access_log, timeout_graceful_shutdown=10,
-            )
+                access_log=not cfg.disable_uvicorn_access_log,
+            ),
+            cfg.shutdown_timeout_s, router.stop_requests,
         )  # fmt: skip
         # As uvicorn.run does: Ctrl-C ends the server (it re-raises the signal once its
-        # graceful shutdown is done) and the workers and Ray stop below.
-        with contextlib.suppress(KeyboardInterrupt):
+        # graceful shutdown is done: cluster/shutdown.py) and the workers and Ray stop below.
+        # SIGTERM comes back as Ray's driver handler makes it, SystemExit(15): a stop asked
+        # for, done as Ctrl-C's.
+        try:
             server.run(sockets=[http_sock])
+        except KeyboardInterrupt:
+            pass
+        except SystemExit as e:
+            if e.code != signal.SIGTERM:
+                raise
     finally:
         http_sock.close()  # no new connections while the workers stop
         with contextlib.suppress(Exception):

@@ -185,6 +185,11 @@ class ServeConfig:
     enable_log_requests: bool = False
     uvicorn_log_level: str = "warning"
     disable_uvicorn_access_log: bool = False
+    # vLLM's --shutdown-timeout: on SIGTERM or Ctrl-C the server takes no new requests and
+    # gives those running this long to finish; then each left ends with a 503 (a stream:
+    # an error event and [DONE]) and is aborted on its workers (cluster/shutdown.py).
+    # vLLM's default, 0, ends them at once; here they get 10 s.
+    shutdown_timeout_s: float = 10.0
     # /metrics names its series `<prefix>name`; "vllm:" lets vLLM's Grafana dashboards
     # and alerts read them unchanged (cluster/metrics.py).
     metrics_prefix: str = "pdserve:"
@@ -363,6 +368,10 @@ class ServeConfig:
             if isinstance(value, str | list):
                 object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         _ = self.cors  # CorsConfig checks them
+        if not 0 <= self.shutdown_timeout_s < float("inf"):
+            raise ValueError(
+                f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout_s}"
+            )
         if not self.log_stats_interval_s > 0:
             raise ValueError(f"--log-stats-interval must be > 0, got {self.log_stats_interval_s}")
         if self.uvicorn_log_level not in UVICORN_LEVELS:

@@ -144,6 +144,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", choices=UVICORN_LEVELS, default=None,
                    help=f"default {d.uvicorn_log_level}")  # fmt: skip
     p.add_argument("--disable-uvicorn-access-log", action="store_true", default=None)
+    p.add_argument("--shutdown-timeout", type=float, default=None, dest="shutdown_timeout_s",
+                   metavar="SECONDS", help="on SIGTERM or Ctrl-C, how long running requests may "
+                   f"finish before each ends with a 503 (default {d.shutdown_timeout_s:g})")  # fmt: skip
     for flag, what in (
         ("origins", "browser origins"),
         ("methods", "HTTP methods"),

@@ -35,6 +35,8 @@ from pdserve.cluster.serve_placement import Placement, join_auth_env, pool_bound
         (dict(api_key=""), "--api-key is empty"),
         (dict(decode_prefix_slack=-1), "--decode-prefix-slack must be >= 0, got -1"),
         (dict(admin_key=" "), "--admin-key is empty"),
+        (dict(shutdown_timeout_s=-1), "--shutdown-timeout must be >= 0 seconds"),
+        (dict(shutdown_timeout_s=float("nan")), "--shutdown-timeout must be >= 0 seconds"),
     ],
 )
 def test_bad_scaling_config_is_refused(kwargs, message):
@@ -57,13 +59,14 @@ def test_flags_parse_into_the_new_keys(monkeypatch):
     args = p.parse_args(
         ["--ray-address", "auto", "--pool-resources", "--gpus-per-worker", "1", "--autoscale",
          "--max-decode-workers", "8", "--admin-key", "k", "--decode-prefix-slack", "3",
-         "--pd-min-prompt-tokens", "512"]
+         "--pd-min-prompt-tokens", "512", "--shutdown-timeout", "0"]
     )  # fmt: skip
     cfg = config_from_args(args)
     assert (cfg.ray_address, cfg.pool_resources, cfg.gpus_per_worker) == ("auto", True, 1.0)
     assert (cfg.autoscale, cfg.max_decode_workers, cfg.admin_key) == (True, 8, "k")
     assert cfg.decode_prefix_slack == 3 and ServeConfig().decode_prefix_slack == 8
     assert cfg.pd_min_prompt_tokens == 512 and ServeConfig().pd_min_prompt_tokens == 16
+    assert cfg.shutdown_timeout_s == 0 and ServeConfig().shutdown_timeout_s == 10
 
 
 def test_decode_slots_are_the_running_and_the_waiting_requests():

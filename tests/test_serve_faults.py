@@ -5,6 +5,7 @@ Workers are killed the way they die in production: SIGKILL of the actor's proces
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -23,7 +24,8 @@ MODEL = "SmolLM2-135M-Instruct"
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     cfg = tmp / "serve.yaml"
-    cfg.write_text(f"lease_s: 3\nhealth_interval_s: 0.5\nmax_model_len: 1024\napi_key: {KEY}\n")
+    cfg.write_text(f"lease_s: 3\nhealth_interval_s: 0.5\nmax_model_len: 1024\napi_key: {KEY}\n"
+                   "shutdown_timeout_s: 2\n")  # fmt: skip
     s = Server(tmp, "--config", str(cfg))
     yield s
     s.stop()
@@ -222,3 +224,50 @@ def test_api_key_required_when_set(server):
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
     r = httpx.options(server.url + "/ops/scale", headers=preflight, timeout=10)
     assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+
+
+def test_sigterm_answers_every_running_request_then_stops(server):
+    """Runs last: it stops the module's server. On SIGTERM (a pod ending) the requests
+    running get `shutdown_timeout_s` (2 s here) to finish; then each left ends with a 503
+    saying why (a stream: an error event, then [DONE]), not a bare 500 and a traceback,
+    and the server, its workers and its Ray exit."""
+    headers = {"authorization": f"Bearer {KEY}"}
+    long = {"model": MODEL, "prompt": LONG, "max_tokens": 900, "ignore_eos": True}
+    got: dict[str, object] = {}
+    streaming = threading.Event()
+
+    def plain() -> None:
+        got["plain"] = httpx.post(server.url + "/v1/completions", json=long, headers=headers,
+                                  timeout=120)  # fmt: skip
+
+    def stream() -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", headers=headers, timeout=120,
+                          json={**long, "stream": True}) as r:  # fmt: skip
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    streaming.set()
+            got["stream"] = (r.status_code, events)
+
+    threads = [threading.Thread(target=f) for f in (plain, stream)]
+    for t in threads:
+        t.start()
+    assert streaming.wait(120), "the stream sent nothing"
+    before = set(server.ray_processes())
+    assert before
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(90) == 0
+    for t in threads:
+        t.join(30)
+    plain_reply = got["plain"]
+    assert plain_reply.status_code == 503, plain_reply.text
+    assert plain_reply.json()["error"]["message"] == "the server is shutting down"
+    status, events = got["stream"]
+    assert status == 200 and events[-1] == "[DONE]" and len(events) > 2, events[-3:]
+    assert json.loads(events[-2])["error"]["message"] == "the server is shutting down"
+    assert all("choices" in json.loads(e) for e in events[:-2])
+    log = server.log.read_text()
+    assert "2 request(s) still running after 2 s (--shutdown-timeout) ended with a 503" in log
+    assert "Traceback" not in log and "pdserve: stopped" in log
+    _wait(lambda: not set(server.ray_processes()) & before, 30, "the workers to exit")
