@@ -1,4 +1,5 @@
-"""Flags of `pdserve bench` and `pdserve contract` (no heavy imports: `--help` is instant)."""
+"""Flags of `pdserve bench`, `contract` and `run-batch`'s own (no heavy imports: `--help` is
+instant)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,15 @@ def add_contract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="sent to both servers")
     p.add_argument("--only", nargs="+", default=None, metavar="CONTRACT",
                    help="run only these contracts (names as printed)")  # fmt: skip
+
+
+def add_run_batch_args(p: argparse.ArgumentParser) -> None:
+    """run-batch's own flags (cluster/run_batch.py OWN_FLAGS); `serve`'s come beside them."""
+    p.add_argument("-i", "--input-file", required=True,
+                   help="the batch: one JSON request a line (- for stdin)")  # fmt: skip
+    p.add_argument("-o", "--output-file", required=True,
+                   help="the answers, one JSON line a request in input order (- for stdout)")  # fmt: skip
+    p.add_argument("--base-url", default=None,
+                   help="a running server's root; default: start one with the serve flags given")  # fmt: skip
+    p.add_argument("--max-concurrency", type=int, default=64,
+                   help="requests in flight at once (default 64)")  # fmt: skip

@@ -15,6 +15,7 @@ import logging
 import sys
 import threading
 import time
+from pathlib import Path
 
 from pdserve.sizes import size_arg
 from pdserve.version import __version__
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a local Ray instance, the worker pools and the HTTP router.",
     )
     add_serve_args(serve)
-    from pdserve.cluster.tool_args import add_bench_args, add_contract_args
+    from pdserve.cluster.tool_args import add_bench_args, add_contract_args, add_run_batch_args
 
     bench = sub.add_parser(
         "bench",
@@ -94,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a golden set against two servers; exit 1 if any contract fails.",
     )
     add_contract_args(contract)
+    run_batch = sub.add_parser(
+        "run-batch",
+        help="run a file of OpenAI batch requests and write their answers",
+        description="vLLM's run-batch: each line of the input is a request (custom_id, method, "
+        "url, body); each line of the output its response, in the same order. The requests go "
+        "to --base-url, or to a server started with the serve flags given here.",
+    )
+    add_run_batch_args(run_batch)
+    add_serve_args(run_batch)
     return parser
 
 
@@ -194,6 +204,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if report["completed"] else 1
 
 
+def cmd_run_batch(args: argparse.Namespace, argv: list[str]) -> int:
+    import asyncio
+    import tempfile
+
+    from tqdm import tqdm
+
+    from pdserve.cluster.run_batch import read_input, run_lines, serve_args, write_output
+    from pdserve.cluster.serve_flags import config_from_args
+    from pdserve.cluster.serve_process import ServeProcess
+
+    lines = read_input(args.input_file)
+    if args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    api_key = config_from_args(args).api_key  # checks the serve flags before any start
+    server, url = None, args.base_url
+    if url is None:
+        with _Spinner("starting pdserve serve"):
+            server = ServeProcess(Path(tempfile.mkdtemp(prefix="pdserve-batch-")),
+                                 *serve_args(argv))  # fmt: skip
+        sys.stderr.write(f"server log: {server.log}\n")
+        url = server.url
+    try:
+        with tqdm(total=len(lines), file=sys.stderr, desc="requests", unit="req") as bar:
+            outputs = asyncio.run(run_lines(url, lines, api_key, args.max_concurrency, bar))
+    finally:
+        if server is not None:
+            server.stop()
+    write_output(args.output_file, outputs)
+    ok = sum(1 for o in outputs if o["response"] and o["response"]["status_code"] == 200)
+    bad = sum(1 for o in outputs if o["error"] is not None)
+    sys.stderr.write(f"{len(outputs)} request(s): {ok} answered, "
+                     f"{len(outputs) - ok - bad} refused by the server, {bad} not run\n")  # fmt: skip
+    return 0
+
+
 def cmd_contract(args: argparse.Namespace) -> int:
     from pdserve.cluster.contract import run_contracts
 
@@ -211,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        if args.command == "run-batch":  # it starts `serve` with the serve flags it got
+            raw = sys.argv[1:] if argv is None else argv
+            return cmd_run_batch(args, raw[raw.index("run-batch") + 1 :])
         commands = {
             "generate": cmd_generate,
             "serve": cmd_serve,

@@ -14,6 +14,7 @@ SHARED_SERVER_FILES = frozenset(
     {
         "test_bench_contract.py",
         "test_helm_dashboard.py",
+        "test_run_batch.py",
         "test_serve_batch_echo.py",
         "test_serve_e2e.py",
         "test_serve_embeddings.py",
