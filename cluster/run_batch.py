@@ -40,6 +40,8 @@ class BatchLine:
     url: str = ""
     body: dict | None = None
     error: str | None = None
+    # the error's kind: the line is no request, or it never got an answer from the server
+    error_code: str = "invalid_request"
 
 
 def read_line(text: str) -> BatchLine:
@@ -69,7 +71,7 @@ def output_line(line: BatchLine, status: int | None = None, reply: dict | None =
     """The output line of `line`: its response (status and body) or its error."""
     out: dict = {"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": line.custom_id}
     if line.error is not None:
-        out.update(response=None, error={"code": "invalid_request", "message": line.error})
+        out.update(response=None, error={"code": line.error_code, "message": line.error})
         return out
     request_id = reply.get("id") if isinstance(reply, dict) and status == 200 else None
     body = {"status_code": status, "request_id": request_id, "body": reply}
@@ -86,7 +88,8 @@ async def _send(
     try:
         r = await client.post(base_url + line.url, json=body, headers=headers)
     except httpx.HTTPError as e:
-        return output_line(BatchLine(line.custom_id, error=f"{type(e).__name__}: {e}"))
+        failed = f"no answer from the server: {type(e).__name__}: {e}"
+        return output_line(BatchLine(line.custom_id, error=failed, error_code="request_failed"))
     try:
         reply = r.json()
     except ValueError:
@@ -94,12 +97,23 @@ async def _send(
     return output_line(line, r.status_code, reply)
 
 
+def served_model(base_url: str, api_key: str | None) -> str:
+    """The model a line without `model` names: the server's first (an EndpointError, which
+    the CLI prints, when `base_url` is no OpenAI-compatible server)."""
+    return probe_model(normalize_base_url(base_url), api_key)
+
+
 async def run_lines(
-    base_url: str, lines: list[BatchLine], api_key: str | None, max_concurrency: int, progress
+    base_url: str,
+    lines: list[BatchLine],
+    model: str,
+    api_key: str | None,
+    max_concurrency: int,
+    progress,
 ) -> list[dict]:
-    """Every line's output line, in input order, at most `max_concurrency` in flight."""
+    """Every line's output line, in input order, at most `max_concurrency` in flight; a
+    body without `model` gets `model`."""
     base_url = normalize_base_url(base_url)
-    model = probe_model(base_url, api_key)
     headers, gate = auth_headers(api_key), asyncio.Semaphore(max_concurrency)
     limits = httpx.Limits(max_connections=max_concurrency)
 

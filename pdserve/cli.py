@@ -210,7 +210,13 @@ def cmd_run_batch(args: argparse.Namespace, argv: list[str]) -> int:
 
     from tqdm import tqdm
 
-    from pdserve.cluster.run_batch import read_input, run_lines, serve_args, write_output
+    from pdserve.cluster.run_batch import (
+        read_input,
+        run_lines,
+        serve_args,
+        served_model,
+        write_output,
+    )
     from pdserve.cluster.serve_flags import config_from_args
     from pdserve.cluster.serve_process import ServeProcess
 
@@ -226,8 +232,10 @@ def cmd_run_batch(args: argparse.Namespace, argv: list[str]) -> int:
         sys.stderr.write(f"server log: {server.log}\n")
         url = server.url
     try:
+        model = served_model(url, api_key)
         with tqdm(total=len(lines), file=sys.stderr, desc="requests", unit="req") as bar:
-            outputs = asyncio.run(run_lines(url, lines, api_key, args.max_concurrency, bar))
+            run = run_lines(url, lines, model, api_key, args.max_concurrency, bar)
+            outputs = asyncio.run(run)
     finally:
         if server is not None:
             server.stop()

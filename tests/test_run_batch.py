@@ -88,6 +88,25 @@ def test_lines_are_checked_before_they_are_sent():
     assert read_line(_line("a", "/v1/completions", [1])).error == "'body' must be a JSON object"
 
 
+def test_a_request_the_server_never_answers_is_an_error_line():
+    """A request that gets no answer (nothing listens on the port) is the line's `error`
+    (request_failed); the other lines are still written."""
+    import asyncio
+
+    from pdserve.cluster.run_batch import run_lines
+
+    class Progress:
+        def update(self, n: int) -> None:
+            self.done = getattr(self, "done", 0) + n
+
+    lines = [read_line(_line("a", "/v1/completions", COMPLETION)), read_line("{bad")]
+    progress = Progress()
+    out = asyncio.run(run_lines("http://127.0.0.1:9", lines, "m", None, 2, progress))
+    assert out[0]["response"] is None and out[0]["error"]["code"] == "request_failed"
+    assert out[0]["error"]["message"].startswith("no answer from the server: ConnectError")
+    assert out[1]["error"]["code"] == "invalid_request" and progress.done == 2
+
+
 def test_only_the_serve_flags_go_to_the_server_it_starts():
     argv = ["-i", "in.jsonl", "--model", "m", "-o=out.jsonl", "--port", "9", "--mode",
             "colocated", "-iX", "--base-url", "u", "--max-concurrency", "3", "--api-key", "k",
