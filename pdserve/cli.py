@@ -243,7 +243,7 @@ def cmd_run_batch(args: argparse.Namespace, argv: list[str]) -> int:
     ok = sum(1 for o in outputs if o["response"] and o["response"]["status_code"] == 200)
     bad = sum(1 for o in outputs if o["error"] is not None)
     sys.stderr.write(f"{len(outputs)} request(s): {ok} answered, "
-                     f"{len(outputs) - ok - bad} refused by the server, {bad} not run\n")  # fmt: skip
+                     f"{len(outputs) - ok - bad} refused by the server, {bad} error line(s)\n")  # fmt: skip
     return 0
 
 

@@ -44,7 +44,7 @@ def test_a_batch_file_is_answered_line_by_line(colocated, tmp_path):
         capture_output=True, text=True, timeout=240, cwd=ROOT,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
-    assert "8 request(s): 3 answered, 1 refused by the server, 4 not run" in res.stderr
+    assert "8 request(s): 3 answered, 1 refused by the server, 4 error line(s)" in res.stderr
     out = [json.loads(t) for t in dst.read_text().splitlines()]
     assert [o["custom_id"] for o in out] == [
         "chat", "completion", None, "refused", "wrong-url", "wrong-method", "streamed",
