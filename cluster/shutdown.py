@@ -30,7 +30,6 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self.timeout_s = timeout_s
         self.stop_requests = stop_requests
-        self.ended: int | None = None  # requests the timeout ended (None: it did not come)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.server_state.tasks:
@@ -46,10 +45,10 @@ class GracefulServer(uvicorn.Server):
             timer.cancel()
 
     def _end_running(self) -> None:
-        self.ended = self.stop_requests(REASON)
-        if self.ended:
+        ended = self.stop_requests(REASON)
+        if ended:
             print(
-                f"pdserve: shutdown: {self.ended} request(s) still running after "
+                f"pdserve: shutdown: {ended} request(s) still running after "
                 f"{self.timeout_s:g} s (--shutdown-timeout) ended with a 503",
                 flush=True,
             )

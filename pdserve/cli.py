@@ -227,8 +227,11 @@ def cmd_run_batch(args: argparse.Namespace, argv: list[str]) -> int:
     server, url = None, args.base_url
     if url is None:
         with _Spinner("starting pdserve serve"):
-            server = ServeProcess(Path(tempfile.mkdtemp(prefix="pdserve-batch-")),
-                                 *serve_args(argv))  # fmt: skip
+            try:
+                server = ServeProcess(Path(tempfile.mkdtemp(prefix="pdserve-batch-")),
+                                     *serve_args(argv))  # fmt: skip
+            except RuntimeError as e:  # its log says why
+                raise ValueError(f"the batch's server did not start: {e}") from None
         sys.stderr.write(f"server log: {server.log}\n")
         url = server.url
     try:

@@ -79,6 +79,19 @@ def test_a_batch_that_cannot_run_says_why():
     assert res.returncode == 2 and "cannot read the batch input /nonexistent/in.jsonl" in res.stderr
 
 
+def test_a_server_that_does_not_start_is_one_clear_error(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(_line("a", "/v1/completions", COMPLETION) + "\n")
+    res = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "run-batch", "-i", str(src), "-o",
+         str(tmp_path / "out.jsonl"), "--model", "/nonexistent/model"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "the batch's server did not start" in res.stderr and "unknown model" in res.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_lines_are_checked_before_they_are_sent():
     assert read_line(_line("a", "/v1/completions", COMPLETION)).error is None
     assert read_line("[1]").error == "not a JSON object"
