@@ -19,6 +19,7 @@ import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -30,6 +31,12 @@ BATCH_URLS = (
     "/v1/score", "/v1/rerank",
 )  # fmt: skip
 REQUEST_TIMEOUT_S = 3600.0  # one request's answer; a long generation on a busy server
+
+
+class Progress(Protocol):
+    """What counts finished lines: tqdm's bar, or a test's counter."""
+
+    def update(self, n: int) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,7 @@ async def run_lines(
     model: str,
     api_key: str | None,
     max_concurrency: int,
-    progress,
+    progress: Progress,
 ) -> list[dict]:
     """Every line's output line, in input order, at most `max_concurrency` in flight; a
     body without `model` gets `model`."""
