@@ -13,6 +13,7 @@ the `pdserve serve` flags it was given (cluster/serve_process.py) and stops at t
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import secrets
@@ -24,6 +25,7 @@ from typing import Protocol
 import httpx
 
 from pdserve.cluster.endpoint import auth_headers, normalize_base_url, probe_model
+from pdserve.cluster.tool_args import add_run_batch_args
 
 # The routes a batch line may name: OpenAI's batch endpoints, and vLLM's score and rerank.
 BATCH_URLS = (
@@ -155,21 +157,26 @@ def write_output(path: str, outputs: list[dict]) -> None:
         raise ValueError(f"cannot write the batch output {path}: {e.strerror or e}") from None
 
 
-# run-batch's own flags (each takes a value); the rest of its arguments are `serve`'s.
-OWN_FLAGS = ("-i", "--input-file", "-o", "--output-file", "--base-url", "--max-concurrency")
+def _own_flags() -> tuple[str, ...]:
+    """run-batch's own flags (each takes a value), as cluster/tool_args.py defines them."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_run_batch_args(p)
+    return tuple(flag for action in p._actions for flag in action.option_strings)
 
 
 def serve_args(argv: list[str]) -> list[str]:
     """`pdserve serve`'s flags among `run-batch`'s arguments (argv after `run-batch`), its
     own flags and their values left out, and `--port`: the started server takes a free one."""
+    drop = (*_own_flags(), "--port")
+    short = [flag for flag in drop if not flag.startswith("--")]
     out, skip = [], False
     for arg in argv:
         name, joined = arg.split("=", 1)[0], "=" in arg
-        if not arg.startswith("--") and arg[:2] in ("-i", "-o") and len(arg) > 2:
+        if not arg.startswith("--") and arg[:2] in short and len(arg) > 2:
             name, joined = arg[:2], True  # -iFILE
         if skip:
             skip = False
-        elif name in (*OWN_FLAGS, "--port"):
+        elif name in drop:
             skip = not joined
         else:
             out.append(arg)

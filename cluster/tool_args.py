@@ -43,7 +43,8 @@ def add_contract_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_run_batch_args(p: argparse.ArgumentParser) -> None:
-    """run-batch's own flags (cluster/run_batch.py OWN_FLAGS); `serve`'s come beside them."""
+    """run-batch's own flags (cluster/run_batch.py leaves them out of the server it starts);
+    `serve`'s come beside them."""
     p.add_argument("-i", "--input-file", required=True,
                    help="the batch: one JSON request a line (- for stdin)")  # fmt: skip
     p.add_argument("-o", "--output-file", required=True,
