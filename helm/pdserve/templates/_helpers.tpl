@@ -143,3 +143,40 @@ with cache.type none. */}}
   persistentVolumeClaim: {claimName: {{ $c.existingClaim | quote }}}
 {{- end }}
 {{- end }}
+
+{{/* How long the router may take to stop, in whole seconds: serve.shutdown_timeout_s
+(vLLM's --shutdown-timeout, 10 by default) for the running requests, 5 s in which it
+answers what is left with a 503 (cluster/shutdown.py), and up to 30 s to stop the workers
+through Ray. The pods' preStop hooks wait this long at most. */}}
+{{- define "pdserve.routerStopSeconds" -}}
+{{- $t := 10 }}
+{{- if hasKey .Values.serve "shutdown_timeout_s" }}
+{{- $t = .Values.serve.shutdown_timeout_s }}
+{{- end }}
+{{- add (int (ceil $t)) 35 }}
+{{- end }}
+
+{{/* terminationGracePeriodSeconds of every pod: the router's stop, then `ray stop`. */}}
+{{- define "pdserve.terminationGraceSeconds" -}}
+{{- add (int (include "pdserve.routerStopSeconds" .)) 15 }}
+{{- end }}
+
+{{/* A container's preStop (dict: root, pattern): `ray stop` once no process's command line
+matches `pattern` (an extended regex whose first character is bracketed, so that it does
+not match this hook's own command line), or after the router's stop time. The head pod
+waits for the router (its requests run on Ray's actors, which it stops last); a worker pod
+for its pdserve actor (the router kills it once its requests have ended). */}}
+{{- define "pdserve.preStopRayStop" -}}
+preStop:
+  exec:
+    command:
+      - /bin/sh
+      - -c
+      - |
+        i=0
+        while [ "$i" -lt {{ include "pdserve.routerStopSeconds" .root }} ] && grep -qsaE '{{ .pattern }}' /proc/[0-9]*/cmdline; do
+          sleep 1
+          i=$((i + 1))
+        done
+        ray stop
+{{- end }}

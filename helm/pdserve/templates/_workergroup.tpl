@@ -26,6 +26,7 @@ mount the cache volume). */}}
         ray.io/node-type: worker
         ray.io/group: {{ .name }}
     spec:
+      terminationGracePeriodSeconds: {{ include "pdserve.terminationGraceSeconds" $root }}
       {{- with $root.Values.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
@@ -65,8 +66,7 @@ mount the cache volume). */}}
             {{- end }}
           {{- end }}
           lifecycle:
-            preStop:
-              exec: {command: ["/bin/sh", "-c", "ray stop"]}
+            {{- include "pdserve.preStopRayStop" (dict "root" $root "pattern" "[r]ay::(Decode|Prefill|Tier)Actor") | nindent 12 }}
       {{- if or $cache $g.volumes }}
       volumes:
         {{- if $cache }}
