@@ -131,6 +131,21 @@ def test_the_api_takes_the_tag_as_vllm_clients_send_it():
          "structural_tag.format.elements[0]: format type 'x'"),
         ({"type": "structural_tag", "format": {"type": "any_text"}, "triggers": ["a"]},
          "not both"),
+        ({"type": "structural_tag", "format": {"type": "any_text", "max_chars": 9}},
+         "(any_text) has unknown field(s) ['max_chars']"),
+        ({"type": "structural_tag", "format": {"type": "any_text", "excludes": ["a", ""]}},
+         "'excludes' must be a list of non-empty strings"),
+        ({"type": "structural_tag", "format": {"type": "star"}}, "needs a 'content' format"),
+        *(({"type": "structural_tag", "format": {"type": "repeat", "content": ANY, **bounds}},
+           says) for bounds, says in [
+            ({"min": -1, "max": 2}, "needs integers 'min' >= 0"),
+            ({"min": 3, "max": 2}, "got min 3, max 2"),
+            ({"min": 1, "max": True}, "got min 1, max True"),
+            ({"min": 1}, "got min 1, max None"),
+            ({"min": 0, "max": 1001}, "repeat counts are limited to 1000"),
+        ]),
+        ({"type": "structural_tag", "format": {"type": "dispatch", "rules": []}},
+         "format type 'dispatch' is not supported"),
     ]:  # fmt: skip
         with pytest.raises(ApiError, match=re.escape(says)) as e:
             parse_structured({"response_format": bad})
@@ -171,6 +186,36 @@ FORMS = {
         {"type": "sequence", "elements": [ANY, {"type": "const_string", "value": "END"}]},
         {"END": True, "xEND": True, "xENDyEND": True, "x": False},
     ),
+    "any_text anywhere inside a tag avoids the nearest enclosing tag's ends": (
+        _tag("<t>", {"type": "sequence", "elements": [ANY, {"type": "const_string",
+                                                             "value": "!"}]}, "</t>"),
+        {"<t>ab!</t>": True, "<t>!</t>": True, "<t>a!b!</t>": True, "<t>a</t>b!</t>": False,
+         "<t>ab</t>": False},
+    ),
+    "... the nearest one only": (
+        _tag("<o>", {"type": "sequence", "elements": [_tag("<i>", ANY, "</i>"), ANY]}, "</o>"),
+        {"<o><i>a</o>b</i>c</o>": True, "<o><i>a</i>b</o>c</o>": False, "<o><i></i></o>": True},
+    ),
+    "any_text's excludes": (
+        {"type": "sequence", "elements": [{"type": "any_text", "excludes": ["<f=", "!!"]},
+                                          {"type": "const_string", "value": "."}]},
+        {"hi.": True, "a!.": True, "hi <f=.": False, "a!!.": False, ".": True},
+    ),
+    "optional, plus, repeat, star": (
+        {"type": "sequence", "elements": [
+            {"type": "optional", "content": {"type": "const_string", "value": "x"}},
+            {"type": "plus", "content": {"type": "const_string", "value": "y"}},
+            {"type": "repeat", "min": 1, "max": 2,
+             "content": {"type": "const_string", "value": "z"}},
+            {"type": "star", "content": {"type": "const_string", "value": "w"}}]},
+        {"yz": True, "xyyzzw": True, "yzww": True, "xyzzzw": False, "xz": False, "y": False,
+         "xxyz": False},
+    ),
+    "... repeat with no upper bound": (
+        {"type": "repeat", "min": 2, "max": -1, "content": {"type": "const_string",
+                                                              "value": "ab"}},
+        {"abab": True, "ababab": True, "ab": False, "": False, "ababa": False},
+    ),
     "triggered_tags: free text, tags at the triggers": (
         {"type": "triggered_tags", "triggers": ["<f="],
          "tags": [_tag("<f=a>", NUM), _tag("<f=b>", ANY)]},
@@ -199,6 +244,11 @@ FORMS = {
                          "tags": [_tag("<f=a>", NUM)]}, "</calls>"),
         {"<calls>say <f=a>1</f> ok</calls>": True, "<calls></calls>": True,
          "<calls>a</calls>b</calls>": False},
+    ),
+    "... its excludes hold in its free text": (
+        {"type": "triggered_tags", "triggers": ["<f="], "tags": [_tag("<f=a>", NUM)],
+         "excludes": ["<eos>"]},
+        {"hi <f=a>1</f>": True, "hi<eos>": False, "<f=a>1</f><eos>": False, "<eo": True},
     ),
     "tags_with_separator: tags and separators only": (
         {"type": "tags_with_separator", "separator": ",", "tags": [_tag("<f=a>", NUM)]},

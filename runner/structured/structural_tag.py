@@ -14,13 +14,17 @@ format below with JSON-schema contents.
 The `format` form nests formats:
 
 - `const_string` {value}: exactly that text; `json_schema` {json_schema}; `regex`
-  {pattern}; `any_text`: any text, or inside a tag any text up to its end (the first
-  occurrence of the end closes the tag);
+  {pattern}; `any_text` {excludes}: any text in which none of `excludes` occurs, nor,
+  anywhere inside a tag, the nearest enclosing tag's end (its first occurrence closes the
+  tag);
 - `sequence` / `or` {elements}: one after another / one of them;
+- `optional` / `star` / `plus` {content}: 0 or 1 / any number / 1 or more times;
+  `repeat` {content, min, max}: min to max times (max -1: no bound);
 - `tag` {begin, content, end}: begin, the content's text, end (`end` may be a list: any
   one of them);
-- `triggered_tags` {triggers, tags, at_least_one, stop_after_first}: free text in which no
-  trigger occurs (nor, inside a tag, its end), except that each trigger starts one of the
+- `triggered_tags` {triggers, tags, at_least_one, stop_after_first, excludes}: free text
+  in which no trigger occurs (nor one of `excludes`, nor, inside a tag, the nearest
+  enclosing tag's end), except that each trigger starts one of the
   tags whose begin starts with it (each tag's begin starts with exactly one trigger).
   `at_least_one`: the text opens with a tag; `stop_after_first`: nothing follows the
   first tag.
@@ -31,11 +35,12 @@ The `format` form nests formats:
     tag free (tag free)*             ... at_least_one
     free tag?                        ... stop_after_first
     tag                              ... both
-    free = Avoid(triggers + the enclosing tag's ends)
+    free = Avoid(triggers + excludes + the nearest enclosing tag's ends)
 
 (`response_format`, or `structured_outputs.structural_tag` as its JSON text.) Tool calls
 in a model's own format and JSON after a reasoning model's `</think>` are what clients
-use them for. The `grammar` format and formats newer than these are refused by name.
+use them for. The `grammar` format, the token-level formats, `dispatch`,
+`qwen_xml_parameter` and the `max_tokens` / `max_chars` budgets are refused by name.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ from pdserve.runner.structured.regex_ast import (
     optional,
     seq,
 )
-from pdserve.runner.structured.regex_parse import parse_regex
+from pdserve.runner.structured.regex_parse import MAX_REPEAT, parse_regex
 
 ANY_TEXT: Node = Repeat(ByteSet(frozenset(range(256))), 0, None)
 MAX_FORMAT_DEPTH = 16  # nested formats (a tag in a sequence in a tag ...)
@@ -66,11 +71,15 @@ _FORMATS: dict[str, set[str]] = {
     "const_string": {"value"},
     "json_schema": {"json_schema", "style"},
     "regex": {"pattern"},
-    "any_text": set(),
+    "any_text": {"excludes"},
     "sequence": {"elements"},
     "or": {"elements"},
+    "optional": {"content"},
+    "star": {"content"},
+    "plus": {"content"},
+    "repeat": {"content", "min", "max"},
     "tag": {"begin", "content", "end"},
-    "triggered_tags": {"triggers", "tags", "at_least_one", "stop_after_first"},
+    "triggered_tags": {"triggers", "tags", "at_least_one", "stop_after_first", "excludes"},
     "tags_with_separator": {"tags", "separator", "at_least_one", "stop_after_first"},
 }
 
@@ -120,9 +129,10 @@ def _legacy(tag: dict) -> dict:
 
 
 class _Formats:
-    """One structural tag's formats to pattern trees. `until`: the ends of the tag a
-    format is the tail of, which its free text stops at. `tags_field`: what errors call
-    a tag list (the first form's is `structures`)."""
+    """One structural tag's formats to pattern trees. `until`: the ends of the nearest tag
+    a format is inside of (xgrammar's automatic end detection), which its free text
+    (`any_text`, `triggered_tags`) never holds. `tags_field`: what errors call a tag list
+    (the first form's is `structures`)."""
 
     def __init__(self, tags_field: str = "tags") -> None:
         self.tags_field = tags_field
@@ -162,20 +172,43 @@ class _Formats:
             raise ValueError(f"{where}'s pattern: {e}") from e
 
     def _any_text(self, fmt: dict, where: str, until, depth) -> Node:
-        return Avoid(until) if until else ANY_TEXT
+        stops = _excludes(fmt, where) + until
+        return Avoid(stops) if stops else ANY_TEXT
 
     def _sequence(self, fmt: dict, where: str, until, depth) -> Node:
         elements = _list(fmt, "elements", where)
-        last = len(elements) - 1
-        return seq(*(
-            self.node(e, f"{where}.elements[{i}]", until if i == last else (), depth)
-            for i, e in enumerate(elements)
-        ))  # fmt: skip
+        return seq(*(self.node(e, f"{where}.elements[{i}]", until, depth)
+                     for i, e in enumerate(elements)))  # fmt: skip
 
     def _or(self, fmt: dict, where: str, until, depth) -> Node:
         elements = _list(fmt, "elements", where)
         return alt(*(self.node(e, f"{where}.elements[{i}]", until, depth)
                      for i, e in enumerate(elements)))  # fmt: skip
+
+    def _content(self, fmt: dict, where: str, until, depth) -> Node:
+        if "content" not in fmt:
+            raise ValueError(f"{where} needs a 'content' format")
+        return self.node(fmt["content"], f"{where}.content", until, depth)
+
+    def _optional(self, fmt: dict, where: str, until, depth) -> Node:
+        return optional(self._content(fmt, where, until, depth))
+
+    def _star(self, fmt: dict, where: str, until, depth) -> Node:
+        return Repeat(self._content(fmt, where, until, depth), 0, None)
+
+    def _plus(self, fmt: dict, where: str, until, depth) -> Node:
+        return Repeat(self._content(fmt, where, until, depth), 1, None)
+
+    def _repeat(self, fmt: dict, where: str, until, depth) -> Node:
+        lo, hi = fmt.get("min"), fmt.get("max")
+        if not _is_int(lo) or not _is_int(hi) or lo < 0 or not (hi == -1 or hi >= lo):
+            raise ValueError(
+                f"{where} needs integers 'min' >= 0 and 'max' >= min, or max -1 for no bound "
+                f"(got min {lo!r}, max {hi!r})"
+            )
+        if max(lo, hi) > MAX_REPEAT:
+            raise ValueError(f"{where}: repeat counts are limited to {MAX_REPEAT} (got {lo}..{hi})")
+        return Repeat(self._content(fmt, where, until, depth), lo, None if hi == -1 else hi)
 
     def _tag(self, fmt: dict, where: str, until, depth) -> Node:
         return self._tag_parts(fmt, where, depth)[0]
@@ -214,7 +247,7 @@ class _Formats:
                     f"{where}.{self.tags_field}[{i}]'s begin {begin!r} starts with {len(starts)} of the "
                     f"triggers {triggers!r}; each tag's begin must start with exactly one"
                 )
-        free = Avoid(tuple(t.encode() for t in triggers) + until)
+        free = Avoid(tuple(t.encode() for t in triggers) + _excludes(fmt, where) + until)
         tag = alt(*(node for node, _ in tags))
         first, once = _flag(fmt, "at_least_one", where), _flag(fmt, "stop_after_first", where)
         if first and once:
@@ -244,6 +277,19 @@ def _list(fmt: dict, name: str, where: str) -> list:
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where} needs '{name}': a non-empty list")
     return value
+
+
+def _excludes(fmt: dict, where: str) -> tuple[bytes, ...]:
+    value = fmt.get("excludes", [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(
+            f"{where}'s 'excludes' must be a list of non-empty strings (got {value!r})"
+        )
+    return tuple(v.encode() for v in value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _flag(fmt: dict, name: str, where: str) -> bool:
