@@ -31,7 +31,12 @@ from pdserve.cluster.reasoning_api import (
     request_parser,
 )
 from pdserve.cluster.response_shapes import client_request_id
-from pdserve.cluster.sampling_api import check_priority, check_token_ids, parse_sampling
+from pdserve.cluster.sampling_api import (
+    check_logprobs,
+    check_priority,
+    check_token_ids,
+    parse_sampling,
+)
 from pdserve.cluster.structured_api import compile_checked, structured_param
 from pdserve.cluster.tool_calls import ToolChoice, parse_tool_choice
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_PARSERS
@@ -105,6 +110,7 @@ async def parse_body(
         beam = beam_params(body, params, stream)
         check_token_ids(params, state.vocab_size)
         check_priority(params, state.scheduling_policy)
+        check_logprobs(params, kind, state.max_logprobs)
         reasoning = request_parser(
             state.reasoning_parser, kind, params, _tail(state, ids), state.grammar_in_reasoning
         )

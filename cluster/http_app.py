@@ -31,6 +31,7 @@ from pdserve.cluster.request_log import RequestLog
 from pdserve.cluster.response_shapes import client_request_id, new_id, now
 from pdserve.cluster.response_store import DEFAULT_STORE_BYTES, ResponseStore
 from pdserve.cluster.router import Router
+from pdserve.runner.sampling_params import MAX_LOGPROBS
 from pdserve.version import __version__
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ class AppState:
         runtime_lora_rank: int | None = None,
         eos_token_ids: tuple[int, ...] = (),
         grammar_in_reasoning: bool = False,
+        max_logprobs: int = MAX_LOGPROBS,
+        openapi: bool = True,
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -102,6 +105,8 @@ class AppState:
         # not served
         self.runtime_lora_rank = runtime_lora_rank
         self.eos_token_ids = eos_token_ids  # the model's (beam search ends beams on them)
+        self.max_logprobs = max_logprobs  # `--max-logprobs`: a request's most a token
+        self.openapi = openapi  # /openapi.json served; `--disable-fastapi-docs`: not
 
     @property
     def model_name(self) -> str:
@@ -202,7 +207,10 @@ def build_app(state: AppState) -> FastAPI:
     from pdserve.cluster.responses_routes import add_responses_routes
     from pdserve.cluster.tokenize_routes import add_tokenize_routes
 
-    app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="pdserve", version=__version__, docs_url=None, redoc_url=None,
+        openapi_url="/openapi.json" if state.openapi else None,
+    )  # fmt: skip
     app.state.pd = state
 
     @app.middleware("http")

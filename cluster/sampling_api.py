@@ -135,6 +135,19 @@ def check_priority(params: SamplingParams, policy: str) -> None:
         )
 
 
+def check_logprobs(params: SamplingParams, kind: str, limit: int) -> None:
+    """vLLM's `--max-logprobs`: a request may ask for at most `limit` logprobs a token,
+    sampled or of the prompt."""
+    asked = (("top_logprobs" if kind == "chat" else "logprobs", params.logprobs),
+             ("prompt_logprobs", params.prompt_logprobs))  # fmt: skip
+    for name, value in asked:
+        if value is not None and value > limit:
+            raise ApiError(
+                f"'{name}' {value} is over this server's limit of {limit} (--max-logprobs)",
+                param=name,
+            )
+
+
 def check_token_ids(params: SamplingParams, vocab_size: int | None) -> None:
     """A 400 for a token id outside the model's vocabulary in logit_bias or
     allowed_token_ids, before the request reaches a worker."""

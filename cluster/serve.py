@@ -310,7 +310,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             ResponseStore(cfg.responses_store_bytes), lora_modules,
             model_pooling(ecfg.model.path, ecfg.model.hf_config, ecfg.model.classifier),
             runtime_lora_rank, eos_token_ids(ecfg.model.path, ecfg.model.hf_config, tokenizer),
-            grammar_in_reasoning(cfg),
+            grammar_in_reasoning(cfg), cfg.max_logprobs, not cfg.disable_fastapi_docs,
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)

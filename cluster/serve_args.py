@@ -12,6 +12,7 @@ from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.cluster.response_store import DEFAULT_STORE_BYTES
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from pdserve.json_arg import json_object
+from pdserve.runner.sampling_params import MAX_LOGPROBS
 from pdserve.sizes import parse_size
 
 # Keys that may come from the environment when neither a flag nor the config file gives
@@ -190,6 +191,11 @@ class ServeConfig:
     # an error event and [DONE]) and is aborted on its workers (cluster/shutdown.py).
     # vLLM's default, 0, ends them at once; here they get 10 s.
     shutdown_timeout_s: float = 10.0
+    # vLLM's --max-logprobs: the most logprobs a request may ask for a token (sampled or
+    # of the prompt); pdserve's sampler returns at most MAX_LOGPROBS (20, vLLM's default).
+    max_logprobs: int = MAX_LOGPROBS
+    # vLLM's --disable-fastapi-docs: no /openapi.json (pdserve serves no /docs or /redoc).
+    disable_fastapi_docs: bool = False
     # /metrics names its series `<prefix>name`; "vllm:" lets vLLM's Grafana dashboards
     # and alerts read them unchanged (cluster/metrics.py).
     metrics_prefix: str = "pdserve:"
@@ -371,6 +377,12 @@ class ServeConfig:
         if not 0 <= self.shutdown_timeout_s < float("inf"):
             raise ValueError(
                 f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout_s}"
+            )
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"--max-logprobs must be in [0, {MAX_LOGPROBS}]: pdserve returns at most "
+                f"{MAX_LOGPROBS} logprobs a token (got {self.max_logprobs}; vLLM's -1, the whole "
+                "vocabulary, is not available)"
             )
         if not self.log_stats_interval_s > 0:
             raise ValueError(f"--log-stats-interval must be > 0, got {self.log_stats_interval_s}")

@@ -23,6 +23,7 @@ from pdserve.cluster.serve_args import (
     ServeConfig,
 )
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
+from pdserve.cluster.vllm_flags import add_vllm_flags
 from pdserve.sizes import size_arg
 
 
@@ -141,9 +142,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    metavar="SECONDS", help=f"default {d.log_stats_interval_s:g}")  # fmt: skip
     p.add_argument("--enable-log-requests", action="store_true", default=None,
                    help="log each request's arrival, route and end (token counts, not text)")  # fmt: skip
+    p.add_argument("--disable-log-requests", action="store_false", default=None,
+                   dest="enable_log_requests",
+                   help="vLLM's older flag: no per-request lines (the default)")  # fmt: skip
     p.add_argument("--uvicorn-log-level", choices=UVICORN_LEVELS, default=None,
                    help=f"default {d.uvicorn_log_level}")  # fmt: skip
     p.add_argument("--disable-uvicorn-access-log", action="store_true", default=None)
+    p.add_argument("--max-logprobs", type=int, default=None, metavar="N",
+                   help="the most logprobs a request may ask for a token, sampled or of the "
+                   f"prompt (default and most {d.max_logprobs})")  # fmt: skip
+    p.add_argument("--disable-fastapi-docs", action="store_true", default=None,
+                   help="do not serve /openapi.json (no /docs or /redoc are served)")  # fmt: skip
     p.add_argument("--shutdown-timeout", type=float, default=None, dest="shutdown_timeout_s",
                    metavar="SECONDS", help="on SIGTERM or Ctrl-C, how long running requests may "
                    f"finish before each ends with a 503 (default {d.shutdown_timeout_s:g})")  # fmt: skip
@@ -256,6 +265,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "(env PDSERVE_ADMIN_KEY; without one they are open only on a loopback host)")  # fmt: skip
     p.add_argument("--autoscale", action="store_true", default=None,
                    help="scale the pools with load, within the --min/--max-*-workers bounds")  # fmt: skip
+    add_vllm_flags(p)
     for role in ("prefill", "decode"):
         for bound in ("min", "max"):
             p.add_argument(f"--{bound}-{role}-workers", type=int, default=None,

@@ -2,8 +2,8 @@
 SmolLM2, colocated), driven with the official `openai` client: the model given as a
 positional argument, two served names, a generation config whose defaults (greedy, a
 48-token cap) requests that leave the fields out take, chat without max_tokens, text
-content parts, prefix caching and chunked prefill turned off, async scheduling on and the
-KV cache sized in bytes."""
+content parts, prefix caching and chunked prefill turned off, async scheduling on, the KV cache sized
+in bytes, a logprobs bound and no OpenAPI document."""
 
 from __future__ import annotations
 
@@ -41,7 +41,9 @@ def server(tmp_path_factory, smollm_dir):
         str(MAX_MODEL_LEN),
         "--generation-config", str(gen), "--seed", "3", "--no-enable-prefix-caching",
         "--enforce-eager", "-tp", "1", "--kv-cache-dtype", "auto", "--kv-cache-memory-bytes",
-        KV_SIZE, "--no-enable-chunked-prefill", "--async-scheduling",
+        KV_SIZE, "--no-enable-chunked-prefill", "--async-scheduling", "--max-logprobs", "3",
+        "--disable-fastapi-docs", "--disable-log-requests", "--tokenizer-mode", "auto",
+        "--max-log-len", "100",
     )  # fmt: skip
     yield srv
     srv.stop()
@@ -135,6 +137,25 @@ def test_vllm_text_fields(server):
         extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True},
     )  # fmt: skip
     assert raw.choices[0].message.content == plain + "<|im_end|>"
+
+
+def test_max_logprobs_and_no_openapi_document(server, colocated):
+    """--max-logprobs 3: a request for 3 gets 3 a token, one for 4 a 400 naming the field;
+    --disable-fastapi-docs: /openapi.json is a 404 (a server without it serves it)."""
+    c = _client(server)
+    kw = dict(model="smol", prompt="The capital of France is", max_tokens=2)
+    top = c.completions.create(**kw, logprobs=3).choices[0].logprobs.top_logprobs
+    assert [len(t) for t in top] == [3, 3]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(**kw, logprobs=4)
+    assert e.value.body["param"] == "logprobs" and "--max-logprobs" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="smol", messages=STORY, max_tokens=1, logprobs=True,
+                                  top_logprobs=4)  # fmt: skip
+    assert e.value.body["param"] == "top_logprobs"
+    assert httpx.get(server.url + "/openapi.json", timeout=30).status_code == 404
+    doc = httpx.get(colocated.url + "/openapi.json", timeout=30)
+    assert doc.status_code == 200 and "/v1/chat/completions" in doc.json()["paths"]
 
 
 def test_continuous_usage_stats(server):

@@ -23,7 +23,7 @@ from pdserve.cluster.openai_api import (
 from pdserve.cluster.prompts import prompt_token_ids
 from pdserve.cluster.route_policy import RouterConfig
 from pdserve.cluster.router import Router
-from pdserve.cluster.sampling_api import parse_sampling
+from pdserve.cluster.sampling_api import check_logprobs, parse_sampling
 from pdserve.cluster.serve_args import (
     ServeConfig,
     auto_tool_parser,
@@ -31,6 +31,7 @@ from pdserve.cluster.serve_args import (
     served_names,
 )
 from pdserve.cluster.serve_flags import add_serve_args, config_from_args
+from pdserve.cluster.vllm_flags import HOLDS, NOT_TAKEN
 from pdserve.runner.generation_defaults import from_file, parse_override, sampling_defaults
 
 
@@ -61,9 +62,12 @@ def test_a_vllm_command_line_parses(monkeypatch):
         "--tokenizer", "org/tok", "--load-format", "dummy",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}',
         "--cuda-graph-sizes", "1", "8", "32", "--limit-mm-per-prompt", '{"image": 0, "video": 0}',
-        "--structured-outputs-config", '{"enable_in_reasoning": true}',
+        "--structured-outputs-config", '{"enable_in_reasoning": true}', "--max-logprobs", "5",
+        "--disable-fastapi-docs", "--disable-log-requests", "--tokenizer-mode", "auto",
+        "--max-log-len", "100",
     )  # fmt: skip
     assert cfg.model == "Qwen/Qwen3-0.6B"
+    assert (cfg.max_logprobs, cfg.disable_fastapi_docs, cfg.enable_log_requests) == (5, True, False)
     assert served_names(cfg) == ("qwen", "qwen3")
     assert (cfg.seed, cfg.enable_prefix_caching, cfg.enforce_eager) == (7, False, True)
     assert cfg.generation_config == "vllm"
@@ -82,6 +86,11 @@ def test_a_vllm_command_line_parses(monkeypatch):
 
 def test_defaults_and_names_as_vllm_picks_them():
     cfg = _args()
+    assert (cfg.max_logprobs, cfg.disable_fastapi_docs, cfg.enable_log_requests) == (
+        20,
+        False,
+        False,
+    )
     assert (cfg.enable_prefix_caching, cfg.enforce_eager, cfg.seed) == (True, False, None)
     assert (cfg.enable_chunked_prefill, cfg.async_scheduling) == (True, None)  # None: GPU only
     assert cfg.scheduling_policy == "fcfs"
@@ -122,6 +131,8 @@ def test_defaults_and_names_as_vllm_picks_them():
         (["--limit-mm-per-prompt", '{"image": 2}'], "serves text only"),
         (["--limit-mm-per-prompt", "image=0"], "not valid JSON"),
         (["--pipeline-parallel-size", "4"], "--decode-workers"),
+        (["--max-logprobs", "21"], r"--max-logprobs must be in \[0, 20\]"),
+        (["--max-logprobs", "-1"], "-1, the whole vocabulary, is not available"),
         (["--override-generation-config", "{temperature: 1}"], "not valid JSON"),
         (["--override-generation-config", "[1]"], "must be a JSON object"),
         (["--speculative-config", "ngram"], "--speculative-config is not valid JSON"),
@@ -724,3 +735,54 @@ def test_harmony_tool_parser_needs_the_harmony_reasoning_parser():
         _args("--tool-call-parser", "openai")
     cfg = _args("--tool-call-parser", "openai", "--reasoning-parser", "openai_gptoss")
     assert (cfg.tool_call_parser, cfg.reasoning_parser) == ("openai", "openai_gptoss")
+
+
+@pytest.mark.parametrize(
+    "flag", [f for flags in NOT_TAKEN for f in flags], ids=lambda f: f.lstrip("-")
+)
+def test_vllm_flags_without_a_pdserve_knob_are_refused_with_the_reason(flag, capsys):
+    """A vLLM launch line's flag that pdserve has no knob for stops the start with why and
+    what pdserve has instead (argparse alone says "unrecognized arguments"); out of --help."""
+    takes_value, reason = next(v for flags, v in NOT_TAKEN.items() if flag in flags)
+    with pytest.raises(SystemExit) as e:
+        _args(flag, "4") if takes_value else _args(flag)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag} is a vLLM flag pdserve does not take: {reason}" in err, err
+
+
+def test_vllm_flags_whose_meaning_holds_are_taken_and_checked(capsys):
+    """`--tokenizer-mode auto|hf` and `--max-log-len N` leave the settings as they are (their
+    meaning is pdserve's anyway); other tokenizer modes and non-numbers are refused."""
+    assert _args("--tokenizer-mode", "hf", "--max-log-len", "0") == _args()
+    for argv, says in [
+        (("--tokenizer-mode", "mistral"), "--tokenizer-mode mistral: pdserve takes auto or hf"),
+        (("--max-log-len", "all"), "--max-log-len must be a number of characters"),
+    ]:
+        with pytest.raises(SystemExit):
+            _args(*argv)
+        assert says in capsys.readouterr().err
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    helps = p.format_help()
+    assert "--max-logprobs" in helps and "--disable-log-requests" in helps
+    assert not [f for flags in NOT_TAKEN for f in flags if f in helps.split()]
+    assert not [f for f in HOLDS if f in helps]
+
+
+def test_a_request_asks_for_at_most_max_logprobs():
+    """vLLM's --max-logprobs bounds completions' logprobs, chat's top_logprobs and
+    prompt_logprobs, each a 400 naming its field; the bound itself passes."""
+    for kind, body, param in [
+        ("completion", {"logprobs": 4}, "logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": 4}, "top_logprobs"),
+        ("completion", {"prompt_logprobs": 4}, "prompt_logprobs"),
+        ("chat", {"prompt_logprobs": 4}, "prompt_logprobs"),
+    ]:
+        params, _ = parse_sampling(body, kind, 0, 8)
+        check_logprobs(params, kind, 4)
+        with pytest.raises(
+            ApiError, match=r"is over this server's limit of 3 \(--max-logprobs\)"
+        ) as e:
+            check_logprobs(params, kind, 3)
+        assert e.value.param == param
