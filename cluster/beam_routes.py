@@ -132,7 +132,7 @@ async def beam_reply(state: AppState, reqs: list[ParsedRequest], cid: str, start
         "created": now(),
         "model": req.model,
         "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens, 0),
+        "usage": usage(prompt_tokens, completion_tokens, 0, req.prompt_details),
     }
 
 

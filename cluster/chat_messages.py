@@ -65,11 +65,12 @@ def _tool_calls(calls: Any) -> list[dict]:
     return out
 
 
-def chat_role(body: dict) -> str:
-    """The role of a chat reply (vLLM's rule): the assistant's, or with
-    `add_generation_prompt: false` the last message's, whose turn the reply continues."""
+def chat_role(body: dict, response_role: str = "assistant") -> str:
+    """The role of a chat reply (vLLM's rule): `response_role` (--response-role, the
+    assistant's by default), or with `add_generation_prompt: false` the last message's,
+    whose turn the reply continues."""
     if typed(body, "add_generation_prompt", (bool,), True):
-        return "assistant"
+        return response_role
     return chat_messages(body)[-1]["role"]
 
 

@@ -80,7 +80,8 @@ async def parse_body(
             (ids[-keep:], None if text is None else state.tokenizer.decode(ids[-keep:]))
             for ids, text in prompts
         ]  # fmt: skip
-    role = chat_role(body) if kind == "chat" else "assistant"
+    api = state.api_defaults
+    role = chat_role(body, api.response_role) if kind == "chat" else "assistant"
     # What `echo` puts before each output: chat's continued turn, a completion's prompt.
     chat_echoed = chat_echo(body, role) if kind == "chat" else None
     prompt_echoed = kind == "completion" and wants_echo(body)
@@ -124,12 +125,15 @@ async def parse_body(
                 ids,
                 params,
                 stream,
-                bool(opts.get("include_usage")),
-                bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
+                api.force_include_usage or bool(opts.get("include_usage")),
+                bool(
+                    (api.force_include_usage or opts.get("include_usage"))
+                    and opts.get("continuous_usage_stats")
+                ),
                 k,
                 chat_echoed if kind == "chat" else (text if prompt_echoed else None),
                 body.get("prompt_logprobs") is not None,
-                typed(body, "return_tokens_as_token_ids", (bool,), False),
+                typed(body, "return_tokens_as_token_ids", (bool,), api.tokens_as_ids),
                 role,
                 tools,
                 reasoning,
@@ -139,6 +143,7 @@ async def parse_body(
                 lora_name,
                 beam,
                 echo_only,
+                api.prompt_tokens_details,
             )
         )
     spec = out[0].params.structured_outputs if out else None

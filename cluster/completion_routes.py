@@ -148,7 +148,7 @@ async def whole_reply(
         "created": now(),
         "model": req.model,
         "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens, cached),
+        "usage": usage(prompt_tokens, completion_tokens, cached, req.prompt_details),
     }
     if req.show_prompt_logprobs:  # vLLM's places: per choice, or the chat response's
         entries = {p: prompt_logprobs_entries(rows, decode_tok) for p, rows in prompt_rows.items()}

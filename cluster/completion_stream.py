@@ -72,7 +72,7 @@ async def chunk_stream(
             "choices": choices,
         }  # fmt: skip
         if final_usage or req.continuous_usage:  # vLLM's continuous_usage_stats: so far
-            body["usage"] = usage(prompt_tokens, completion_tokens, cached)
+            body["usage"] = usage(prompt_tokens, completion_tokens, cached, req.prompt_details)
         return body
 
     if req.kind == "chat":

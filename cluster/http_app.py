@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pdserve.cluster.cors import ApiCors, CorsConfig
 from pdserve.cluster.lora_registry import LoraRegistry
 from pdserve.cluster.metrics import Metrics
-from pdserve.cluster.openai_api import ApiError
+from pdserve.cluster.openai_api import ApiDefaults, ApiError
 from pdserve.cluster.request_log import RequestLog
 from pdserve.cluster.response_shapes import client_request_id, new_id, now
 from pdserve.cluster.response_store import DEFAULT_STORE_BYTES, ResponseStore
@@ -67,6 +67,7 @@ class AppState:
         grammar_in_reasoning: bool = False,
         max_logprobs: int = MAX_LOGPROBS,
         openapi: bool = True,
+        api_defaults: ApiDefaults | None = None,
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -107,6 +108,7 @@ class AppState:
         self.eos_token_ids = eos_token_ids  # the model's (beam search ends beams on them)
         self.max_logprobs = max_logprobs  # `--max-logprobs`: a request's most a token
         self.openapi = openapi  # /openapi.json served; `--disable-fastapi-docs`: not
+        self.api_defaults = api_defaults or ApiDefaults()  # vLLM's response flags
 
     @property
     def model_name(self) -> str:

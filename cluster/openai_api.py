@@ -56,6 +56,20 @@ class ApiError(Exception):
         }
 
 
+@dataclass(frozen=True)
+class ApiDefaults:
+    """vLLM's server-wide settings of the OpenAI responses (`pdserve serve` flags)."""
+
+    response_role: str = "assistant"  # --response-role: a chat reply's role
+    # --return-tokens-as-token-ids: the default of the request field of that name
+    tokens_as_ids: bool = False
+    # --enable-force-include-usage: a stream ends with usage as if stream_options asked
+    force_include_usage: bool = False
+    # --enable-prompt-tokens-details: usage always has prompt_tokens_details (cached_tokens,
+    # 0 included); without it, only where a prefix hit was cached
+    prompt_tokens_details: bool = False
+
+
 @dataclass
 class ParsedRequest:
     kind: str  # "completion" | "chat"
@@ -97,6 +111,8 @@ class ParsedRequest:
     # logprobs) alone, finish_reason "length", no completion tokens. The worker generates
     # one token, which the response leaves out (`batch_stream.merged`).
     echo_only: bool = False
+    # --enable-prompt-tokens-details: usage's prompt_tokens_details even with 0 cached
+    prompt_details: bool = False
 
 
 def typed(body: dict, name: str, types: tuple, default: Any = None) -> Any:

@@ -42,13 +42,17 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached: int = 0, details: bool = False
+) -> dict[str, Any]:
+    """OpenAI's usage; prompt_tokens_details where a prefix hit was cached, or always with
+    `details` (vLLM's --enable-prompt-tokens-details)."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-    if cached:
+    if cached or details:
         out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out
 

@@ -96,6 +96,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.cluster.lora_routes import runtime_updates_allowed
     from pdserve.cluster.membership import membership_loop, sync_members
     from pdserve.cluster.metrics import Metrics
+    from pdserve.cluster.openai_api import ApiDefaults
     from pdserve.cluster.ops_api import OpsState, add_ops_routes
     from pdserve.cluster.pool_actors import TierActor
     from pdserve.cluster.pool_control import PoolControl
@@ -311,6 +312,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             model_pooling(ecfg.model.path, ecfg.model.hf_config, ecfg.model.classifier),
             runtime_lora_rank, eos_token_ids(ecfg.model.path, ecfg.model.hf_config, tokenizer),
             grammar_in_reasoning(cfg), cfg.max_logprobs, not cfg.disable_fastapi_docs,
+            ApiDefaults(cfg.response_role, cfg.return_tokens_as_token_ids,
+                        cfg.enable_force_include_usage, cfg.enable_prompt_tokens_details),
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)

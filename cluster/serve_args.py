@@ -196,6 +196,13 @@ class ServeConfig:
     max_logprobs: int = MAX_LOGPROBS
     # vLLM's --disable-fastapi-docs: no /openapi.json (pdserve serves no /docs or /redoc).
     disable_fastapi_docs: bool = False
+    # vLLM's response flags (cluster/openai_api.py ApiDefaults): a chat reply's role, the
+    # default of requests' return_tokens_as_token_ids, usage at every stream's end,
+    # prompt_tokens_details in every usage.
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    enable_force_include_usage: bool = False
+    enable_prompt_tokens_details: bool = False
     # /metrics names its series `<prefix>name`; "vllm:" lets vLLM's Grafana dashboards
     # and alerts read them unchanged (cluster/metrics.py).
     metrics_prefix: str = "pdserve:"
@@ -383,6 +390,10 @@ class ServeConfig:
                 f"--max-logprobs must be in [0, {MAX_LOGPROBS}]: pdserve returns at most "
                 f"{MAX_LOGPROBS} logprobs a token (got {self.max_logprobs}; vLLM's -1, the whole "
                 "vocabulary, is not available)"
+            )
+        if not isinstance(self.response_role, str) or not self.response_role:
+            raise ValueError(
+                f"--response-role must be a non-empty name, got {self.response_role!r}"
             )
         if not self.log_stats_interval_s > 0:
             raise ValueError(f"--log-stats-interval must be > 0, got {self.log_stats_interval_s}")

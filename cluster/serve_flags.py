@@ -151,6 +151,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=int, default=None, metavar="N",
                    help="the most logprobs a request may ask for a token, sampled or of the "
                    f"prompt (default and most {d.max_logprobs})")  # fmt: skip
+    p.add_argument("--response-role", default=None, metavar="ROLE",
+                   help="a chat reply's role (with add_generation_prompt; default "
+                   f"{d.response_role})")  # fmt: skip
+    p.add_argument("--return-tokens-as-token-ids", action="store_true", default=None,
+                   help="logprobs name tokens as 'token_id:N' unless a request says otherwise")  # fmt: skip
+    p.add_argument("--enable-force-include-usage", action="store_true", default=None,
+                   help="every stream ends with usage, as with stream_options.include_usage")  # fmt: skip
+    p.add_argument("--enable-prompt-tokens-details", action="store_true", default=None,
+                   help="usage always has prompt_tokens_details.cached_tokens (by default only "
+                   "when a prefix hit was cached)")  # fmt: skip
     p.add_argument("--disable-fastapi-docs", action="store_true", default=None,
                    help="do not serve /openapi.json (no /docs or /redoc are served)")  # fmt: skip
     p.add_argument("--shutdown-timeout", type=float, default=None, dest="shutdown_timeout_s",

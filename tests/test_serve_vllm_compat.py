@@ -3,11 +3,12 @@ SmolLM2, colocated), driven with the official `openai` client: the model given a
 positional argument, two served names, a generation config whose defaults (greedy, a
 48-token cap) requests that leave the fields out take, chat without max_tokens, text
 content parts, prefix caching and chunked prefill turned off, async scheduling on, the KV cache sized
-in bytes, a logprobs bound and no OpenAPI document."""
+in bytes, a logprobs bound, no OpenAPI document and vLLM's response flags."""
 
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -43,7 +44,8 @@ def server(tmp_path_factory, smollm_dir):
         "--enforce-eager", "-tp", "1", "--kv-cache-dtype", "auto", "--kv-cache-memory-bytes",
         KV_SIZE, "--no-enable-chunked-prefill", "--async-scheduling", "--max-logprobs", "3",
         "--disable-fastapi-docs", "--disable-log-requests", "--tokenizer-mode", "auto",
-        "--max-log-len", "100",
+        "--max-log-len", "100", "--response-role", "bot", "--return-tokens-as-token-ids",
+        "--enable-force-include-usage", "--enable-prompt-tokens-details",
     )  # fmt: skip
     yield srv
     srv.stop()
@@ -156,6 +158,40 @@ def test_max_logprobs_and_no_openapi_document(server, colocated):
     assert httpx.get(server.url + "/openapi.json", timeout=30).status_code == 404
     doc = httpx.get(colocated.url + "/openapi.json", timeout=30)
     assert doc.status_code == 200 and "/v1/chat/completions" in doc.json()["paths"]
+
+
+def test_response_flags(server, colocated):
+    """--response-role bot: chat replies' role; --enable-force-include-usage: a stream
+    without stream_options ends with usage; --enable-prompt-tokens-details: usage has
+    cached_tokens, 0 included (prefix caching is off here); --return-tokens-as-token-ids:
+    logprobs name tokens by id unless the request says otherwise. The shared colocated
+    server, started without them, answers as before."""
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    for srv, role, details in [
+        (server, "bot", {"cached_tokens": 0}),
+        (colocated, "assistant", None),
+    ]:
+        c = _client(srv)
+        model = "smol" if srv is server else "SmolLM2-135M-Instruct"
+        r = c.chat.completions.create(model=model, messages=q, max_tokens=4)
+        assert r.choices[0].message.role == role
+        details_got = r.usage.prompt_tokens_details
+        assert (details_got and details_got.model_dump(exclude_none=True)) == details, r.usage
+        chunks = list(c.chat.completions.create(model=model, messages=q, max_tokens=4,
+                                                stream=True))  # fmt: skip
+        assert chunks[0].choices[0].delta.role == role
+        last = chunks[-1]
+        if srv is server:
+            assert not last.choices and last.usage.completion_tokens == 4, last
+        else:
+            assert last.choices and all(ch.usage is None for ch in chunks)
+    c = _client(server)
+    kw = dict(model="smol", prompt="The capital of France is", max_tokens=2, logprobs=1)
+    lp = c.completions.create(**kw).choices[0].logprobs
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in lp.tokens), lp.tokens
+    assert all(re.fullmatch(r"token_id:\d+", k) for top in lp.top_logprobs for k in top)
+    text = c.completions.create(**kw, extra_body={"return_tokens_as_token_ids": False})
+    assert not any(t.startswith("token_id:") for t in text.choices[0].logprobs.tokens)
 
 
 def test_continuous_usage_stats(server):

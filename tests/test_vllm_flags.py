@@ -64,9 +64,12 @@ def test_a_vllm_command_line_parses(monkeypatch):
         "--cuda-graph-sizes", "1", "8", "32", "--limit-mm-per-prompt", '{"image": 0, "video": 0}',
         "--structured-outputs-config", '{"enable_in_reasoning": true}', "--max-logprobs", "5",
         "--disable-fastapi-docs", "--disable-log-requests", "--tokenizer-mode", "auto",
-        "--max-log-len", "100",
+        "--max-log-len", "100", "--response-role", "bot", "--return-tokens-as-token-ids",
+        "--enable-force-include-usage", "--enable-prompt-tokens-details",
     )  # fmt: skip
     assert cfg.model == "Qwen/Qwen3-0.6B"
+    assert (cfg.response_role, cfg.return_tokens_as_token_ids) == ("bot", True)
+    assert cfg.enable_force_include_usage and cfg.enable_prompt_tokens_details
     assert (cfg.max_logprobs, cfg.disable_fastapi_docs, cfg.enable_log_requests) == (5, True, False)
     assert served_names(cfg) == ("qwen", "qwen3")
     assert (cfg.seed, cfg.enable_prefix_caching, cfg.enforce_eager) == (7, False, True)
@@ -131,6 +134,7 @@ def test_defaults_and_names_as_vllm_picks_them():
         (["--limit-mm-per-prompt", '{"image": 2}'], "serves text only"),
         (["--limit-mm-per-prompt", "image=0"], "not valid JSON"),
         (["--pipeline-parallel-size", "4"], "--decode-workers"),
+        (["--response-role", ""], "--response-role must be a non-empty name"),
         (["--max-logprobs", "21"], r"--max-logprobs must be in \[0, 20\]"),
         (["--max-logprobs", "-1"], "-1, the whole vocabulary, is not available"),
         (["--override-generation-config", "{temperature: 1}"], "not valid JSON"),
