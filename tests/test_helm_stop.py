@@ -130,16 +130,19 @@ def test_head_stops_ray_after_the_router_exits(helm: str, tmp_path: Path) -> Non
 
 def test_worker_pods_stop_ray_after_their_actor(helm: str, tmp_path: Path) -> None:
     """A worker pod's hook runs `ray stop` once no pdserve actor process (Ray titles it
-    `ray::DecodeActor` and so on, cluster/pool_actors.py) is left, and at once when only
-    other Ray processes run. Processes of this host's other tests (servers with real
+    `ray::DecodeActor`, or `ray::pdserve-decode-0:DecodeActor.step` while it runs a method;
+    cluster/pool_actors.py) is left, and at once when only other Ray processes run. Processes of this host's other tests (servers with real
     actors) are kept out: the hook reads the held process's /proc entry and its own."""
     pods = pod_templates(render(helm))
     scripts = {pre_stop(pods[g], "ray-worker") for g in ("prefill", "decode", "tier")}
     assert len(scripts) == 1
     script = scripts.pop()
     assert "/proc/[0-9]*/cmdline" in script
-    for actor in ("DecodeActor", "PrefillActor", "TierActor"):
-        ended, stopped = run_hook(script, tmp_path, sleeper(f"ray::{actor}"), only_held=True)
-        assert HOLD_S / 2 < ended <= stopped < ended + 3.0, (actor, ended, stopped)
+    # Ray's titles: the actor class, idle; `name:Class.method` while a method runs
+    # (test_serve_e2e's test_a_local_ray_runs_no_idle_workers reads them on a real server).
+    for title in ("ray::DecodeActor", "ray::pdserve-prefill-0:PrefillActor.info",
+                  "ray::pdserve-tier:TierActor.__init__"):  # fmt: skip
+        ended, stopped = run_hook(script, tmp_path, sleeper(title), only_held=True)
+        assert HOLD_S / 2 < ended <= stopped < ended + 3.0, (title, ended, stopped)
     _, stopped = run_hook(script, tmp_path, sleeper("ray::IDLE"), only_held=True)
     assert stopped < 1.0

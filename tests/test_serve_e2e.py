@@ -12,6 +12,7 @@ import gzip
 import json
 import re
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -89,6 +90,13 @@ def test_a_local_ray_runs_no_idle_workers(pd):
     # while it runs one: `ray::pdserve-tier:TierActor.__init__`.
     classes = {t.removeprefix("ray::").split(":")[-1].split(".")[0] for t in titles}
     assert {"DecodeActor", "PrefillActor", "TierActor"} <= classes, titles
+    # The chart's worker pods wait for these processes before `ray stop`
+    # (tests/test_helm_stop.py): its pattern must match every pdserve actor's title.
+    tpl = (Path(__file__).parents[1] / "helm/pdserve/templates/_workergroup.tpl").read_text()
+    pattern = re.search(r'"pattern" "([^"]+)"', tpl).group(1)
+    actors = [t for t in titles if re.search(r"(Decode|Prefill|Tier)Actor", t)]
+    assert actors and all(re.search(pattern, t) for t in actors), (pattern, actors)
+    assert not re.search(pattern, "ray::Controller") and not re.search(pattern, "ray::IDLE")
     assert not [t for t in titles if t.startswith("ray::IDLE")], titles
 
 

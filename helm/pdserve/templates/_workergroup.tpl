@@ -66,7 +66,7 @@ mount the cache volume). */}}
             {{- end }}
           {{- end }}
           lifecycle:
-            {{- include "pdserve.preStopRayStop" (dict "root" $root "pattern" "[r]ay::(Decode|Prefill|Tier)Actor") | nindent 12 }}
+            {{- include "pdserve.preStopRayStop" (dict "root" $root "pattern" "[r]ay::([^:]*:)?(Decode|Prefill|Tier)Actor") | nindent 12 }}
       {{- if or $cache $g.volumes }}
       volumes:
         {{- if $cache }}
