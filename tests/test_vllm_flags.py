@@ -31,7 +31,7 @@ from pdserve.cluster.serve_args import (
     served_names,
 )
 from pdserve.cluster.serve_flags import add_serve_args, config_from_args
-from pdserve.cluster.vllm_flags import HOLDS, NOT_TAKEN
+from pdserve.cluster.vllm_flags import FLAGS, INT
 from pdserve.runner.generation_defaults import from_file, parse_override, sampling_defaults
 
 
@@ -741,37 +741,50 @@ def test_harmony_tool_parser_needs_the_harmony_reasoning_parser():
     assert (cfg.tool_call_parser, cfg.reasoning_parser) == ("openai", "openai_gptoss")
 
 
-@pytest.mark.parametrize(
-    "flag", [f for flags in NOT_TAKEN for f in flags], ids=lambda f: f.lstrip("-")
-)
-def test_vllm_flags_without_a_pdserve_knob_are_refused_with_the_reason(flag, capsys):
-    """A vLLM launch line's flag that pdserve has no knob for stops the start with why and
-    what pdserve has instead (argparse alone says "unrecognized arguments"); out of --help."""
-    takes_value, reason = next(v for flags, v in NOT_TAKEN.items() if flag in flags)
-    with pytest.raises(SystemExit) as e:
-        _args(flag, "4") if takes_value else _args(flag)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert f"error: {flag} is a vLLM flag pdserve does not take: {reason}" in err, err
-
-
-def test_vllm_flags_whose_meaning_holds_are_taken_and_checked(capsys):
-    """`--tokenizer-mode auto|hf` and `--max-log-len N` leave the settings as they are (their
-    meaning is pdserve's anyway); other tokenizer modes and non-numbers are refused."""
-    assert _args("--tokenizer-mode", "hf", "--max-log-len", "0") == _args()
-    for argv, says in [
-        (("--tokenizer-mode", "mistral"), "--tokenizer-mode mistral: pdserve takes auto or hf"),
-        (("--max-log-len", "all"), "--max-log-len must be a number of characters"),
-    ]:
-        with pytest.raises(SystemExit):
+@pytest.mark.parametrize("flag", [f for v in FLAGS for f in v.names], ids=lambda f: f.lstrip("-"))
+def test_vllm_flags_without_a_pdserve_knob(flag, capsys):
+    """A vLLM launch line's flag that pdserve has no knob for: a value whose meaning holds
+    here is taken and changes no setting (the line runs unchanged); any other value, or a
+    flag whose meaning does not hold, stops the start with why and what pdserve has
+    instead (argparse alone says "unrecognized arguments"). None shows in --help."""
+    v = next(v for v in FLAGS if flag in v.names)
+    kept = {True: [()], False: []}.get(v.holds) if isinstance(v.holds, bool) else (
+        [(flag, "0"), (flag, "4096")] if v.holds == INT else [(flag, h) for h in v.holds or ()]
+    )  # fmt: skip
+    kept = [(flag,) if argv == () else argv for argv in kept]
+    for argv in kept:
+        assert _args(*argv) == _args(), argv
+    refused = ([(flag,)] if v.holds is False else [] if v.holds is True else
+               [(flag, "x2")])  # fmt: skip
+    for argv in refused:
+        with pytest.raises(SystemExit) as e:
             _args(*argv)
-        assert says in capsys.readouterr().err
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: {flag}" in err and v.why in err, err
+        if v.holds in (None, False):
+            assert f"{flag} is a vLLM flag pdserve does not take" in err
+    assert kept or refused
     p = argparse.ArgumentParser()
     add_serve_args(p)
+    assert flag not in p.format_help().split()
+
+
+def test_vllm_flags_that_hold_say_which_values_do(capsys):
+    """The refusal of a value names the ones taken (`-dp 2`: only 1)."""
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    for argv, says in [
+        (["-dp", "2"], "-dp 2: pdserve takes 1 only: pdserve's data parallelism is its pools"),
+        (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral: pdserve takes auto or hf"),
+        (["--max-log-len", "all"], "--max-log-len must be an integer >= 0 (got 'all')"),
+        (["--enable-sleep-mode"], "--enable-sleep-mode is a vLLM flag pdserve does not take"),
+    ]:
+        with pytest.raises(SystemExit):
+            p.parse_args(argv)
+        assert says in capsys.readouterr().err
     helps = p.format_help()
     assert "--max-logprobs" in helps and "--disable-log-requests" in helps
-    assert not [f for flags in NOT_TAKEN for f in flags if f in helps.split()]
-    assert not [f for f in HOLDS if f in helps]
 
 
 def test_a_request_asks_for_at_most_max_logprobs():
