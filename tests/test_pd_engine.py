@@ -15,7 +15,7 @@ from conftest import DEVICE
 
 from pdserve.cluster.serve_process import free_port
 from pdserve.decode.lease_keeper import HEARTBEAT_TIMEOUT_S, LeaseKeeper
-from pdserve.decode.worker import DecodeWorker
+from pdserve.decode.worker import EARLY_ABORTS, DecodeWorker
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.tier import HostKVTier
 from pdserve.kvtransfer.transport_local import LocalRegistry, LocalTransport
@@ -465,3 +465,32 @@ def test_lease_table_pins_defer_release():
         assert table.drain_freeable() == []
     assert table.drain_freeable() == ["r"]
     assert not table.release("r")
+
+
+def test_an_abort_that_comes_before_its_submit_drops_the_request(tiny_qwen3_dir):
+    """Ray runs an async actor's calls out of order, so a client that hangs up at once can
+    have its abort reach the decode worker before its submit. The submit that follows is
+    dropped (it would otherwise decode to max_tokens for nobody) and its ticket aborted, so
+    the prefill side frees the prompt's blocks at once; other requests run as before."""
+    prefill, decode = _local_pair(tiny_qwen3_dir)
+    free0 = prefill.engine.kv.num_free_blocks
+    prompts = _prompts(2, 990, seed=5)
+    for i, p in enumerate(prompts):
+        prefill.submit(str(i), p, GREEDY)
+    tickets = {r.request_id: r.ticket for r in wait_for_tickets(prefill, 2, timeout_s=120)}
+    held = _free_after_release(prefill)  # both prompts' blocks held for the decode side
+    assert decode.abort("0") is False  # not submitted yet
+    decode.submit("0", prompts[0], GREEDY, tickets["0"])
+    assert not decode.has_work() and "0" not in decode.early_aborts
+    assert held < _free_after_release(prefill) < free0  # "0"'s freed, "1"'s still held
+    decode.submit("1", prompts[1], GREEDY, tickets["1"])
+    got = _run(decode.step, decode.has_work)
+    assert set(got) == {"1"} and len(got["1"][0]) == GREEDY.max_tokens
+    assert _free_after_release(prefill) == free0
+    # colocated (no ticket) alike; the memory of early aborts is bounded
+    decode.abort("2")
+    decode.submit("2", prompts[0], GREEDY, None)
+    assert not decode.has_work()
+    for i in range(EARLY_ABORTS + 1):
+        decode.abort(f"gone-{i}")
+    assert len(decode.early_aborts) == EARLY_ABORTS and "gone-0" not in decode.early_aborts

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -165,26 +166,29 @@ def test_response_flags(server, colocated):
     without stream_options ends with usage; --enable-prompt-tokens-details: usage has
     cached_tokens, 0 included (prefix caching is off here); --return-tokens-as-token-ids:
     logprobs name tokens by id unless the request says otherwise. The shared colocated
-    server, started without them, answers as before."""
+    server, started without them, answers as before (usage without details for a prompt
+    nothing was cached for)."""
     q = [{"role": "user", "content": "What is the capital of France?"}]
-    for srv, role, details in [
-        (server, "bot", {"cached_tokens": 0}),
-        (colocated, "assistant", None),
-    ]:
+    for srv, role in [(server, "bot"), (colocated, "assistant")]:
         c = _client(srv)
         model = "smol" if srv is server else "SmolLM2-135M-Instruct"
         r = c.chat.completions.create(model=model, messages=q, max_tokens=4)
         assert r.choices[0].message.role == role
-        details_got = r.usage.prompt_tokens_details
-        assert (details_got and details_got.model_dump(exclude_none=True)) == details, r.usage
         chunks = list(c.chat.completions.create(model=model, messages=q, max_tokens=4,
                                                 stream=True))  # fmt: skip
         assert chunks[0].choices[0].delta.role == role
         last = chunks[-1]
         if srv is server:
             assert not last.choices and last.usage.completion_tokens == 4, last
+            assert r.usage.prompt_tokens_details.model_dump(exclude_none=True) == {
+                "cached_tokens": 0
+            }
         else:
             assert last.choices and all(ch.usage is None for ch in chunks)
+            # a prompt no earlier request shares a block with: nothing cached, no details
+            fresh = c.completions.create(model=model, prompt=f"{uuid.uuid4().hex} is",
+                                         max_tokens=1).usage  # fmt: skip
+            assert fresh.prompt_tokens_details is None, fresh
     c = _client(server)
     kw = dict(model="smol", prompt="The capital of France is", max_tokens=2, logprobs=1)
     lp = c.completions.create(**kw).choices[0].logprobs
