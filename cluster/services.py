@@ -347,8 +347,10 @@ class PrefillService(_Service):
         fut: Future = Future()
 
         def submit(w: PrefillWorker) -> None:
-            w.submit(req.request_id, req.prompt_token_ids, req.params, req.lora_request())
-            self._waiters[req.request_id] = fut
+            if w.submit(req.request_id, req.prompt_token_ids, req.params, req.lora_request()):
+                self._waiters[req.request_id] = fut
+            else:  # its abort came first: no prompt runs, and nobody waits for a ticket
+                fut.set_exception(RuntimeError(f"{req.request_id} was aborted before it ran"))
 
         await self._call(submit)
         return await asyncio.wrap_future(fut)

@@ -20,6 +20,7 @@ from pdserve.kvtransfer.layout import GroupStorage, worker_storage
 from pdserve.kvtransfer.protocol import Ticket
 from pdserve.kvtransfer.tier import HostKVTier
 from pdserve.kvtransfer.transport import Transport
+from pdserve.runner.early_aborts import EarlyAborts
 from pdserve.runner.engine import Engine
 from pdserve.runner.hybrid import WHY, is_hybrid
 from pdserve.runner.lora.request import LoRARequest
@@ -28,9 +29,6 @@ from pdserve.runner.pooling import pooling_from_wire
 from pdserve.runner.sampling_params import SamplingParams
 
 TIER_ONLY = "tier-only"  # a load with no prefill worker behind it: the tier or nothing
-# How many aborts of requests this worker did not know it remembers: Ray runs an async
-# actor's calls out of order, so a client's abort can come before its request's submit.
-EARLY_ABORTS = 4096
 
 
 class DecodeWorker:
@@ -50,9 +48,8 @@ class DecodeWorker:
         `keep_leases_s`: how often the leases of queued requests' tickets are extended
         (decode/lease_keeper.py); None leaves them to expire."""
         self.worker_id = worker_id
-        # Request ids aborted before they were submitted (the router's ids are never
-        # reused): their submit, when it comes, is dropped (`submit`).
-        self.early_aborts: dict[str, None] = {}
+        # aborts that came before their submit, which is then dropped (runner/early_aborts.py)
+        self.early_aborts = EarlyAborts()
         self.loader = TransferLoader(transports, "", policy, timeout_s, tier)
         self.lease_keeper = LeaseKeeper(transports, keep_leases_s)
         self.engine = engine or Engine.from_args(kv_loader=self.loader, **engine_kwargs)
@@ -91,7 +88,7 @@ class DecodeWorker:
         adapter it runs with, loaded into a slot if it is not (None: the base model). `embed`
         (runner/pooling.py `pooling_to_wire`): a pooling request instead, an embedding or
         a classification."""
-        if self.early_aborts.pop(request_id, 0) is None:  # its abort came first
+        if self.early_aborts.take(request_id):  # its abort came first
             if ticket is not None:  # the prefill side frees the prompt's blocks now
                 self.loader.abort_ticket(ticket)
             return
@@ -145,10 +142,7 @@ class DecodeWorker:
         req = scheduler.requests.get(request_id)
         unused = req.kv_ticket if req is not None and request_id not in scheduler.loading else None
         if not self.engine.abort(request_id):
-            # Not here yet (or finished): a submit that comes after is dropped.
-            self.early_aborts[request_id] = None
-            if len(self.early_aborts) > EARLY_ABORTS:
-                del self.early_aborts[next(iter(self.early_aborts))]
+            self.early_aborts.add(request_id)  # not here yet (or finished)
             return False
         if isinstance(unused, Ticket):
             self.loader.abort_ticket(unused)

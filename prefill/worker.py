@@ -41,6 +41,7 @@ from pdserve.kvtransfer.source import KVSource
 from pdserve.kvtransfer.tier import HostKVTier
 from pdserve.kvtransfer.transport_cuda_ipc import export_storages
 from pdserve.kvtransfer.transport_local import LocalRegistry
+from pdserve.runner.early_aborts import EarlyAborts
 from pdserve.runner.engine import Engine
 from pdserve.runner.hybrid import WHY, is_hybrid
 from pdserve.runner.kv_hooks import KVPromptScheduled
@@ -116,6 +117,7 @@ class PrefillWorker:
         self.engine = engine
         self.worker_id = worker_id
         self.tier = tier
+        self.early_aborts = EarlyAborts()  # aborts that came before their prompt
         layout, storages = worker_storage(
             engine.config.model.source or "model", engine.runner.kv_cache,
             getattr(engine.config.model.hf_config, "kv_lora_rank", None),
@@ -162,12 +164,15 @@ class PrefillWorker:
         prompt_token_ids: list[int],
         params: SamplingParams,
         lora: LoRARequest | None = None,
-    ) -> None:
+    ) -> bool:
         """`lora`: the adapter it runs with, loaded into a slot if it is not (None: the
-        base model)."""
+        base model). False: its abort came first (runner/early_aborts.py), nothing runs."""
+        if self.early_aborts.take(request_id):
+            return False
         self.engine.add_request(
             request_id, prompt_token_ids, params, hold_kv=True, lora_request=lora
         )
+        return True
 
     def abort(self, request_id: str) -> bool:
         """Stop a prompt still running, or end the lease of one already exported."""
@@ -176,7 +181,10 @@ class PrefillWorker:
             return True
         if request_id in self.leases:
             return False  # ended, but a transfer still reads it: freed when that ends
-        return self.engine.abort(request_id)
+        if self.engine.abort(request_id):
+            return True
+        self.early_aborts.add(request_id)  # not here yet (or finished)
+        return False
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished()

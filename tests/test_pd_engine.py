@@ -15,7 +15,7 @@ from conftest import DEVICE
 
 from pdserve.cluster.serve_process import free_port
 from pdserve.decode.lease_keeper import HEARTBEAT_TIMEOUT_S, LeaseKeeper
-from pdserve.decode.worker import EARLY_ABORTS, DecodeWorker
+from pdserve.decode.worker import DecodeWorker
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.tier import HostKVTier
 from pdserve.kvtransfer.transport_local import LocalRegistry, LocalTransport
@@ -471,7 +471,8 @@ def test_an_abort_that_comes_before_its_submit_drops_the_request(tiny_qwen3_dir)
     """Ray runs an async actor's calls out of order, so a client that hangs up at once can
     have its abort reach the decode worker before its submit. The submit that follows is
     dropped (it would otherwise decode to max_tokens for nobody) and its ticket aborted, so
-    the prefill side frees the prompt's blocks at once; other requests run as before."""
+    the prefill side frees the prompt's blocks at once; other requests run as before. A
+    prefill worker drops a prompt whose abort came first the same way."""
     prefill, decode = _local_pair(tiny_qwen3_dir)
     free0 = prefill.engine.kv.num_free_blocks
     prompts = _prompts(2, 990, seed=5)
@@ -491,6 +492,13 @@ def test_an_abort_that_comes_before_its_submit_drops_the_request(tiny_qwen3_dir)
     decode.abort("2")
     decode.submit("2", prompts[0], GREEDY, None)
     assert not decode.has_work()
-    for i in range(EARLY_ABORTS + 1):
+    limit = decode.early_aborts.limit
+    for i in range(limit + 1):
         decode.abort(f"gone-{i}")
-    assert len(decode.early_aborts) == EARLY_ABORTS and "gone-0" not in decode.early_aborts
+    assert len(decode.early_aborts) == limit and "gone-0" not in decode.early_aborts
+    assert "gone-1" in decode.early_aborts
+    # the prefill worker alike: a prompt whose abort came first does not run
+    assert prefill.abort("3") is False and prefill.submit("3", prompts[0], GREEDY) is False
+    assert not prefill.has_work() and "3" not in prefill.early_aborts
+    assert prefill.submit("4", prompts[0], GREEDY) is True
+    assert [r.request_id for r in wait_for_tickets(prefill, 1, timeout_s=120)] == ["4"]
