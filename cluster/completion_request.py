@@ -111,7 +111,7 @@ async def parse_body(
         beam = beam_params(body, params, stream)
         check_token_ids(params, state.vocab_size)
         check_priority(params, state.scheduling_policy)
-        check_logprobs(params, kind, state.max_logprobs)
+        check_logprobs(params, kind, api.max_logprobs)
         reasoning = request_parser(
             state.reasoning_parser, kind, params, _tail(state, ids), state.grammar_in_reasoning
         )

@@ -31,7 +31,6 @@ from pdserve.cluster.request_log import RequestLog
 from pdserve.cluster.response_shapes import client_request_id, new_id, now
 from pdserve.cluster.response_store import DEFAULT_STORE_BYTES, ResponseStore
 from pdserve.cluster.router import Router
-from pdserve.runner.sampling_params import MAX_LOGPROBS
 from pdserve.version import __version__
 
 if TYPE_CHECKING:
@@ -65,7 +64,6 @@ class AppState:
         runtime_lora_rank: int | None = None,
         eos_token_ids: tuple[int, ...] = (),
         grammar_in_reasoning: bool = False,
-        max_logprobs: int = MAX_LOGPROBS,
         openapi: bool = True,
         api_defaults: ApiDefaults | None = None,
     ) -> None:
@@ -106,9 +104,8 @@ class AppState:
         # not served
         self.runtime_lora_rank = runtime_lora_rank
         self.eos_token_ids = eos_token_ids  # the model's (beam search ends beams on them)
-        self.max_logprobs = max_logprobs  # `--max-logprobs`: a request's most a token
         self.openapi = openapi  # /openapi.json served; `--disable-fastapi-docs`: not
-        self.api_defaults = api_defaults or ApiDefaults()  # vLLM's response flags
+        self.api_defaults = api_defaults or ApiDefaults()  # vLLM's request/response flags
 
     @property
     def model_name(self) -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve.runner.beam_search import BeamSearchParams
-from pdserve.runner.sampling_params import SamplingParams
+from pdserve.runner.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:  # it imports this module
     from pdserve.cluster.reasoning.base import ReasoningParser
@@ -58,8 +58,11 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class ApiDefaults:
-    """vLLM's server-wide settings of the OpenAI responses (`pdserve serve` flags)."""
+    """vLLM's server-wide settings of the OpenAI requests and responses (`pdserve serve`
+    flags)."""
 
+    # --max-logprobs: the most logprobs a request may ask for a token (sampled or prompt)
+    max_logprobs: int = MAX_LOGPROBS
     response_role: str = "assistant"  # --response-role: a chat reply's role
     # --return-tokens-as-token-ids: the default of the request field of that name
     tokens_as_ids: bool = False

@@ -311,8 +311,8 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             ResponseStore(cfg.responses_store_bytes), lora_modules,
             model_pooling(ecfg.model.path, ecfg.model.hf_config, ecfg.model.classifier),
             runtime_lora_rank, eos_token_ids(ecfg.model.path, ecfg.model.hf_config, tokenizer),
-            grammar_in_reasoning(cfg), cfg.max_logprobs, not cfg.disable_fastapi_docs,
-            ApiDefaults(cfg.response_role, cfg.return_tokens_as_token_ids,
+            grammar_in_reasoning(cfg), not cfg.disable_fastapi_docs,
+            ApiDefaults(cfg.max_logprobs, cfg.response_role, cfg.return_tokens_as_token_ids,
                         cfg.enable_force_include_usage, cfg.enable_prompt_tokens_details),
         )  # fmt: skip
         app = build_app(state)

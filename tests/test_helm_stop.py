@@ -69,10 +69,13 @@ def run_hook(
         pid = proc.pid if proc is not None else 0
         script = script.replace("/proc/[0-9]*/cmdline", f"/proc/{pid}/cmdline /proc/$$/cmdline")
     start = time.time()
+
+    def watch() -> None:  # when the holder ends, from the hook's start
+        proc.wait()
+        ended[0] = time.time() - start
+
     if proc is not None:
-        watcher = threading.Thread(
-            target=lambda: (proc.wait(), ended.__setitem__(0, time.time() - start))
-        )
+        watcher = threading.Thread(target=watch)
         watcher.start()
     try:
         hook = subprocess.run(

@@ -748,10 +748,12 @@ def test_vllm_flags_without_a_pdserve_knob(flag, capsys):
     flag whose meaning does not hold, stops the start with why and what pdserve has
     instead (argparse alone says "unrecognized arguments"). None shows in --help."""
     v = next(v for v in FLAGS if flag in v.names)
-    kept = {True: [()], False: []}.get(v.holds) if isinstance(v.holds, bool) else (
-        [(flag, "0"), (flag, "4096")] if v.holds == INT else [(flag, h) for h in v.holds or ()]
-    )  # fmt: skip
-    kept = [(flag,) if argv == () else argv for argv in kept]
+    if v.holds is True:
+        kept = [(flag,)]
+    elif v.holds == INT:
+        kept = [(flag, "0"), (flag, "4096")]
+    else:  # the values that hold; none for a refused flag (False or None)
+        kept = [(flag, h) for h in v.holds or ()]
     for argv in kept:
         assert _args(*argv) == _args(), argv
     refused = ([(flag,)] if v.holds is False else [] if v.holds is True else
