@@ -8,23 +8,34 @@ from __future__ import annotations
 import torch
 
 
-def constrained_greedy(
+def constrained_greedy_choices(
     hf, prompt: list[int], dfa, vocab: list[bytes | None], eos: set[int] | frozenset[int],
-    max_tokens: int, device: str = "cpu",
+    out: list[int], max_tokens: int, device: str = "cpu",
 ) -> list[int]:  # fmt: skip
-    ids, out, state = list(prompt), [], dfa.start
-    for _ in range(max_tokens):
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids], device=device)).logits[0, -1].float().cpu()
+    """The spec's choice at each step of `out` (an engine's constrained greedy tokens): the
+    argmax of transformers' logits over the tokens allowed in the DFA state that `out`'s
+    tokens before it reach, for as many steps as the spec takes (up to EOS or `max_tokens`;
+    one past the end of an `out` that stopped short of both). It equals `out` exactly when
+    constrained greedy decoding from `prompt` gives `out`: a step's choice depends only on
+    the prefix before it, here `out`'s own. One forward pass over prompt + out, not one a
+    step: SmolLM2's 24-step JSON case took 7 s of CPU, 4.3 of it in 24 passes."""
+    ends = bool(out) and out[-1] in eos
+    steps = min(max_tokens, len(out) + (0 if ends else 1))
+    with torch.no_grad():
+        x = torch.tensor([list(prompt) + list(out[: steps - 1])], device=device)
+        logits = hf(x).logits[0, len(prompt) - 1 :].float().cpu()
+    choices, state = [], dfa.start
+    for step in range(steps):
         allowed = torch.tensor([
-            bool(dfa.accept[state]) if t in eos
+            bool(dfa.accept[state]) if tok in eos
             else data is not None and dfa.walk(data, state) >= 0
-            for t, data in enumerate(vocab)
+            for tok, data in enumerate(vocab)
         ])  # fmt: skip
-        t = int(logits.masked_fill(~allowed, float("-inf")).argmax())
-        out.append(t)
-        if t in eos:
+        choices.append(int(logits[step].masked_fill(~allowed, float("-inf")).argmax()))
+        t = out[step] if step + 1 < steps else None
+        if t is None or t in eos or vocab[t] is None:
             break
         state = dfa.walk(vocab[t], state)
-        ids.append(t)
-    return out
+        if state < 0:  # `out` left the language: this step's choice already differs
+            break
+    return choices

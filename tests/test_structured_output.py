@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 from conftest import DEVICE
-from structured_spec import constrained_greedy
+from structured_spec import constrained_greedy_choices
 
 from pdserve import LLM, SamplingParams
 from pdserve.runner.structured.byte_dfa import compile_dfa
@@ -124,9 +124,9 @@ def test_greedy_under_a_schema_equals_transformers_constrained_by_brute_force(sm
         use_tqdm=False,
     )  # fmt: skip
     eos = frozenset(smol.engine.eos_token_ids)
-    want = constrained_greedy(hf, prompt, compile_spec(spec), vocab, eos, 40)
     out = got.outputs[0]
-    assert list(out.token_ids) == want
+    ids = list(out.token_ids)
+    assert ids == constrained_greedy_choices(hf, prompt, compile_spec(spec), vocab, eos, ids, 40)
     assert out.finish_reason == "stop"
     jsonschema.validate(json.loads(out.text), PERSON)
     alone = smol.generate({"prompt_token_ids": prompt}, free, use_tqdm=False)[0]
@@ -153,7 +153,8 @@ def test_greedy_under_a_structural_tag_equals_transformers_constrained_by_brute_
     params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=spec)
     out = smol.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
     eos = frozenset(smol.engine.eos_token_ids)
-    assert list(out.token_ids) == constrained_greedy(hf, prompt, compile_spec(spec), vocab, eos, 30)
+    ids = list(out.token_ids)
+    assert ids == constrained_greedy_choices(hf, prompt, compile_spec(spec), vocab, eos, ids, 30)
     head, _, rest = out.text.partition("Paris")
     body, dot, tail = rest.rpartition(".")
     assert "Paris" not in head and dot and tail == ""  # one structure, nothing after it
@@ -225,7 +226,8 @@ def test_grammars_hold_greedy_and_sampled(smol, tok, vocab, hf):
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec)
     out = smol.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
     eos = frozenset(smol.engine.eos_token_ids)
-    assert list(out.token_ids) == constrained_greedy(hf, prompt, compile_spec(spec), vocab, eos, 40)
+    ids = list(out.token_ids)
+    assert ids == constrained_greedy_choices(hf, prompt, compile_spec(spec), vocab, eos, ids, 40)
     assert out.finish_reason == "stop" and compile_spec(spec).matches(out.text.encode())
     assert out.text.startswith("SELECT ") and out.text.endswith(";"), out.text
     spec = StructuredOutputs(grammar=EXPR_GRAMMAR)

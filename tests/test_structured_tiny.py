@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 from conftest import DEVICE
-from structured_spec import constrained_greedy
+from structured_spec import constrained_greedy_choices
 
 from pdserve import LLM, SamplingParams
 from pdserve.runner.structured.patterns import compile_spec
@@ -103,8 +103,9 @@ def test_constrained_greedy_equals_the_brute_force_spec(tiny_dir):
         got = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
             temperature=0, max_tokens=24, structured_outputs=spec), use_tqdm=False
         )[0].outputs[0]  # fmt: skip
-        want = constrained_greedy(hf, prompt, dfa, vocab, eos, 24, DEVICE)
-        assert list(got.token_ids) == want, spec.describe()
+        ids = list(got.token_ids)
+        want = constrained_greedy_choices(hf, prompt, dfa, vocab, eos, ids, 24, DEVICE)
+        assert ids == want, spec.describe()
         assert _in_language(spec, got.text, got.finish_reason == "stop"), got.text
 
 
