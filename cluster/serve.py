@@ -77,6 +77,7 @@ def run_serve(cfg: ServeConfig) -> int:
     http_sock = listen_socket(cfg.host, cfg.port)
     join_auth_env(cfg, os.environ)
     try:
+        cfg.tls.load_check()  # as the server will load them, before Ray and the model
         return _serve(cfg, http_sock)
     finally:
         http_sock.close()
@@ -348,8 +349,9 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
                 await subscriber.close()
 
         app.router.lifespan_context = lifespan
+        root = f"{cfg.tls.scheme}://{cfg.host}:{cfg.port}"
         print(
-            f"pdserve: serving {model_names[0]!r} at http://{cfg.host}:{cfg.port}/v1 — mode "
+            f"pdserve: serving {model_names[0]!r} at {root}/v1 — mode "
             f"{cfg.mode}, {len(router.prefill_workers)} prefill + {len(router.decode_workers)} "
             "decode worker(s), "
             + (f"KV over {transport}, " if cfg.mode == "pd" else "")
@@ -366,14 +368,14 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
                 if placement.joined
                 else f"device {ecfg.runner.device}"
             )
-            + f"; dashboard at http://{cfg.host}:{cfg.port}/dashboard"
+            + f"; dashboard at {root}/dashboard"
             + (f", autoscaling within {bounds}" if autoscaler is not None else ""),
             flush=True,
         )
         server = GracefulServer(
             uvicorn.Config(
                 app, host=cfg.host, port=cfg.port, log_level=cfg.uvicorn_log_level,
-                access_log=not cfg.disable_uvicorn_access_log,
+                access_log=not cfg.disable_uvicorn_access_log, **cfg.tls.uvicorn_kwargs(),
             ),
             cfg.shutdown_timeout_s, router.stop_requests,
         )  # fmt: skip

@@ -10,6 +10,7 @@ from pdserve.cluster.cors import CorsConfig
 from pdserve.cluster.metric_names import check_prefix
 from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.cluster.response_store import DEFAULT_STORE_BYTES
+from pdserve.cluster.tls import TlsConfig
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from pdserve.json_arg import json_object
 from pdserve.runner.sampling_params import MAX_LOGPROBS
@@ -213,6 +214,12 @@ class ServeConfig:
     lora_modules: tuple[str, ...] = ()
     max_loras: int = 1
     max_lora_rank: int = 16
+    # vLLM's TLS flags (cluster/tls.py): ssl_certfile turns TLS on for the router's port.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    ssl_ciphers: str | None = None
     # vLLM's CORS flags (cluster/cors.py): which browser origins may call the API.
     allowed_origins: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
@@ -250,6 +257,13 @@ class ServeConfig:
         return CorsConfig(
             self.allowed_origins, self.allow_credentials, self.allowed_methods,
             self.allowed_headers,
+        )  # fmt: skip
+
+    @property
+    def tls(self) -> TlsConfig:
+        return TlsConfig(
+            self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs, self.ssl_cert_reqs,
+            self.ssl_ciphers,
         )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -381,6 +395,7 @@ class ServeConfig:
             if isinstance(value, str | list):
                 object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         _ = self.cors  # CorsConfig checks them
+        _ = self.tls  # TlsConfig checks the flags' combinations (the files: at start)
         if not 0 <= self.shutdown_timeout_s < float("inf"):
             raise ValueError(
                 f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout_s}"

@@ -180,6 +180,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="CORS: allow credentials (default off, as vLLM)",
     )
+    p.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="serve HTTPS with this certificate (PEM; default plain HTTP)")  # fmt: skip
+    p.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                   help="the certificate's key, unencrypted (unless --ssl-certfile holds it)")  # fmt: skip
+    p.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                   help="CA certificates that client certificates are checked against")  # fmt: skip
+    p.add_argument("--ssl-cert-reqs", type=int, default=None, metavar="N",
+                   help="client certificates: 0 none (default), 1 optional, 2 required")  # fmt: skip
+    p.add_argument("--ssl-ciphers", default=None, metavar="CIPHERS",
+                   help="OpenSSL cipher list (default uvicorn's)")  # fmt: skip
     p.add_argument("--metrics-prefix", default=None,
                    help=f"/metrics series names start with it (default {d.metrics_prefix}; "
                    "vllm: lets vLLM's Grafana dashboards read them)")  # fmt: skip

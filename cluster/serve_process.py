@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -31,9 +32,17 @@ PORT_ATTEMPTS = 3
 
 
 class ServeProcess:
-    """One `pdserve serve --port P *args` child, up and healthy once constructed."""
+    """One `pdserve serve --port P *args` child, up and healthy once constructed.
+    `tls_ca`: the child serves TLS (its args name a certificate), checked against this CA
+    file; `url` is then https."""
 
-    def __init__(self, log_dir: Path, *args: str, start_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, log_dir: Path, *args: str, start_timeout_s: float = 300.0, tls_ca: str | None = None
+    ) -> None:
+        self.verify: ssl.SSLContext | bool = (
+            True if tls_ca is None else ssl.create_default_context(cafile=tls_ca)
+        )
+        self.scheme = "http" if tls_ca is None else "https"
         deadline = time.monotonic() + start_timeout_s
         for attempt in range(PORT_ATTEMPTS):
             try:
@@ -57,7 +66,7 @@ class ServeProcess:
                 env=env,
                 start_new_session=True,
             )
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{self.scheme}://127.0.0.1:{self.port}"
         start_timeout_s = max(deadline - time.monotonic(), 0.0)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -69,7 +78,8 @@ class ServeProcess:
             # holds the port may accept and never answer) is seen within a second; a
             # slow /health is asked again.
             try:
-                if httpx.get(self.url + "/health", timeout=0.5).status_code == 200:
+                health = httpx.get(self.url + "/health", timeout=0.5, verify=self.verify)
+                if health.status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

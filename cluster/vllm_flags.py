@@ -65,8 +65,8 @@ FLAGS = (
     VllmFlag(("--otlp-traces-endpoint", "--collect-detailed-traces"), "pdserve exports no "
              "OpenTelemetry traces: each request's route and timings are in the log "
              "(--enable-log-requests) and /metrics"),
-    VllmFlag(("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs"),
-             "pdserve serves plain HTTP: terminate TLS in front of it (an ingress or a proxy)"),
+    VllmFlag(("--enable-ssl-refresh",), "pdserve loads its certificate files once: restart "
+             "the router to load new ones", False),
 )  # fmt: skip
 
 

@@ -223,8 +223,14 @@ def cmd_run_batch(args: argparse.Namespace, argv: list[str]) -> int:
     lines = read_input(args.input_file)
     if args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-    api_key = config_from_args(args).api_key  # checks the serve flags before any start
+    serve_cfg = config_from_args(args)  # checks the serve flags before any start
+    api_key = serve_cfg.api_key
     server, url = None, args.base_url
+    if url is None and serve_cfg.tls.enabled:
+        raise ValueError(
+            "run-batch's own server is a child on 127.0.0.1 that only this command calls: "
+            "leave out the --ssl-* flags (--base-url https://... sends a batch to a TLS server)"
+        )
     if url is None:
         with _Spinner("starting pdserve serve"):
             try:

@@ -19,7 +19,14 @@ class Server(ServeProcess):
     """A `ServeProcess` with the test's clients and checks."""
 
     def client(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+        # A TLS server's certificate is checked against its test CA (`tls_ca`).
+        tls = (
+            {}
+            if self.verify is True
+            else {"http_client": openai.DefaultHttpxClient(verify=self.verify)}
+        )
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120,
+                             **tls)  # fmt: skip
 
     def ray_processes(self) -> dict[int, str]:
         """This server's Ray worker processes (its own Ray's; other servers may run on the
@@ -33,7 +40,7 @@ class Server(ServeProcess):
         }
 
     def metrics(self) -> str:
-        return httpx.get(self.url + "/metrics", timeout=30).text
+        return httpx.get(self.url + "/metrics", timeout=30, verify=self.verify).text
 
     def stop(self) -> None:
         code = super().stop()  # Ctrl-C, then wait

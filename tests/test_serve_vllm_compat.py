@@ -3,16 +3,20 @@ SmolLM2, colocated), driven with the official `openai` client: the model given a
 positional argument, two served names, a generation config whose defaults (greedy, a
 48-token cap) requests that leave the fields out take, chat without max_tokens, text
 content parts, prefix caching and chunked prefill turned off, async scheduling on, the KV cache sized
-in bytes, a logprobs bound, no OpenAPI document and vLLM's response flags."""
+in bytes, a logprobs bound, no OpenAPI document, vLLM's response flags and TLS (a test CA's
+certificate, client certificates optional: every call here checks the server against the
+CA, as SSL_CERT_FILE makes httpx and the openai client do)."""
 
 from __future__ import annotations
 
 import json
 import re
+import ssl
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import certifi
 import httpx
 import openai
 import pytest
@@ -22,6 +26,7 @@ STORY = [{"role": "user", "content": "Write a long story about a dragon who lear
 MAX_MODEL_LEN = 384
 CAP = 48  # the generation config's max_new_tokens
 KV_SIZE = "128M"  # 128 MiB of KV cache: --kv-cache-memory-bytes takes vLLM's size suffixes
+TLS = Path(__file__).parent / "data" / "tls"  # test certificates (tests/test_tls.py)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +42,15 @@ def server(tmp_path_factory, smollm_dir):
     template.write_text(
         load_tokenizer(smollm_dir).chat_template + "{% if shout %}SHOUT SHOUT{% endif %}"
     )
-    srv = Server(
+    with pytest.MonkeyPatch.context() as env:  # this module's clients trust the test CA
+        env.setenv("SSL_CERT_FILE", str(TLS / "ca.pem"))
+        srv = _start(tmp_path_factory, smollm_dir, gen, template)
+        yield srv
+        srv.stop()
+
+
+def _start(tmp_path_factory, smollm_dir, gen, template) -> Server:
+    return Server(
         tmp_path_factory.mktemp("vllm-compat"), smollm_dir, "--served-model-name", "smol",
         "SmolLM2", "org/smol-2", "--chat-template", str(template), "--mode", "colocated", "--max-model-len",
         str(MAX_MODEL_LEN),
@@ -47,9 +60,35 @@ def server(tmp_path_factory, smollm_dir):
         "--disable-fastapi-docs", "--disable-log-requests", "--tokenizer-mode", "auto",
         "--max-log-len", "100", "--response-role", "bot", "--return-tokens-as-token-ids",
         "--enable-force-include-usage", "--enable-prompt-tokens-details",
+        "--ssl-certfile", str(TLS / "server.pem"), "--ssl-keyfile", str(TLS / "server.key"),
+        "--ssl-ca-certs", str(TLS / "ca.pem"), "--ssl-cert-reqs", "1",
+        tls_ca=str(TLS / "ca.pem"),
     )  # fmt: skip
-    yield srv
-    srv.stop()
+
+
+def test_tls_with_optional_client_certificates(server):
+    """--ssl-certfile / --ssl-keyfile: the API is HTTPS only, under the test CA's
+    certificate for 127.0.0.1, and the log says https; --ssl-ca-certs with --ssl-cert-reqs
+    1: a client certificate that CA signed is taken, one it did not sign ends the
+    handshake, and a client without one is served."""
+    assert server.url.startswith("https://")
+    assert f"at {server.url}/v1" in server.log.read_text()
+    plain = "http://" + server.url.removeprefix("https://")
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(plain + "/health", timeout=10)
+    public_cas = ssl.create_default_context(cafile=certifi.where())  # not the test CA
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(server.url + "/health", timeout=10, verify=public_cas)
+
+    def with_cert(name: str) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(TLS / "ca.pem"))
+        ctx.load_cert_chain(TLS / f"{name}.pem", TLS / f"{name}.key")
+        return ctx
+
+    assert httpx.get(server.url + "/health", timeout=10, verify=with_cert("client")).is_success
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(server.url + "/health", timeout=10, verify=with_cert("rogue"))
+    assert httpx.get(server.url + "/health", timeout=10).is_success  # no client certificate
 
 
 def _client(server) -> openai.OpenAI:
