@@ -198,6 +198,7 @@ def test_default_render_objects(helm: str) -> None:
             "decode.volumeMounts[0].mountPath=/models",
         ),
         ("cache.type=existingClaim", "cache.existingClaim=kernels"),
+        ("router.tls.secretName=pdserve-tls", "router.tls.clientCertReqs=1"),
     ],
     ids=[
         "default",
@@ -210,6 +211,7 @@ def test_default_render_objects(helm: str) -> None:
         "ray-auth-disabled",
         "cache-on-the-node-and-a-model-volume",
         "cache-on-a-claim",
+        "router-tls",
     ],
 )
 def test_raycluster_matches_kuberay_crd_schema(helm: str, crd_schema: dict, sets: tuple) -> None:

@@ -273,6 +273,45 @@ def test_monitoring(helm: str) -> None:
     assert svc["spec"]["ports"][0]["name"] == "http"
 
 
+def test_router_tls(helm: str) -> None:
+    """router.tls: the Secret mounted read-only in the router container, the ConfigMap's
+    ssl_* keys pointing into it (a ServeConfig with TLS on, client certificates optional
+    against its ca.crt), HTTPS probes (kubelet checks no certificate), the Prometheus
+    scheme annotation and an HTTPS ServiceMonitor with the tlsConfig given. (The
+    RayCluster against KubeRay's schema: test_helm_chart, "router-tls".)"""
+    objs = render(
+        helm, "router.tls.secretName=pdserve-tls", "router.tls.clientCertReqs=1",
+        "monitoring.serviceMonitor.enabled=true",
+        "monitoring.serviceMonitor.tlsConfig.serverName=pdserve.example.com",
+    )  # fmt: skip
+    data = serve_data(objs)
+    assert {k: v for k, v in data.items() if k.startswith("ssl_")} == {
+        "ssl_certfile": "/etc/pdserve-tls/tls.crt", "ssl_keyfile": "/etc/pdserve-tls/tls.key",
+        "ssl_ca_certs": "/etc/pdserve-tls/ca.crt", "ssl_cert_reqs": 1,
+    }  # fmt: skip
+    assert ServeConfig(**data).tls.scheme == "https"
+    pod = head_pod(objs)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["tls"]["secret"] == {"secretName": "pdserve-tls"}
+    router = container(pod, "router")
+    assert {"name": "tls", "mountPath": "/etc/pdserve-tls", "readOnly": True} in router[
+        "volumeMounts"
+    ]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert router[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    assert pod["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
+    (endpoint,) = one(objs, "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {"serverName": "pdserve.example.com"}
+    # Without client certificates the CA is not asked for; without TLS nothing changes.
+    data = serve_data(render(helm, "router.tls.secretName=pdserve-tls"))
+    assert data["ssl_certfile"] == "/etc/pdserve-tls/tls.crt" and "ssl_ca_certs" not in data
+    plain = render(helm)
+    assert not {k for k in serve_data(plain) if k.startswith("ssl_")}
+    router = container(head_pod(plain), "router")
+    assert all("scheme" not in router[p]["httpGet"] for p in ("startupProbe", "livenessProbe"))
+
+
 def test_tier_disabled(helm: str) -> None:
     """tier.enabled=false drops the tier group and tells pdserve there is no tier."""
     objs = render(helm, "tier.enabled=false")
@@ -391,6 +430,18 @@ def test_colocated(helm: str) -> None:
             ("head.volumeMounts[0].name=m",),
             "at '/head/volumeMounts/0': missing property 'mountPath'",
         ),
+        (
+            ("router.tls.secretName=t", "router.tls.clientCertReqs=2"),
+            "router.tls.clientCertReqs 2 (required) would fail every probe",
+        ),
+        (("router.tls.clientCertReqs=3",), "at '/router/tls/clientCertReqs': maximum"),
+        (
+            ("router.tls.clientCertReqs=1",),
+            "router.tls.clientCertReqs needs router.tls.secretName",
+        ),
+        (("serve.ssl_certfile=/c.pem",), "serve.ssl_certfile is set by the chart from router"),
+        (("serve.ssl_cert_reqs=1",), "serve.ssl_cert_reqs is set by the chart from router"),
+        (("serve.ssl_ciphers=HIGH",), "serve.ssl_ciphers needs router.tls.secretName"),
     ],
 )
 def test_bad_values_are_refused(helm: str, sets: tuple, message: str) -> None:

@@ -180,3 +180,8 @@ preStop:
         done
         ray stop
 {{- end }}
+
+{{/* Where the router container reads router.tls's Secret, and the scheme of its port:
+https with router.tls.secretName, else http. */}}
+{{- define "pdserve.tlsDir" -}}/etc/pdserve-tls{{- end }}
+{{- define "pdserve.scheme" -}}{{ if .Values.router.tls.secretName }}https{{ else }}http{{ end }}{{- end }}

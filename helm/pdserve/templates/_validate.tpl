@@ -90,7 +90,11 @@ raycluster.yaml includes this first, so a bad install renders nothing. */}}
   "max_decode_workers" "autoscaling.decode.maxWorkers"
   "host" "the router command line"
   "port" "the router command line"
-  "ray_address" "the router command line" }}
+  "ray_address" "the router command line"
+  "ssl_certfile" "router.tls.secretName"
+  "ssl_keyfile" "router.tls.secretName"
+  "ssl_ca_certs" "router.tls.secretName and router.tls.clientCertReqs"
+  "ssl_cert_reqs" "router.tls.clientCertReqs" }}
 {{- range $key := keys $v.serve | sortAlpha }}
 {{- $k := $key | replace "-" "_" }}
 {{- if has $k (list "api_key" "admin_key") }}
@@ -99,6 +103,16 @@ raycluster.yaml includes this first, so a bad install renders nothing. */}}
 {{- if hasKey $owned $k }}
 {{- fail (printf "serve.%s is set by the chart from %s; remove it from serve" $key (get $owned $k)) }}
 {{- end }}
+{{- end }}
+
+{{- if eq (int $v.router.tls.clientCertReqs) 2 }}
+{{- fail "router.tls.clientCertReqs 2 (required) would fail every probe: kubelet's HTTPS probes present no client certificate; use 1 (a certificate that is presented is checked) or require them at a mesh or ingress" }}
+{{- end }}
+{{- if and (gt (int $v.router.tls.clientCertReqs) 0) (not $v.router.tls.secretName) }}
+{{- fail "router.tls.clientCertReqs needs router.tls.secretName (its ca.crt checks the clients' certificates)" }}
+{{- end }}
+{{- if and (hasKey $v.serve "ssl_ciphers") (not $v.router.tls.secretName) }}
+{{- fail "serve.ssl_ciphers needs router.tls.secretName: the router serves plain HTTP without it" }}
 {{- end }}
 
 {{- if $v.autoscaling.enabled }}
