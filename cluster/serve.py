@@ -93,6 +93,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.cluster.controller import Controller
     from pdserve.cluster.gpu_binding import actor_env, node_gpu_ids
     from pdserve.cluster.http_app import AppState, build_app
+    from pdserve.cluster.http_limits import HeaderCountLimit
     from pdserve.cluster.lora_routes import ENV_SWITCH as LORA_SWITCH
     from pdserve.cluster.lora_routes import runtime_updates_allowed
     from pdserve.cluster.membership import membership_loop, sync_members
@@ -374,8 +375,12 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         )
         server = GracefulServer(
             uvicorn.Config(
-                app, host=cfg.host, port=cfg.port, log_level=cfg.uvicorn_log_level,
-                access_log=not cfg.disable_uvicorn_access_log, **cfg.tls.uvicorn_kwargs(),
+                app if cfg.h11_max_header_count is None
+                else HeaderCountLimit(app, cfg.h11_max_header_count),
+                host=cfg.host, port=cfg.port, log_level=cfg.uvicorn_log_level,
+                access_log=not cfg.disable_uvicorn_access_log,
+                h11_max_incomplete_event_size=cfg.h11_max_incomplete_event_size,
+                **cfg.tls.uvicorn_kwargs(),
             ),
             cfg.shutdown_timeout_s, router.stop_requests,
         )  # fmt: skip

@@ -220,6 +220,11 @@ class ServeConfig:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     ssl_ciphers: str | None = None
+    # vLLM's bounds on the HTTP parser: bytes of a request's line and headers (uvicorn's
+    # h11 setting), header fields of a request (more: a 431, cluster/http_limits.py).
+    # None: uvicorn's, and no bound.
+    h11_max_incomplete_event_size: int | None = None
+    h11_max_header_count: int | None = None
     # vLLM's CORS flags (cluster/cors.py): which browser origins may call the API.
     allowed_origins: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
@@ -396,6 +401,10 @@ class ServeConfig:
                 object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         _ = self.cors  # CorsConfig checks them
         _ = self.tls  # TlsConfig checks the flags' combinations (the files: at start)
+        for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if not 0 <= self.shutdown_timeout_s < float("inf"):
             raise ValueError(
                 f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout_s}"

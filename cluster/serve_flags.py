@@ -190,6 +190,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="client certificates: 0 none (default), 1 optional, 2 required")  # fmt: skip
     p.add_argument("--ssl-ciphers", default=None, metavar="CIPHERS",
                    help="OpenSSL cipher list (default uvicorn's)")  # fmt: skip
+    p.add_argument("--h11-max-incomplete-event-size", type=int, default=None, metavar="BYTES",
+                   help="the most bytes of a request line and headers (default uvicorn's)")  # fmt: skip
+    p.add_argument("--h11-max-header-count", type=int, default=None, metavar="N",
+                   help="the most header fields of a request; more is a 431 (default no bound)")  # fmt: skip
     p.add_argument("--metrics-prefix", default=None,
                    help=f"/metrics series names start with it (default {d.metrics_prefix}; "
                    "vllm: lets vLLM's Grafana dashboards read them)")  # fmt: skip

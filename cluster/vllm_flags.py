@@ -65,6 +65,28 @@ FLAGS = (
     VllmFlag(("--otlp-traces-endpoint", "--collect-detailed-traces"), "pdserve exports no "
              "OpenTelemetry traces: each request's route and timings are in the log "
              "(--enable-log-requests) and /metrics"),
+    VllmFlag(("--enable-request-id-headers",), "every pdserve response carries X-Request-Id "
+             "(the client's, or one made for it)", True),
+    VllmFlag(("--api-server-count", "-asc"), "pdserve's router is one process per head",
+             ("1",)),
+    VllmFlag(("--disable-frontend-multiprocessing",), "pdserve's engines run in their Ray "
+             "workers, apart from the router, either way", True),
+    VllmFlag(("--config-format",), "pdserve reads the checkpoint's transformers "
+             "config.json", ("auto", "hf")),
+    VllmFlag(("--stream-interval",), "pdserve streams each step's tokens as they come", ("1",)),
+    VllmFlag(("--hf-token",), "set HF_TOKEN in the environment of every node instead: "
+             "huggingface_hub reads it wherever a worker downloads the model"),
+    VllmFlag(("--middleware", "--tool-parser-plugin"), "pdserve loads no code named on its "
+             "command line (its parsers: --tool-call-parser, --reasoning-parser)"),
+    VllmFlag(("--uds",), "pdserve listens on --host and --port"),
+    VllmFlag(("--root-path",), "pdserve serves its routes at /: a proxy that serves them "
+             "under a prefix strips it (the API key and CORS rules are by path)"),
+    VllmFlag(("--enable-log-outputs",), "the request log prints token counts, never text "
+             "(--enable-log-requests)", False),
+    VllmFlag(("--kv-events-config",), "pdserve publishes no KV cache events: /metrics and "
+             "/ops/pools report each worker's cache"),
+    VllmFlag(("--enable-prompt-embeds", "--skip-tokenizer-init"), "pdserve takes prompts as "
+             "text or token ids and detokenizes every reply", False),
     VllmFlag(("--enable-ssl-refresh",), "pdserve loads its certificate files once: restart "
              "the router to load new ones", False),
 )  # fmt: skip
@@ -90,7 +112,9 @@ class _Action(argparse.Action):
 def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     """Adds the flags above to `pdserve serve`'s parser, out of its help."""
     for flag in FLAGS:
-        p.add_argument(*flag.names, action=_Action, flag=flag,
-                       nargs=None if flag.takes_value else 0,
+        # A refused value flag is refused with or without its value (vLLM's --hf-token
+        # may come alone).
+        nargs = "?" if flag.holds is None else None if flag.takes_value else 0
+        p.add_argument(*flag.names, action=_Action, flag=flag, nargs=nargs,
                        dest=f"_vllm_{flag.names[-1].lstrip('-')}", default=argparse.SUPPRESS,
                        help=argparse.SUPPRESS)  # fmt: skip

@@ -62,8 +62,26 @@ def _start(tmp_path_factory, smollm_dir, gen, template) -> Server:
         "--enable-force-include-usage", "--enable-prompt-tokens-details",
         "--ssl-certfile", str(TLS / "server.pem"), "--ssl-keyfile", str(TLS / "server.key"),
         "--ssl-ca-certs", str(TLS / "ca.pem"), "--ssl-cert-reqs", "1",
+        "--h11-max-incomplete-event-size", "65536", "--h11-max-header-count", "40",
+        "--enable-request-id-headers", "--api-server-count", "1", "--stream-interval", "1",
         tls_ca=str(TLS / "ca.pem"),
     )  # fmt: skip
+
+
+def test_http_parser_bounds(server):
+    """--h11-max-incomplete-event-size 65536: headers of 60 KB are read (a server with
+    uvicorn's default bound answers them 400: measured), of 200 KB refused;
+    --h11-max-header-count 40: 40 header fields pass, 41 are a 431 that names the flag."""
+    assert httpx.get(server.url + "/health", headers={"x-big": "a" * 60_000}).is_success
+    big = httpx.get(server.url + "/health", headers={"x-big": "a" * 200_000})
+    assert big.status_code in (400, 431), big
+    with httpx.Client() as client:
+        base = len(client.build_request("GET", server.url + "/v1/models").headers)
+        extra = {f"x-{i}": "1" for i in range(40 - base)}
+        assert client.get(server.url + "/v1/models", headers=extra).is_success
+        over = client.get(server.url + "/v1/models", headers={**extra, "x-41": "1"})
+    assert over.status_code == 431
+    assert "takes at most 40 (--h11-max-header-count)" in over.json()["error"]["message"]
 
 
 def test_tls_with_optional_client_certificates(server):

@@ -757,7 +757,7 @@ def test_vllm_flags_without_a_pdserve_knob(flag, capsys):
     for argv in kept:
         assert _args(*argv) == _args(), argv
     refused = ([(flag,)] if v.holds is False else [] if v.holds is True else
-               [(flag, "x2")])  # fmt: skip
+               [(flag, "x2")] + ([(flag,)] if v.holds is None else []))  # fmt: skip
     for argv in refused:
         with pytest.raises(SystemExit) as e:
             _args(*argv)

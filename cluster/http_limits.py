@@ -1,0 +1,35 @@
+"""vLLM's `--h11-max-header-count`: a request with more header fields than this is
+answered 431 before any route (or the API key check) sees it. Its sibling
+`--h11-max-incomplete-event-size` (the most bytes of a request line and headers h11 buffers)
+is uvicorn's own setting and goes to it unchanged (cluster/serve.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdserve.cluster.openai_api import ApiError
+
+
+class HeaderCountLimit:
+    """ASGI middleware around the whole app; lifespan and other scopes pass through."""
+
+    def __init__(self, app: Any, max_count: int) -> None:
+        self.app = app
+        self.max_count = max_count
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or len(scope["headers"]) <= self.max_count:
+            await self.app(scope, receive, send)
+            return
+        error = ApiError(
+            f"the request has {len(scope['headers'])} header fields; this server takes at "
+            f"most {self.max_count} (--h11-max-header-count)", 431,
+        )  # fmt: skip
+        body = json.dumps(error.body()).encode()
+        await send({
+            "type": "http.response.start", "status": 431,
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode())],
+        })  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
