@@ -6,8 +6,8 @@ Bodies are read and checked here before any JSON parsing: a body over `max_body_
 is refused (413) from its Content-Length or as it arrives, and a gzip body is inflated
 in bounded steps, refused as soon as it passes the limit (a gzip bomb never inflates
 past `max_body_bytes`). `--api-key` guards every /v1 route and vLLM's /tokenize and
-/detokenize (Bearer); /health (503 while no decode worker is ready), /metrics and
-/version stay open. Every response carries an X-Request-Id: the client's, as vLLM takes
+/detokenize (Bearer); /health (503 while no decode worker is ready), /metrics, /load
+(cluster/server_load.py) and /version stay open. Every response carries an X-Request-Id: the client's, as vLLM takes
 it (then also in the response's id), or one made here. Browsers get
 vLLM's CORS answers on every route but the operator's (cluster/cors.py).
 """
@@ -31,6 +31,7 @@ from pdserve.cluster.request_log import RequestLog
 from pdserve.cluster.response_shapes import client_request_id, new_id, now
 from pdserve.cluster.response_store import DEFAULT_STORE_BYTES, ResponseStore
 from pdserve.cluster.router import Router
+from pdserve.cluster.server_load import CountLoad, LoadCounter
 from pdserve.version import __version__
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class AppState:
         grammar_in_reasoning: bool = False,
         openapi: bool = True,
         api_defaults: ApiDefaults | None = None,
+        server_load: LoadCounter | None = None,
     ) -> None:
         # `--served-model-name`: requests may name any of them; responses carry the first.
         names = [model_names] if isinstance(model_names, str) else list(model_names)
@@ -106,6 +108,8 @@ class AppState:
         self.eos_token_ids = eos_token_ids  # the model's (beam search ends beams on them)
         self.openapi = openapi  # /openapi.json served; `--disable-fastapi-docs`: not
         self.api_defaults = api_defaults or ApiDefaults()  # vLLM's request/response flags
+        # `--enable-server-load-tracking`: model requests in flight, for GET /load
+        self.server_load = server_load or LoadCounter()
 
     @property
     def model_name(self) -> str:
@@ -258,6 +262,10 @@ def build_app(state: AppState) -> FastAPI:
             return error_response(ApiError("no decode worker is ready", 503, "server_error"))
         return Response(status_code=200)
 
+    @app.get("/load")  # vLLM's: 0 unless --enable-server-load-tracking
+    async def load() -> dict:
+        return {"server_load": state.server_load.count}
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": __version__}
@@ -285,6 +293,8 @@ def build_app(state: AppState) -> FastAPI:
 
     add_completion_routes(app, state)
     add_responses_routes(app, state)
+    if state.server_load.enabled:
+        app.add_middleware(CountLoad, counter=state.server_load)
     # Added last, so outermost: a preflight is answered before the API key is asked for.
     app.add_middleware(ApiCors, config=state.cors)
     return app

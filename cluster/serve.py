@@ -114,6 +114,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         pool_bounds,
         start_ray,
     )
+    from pdserve.cluster.server_load import LoadCounter
     from pdserve.cluster.shutdown import GracefulServer
     from pdserve.cluster.stats_log import stats_log_loop
     from pdserve.cluster.token_stream import TokenSubscriber
@@ -316,6 +317,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
             grammar_in_reasoning(cfg), not cfg.disable_fastapi_docs,
             ApiDefaults(cfg.max_logprobs, cfg.response_role, cfg.return_tokens_as_token_ids,
                         cfg.enable_force_include_usage, cfg.enable_prompt_tokens_details),
+            LoadCounter(cfg.enable_server_load_tracking),
         )  # fmt: skip
         app = build_app(state)
         control = PoolControl(controller)

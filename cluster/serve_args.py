@@ -220,6 +220,8 @@ class ServeConfig:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     ssl_ciphers: str | None = None
+    # vLLM's: GET /load counts the model requests in flight (cluster/server_load.py).
+    enable_server_load_tracking: bool = False
     # vLLM's bounds on the HTTP parser: bytes of a request's line and headers (uvicorn's
     # h11 setting), header fields of a request (more: a 431, cluster/http_limits.py).
     # None: uvicorn's, and no bound.

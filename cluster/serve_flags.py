@@ -190,6 +190,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="client certificates: 0 none (default), 1 optional, 2 required")  # fmt: skip
     p.add_argument("--ssl-ciphers", default=None, metavar="CIPHERS",
                    help="OpenSSL cipher list (default uvicorn's)")  # fmt: skip
+    p.add_argument("--enable-server-load-tracking", action="store_true", default=None,
+                   help="GET /load counts the model requests in flight (else it answers 0)")  # fmt: skip
     p.add_argument("--h11-max-incomplete-event-size", type=int, default=None, metavar="BYTES",
                    help="the most bytes of a request line and headers (default uvicorn's)")  # fmt: skip
     p.add_argument("--h11-max-header-count", type=int, default=None, metavar="N",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import ssl
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,8 +65,28 @@ def _start(tmp_path_factory, smollm_dir, gen, template) -> Server:
         "--ssl-ca-certs", str(TLS / "ca.pem"), "--ssl-cert-reqs", "1",
         "--h11-max-incomplete-event-size", "65536", "--h11-max-header-count", "40",
         "--enable-request-id-headers", "--api-server-count", "1", "--stream-interval", "1",
+        "--enable-server-load-tracking",
         tls_ca=str(TLS / "ca.pem"),
     )  # fmt: skip
+
+
+def test_server_load_counts_requests_in_flight(server, colocated):
+    """--enable-server-load-tracking: GET /load is 0 when idle, 1 while a stream is open
+    (its first chunk read), 0 once it ended; a server without the flag answers 0."""
+    load = lambda srv: httpx.get(srv.url + "/load", timeout=10).json()  # noqa: E731
+    assert load(server) == {"server_load": 0}
+    stream = _client(server).completions.create(
+        model="smol", prompt="Once upon a time", max_tokens=16, stream=True
+    )
+    next(iter(stream))
+    assert load(server) == {"server_load": 1}
+    for _ in stream:
+        pass
+    deadline = time.monotonic() + 10  # the client can read [DONE] before the count drops
+    while load(server) != {"server_load": 0} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert load(server) == {"server_load": 0}
+    assert load(colocated) == {"server_load": 0}
 
 
 def test_http_parser_bounds(server):
