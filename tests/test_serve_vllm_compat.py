@@ -21,6 +21,7 @@ import certifi
 import httpx
 import openai
 import pytest
+from cli_in_process import cli_main
 from serve_server import Server
 
 STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to bake."}]
@@ -128,6 +129,18 @@ def test_tls_with_optional_client_certificates(server):
     with pytest.raises(httpx.HTTPError):
         httpx.get(server.url + "/health", timeout=10, verify=with_cert("rogue"))
     assert httpx.get(server.url + "/health", timeout=10).is_success  # no client certificate
+
+
+def test_run_batch_against_the_tls_server(server, tmp_path):
+    """`pdserve run-batch --base-url https://...` reaches a TLS server whose CA the client
+    names with SSL_CERT_FILE (set for this module), as bench and contract do (httpx)."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                               "body": {"prompt": "Paris is", "max_tokens": 2}}) + "\n")  # fmt: skip
+    code, err = cli_main("run-batch", "-i", str(src), "-o", str(dst), "--base-url", server.url)
+    assert code == 0, err
+    (line,) = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert line["custom_id"] == "a" and line["response"]["status_code"] == 200, line
 
 
 def _client(server) -> openai.OpenAI:
