@@ -1,5 +1,6 @@
 """vLLM's `--h11-max-header-count`: a request with more header fields than this is
-answered 431 before any route (or the API key check) sees it. Its sibling
+answered 431 before any route (or the API key check) sees it: the one answer without an
+X-Request-Id, as the parser's own refusals (400) are. Its sibling
 `--h11-max-incomplete-event-size` (the most bytes of a request line and headers h11 buffers)
 is uvicorn's own setting and goes to it unchanged (cluster/serve.py)."""
 
