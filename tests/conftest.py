@@ -577,11 +577,12 @@ def hf_greedy_along(
 ) -> list[list[int]]:
     """transformers' greedy choice at each step of `outputs` (an engine's greedy tokens),
     EOS suppressed as in `hf_greedy`: one forward pass over each prompt + output, read at
-    every position. It returns `outputs` exactly when `hf_greedy` would: greedy decoding
-    takes each token from the logits of the prefix before it, and here that prefix is the
-    engine's own, so the same choice at every step is the same sequence. One pass a prompt,
-    not one a token: SmolLM2's 9 x 32 tokens took 19 s of CPU one token at a time (each
-    step reads all 540 MB of its float32 weights)."""
+    every position. For outputs of the length asked for (with EOS suppressed every output
+    has it; the caller checks), it returns `outputs` exactly when `hf_greedy` would: greedy
+    decoding takes each token from the logits of the prefix before it, and here that prefix
+    is the engine's own, so the same choice at every step is the same sequence. One pass a
+    prompt, not one a token: SmolLM2's 9 x 32 tokens took 19 s of CPU one token at a time
+    (each step reads all 540 MB of its float32 weights)."""
     model = hf_reference(model_dir)
     eos = model.generation_config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
