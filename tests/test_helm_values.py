@@ -435,6 +435,7 @@ def test_colocated(helm: str) -> None:
             "router.tls.clientCertReqs 2 (required) would fail every probe",
         ),
         (("router.tls.clientCertReqs=3",), "at '/router/tls/clientCertReqs': maximum"),
+        (("router.tls.secretName=My_TLS",), "at '/router/tls/secretName'"),
         (
             ("router.tls.clientCertReqs=1",),
             "router.tls.clientCertReqs needs router.tls.secretName",
