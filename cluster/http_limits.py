@@ -6,9 +6,9 @@ is uvicorn's own setting and goes to it unchanged (cluster/serve.py)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from pdserve.cluster.http_app import error_response
 from pdserve.cluster.openai_api import ApiError
 
 
@@ -27,10 +27,4 @@ class HeaderCountLimit:
             f"the request has {len(scope['headers'])} header fields; this server takes at "
             f"most {self.max_count} (--h11-max-header-count)", 431,
         )  # fmt: skip
-        body = json.dumps(error.body()).encode()
-        await send({
-            "type": "http.response.start", "status": 431,
-            "headers": [(b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode())],
-        })  # fmt: skip
-        await send({"type": "http.response.body", "body": body})
+        await error_response(error)(scope, receive, send)
