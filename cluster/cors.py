@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.cluster.root_path import route_path
+
 OPERATOR_PATHS = ("/ops/", "/dashboard")
 
 
@@ -67,7 +69,7 @@ class ApiCors:
         )
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and not scope["path"].startswith(OPERATOR_PATHS):
+        if scope["type"] == "http" and not route_path(scope).startswith(OPERATOR_PATHS):
             await self.cors(scope, receive, send)
         else:
             await self.app(scope, receive, send)

@@ -30,6 +30,7 @@ from pdserve.cluster.openai_api import ApiDefaults, ApiError
 from pdserve.cluster.request_log import RequestLog
 from pdserve.cluster.response_shapes import client_request_id, new_id, now
 from pdserve.cluster.response_store import DEFAULT_STORE_BYTES, ResponseStore
+from pdserve.cluster.root_path import route_path
 from pdserve.cluster.router import Router
 from pdserve.cluster.server_load import CountLoad, LoadCounter
 from pdserve.version import __version__
@@ -226,7 +227,7 @@ def build_app(state: AppState) -> FastAPI:
             return error_response(e)
         rid = given or new_id("req")
         request.state.request_id, request.state.client_request_id = rid, given
-        if request.url.path.startswith(GUARDED) and state.api_key is not None:
+        if route_path(request.scope).startswith(GUARDED) and state.api_key is not None:
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given, f"Bearer {state.api_key}"):
                 resp = error_response(

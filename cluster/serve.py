@@ -93,7 +93,6 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
     from pdserve.cluster.controller import Controller
     from pdserve.cluster.gpu_binding import actor_env, node_gpu_ids
     from pdserve.cluster.http_app import AppState, build_app
-    from pdserve.cluster.http_limits import HeaderCountLimit
     from pdserve.cluster.lora_routes import ENV_SWITCH as LORA_SWITCH
     from pdserve.cluster.lora_routes import runtime_updates_allowed
     from pdserve.cluster.membership import membership_loop, sync_members
@@ -372,13 +371,13 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
                 else f"device {ecfg.runner.device}"
             )
             + f"; dashboard at {root}/dashboard"
-            + (f", autoscaling within {bounds}" if autoscaler is not None else ""),
+            + (f", autoscaling within {bounds}" if autoscaler is not None else "")
+            + (f"; every route also under {cfg.root_path} (--root-path)" if cfg.root_path else ""),
             flush=True,
         )
         server = GracefulServer(
             uvicorn.Config(
-                app if cfg.h11_max_header_count is None
-                else HeaderCountLimit(app, cfg.h11_max_header_count),
+                _wrapped(app, cfg),
                 host=cfg.host, port=cfg.port, log_level=cfg.uvicorn_log_level,
                 access_log=not cfg.disable_uvicorn_access_log,
                 h11_max_incomplete_event_size=cfg.h11_max_incomplete_event_size,
@@ -406,6 +405,19 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
         ray.shutdown()
         print("pdserve: stopped", flush=True)
     return 0
+
+
+def _wrapped(app: Any, cfg: ServeConfig) -> Any:
+    """The ASGI app uvicorn runs: the API under `--root-path` too, behind the header-count
+    bound."""
+    from pdserve.cluster.http_limits import HeaderCountLimit
+    from pdserve.cluster.root_path import RootPath
+
+    if cfg.root_path:
+        app = RootPath(app, cfg.root_path)
+    if cfg.h11_max_header_count is not None:
+        app = HeaderCountLimit(app, cfg.h11_max_header_count)
+    return app
 
 
 def _print(line: str) -> None:

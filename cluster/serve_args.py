@@ -10,6 +10,7 @@ from pdserve.cluster.cors import CorsConfig
 from pdserve.cluster.metric_names import check_prefix
 from pdserve.cluster.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.cluster.response_store import DEFAULT_STORE_BYTES
+from pdserve.cluster.root_path import check_root_path
 from pdserve.cluster.tls import TlsConfig
 from pdserve.cluster.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from pdserve.json_arg import json_object
@@ -227,6 +228,9 @@ class ServeConfig:
     # None: uvicorn's, and no bound.
     h11_max_incomplete_event_size: int | None = None
     h11_max_header_count: int | None = None
+    # vLLM's: the path prefix a proxy publishes the server under; routes answer with and
+    # without it (cluster/root_path.py). "": none.
+    root_path: str = ""
     # vLLM's CORS flags (cluster/cors.py): which browser origins may call the API.
     allowed_origins: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
@@ -403,6 +407,7 @@ class ServeConfig:
                 object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         _ = self.cors  # CorsConfig checks them
         _ = self.tls  # TlsConfig checks the flags' combinations (the files: at start)
+        object.__setattr__(self, "root_path", check_root_path(self.root_path))
         for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -196,6 +196,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the most bytes of a request line and headers (default uvicorn's)")  # fmt: skip
     p.add_argument("--h11-max-header-count", type=int, default=None, metavar="N",
                    help="the most header fields of a request; more is a 431 (default no bound)")  # fmt: skip
+    p.add_argument("--root-path", default=None, metavar="PREFIX",
+                   help="the path prefix a proxy publishes the server under, e.g. /pdserve: "
+                   "routes answer with and without it")  # fmt: skip
     p.add_argument("--metrics-prefix", default=None,
                    help=f"/metrics series names start with it (default {d.metrics_prefix}; "
                    "vllm: lets vLLM's Grafana dashboards read them)")  # fmt: skip

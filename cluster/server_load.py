@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.cluster.root_path import route_path
+
 # The routes that run the model (tokenize, models, health and the operator's do not).
 LOAD_PATHS = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
@@ -30,7 +32,9 @@ class CountLoad:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if not (
-            scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in LOAD_PATHS
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and route_path(scope) in LOAD_PATHS
         ):
             await self.app(scope, receive, send)
             return

@@ -79,8 +79,6 @@ FLAGS = (
     VllmFlag(("--middleware", "--tool-parser-plugin"), "pdserve loads no code named on its "
              "command line (its parsers: --tool-call-parser, --reasoning-parser)"),
     VllmFlag(("--uds",), "pdserve listens on --host and --port"),
-    VllmFlag(("--root-path",), "pdserve serves its routes at /: a proxy that serves them "
-             "under a prefix strips it (the API key and CORS rules are by path)"),
     VllmFlag(("--enable-log-outputs",), "the request log prints token counts, never text "
              "(--enable-log-requests)", False),
     VllmFlag(("--kv-events-config",), "pdserve publishes no KV cache events: /metrics and "

@@ -15,6 +15,7 @@ from pdserve.cluster.openai_api import ApiError
 from pdserve.cluster.ops_api import OpsState, check_admin, is_loopback
 
 ADMIN = "ops-secret"
+PREFIX = "/pd"  # the server's --root-path
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +24,7 @@ def ops_server(tmp_path_factory):
     server = Server(
         tmp_path_factory.mktemp("ops"), "--mode", "colocated", "--max-model-len", "512",
         "--host", "0.0.0.0", "--admin-key", ADMIN, "--max-decode-workers", "2",
+        "--root-path", PREFIX,
     )  # fmt: skip
     yield server
     server.stop()
@@ -74,13 +76,36 @@ class _Tags(HTMLParser):
 
 
 def test_dashboard_page_is_served_and_uses_the_ops_endpoints(ops_server):
+    """The page names its endpoints relative to itself, so that behind a proxy that
+    publishes the server under a prefix (--root-path) it calls them there too."""
     r = httpx.get(ops_server.url + "/dashboard", timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert httpx.get(ops_server.url + PREFIX + "/dashboard", timeout=30).text == r.text
     page = _Tags()
     page.feed(r.text)
     assert {"html", "table", "script"} <= set(page.tags)
-    for endpoint in ("/ops/pools", "/ops/scale", "/ops/drain"):
-        assert endpoint in page.script
+    for endpoint in ("ops/pools", "ops/scale", "ops/drain"):
+        assert f'"{endpoint}"' in page.script
+    assert '"/ops/' not in page.script
+
+
+def test_root_path_serves_the_operator_routes_under_the_prefix_too(ops_server):
+    """--root-path /pd: /pd/ops/pools is /ops/pools, the admin key still guards scaling
+    there, CORS still leaves the operator's routes out, and the log says so."""
+    assert (
+        _pools(ops_server)["pools"].keys()
+        == httpx.get(ops_server.url + PREFIX + "/ops/pools", timeout=60).json()["pools"].keys()
+    )
+    refused = _post(ops_server, PREFIX + "/ops/scale", {"role": "decode", "replicas": 1}, None)
+    assert refused.status_code == 401, refused.text
+    preflight = {"origin": "https://ui.example", "access-control-request-method": "POST"}
+    r = httpx.options(ops_server.url + PREFIX + "/ops/scale", headers=preflight, timeout=10)
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.options(ops_server.url + PREFIX + "/v1/completions", headers=preflight, timeout=10)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert f"every route also under {PREFIX} (--root-path)" in ops_server.log.read_text()
+    document = httpx.get(ops_server.url + PREFIX + "/openapi.json", timeout=30).json()
+    assert document["servers"] == [{"url": PREFIX}]
 
 
 def test_pools_view_lists_the_workers_and_bounds(ops_server):

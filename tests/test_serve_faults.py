@@ -5,6 +5,7 @@ Workers are killed the way they die in production: SIGKILL of the actor's proces
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     cfg = tmp / "serve.yaml"
     cfg.write_text(f"lease_s: 3\nhealth_interval_s: 0.5\nmax_model_len: 1024\napi_key: {KEY}\n"
-                   "shutdown_timeout_s: 2\n")  # fmt: skip
+                   "shutdown_timeout_s: 2\nroot_path: /pd/\n")  # fmt: skip
     s = Server(tmp, "--config", str(cfg))
     yield s
     s.stop()
@@ -196,15 +197,22 @@ def test_sagemaker_invocations_answer_as_chat_or_completion(server):
 
 def test_api_key_required_when_set(server):
     """Guards auth: /v1, the tokenizer routes and SageMaker's /invocations need the key;
-    /health, /ping and /metrics stay open."""
-    for key in (None, "wrong"):
+    /health, /ping and /metrics stay open. Under the server's root path (`root_path: /pd/`)
+    too: the routes answer there, and the key is checked on the path they match."""
+    for prefix, key in itertools.product(("", "/pd"), (None, "wrong")):
         headers = {} if key is None else {"authorization": f"Bearer {key}"}
-        r = httpx.get(server.url + "/v1/models", headers=headers, timeout=10)
+        r = httpx.get(server.url + prefix + "/v1/models", headers=headers, timeout=10)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]}),
-                           ("/invocations", {"prompt": "x", "max_tokens": 1})):  # fmt: skip
-            r = httpx.post(server.url + path, json=body, headers=headers, timeout=10)
-            assert r.status_code == 401, (path, r.text)
+                           ("/invocations", {"prompt": "x", "max_tokens": 1}),
+                           ("/v1/completions", {"prompt": "x", "max_tokens": 1})):  # fmt: skip
+            r = httpx.post(server.url + prefix + path, json=body, headers=headers, timeout=10)
+            assert r.status_code == 401, (prefix, path, r.text)
+    keyed = httpx.post(
+        server.url + "/pd/v1/completions", json={"model": MODEL, "prompt": "Paris is", "max_tokens": 2},
+        headers={"authorization": f"Bearer {KEY}"}, timeout=60,
+    )  # fmt: skip
+    assert keyed.status_code == 200 and keyed.json()["usage"]["completion_tokens"] == 2
     keyed = httpx.post(
         server.url + "/tokenize", json={"prompt": "Paris is"},
         headers={"authorization": f"Bearer {KEY}"}, timeout=10,

@@ -11,6 +11,7 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from pdserve.cluster.root_path import RootPath
 from pdserve.cluster.server_load import CountLoad, LoadCounter
 
 
@@ -63,25 +64,29 @@ async def _call(app, method: str, path: str, first_body: asyncio.Event) -> list[
     return sent
 
 
-def test_a_stream_counts_until_it_ends_and_a_failure_uncounts():
+@pytest.mark.parametrize("prefix", ["", "/pd"])
+def test_a_stream_counts_until_it_ends_and_a_failure_uncounts(prefix):
     """A streamed model request counts from its start until its last event is sent; a
-    route that is not the model's never counts; one that fails is uncounted."""
+    route that is not the model's never counts; one that fails is uncounted. Under a
+    --root-path (cluster/root_path.py) a prefixed path counts as its route does."""
     counter = LoadCounter(enabled=True)
 
     async def run() -> list[int]:
         release, first = asyncio.Event(), asyncio.Event()
         app = CountLoad(_app(release), counter)
-        stream = asyncio.create_task(_call(app, "POST", "/v1/chat/completions", first))
+        if prefix:
+            app = RootPath(app, prefix)
+        stream = asyncio.create_task(_call(app, "POST", prefix + "/v1/chat/completions", first))
         await asyncio.wait_for(first.wait(), 10)  # the first event is out: in flight
         seen = [counter.count]
-        await _call(app, "POST", "/tokenize", asyncio.Event())
+        await _call(app, "POST", prefix + "/tokenize", asyncio.Event())
         seen.append(counter.count)
         release.set()
         sent = await asyncio.wait_for(stream, 10)
         assert any(b"[DONE]" in m.get("body", b"") for m in sent)
         seen.append(counter.count)
         with pytest.raises(RuntimeError, match="boom"):
-            await _call(app, "POST", "/v1/completions", asyncio.Event())
+            await _call(app, "POST", prefix + "/v1/completions", asyncio.Event())
         seen.append(counter.count)
         return seen
 

@@ -65,9 +65,10 @@ def test_a_vllm_command_line_parses(monkeypatch):
         "--structured-outputs-config", '{"enable_in_reasoning": true}', "--max-logprobs", "5",
         "--disable-fastapi-docs", "--disable-log-requests", "--tokenizer-mode", "auto",
         "--max-log-len", "100", "--response-role", "bot", "--return-tokens-as-token-ids",
-        "--enable-force-include-usage", "--enable-prompt-tokens-details",
+        "--enable-force-include-usage", "--enable-prompt-tokens-details", "--root-path", "/api/",
     )  # fmt: skip
     assert cfg.model == "Qwen/Qwen3-0.6B"
+    assert cfg.root_path == "/api"  # as the ASGI scope holds it
     assert (cfg.response_role, cfg.return_tokens_as_token_ids) == ("bot", True)
     assert cfg.enable_force_include_usage and cfg.enable_prompt_tokens_details
     assert (cfg.max_logprobs, cfg.disable_fastapi_docs, cfg.enable_log_requests) == (5, True, False)
@@ -135,6 +136,9 @@ def test_defaults_and_names_as_vllm_picks_them():
         (["--limit-mm-per-prompt", "image=0"], "not valid JSON"),
         (["--pipeline-parallel-size", "4"], "--decode-workers"),
         (["--response-role", ""], "--response-role must be a non-empty name"),
+        (["--root-path", "api"], "--root-path must be an absolute URL path"),
+        (["--root-path", "/a b"], "--root-path must be an absolute URL path"),
+        (["--root-path", "/a?b=1"], "--root-path must be an absolute URL path"),
         (["--max-logprobs", "21"], r"--max-logprobs must be in \[0, 20\]"),
         (["--max-logprobs", "-1"], "-1, the whole vocabulary, is not available"),
         (["--override-generation-config", "{temperature: 1}"], "not valid JSON"),
