@@ -1,6 +1,6 @@
 """vLLM's `--h11-max-header-count`: a request with more header fields than this is
-answered 431 before any route (or the API key check) sees it: the one answer without an
-X-Request-Id, as the parser's own refusals (400) are. Its sibling
+answered 431 before any route (or the API key check) sees it, with an X-Request-Id as
+every app response has (the client's where it gave a valid one). Its sibling
 `--h11-max-incomplete-event-size` (the most bytes of a request line and headers h11 buffers)
 is uvicorn's own setting and goes to it unchanged (cluster/serve.py)."""
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from pdserve.cluster.http_app import error_response
 from pdserve.cluster.openai_api import ApiError
+from pdserve.cluster.response_shapes import client_request_id, new_id
 
 
 class HeaderCountLimit:
@@ -27,4 +28,16 @@ class HeaderCountLimit:
             f"the request has {len(scope['headers'])} header fields; this server takes at "
             f"most {self.max_count} (--h11-max-header-count)", 431,
         )  # fmt: skip
-        await error_response(error)(scope, receive, send)
+        response = error_response(error)
+        response.headers["X-Request-Id"] = _request_id(scope["headers"])
+        await response(scope, receive, send)
+
+
+def _request_id(headers: list[tuple[bytes, bytes]]) -> str:
+    """The client's X-Request-Id where it is a valid id (the last of several), else ours."""
+    given = [v for k, v in headers if k.lower() == b"x-request-id"]
+    try:
+        rid = client_request_id(given[-1].decode("latin-1"), "X-Request-Id") if given else None
+    except ApiError:
+        rid = None
+    return rid or new_id("req")

@@ -29,18 +29,26 @@ def test_more_header_fields_than_the_bound_is_a_431():
     """At the bound a request reaches its route; one more header field is a 431 in
     OpenAI's error shape that names the flag, and the route never runs."""
 
-    async def run() -> tuple[httpx.Response, httpx.Response]:
+    async def run() -> tuple[httpx.Response, ...]:
         transport = httpx.ASGITransport(app=HeaderCountLimit(_app(), 12))
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             base = len((await client.get("/hello")).request.headers)
             extra = {f"x-{i}": "1" for i in range(12 - base)}
             at = await client.get("/hello", headers=extra)
             over = await client.get("/hello", headers={**extra, "x-one-more": "1"})
-            return at, over
+            # The client's X-Request-Id, where valid, names the 431 as it names any answer.
+            named = {**extra, "x-request-id": "trace-7"}
+            named = await client.get("/hello", headers={**named, "x-one-more": "1"})
+            bad = {**extra, "x-request-id": "no spaces"}
+            bad = await client.get("/hello", headers={**bad, "x-one-more": "1"})
+            return at, over, named, bad
 
-    at, over = asyncio.run(run())
+    at, over, named, bad = asyncio.run(run())
     assert at.status_code == 200 and at.text == "12 headers"
-    assert over.status_code == 431
+    assert over.status_code == named.status_code == bad.status_code == 431
+    assert named.headers["x-request-id"] == "trace-7"
+    assert over.headers["x-request-id"].startswith("req-")
+    assert bad.headers["x-request-id"].startswith("req-")
     assert over.json() == {"error": {
         "message": "the request has 13 header fields; this server takes at most 12 "
         "(--h11-max-header-count)",
