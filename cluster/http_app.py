@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from pdserve.cluster.background_responses import BackgroundRuns
 from pdserve.cluster.cors import ApiCors, CorsConfig
 from pdserve.cluster.lora_registry import LoraRegistry
 from pdserve.cluster.metrics import Metrics
@@ -95,6 +96,8 @@ class AppState:
         self.cors = cors or CorsConfig()  # vLLM's CORS flags (cluster/cors.py)
         # Stored Responses API responses (`--responses-store-bytes`)
         self.responses = ResponseStore(DEFAULT_STORE_BYTES) if responses is None else responses
+        # Their background runs (`background: true`), cancelled when the server stops
+        self.background = BackgroundRuns()
         # The LoRA adapters served (`--lora-modules`, then runtime loads): the router's
         # registry, which a request's `model` may name (cluster/lora_registry.py)
         self.loras = router.loras if router is not None else LoraRegistry()

@@ -7,9 +7,9 @@ work (template, constraints, tool and reasoning parsers), so both APIs answer al
 `previous_response_id` is resolved before this (cluster/responses_routes.py puts the
 stored conversation's items ahead of `input`); `conversation` objects are not kept and
 are refused (send the history in `input`, or continue a stored response; output items a
-client sends back are read as its turns). Fields whose work pdserve does not do (background runs, prompt
+client sends back are read as its turns). Fields whose work pdserve does not do (prompt
 templates, built-in tools, `truncation: "auto"`, `max_tool_calls`) are refused by name,
-never ignored.
+never ignored; `background` is the route's (cluster/responses_routes.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ _SAME = (
 # field -> why it is refused when set (not null, not false)
 _REFUSED = {
     "conversation": "conversations are not stored here; send the conversation in 'input'",
-    "background": "background responses are not supported",
     "prompt": "prompt templates are not supported",
     "max_tool_calls": "a limit on tool calls is not carried out",
     "previous_response": "send the conversation in 'input'",

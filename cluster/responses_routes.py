@@ -9,10 +9,15 @@ Responses are stored (`store`, true unless the request says false) in the router
 (cluster/response_store.py): `previous_response_id` continues one, `GET` and `DELETE
 /v1/responses/{id}` read and drop one. With `--responses-store-bytes 0` nothing is stored:
 `store` comes back false and those are a 404 that says so.
+
+`background: true` (with `store`, not with `stream`) answers at once with the response
+`queued` and runs it in the router (cluster/background_responses.py); `GET` reads how far
+it is, `POST /v1/responses/{id}/cancel` stops it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -46,9 +51,12 @@ def add_responses_routes(app: FastAPI, state: AppState) -> None:
         body, history = answered_body(
             state.responses, json_object(await read_body(request, state.max_body_bytes))
         )
+        background = _background(body)
         reply = _Reply(state, body, await _chat_requests(state, body, history))
         if state.request_log is not None:
             state.request_log.received(reply.rid, reply.reqs)
+        if background:
+            return reply.start_in_background()
         if reply.reqs[0].stream:
             return StreamingResponse(reply.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
@@ -59,6 +67,25 @@ def add_responses_routes(app: FastAPI, state: AppState) -> None:
         try:
             return state.responses.get(response_id).response
         except MissingResponse:
+            raise _not_stored(state.responses, response_id, "response_id") from None
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        """A background response's run stopped (`cancelled`); one already ended comes back
+        as it ended (cancelling is idempotent, as on OpenAI's API)."""
+        try:
+            stored = state.responses.get(response_id).response
+        except MissingResponse:
+            raise _not_stored(state.responses, response_id, "response_id") from None
+        if not stored.get("background"):
+            raise ApiError(
+                f"response {response_id!r} did not run in the background: only a background "
+                "response can be cancelled", param="response_id",
+            )  # fmt: skip
+        await state.background.cancel(response_id)
+        try:
+            return state.responses.get(response_id).response
+        except MissingResponse:  # evicted while it ran
             raise _not_stored(state.responses, response_id, "response_id") from None
 
     @app.delete("/v1/responses/{response_id}")
@@ -86,6 +113,30 @@ def answered_body(store: ResponseStore, body: dict) -> tuple[dict, list[dict]]:
         except MissingResponse as e:
             raise _not_stored(store, e.response_id, "previous_response_id") from None
     return dict(body, store=store.enabled and wanted is not False), history
+
+
+def _background(body: dict) -> bool:
+    """Whether the request runs in the background; a 400 for a `background` that is not a
+    boolean, or that cannot be done (nothing stored to read it from, or a stream)."""
+    wanted = body.get("background")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError("'background' must be a boolean", param="background")
+    if not wanted:
+        return False
+    if not body["store"]:
+        raise ApiError(
+            "'background' needs 'store': a background response is read back with GET "
+            "/v1/responses/{id}" + ("" if body.get("store") is False else
+                                    " (this server stores none: --responses-store-bytes 0)"),
+            param="background",
+        )  # fmt: skip
+    if body.get("stream"):
+        raise ApiError(
+            "'background' with 'stream' is not supported by this server: stream the "
+            "response, or run it in the background and read it with GET",
+            param="background", code="unsupported",
+        )  # fmt: skip
+    return True
 
 
 async def _chat_requests(state: AppState, body: dict, history: list[dict]) -> list[ParsedRequest]:
@@ -143,6 +194,25 @@ class _Reply:
         self._stored(events[-1]["response"])
         for event in events:
             yield sse_event(event)
+
+    def start_in_background(self) -> dict[str, Any]:
+        """The response `queued`, stored; its run goes on in the router."""
+        queued = self._stored(self._response("queued", [], None, None))
+        self.state.background.start(self.rid, self._run())
+        return queued
+
+    async def _run(self) -> None:
+        self._stored(self._response("in_progress", [], None, None))
+        try:
+            await self.whole()  # stores the response as it ended
+        except asyncio.CancelledError:
+            self._stored(self._response("cancelled", [], None, None))
+            raise
+        except ApiError as e:  # a stopping server, a worker gone
+            failed = self._response("failed", [], None, None)
+            code = "server_error" if e.status >= 500 else "invalid_prompt"
+            failed["error"] = {"code": code, "message": e.message}
+            self._stored(failed)
 
     def _stored(self, response: dict) -> dict:
         """Keep the whole response when the request asked for it to be stored."""

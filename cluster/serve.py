@@ -347,6 +347,7 @@ def _serve(cfg: ServeConfig, http_sock: socket.socket) -> int:
                 for task in loops:
                     task.cancel()
                 await asyncio.wait(loops, timeout=10)
+                await state.background.close()
                 await router.close()
                 await subscriber.close()
 

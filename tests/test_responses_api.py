@@ -95,7 +95,6 @@ def test_input_items_read_as_turns():
     "body, param, code",
     [
         ({"input": "x", "conversation": "conv_1"}, "conversation", "unsupported"),
-        ({"input": "x", "background": True}, "background", "unsupported"),
         ({"input": "x", "truncation": "auto"}, "truncation", "unsupported"),
         ({"input": "x", "max_tool_calls": 2}, "max_tool_calls", "unsupported"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "unsupported"),

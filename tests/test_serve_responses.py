@@ -1,17 +1,20 @@
 """`POST /v1/responses` on the session's real servers (Ray workers, the bundled SmolLM2),
 through the openai SDK's `client.responses`: a response equals the chat completion its
 request stands for, streamed events end in the same response, tools and multi-turn
-function calls work, stored responses are continued, read and deleted, and what is not
-carried out is a 400 naming the field. The pieces on plain dicts are in
+function calls work, stored responses are continued, read and deleted, background
+responses run on and are cancelled, and what is not carried out is a 400 naming the
+field. The pieces on plain dicts are in
 tests/test_responses_api.py and tests/test_response_store.py."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
 import pytest
+from test_serve_e2e import _metric
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France?"
@@ -172,3 +175,46 @@ def test_what_is_not_done_is_refused_by_name(pd):
         c.responses.create(model=MODEL, input=QUESTION, previous_response_id="resp_1")
     assert e.value.body["param"] == "previous_response_id"
     assert c.responses.create(model=MODEL, input="Hi", max_output_tokens=2).output_text
+
+
+def test_a_background_response_runs_on_and_can_be_cancelled(pd):
+    """`background: true` answers at once with the response queued; read with GET it ends
+    as the same request answered in the foreground (greedy), `background` kept true. A
+    long one cancelled is `cancelled` at once and its generation is aborted on the decode
+    worker (the worker runs nothing after); cancelling it again returns it as it is. A
+    foreground response cannot be cancelled, and background needs `store` and no stream."""
+    c = pd.client()
+    kw = dict(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0)
+    started = c.responses.create(background=True, **kw)
+    assert started.status in ("queued", "in_progress") and started.background
+    assert started.output == []
+    deadline = time.monotonic() + 120
+    done = c.responses.retrieve(started.id)
+    while done.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        done = c.responses.retrieve(started.id)
+    foreground = c.responses.create(**kw)
+    assert done.status == foreground.status == "completed"
+    assert done.output_text == foreground.output_text and done.background
+    assert done.usage.output_tokens == foreground.usage.output_tokens
+
+    long = c.responses.create(background=True, **dict(kw, max_output_tokens=900),
+                              extra_body={"ignore_eos": True})  # fmt: skip
+    assert c.responses.retrieve(long.id).status in ("queued", "in_progress")
+    cancelled = c.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.id == long.id
+    assert c.responses.retrieve(long.id).status == "cancelled"
+    assert c.responses.cancel(long.id).status == "cancelled"  # idempotent
+    deadline = time.monotonic() + 10
+    while _metric(pd.metrics(), "pdserve:num_requests_running", role="decode") > 0:
+        assert time.monotonic() < deadline, "the cancelled run kept decoding"
+        time.sleep(0.2)
+
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.cancel(foreground.id)
+    assert "only a background response can be cancelled" in e.value.body["message"]
+    for extra, says in ((dict(store=False), "'background' needs 'store'"),
+                        (dict(stream=True), "'background' with 'stream'")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(background=True, **kw, **extra)
+        assert e.value.body["param"] == "background" and says in e.value.body["message"]
