@@ -18,6 +18,7 @@ it is, `POST /v1/responses/{id}/cancel` stops it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from pdserve.cluster.responses_output import (
 )
 from pdserve.cluster.responses_stream import ResponseEvents, sse_event
 
+logger = logging.getLogger(__name__)
+
 
 def add_responses_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/v1/responses")
@@ -51,7 +54,7 @@ def add_responses_routes(app: FastAPI, state: AppState) -> None:
         body, history = answered_body(
             state.responses, json_object(await read_body(request, state.max_body_bytes))
         )
-        background = _background(body)
+        background = _background(body, state.responses.enabled)
         reply = _Reply(state, body, await _chat_requests(state, body, history))
         if state.request_log is not None:
             state.request_log.received(reply.rid, reply.reqs)
@@ -84,9 +87,14 @@ def add_responses_routes(app: FastAPI, state: AppState) -> None:
             )  # fmt: skip
         await state.background.cancel(response_id)
         try:
-            return state.responses.get(response_id).response
+            entry = state.responses.get(response_id)
         except MissingResponse:  # evicted while it ran
             raise _not_stored(state.responses, response_id, "response_id") from None
+        if entry.response["status"] in ("queued", "in_progress"):  # cancelled before it ran
+            cancelled = dict(entry.response, status="cancelled")
+            state.responses.put(cancelled, entry.input_items, entry.previous_id)
+            return cancelled
+        return entry.response
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
@@ -115,9 +123,10 @@ def answered_body(store: ResponseStore, body: dict) -> tuple[dict, list[dict]]:
     return dict(body, store=store.enabled and wanted is not False), history
 
 
-def _background(body: dict) -> bool:
-    """Whether the request runs in the background; a 400 for a `background` that is not a
-    boolean, or that cannot be done (nothing stored to read it from, or a stream)."""
+def _background(body: dict, store_enabled: bool) -> bool:
+    """Whether the request runs in the background (`body` as answered); a 400 for a
+    `background` that is not a boolean, or that cannot be done (nothing stored to read it
+    from, or a stream)."""
     wanted = body.get("background")
     if wanted is not None and not isinstance(wanted, bool):
         raise ApiError("'background' must be a boolean", param="background")
@@ -126,8 +135,8 @@ def _background(body: dict) -> bool:
     if not body["store"]:
         raise ApiError(
             "'background' needs 'store': a background response is read back with GET "
-            "/v1/responses/{id}" + ("" if body.get("store") is False else
-                                    " (this server stores none: --responses-store-bytes 0)"),
+            "/v1/responses/{id}" + (" (the request says 'store': false)" if store_enabled
+                                    else " (this server stores none: --responses-store-bytes 0)"),
             param="background",
         )  # fmt: skip
     if body.get("stream"):
@@ -209,10 +218,15 @@ class _Reply:
             self._stored(self._response("cancelled", [], None, None))
             raise
         except ApiError as e:  # a stopping server, a worker gone
-            failed = self._response("failed", [], None, None)
-            code = "server_error" if e.status >= 500 else "invalid_prompt"
-            failed["error"] = {"code": code, "message": e.message}
-            self._stored(failed)
+            self._failed("server_error" if e.status >= 500 else "invalid_prompt", e.message)
+        except Exception as e:  # a fault of ours: the response says so, the log says where
+            logger.exception("background response %s failed", self.rid)
+            self._failed("server_error", f"internal error ({type(e).__name__})")
+
+    def _failed(self, code: str, message: str) -> None:
+        failed = self._response("failed", [], None, None)
+        failed["error"] = {"code": code, "message": message}
+        self._stored(failed)
 
     def _stored(self, response: dict) -> dict:
         """Keep the whole response when the request asked for it to be stored."""
