@@ -2,9 +2,10 @@
 `--allowed-methods`, `--allowed-headers`; every origin, method and header by default), so
 a page served from another origin can call /v1 from the browser as it calls vLLM.
 
-The operator's routes are left out: /ops/* and /dashboard answer no preflight and send
-no CORS headers, so a page of another site can never send them a JSON POST (the
-scaling and drain calls require one, cluster/ops_api.py). A preflight never needs the
+The operator's routes are left out: /ops/*, /dashboard and /reset_prefix_cache (vLLM's
+path of /ops/reset_prefix_cache) answer no preflight and send no CORS headers, so a page
+of another site can never send them a JSON POST (the operator's POSTs require one,
+cluster/ops_api.py). A preflight never needs the
 API key: browsers send it without one, and it is answered before the key is checked.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 from pdserve.cluster.root_path import route_path
 
-OPERATOR_PATHS = ("/ops/", "/dashboard")
+OPERATOR_PATHS = ("/ops/", "/dashboard", "/reset_prefix_cache")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,10 @@
                       pools' bounds, latency since start, routing decisions, recent events
     POST /ops/scale   {"role": "decode" | "prefill", "replicas": N}
     POST /ops/drain   {"worker_id": "decode-1"}
-    GET  /dashboard   the page that shows /ops/pools and drives the two POSTs
+    POST /ops/reset_prefix_cache   every worker, the KV tier and the router forget their
+                      cached prefixes (cluster/prefix_reset.py); also vLLM's
+                      POST /reset_prefix_cache
+    GET  /dashboard   the page that shows /ops/pools and drives scaling and draining
 
 Reads are open, like /metrics. The POSTs change the cluster, so they need the admin key
 (`--admin-key`, Bearer) when one is set; without one they are allowed only when the
@@ -30,6 +33,7 @@ from pdserve.cluster.autoscale import ROLES
 from pdserve.cluster.http_app import json_object, read_body
 from pdserve.cluster.openai_api import ApiError
 from pdserve.cluster.pool_control import PoolControl
+from pdserve.cluster.prefix_reset import reset_prefix_caches
 from pdserve.cluster.ray_pool import worker_index
 
 MAX_OPS_BODY = 4096
@@ -169,3 +173,9 @@ def add_ops_routes(app: FastAPI, ops: OpsState, router: Any, metrics: Any) -> No
         if not isinstance(worker_id, str):
             raise ApiError("'worker_id' must be a string", param="worker_id")
         return await ops.control.drain(worker_id)
+
+    @app.post("/ops/reset_prefix_cache")
+    @app.post("/reset_prefix_cache")  # vLLM's path (its dev mode's; here the admin's)
+    async def reset_prefix_cache(request: Request) -> dict:
+        check_admin(ops, request)
+        return await reset_prefix_caches(router)

@@ -30,6 +30,9 @@ class _WorkerActor:
     async def stats(self) -> dict[str, Any]:
         return await self._service.stats()
 
+    async def reset_prefix_cache(self) -> bool:
+        return await self._service.reset_prefix_cache()
+
 
 class DecodeActor(_WorkerActor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -74,3 +77,6 @@ class TierActor:
 
     def stats(self) -> dict:
         return self._service.stats()
+
+    def clear(self) -> None:
+        self._service.tier.clear()

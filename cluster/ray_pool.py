@@ -58,6 +58,9 @@ class RayWorkerHandle:
     async def stats(self) -> dict:
         return await self._await(self.actor.stats.remote())
 
+    async def reset_prefix_cache(self) -> bool:
+        return await self._await(self.actor.reset_prefix_cache.remote())
+
 
 def worker_role(worker_id: str) -> str:
     """Worker ids are "<role>-<n>" ("decode-0", "prefill-3")."""

@@ -146,6 +146,11 @@ class _Service:
         prefill worker under 16 concurrent prompts ran batches of one)."""
         return await asyncio.wait_for(asyncio.wrap_future(self.loop.call(fn)), CALL_TIMEOUT_S)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the engine's cached prefixes, between steps; False while any request
+        holds blocks (a prefill worker's leased prompts too)."""
+        return await self._call(lambda w: w.engine.kv.reset_prefix_cache())
+
     def health(self) -> dict[str, Any]:
         return {
             "alive": self.loop.alive,

@@ -97,9 +97,13 @@ class KVCacheManager:
         return list(self._req_blocks.get(request_id, ()))
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (and a hybrid's state snapshots); refused (False),
+        changing nothing, while any request holds blocks."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
         if self.snapshots is not None:
             self.snapshots.clear()
-        return self.block_pool.reset_prefix_cache()
+        return True
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Cached blocks covering the longest hit prefix, and how many tokens they cover.

@@ -222,3 +222,33 @@ class SnapshotUnitsMachine(RuleBasedStateMachine):
 SnapshotUnitsMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30,
                                                   deadline=None)  # fmt: skip
 test_snapshot_units_stay_partitioned = SnapshotUnitsMachine.TestCase
+
+
+def test_a_reset_refused_while_busy_keeps_the_snapshots():
+    """Guards the reset's order: while a request holds blocks, `reset_prefix_cache` is
+    refused and changes nothing, its state snapshots included (they were dropped before
+    the refusal, leaving cached blocks no prefix hit could reach); once idle it forgets
+    both."""
+    from pdserve.runner.kv_cache_manager import KVCacheManager
+    from pdserve.runner.request import Request
+
+    kv = KVCacheManager(num_blocks=40, block_size=4, enable_prefix_caching=True,
+                        num_state_units=2, num_snapshot_units=2)  # fmt: skip
+    req = Request("r", list(range(3, 9)), GREEDY, seed=0)
+    assert kv.allocate_slots(req, 64) is not None
+    req.num_computed_tokens = 64
+    for t in range(58):
+        req.append_output_token(11 + t)
+    kv.scheduled(req)
+    kv.take_state_copies()
+    kv.take_state_copies()
+    kv.cache_blocks(req, 64)
+    kv.free(req)
+    assert len(kv.snapshots) == 1
+    busy = Request("b", list(range(3, 9)), GREEDY, seed=0)
+    assert kv.allocate_slots(busy, 6) is not None
+    assert not kv.reset_prefix_cache()
+    assert len(kv.snapshots) == 1 and list(kv.block_pool.cached_blocks())
+    kv.free(busy)
+    assert kv.reset_prefix_cache()
+    assert len(kv.snapshots) == 0 and not list(kv.block_pool.cached_blocks())

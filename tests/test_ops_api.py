@@ -84,7 +84,7 @@ def test_dashboard_page_is_served_and_uses_the_ops_endpoints(ops_server):
     page = _Tags()
     page.feed(r.text)
     assert {"html", "table", "script"} <= set(page.tags)
-    for endpoint in ("ops/pools", "ops/scale", "ops/drain"):
+    for endpoint in ("ops/pools", "ops/scale", "ops/drain", "ops/reset_prefix_cache"):
         assert f'"{endpoint}"' in page.script
     assert '"/ops/' not in page.script
 
@@ -140,6 +140,40 @@ def test_pools_view_lists_the_workers_and_bounds(ops_server):
     assert d["totals"]["requests"] >= 1 and d["totals"]["generation_tokens"] >= 1
     assert d["admin_key_required"] and d["scaling_open"]
     assert d["autoscale"] == {"enabled": False}
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_cold(ops_server):
+    """POST /ops/reset_prefix_cache (admin key; vLLM's /reset_prefix_cache too): a prompt
+    sent again hits its cached prefix; while a request holds blocks the worker refuses,
+    changing nothing (`busy`); once idle it resets, and the same prompt is computed whole
+    again. Like scaling, it takes the admin key and answers no CORS preflight."""
+    client = ops_server.client()
+    prompt = "Tell me about the history of the printing press in Europe. " * 4
+
+    def cached() -> int:
+        usage = client.completions.create(model=None, prompt=prompt, max_tokens=1).usage
+        details = usage.prompt_tokens_details
+        return details.cached_tokens if details is not None else 0
+
+    cached()
+    assert cached() >= 16  # at least a block
+    assert _post(ops_server, "/ops/reset_prefix_cache", {}, None).status_code == 401
+    stream = client.completions.create(model=None, prompt="Once upon a time", max_tokens=400,
+                                       stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    next(iter(stream))  # running: it holds blocks
+    busy = _post(ops_server, "/ops/reset_prefix_cache", {})
+    stream.close()
+    assert busy.status_code == 200, busy.text
+    assert busy.json()["reset"] is False and busy.json()["workers"] == {"decode-0": "busy"}
+    deadline = time.monotonic() + 30  # the closed stream's abort frees its blocks
+    while (done := _post(ops_server, PREFIX + "/reset_prefix_cache", {})).json()["reset"] is False:
+        assert time.monotonic() < deadline, done.text
+        time.sleep(0.2)
+    assert done.json()["workers"] == {"decode-0": "reset"}
+    assert cached() == 0
+    preflight = {"origin": "https://ui.example", "access-control-request-method": "POST"}
+    r = httpx.options(ops_server.url + "/reset_prefix_cache", headers=preflight, timeout=10)
+    assert "access-control-allow-origin" not in r.headers
 
 
 @pytest.mark.parametrize(

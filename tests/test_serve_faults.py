@@ -234,6 +234,33 @@ def test_api_key_required_when_set(server):
     assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
 
 
+def test_reset_prefix_cache_reaches_both_pools_and_the_tier(server):
+    """PD: the reset asks the prefill and the decode worker and clears the KV tier (the
+    server listens on loopback without an admin key: the operator's POSTs are open); a
+    long prompt sent again after it finds nothing cached."""
+    headers = {"authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": LONG, "max_tokens": 1}
+
+    def cached() -> int:
+        r = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=120)
+        return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    cached()
+    assert cached() > 0
+    deadline = time.monotonic() + 30  # a lease or an abort may hold blocks a moment
+    while True:
+        r = httpx.post(server.url + "/ops/reset_prefix_cache", json={}, timeout=60)
+        assert r.status_code == 200, r.text
+        if r.json()["reset"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    out = r.json()  # earlier tests here restart workers: their ids are not assumed
+    assert out["reset"] and out["tier"] == "cleared", out
+    assert sorted(w.split("-")[0] for w in out["workers"]) == ["decode", "prefill"], out
+    assert set(out["workers"].values()) == {"reset"}
+    assert cached() == 0
+
+
 def test_sigterm_answers_every_running_request_then_stops(server):
     """Runs last: it stops the module's server. On SIGTERM (a pod ending) the requests
     running get `shutdown_timeout_s` (2 s here) to finish; then each left ends with a 503
