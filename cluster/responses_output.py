@@ -37,7 +37,8 @@ def response_object(
         "status": status, "error": None,
         "incomplete_details": {"reason": incomplete} if incomplete else None,
         "output": output, "usage": usage, "store": body.get("store") is True,
-        "background": body.get("background") is True, "previous_response_id": body.get("previous_response_id"),
+        "background": body.get("background") is True,
+        "previous_response_id": body.get("previous_response_id"),
     }  # fmt: skip
     for name, default in ECHOED.items():
         value = body.get(name)

@@ -98,6 +98,9 @@ def add_responses_routes(app: FastAPI, state: AppState) -> None:
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
+        # A background run still going is stopped first: it would store its response again
+        # when it ends.
+        await state.background.cancel(response_id)
         if not state.responses.delete(response_id):
             raise _not_stored(state.responses, response_id, "response_id")
         return {"id": response_id, "object": "response.deleted", "deleted": True}

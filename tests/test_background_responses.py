@@ -94,9 +94,10 @@ def test_the_background_flag_as_taken():
 def test_a_run_cancelled_before_it_began_is_stored_cancelled():
     """Guards the race a run's own handler cannot see: a cancel that lands before the run
     began (its task never ran, so it stored nothing after `queued`; here a run that stores
-    nothing) must still store and answer `cancelled`; a foreground response cannot be cancelled (400), an unknown one is
-    a 404, and with the store off `background` is a 400 that says why. On the server's own
-    app, with a router of no workers: nothing here reaches one."""
+    nothing) must still store and answer `cancelled`; a foreground response cannot be
+    cancelled (400), an unknown one is a 404, deleting a running one stops its run, and
+    with the store off `background` is a 400 that says why. On the server's own app, with
+    a router of no workers: nothing here reaches one."""
     store = ResponseStore(1 << 20)
     state = AppState(Router(RouterConfig(mode="colocated"), [], []), None, "m", 64,
                      Metrics("m"), responses=store)  # fmt: skip
@@ -114,24 +115,32 @@ def test_a_run_cancelled_before_it_began_is_stored_cancelled():
             await asyncio.Event().wait()
 
         state.background.start("resp_q", stores_nothing())
+        state.background.start("resp_d", stores_nothing())
+        store.put(response_object(body, "resp_d", 0, "m", "in_progress", [], None), [], None)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://t") as c:  # fmt: skip
             out = [await c.post("/v1/responses/resp_q/cancel"),
                    await c.get("/v1/responses/resp_q"),
                    await c.post("/v1/responses/resp_f/cancel"),
-                   await c.post("/v1/responses/resp_x/cancel")]  # fmt: skip
+                   await c.post("/v1/responses/resp_x/cancel"),
+                   await c.delete("/v1/responses/resp_d")]  # fmt: skip
+            out.append(await c.get("/v1/responses/resp_d"))
+            out.append("resp_d" in state.background)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=off),
                                      base_url="http://t") as c:  # fmt: skip
             out.append(await c.post("/v1/responses", json={"model": "m", "input": "x",
                                                            "background": True}))  # fmt: skip
         return out
 
-    cancelled, read, foreground, unknown, store_off = asyncio.run(run())
+    cancelled, read, foreground, unknown, deleted, gone, running, store_off = asyncio.run(run())
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     assert read.json() == cancelled.json() and read.json()["background"] is True
     assert foreground.status_code == 400
     assert "only a background response can be cancelled" in foreground.json()["error"]["message"]
     assert unknown.status_code == 404
+    # Deleting a response whose run is still going stops the run (else it would store the
+    # response again when it ends).
+    assert deleted.status_code == 200 and gone.status_code == 404 and running is False
     err = store_off.json()["error"]
     assert store_off.status_code == 400 and err["param"] == "background"
     assert "this server stores none" in err["message"]
