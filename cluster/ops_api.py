@@ -7,7 +7,7 @@
     POST /ops/reset_prefix_cache   every worker, the KV tier and the router forget their
                       cached prefixes (cluster/prefix_reset.py); also vLLM's
                       POST /reset_prefix_cache
-    GET  /dashboard   the page that shows /ops/pools and drives scaling and draining
+    GET  /dashboard   the page that shows /ops/pools and drives the POSTs above
 
 Reads are open, like /metrics. The POSTs change the cluster, so they need the admin key
 (`--admin-key`, Bearer) when one is set; without one they are allowed only when the
