@@ -1,4 +1,5 @@
-"""Operator endpoints: the pools' state, scaling, draining, and the dashboard page.
+"""Operator endpoints: the pools' state, scaling, draining, the prefix-cache reset and the
+dashboard page.
 
     GET  /ops/pools   every worker of each pool with its state, load and health, the
                       pools' bounds, latency since start, routing decisions, recent events
