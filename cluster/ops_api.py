@@ -77,8 +77,9 @@ def check_admin(ops: OpsState, request: Request) -> None:
     if ops.admin_key is None:
         if not ops.open_without_key:
             raise ApiError(
-                "scaling from the API is off on a non-loopback address without an admin "
-                "key; start the server with --admin-key (or PDSERVE_ADMIN_KEY)",
+                "the operator's POSTs (scaling, draining, the prefix-cache reset) are off on "
+                "a non-loopback address without an admin key; start the server with "
+                "--admin-key (or PDSERVE_ADMIN_KEY)",
                 403, "permission_error",
             )  # fmt: skip
         return
