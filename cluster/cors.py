@@ -5,8 +5,8 @@ a page served from another origin can call /v1 from the browser as it calls vLLM
 The operator's routes are left out: /ops/*, /dashboard and /reset_prefix_cache (vLLM's
 path of /ops/reset_prefix_cache) answer no preflight and send no CORS headers, so a page
 of another site can never send them a JSON POST (the operator's POSTs require one,
-cluster/ops_api.py). A preflight never needs the
-API key: browsers send it without one, and it is answered before the key is checked.
+cluster/ops_api.py). A preflight never needs the API key: browsers send it without one,
+and it is answered before the key is checked.
 """
 
 from __future__ import annotations
