@@ -6,7 +6,8 @@ the router, bound to no connection, its response stored as it goes (`in_progress
 
 `BackgroundRuns` owns the runs' tasks: each is awaited by whoever cancels it, and the server
 cancels and awaits those left when it stops (cluster/serve.py), so none outlives the
-router. A run that a stopping server ends is stored `failed` with the reason.
+router. A run that a stopping server's request drain ends is stored `failed` with the
+reason; a cancelled run is stored `cancelled` by the cancel route.
 """
 
 from __future__ import annotations

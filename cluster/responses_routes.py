@@ -17,7 +17,6 @@ it is, `POST /v1/responses/{id}/cancel` stops it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -90,7 +89,7 @@ def add_responses_routes(app: FastAPI, state: AppState) -> None:
             entry = state.responses.get(response_id)
         except MissingResponse:  # evicted while it ran
             raise _not_stored(state.responses, response_id, "response_id") from None
-        if entry.response["status"] in ("queued", "in_progress"):  # cancelled before it ran
+        if entry.response["status"] in ("queued", "in_progress"):  # the run stopped short
             cancelled = dict(entry.response, status="cancelled")
             state.responses.put(cancelled, entry.input_items, entry.previous_id)
             return cancelled
@@ -215,11 +214,8 @@ class _Reply:
 
     async def _run(self) -> None:
         self._stored(self._response("in_progress", [], None, None))
-        try:
+        try:  # a cancel is stored by whoever cancels (the cancel route)
             await self.whole()  # stores the response as it ended
-        except asyncio.CancelledError:
-            self._stored(self._response("cancelled", [], None, None))
-            raise
         except ApiError as e:  # a stopping server, a worker gone
             self._failed("server_error" if e.status >= 500 else "invalid_prompt", e.message)
         except Exception as e:  # a fault of ours: the response says so, the log says where
